@@ -1,0 +1,71 @@
+"""EngineConfig: one dataclass built once (from CLI flags or LLM(**kwargs)) that flows down."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, imported once)
+    served_model_name: str | None = None
+    tokenizer: str | None = None  # defaults to the model dir
+    dtype: str = "auto"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB for the KV pool on CPU; None: sized automatically
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None  # override the pool size (tests)
+    swap_space: float = 0.0  # accepted for vLLM compatibility; preemption is by recompute
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+    # Distributed rendezvous (multi-node); None = single host.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def nanoserve_home() -> Path:
+    return Path(os.environ.get("NANOSERVE_HOME", Path.home() / ".cache" / "nanoserve"))

@@ -1,0 +1,292 @@
+"""LLMEngine: add_request / abort_request / step. The offline LLM and the async server both
+drive exactly this."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sampling_batch import build_sampling_batch
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.models.config import ModelConfig
+from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_kv_blocks: int
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    finished: bool = False
+    prompt_counted: bool = False
+    aborted: bool = field(default=False)
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from nanoserve.models.gguf_import import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a directory; nanoserve loads Hugging Face-layout directories "
+            "(config.json, *.safetensors, tokenizer.json) and never downloads from a hub")
+    return path
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_path = str(config.model or self.model_dir)
+        self.served_model_name = config.served_model_name or self.model_path
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        max_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > max_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings {max_len}")
+            max_len = config.max_model_len
+        if self.model_config.sliding_window:
+            max_len = min(max_len, self.model_config.sliding_window)
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        capacity = self.runner.num_kv_blocks * config.block_size
+        if capacity < max_len:
+            logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, token_ids = self._tokenize(prompt)
+        params = sampling_params
+        num_prompt = len(token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        arrival = next(self._arrivals)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), num_prompt, params,
+                           priority, arrival)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            seqs.append(seq)
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
+        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    seq.finish_reason = seq.finish_reason or "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len({s.request_id for s in self.scheduler.running}),
+            num_waiting=len({s.request_id for s in self.scheduler.waiting}),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=self.block_manager.prefix_cache_queries,
+            prefix_cache_hits_total=self.block_manager.prefix_cache_hits,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_kv_blocks=self.block_manager.num_blocks)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        now = time.time()
+        model_input = self.runner.prepare(scheduled)
+        sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
+                                        self.model_config.vocab_size, self.eos_token_ids, self.generator)
+        result = self.runner.execute(model_input, sampling)
+        progressed: dict[str, Request] = {}
+        for item in scheduled:
+            seq = item.seq
+            request = self.requests[seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+                request.metrics.num_cached_tokens = seq.num_cached_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.register_full_blocks(seq)
+        if result is not None:
+            token_ids = result.token_ids.tolist()
+            logprob_rows = self._logprob_rows(result)
+            for row, seq in enumerate(model_input.sampling_seqs):
+                request = self.requests[seq.request_id]
+                if not request.prompt_counted:
+                    request.prompt_counted = True
+                    self.prompt_tokens_total += seq.num_prompt_tokens
+                self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None)
+                progressed[seq.request_id] = request
+        finished_at = time.time()
+        outputs = []
+        for request in progressed.values():
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or finished_at
+            metrics.last_token_time = finished_at
+            if all(s.is_finished for s in request.seqs):
+                request.finished = True
+                metrics.finished_time = finished_at
+                del self.requests[request.request_id]
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _logprob_rows(self, result) -> list[list[tuple[int, float]]] | None:
+        if result.logprobs is None:
+            return None
+        values = result.logprobs.tolist()
+        ids = result.logprob_token_ids.tolist()
+        ranks = result.ranks.tolist()
+        return [[(ranks[r], None)] + list(zip(ids[r], values[r])) for r in range(len(values))]
+
+    def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        params = seq.params
+        if logprob_row is not None and params.logprobs is not None:
+            rank = logprob_row[0][0]
+            entries = logprob_row[1:]
+            chosen_logprob = entries[0][1]
+            seq.cumulative_logprob += chosen_logprob
+            top = {token: Logprob(chosen_logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))}
+            for position, (tid, value) in enumerate(entries[1 : 1 + params.logprobs], start=1):
+                top.setdefault(tid, Logprob(value, position, self.tokenizer.decode([tid], skip_special_tokens=False)))
+            seq.logprobs.append(top)
+        delta = seq.detokenizer.step([token])
+        seq.text += delta
+        num_out = seq.num_output_tokens
+        reason = stop_reason = None
+        if num_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif not params.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif params.stop and delta:
+                reason, stop_reason = self._check_stop_strings(seq, len(delta))
+        if reason is None:
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+            if num_out >= max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> tuple[str | None, str | None]:
+        params = seq.params
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(seq.text) - delta_len - longest + 1)
+        best = None
+        for stop in params.stop:
+            index = seq.text.find(stop, search_from)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None, None
+        index, stop = best
+        seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+        return "stop", stop
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason)
+            for seq in request.seqs
+        ]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.finished, request.metrics, request.metrics.num_cached_tokens)

@@ -1,0 +1,153 @@
+"""Turns a scheduled batch into tensors (token ids, positions, block tables, slot mapping),
+runs the model once for the whole batch, and samples."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.scheduler import ScheduledSequence
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
+    sampling_seqs: list  # the Sequences that sample this step, in logits_indices order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+        self.dtype = model_config.resolve_dtype(config.dtype)
+        self.block_size = config.block_size
+        self.model = build_model(model_config, self.dtype, self.device, model_dir)
+        self.num_kv_blocks = self._allocate_kv_cache()
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def _kv_bytes_per_block(self) -> int:
+        attention = self.model.model.layers[0].self_attn
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 2 * self.block_size * attention.num_kv_heads * attention.head_dim * element
+        return per_layer * self.model_config.num_hidden_layers
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type == "cpu":
+            gib = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
+            return int(gib * GIB)
+        # GPU: what a forward pass at the full token budget needs, then fill up to the limit.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: the model's forward pass peaks at {peak / GIB:.1f} GiB "
+                f"of {total / GIB:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
+        return budget
+
+    def _allocate_kv_cache(self) -> int:
+        num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
+        for layer in self.model.model.layers:
+            attn = layer.self_attn.attn
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            # Never-written slots are masked by attention, so the pool need not be zeroed.
+            attn.key_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.value_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self._kv_bytes_per_block() / GIB)
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass over max_num_batched_tokens tokens without a KV cache write."""
+        num_tokens = self.config.max_num_batched_tokens
+        for layer in self.model.model.layers:
+            attn = layer.self_attn.attn
+            shape = (1, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        seq_len = min(num_tokens, self.model_config.max_position_embeddings)
+        num_seqs = -(-num_tokens // seq_len)
+        tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((tokens.numel(),), -1, dtype=torch.long, device=self.device),
+            block_table=torch.zeros((num_seqs, 1), dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len,
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
+            max_seqlen_q=seq_len, max_seqlen_k=seq_len)
+        hidden = self.model(tokens, positions, metadata)
+        self.model.compute_logits(hidden[-num_seqs:])
+        torch.cuda.synchronize(self.device)
+        del hidden
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling_seqs = []
+        max_blocks = max(len(s.seq.block_table) for s in scheduled)
+        block_table = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            block_table[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            if item.completes_prompt:
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+                sampling_seqs.append(seq)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
+            block_table=block_table.to(device, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            max_seqlen_q=max(s.num_new_tokens for s in scheduled),
+            max_seqlen_k=max(seq_lens))
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            metadata=metadata,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(device, non_blocking=True),
+            sampling_seqs=sampling_seqs)
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput, sampling: SamplingBatch | None) -> SamplerOutput | None:
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if sampling is None:
+            return None
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        return sample(logits, sampling)

@@ -1,0 +1,80 @@
+"""Builds the per-step SamplingBatch tensors from the sequences that sample this step.
+Tensors that no sequence needs stay None, so the common case (greedy or plain temperature)
+costs nothing extra."""
+from __future__ import annotations
+
+import torch
+
+from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.sampler import SamplingBatch
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _token_matrix(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[S, V] float counts of each token per row, built with one scatter_add."""
+    counts = torch.zeros(len(rows), vocab_size)
+    width = max((len(r) for r in rows), default=0)
+    if width:
+        index = torch.zeros(len(rows), width, dtype=torch.long)
+        ones = torch.zeros(len(rows), width)
+        for i, row in enumerate(rows):
+            index[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            ones[i, : len(row)] = 1
+        counts.scatter_add_(1, index, ones)
+    return counts
+
+
+def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size: int,
+                         eos_token_ids: set[int], default_generator: torch.Generator) -> SamplingBatch | None:
+    if not seqs:
+        return None
+    params = [s.params for s in seqs]
+    temperature = [p.temperature for p in params]
+    all_greedy = all(t == 0.0 for t in temperature)
+    use_top_p = not all_greedy and any(p.top_p < 1.0 for p in params)
+    use_top_k = not all_greedy and any(p.top_k > 0 for p in params)
+    use_min_p = not all_greedy and any(p.min_p > 0.0 for p in params)
+    use_presence = any(p.presence_penalty != 0.0 for p in params)
+    use_frequency = any(p.frequency_penalty != 0.0 for p in params)
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+
+    output_counts = prompt_mask = None
+    if use_presence or use_frequency or use_repetition:
+        output_counts = _token_matrix([s.output_token_ids for s in seqs], vocab_size).to(device)
+    if use_repetition:
+        prompt_mask = (_token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0).to(device)
+
+    logit_bias = None
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        blocked = []
+        if seq.num_output_tokens < p.min_tokens:
+            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+        if p.logit_bias or blocked:
+            if logit_bias is None:
+                logit_bias = torch.zeros(len(seqs), vocab_size)
+            for token, bias in (p.logit_bias or {}).items():
+                if 0 <= int(token) < vocab_size:
+                    logit_bias[row, int(token)] += float(bias)
+            for token in blocked:
+                if 0 <= token < vocab_size:
+                    logit_bias[row, token] = float("-inf")
+    max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+    return SamplingBatch(
+        temperature=_column(temperature, torch.float32, device),
+        top_p=_column([p.top_p for p in params], torch.float32, device) if use_top_p else None,
+        top_k=_column([p.top_k for p in params], torch.long, device) if use_top_k else None,
+        min_p=_column([p.min_p for p in params], torch.float32, device) if use_min_p else None,
+        presence_penalty=_column([p.presence_penalty for p in params], torch.float32, device) if use_presence else None,
+        frequency_penalty=_column([p.frequency_penalty for p in params], torch.float32, device) if use_frequency else None,
+        repetition_penalty=_column([p.repetition_penalty for p in params], torch.float32, device) if use_repetition else None,
+        output_counts=output_counts,
+        prompt_mask=prompt_mask,
+        logit_bias=logit_bias.to(device) if logit_bias is not None else None,
+        generators=[s.generator for s in seqs],
+        default_generator=default_generator,
+        all_greedy=all_greedy,
+        max_logprobs=max_logprobs)

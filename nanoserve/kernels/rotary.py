@@ -1,0 +1,154 @@
+"""Rotary position embedding, rotate-half layout (as Hugging Face Llama), applied in place."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanoserve.kernels.triton_utils import check_float_dtype, check_int_dtype, \
+    check_triton_device, lazy_jit, next_power_of_2
+
+tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
+
+
+def build_cos_sin_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict | None = None,
+) -> torch.Tensor:
+    """Returns fp32 [max_position, head_dim]: the first half is cos, the second half sin."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if rope_scaling is not None:
+        inv_freq = _scale_inv_freq(inv_freq, rope_scaling)
+    positions = torch.arange(max_position, dtype=torch.float64)
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if kind == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(rope_scaling.get("high_freq_factor", 4.0))
+        original = float(rope_scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = original / low_freq_factor
+        high_freq_wavelen = original / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rotary_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim];
+    positions: [num_tokens] int. Rotates both in place."""
+    head_dim = query.shape[-1]
+    cos_sin = cos_sin_cache.index_select(0, positions.long())
+    cos = cos_sin[:, None, : head_dim // 2]
+    sin = cos_sin[:, None, head_dim // 2 :]
+    query.copy_(_rotate(query, cos, sin))
+    key.copy_(_rotate(key, cos, sin))
+
+
+@lazy_jit
+def _rotary_kernel(
+    query_ptr, key_ptr, positions_ptr, cos_sin_ptr,
+    query_stride_token, query_stride_head, query_stride_dim,
+    key_stride_token, key_stride_head, key_stride_dim,
+    cos_sin_stride,
+    num_heads, num_kv_heads,
+    HALF: tl.constexpr,
+    HALF_PADDED: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    KV_HEADS_PADDED: tl.constexpr,
+):
+    # One program per token: all its query heads and key heads as [heads, head_dim / 2] tiles,
+    # rotate-half layout; only the first half of cos and of sin is loaded.
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PADDED)
+    dim_mask = dims < HALF
+    cos = tl.load(cos_sin_ptr + position * cos_sin_stride + dims, mask=dim_mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + position * cos_sin_stride + HALF + dims, mask=dim_mask, other=0.0)
+    cos = cos.to(tl.float32)[None, :]
+    sin = sin.to(tl.float32)[None, :]
+
+    heads = tl.arange(0, HEADS_PADDED)
+    mask = (heads[:, None] < num_heads) & dim_mask[None, :]
+    first = (query_ptr + token * query_stride_token + heads[:, None] * query_stride_head
+             + dims[None, :] * query_stride_dim)
+    second = first + HALF * query_stride_dim
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(query_ptr.dtype.element_ty), mask=mask)
+    tl.store(second, (x2 * cos + x1 * sin).to(query_ptr.dtype.element_ty), mask=mask)
+
+    kv_heads = tl.arange(0, KV_HEADS_PADDED)
+    kv_mask = (kv_heads[:, None] < num_kv_heads) & dim_mask[None, :]
+    first = (key_ptr + token * key_stride_token + kv_heads[:, None] * key_stride_head
+             + dims[None, :] * key_stride_dim)
+    second = first + HALF * key_stride_dim
+    x1 = tl.load(first, mask=kv_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(second, mask=kv_mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(key_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(second, (x2 * cos + x1 * sin).to(key_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def apply_rotary_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    """Same contract as :func:`apply_rotary_reference`; query and key may be strided views."""
+    if query.dim() != 3 or key.dim() != 3:
+        raise ValueError(f"query and key must be [num_tokens, heads, head_dim], got "
+                         f"{tuple(query.shape)} and {tuple(key.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if positions.dim() != 1 or positions.shape[0] != num_tokens:
+        raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got "
+                         f"{tuple(cos_sin_cache.shape)}")
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError("cos_sin_cache must be contiguous along head_dim")
+    check_int_dtype("positions", positions)
+    check_float_dtype("query", query)
+    check_float_dtype("key", key)
+    check_float_dtype("cos_sin_cache", cos_sin_cache)
+    check_triton_device(query, key, positions, cos_sin_cache)
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        query, key, positions, cos_sin_cache,
+        *query.stride(), *key.stride(), cos_sin_cache.stride(0),
+        num_heads, key.shape[1],
+        HALF=half, HALF_PADDED=next_power_of_2(half),
+        HEADS_PADDED=next_power_of_2(num_heads), KV_HEADS_PADDED=next_power_of_2(key.shape[1]),
+        num_warps=4,
+    )

@@ -1,0 +1,49 @@
+"""Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.vocab_size = vocab_size
+        self.shard_size = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        in_shard = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
+        local_ids = torch.where(in_shard, token_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the last token of each sequence; shards gathered to rank 0 for sampling."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__(vocab_size, hidden_size, dtype)
+        if bias:
+            raise ValueError("LM head bias is not supported")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        gathered = gather_to_first(logits, dim=-1)
+        return None if gathered is None else gathered[:, : self.vocab_size]

@@ -1,0 +1,130 @@
+"""Linear layers that know how to take their shard of a checkpoint tensor (vLLM's names).
+
+Each parameter owns a ``weight_loader(param, loaded, shard_id=None)``; the loader is handed a
+lazy slice object (safetensors ``get_slice``) or a tensor, and reads only this rank's rows or
+columns, so a rank holds about 1/N of the weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
+
+
+def _read(loaded, index) -> torch.Tensor:
+    """`loaded` is a tensor or a safetensors slice; both support basic indexing."""
+    return loaded[index] if index is not None else loaded[:]
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_world_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        param.data.copy_(_read(loaded, None))
+
+
+class ReplicatedLinear(LinearBase):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_world_size()
+        if output_size % tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tensor parallel size {tp_size}")
+        super().__init__(input_size, output_size // tp_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        rows = param.shape[0]
+        param.data.copy_(_read(loaded, slice(self.tp_rank * rows, (self.tp_rank + 1) * rows)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections stored as one matrix (gate + up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        shard_size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        start = self.tp_rank * shard_size
+        param.data[offset : offset + shard_size].copy_(_read(loaded, slice(start, start + shard_size)))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matrix. Query heads are split across ranks; KV heads are
+    split when there are at least as many as ranks, otherwise each is replicated on
+    tp_size / num_kv_heads ranks (GQA with few KV heads)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_world_size()
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} attention heads are not divisible by tensor parallel size {tp_size}")
+        if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tensor parallel size {tp_size}")
+        if num_kv_heads < tp_size and tp_size % num_kv_heads:
+            raise ValueError(
+                f"tensor parallel size {tp_size} is not a multiple of the {num_kv_heads} KV heads")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.total_num_kv_heads = num_kv_heads
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+        else:
+            kv_rank = self.tp_rank // max(1, self.tp_size // self.total_num_kv_heads)
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, kv_rank * kv_size
+        param.data[offset : offset + size].copy_(_read(loaded, slice(start, start + size)))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+        tp_size = get_tp_world_size()
+        if input_size % tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tensor parallel size {tp_size}")
+        super().__init__(input_size // tp_size, output_size, bias, dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if param.dim() == 1:  # bias is added once, after the reduction
+            param.data.copy_(_read(loaded, None))
+            return
+        cols = param.shape[1]
+        start = self.tp_rank * cols
+        param.data.copy_(_read(loaded, (slice(None), slice(start, start + cols))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        out = all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out

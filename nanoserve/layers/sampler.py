@@ -1,0 +1,108 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, then one draw per row.
+
+Randomness is an exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
+from p. Each seeded request draws its noise from its own generator, so its tokens do not depend
+on what else is in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperature: torch.Tensor  # [S] float32; 0 = greedy
+    top_p: torch.Tensor | None  # [S] or None when unused by every row
+    top_k: torch.Tensor | None  # [S] int64, 0 = off
+    min_p: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [S, V] counts of generated tokens
+    prompt_mask: torch.Tensor | None  # [S, V] bool: token occurs in the prompt
+    logit_bias: torch.Tensor | None  # [S, V] additive, includes -inf masks (min_tokens)
+    generators: list[torch.Generator | None]  # per-request seeded generators
+    default_generator: torch.Generator | None
+    all_greedy: bool
+    max_logprobs: int  # -1: none requested; 0: the sampled token's only; k: plus the top k
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor | None  # [S, 1 + k] logprob of the sampled token, then the top k
+    logprob_token_ids: torch.Tensor | None  # [S, 1 + k]
+    ranks: torch.Tensor | None  # [S] rank of the sampled token (1 = best)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.repetition_penalty is not None:
+        seen = batch.prompt_mask | (batch.output_counts > 0)
+        penalty = batch.repetition_penalty[:, None]
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalized, logits)
+    if batch.frequency_penalty is not None:
+        logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+    if batch.presence_penalty is not None:
+        logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if batch.top_k is not None:
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+        remove |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+    if batch.top_p is not None:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        remove |= mass_before >= batch.top_p[:, None]
+    remove[:, 0] = False  # always keep the best token
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    logits = logits.float()
+    raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    logits = apply_penalties(logits, batch)
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temperature = batch.temperature.clamp(min=1e-6)[:, None]
+        filtered = apply_top_k_top_p_min_p(logits / temperature, batch)
+        probs = filtered.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(batch.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=batch.default_generator)
+        for i, generator in enumerate(batch.generators):
+            if generator is not None:
+                noise[i].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(batch.temperature == 0, greedy_tokens, sampled)
+    out = SamplerOutput(tokens, None, None, None)
+    if batch.max_logprobs >= 0:
+        chosen = raw_logprobs.gather(1, tokens[:, None])
+        out.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        if batch.max_logprobs > 0:
+            top_values, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+            out.logprobs = torch.cat([chosen, top_values], dim=1)
+            out.logprob_token_ids = torch.cat([tokens[:, None], top_ids], dim=1)
+        else:
+            out.logprobs, out.logprob_token_ids = chosen, tokens[:, None]
+    return out

@@ -1,0 +1,79 @@
+"""vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) and .chat(...)."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                ids.append(request_id)
+            return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+
+    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if show_progress else None
+        while self.llm_engine.has_unfinished_requests():
+            for output in self.llm_engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`messages` is one conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.llm_engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **(chat_template_kwargs or {}))
+            # The template already carries BOS where the model wants it.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

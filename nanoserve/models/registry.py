@@ -1,0 +1,24 @@
+"""Architecture name → model class, and building a model with its weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.weights import load_weights
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path) -> torch.nn.Module:
+    model_class = MODEL_CLASSES[config.architecture]
+    with torch.device(device):
+        model = model_class(config, dtype)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,56 @@
+"""Load a safetensors checkpoint (one file or sharded with an index) into a model, each
+parameter taking only its own shard through its weight_loader."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: Path) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    loaded_names: set[str] = set()
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                if tied and name == "lm_head.weight":
+                    continue
+                target, shard_id = name, None
+                for fragment, (fused, shard) in packed.items():
+                    if f".{fragment}." in name:
+                        target, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    param.data.copy_(f.get_tensor(name))
+                else:
+                    loader(param, f.get_slice(name), shard_id)
+                loaded_names.add(target)
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    missing = sorted(expected - loaded_names)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")

@@ -1,0 +1,73 @@
+"""Shared fixtures: a small random Llama written to safetensors (fast), and the real SmolLM2."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["tests.fixtures_models"] if (Path(__file__).parent / "fixtures_models.py").exists() else []
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Café, naïve, résumé, über, 東京, 北京, 😀 🚀",
+    "import torch\nx = torch.randn(3, 4)\nprint(x.sum())",
+] * 20
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 512, "tokenizer_class": "GPT2Tokenizer",
+    }))
+    return tokenizer.get_vocab_size()
+
+
+def write_random_llama(out_dir: Path, *, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=128, tie=False, seed=0, dtype="float32", **extra) -> Path:
+    """A random Llama checkpoint in Hugging Face layout, written by transformers itself."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(out_dir)
+    tokenizer_json = json.loads((out_dir / "tokenizer.json").read_text())
+    specials = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
+        bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
+        pad_token_id=specials["<|endoftext|>"], **extra)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    # Larger-than-default weights make the random model's greedy choices decisive, not near-ties.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.5 if "embed" in name else 2.0 / param.shape[1] ** 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return write_random_llama(tmp_path_factory.mktemp("tiny-llama"))
