@@ -1,0 +1,235 @@
+"""AsyncLLMEngine: the one LLMEngine driven from an asyncio server.
+
+Requests and aborts enter an asyncio.Queue. One step coroutine owns the engine: between steps it
+drains the queue into `add_request` / `abort_request`, then runs `engine.step()` on a worker
+thread so the event loop keeps answering (torch releases the GIL in its kernels), and hands each
+request's output to that request's `RequestStream`. With no work it sleeps on the queue. If a
+step raises, the engine is dead: every stream gets the error and `is_dead` turns true.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed during a step; no request can be served any more."""
+
+
+class Observer(Protocol):
+    """Receives per-request timings (the server's metrics implement this)."""
+
+    def on_first_token(self, request_id: str, seconds_since_arrival: float) -> None: ...
+    def on_token_gap(self, seconds: float) -> None: ...
+    def on_finished(self, output: RequestOutput | None, reason: str, e2e_seconds: float,
+                    num_generated: int) -> None: ...
+
+
+class RequestStream:
+    """One request's mailbox. It keeps only the newest cumulative output, so a reader that falls
+    behind (a slow SSE client) gets a larger delta next time instead of a growing queue."""
+
+    __slots__ = ("request_id", "arrival_time", "latest", "error", "finished", "event",
+                 "first_token_time", "last_token_time", "num_generated")
+
+    def __init__(self, request_id: str, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.finished = False
+        self.event = asyncio.Event()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.num_generated = 0
+
+    def put(self, output: RequestOutput) -> None:
+        self.latest = output
+        self.finished = output.finished
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.finished = True
+        self.event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self.latest is None:
+            if self.error is not None:
+                raise self.error
+            if self.finished:
+                raise StopAsyncIteration
+            self.event.clear()
+            await self.event.wait()
+        output, self.latest = self.latest, None
+        return output
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    accepted: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine, observer: Observer | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.intake: asyncio.Queue[_Add | _Abort] = asyncio.Queue()
+        self.streams: dict[str, RequestStream] = {}
+        self.dead_error: BaseException | None = None
+        self.stats = engine.stats()
+        self.num_queued_adds = 0
+        self._step_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task | None = None
+
+    # ---- public API -----------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self.num_queued_adds
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for stream in list(self.streams.values()):
+            stream.fail(EngineDeadError("the server is shutting down"))
+        self.streams.clear()
+        self._step_thread.shutdown(wait=True)
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises ValueError
+        (the engine's user-facing message) or EngineDeadError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, time.time())
+        accepted = asyncio.get_running_loop().create_future()
+        self.streams[request_id] = stream
+        self.num_queued_adds += 1
+        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request that has not finished; freed within one step."""
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.finished:
+            self.intake.put_nowait(_Abort(request_id))
+
+    # ---- the step loop --------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if self.intake.empty() and not self.engine.has_unfinished_requests():
+                    self._handle(await self.intake.get())
+                while not self.intake.empty():
+                    self._handle(self.intake.get_nowait())
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.stats()
+                    continue
+                outputs = await loop.run_in_executor(self._step_thread, self.engine.step)
+                self._dispatch(outputs)
+                self.stats = self.engine.stats()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            logger.exception("engine step failed; the engine is dead")
+            self._die(exc)
+
+    def _handle(self, item: _Add | _Abort) -> None:
+        if isinstance(item, _Abort):
+            stream = self.streams.pop(item.request_id, None)
+            if stream is None or stream.finished:
+                return
+            self.engine.abort_request(item.request_id)
+            stream.fail(asyncio.CancelledError())
+            if self.observer is not None:
+                self.observer.on_finished(None, "abort", time.time() - stream.arrival_time,
+                                          stream.num_generated)
+            return
+        self.num_queued_adds -= 1
+        if item.accepted.done():  # the caller gave up while queued (abort follows)
+            self.streams.pop(item.request_id, None)
+            return
+        try:
+            self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
+                                    arrival_time=item.stream.arrival_time)
+        except Exception as exc:  # user-facing validation errors
+            self.streams.pop(item.request_id, None)
+            item.accepted.set_exception(exc)
+            return
+        item.accepted.set_result(None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.time()
+        observer = self.observer
+        for output in outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            num_generated = sum(len(c.token_ids) for c in output.outputs)
+            if num_generated > stream.num_generated:
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
+                    if observer is not None:
+                        observer.on_first_token(output.request_id, now - stream.arrival_time)
+                elif observer is not None:
+                    observer.on_token_gap(now - stream.last_token_time)
+                stream.last_token_time = now
+                stream.num_generated = num_generated
+            stream.put(output)
+            if output.finished:
+                del self.streams[output.request_id]
+                if observer is not None:
+                    reason = output.outputs[0].finish_reason or "stop" if output.outputs else "stop"
+                    observer.on_finished(output, reason, now - stream.arrival_time, num_generated)
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead_error = exc
+        error = EngineDeadError(f"the engine failed: {exc!r}")
+        while not self.intake.empty():
+            item = self.intake.get_nowait()
+            if isinstance(item, _Add) and not item.accepted.done():
+                item.accepted.set_exception(error)
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()

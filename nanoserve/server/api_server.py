@@ -1,0 +1,106 @@
+"""Wire engine, async engine, OpenAI app and HTTP server together; run until a signal."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.server.app import OpenAIApp, http_error_response
+from nanoserve.server.args import ServerOptions
+from nanoserve.server.http import HttpServer
+from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.openai import ServingContext, load_generation_defaults
+
+logger = logging.getLogger("nanoserve.server")
+
+
+@dataclass
+class RunningServer:
+    host: str
+    port: int
+    http: HttpServer
+    engine: AsyncLLMEngine
+    app: OpenAIApp
+    options: ServerOptions
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def shutdown(self, grace_period: float | None = None) -> None:
+        """Stop accepting, let in-flight requests finish within the grace period, abort the rest
+        (their handlers abort the engine requests), then stop the engine."""
+        grace = self.options.shutdown_grace_period if grace_period is None else grace_period
+        await self.http.shutdown(grace)
+        await self.engine.stop()
+
+
+async def start_server(engine, options: ServerOptions) -> RunningServer:
+    """Serve an already built LLMEngine on the running loop; returns once listening."""
+    metrics = ServerMetrics(engine.served_model_name)
+    async_engine = AsyncLLMEngine(engine, observer=metrics)
+    async_engine.start()
+    ctx = ServingContext(
+        engine=async_engine, tokenizer=engine.tokenizer,
+        served_model_name=engine.served_model_name, model_path=engine.model_path,
+        max_model_len=engine.max_model_len,
+        generation_defaults=load_generation_defaults(getattr(engine, "model_dir", None)),
+        max_waiting_requests=options.max_waiting_requests)
+    app = OpenAIApp(ctx, metrics, api_key=options.api_key)
+    http = HttpServer(app, options.limits, error_response=http_error_response)
+    host, port = await http.start(options.host, options.port)
+    return RunningServer(host, port, http, async_engine, app, options)
+
+
+def configure_logging(level: str) -> None:
+    numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper(), logging.INFO)
+    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("nanoserve").setLevel(numeric)
+
+
+async def serve(engine_config, options: ServerOptions) -> int:
+    from nanoserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config)
+    server = await start_server(engine, options)
+    print(f"listening on {server.url}", flush=True)
+    logger.info("serving %s on %s", engine.served_model_name, server.url)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            logger.info("%s: shutting down (grace period %.0f s)", signal.Signals(signum).name,
+                        options.shutdown_grace_period)
+            stop.set()
+        else:  # a second signal: do not wait for in-flight requests
+            logger.info("second signal: aborting in-flight requests")
+            for connection in list(server.http.connections):
+                connection.abort()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+        await server.shutdown()
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    logger.info("shutdown complete")
+    return 0
+
+
+def run(engine_config, options: ServerOptions) -> int:
+    configure_logging(options.log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return asyncio.run(serve(engine_config, options))
+    return uvloop.run(serve(engine_config, options))

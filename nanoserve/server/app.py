@@ -1,0 +1,156 @@
+"""The route table: OpenAI endpoints plus /health, /version, /tokenize, /detokenize, /metrics.
+Maps every error to vLLM's {"error": {...}} body once, here."""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Awaitable, Callable
+
+import msgspec
+
+import nanoserve
+from nanoserve.engine.async_engine import EngineDeadError
+from nanoserve.server import metrics as metrics_module
+from nanoserve.server.chat import create_chat_completion, render_chat_prompt
+from nanoserve.server.completions import create_completion
+from nanoserve.server.http_types import Request, Response, StreamingResponse
+from nanoserve.server.openai import ServingContext, bad_request, encode_json, error_body
+from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                       TokenizeRequest, TokenizeResponse)
+
+logger = logging.getLogger("nanoserve.server")
+
+Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def error_response(error: APIError) -> Response:
+    return Response(error.status, error_body(error), headers=list(error.headers))
+
+
+def http_error_response(status: int, message: str) -> Response:
+    """For errors found by the HTTP layer (400 malformed, 408, 413, 431, 500)."""
+    return error_response(APIError(status, message))
+
+
+def decode_body(request: Request, struct: type):
+    content_type = (request.header("content-type") or "application/json").split(";")[0].strip()
+    if content_type.lower() != "application/json" and not content_type.lower().endswith("+json"):
+        raise bad_request(f"Unsupported content type {content_type!r}: send application/json.")
+    decoder = _decoders.get(struct)
+    if decoder is None:
+        decoder = _decoders[struct] = msgspec.json.Decoder(struct)
+    try:
+        return decoder.decode(request.body)
+    except msgspec.ValidationError as error:
+        message = str(error)
+        param = None
+        if "at `$." in message:
+            param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+        raise bad_request(message, param) from None
+    except msgspec.DecodeError as error:
+        raise bad_request(f"The request body is not valid JSON: {error}") from None
+
+
+class OpenAIApp:
+    def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
+                 api_key: str | None = None) -> None:
+        self.ctx = ctx
+        self.metrics = metrics
+        self.api_key = api_key
+        self.routes: dict[str, dict[str, Handler]] = {
+            "/health": {"GET": self.health},
+            "/ping": {"GET": self.health, "POST": self.health},
+            "/version": {"GET": self.version},
+            "/metrics": {"GET": self.prometheus},
+            "/v1/models": {"GET": self.models},
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat},
+            "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+        }
+
+    async def __call__(self, request: Request) -> Response | StreamingResponse:
+        try:
+            methods = self.routes.get(request.path)
+            if methods is None:
+                raise APIError(404, f"Route {request.path} not found.")
+            method = "GET" if request.method == "HEAD" else request.method
+            handler = methods.get(method)
+            if handler is None:
+                allow = ", ".join(sorted(methods))
+                raise APIError(405, f"Method {request.method} not allowed for {request.path}.",
+                               headers=[("allow", allow)])
+            if self.api_key is not None and request.path.startswith("/v1/"):
+                self._authenticate(request)
+            return await handler(request)
+        except APIError as error:
+            return error_response(error)
+        except EngineDeadError as error:
+            return error_response(APIError(503, str(error)))
+
+    def _authenticate(self, request: Request) -> None:
+        header = request.header("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        expected = self.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "Unauthorized: a valid API key is required "
+                                "(Authorization: Bearer <key>).",
+                           headers=[("www-authenticate", "Bearer")])
+
+    # ---- plain endpoints ----
+    async def health(self, request: Request) -> Response:
+        if self.ctx.engine.is_dead:
+            return error_response(APIError(503, "The engine is dead."))
+        return Response(200, b"", content_type=None)
+
+    async def version(self, request: Request) -> Response:
+        return Response(200, encode_json({"version": nanoserve.__version__}))
+
+    async def prometheus(self, request: Request) -> Response:
+        body = self.metrics.render(self.ctx.engine.stats).encode()
+        return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        ctx = self.ctx
+        card = ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
+                         ctx.max_model_len, None, [])
+        return Response(200, encode_json(ModelList("list", [card])))
+
+    # ---- OpenAI endpoints ----
+    async def completions(self, request: Request):
+        body = decode_body(request, CompletionRequest)
+        return await create_completion(self.ctx, body)
+
+    async def chat(self, request: Request):
+        body = decode_body(request, ChatCompletionRequest)
+        return await create_chat_completion(self.ctx, body)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = decode_body(request, TokenizeRequest)
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            prompt = await render_chat_prompt(
+                ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
+                body.chat_template, body.chat_template_kwargs, bool(body.add_special_tokens))
+            tokens = prompt["prompt_token_ids"]
+        elif body.prompt is not None:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            tokens = await ctx.encode(body.prompt, add_special)
+        else:
+            raise bad_request("either 'prompt' or 'messages' is required", "prompt")
+        token_strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return Response(200, encode_json(TokenizeResponse(len(tokens), ctx.max_model_len, tokens,
+                                                          token_strs)))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = decode_body(request, DetokenizeRequest)
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
+        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in body.tokens):
+            raise bad_request("token ids must be in the vocabulary", "tokens")
+        text = await ctx.off_loop(len(body.tokens), ctx.tokenizer.decode, body.tokens)
+        return Response(200, encode_json(DetokenizeResponse(text)))

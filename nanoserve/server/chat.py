@@ -1,0 +1,155 @@
+"""POST /v1/chat/completions, streamed and not. The model's jinja chat template renders the
+messages (on a worker thread when they are large)."""
+from __future__ import annotations
+
+import time
+from typing import AsyncGenerator
+
+from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, random_id,
+                                     sse, sse_error, token_text, top_entries)
+from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                       ChatCompletionStreamResponse, ChatLogprobEntry, ChatLogprobs,
+                                       ChatMessage, ChatStreamChoice, DeltaMessage, TopLogprob, Usage)
+
+
+async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
+                             continue_final_message: bool, chat_template: str | None,
+                             chat_template_kwargs: dict | None, add_special_tokens: bool) -> dict:
+    if not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    for message in messages:
+        if not isinstance(message.get("role"), str):
+            raise bad_request("each message needs a string 'role'", "messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise bad_request("message content must be a string or a list of text parts",
+                              "messages")
+    kwargs = dict(chat_template_kwargs or {})
+    for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message"):
+        kwargs.pop(reserved, None)
+    size = sum(len(str(message.get("content") or "")) for message in messages)
+    try:
+        text = await ctx.off_loop(size, ctx.tokenizer.apply_chat_template, messages,
+                                  add_generation_prompt=add_generation_prompt,
+                                  chat_template=chat_template,
+                                  continue_final_message=continue_final_message, **kwargs)
+    except (ValueError, TypeError) as error:  # ChatTemplateError is a ValueError
+        raise bad_request(str(error), "messages") from None
+    ids = await ctx.encode(text, add_special_tokens)
+    if not ids:
+        raise bad_request("the rendered prompt is empty", "messages")
+    return {"prompt": text, "prompt_token_ids": ids}
+
+
+def _logprobs(ctx: ServingContext, choice, start: int, limit: int) -> ChatLogprobs:
+    tokenizer = ctx.tokenizer
+    entries = choice.logprobs or []
+    content = []
+    for position in range(start, len(choice.token_ids)):
+        entry = entries[position] if position < len(entries) else {}
+        text, value = token_text(entry, choice.token_ids[position], tokenizer)
+        top = [TopLogprob(t, v, list(t.encode("utf-8")))
+               for t, v in top_entries(entry, limit, tokenizer)] if limit else []
+        content.append(ChatLogprobEntry(text, value, list(text.encode("utf-8")), top))
+    return ChatLogprobs(content)
+
+
+async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest):
+    ctx.check_model(request.model)
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
+                          "top_logprobs")
+    if request.continue_final_message and request.add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                          "to True.", "continue_final_message")
+    prompt = await render_chat_prompt(
+        ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
+        request.chat_template, request.chat_template_kwargs, request.add_special_tokens)
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = ctx.sampling_params(request, max_tokens, logprobs)
+    base_id = random_id("chatcmpl")
+    created = int(time.time())
+    streams = await ctx.submit(base_id, [prompt], params, request.priority)
+    stream = streams[0]
+    if request.stream:
+        return StreamingResponse(_stream(ctx, request, base_id, created, prompt, stream))
+    final = None
+    try:
+        async for output in stream:
+            final = output
+    except BaseException:
+        ctx.abort_unfinished(streams)
+        raise
+    choices = []
+    completion_tokens = 0
+    for choice in final.outputs:
+        completion_tokens += len(choice.token_ids)
+        choices.append(ChatChoice(
+            choice.index, ChatMessage("assistant", choice.text),
+            _logprobs(ctx, choice, 0, request.top_logprobs or 0) if request.logprobs else None,
+            choice.finish_reason, choice.stop_reason))
+    prompt_tokens = len(prompt["prompt_token_ids"])
+    usage = Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+    return Response(200, encode_json(ChatCompletionResponse(
+        base_id, "chat.completion", created, ctx.served_model_name, choices, usage)))
+
+
+async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
+                  prompt: dict, stream) -> AsyncGenerator[bytes, None]:
+    model = ctx.served_model_name
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous_usage = bool(include_usage and options.continuous_usage_stats)
+    stop = [] if request.include_stop_str_in_output else (request.stop or [])
+    holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
+    prompt_tokens = len(prompt["prompt_token_ids"])
+    top = request.top_logprobs or 0
+    # per choice index: [text sent, tokens sent, finished]
+    progress: dict[int, list] = {}
+
+    def chunk(choices: list[ChatStreamChoice]) -> bytes:
+        usage = None
+        if continuous_usage:
+            done = sum(p[1] for p in progress.values())
+            usage = Usage(prompt_tokens, prompt_tokens + done, done)
+        return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
+                                                choices, usage))
+    try:
+        async for output in stream:
+            events = []
+            for choice in output.outputs:
+                state = progress.get(choice.index)
+                finished = choice.finish_reason is not None
+                if state is None:
+                    if not choice.token_ids and not finished:
+                        continue  # the role chunk waits for the first token
+                    state = progress[choice.index] = [0, 0, False]
+                    events.append(chunk([ChatStreamChoice(
+                        choice.index, DeltaMessage(role="assistant", content=""))]))
+                if state[2]:
+                    continue
+                end = len(choice.text) if finished else max(state[0], len(choice.text) - holdback)
+                text = choice.text[state[0]:end]
+                logprobs = None
+                if request.logprobs and len(choice.token_ids) > state[1]:
+                    logprobs = _logprobs(ctx, choice, state[1], top)
+                if not text and not finished and logprobs is None:
+                    continue
+                state[0], state[1], state[2] = end, len(choice.token_ids), finished
+                events.append(chunk([ChatStreamChoice(
+                    choice.index, DeltaMessage(content=text), logprobs, choice.finish_reason,
+                    choice.stop_reason)]))
+            if events:
+                yield b"".join(events)
+        if include_usage:
+            completion_tokens = sum(p[1] for p in progress.values())
+            yield sse(ChatCompletionStreamResponse(
+                base_id, "chat.completion.chunk", created, model, [],
+                Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)))
+        yield DONE
+    except Exception as error:  # after the 200 went out: report in-band, then end the stream
+        yield sse_error(error) + DONE
+    finally:
+        ctx.abort_unfinished([stream])

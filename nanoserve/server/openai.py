@@ -1,0 +1,218 @@
+"""What the completions and chat handlers share: the serving context, request → SamplingParams,
+prompt tokenization off the event loop, submission to the async engine, logprobs and SSE."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from nanoserve.outputs import Logprob
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.server.protocol import APIError, ErrorInfo, ErrorResponse, SamplingFields
+
+LARGE_TEXT = 4096  # characters: tokenize / render on a worker thread above this
+LOGPROB_FLOOR = -9999.0
+DONE = b"data: [DONE]\n\n"
+encode_json = msgspec.json.encode
+
+# Sampling defaults a model's generation_config.json may override (as vLLM does).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(model_dir: str | Path | None) -> dict[str, float]:
+    if model_dir is None:
+        return {}
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {key: raw[key] for key in GENERATION_DEFAULT_KEYS if isinstance(raw.get(key), (int, float))}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: msgspec.Struct) -> bytes:
+    return b"data: " + encode_json(payload) + b"\n\n"
+
+
+def error_body(error: APIError) -> bytes:
+    return encode_json(ErrorResponse(ErrorInfo(error.message, error.error_type, error.param, error.status)))
+
+
+def sse_error(error: BaseException) -> bytes:
+    if not isinstance(error, APIError):
+        status = 503 if isinstance(error, EngineDeadError) else 500
+        error = APIError(status, str(error) or type(error).__name__)
+    return b"data: " + error_body(error) + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    served_model_name: str
+    model_path: str
+    max_model_len: int
+    generation_defaults: dict[str, float]
+    max_waiting_requests: int | None = None
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.served_model_name, self.model_path):
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def check_capacity(self) -> None:
+        if self.engine.is_dead:
+            raise APIError(503, "The engine is dead; this server can no longer serve requests.")
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "
+                                f"waiting (limit {limit}). Retry later.",
+                           headers=[("retry-after", "1")])
+
+    async def off_loop(self, size: int, fn, *args, **kwargs):
+        """Run fn on a worker thread when the input is large, so running streams don't stall."""
+        if size < LARGE_TEXT:
+            return fn(*args, **kwargs)
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.off_loop(len(text), self.tokenizer.encode, text,
+                                   add_special_tokens=add_special_tokens)
+
+    def sampling_params(self, request: SamplingFields, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        defaults = self.generation_defaults
+
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(request, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        logit_bias = None
+        if request.logit_bias:
+            try:
+                logit_bias = {int(token): float(bias) for token, bias in request.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+        try:
+            return SamplingParams(
+                n=request.n, temperature=float(pick("temperature", 1.0)),
+                top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
+                min_p=float(pick("min_p", 0.0)),
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
+                repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+                stop_token_ids=request.stop_token_ids,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                spaces_between_special_tokens=request.spaces_between_special_tokens,
+                logit_bias=logit_bias)
+        except (ValueError, TypeError) as error:
+            message = str(error)
+            param = message.split(" ", 1)[0]
+            raise bad_request(message, param if hasattr(request, param) else None) from None
+
+    async def submit(self, base_id: str, prompts: list[dict], params: SamplingParams,
+                     priority: int) -> list[RequestStream]:
+        """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
+        self.check_capacity()
+        streams: list[RequestStream] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+        except BaseException as error:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(error, ValueError):
+                message = str(error)
+                param = "input_tokens" if "context length" in message else None
+                raise bad_request(message, param) from None
+            if isinstance(error, EngineDeadError):
+                raise APIError(503, str(error)) from None
+            raise
+        return streams
+
+    def abort_unfinished(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from several request streams, as they arrive."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+        except BaseException as error:  # delivered to the reader, which re-raises it
+            queue.put_nowait((index, None, error))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def clamp(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def token_text(entry: dict[int, Logprob], token_id: int, tokenizer) -> tuple[str, float]:
+    chosen = entry.get(token_id)
+    if chosen is None:
+        return tokenizer.decode([token_id], skip_special_tokens=False), LOGPROB_FLOOR
+    text = chosen.decoded_token
+    if text is None:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text, clamp(chosen.logprob)
+
+
+def top_entries(entry: dict[int, Logprob], limit: int, tokenizer) -> list[tuple[str, float]]:
+    """The `limit` most likely tokens of one position, by rank (the sampled one first when
+    ranks are missing)."""
+    ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+    result = []
+    for token_id, logprob in ranked[:limit]:
+        text = logprob.decoded_token
+        if text is None:
+            text = tokenizer.decode([token_id], skip_special_tokens=False)
+        result.append((text, clamp(logprob.logprob)))
+    return result

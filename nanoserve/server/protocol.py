@@ -1,0 +1,257 @@
+"""OpenAI / vLLM request and response shapes as msgspec Structs.
+
+Unknown request fields are ignored (msgspec's default), as vLLM accepts them. Field names and
+defaults follow vLLM's OpenAI server.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class APIError(Exception):
+    """A user-facing error, rendered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 error_type: str | None = None, headers: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.error_type = error_type or ERROR_TYPES.get(status, "InternalServerError")
+        self.headers = headers or []
+
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+               431: "RequestHeaderFieldsTooLargeError", 501: "NotImplementedError",
+               503: "ServiceUnavailableError"}
+
+
+# ---- requests ------------------------------------------------------------------------------
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(msgspec.Struct):
+    """Sampling fields shared by completions and chat (None: the model's default)."""
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked by the handler
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = []
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = 0
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False
+
+
+class TokenizeRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(msgspec.Struct):
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---- responses -----------------------------------------------------------------------------
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: None = None
+
+
+class CompletionLogProbs(msgspec.Struct):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: None = None
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: None = None
+
+
+class CompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | None = None
+    tool_calls: list[Any] = []
+    reasoning_content: str | None = None
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: None = None
+    prompt_logprobs: None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    parent: str | None = None
+    permission: list[dict[str, Any]] = []
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

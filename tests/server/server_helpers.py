@@ -1,0 +1,105 @@
+"""Helpers for the server tests: a real server on a background thread with its own event loop,
+and a tiny raw-socket HTTP client."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None
+
+
+class LoopThread:
+    """An event loop running on a daemon thread; `call(coro_fn)` runs a coroutine on it."""
+
+    def __init__(self) -> None:
+        self.loop = uvloop.new_event_loop() if uvloop else asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro_fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        async def wrapper():
+            return await coro_fn()
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """Read one HTTP/1.1 response (Content-Length or chunked). Returns status, headers, body."""
+    sock.settimeout(timeout)
+    buffer = getattr(sock, "_nanoserve_buffer", b"")
+
+    def fill() -> None:
+        nonlocal buffer
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionError("connection closed")
+        buffer += data
+
+    while b"\r\n\r\n" not in buffer:
+        fill()
+    head, _, buffer = buffer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    body = b""
+    if status == 100:
+        sock._nanoserve_buffer = buffer  # type: ignore[attr-defined]
+        return status, headers, b""
+    if "content-length" in headers:
+        length = int(headers["content-length"])
+        while len(buffer) < length:
+            fill()
+        body, buffer = buffer[:length], buffer[length:]
+    elif headers.get("transfer-encoding") == "chunked":
+        while True:
+            while b"\r\n" not in buffer:
+                fill()
+            size_line, _, buffer = buffer.partition(b"\r\n")
+            size = int(size_line, 16)
+            while len(buffer) < size + 2:
+                fill()
+            body += buffer[:size]
+            buffer = buffer[size + 2:]
+            if size == 0:
+                break
+    sock._nanoserve_buffer = buffer  # type: ignore[attr-defined]
+    return status, headers, body
+
+
+class Conn(socket.socket):
+    """A client socket that keeps the bytes read past the end of a response."""
+    _nanoserve_buffer = b""
+
+
+def connect(port: int, timeout: float = 10.0) -> Conn:
+    sock = Conn(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def is_closed(sock: socket.socket, timeout: float = 5.0) -> bool:
+    """True when the peer closes within `timeout` (any buffered bytes are discarded)."""
+    sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    return False
