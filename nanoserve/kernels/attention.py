@@ -14,6 +14,310 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.kernels.triton_utils import (
+    cdiv,
+    check_float_dtype,
+    check_triton_device,
+    lazy_jit,
+    multiprocessor_count,
+    next_power_of_2,
+)
+
+tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
+
+_LOG2_E = 1.4426950408889634
+MAX_NUM_SPLITS = 16
+
+
+@lazy_jit
+def _paged_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr,
+    query_stride_token, query_stride_head, query_stride_dim,
+    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    out_stride_token, out_stride_head, out_stride_dim,
+    block_table_stride, max_blocks_per_seq,
+    num_seqs, num_heads, num_splits,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: up to BLOCK_Q query tokens of one sequence times the GROUP query heads of
+    one KV head (BLOCK_M rows), over the keys of one split (all keys when not SPLIT)."""
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The grid has an upper bound of query blocks (no host sync): sequence i owns program ids
+    # from cu_seqlens_q[i] // BLOCK_Q + i on. Binary search for the last start <= program id.
+    low = tl.load(cu_seqlens_q_ptr) * 0
+    high = low + num_seqs - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block_id:
+            low = mid
+        else:
+            high = mid - 1
+    seq = low
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    q_block = q_block_id - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_index = q_block * BLOCK_Q + rows // GROUP  # query token within the sequence
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (rows // GROUP < BLOCK_Q) & (q_index < q_len)
+    q_position = context_len + q_index
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    token = (q_start + q_index).to(tl.int64)
+    q = tl.load(query_ptr + token[:, None] * query_stride_token
+                + head[:, None].to(tl.int64) * query_stride_head
+                + dims[None, :] * query_stride_dim,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+
+    # Causal: no row of this block looks past its last query's position.
+    last_position = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    kv_len = tl.minimum(last_position + 1, seq_len)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_start = split * tiles_per_split
+        tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+    else:
+        tile_start = 0
+        tile_end = num_tiles
+
+    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
+    head_offset = kv_head.to(tl.int64) * cache_stride_head
+    for tile in range(tile_start, tile_end):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_valid = keys < kv_len
+        # Key tiles need not align with cache blocks: map each key through the block table.
+        # (A table narrower than seq_lens claims reads block 0 rather than out of bounds.)
+        table_index = keys // BLOCK_SIZE
+        block = tl.load(table_row + table_index, mask=key_valid & (table_index < max_blocks_per_seq),
+                        other=0).to(tl.int64)
+        key_offset = (block * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
+                      + head_offset)
+        # Masked loads, not only masked scores: unwritten slots may hold NaN.
+        k = tl.load(key_cache_ptr + key_offset[None, :] + dims[:, None] * cache_stride_dim,
+                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        allowed = key_valid[None, :] & (keys[None, :] <= q_position[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # A row with every key masked so far keeps max -inf: exponentiate against 0 instead,
+        # so its weights are 0 rather than NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(scores - safe_max[:, None])
+        correction = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(p, axis=1)
+        v = tl.load(value_cache_ptr + key_offset[:, None] + dims[None, :] * cache_stride_dim,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        row_max = new_max
+
+    if SPLIT:
+        # Unnormalized partial results, merged by _merge_splits_kernel; an empty split writes
+        # max -inf and sum 0.
+        state = (token * num_heads + head) * num_splits + split
+        tl.store(split_max_ptr + state, row_max, mask=row_valid)
+        tl.store(split_sum_ptr + state, row_sum, mask=row_valid)
+        tl.store(split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_valid[:, None] & dim_valid[None, :])
+    else:
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(out_ptr + token[:, None] * out_stride_token
+                 + head[:, None].to(tl.int64) * out_stride_head + dims[None, :] * out_stride_dim,
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@lazy_jit
+def _merge_splits_kernel(
+    split_acc_ptr, split_max_ptr, split_sum_ptr, out_ptr,
+    out_stride_token, out_stride_head, out_stride_dim,
+    num_heads, num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    SPLITS_PADDED: tl.constexpr,
+):
+    """Log-sum-exp merge of the splits of one (token, head)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PADDED)
+    split_valid = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    state = (token * num_heads + head) * num_splits + splits
+    split_max = tl.load(split_max_ptr + state, mask=split_valid, other=float("-inf"))
+    split_sum = tl.load(split_sum_ptr + state, mask=split_valid, other=0.0)
+    total_max = tl.max(split_max, axis=0)
+    total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
+    weight = tl.exp2(split_max - total_max)  # 0 for empty splits
+    total_sum = tl.sum(split_sum * weight, axis=0)
+    acc = tl.load(split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total_sum == 0.0, 1.0, total_sum)
+    tl.store(out_ptr + token * out_stride_token + head * out_stride_head + dims * out_stride_dim,
+             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens):
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache and value_cache must be the same 4-D shape [num_blocks, "
+                         f"block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
+                         f"and {tuple(value_cache.shape)}")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same strides")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {key_cache.shape[3]} != query head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    check_float_dtype("query", query)
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
+                         f"{key_cache.dtype} and {value_cache.dtype}")
+    num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens must be 1-D int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens_q must be int32 [{num_seqs + 1}], got "
+                         f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != num_seqs:
+        raise ValueError(f"block_table must be int32 [{num_seqs}, max_blocks_per_seq], got "
+                         f"{tuple(block_table.shape)} {block_table.dtype}")
+    if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+        raise ValueError("block_table rows must be contiguous")
+    if not (cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()):
+        raise ValueError("cu_seqlens_q and seq_lens must be contiguous")
+    return check_triton_device(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
+
+
+def _choose_tiles(device: torch.device, dtype: torch.dtype, group: int, head_dim_padded: int,
+                  max_seqlen_q: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M rows = query tokens x group heads;
+    every tl.dot dimension stays >= 16 (BLOCK_M, BLOCK_N, HEAD_DIM_PADDED)."""
+    min_block_m = max(16, next_power_of_2(group))
+    if device.type != "cuda":  # the interpreter: small tiles, several of them in short tests
+        return min_block_m, 16, 4, 1
+    wide = dtype == torch.float32 or head_dim_padded > 128
+    block_n = 32 if wide else 64
+    if max_seqlen_q * group >= 64 and not wide:
+        return max(64, min_block_m), block_n, 4, 2
+    return min_block_m, block_n, 4, 2
+
+
+def _choose_num_splits(device, num_seqs, num_kv_heads, max_seqlen_k, block_n) -> int:
+    """Split-KV for decode when batch x KV heads fills less than ~4 programs per SM; the count
+    depends only on host-side ints, so a captured CUDA graph keeps its launch shape."""
+    programs = max(1, num_seqs * num_kv_heads)
+    splits = cdiv(4 * multiprocessor_count(device), programs)
+    if max_seqlen_k is not None:  # at least 4 key tiles per split
+        splits = min(splits, cdiv(max_seqlen_k, 4 * block_n))
+    return max(1, min(splits, MAX_NUM_SPLITS))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as :func:`paged_attention_reference`. ``max_seqlen_q == 1`` selects the
+    decode configuration (split-KV); any query lengths are computed correctly either way.
+    Rows of ``query`` past ``cu_seqlens_q[-1]`` are left unwritten in the output.
+    ``num_splits``, ``block_m``, ``block_n`` override the heuristics (tests, benchmarks)."""
+    device = _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q,
+                                     seq_lens)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match query: {tuple(query.shape)} {query.dtype}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    group = num_heads // num_kv_heads
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+    tile_m, tile_n, num_warps, num_stages = _choose_tiles(device, query.dtype, group,
+                                                          head_dim_padded, max_seqlen_q)
+    tile_m = block_m or tile_m
+    tile_n = block_n or tile_n
+    if tile_m < group or tile_m < 16 or tile_n < 16 or tile_m & (tile_m - 1) or tile_n & (tile_n - 1):
+        raise ValueError(f"block_m ({tile_m}) and block_n ({tile_n}) must be powers of two >= 16 "
+                         f"and block_m >= the query heads per KV head ({group})")
+    if num_splits is None:
+        num_splits = (_choose_num_splits(device, num_seqs, num_kv_heads, max_seqlen_k, tile_n)
+                      if max_seqlen_q == 1 else 1)
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
+    block_q = tile_m // group
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    split = num_splits > 1
+    if split:
+        split_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
+                                device=device)
+        split_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                                device=device)
+        split_sum = torch.empty_like(split_max)
+    else:
+        split_acc = split_max = split_sum = out  # unused
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+        out, split_acc, split_max, split_sum,
+        *query.stride(), *key_cache.stride(), *out.stride(),
+        block_table.stride(0), block_table.shape[1],
+        num_seqs, num_heads, num_splits,
+        float(scale) * _LOG2_E,
+        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
+        BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=tile_n, SPLIT=split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            split_acc, split_max, split_sum, out,
+            *out.stride(),
+            num_heads, num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            SPLITS_PADDED=next_power_of_2(num_splits),
+            num_warps=4 if head_dim_padded >= 128 else 2,
+        )
+    return out
+
 
 def paged_attention_reference(
     query: torch.Tensor,

@@ -1,0 +1,83 @@
+"""Kernel dispatch, in one place: CUDA tensors run the Triton kernels, CPU tensors the torch
+references. ``NANOSERVE_KERNELS=triton`` forces Triton (with ``TRITON_INTERPRET=1`` on a CPU);
+``NANOSERVE_KERNELS=reference`` forces the references.
+
+Importing this package never imports Triton; the first Triton launch does (see triton_utils).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
+from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
+from nanoserve.kernels.rmsnorm import (
+    fused_add_rms_norm_reference,
+    fused_add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton, build_cos_sin_cache
+
+_CHOICES = ("auto", "triton", "reference")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    choice = os.environ.get("NANOSERVE_KERNELS", "auto")
+    if choice == "reference":
+        return False
+    if choice == "triton":
+        return True
+    if choice != "auto":
+        raise ValueError(f"NANOSERVE_KERNELS must be one of {_CHOICES}, got {choice!r}")
+    return tensor.is_cuda
+
+
+def store_kvcache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    if use_triton(key):
+        store_kvcache_triton(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        store_kvcache_reference(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                    max_seqlen_q=None, max_seqlen_k=None) -> torch.Tensor:
+    """``max_seqlen_q == 1`` (an int from the caller, no sync) selects the split-KV decode
+    configuration of the Triton kernel; ``None`` is computed on the host (a sync)."""
+    if use_triton(query):
+        return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q,
+                                      seq_lens, scale, max_seqlen_q, max_seqlen_k)
+    return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
+                                     seq_lens, scale, max_seqlen_q, max_seqlen_k)
+
+
+def rms_norm(x, weight, eps):
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """Returns (rms_norm(x + residual) * weight, x + residual) as new tensors."""
+    if use_triton(x):
+        return fused_add_rms_norm_triton(x, residual, weight, eps)
+    return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def apply_rotary(query, key, positions, cos_sin_cache) -> None:
+    if use_triton(query):
+        apply_rotary_triton(query, key, positions, cos_sin_cache)
+    else:
+        apply_rotary_reference(query, key, positions, cos_sin_cache)
+
+
+__all__ = [
+    "apply_rotary",
+    "build_cos_sin_cache",
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "store_kvcache",
+    "use_triton",
+]

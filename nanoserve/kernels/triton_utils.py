@@ -1,0 +1,95 @@
+"""Lazy Triton: kernels stay plain Python functions until their first launch.
+
+Importing a kernel module must not import Triton: CPU users never pay for it, the GPU box may
+carry an older Triton than the development venv, and tests set ``TRITON_INTERPRET=1`` before
+the first launch (Triton decides between compiling and interpreting when ``triton.jit`` runs).
+Each kernel module declares a module global ``tl = None``; on the first launch of any kernel of
+that module, ``tl`` is bound to ``triton.language`` and the function is wrapped by ``triton.jit``.
+Kernel parameters annotated ``tl.constexpr`` are strings under ``from __future__ import
+annotations``, which Triton accepts.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+import torch
+
+_lock = threading.Lock()
+
+
+def import_triton():
+    import triton
+    import triton.language  # noqa: F401  (binds triton.language)
+
+    return triton
+
+
+class LazyKernel:
+    """``kernel[grid](*args, num_warps=..)`` like a JITFunction, compiled on first use."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self._jitted = None
+
+    def jitted(self):
+        if self._jitted is None:
+            with _lock:
+                if self._jitted is None:
+                    triton = import_triton()
+                    self.fn.__globals__["tl"] = triton.language
+                    self._jitted = triton.jit(self.fn)
+        return self._jitted
+
+    def __getitem__(self, grid):
+        return self.jitted()[grid]
+
+
+def lazy_jit(fn: Callable) -> LazyKernel:
+    return LazyKernel(fn)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_triton_device(*tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device; CPU only under the interpreter. Returns the device."""
+    device = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != device:
+            raise ValueError(f"tensors on different devices: {device} and {t.device}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"Triton kernels need CUDA tensors (got {device}); on a CPU set TRITON_INTERPRET=1 "
+            "before the first Triton kernel runs, or use NANOSERVE_KERNELS=reference")
+    return device
+
+
+def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+
+
+def check_int_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SM count of a CUDA device; a small stand-in for the interpreter."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
