@@ -11,3 +11,38 @@ def loop_thread():
     lt = LoopThread()
     yield lt
     lt.close()
+
+
+class ServerHandle:
+    """A real nanoserve server (real sockets) on a background event loop."""
+
+    def __init__(self, model_dir, engine_kwargs: dict | None = None, **options) -> None:
+        from nanoserve.config import EngineConfig
+        from nanoserve.engine.llm_engine import LLMEngine
+        from nanoserve.server.api_server import start_server
+        from nanoserve.server.args import ServerOptions
+        from nanoserve.server.http import HttpLimits
+
+        limits = options.pop("limits", None) or HttpLimits()
+        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **(engine_kwargs or {})))
+        self.loop_thread = LoopThread()
+        self.options = ServerOptions(port=0, limits=limits, **options)
+        self.server = self.loop_thread.call(lambda: start_server(self.engine, self.options))
+        self.port = self.server.port
+        self.url = self.server.url
+
+    def client(self, **kwargs):
+        import openai
+        kwargs.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=60, **kwargs)
+
+    def close(self, grace: float = 1.0) -> None:
+        self.loop_thread.call(lambda: self.server.shutdown(grace))
+        self.loop_thread.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama_dir):
+    handle = ServerHandle(tiny_llama_dir)
+    yield handle
+    handle.close()

@@ -103,3 +103,37 @@ def is_closed(sock: socket.socket, timeout: float = 5.0) -> bool:
     except socket.timeout:
         return False
     return False
+
+
+def http_request(port: int, method: str, path: str, body: bytes | str | None = None,
+                 headers: dict[str, str] | None = None, timeout: float = 30.0):
+    """One request on a fresh connection: (status, headers, body)."""
+    if isinstance(body, str):
+        body = body.encode()
+    lines = [f"{method} {path} HTTP/1.1", "Host: test", "Connection: close"]
+    all_headers = {"Content-Type": "application/json"} if body is not None else {}
+    all_headers.update(headers or {})
+    if body is not None:
+        all_headers["Content-Length"] = str(len(body))
+    lines += [f"{name}: {value}" for name, value in all_headers.items()]
+    sock = connect(port, timeout)
+    try:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b""))
+        return read_response(sock, timeout)
+    finally:
+        sock.close()
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Prometheus samples as {'name{labels}': value} plus {'name': value} for unlabelled lookups
+    of the first sample of each name."""
+    status, _, body = http_request(port, "GET", "/metrics")
+    assert status == 200
+    samples: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        samples[key] = float(value)
+        samples.setdefault(key.split("{", 1)[0], float(value))
+    return samples

@@ -1,0 +1,93 @@
+"""`python -m nanoserve serve` in a subprocess: port 0, graceful shutdown on SIGTERM / SIGINT."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.server.server_helpers import connect
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start(model_dir, *extra: str) -> tuple[subprocess.Popen, int]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve", "serve", "--model", str(model_dir), "--port", "0",
+         "--log-level", "warning", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if line.startswith("listening on http://"):
+            return process, int(line.strip().rsplit(":", 1)[1])
+    process.kill()
+    raise AssertionError(f"server did not start: {process.stderr.read()}")
+
+
+def open_stream(port: int, max_tokens: int):
+    sock = connect(port, timeout=30)
+    payload = json.dumps({"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
+                          "stream": True, "stream_options": {"include_usage": True}}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+    data = b""
+    while b"data: " not in data:
+        data += sock.recv(65536)
+    return sock, data
+
+
+def read_all(sock) -> bytes:
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_lets_streams_finish(tiny_llama_dir, signum):
+    process, port = start(tiny_llama_dir, "--shutdown-grace-period", "60")
+    try:
+        sock, head = open_stream(port, 300)
+        process.send_signal(signum)
+        time.sleep(0.3)
+        with pytest.raises(ConnectionRefusedError):
+            connect(port, timeout=2)
+        body = head + read_all(sock)
+        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        usage = [json.loads(line[6:]) for line in body.decode("utf-8", "replace").split("\r\n")
+                 if line.startswith('data: {"id"') and '"usage"' in line]
+        assert usage and usage[-1]["usage"]["completion_tokens"] == 300
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_grace_period_expiry_aborts_and_exits_zero(tiny_llama_dir):
+    process, port = start(tiny_llama_dir, "--shutdown-grace-period", "0.2")
+    try:
+        sock, head = open_stream(port, 480)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        body = head + read_all(sock)
+        assert not body.endswith(b"0\r\n\r\n")  # cut off, not finished
+        assert process.wait(30) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -1,0 +1,118 @@
+"""Client disconnects abort their requests; many concurrent streams all complete correctly."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import openai
+import pytest
+
+from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import connect, http_request, scrape_metrics
+
+
+@pytest.fixture(scope="module")
+def small_kv_server(tiny_llama_dir):
+    # A small KV pool so one request's blocks show in kv_cache_usage_perc.
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64})
+    yield handle
+    handle.close()
+
+
+def _wait_idle(port: int, idle_usage: float, timeout: float = 10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape_metrics(port)
+        if (metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
+                and metrics["vllm:kv_cache_usage_perc"] == idle_usage):
+            return metrics
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+
+
+def _send(sock, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+
+
+def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
+    port = small_kv_server.port
+    idle = scrape_metrics(port)
+    idle_usage = idle["vllm:kv_cache_usage_perc"]
+    aborted_before = idle['vllm:request_success_total{model_name="%s",finished_reason="abort"}'
+                          % small_kv_server.engine.served_model_name]
+    sock = connect(port)
+    _send(sock, {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
+                 "stream": True})
+    received = b""
+    while received.count(b"data: ") < 2:  # two chunks
+        received += sock.recv(4096)
+    busy = scrape_metrics(port)
+    assert busy["vllm:num_requests_running"] == 1
+    assert busy["vllm:kv_cache_usage_perc"] > idle_usage
+    sock.close()
+    metrics = _wait_idle(port, idle_usage)
+    key = 'vllm:request_success_total{model_name="%s",finished_reason="abort"}' % (
+        small_kv_server.engine.served_model_name)
+    assert metrics[key] == aborted_before + 1
+    # the engine really dropped it: it generated far fewer than the 480 tokens asked for
+    assert metrics["vllm:generation_tokens_total"] - idle["vllm:generation_tokens_total"] < 470
+
+
+def test_non_streamed_disconnect_aborts(small_kv_server):
+    port = small_kv_server.port
+    idle_usage = scrape_metrics(port)["vllm:kv_cache_usage_perc"]
+    sock = connect(port)
+    _send(sock, {"prompt": "hello", "max_tokens": 480, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while scrape_metrics(port)["vllm:num_requests_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    sock.close()
+    _wait_idle(port, idle_usage)
+
+
+def test_64_concurrent_streams(tiny_server):
+    max_tokens = 24
+
+    async def one(client, index: int):
+        stream = await client.completions.create(
+            model=tiny_server.engine.served_model_name, prompt=f"request number {index}: ",
+            max_tokens=max_tokens, stream=True, logprobs=0,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        tokens = 0
+        usage = finish = None
+        async for chunk in stream:
+            if chunk.choices:
+                tokens += len(chunk.choices[0].logprobs.tokens)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return tokens, usage.completion_tokens, finish
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0,
+                                    timeout=120)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+    results = asyncio.run(main())
+    assert results == [(max_tokens, max_tokens, "length")] * 64
+    metrics = scrape_metrics(tiny_server.port)
+    assert metrics["vllm:num_requests_running"] == 0
+
+
+def test_api_key(tiny_llama_dir):
+    handle = ServerHandle(tiny_llama_dir, api_key="sekret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            handle.client(api_key="wrong").models.list()
+        status, _, body = http_request(handle.port, "GET", "/v1/models")
+        assert status == 401 and json.loads(body)["error"]["code"] == 401
+        assert handle.client(api_key="sekret").models.list().data
+        assert http_request(handle.port, "GET", "/health")[0] == 200
+    finally:
+        handle.close()
