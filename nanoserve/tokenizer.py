@@ -1,0 +1,286 @@
+"""Tokenizer: a `tokenizers` wrapper for HF-layout model dirs, chat templates, incremental detokenizing."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, or refused to render these messages."""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+def _token_content(value: Any) -> str | None:
+    # tokenizer_config.json spells a special token as a string or as a serialized AddedToken.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _load_chat_template(path: Path, tokenizer_config: dict) -> str | None:
+    # Newer checkpoints keep the template in its own file; it then wins over tokenizer_config.json.
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    if template is None:
+        template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default")
+    return template
+
+
+class Tokenizer:
+    """Encode/decode and chat templates for one model directory (needs a tokenizer.json)."""
+
+    def __init__(self, backend: BackendTokenizer, tokenizer_config: dict | None = None,
+                 generation_eos_token_ids: list[int] | None = None,
+                 chat_template: str | None = None) -> None:
+        self._backend = backend
+        config = tokenizer_config or {}
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.pad_token = _token_content(config.get("pad_token"))
+        self.unk_token = _token_content(config.get("unk_token"))
+        self.chat_template = chat_template
+        self._generation_eos_token_ids = list(generation_eos_token_ids or [])
+        bos_id = self.bos_token_id
+        # Some tokenizer.json post-processors (Llama 3) add BOS themselves; never add a second one.
+        adds_bos_itself = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        self._prepend_bos = bool(config.get("add_bos_token", False)) and bos_id is not None \
+            and not adds_bos_itself
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no tokenizer.json (only fast-tokenizer model dirs are supported)")
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        generation_config = _read_json(path / "generation_config.json")
+        eos_source = generation_config if "eos_token_id" in generation_config \
+            else _read_json(path / "config.json")
+        return cls(BackendTokenizer.from_file(str(tokenizer_file)), tokenizer_config,
+                   generation_eos_token_ids=_as_id_list(eos_source.get("eos_token_id")),
+                   chat_template=_load_chat_template(path, tokenizer_config))
+
+    # ------------------------------------------------------------------ ids and text
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        return [self._backend.id_to_token(index) for index in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._backend.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.eos_token:
+            return self._backend.token_to_id(self.eos_token)
+        return self._generation_eos_token_ids[0] if self._generation_eos_token_ids else None
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._backend.token_to_id(self.pad_token) if self.pad_token else None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: the tokenizer's eos plus generation_config's list."""
+        ids = set(self._generation_eos_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return ids
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        ids = {index for index, token in self._backend.get_added_tokens_decoder().items()
+               if token.special}
+        for token in (self.bos_token, self.eos_token, self.pad_token, self.unk_token):
+            index = self._backend.token_to_id(token) if token else None
+            if index is not None:
+                ids.add(index)
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ chat template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, continue_final_message: bool = False,
+                            **template_kwargs: Any) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise ChatTemplateError(
+                "this model has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja); pass chat_template=... or use the completions API")
+        if add_generation_prompt and continue_final_message:
+            raise ChatTemplateError(
+                "add_generation_prompt and continue_final_message cannot both be true")
+        messages = [_flatten_content(message) for message in messages]
+        # A marker after the last message's text shows where that text ends once rendered, so the
+        # template's end-of-turn tokens after it can be cut off. It ends in a space: if the template
+        # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
+        continue_marker = "NANOSERVE_CONTINUE_FINAL_MESSAGE "
+        if continue_final_message:
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise ChatTemplateError("continue_final_message needs a final message with text content")
+            messages[-1]["content"] += continue_marker
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                   "pad_token": self.pad_token, "unk_token": self.unk_token,
+                   "tools": None, "documents": None, **template_kwargs}
+        try:
+            rendered = _compile_template(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"chat template failed to render: {error}") from error
+        if continue_final_message:
+            cut = rendered.rfind(continue_marker.rstrip())
+            if cut < 0:
+                raise ChatTemplateError(
+                    "continue_final_message: the chat template dropped the final message's text")
+            trimmed = not rendered.startswith(continue_marker, cut)
+            rendered = rendered[:cut].rstrip() if trimmed else rendered[:cut]
+        return rendered
+
+
+def _flatten_content(message: dict) -> dict:
+    """A copy of the message whose content is a string: text parts are joined with newlines."""
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ChatTemplateError(f"unsupported message content part of type {kind!r}; "
+                                        "only text parts are supported")
+        message["content"] = "\n".join(texts)
+    return message
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes; chat templates expect plain JSON, as transformers renders it.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(template: str) -> jinja2.Template:
+    # Chat templates come with downloaded models: untrusted code, so sandboxed. trim_blocks and
+    # lstrip_blocks match transformers, which is what template authors test against.
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(template)
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas that never end in half a UTF-8 character.
+
+    Only a short window of ids is decoded per step: the ids already emitted just before (context,
+    so that merges across token boundaries and leading-space rules come out as in a full decode)
+    and the ids not yet emitted. The text covers the generated ids only, so the deltas concatenate
+    to `tokenizer.decode(generated_ids)`; prompt_token_ids just mark where generation starts.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window (already emitted context)
+        self._read_offset = 0  # first id whose text has not been emitted yet
+        self._text_parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self._token_ids)
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Add generated ids; return the text they complete (possibly "")."""
+        self._token_ids.extend(new_token_ids)
+        window_start = self._prefix_offset
+        prefix_text = self._decode(self._token_ids[window_start:self._read_offset])
+        new_text = self._decode(self._token_ids[window_start:])
+        if new_text.endswith("\ufffd"):
+            return ""  # the last ids end inside a multi-byte character: wait for the rest
+        delta = new_text[len(prefix_text):]
+        if delta:
+            self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self._text_parts.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of generation: whatever is still held back (an incomplete character)."""
+        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset:])
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        self._text_parts.append(delta)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
