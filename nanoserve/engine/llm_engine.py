@@ -241,8 +241,6 @@ class LLMEngine:
             for position, (tid, value) in enumerate(entries[1 : 1 + params.logprobs], start=1):
                 top.setdefault(tid, Logprob(value, position, self.tokenizer.decode([tid], skip_special_tokens=False)))
             seq.logprobs.append(top)
-        delta = seq.detokenizer.step([token])
-        seq.text += delta
         num_out = seq.num_output_tokens
         reason = stop_reason = None
         if num_out >= params.min_tokens:
@@ -250,12 +248,17 @@ class LLMEngine:
                 reason, stop_reason = "stop", token
             elif not params.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
-            elif params.stop and delta:
-                reason, stop_reason = self._check_stop_strings(seq, len(delta))
-        if reason is None:
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-            if num_out >= max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = "length"
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if reason is None and (num_out >= max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        delta = seq.detokenizer.step([token])
+        if reason is not None:
+            delta += seq.detokenizer.flush()  # text held back for an unfinished character
+        seq.text += delta
+        if params.stop and delta and num_out >= params.min_tokens:
+            stop_reason_text, stop = self._check_stop_strings(seq, len(delta))
+            if stop_reason_text is not None:
+                reason, stop_reason = stop_reason_text, stop
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.remove(seq)

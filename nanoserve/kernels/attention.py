@@ -13,6 +13,7 @@ seq_lens[i] - q_len[i] + j and attends causally to keys 0..position.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nanoserve.kernels.triton_utils import (
     cdiv,
@@ -251,12 +252,15 @@ def paged_attention_triton(
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`paged_attention_reference`. ``max_seqlen_q == 1`` selects the
     decode configuration (split-KV); any query lengths are computed correctly either way.
     Rows of ``query`` past ``cu_seqlens_q[-1]`` are left unwritten in the output.
-    ``num_splits``, ``block_m``, ``block_n`` override the heuristics (tests, benchmarks)."""
+    ``num_splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the
+    heuristics (tests, benchmarks)."""
     device = _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q,
                                      seq_lens)
     num_tokens, num_heads, head_dim = query.shape
@@ -272,10 +276,12 @@ def paged_attention_triton(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
     head_dim_padded = max(16, next_power_of_2(head_dim))
-    tile_m, tile_n, num_warps, num_stages = _choose_tiles(device, query.dtype, group,
+    tile_m, tile_n, default_warps, default_stages = _choose_tiles(device, query.dtype, group,
                                                           head_dim_padded, max_seqlen_q)
     tile_m = block_m or tile_m
     tile_n = block_n or tile_n
+    num_warps = num_warps or default_warps
+    num_stages = num_stages or default_stages
     if tile_m < group or tile_m < 16 or tile_n < 16 or tile_m & (tile_m - 1) or tile_n & (tile_n - 1):
         raise ValueError(f"block_m ({tile_m}) and block_n ({tile_n}) must be powers of two >= 16 "
                          f"and block_m >= the query heads per KV head ({group})")
@@ -330,9 +336,11 @@ def paged_attention_reference(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Batched over sequences with padding and one masked attention call (no Python loop)."""
+    """Batched over sequences with padding (no Python loop). This is also the CPU execution
+    path, so it is written for speed there: the gather is an embedding lookup (much faster
+    than advanced indexing for bf16 on CPU), decode is two einsums, prefill one masked SDPA."""
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_cache_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
     device = query.device
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -347,41 +355,44 @@ def paged_attention_reference(
     num_blocks_needed = (max_seqlen_k + block_size - 1) // block_size
     table = block_table[:, :num_blocks_needed].long()
     max_k = num_blocks_needed * block_size
-    # Gather each sequence's cache into [num_seqs, num_kv_heads, max_k, head_dim].
-    keys = key_cache[table].reshape(num_seqs, max_k, num_kv_heads, head_dim)
-    values = value_cache[table].reshape(num_seqs, max_k, num_kv_heads, head_dim)
+    # Gather each sequence's cache into [num_seqs, max_k, num_kv_heads, head_dim].
+    keys = F.embedding(table, key_cache.view(num_cache_blocks, -1)).view(num_seqs, max_k, num_kv_heads, head_dim)
+    values = F.embedding(table, value_cache.view(num_cache_blocks, -1)).view(num_seqs, max_k, num_kv_heads, head_dim)
     key_positions = torch.arange(max_k, device=device)
     key_valid = key_positions[None, :] < seq_lens[:, None]  # [S, K]
-    # Unwritten slots may hold NaN, and softmax weight 0 times NaN is NaN: zero them.
-    values = values.masked_fill(~key_valid[:, :, None, None], 0)
-    keys = keys.masked_fill(~key_valid[:, :, None, None], 0)
-    keys = keys.permute(0, 2, 1, 3)
-    values = values.permute(0, 2, 1, 3)
+    # Unwritten slots may hold NaN, and softmax weight 0 times NaN is NaN: zero them. Only a
+    # few rows are invalid (the tail of each last block), so write just those.
+    invalid = ~key_valid
+    invalid_rows = invalid.nonzero(as_tuple=True)
+    keys.index_put_(invalid_rows, keys.new_zeros(()))
+    values.index_put_(invalid_rows, values.new_zeros(()))
+    group = num_heads // num_kv_heads
 
-    if max_seqlen_q == 1 and num_tokens == num_seqs:
-        padded_q = query.view(num_seqs, 1, num_heads, head_dim)
-        token_seq = token_offset = None
-    else:
-        token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-        token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q.long()[token_seq]
-        padded_q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
-        padded_q[token_seq, token_offset] = query
+    if max_seqlen_q == 1 and num_tokens == num_seqs:  # decode: one query per sequence
+        # One batched GEMM pair per KV head on strided views: no permuted copy of the cache.
+        q = query.view(num_seqs, num_kv_heads, group, head_dim)
+        out = query.new_empty(num_seqs, num_kv_heads, group, head_dim)
+        for head in range(num_kv_heads):
+            scores = torch.bmm(q[:, head], keys[:, :, head].transpose(1, 2)).float().mul_(scale)
+            scores.masked_fill_(invalid[:, None, :], float("-inf"))
+            probs = scores.softmax(dim=-1).to(values.dtype)
+            torch.bmm(probs, values[:, :, head], out=out[:, head])
+        return out.view(num_tokens, num_heads, head_dim)
 
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q.long()[token_seq]
+    padded_q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
+    padded_q[token_seq, token_offset] = query
     query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
     allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & key_valid[:, None, :]
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
     allowed[:, :, 0] = True
-    group = num_heads // num_kv_heads
-    q = padded_q.permute(0, 2, 1, 3)  # [S, H, Q, D]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q,
-        keys,
-        values,
+    out = F.scaled_dot_product_attention(
+        padded_q.permute(0, 2, 1, 3),
+        keys.permute(0, 2, 1, 3),
+        values.permute(0, 2, 1, 3),
         attn_mask=allowed[:, None, :, :],
         scale=scale,
         enable_gqa=group > 1,
     )  # [S, H, Q, D]
-    out = out.permute(0, 2, 1, 3)
-    if token_seq is None:
-        return out.reshape(num_tokens, num_heads, head_dim)
-    return out[token_seq, token_offset]
+    return out.permute(0, 2, 1, 3)[token_seq, token_offset]
