@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures_models"] if (Path(__file__).parent / "fixtures_models.py").exists() else []
+pytest_plugins = ["tests.fixtures_models"]
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
