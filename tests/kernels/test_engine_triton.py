@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 import nanoserve.kernels as kernels
 from nanoserve import LLM, SamplingParams
 
@@ -23,6 +25,9 @@ def _generate(tiny_llama_dir, prompts, monkeypatch, kernels: str) -> list[list[i
     again = llm.generate([{"prompt_token_ids": prompts[-1][:35] + [7, 8, 9]}], params,
                          use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs + again]
+
+
+pytest.importorskip("transformers", reason="the tiny_llama_dir fixture writes with transformers")
 
 
 def test_engine_greedy_tokens_same_with_triton_kernels(tiny_llama_dir, monkeypatch):
