@@ -69,7 +69,8 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         self.model_path = str(config.model or self.model_dir)
-        self.served_model_name = config.served_model_name or self.model_path
+        # vLLM names a model by its --model argument; the default model by its own name.
+        self.served_model_name = config.served_model_name or config.model or self.model_dir.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         max_len = self.model_config.max_position_embeddings
