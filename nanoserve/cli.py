@@ -87,9 +87,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = engine_config_from_args(args)
+    if config.node_rank > 0:
+        # Another host of a multi-node tensor-parallel group: ranks only, no HTTP server.
+        from nanoserve.distributed.launcher import run_node
+        from nanoserve.engine.llm_engine import resolve_model_dir
+
+        return run_node(config, str(resolve_model_dir(config.model)))
     from nanoserve.server.args import run_server
 
-    return run_server(engine_config_from_args(args), args)
+    return run_server(config, args)
 
 
 def cmd_import_model(args: argparse.Namespace) -> int:

@@ -19,6 +19,21 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop tensor-parallel worker ranks (a no-op with one rank)."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None and engine.workers is not None:
+            engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

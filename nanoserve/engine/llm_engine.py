@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed import set_parallel_state
+from nanoserve.distributed.launcher import WorkerGroup, check_topology, init_rank
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
@@ -82,7 +86,18 @@ class LLMEngine:
         if self.model_config.sliding_window:
             max_len = min(max_len, self.model_config.sliding_window)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, self.model_config, self.model_dir)
+        self.topology = check_topology(config, self.model_config)
+        self.workers: WorkerGroup | None = None
+        self.dead_reason: str | None = None
+        self._failure_callbacks: list = []
+        device = None
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config, self.topology, str(self.model_dir))
+            self.workers.on_failure(self._fail_during_startup)
+            device = init_rank(self.topology, 0)
+        self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)
+        if self.workers is not None:
+            self.workers.on_failure(self._on_worker_failure)
         capacity = self.runner.num_kv_blocks * config.block_size
         if capacity < max_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
@@ -97,6 +112,43 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+
+    # ---- life cycle -----------------------------------------------------------------------
+    def _fail_during_startup(self, reason: str) -> None:
+        if not hasattr(self, "block_manager"):
+            # Rank 0 may be blocked in a rendezvous or collective that will never complete.
+            logger.error("%s during startup; exiting", reason)
+            self.workers.kill()
+            os._exit(1)
+
+    def _on_worker_failure(self, reason: str) -> None:
+        self.dead_reason = reason
+        for callback in list(self._failure_callbacks):
+            callback(reason)
+
+    def add_failure_callback(self, callback) -> None:
+        """`callback(reason)` runs (on a watchdog thread) when a tensor-parallel rank dies."""
+        self._failure_callbacks.append(callback)
+        if self.dead_reason is not None:
+            callback(self.dead_reason)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tensor parallelism) and leave the process group."""
+        if self.workers is None:
+            return
+        workers, self.workers = self.workers, None
+        if self.dead_reason is None:
+            try:
+                self.runner.shutdown()
+            except Exception:  # a rank already gone: nothing to tell it
+                pass
+        workers.stop()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        set_parallel_state(0, 1)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams,
@@ -181,6 +233,8 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.dead_reason is not None:
+            raise RuntimeError(self.dead_reason)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []

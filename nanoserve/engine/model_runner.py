@@ -3,12 +3,16 @@ runs the model once for the whole batch, and samples."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed import get_tp_rank, get_tp_world_size
+from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch, sample
@@ -31,14 +35,23 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
+                 device: torch.device | None = None):
         self.config = config
         self.model_config = model_config
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+        if device is None:
+            device = torch.device(
+                ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
+        self.device = device
+        self.rank = get_tp_rank()
+        self.world_size = get_tp_world_size()
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.rank_weight_bytes = [self.weight_bytes]
+        self.broadcast_seconds = 0.0
+        self.broadcast_steps = 0
         self.num_kv_blocks = self._allocate_kv_cache()
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -67,6 +80,13 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
+        if self.world_size > 1:
+            # Every rank must hold the same blocks; also collect each rank's weight bytes.
+            local = torch.tensor([num_blocks, self.weight_bytes], dtype=torch.long, device=self.device)
+            gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+            dist.all_gather(gathered, local)
+            num_blocks = min(int(g[0]) for g in gathered)
+            self.rank_weight_bytes = [int(g[1]) for g in gathered]
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
         for layer in self.model.model.layers:
@@ -146,8 +166,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, sampling: SamplingBatch | None) -> SamplerOutput | None:
-        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        if sampling is None:
+        if self.world_size > 1:
+            started = time.perf_counter()
+            header, payload = pack_step(model_input, self.device)
+            dist.broadcast(header, src=0)
+            dist.broadcast(payload, src=0)
+            self.broadcast_seconds += time.perf_counter() - started
+            self.broadcast_steps += 1
+        logits = self._forward(model_input)
+        if sampling is None or logits is None:
             return None
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
         return sample(logits, sampling)
+
+    def _forward(self, model_input: ModelInput) -> torch.Tensor | None:
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if model_input.logits_indices.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    @torch.inference_mode()
+    def worker_loop(self) -> None:
+        """Ranks > 0: run each step rank 0 broadcasts, until it sends stop."""
+        header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=self.device)
+        while True:
+            dist.broadcast(header, src=0)
+            values = header.tolist()
+            if values[0] == CMD_STOP:
+                return
+            payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
+            dist.broadcast(payload, src=0)
+            self._forward(unpack_step(values, payload))
+
+    def shutdown(self) -> None:
+        if self.world_size > 1 and self.rank == 0:
+            broadcast_stop(self.device)

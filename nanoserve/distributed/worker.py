@@ -1,0 +1,88 @@
+"""Ranks > 0: build the same model on this rank's weight shard, then run every step that rank 0
+broadcasts until it says stop. The step's inputs travel as two broadcasts: a fixed-size header
+and one flat int64 tensor holding every per-step array."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanoserve.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+HEADER_SIZE = 8
+CMD_STEP, CMD_STOP = 1, 2
+
+
+def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    metadata = model_input.metadata
+    parts = [model_input.input_ids, model_input.positions, metadata.slot_mapping,
+             metadata.block_table.flatten(), metadata.cu_seqlens_q, metadata.seq_lens,
+             model_input.logits_indices]
+    num_seqs, max_blocks = metadata.block_table.shape
+    header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
+                           model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k, 0],
+                          dtype=torch.long, device=device)
+    payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
+    return header, payload
+
+
+def unpack_step(header: list[int], payload: torch.Tensor):
+    from nanoserve.engine.model_runner import ModelInput
+
+    _, num_tokens, num_seqs, max_blocks, num_logits, max_seqlen_q, max_seqlen_k, _ = header
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
+    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(sizes)
+    metadata = AttentionMetadata(
+        slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
+        cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return ModelInput(input_ids, positions, metadata, logits_indices, [])
+
+
+def payload_size(header: list[int]) -> int:
+    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _ = header
+    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits
+
+
+def broadcast_stop(device: torch.device) -> None:
+    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
+    header[0] = CMD_STOP
+    dist.broadcast(header, src=0)
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no rank outlives the server."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(config, topology, rank: int, model_dir: str) -> None:
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
+    from nanoserve.distributed.launcher import init_rank
+    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.models.config import ModelConfig
+
+    try:
+        device = init_rank(topology, rank)
+        runner = ModelRunner(config, ModelConfig.from_dir(model_dir), Path(model_dir), device=device)
+        runner.worker_loop()
+    except Exception as error:  # the watchdog on rank 0 reports our exit code
+        logger.error("worker rank %d failed: %s", rank, error)
+        sys.exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
