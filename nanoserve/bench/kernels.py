@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         DEVICE, CHECK_DTYPES, BENCH_DTYPE = torch.device("cpu"), (torch.float16,), torch.float16
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first (lazy) triton.jit
     import triton
 
     out_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/gpu")
