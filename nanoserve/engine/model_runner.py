@@ -103,24 +103,28 @@ class ModelRunner:
     def profile_run(self) -> None:
         """A forward pass over max_num_batched_tokens tokens without a KV cache write."""
         num_tokens = self.config.max_num_batched_tokens
-        for layer in self.model.model.layers:
-            attn = layer.self_attn.attn
-            shape = (1, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         seq_len = min(num_tokens, self.model_config.max_position_embeddings)
         num_seqs = -(-num_tokens // seq_len)
+        blocks_per_seq = -(-seq_len // self.block_size)
+        # A scratch cache big enough for the profiled batch; the real pool is sized after this.
+        for layer in self.model.model.layers:
+            attn = layer.self_attn.attn
+            shape = (blocks_per_seq, self.block_size, attn.num_kv_heads, attn.head_dim)
+            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        block_table = torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(num_seqs, 1)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((tokens.numel(),), -1, dtype=torch.long, device=self.device),
-            block_table=torch.zeros((num_seqs, 1), dtype=torch.int32, device=self.device),
+            block_table=block_table,
             cu_seqlens_q=torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len,
             seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
             max_seqlen_q=seq_len, max_seqlen_k=seq_len)
         hidden = self.model(tokens, positions, metadata)
         self.model.compute_logits(hidden[-num_seqs:])
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         del hidden
 
     # ---- one step -------------------------------------------------------------------------

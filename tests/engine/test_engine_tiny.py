@@ -154,3 +154,13 @@ def test_low_precision_runs(llm, tiny_llama_dir, dtype):
     ref = generate_ids(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     # Low precision may flip late near-ties; the first token of a decisive random model must agree.
     assert sum(a[0] == b[0] for a, b in zip(ours, ref)) >= 2
+
+
+def test_profile_run_covers_the_token_budget(tiny_llama_dir):
+    """The GPU memory profile pass (a forward at max_num_batched_tokens) runs on any device."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=300)
+    runner = llm.llm_engine.runner
+    runner.profile_run()
+    runner._allocate_kv_cache()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == NUM_TOKENS
