@@ -91,13 +91,23 @@ class ModelRunner:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
         for layer in self.model.model.layers:
             attn = layer.self_attn.attn
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-            # Never-written slots are masked by attention, so the pool need not be zeroed.
-            attn.key_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            attn.value_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.key_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
+            attn.value_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self._kv_bytes_per_block() / GIB)
         return num_blocks
+
+    def _new_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """A [num_blocks, block_size, num_kv_heads, head_dim] cache. On CPU it is head-major
+        underneath, so the torch path gathers each head's keys contiguously (no permuted copy
+        per step); the kernels take any strides. Never-written slots are masked by attention,
+        so the pool need not be zeroed."""
+        if self.device.type == "cpu":
+            physical = torch.empty((num_blocks, num_kv_heads, self.block_size, head_dim),
+                                   dtype=self.dtype, device=self.device)
+            return physical.permute(0, 2, 1, 3)
+        return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.dtype,
+                           device=self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:

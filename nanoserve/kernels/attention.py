@@ -355,28 +355,25 @@ def paged_attention_reference(
     num_blocks_needed = (max_seqlen_k + block_size - 1) // block_size
     table = block_table[:, :num_blocks_needed].long()
     max_k = num_blocks_needed * block_size
-    # Gather each sequence's cache into [num_seqs, max_k, num_kv_heads, head_dim].
-    keys = F.embedding(table, key_cache.view(num_cache_blocks, -1)).view(num_seqs, max_k, num_kv_heads, head_dim)
-    values = F.embedding(table, value_cache.view(num_cache_blocks, -1)).view(num_seqs, max_k, num_kv_heads, head_dim)
+    keys = _gather_cache(key_cache, table, max_k)  # [S, num_kv_heads, max_k, head_dim]
+    values = _gather_cache(value_cache, table, max_k)
     key_positions = torch.arange(max_k, device=device)
-    key_valid = key_positions[None, :] < seq_lens[:, None]  # [S, K]
+    invalid = key_positions[None, :] >= seq_lens[:, None]  # [S, K]
     # Unwritten slots may hold NaN, and softmax weight 0 times NaN is NaN: zero them. Only a
-    # few rows are invalid (the tail of each last block), so write just those.
-    invalid = ~key_valid
+    # few positions are invalid (the tail of each last block), so write just those.
     invalid_rows = invalid.nonzero(as_tuple=True)
-    keys.index_put_(invalid_rows, keys.new_zeros(()))
-    values.index_put_(invalid_rows, values.new_zeros(()))
+    keys.transpose(1, 2).index_put_(invalid_rows, keys.new_zeros(()))
+    values.transpose(1, 2).index_put_(invalid_rows, values.new_zeros(()))
     group = num_heads // num_kv_heads
 
     if max_seqlen_q == 1 and num_tokens == num_seqs:  # decode: one query per sequence
-        # One batched GEMM pair per KV head on strided views: no permuted copy of the cache.
-        q = query.view(num_seqs, num_kv_heads, group, head_dim)
-        out = query.new_empty(num_seqs, num_kv_heads, group, head_dim)
-        for head in range(num_kv_heads):
-            scores = torch.bmm(q[:, head], keys[:, :, head].transpose(1, 2)).float().mul_(scale)
-            scores.masked_fill_(invalid[:, None, :], float("-inf"))
-            probs = scores.softmax(dim=-1).to(values.dtype)
-            torch.bmm(probs, values[:, :, head], out=out[:, head])
+        batch = num_seqs * num_kv_heads
+        q = query.reshape(batch, group, head_dim)
+        scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
+        scores = scores.view(num_seqs, num_kv_heads, group, max_k)
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
+        out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))
         return out.view(num_tokens, num_heads, head_dim)
 
     token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
@@ -384,15 +381,25 @@ def paged_attention_reference(
     padded_q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
     padded_q[token_seq, token_offset] = query
     query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
-    allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & key_valid[:, None, :]
+    allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & ~invalid[:, None, :]
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
     allowed[:, :, 0] = True
     out = F.scaled_dot_product_attention(
-        padded_q.permute(0, 2, 1, 3),
-        keys.permute(0, 2, 1, 3),
-        values.permute(0, 2, 1, 3),
-        attn_mask=allowed[:, None, :, :],
-        scale=scale,
-        enable_gqa=group > 1,
-    )  # [S, H, Q, D]
+        padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
+        enable_gqa=group > 1)  # [S, H, Q, D]
     return out.permute(0, 2, 1, 3)[token_seq, token_offset]
+
+
+def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim]. An embedding
+    lookup is the gather: on CPU it is far faster than advanced indexing for bf16. A head-major
+    pool ([blocks, heads, block_size, dim] underneath) comes out contiguous with no permute."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    num_seqs = table.shape[0]
+    head_major = cache.permute(0, 2, 1, 3)
+    if head_major.is_contiguous():
+        rows = table[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[None, :, None]
+        gathered = F.embedding(rows, head_major.reshape(num_blocks * num_kv_heads, block_size * head_dim))
+        return gathered.view(num_seqs, num_kv_heads, max_k, head_dim)
+    gathered = F.embedding(table, cache.reshape(num_blocks, -1))
+    return gathered.view(num_seqs, max_k, num_kv_heads, head_dim).transpose(1, 2)

@@ -99,13 +99,18 @@ def store_kvcache_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int."""
+    """key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int.
+    The caches may be any strided view of [num_blocks, block_size, num_kv_heads, head_dim]
+    (the engine's CPU pool is head-major underneath; see model_runner)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     slots = slot_mapping.long()
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
-    flat_k.index_copy_(0, slots, key.to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value.to(value_cache.dtype))
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+        return
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
+    value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))

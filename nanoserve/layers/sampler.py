@@ -73,6 +73,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    plain_greedy = (batch.all_greedy and batch.max_logprobs < 0 and batch.logit_bias is None
+                    and batch.repetition_penalty is None and batch.frequency_penalty is None
+                    and batch.presence_penalty is None)
+    if plain_greedy:  # argmax is exact in any dtype: skip the fp32 copy of [batch, vocab]
+        return SamplerOutput(logits.argmax(dim=-1), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
     if batch.logit_bias is not None:
