@@ -103,7 +103,7 @@ class ModelRunner:
         per step); the kernels take any strides. Never-written slots are masked by attention,
         so the pool need not be zeroed."""
         if self.device.type == "cpu":
-            physical = torch.empty((num_blocks, num_kv_heads, self.block_size, head_dim),
+            physical = torch.zeros((num_blocks, num_kv_heads, self.block_size, head_dim),
                                    dtype=self.dtype, device=self.device)
             return physical.permute(0, 2, 1, 3)
         return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.dtype,

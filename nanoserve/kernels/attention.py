@@ -391,15 +391,16 @@ def paged_attention_reference(
 
 
 def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int) -> torch.Tensor:
-    """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim]. An embedding
-    lookup is the gather: on CPU it is far faster than advanced indexing for bf16. A head-major
+    """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim]. index_select
+    with a flat index is the gather: on CPU it is far faster than advanced indexing. A head-major
     pool ([blocks, heads, block_size, dim] underneath) comes out contiguous with no permute."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     num_seqs = table.shape[0]
     head_major = cache.permute(0, 2, 1, 3)
     if head_major.is_contiguous():
         rows = table[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[None, :, None]
-        gathered = F.embedding(rows, head_major.reshape(num_blocks * num_kv_heads, block_size * head_dim))
+        flat = head_major.reshape(num_blocks * num_kv_heads, block_size * head_dim)
+        gathered = flat.index_select(0, rows.flatten())
         return gathered.view(num_seqs, num_kv_heads, max_k, head_dim)
-    gathered = F.embedding(table, cache.reshape(num_blocks, -1))
+    gathered = cache.reshape(num_blocks, -1).index_select(0, table.flatten())
     return gathered.view(num_seqs, max_k, num_kv_heads, head_dim).transpose(1, 2)
