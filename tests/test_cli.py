@@ -1,0 +1,53 @@
+"""The command line: real subprocesses, one-line errors for user mistakes, exit codes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from nanoserve import LLM, SamplingParams
+
+
+def run_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_generate_prints_the_greedy_completion(tiny_llama_dir):
+    result = run_cli("generate", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "8",
+                     "--num-kv-blocks", "64", "The quick brown fox", "def add(a, b):")
+    assert result.returncode == 0, result.stderr
+    expected = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64).generate(
+        ["The quick brown fox", "def add(a, b):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert result.stdout == "".join(f"### {o.prompt}\n{o.outputs[0].text}\n\n" for o in expected)
+
+
+def test_missing_model_is_one_line(tmp_path):
+    result = run_cli("generate", "--model", str(tmp_path / "nope"), "hi")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nanoserve: error: model ") and "not a directory" in lines[0]
+
+
+def test_bad_sampling_value_is_one_line(tiny_llama_dir):
+    result = run_cli("generate", "--model", str(tiny_llama_dir), "--top-p", "7", "hi")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["nanoserve: error: top_p must be in (0, 1], got 7.0"]
+
+
+def test_bad_engine_flag_is_one_line(tiny_llama_dir):
+    result = run_cli("serve", "--model", str(tiny_llama_dir), "--block-size", "12")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "nanoserve: error: block_size must be a positive power of two, got 12"]
+
+
+def test_help_lists_commands_and_vllm_flags():
+    top = run_cli("--help")
+    assert top.returncode == 0
+    for command in ("serve", "generate", "bench", "import-model"):
+        assert command in top.stdout
+    serve = run_cli("serve", "--help")
+    for flag in ("--model", "--tensor-parallel-size", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization", "--kv-cache-memory",
+                 "--enable-prefix-caching", "--dtype", "--seed", "--host", "--port", "--api-key"):
+        assert flag in serve.stdout, flag
