@@ -336,57 +336,96 @@ def paged_attention_reference(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Batched over sequences with padding (no Python loop). This is also the CPU execution
-    path, so it is written for speed there: the gather is an embedding lookup (much faster
-    than advanced indexing for bf16 on CPU), decode is two einsums, prefill one masked SDPA."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_cache_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    """Batched over sequences (no Python loop over them). This is also the CPU execution path,
+    so it is written for speed there: decode sequences (one query) go through two batched
+    GEMMs, the others through one masked SDPA over padded queries; a mixed batch is split so
+    decodes are never padded to a prefill's length."""
+    num_tokens = query.shape[0]
     num_seqs = seq_lens.shape[0]
-    device = query.device
+    if num_seqs == 0 or num_tokens == 0:
+        return query.new_zeros(query.shape)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_lens = seq_lens.long()
     if max_seqlen_q is None:
-        max_seqlen_q = int(q_lens.max()) if num_seqs else 0
-    if max_seqlen_k is None:
-        max_seqlen_k = int(seq_lens.max()) if num_seqs else 0
-    if num_seqs == 0 or num_tokens == 0:
-        return query.new_zeros(query.shape)
+        max_seqlen_q = int(q_lens.max())
+    if max_seqlen_q == 1 and num_tokens == num_seqs:
+        return _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k)
+    is_decode = q_lens == 1
+    if not bool(is_decode.any()):
+        return _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q.long(), q_lens,
+                                  seq_lens, scale, max_seqlen_q)
+    out = query.new_empty(query.shape)
+    starts = cu_seqlens_q[:-1].long()
+    decode_seqs = is_decode.nonzero().flatten()
+    decode_rows = starts[decode_seqs]
+    out[decode_rows] = _decode_reference(query[decode_rows], key_cache, value_cache, block_table[decode_seqs],
+                                         seq_lens[decode_seqs], scale, None)
+    prefill_seqs = (~is_decode).nonzero().flatten()
+    prefill_lens = q_lens[prefill_seqs]
+    prefill_cu = F.pad(prefill_lens.cumsum(0), (1, 0))
+    owner = torch.repeat_interleave(torch.arange(prefill_seqs.numel(), device=query.device), prefill_lens)
+    prefill_rows = starts[prefill_seqs][owner] + torch.arange(owner.numel(), device=query.device) - prefill_cu[owner]
+    out[prefill_rows] = _prefill_reference(query[prefill_rows], key_cache, value_cache, block_table[prefill_seqs],
+                                           prefill_cu, prefill_lens, seq_lens[prefill_seqs], scale, max_seqlen_q)
+    return out
 
+
+def _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k):
+    """K and V of each sequence as [num_seqs, num_kv_heads, max_k, head_dim], with the
+    positions past each sequence's length zeroed, and those positions' mask [num_seqs, max_k]."""
+    block_size = key_cache.shape[1]
+    if max_seqlen_k is None:
+        max_seqlen_k = int(seq_lens.max())
     num_blocks_needed = (max_seqlen_k + block_size - 1) // block_size
     table = block_table[:, :num_blocks_needed].long()
     max_k = num_blocks_needed * block_size
-    keys = _gather_cache(key_cache, table, max_k)  # [S, num_kv_heads, max_k, head_dim]
+    keys = _gather_cache(key_cache, table, max_k)
     values = _gather_cache(value_cache, table, max_k)
-    key_positions = torch.arange(max_k, device=device)
-    invalid = key_positions[None, :] >= seq_lens[:, None]  # [S, K]
+    invalid = torch.arange(max_k, device=keys.device)[None, :] >= seq_lens[:, None]
     # Unwritten slots may hold NaN, and softmax weight 0 times NaN is NaN: zero them. Only a
     # few positions are invalid (the tail of each last block), so write just those.
     invalid_rows = invalid.nonzero(as_tuple=True)
     keys.transpose(1, 2).index_put_(invalid_rows, keys.new_zeros(()))
     values.transpose(1, 2).index_put_(invalid_rows, values.new_zeros(()))
+    return keys, values, invalid
+
+
+def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k):
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
+    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
+    max_k = keys.shape[2]
+    batch = num_seqs * num_kv_heads
+    q = query.reshape(batch, group, head_dim)
+    scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
+    scores = scores.view(num_seqs, num_kv_heads, group, max_k)
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
+    out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))
+    return out.view(num_seqs, num_heads, head_dim)
 
-    if max_seqlen_q == 1 and num_tokens == num_seqs:  # decode: one query per sequence
-        batch = num_seqs * num_kv_heads
-        q = query.reshape(batch, group, head_dim)
-        scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
-        scores = scores.view(num_seqs, num_kv_heads, group, max_k)
-        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
-        out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))
-        return out.view(num_tokens, num_heads, head_dim)
 
+def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, q_lens, seq_lens, scale,
+                       max_seqlen_q):
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    device = query.device
+    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, None)
+    max_k = keys.shape[2]
     token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-    token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q.long()[token_seq]
+    token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q[token_seq]
     padded_q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
     padded_q[token_seq, token_offset] = query
     query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
+    key_positions = torch.arange(max_k, device=device)
     allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & ~invalid[:, None, :]
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
     allowed[:, :, 0] = True
     out = F.scaled_dot_product_attention(
         padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
-        enable_gqa=group > 1)  # [S, H, Q, D]
+        enable_gqa=num_heads != num_kv_heads)  # [S, H, Q, D]
     return out.permute(0, 2, 1, 3)[token_seq, token_offset]
 
 

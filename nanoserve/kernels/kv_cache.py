@@ -111,6 +111,15 @@ def store_kvcache_reference(
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
         return
+    head_major_k, head_major_v = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
+    if head_major_k.is_contiguous() and head_major_v.is_contiguous():
+        # [blocks, heads, block_size, dim] underneath: row (block * heads + head) * block_size + offset.
+        blocks, offsets = slots // block_size, slots % block_size
+        heads = torch.arange(num_kv_heads, device=slots.device)
+        rows = ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).flatten()
+        head_major_k.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim).to(key_cache.dtype))
+        head_major_v.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim).to(value_cache.dtype))
+        return
     blocks, offsets = slots // block_size, slots % block_size
     key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
     value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))
