@@ -48,10 +48,27 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half in place; math in fp32 (cos, sin: [tokens, 1, head_dim / 2])."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    # copy=True: for fp32 input .float() would alias x, and x1 is overwritten below.
+    x1 = x[..., :half].to(torch.float32, copy=True)
+    x2 = x[..., half:].to(torch.float32, copy=True)
+    x[..., :half].copy_(x1 * cos - x2 * sin)
+    x[..., half:].copy_(x2 * cos + x1 * sin)
+
+
+def _heads_side_by_side(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """When key's heads directly follow query's in the same rows (the model's fused QKV output),
+    one [tokens, heads + kv_heads, head_dim] view covers both, so they rotate in one pass."""
+    if query.dtype != key.dtype or query.stride(0) != key.stride(0):
+        return None
+    head_dim = query.shape[2]
+    if query.stride()[1:] != (head_dim, 1) or key.stride()[1:] != (head_dim, 1):
+        return None
+    if key.data_ptr() != query.data_ptr() + query.shape[1] * head_dim * query.element_size():
+        return None
+    return query.as_strided((query.shape[0], query.shape[1] + key.shape[1], head_dim), query.stride())
 
 
 def apply_rotary_reference(
@@ -66,8 +83,12 @@ def apply_rotary_reference(
     cos_sin = cos_sin_cache.index_select(0, positions.long())
     cos = cos_sin[:, None, : head_dim // 2]
     sin = cos_sin[:, None, head_dim // 2 :]
-    query.copy_(_rotate(query, cos, sin))
-    key.copy_(_rotate(key, cos, sin))
+    both = _heads_side_by_side(query, key)
+    if both is not None:
+        _rotate_(both, cos, sin)
+        return
+    _rotate_(query, cos, sin)
+    _rotate_(key, cos, sin)
 
 
 @lazy_jit
