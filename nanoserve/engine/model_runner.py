@@ -15,6 +15,7 @@ from nanoserve.distributed import get_tp_rank, get_tp_world_size
 from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.cpu_prepack import prepack_linear_weights
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model
@@ -48,6 +49,8 @@ class ModelRunner:
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
+        if self.device.type == "cpu":
+            prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0

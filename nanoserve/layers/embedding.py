@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
+from nanoserve.layers.cpu_prepack import packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,9 +41,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype)
         if bias:
             raise ValueError("LM head bias is not supported")
+        self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            logits = packed_linear(hidden, self.packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
         gathered = gather_to_first(logits, dim=-1)

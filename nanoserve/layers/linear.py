@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
+from nanoserve.layers.cpu_prepack import packed_linear
 
 
 def _read(loaded, index) -> torch.Tensor:
@@ -25,6 +26,7 @@ class LinearBase(nn.Module):
         self.tp_size = get_tp_world_size()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -34,10 +36,15 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         param.data.copy_(_read(loaded, None))
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
 
 class ReplicatedLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -54,7 +61,7 @@ class ColumnParallelLinear(LinearBase):
         param.data.copy_(_read(loaded, slice(self.tp_rank * rows, (self.tp_rank + 1) * rows)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -123,8 +130,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(_read(loaded, (slice(None), slice(start, start + cols))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        out = all_reduce(out)
+        out = all_reduce(self.matmul(x, None))
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -1,0 +1,31 @@
+"""bf16 linear weights prepacked for oneDNN on CPU give the same logits as F.linear."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.layers.cpu_prepack import _ops_available, prepack_linear_weights
+from nanoserve.layers.linear import ColumnParallelLinear
+from nanoserve.layers.embedding import ParallelLMHead
+
+
+@pytest.mark.skipif(not _ops_available(), reason="this torch build lacks the oneDNN linear ops")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_equals_f_linear(rows):
+    torch.manual_seed(0)
+    linear = ColumnParallelLinear(96, 160, bias=True, dtype=torch.bfloat16)
+    head = ParallelLMHead(500, 96, dtype=torch.bfloat16)
+    for module in (linear, head):
+        module.weight.data.normal_()
+    linear.bias.data.normal_()
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    expected = (linear(x), head(x))
+    assert prepack_linear_weights(torch.nn.ModuleList([linear, head])) == 2
+    assert linear.packed_weight is not None and head.packed_weight is not None
+    for got, want in zip((linear(x), head(x)), expected):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.25, rtol=2e-2)
+
+
+def test_fp32_is_never_packed():
+    linear = ColumnParallelLinear(32, 32, bias=False, dtype=torch.float32)
+    assert prepack_linear_weights(linear) == 0 and linear.packed_weight is None
