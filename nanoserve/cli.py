@@ -14,6 +14,14 @@ class CliError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise CliError(f"${name} must be an integer, got {value!r}") from None
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (same flags as `vllm serve`)")
     group.add_argument("--model", default=None,
@@ -38,8 +46,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="number of tensor-parallel ranks")
     group.add_argument("--nnodes", type=int, default=1, help="machines in the tensor-parallel group")
     group.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
-    group.add_argument("--master-addr", default=None, help="rendezvous address (torch.distributed)")
-    group.add_argument("--master-port", type=int, default=None, help="rendezvous port (torch.distributed)")
+    group.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
+                       help="rendezvous address of rank 0 (default: $MASTER_ADDR)")
+    group.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
+                       help="rendezvous port on rank 0's host (default: $MASTER_PORT)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
