@@ -157,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "serve")  # `nanoserve --model PATH` serves, as `vllm serve` does
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.handler(args)
     except (CliError, FileNotFoundError, ValueError) as error:
         if os.environ.get("NANOSERVE_DEBUG"):
