@@ -5,9 +5,10 @@ import asyncio
 import logging
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.engine.async_engine import AsyncLLMEngine, new_step_executor
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ServerOptions
 from nanoserve.server.http import HttpServer
@@ -38,10 +39,12 @@ class RunningServer:
         await self.engine.stop()
 
 
-async def start_server(engine, options: ServerOptions) -> RunningServer:
-    """Serve an already built LLMEngine on the running loop; returns once listening."""
+async def start_server(engine, options: ServerOptions,
+                       step_executor: ThreadPoolExecutor | None = None) -> RunningServer:
+    """Serve an already built LLMEngine on the running loop; returns once listening.
+    `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     metrics = ServerMetrics(engine.served_model_name)
-    async_engine = AsyncLLMEngine(engine, observer=metrics)
+    async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor)
     async_engine.start()
     ctx = ServingContext(
         engine=async_engine, tokenizer=engine.tokenizer,
@@ -65,11 +68,12 @@ def configure_logging(level: str) -> None:
 async def serve(engine_config, options: ServerOptions) -> int:
     from nanoserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config)
-    server = await start_server(engine, options)
+    loop = asyncio.get_running_loop()
+    step_executor = new_step_executor()
+    engine = await loop.run_in_executor(step_executor, LLMEngine, engine_config)
+    server = await start_server(engine, options, step_executor)
     print(f"listening on {server.url}", flush=True)
     logger.info("serving %s on %s", engine.served_model_name, server.url)
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen = 0
 
@@ -85,16 +89,30 @@ async def serve(engine_config, options: ServerOptions) -> int:
             for connection in list(server.http.connections):
                 connection.abort()
 
+    exit_code = 0
+
+    def on_engine_failure(reason: str) -> None:  # called on the tensor-parallel watchdog thread
+        def fail() -> None:
+            nonlocal exit_code
+            exit_code = 1
+            logger.error("%s: failing in-flight requests and exiting", reason)
+            server.engine._die(RuntimeError(reason))  # streams get the error, /health turns 503
+            stop.set()
+        loop.call_soon_threadsafe(fail)
+
+    engine.add_failure_callback(on_engine_failure)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         await stop.wait()
-        await server.shutdown()
+        grace = options.shutdown_grace_period if exit_code == 0 else min(options.shutdown_grace_period, 5.0)
+        await server.shutdown(grace)
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        engine.shutdown()  # stops tensor-parallel worker ranks
     logger.info("shutdown complete")
-    return 0
+    return exit_code
 
 
 def run(engine_config, options: ServerOptions) -> int:
