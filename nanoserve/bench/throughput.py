@@ -34,8 +34,15 @@ def run_nanoserve(model_dir: str, prompts, output_len: int, dtype: str, tp: int,
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - started
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"engine": "nanoserve", "load_s": load_s, "elapsed_s": elapsed, "output_tokens": generated,
-            "output_tokens_per_s": generated / elapsed, "tensor_parallel_size": tp}
+    runner = llm.llm_engine.runner
+    result = {"engine": "nanoserve", "load_s": load_s, "elapsed_s": elapsed, "output_tokens": generated,
+              "output_tokens_per_s": generated / elapsed, "tensor_parallel_size": tp,
+              "rank_weight_bytes": list(runner.rank_weight_bytes)}
+    if runner.broadcast_steps:
+        result["steps"] = runner.broadcast_steps
+        result["step_input_broadcast_ms_per_step"] = 1e3 * runner.broadcast_seconds / runner.broadcast_steps
+    llm.shutdown()
+    return result
 
 
 def run_transformers(model_dir: str, prompts, output_len: int, dtype: str) -> dict:
@@ -82,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     for tp in args.tp:
         result = run_nanoserve(model_dir, prompts, args.output_len, args.dtype, tp)
         results.append(result)
+        extra = ""
+        if "step_input_broadcast_ms_per_step" in result:
+            extra = (f"; step-input broadcast {result['step_input_broadcast_ms_per_step']:.2f} ms/step "
+                     f"over {result['steps']} steps")
         print(f"nanoserve (tp={tp}): {result['output_tokens_per_s']:.1f} output tokens/s "
-              f"({result['output_tokens']} tokens in {result['elapsed_s']:.1f} s)", flush=True)
+              f"({result['output_tokens']} tokens in {result['elapsed_s']:.1f} s; weights per rank "
+              f"{[round(b / 2**20) for b in result['rank_weight_bytes']]} MiB{extra})", flush=True)
     report = {
         "workload": {"model": model_dir, "num_prompts": args.num_prompts, "input_len": args.input_len,
                      "output_len": args.output_len, "dtype": args.dtype, "ignore_eos": True},
@@ -107,5 +119,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the guard matters: tensor-parallel ranks are spawned processes
     sys.exit(main())
