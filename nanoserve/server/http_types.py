@@ -9,6 +9,16 @@ _REASONS = {status.value: status.phrase for status in HTTPStatus}
 
 
 @dataclass(slots=True)
+class HttpLimits:
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+    request_read_timeout: float = 30.0  # seconds to receive one request's headers and body
+    keep_alive_timeout: float = 5.0  # idle seconds before an idle connection is closed
+    max_pipelined_requests: int = 32  # queued complete requests before reading pauses
+    write_high_water: int = 64 * 1024
+
+
+@dataclass(slots=True)
 class Request:
     method: str
     path: str

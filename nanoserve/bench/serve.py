@@ -1,0 +1,265 @@
+"""Online serving benchmark: random prompts against nanoserve's OpenAI server at several
+concurrency levels, reported like vLLM's `bench serve`, plus the ratio of served output tokens/s
+at the highest concurrency to offline `LLM.generate` on the same prompts and batch size.
+
+    nanoserve bench serve --model DIR --concurrency 1 16 64 --result-dir benchmarks/serve
+
+Without --base-url it measures offline throughput first, then starts `nanoserve serve` in a
+subprocess (so the two never compete for cores), runs the load, and stops the server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nanoserve.bench.serve_client import run_load, summarize
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    # Skip the low ids, where special tokens live.
+    return [[rng.randrange(100, vocab_size) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kwargs = {"dtype": args.dtype, "device": args.device, "seed": args.seed}
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return kwargs
+
+
+def offline_throughput(model: str, prompts: list[list[int]], output_len: int, batch: int,
+                       kwargs: dict) -> dict:
+    import gc
+
+    from nanoserve import LLM, SamplingParams
+
+    llm = LLM(model=model, max_num_seqs=batch, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    del llm, outputs
+    gc.collect()
+    return {"num_prompts": len(prompts), "max_num_seqs": batch, "elapsed_s": elapsed,
+            "output_tokens": tokens, "output_throughput": tokens / elapsed}
+
+
+def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "nanoserve", "serve", "--model", args.model, "--port", "0",
+               "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed),
+               "--log-level", "warning"]
+    if args.max_num_batched_tokens:
+        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    for line in process.stdout:
+        if line.startswith("listening on "):
+            return process, line.split()[-1]
+    raise RuntimeError(f"the server exited with {process.wait()} before listening")
+
+
+def served_model(base_url: str) -> tuple[str, str]:
+    import urllib.request
+
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=30) as response:
+        card = json.loads(response.read())["data"][0]
+    return card["id"], card["root"]
+
+
+def print_level(concurrency: int, summary: dict) -> None:
+    print(f"{'=' * 14} concurrency {concurrency} {'=' * 14}")
+    print(f"Successful requests:                     {summary['completed']}")
+    print(f"Benchmark duration (s):                  {summary['duration_s']:.2f}")
+    print(f"Request throughput (req/s):              {summary['request_throughput']:.2f}")
+    print(f"Output token throughput (tok/s):         {summary['output_throughput']:.2f}")
+    print(f"Total token throughput (tok/s):          {summary['total_token_throughput']:.2f}")
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
+                       ("e2el_ms", "E2EL")):
+        stats = summary[key]
+        print(f"{label:5s} mean / median / P99 (ms):   {stats['mean']:8.2f} {stats['median']:8.2f} "
+              f"{stats['p99']:8.2f}")
+    if summary["failed"]:
+        print(f"Failed requests: {summary['failed']} {summary['errors']}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    levels = result["levels"]
+    xs = [level["concurrency"] for level in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(xs, [lv["output_throughput"] for lv in levels], "o-", label="served output tok/s")
+    if result.get("offline"):
+        left.axhline(result["offline"]["output_throughput"], color="gray", linestyle="--",
+                     label=f"offline LLM.generate (batch {result['offline']['max_num_seqs']})")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("concurrency")
+    left.set_ylabel("output tokens / s")
+    left.set_title("Throughput")
+    left.legend()
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
+        right.plot(xs, [lv[key]["median"] for lv in levels], "o-", label=f"{label} median")
+        right.plot(xs, [lv[key]["p99"] for lv in levels], "x:", label=f"{label} p99")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    for axis in (left, right):
+        axis.set_xticks(xs, [str(x) for x in xs])
+        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    right.set_xlabel("concurrency")
+    right.set_ylabel("ms")
+    right.set_title("Latency")
+    right.legend(fontsize=8)
+    fig.suptitle(result["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def offline_in_subprocess(args: argparse.Namespace, prompts: list[list[int]], batch: int) -> dict:
+    """Offline throughput in a fresh process, so it never shares cores or memory with the load."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"model": args.model, "prompts": prompts, "output_len": args.output_len,
+                   "batch": batch, "kwargs": engine_kwargs(args)}, handle)
+    try:
+        output = subprocess.run([sys.executable, "-m", "nanoserve.bench.serve", "--offline-job",
+                                 handle.name], check=True, capture_output=True, text=True).stdout
+    finally:
+        os.unlink(handle.name)
+    line = next(line for line in output.splitlines() if line.startswith("OFFLINE "))
+    return json.loads(line[len("OFFLINE "):])
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model dir (default: the imported SmolLM2)")
+    parser.add_argument("--base-url", default=None, help="a running server (else one is started)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--prompts-per-level", type=int, nargs="+", default=None,
+                        help="requests at each level (default: max(8, 2 x concurrency))")
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                        default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate offline and served runs at the top concurrency this many "
+                             "times and compare medians (for noisy, shared machines)")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
+    parser.add_argument("--result-dir", default=None, help="write result JSON (and PNG) here")
+    parser.add_argument("--label", default=None, help="file name stem for the results")
+    parser.add_argument("--offline-job", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.offline_job:
+        job = json.loads(Path(args.offline_job).read_text())
+        result = offline_throughput(job["model"], job["prompts"], job["output_len"], job["batch"],
+                                    job["kwargs"])
+        print("OFFLINE " + json.dumps(result), flush=True)
+        return 0
+
+    if args.model is None and args.base_url is None:
+        from nanoserve.models.gguf_import import ensure_default_model
+        args.model = str(ensure_default_model())
+    counts = args.prompts_per_level or [max(8, 2 * c) for c in args.concurrency]
+    if len(counts) != len(args.concurrency):
+        parser.error("--prompts-per-level needs one count per --concurrency value")
+    vocab = 10000
+    if args.model is not None:
+        from nanoserve.models.config import ModelConfig
+        vocab = ModelConfig.from_dir(args.model).vocab_size
+    top = max(args.concurrency)
+    top_prompts = random_prompts(counts[args.concurrency.index(top)], args.input_len, vocab,
+                                 args.seed)
+    run_offline = not args.no_offline and args.model is not None
+
+    process = None
+    base_url = args.base_url
+    levels, offline_runs, served_runs = [], [], []
+    try:
+        if base_url is None:
+            process, base_url = launch_server(args)
+        model, root = served_model(base_url)
+        # warm-up: the first steps of a fresh server are slower
+        warm = random_prompts(2, args.input_len, vocab, args.seed + 1)
+        asyncio.run(run_load(base_url, model, warm, 8, 2))
+        for concurrency, count in zip(args.concurrency, counts):
+            repeats = args.repeats if concurrency == top else 1
+            runs = []
+            for _ in range(repeats):
+                if concurrency == top and run_offline:  # the server is idle meanwhile
+                    offline_runs.append(offline_in_subprocess(args, top_prompts, top))
+                    print(f"offline LLM.generate: {offline_runs[-1]['output_throughput']:.2f} "
+                          f"output tok/s ({len(top_prompts)} prompts, batch {top})", flush=True)
+                prompts = (top_prompts if concurrency == top else
+                           random_prompts(count, args.input_len, vocab, args.seed + concurrency))
+                results, duration = asyncio.run(run_load(base_url, model, prompts,
+                                                          args.output_len, concurrency))
+                summary = {"concurrency": concurrency, "num_prompts": count,
+                           **summarize(results, duration)}
+                print_level(concurrency, summary)
+                runs.append(summary)
+            if concurrency == top:
+                served_runs = [run["output_throughput"] for run in runs]
+            # keep the run with the median throughput as this level's figures
+            runs.sort(key=lambda run: run["output_throughput"])
+            levels.append(runs[len(runs) // 2])
+    finally:
+        if process is not None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+
+    result = {"title": f"nanoserve serve: {Path(root).name}, {args.input_len} in / "
+                       f"{args.output_len} out, {platform.machine()} {os.cpu_count()} cpus",
+              "command": "nanoserve bench serve " + " ".join(argv or sys.argv[1:]),
+              "model": root, "input_len": args.input_len, "output_len": args.output_len,
+              "levels": levels, "offline": None}
+    if offline_runs:
+        offline_tps = [run["output_throughput"] for run in offline_runs]
+        result["offline"] = {**offline_runs[0], "output_throughput": median(offline_tps),
+                             "runs_output_throughput": offline_tps}
+        result["served_runs_output_throughput"] = served_runs
+        result["served_over_offline"] = median(served_runs) / median(offline_tps)
+        result["served_over_offline_per_pair"] = [s / o for s, o in zip(served_runs, offline_tps)]
+        print(f"served / offline output tok/s at concurrency {top} (medians of {len(served_runs)}):"
+              f" {result['served_over_offline']:.3f}")
+    if args.result_dir:
+        out = Path(args.result_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = args.label or "serve"
+        (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        try:
+            plot(result, out / f"{stem}.png")
+        except ImportError:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
+        print(f"results written to {out / stem}.json")
+    return 0 if all(lv["failed"] == 0 for lv in levels) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""One HTTP/1.1 connection: httptools parsing, pipelining, limits, timers, backpressure.
+
+Complete requests queue in `pending` and are answered in order, one handler task at a time.
+Errors found while parsing (400, 408, 413, 431) queue an error reply in order, then the
+connection closes. `connection_lost` cancels the running handler: that is how a disconnect
+reaches the OpenAI layer, which aborts its engine request.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httptools
+
+from nanoserve.server.http_types import Request, Response, StreamingResponse, encode_head
+
+if TYPE_CHECKING:
+    from nanoserve.server.http import HttpServer
+
+logger = logging.getLogger("nanoserve.server")
+
+
+class _ParseFailure(Exception):
+    """Raised inside a parser callback to stop parsing after a limit was hit."""
+
+
+@dataclass(slots=True)
+class _ErrorReply:
+    status: int
+    message: str
+
+
+@dataclass(slots=True)
+class _Partial:
+    url: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    body: list[bytes] = field(default_factory=list)
+    body_bytes: int = 0
+    header_bytes: int = 0
+    expect_continue: bool = False
+    headers_done: bool = False
+
+
+class HttpProtocol(asyncio.Protocol):
+    def __init__(self, server: "HttpServer") -> None:
+        self.server = server
+        self.app = server.app
+        self.limits = server.limits
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.partial: _Partial | None = None
+        self.raw_header_bytes = 0
+        self.pending: collections.deque[Request | _ErrorReply] = collections.deque()
+        self.task: asyncio.Task | None = None
+        self.reading_paused = False
+        self.write_paused = False
+        self.drain_waiters: list[asyncio.Future] = []
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.read_timer: asyncio.TimerHandle | None = None
+        self.stop_parsing = False  # after an error reply or `Connection: close`
+        self.closing = False  # shutting down: answer what is queued, then close
+        self.lost = False
+        self.head_sent = False
+
+    # ---- connection lifecycle ----
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=self.limits.write_high_water)
+        self.server.connections.add(self)
+        self._arm_idle_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.server.connections.discard(self)
+        self._cancel_timers()
+        for waiter in self.drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.drain_waiters.clear()
+        self.pending.clear()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the handler aborts its engine request
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        for waiter in self.drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.drain_waiters.clear()
+
+    async def drain(self) -> None:
+        if self.write_paused and not self.lost:
+            waiter = self.loop.create_future()
+            self.drain_waiters.append(waiter)
+            await waiter
+
+    def data_received(self, data: bytes) -> None:
+        self._cancel_idle_timer()
+        if self.stop_parsing:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Protocol upgrades are not offered; answer what was parsed, then close.
+            self._stop_parsing()
+        except _ParseFailure:
+            pass
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _ParseFailure):
+                pass
+            else:
+                self._queue_error(400, "Invalid HTTP request received.")
+        else:
+            if self.partial is not None and not self.partial.headers_done:
+                # httptools buffers a header line until it ends, so count raw bytes as well.
+                self.raw_header_bytes += len(data)
+                if self.raw_header_bytes > self.limits.max_header_bytes:
+                    self._queue_error(431, "Request header fields too large.")
+        self._dispatch()
+
+    # ---- parser callbacks ----
+    def on_message_begin(self) -> None:
+        self.partial = _Partial()
+        self.raw_header_bytes = 0
+        if self.read_timer is None:
+            self.read_timer = self.loop.call_later(
+                self.limits.request_read_timeout, self._on_read_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        assert self.partial is not None
+        self.partial.url += url
+        self._count_header_bytes(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.partial is not None
+        self._count_header_bytes(len(name) + len(value) + 4)
+        self.partial.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        partial = self.partial
+        assert partial is not None
+        partial.headers_done = True
+        for name, value in partial.headers:
+            if name == "content-length" and value.strip().isdigit():
+                if int(value) > self.limits.max_body_bytes:
+                    self._fail(413, "Request body too large.")
+            elif name == "expect" and value.strip().lower() == "100-continue":
+                partial.expect_continue = True
+        if partial.expect_continue and self.task is None and not self.pending:
+            self._send_continue()
+
+    def on_body(self, body: bytes) -> None:
+        partial = self.partial
+        assert partial is not None
+        partial.body_bytes += len(body)
+        if partial.body_bytes > self.limits.max_body_bytes:
+            self._fail(413, "Request body too large.")
+        partial.body.append(body)
+
+    def on_message_complete(self) -> None:
+        partial = self.partial
+        assert partial is not None
+        self.partial = None
+        self._cancel_read_timer()
+        keep_alive = self.parser.should_keep_alive() and not self.closing
+        url = partial.url.decode("latin-1")
+        path, _, query = url.partition("?")
+        request = Request(
+            method=self.parser.get_method().decode("ascii"),
+            path=path,
+            query=query,
+            http_version=self.parser.get_http_version(),
+            headers=partial.headers,
+            body=b"".join(partial.body),
+            keep_alive=keep_alive,
+        )
+        self.pending.append(request)
+        if not keep_alive:
+            self._stop_parsing()
+        elif len(self.pending) >= self.limits.max_pipelined_requests and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    # ---- helpers ----
+    def _count_header_bytes(self, count: int) -> None:
+        assert self.partial is not None
+        self.partial.header_bytes += count
+        if self.partial.header_bytes > self.limits.max_header_bytes:
+            self._fail(431, "Request header fields too large.")
+
+    def _fail(self, status: int, message: str) -> None:
+        """From a parser callback: queue an error reply and stop the parser."""
+        self._queue_error(status, message)
+        raise _ParseFailure()
+
+    def _queue_error(self, status: int, message: str) -> None:
+        """Queue an error reply (answered in order, then the connection closes)."""
+        if self.stop_parsing:
+            return
+        self.partial = None
+        self._cancel_read_timer()
+        self.pending.append(_ErrorReply(status, message))
+        self._stop_parsing()
+
+    def _stop_parsing(self) -> None:
+        self.stop_parsing = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+            self.reading_paused = True
+
+    def _send_continue(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        assert self.partial is not None
+        self.partial.expect_continue = False
+
+    def _dispatch(self) -> None:
+        """Start the next queued request if none is being answered."""
+        if self.task is not None or self.lost:
+            return
+        if not self.pending:
+            if self.stop_parsing or self.closing:
+                self._close()
+                return
+            if self.partial is not None and self.partial.expect_continue:
+                self._send_continue()
+            if self.partial is None:
+                self._arm_idle_timer()
+            return
+        item = self.pending.popleft()
+        if self.reading_paused and not self.stop_parsing:
+            self.reading_paused = False
+            self.transport.resume_reading()
+        if isinstance(item, _ErrorReply):
+            self._write_error(item.status, item.message)
+            self._close()
+            return
+        self.task = self.loop.create_task(self._handle(item))
+
+    async def _handle(self, request: Request) -> None:
+        keep_alive = request.keep_alive
+        try:
+            try:
+                response = await self.app(request)
+            except Exception:
+                logger.exception("Unhandled error in %s %s", request.method, request.path)
+                self._write_error(500, "Internal server error.")
+                keep_alive = False
+                return
+            keep_alive = keep_alive and not self.closing
+            self.head_sent = False
+            try:
+                if isinstance(response, StreamingResponse):
+                    keep_alive = await self._write_stream(request, response, keep_alive)
+                else:
+                    self._write_response(request, response, keep_alive)
+            except Exception:
+                logger.exception("Error while sending %s %s", request.method, request.path)
+                if not self.head_sent:
+                    self._write_error(500, "Internal server error.")
+                keep_alive = False
+        finally:
+            self.task = None
+            if not keep_alive:
+                self.stop_parsing = True
+                self.pending.clear()
+            if not self.lost:
+                self._dispatch()
+
+    def _write_response(self, request: Request, response: Response, keep_alive: bool) -> None:
+        if not keep_alive:
+            response.headers.append(("connection", "close"))
+        elif request.http_version == "1.0":
+            response.headers.append(("connection", "keep-alive"))
+        body = response.body
+        head = encode_head(request.http_version, response.status, response.headers,
+                           response.content_type, len(body), self.server.date_header())
+        if request.method == "HEAD" or response.status in (204, 304):
+            body = b""
+        self.head_sent = True
+        if not self.transport.is_closing():
+            self.transport.write(head + body)
+
+    async def _write_stream(self, request: Request, response: StreamingResponse,
+                            keep_alive: bool) -> bool:
+        chunked = request.http_version == "1.1"
+        keep_alive = keep_alive and chunked
+        headers = list(response.headers)
+        if chunked:
+            headers.append(("transfer-encoding", "chunked"))
+        if not keep_alive:
+            headers.append(("connection", "close"))
+        body = response.body
+        try:
+            head = encode_head(request.http_version, response.status, headers,
+                               response.content_type, None, self.server.date_header())
+        except Exception:
+            await body.aclose()
+            raise
+        self.head_sent = True
+        self.transport.write(head)
+        try:
+            async for chunk in body:
+                if not chunk or self.lost:
+                    continue
+                if chunked:
+                    self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                else:
+                    self.transport.write(chunk)
+                await self.drain()
+        finally:
+            await body.aclose()
+        if chunked and not self.lost:
+            self.transport.write(b"0\r\n\r\n")
+        return keep_alive
+
+    def _write_error(self, status: int, message: str) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        response = self.server.error_response(status, message)
+        response.headers.append(("connection", "close"))
+        head = encode_head("1.1", status, response.headers, response.content_type,
+                           len(response.body), self.server.date_header())
+        self.transport.write(head + response.body)
+
+    def _close(self) -> None:
+        self._cancel_timers()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    # ---- timers ----
+    def _arm_idle_timer(self) -> None:
+        self._cancel_idle_timer()
+        if not self.lost:
+            self.idle_timer = self.loop.call_later(self.limits.keep_alive_timeout, self._close)
+
+    def _cancel_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _cancel_read_timer(self) -> None:
+        if self.read_timer is not None:
+            self.read_timer.cancel()
+            self.read_timer = None
+
+    def _cancel_timers(self) -> None:
+        self._cancel_idle_timer()
+        self._cancel_read_timer()
+
+    def _on_read_timeout(self) -> None:
+        self.read_timer = None
+        if self.partial is None or self.lost:
+            return
+        if self.reading_paused:  # our own pipelining pause: not the client's fault
+            self.read_timer = self.loop.call_later(
+                self.limits.request_read_timeout, self._on_read_timeout)
+            return
+        self._queue_error(408, "Timed out reading the request.")
+        self._dispatch()
+
+    # ---- shutdown ----
+    def shutdown(self) -> None:
+        """Stop reading; close now if idle, else after the queued requests are answered."""
+        self.closing = True
+        self.stop_parsing = True
+        if self.task is None and not self.pending:
+            self._close()
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def abort(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        if self.transport is not None:
+            self.transport.abort()
