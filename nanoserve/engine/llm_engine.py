@@ -275,26 +275,24 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         return outputs
 
-    def _logprob_rows(self, result) -> list[list[tuple[int, float]]] | None:
+    def _logprob_rows(self, result) -> list[tuple[int, list[int], list[float]]] | None:
+        """Per sampled row: (rank of the sampled token, [sampled id, top ids...], [their logprobs])."""
         if result.logprobs is None:
             return None
-        values = result.logprobs.tolist()
-        ids = result.logprob_token_ids.tolist()
-        ranks = result.ranks.tolist()
-        return [[(ranks[r], None)] + list(zip(ids[r], values[r])) for r in range(len(values))]
+        return list(zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist()))
 
     def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         params = seq.params
         if logprob_row is not None and params.logprobs is not None:
-            rank = logprob_row[0][0]
-            entries = logprob_row[1:]
-            chosen_logprob = entries[0][1]
-            seq.cumulative_logprob += chosen_logprob
-            top = {token: Logprob(chosen_logprob, rank, self.tokenizer.decode([token], skip_special_tokens=False))}
-            for position, (tid, value) in enumerate(entries[1 : 1 + params.logprobs], start=1):
-                top.setdefault(tid, Logprob(value, position, self.tokenizer.decode([tid], skip_special_tokens=False)))
+            rank, ids, values = logprob_row
+            seq.cumulative_logprob += values[0]
+            decode = self.tokenizer.decode
+            top = {token: Logprob(values[0], rank, decode([token], skip_special_tokens=False))}
+            for position in range(1, 1 + params.logprobs):
+                top.setdefault(ids[position], Logprob(values[position], position,
+                                                      decode([ids[position]], skip_special_tokens=False)))
             seq.logprobs.append(top)
         num_out = seq.num_output_tokens
         reason = stop_reason = None
