@@ -38,24 +38,51 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kwargs
 
 
-def offline_throughput(model: str, prompts: list[list[int]], output_len: int, batch: int,
-                       kwargs: dict) -> dict:
-    import gc
+def timed_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
+    from nanoserve import SamplingParams
 
-    from nanoserve import LLM, SamplingParams
-
-    llm = LLM(model=model, max_num_seqs=batch, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]],
-                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    del llm, outputs
-    gc.collect()
-    return {"num_prompts": len(prompts), "max_num_seqs": batch, "elapsed_s": elapsed,
-            "output_tokens": tokens, "output_throughput": tokens / elapsed}
+    return {"num_prompts": len(prompts), "elapsed_s": elapsed, "output_tokens": tokens,
+            "output_throughput": tokens / elapsed}
+
+
+def offline_worker(spec: dict) -> int:
+    """`--offline-worker`: one LLM, kept warm; a job per stdin line, a result per stdout line."""
+    from nanoserve import LLM
+
+    llm = LLM(model=spec["model"], max_num_seqs=spec["batch"], **spec["kwargs"])
+    for line in sys.stdin:
+        job = json.loads(line)
+        result = timed_generate(llm, job["prompts"], job["output_len"])
+        print("OFFLINE " + json.dumps({**result, "max_num_seqs": spec["batch"]}), flush=True)
+    return 0
+
+
+class OfflineWorker:
+    """Offline `LLM.generate` in its own long-lived process: warm like the server, and idle
+    (no cores used) while the load runs against the server, and the other way round."""
+
+    def __init__(self, args: argparse.Namespace, batch: int) -> None:
+        spec = {"model": args.model, "batch": batch, "kwargs": engine_kwargs(args)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve.bench.serve", "--offline-worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        self.process.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith("OFFLINE "):
+                return json.loads(line[len("OFFLINE "):])
+        raise RuntimeError(f"the offline worker exited with {self.process.wait()}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(60)
 
 
 def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
@@ -131,22 +158,6 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def offline_in_subprocess(args: argparse.Namespace, prompts: list[list[int]], batch: int) -> dict:
-    """Offline throughput in a fresh process, so it never shares cores or memory with the load."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump({"model": args.model, "prompts": prompts, "output_len": args.output_len,
-                   "batch": batch, "kwargs": engine_kwargs(args)}, handle)
-    try:
-        output = subprocess.run([sys.executable, "-m", "nanoserve.bench.serve", "--offline-job",
-                                 handle.name], check=True, capture_output=True, text=True).stdout
-    finally:
-        os.unlink(handle.name)
-    line = next(line for line in output.splitlines() if line.startswith("OFFLINE "))
-    return json.loads(line[len("OFFLINE "):])
-
-
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -174,14 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument("--result-dir", default=None, help="write result JSON (and PNG) here")
     parser.add_argument("--label", default=None, help="file name stem for the results")
-    parser.add_argument("--offline-job", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.offline_job:
-        job = json.loads(Path(args.offline_job).read_text())
-        result = offline_throughput(job["model"], job["prompts"], job["output_len"], job["batch"],
-                                    job["kwargs"])
-        print("OFFLINE " + json.dumps(result), flush=True)
-        return 0
+    if args.offline_worker:
+        return offline_worker(json.loads(args.offline_worker))
 
     if args.model is None and args.base_url is None:
         from nanoserve.models.gguf_import import ensure_default_model
@@ -194,30 +201,38 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.models.config import ModelConfig
         vocab = ModelConfig.from_dir(args.model).vocab_size
     top = max(args.concurrency)
-    top_prompts = random_prompts(counts[args.concurrency.index(top)], args.input_len, vocab,
-                                 args.seed)
     run_offline = not args.no_offline and args.model is not None
 
-    process = None
+    process = worker = None
     base_url = args.base_url
     levels, offline_runs, served_runs = [], [], []
+
+    # Every run gets prompts no earlier run sent, so the prefix cache never helps; an offline
+    # run and the served run after it share theirs.
+    def prompts_for(concurrency: int, count: int, repeat: int) -> list[list[int]]:
+        seed = args.seed + 1000 * concurrency + repeat
+        return random_prompts(count, args.input_len, vocab, seed)
     try:
         if base_url is None:
             process, base_url = launch_server(args)
         model, root = served_model(base_url)
-        # warm-up: the first steps of a fresh server are slower
-        warm = random_prompts(2, args.input_len, vocab, args.seed + 1)
-        asyncio.run(run_load(base_url, model, warm, 8, 2))
+        if run_offline:
+            worker = OfflineWorker(args, top)
+        # Warm-up at the top batch size (short outputs), for the server and the offline worker
+        # alike: the first large steps of a fresh process are slower.
+        warm = prompts_for(1, top, 999)
+        asyncio.run(run_load(base_url, model, warm, 16, top))
+        if worker is not None:
+            worker.run(warm, 16)
         for concurrency, count in zip(args.concurrency, counts):
             repeats = args.repeats if concurrency == top else 1
             runs = []
-            for _ in range(repeats):
-                if concurrency == top and run_offline:  # the server is idle meanwhile
-                    offline_runs.append(offline_in_subprocess(args, top_prompts, top))
+            for repeat in range(repeats):
+                prompts = prompts_for(concurrency, count, repeat)
+                if concurrency == top and worker is not None:  # the server is idle meanwhile
+                    offline_runs.append(worker.run(prompts, args.output_len))
                     print(f"offline LLM.generate: {offline_runs[-1]['output_throughput']:.2f} "
-                          f"output tok/s ({len(top_prompts)} prompts, batch {top})", flush=True)
-                prompts = (top_prompts if concurrency == top else
-                           random_prompts(count, args.input_len, vocab, args.seed + concurrency))
+                          f"output tok/s ({len(prompts)} prompts, batch {top})", flush=True)
                 results, duration = asyncio.run(run_load(base_url, model, prompts,
                                                           args.output_len, concurrency))
                 summary = {"concurrency": concurrency, "num_prompts": count,
@@ -230,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.sort(key=lambda run: run["output_throughput"])
             levels.append(runs[len(runs) // 2])
     finally:
+        if worker is not None:
+            worker.close()
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(60)

@@ -42,7 +42,9 @@ def decode_body(request: Request, struct: type):
     if decoder is None:
         decoder = _decoders[struct] = msgspec.json.Decoder(struct)
     try:
-        return decoder.decode(request.body)
+        body = decoder.decode(request.body)
+        _log_ignored_fields(request.body, struct)
+        return body
     except msgspec.ValidationError as error:
         message = str(error)
         param = None
@@ -51,6 +53,16 @@ def decode_body(request: Request, struct: type):
         raise bad_request(message, param) from None
     except msgspec.DecodeError as error:
         raise bad_request(f"The request body is not valid JSON: {error}") from None
+
+
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _log_ignored_fields(raw: bytes, struct: type) -> None:
+    unknown = _top_level.decode(raw).keys() - set(struct.__struct_fields__)
+    if unknown:
+        logger.warning("The following fields were present in the request but ignored: %s",
+                       sorted(unknown))
 
 
 class OpenAIApp:

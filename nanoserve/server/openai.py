@@ -99,6 +99,9 @@ class ServingContext:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.",
+                              "stream_options")
         defaults = self.generation_defaults
 
         def pick(name: str, fallback: float) -> Any:

@@ -136,7 +136,7 @@ def test_chat_n2_logprobs_streamed(tiny_server):
     assert len(content) == 3 and all(e.bytes == list(e.token.encode()) for e in content)
 
 
-def test_unknown_fields_ignored_and_vllm_extras(tiny_server):
+def test_unknown_fields_ignored_and_vllm_extras(tiny_server, caplog):
     body = {"prompt": "hello", "max_tokens": 3, "temperature": 0, "some_future_field": {"x": 1},
             "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "min_tokens": 2,
             "ignore_eos": True, "stop_token_ids": [0], "skip_special_tokens": False,
@@ -145,6 +145,7 @@ def test_unknown_fields_ignored_and_vllm_extras(tiny_server):
     status, _, response = http_request(tiny_server.port, "POST", "/v1/completions", json.dumps(body))
     assert status == 200, response
     assert json.loads(response)["usage"]["completion_tokens"] == 3
+    assert "some_future_field" in caplog.text  # ignored, with a log line
 
 
 def test_tokenize_detokenize(tiny_server):
@@ -168,6 +169,8 @@ def test_tokenize_detokenize(tiny_server):
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
 ])
 def test_invalid_fields_are_400(tiny_server, body, param):
     status, _, response = http_request(tiny_server.port, "POST", "/v1/completions", json.dumps(body))
