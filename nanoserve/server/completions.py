@@ -78,7 +78,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     prompts = await normalize_prompts(ctx, request.prompt, request.add_special_tokens)
-    params = ctx.sampling_params(request, request.max_tokens, request.logprobs)
+    max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
+    params = ctx.sampling_params(request, max_tokens, request.logprobs)
     base_id = random_id("cmpl")
     created = int(time.time())
     streams = await ctx.submit(base_id, prompts, params, request.priority)

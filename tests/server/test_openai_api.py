@@ -146,6 +146,9 @@ def test_unknown_fields_ignored_and_vllm_extras(tiny_server, caplog):
     assert status == 200, response
     assert json.loads(response)["usage"]["completion_tokens"] == 3
     assert "some_future_field" in caplog.text  # ignored, with a log line
+    status, _, response = http_request(tiny_server.port, "POST", "/v1/completions", json.dumps(
+        {"prompt": "hello", "max_tokens": None, "ignore_eos": True}))
+    assert status == 200 and json.loads(response)["usage"]["completion_tokens"] == 16
 
 
 def test_tokenize_detokenize(tiny_server):
