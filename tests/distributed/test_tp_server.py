@@ -137,3 +137,13 @@ def test_killed_worker_fails_requests_and_exits_nonzero(tiny_llama_dir):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_ctrl_c_stops_every_rank(tiny_llama_dir):
+    server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
+                           "--num-kv-blocks", "64")
+    workers = server.children()
+    assert workers
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=60) == 0
+    assert not any(pid_alive(pid) for pid in workers)  # stopped and joined, not left to die
