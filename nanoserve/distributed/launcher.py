@@ -167,10 +167,7 @@ class WorkerGroup:
         self._stopping = True
         for process in self.processes:
             process.join(timeout)
-        for process in self.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(1)
+        self.kill()
 
     def kill(self) -> None:
         self._stopping = True
@@ -178,7 +175,7 @@ class WorkerGroup:
             if process.is_alive():
                 process.kill()
         for process in self.processes:
-            process.join(1)
+            process.join()  # SIGKILL cannot be ignored: this returns, and reaps the child
 
 
 def run_node(config: EngineConfig, model_dir: str) -> int:

@@ -146,4 +146,5 @@ def test_ctrl_c_stops_every_rank(tiny_llama_dir):
     assert workers
     server.proc.send_signal(signal.SIGINT)
     assert server.proc.wait(timeout=60) == 0
-    assert not any(pid_alive(pid) for pid in workers)  # stopped and joined, not left to die
+    alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in workers if pid_alive(pid)]
+    assert not alive  # stopped and joined, not left to die
