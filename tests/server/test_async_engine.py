@@ -1,36 +1,114 @@
-"""The async engine and the server around it, on a fake engine: the loop stays responsive while
-steps run, aborts land within one step, overload gives 503, and a failed step kills the engine
-visibly (error chunk, /health 503) without hanging anyone."""
+"""The async engine and the server around it, on the real LLMEngine and random Llama checkpoints:
+the loop stays responsive while steps run, aborts land within one step, overload gives 503, and a
+failed step kills the engine visibly (error chunk, /health 503) without hanging anyone.
+
+Nothing here is a stand-in: the engine is the real one. Where a test needs to watch or break it,
+it wraps a method of the real object (a spy that counts `step` calls, a fault injected into
+`engine.runner.execute`), and where it needs slow steps it serves a larger random model."""
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 
 import pytest
 
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
-from tests.server.fake_engine import FakeEngine
+from tests.conftest import write_random_llama
 from tests.server.server_helpers import LoopThread, connect, http_request, read_response
 
 
+@pytest.fixture(scope="module")
+def slow_llama_dir(tmp_path_factory):
+    """A random Llama large enough that one step of a full batch takes tens of milliseconds on a
+    small CPU, so "within one step" and "well under one step" can be observed."""
+    return write_random_llama(tmp_path_factory.mktemp("slow-llama"), hidden_size=512, num_layers=4,
+                              num_heads=8, num_kv_heads=4, intermediate_size=1024)
+
+
+class Served:
+    """A real LLMEngine served over real sockets on a background event loop (as ServerHandle, but
+    the engine is built first, so a test can use or instrument it before serving starts)."""
+
+    def __init__(self, engine: LLMEngine, **options) -> None:
+        self.engine = engine
+        self.loop_thread = LoopThread()
+        self.server = self.loop_thread.call(
+            lambda: start_server(engine, ServerOptions(port=0, **options)))
+        self.port = self.server.port
+
+    def close(self) -> None:
+        self.loop_thread.call(lambda: self.server.shutdown(0.5))
+        self.loop_thread.close()
+
+
 @pytest.fixture
-def fake_server():
-    started = []
+def serve():
+    started: list[Served] = []
 
-    def start(engine: FakeEngine, **options):
-        loop_thread = LoopThread()
-        server = loop_thread.call(lambda: start_server(engine, ServerOptions(port=0, **options)))
-        started.append((loop_thread, server))
-        return server
+    def start(engine: LLMEngine, **options) -> Served:
+        served = Served(engine, **options)
+        started.append(served)
+        return served
     yield start
-    for loop_thread, server in started:
-        loop_thread.call(lambda: server.shutdown(0.5))
-        loop_thread.close()
+    for served in started:
+        served.close()
 
 
-def post(port, path, body, timeout=30.0):
+def build_engine(model_dir, **engine_kwargs) -> LLMEngine:
+    # A KV pool sized for these tests (the CPU default zeroes 2 GiB: seconds per engine).
+    engine_kwargs.setdefault("num_kv_blocks", 256)
+    return LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+
+
+class StepSpy:
+    """Wraps the real engine's `step`: counts calls, records each call's thread and wall time, and
+    lets a test wait for the next step to begin. The real step does all the work."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.real_step = engine.step
+        self.started = 0
+        self.finished = 0
+        self.durations: list[float] = []
+        self.thread_ids: set[int] = set()
+        self.aborts: list[tuple[str, int]] = []  # (request id, steps started when aborted)
+        self.cond = threading.Condition()
+        real_abort = engine.abort_request
+
+        def abort_request(request_id):
+            self.aborts.append((request_id, self.started))
+            real_abort(request_id)
+        engine.step = self
+        engine.abort_request = abort_request
+
+    def __call__(self):
+        with self.cond:
+            self.started += 1
+            self.thread_ids.add(threading.get_ident())
+            self.cond.notify_all()
+        start = time.perf_counter()
+        try:
+            return self.real_step()
+        finally:
+            self.durations.append(time.perf_counter() - start)
+            with self.cond:
+                self.finished += 1
+                self.cond.notify_all()
+
+    def wait_for_next_step(self, timeout: float = 30.0) -> int:
+        """Block until a step begins after this call; returns that step's number."""
+        with self.cond:
+            seen = self.started
+            assert self.cond.wait_for(lambda: self.started > seen, timeout), "no step began"
+            return self.started
+
+
+def post(port, path, body, timeout=60.0):
     return http_request(port, "POST", path, json.dumps(body), timeout=timeout)
 
 
@@ -43,107 +121,176 @@ def sse_events(body: bytes) -> list:
     return events
 
 
-def test_loop_answers_while_steps_run(fake_server):
-    engine = FakeEngine(step_seconds=0.25)
-    server = fake_server(engine)
+def wait_until(condition, timeout: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_loop_answers_while_steps_run(serve, slow_llama_dir):
+    engine = build_engine(slow_llama_dir)
+    spy = StepSpy(engine)
+    served = serve(engine)
+    num_streams, max_tokens = 32, 64
     results = []
-    clients = [threading.Thread(target=lambda: results.append(post(
-        server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "stream": True})))
-        for _ in range(4)]
+    body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    clients = [threading.Thread(target=lambda: results.append(post(served.port, "/v1/completions",
+                                                                  body)))
+               for _ in range(num_streams)]
     for thread in clients:
         thread.start()
-    deadline = time.monotonic() + 10
-    while engine.num_steps < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    for path in ("/health", "/metrics", "/v1/models"):
+    # The whole batch is decoding: every step now runs all 32 sequences.
+    wait_until(lambda: served.server.engine.stats.num_running == num_streams, what="full batch")
+    probes = []  # (path, seconds, answered before the step it started in had finished)
+    for path in ("/health", "/metrics", "/v1/models") * 3:
+        step = spy.wait_for_next_step()
         start = time.monotonic()
-        assert http_request(server.port, "GET", path, timeout=5)[0] == 200
-        assert time.monotonic() - start < 0.15, path  # well under one 0.25 s step
+        assert http_request(served.port, "GET", path, timeout=30)[0] == 200
+        probes.append((path, time.monotonic() - start, spy.finished < step))
+    running_while_probed = served.server.engine.stats.num_running
     for thread in clients:
-        thread.join(30)
-    assert len(results) == 4 and all(status == 200 for status, _, _ in results)
-    assert threading.main_thread().ident not in engine.thread_ids
-    steps = engine.num_steps
+        thread.join(120)
+    assert len(results) == num_streams and all(status == 200 for status, _, _ in results)
+    for _, _, stream in results:
+        events = sse_events(stream)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    # Measured, not assumed: the real step time on this machine, now, under this load.
+    step_seconds = statistics.median(spy.durations)
+    print(f"step median {step_seconds * 1e3:.1f} ms over {len(spy.durations)} steps; probes "
+          + ", ".join(f"{path} {seconds * 1e3:.1f} ms" for path, seconds, _ in probes))
+    for path, seconds, within_step in probes:
+        # A loop blocked by the step would answer only when the step ends: a whole step late.
+        assert seconds < 0.6 * step_seconds, (path, seconds, step_seconds)
+    assert sum(within_step for _, _, within_step in probes) >= len(probes) - 1, probes
+    assert running_while_probed == num_streams  # probed under full load
+    # Steps run on one worker thread: never on the event loop's thread, nor the main thread.
+    assert len(spy.thread_ids) == 1
+    assert spy.thread_ids.isdisjoint({served.loop_thread.thread.ident,
+                                      threading.main_thread().ident})
+    steps = spy.started
     time.sleep(0.3)
-    assert engine.num_steps == steps  # idle: no stepping without work
+    assert spy.started == steps  # idle: no stepping without work
 
 
-def test_disconnect_aborts_within_one_step(fake_server):
-    engine = FakeEngine(step_seconds=0.05)
-    server = fake_server(engine)
-    sock = connect(server.port)
-    payload = json.dumps({"prompt": "x", "max_tokens": 200, "stream": True}).encode()
+def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
+    engine = build_engine(slow_llama_dir)
+    spy = StepSpy(engine)
+    served = serve(engine)
+    sock = connect(served.port)
+    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True,
+                          "stream": True}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
     data = b""
     while data.count(b"data: ") < 2:
         data += sock.recv(4096)
-    steps_at_close = engine.num_steps
+    steps_at_close = spy.started
     sock.close()
-    deadline = time.monotonic() + 5
-    while not engine.aborted:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert engine.aborted[0][1] <= steps_at_close + 2  # the running step, then the abort
+    wait_until(lambda: spy.aborts, timeout=10, what="the abort")
+    assert len(spy.aborts) == 1
+    # the running step, then the abort
+    assert spy.aborts[0][1] <= steps_at_close + 2, (spy.aborts, steps_at_close, spy.durations)
+    wait_until(lambda: spy.finished == spy.started, timeout=10, what="the last step")
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.generation_tokens_total < 200  # really stopped, not run to the end
+    steps = spy.started
+    time.sleep(0.2)
+    assert spy.started == steps
+
+
+def test_waiting_limit_gives_503(serve, tiny_llama_dir):
+    engine = build_engine(tiny_llama_dir, max_num_seqs=1)  # one runs, the rest queue in the engine
+    served = serve(engine, max_waiting_requests=2)
+    results = {}
+    # The first request runs long, so two others stay queued behind it while the test probes.
+    lengths = {0: 400, 1: 50, 2: 50}
+
+    def run(name):
+        results[name] = post(served.port, "/v1/completions", {
+            "prompt": "x", "max_tokens": lengths[name], "ignore_eos": True, "temperature": 0})
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    threads[0].start()
+    wait_until(lambda: served.server.engine.stats.num_running == 1, what="the first request")
+    for thread in threads[1:]:
+        thread.start()
+    wait_until(lambda: served.server.engine.stats.num_waiting >= 2, what="two waiting requests")
+    status, headers, reply = post(served.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 503 and json.loads(reply)["error"]["code"] == 503
+    assert headers.get("retry-after") == "1"
+    assert engine.generation_tokens_total < 400  # decided while the first one still ran
+    for thread in threads:
+        thread.join(60)
+    for i, length in lengths.items():  # the others were not disturbed
+        status, _, reply = results[i]
+        assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == length
+    assert engine.stats().num_waiting == 0 and not engine.requests
+
+
+def test_prompt_too_long_is_400_with_vllm_wording(serve, tiny_llama_dir):
+    engine = build_engine(tiny_llama_dir, max_model_len=16)
+    served = serve(engine)
+    num_tokens = len(engine.tokenizer.encode("y" * 40))
+    assert num_tokens > 16
+    status, _, body = post(served.port, "/v1/completions", {"prompt": "y" * 40})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "input_tokens"
+    assert error["message"].startswith(f"This model's maximum context length is 16 tokens. "
+                                       f"However, your request has {num_tokens} input tokens.")
     assert not engine.requests
 
 
-def test_waiting_limit_gives_503(fake_server):
-    engine = FakeEngine(step_seconds=0.05, max_running=1)
-    server = fake_server(engine, max_waiting_requests=2)
-    results = {}
+def test_dead_engine(serve, tiny_llama_dir):
+    engine = build_engine(tiny_llama_dir)
+    real_execute = engine.runner.execute
+    calls = []
 
-    def run(name):
-        results[name] = post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 12})
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 10
-    while server.engine.num_waiting < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    status, headers, body = post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-    assert status == 503 and json.loads(body)["error"]["code"] == 503
-    assert headers.get("retry-after") == "1"
-    for thread in threads:
-        thread.join(30)
-    assert all(results[i][0] == 200 for i in range(3))  # the others were not disturbed
-
-
-def test_prompt_too_long_is_400_with_vllm_wording(fake_server):
-    server = fake_server(FakeEngine(max_model_len=16))
-    status, _, body = post(server.port, "/v1/completions", {"prompt": "y" * 40})
-    error = json.loads(body)["error"]
-    assert status == 400 and error["param"] == "input_tokens"
-    assert error["message"].startswith("This model's maximum context length is 16 tokens. "
-                                       "However, your request has 40 input tokens.")
-
-
-def test_dead_engine(fake_server):
-    engine = FakeEngine(step_seconds=0.02, fail_on_step=4)
-    server = fake_server(engine)
-    status, _, body = post(server.port, "/v1/completions",
-                           {"prompt": "x", "max_tokens": 50, "stream": True})
+    def execute(*args, **kwargs):  # the device fails on the engine's 4th forward pass
+        calls.append(1)
+        if len(calls) >= 4:
+            raise RuntimeError("simulated device failure")
+        return real_execute(*args, **kwargs)
+    engine.runner.execute = execute
+    served = serve(engine)
+    status, _, body = post(served.port, "/v1/completions",
+                           {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True})
     events = sse_events(body)
     assert status == 200 and events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["code"] == 503
-    assert http_request(server.port, "GET", "/health")[0] == 503
-    status, _, body = post(server.port, "/v1/completions", {"prompt": "x", "max_tokens": 5})
+    assert "simulated device failure" in events[-2]["error"]["message"]
+    tokens = events[:-2]  # what the three good steps produced came first
+    assert tokens and all(event["choices"][0]["finish_reason"] is None for event in tokens)
+    assert served.server.engine.is_dead
+    assert http_request(served.port, "GET", "/health")[0] == 503
+    status, _, body = post(served.port, "/v1/completions", {"prompt": "x", "max_tokens": 5})
     assert status == 503
-    status, _, body = post(server.port, "/v1/chat/completions",
+    status, _, body = post(served.port, "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "x"}], "stream": True})
     assert status == 503
+    assert len(calls) == 4  # a dead engine is never stepped again
 
 
-def test_pipelined_api_requests_and_keep_alive(fake_server):
-    server = fake_server(FakeEngine())
-    sock = connect(server.port)
-    body = json.dumps({"prompt": "x", "max_tokens": 3}).encode()
+def test_pipelined_api_requests_and_keep_alive(serve, tiny_llama_dir):
+    engine = build_engine(tiny_llama_dir)
+    # The reference: the same engine, offline, before it is served.
+    engine.add_request("reference", "x", SamplingParams(max_tokens=3, temperature=0,
+                                                        ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    expected = outputs[0].outputs[0]
+    assert len(expected.token_ids) == 3
+    served = serve(engine)
+    sock = connect(served.port)
+    body = json.dumps({"prompt": "x", "max_tokens": 3, "temperature": 0,
+                       "ignore_eos": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
     sock.sendall(request + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n" + request)
-    first, second, third = (read_response(sock) for _ in range(3))
-    assert first[0] == 200 and json.loads(first[2])["choices"][0]["text"] == "aaa"
+    first, second, third = (read_response(sock, timeout=30) for _ in range(3))
     assert second[0] == 200 and second[2] == b""
-    assert third[0] == 200 and json.loads(third[2])["usage"]["completion_tokens"] == 3
+    for status, _, reply in (first, third):
+        reply = json.loads(reply)
+        assert status == 200 and reply["choices"][0]["text"] == expected.text
+        assert reply["usage"]["completion_tokens"] == 3
+    sock.close()
