@@ -52,9 +52,12 @@ def payload_size(header: list[int]) -> int:
 
 
 def broadcast_stop(device: torch.device) -> None:
+    """Tell every rank to leave its loop, and wait until all have read it: without the barrier
+    rank 0 could tear its connections down before a peer has read the message."""
     header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
     header[0] = CMD_STOP
     dist.broadcast(header, src=0)
+    dist.barrier()
 
 
 def _die_with_parent() -> None:

@@ -209,6 +209,7 @@ class ModelRunner:
             dist.broadcast(header, src=0)
             values = header.tolist()
             if values[0] == CMD_STOP:
+                dist.barrier()  # the other half of broadcast_stop's handshake
                 return
             payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)

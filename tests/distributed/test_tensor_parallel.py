@@ -99,7 +99,8 @@ def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
         assert node0.returncode == 0, node0.stderr[-2000:]
         result = next(line for line in node0.stdout.splitlines() if line.startswith("RESULT "))
         assert json.loads(result[len("RESULT "):]) == ref
-        assert node1.wait(timeout=60) == 0  # rank 0's shutdown stops the other node too
+        code = node1.wait(timeout=60)
+        assert code == 0, node1.stdout.read()[-3000:]  # rank 0's shutdown stops the other node too
     finally:
         if node1.poll() is None:
             node1.kill()
