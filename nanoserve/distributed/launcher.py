@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -147,35 +148,42 @@ class WorkerGroup:
             callback(self.failure)
 
     def _watch(self) -> None:
+        """The only place that reaps the ranks (two threads joining one process race for its
+        exit code). A rank that exits non-zero while we are not stopping is a failure."""
         from multiprocessing.connection import wait
 
         sentinels = {p.sentinel: p for p in self.processes}
-        while sentinels and not self._stopping:
-            for ready in wait(list(sentinels), timeout=0.5):
+        while sentinels:
+            for ready in wait(list(sentinels)):
                 process = sentinels.pop(ready)
-                if self._stopping:
-                    return
-                process.join(1)
-                self.failure = (f"tensor-parallel worker {process.name} died "
-                                f"(exit code {process.exitcode})")
+                process.join()
+                if self._stopping or process.exitcode == 0 or self.failure is not None:
+                    continue
+                self.failure = f"tensor-parallel worker {process.name} died (exit code {process.exitcode})"
                 logger.error(self.failure)
-                for callback in self._on_failure:
+                for callback in list(self._on_failure):
                     callback(self.failure)
-                return
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every rank has exited and been reaped; True if they have."""
+        self._watchdog.join(timeout)
+        return not self._watchdog.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """After rank 0 broadcast STOP: give the ranks `timeout` seconds to exit, then kill."""
         self._stopping = True
-        for process in self.processes:
-            process.join(timeout)
-        self.kill()
+        if not self.wait(timeout):
+            self.kill()
 
     def kill(self) -> None:
         self._stopping = True
         for process in self.processes:
-            if process.is_alive():
-                process.kill()
-        for process in self.processes:
-            process.join()  # SIGKILL cannot be ignored: this returns, and reaps the child
+            if process.exitcode is None:
+                try:
+                    process.kill()
+                except (OSError, ValueError):  # already reaped
+                    pass
+        self.wait()  # SIGKILL cannot be ignored: the watchdog reaps them all
 
 
 def run_node(config: EngineConfig, model_dir: str) -> int:
@@ -195,7 +203,9 @@ def run_node(config: EngineConfig, model_dir: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     print(f"nanoserve: node {config.node_rank}/{config.nnodes} running ranks "
           f"{list(topology.local_ranks)}, rendezvous {topology.init_method}", flush=True)
-    for process in group.processes:
-        process.join()
-    codes = [p.exitcode for p in group.processes]
-    return 0 if all(code == 0 for code in codes) else 1
+    group.wait()
+    codes = {p.name: p.exitcode for p in group.processes}
+    if any(code != 0 for code in codes.values()):
+        print(f"nanoserve: node {config.node_rank}: rank exit codes {codes}", file=sys.stderr, flush=True)
+        return 1
+    return 0
