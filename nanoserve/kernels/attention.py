@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from nanoserve.kernels.triton_utils import (
     cdiv,
     check_float_dtype,
+    check_kv_cache_pair,
     check_triton_device,
     lazy_jit,
     multiprocessor_count,
@@ -182,12 +183,7 @@ def _merge_splits_kernel(
 def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens):
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache and value_cache must be the same 4-D shape [num_blocks, "
-                         f"block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
-                         f"and {tuple(value_cache.shape)}")
-    if key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must have the same strides")
+    check_kv_cache_pair(key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_dim:

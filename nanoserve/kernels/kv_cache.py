@@ -11,6 +11,7 @@ from nanoserve.kernels.triton_utils import (
     cdiv,
     check_float_dtype,
     check_int_dtype,
+    check_kv_cache_pair,
     check_triton_device,
     lazy_jit,
     next_power_of_2,
@@ -59,12 +60,7 @@ def store_kvcache_triton(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Same contract as :func:`store_kvcache_reference`; any strides on every tensor."""
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache and value_cache must be the same 4-D shape "
-                         f"[num_blocks, block_size, num_kv_heads, head_dim], got "
-                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    if key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must have the same strides")
+    check_kv_cache_pair(key_cache, value_cache)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_tokens = key.shape[0] if key.dim() == 3 else -1
     expected = (num_tokens, num_kv_heads, head_dim)
@@ -111,15 +107,14 @@ def store_kvcache_reference(
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
         return
+    blocks, offsets = slots // block_size, slots % block_size
     head_major_k, head_major_v = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
     if head_major_k.is_contiguous() and head_major_v.is_contiguous():
         # [blocks, heads, block_size, dim] underneath: row (block * heads + head) * block_size + offset.
-        blocks, offsets = slots // block_size, slots % block_size
         heads = torch.arange(num_kv_heads, device=slots.device)
         rows = ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).flatten()
         head_major_k.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim).to(key_cache.dtype))
         head_major_v.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim).to(value_cache.dtype))
         return
-    blocks, offsets = slots // block_size, slots % block_size
     key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
     value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))

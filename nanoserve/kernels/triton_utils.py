@@ -72,6 +72,16 @@ def check_triton_device(*tensors: torch.Tensor) -> torch.device:
     return device
 
 
+def check_kv_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Both caches [num_blocks, block_size, num_kv_heads, head_dim] with one shape and strides."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"key_cache and value_cache must be the same 4-D shape [num_blocks, "
+                         f"block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
+                         f"and {tuple(value_cache.shape)}")
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same strides")
+
+
 def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
