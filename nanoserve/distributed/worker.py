@@ -33,12 +33,17 @@ def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return header, payload
 
 
+def _part_sizes(header: list[int]) -> list[int]:
+    """Lengths of the payload's parts, in pack_step's order."""
+    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _ = header
+    return [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
+
+
 def unpack_step(header: list[int], payload: torch.Tensor):
     from nanoserve.engine.model_runner import ModelInput
 
-    _, num_tokens, num_seqs, max_blocks, num_logits, max_seqlen_q, max_seqlen_k, _ = header
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
-    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(sizes)
+    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, _ = header
+    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
     metadata = AttentionMetadata(
         slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
         cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
@@ -47,8 +52,7 @@ def unpack_step(header: list[int], payload: torch.Tensor):
 
 
 def payload_size(header: list[int]) -> int:
-    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _ = header
-    return 3 * num_tokens + num_seqs * max_blocks + 2 * num_seqs + 1 + num_logits
+    return sum(_part_sizes(header))
 
 
 def broadcast_stop(device: torch.device) -> None:

@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -52,7 +52,6 @@ class Request:
     metrics: RequestMetrics
     finished: bool = False
     prompt_counted: bool = False
-    aborted: bool = field(default=False)
 
 
 def resolve_model_dir(model: str | None) -> Path:

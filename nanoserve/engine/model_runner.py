@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_tp_rank, get_tp_world_size
+from nanoserve.distributed.launcher import resolve_device_type
 from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
@@ -40,10 +41,7 @@ class ModelRunner:
                  device: torch.device | None = None):
         self.config = config
         self.model_config = model_config
-        if device is None:
-            device = torch.device(
-                ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device)
-        self.device = device
+        self.device = device if device is not None else torch.device(resolve_device_type(config))
         self.rank = get_tp_rank()
         self.world_size = get_tp_world_size()
         self.dtype = model_config.resolve_dtype(config.dtype)
