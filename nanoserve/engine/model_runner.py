@@ -149,8 +149,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_seqs = []
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        block_table = torch.zeros((len(scheduled), max_blocks), dtype=torch.int32)
-        for row, item in enumerate(scheduled):
+        block_rows: list[list[int]] = []  # padded with block 0, never read past seq_lens
+        for item in scheduled:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -160,14 +160,14 @@ class ModelRunner:
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
             seq_lens.append(end)
-            block_table[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            block_rows.append(table + [0] * (max_blocks - len(table)))
             if item.completes_prompt:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
                 sampling_seqs.append(seq)
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
-            block_table=block_table.to(device, non_blocking=True),
+            block_table=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
             max_seqlen_q=max(s.num_new_tokens for s in scheduled),
