@@ -29,6 +29,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     max_logprobs: int = 20
+    max_n_sequences: int = 128  # most outputs per request (`n`), as vLLM's VLLM_MAX_N_SEQUENCES
     disable_log_stats: bool = True
     # Distributed rendezvous (multi-node); None = single host.
     nnodes: int = 1
@@ -54,6 +55,8 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.max_n_sequences < 1:
+            raise ValueError(f"max_n_sequences must be >= 1, got {self.max_n_sequences}")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -2,7 +2,11 @@
 naming the field."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, inside every index type
 
 
 @dataclass(slots=True)
@@ -45,42 +49,65 @@ class SamplingParams:
         def fail(name: str, message: str) -> None:
             raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1")
-        if self.temperature < 0.0:
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def check_int(name: str, low: int, high: int, message: str) -> None:
+            value = getattr(self, name)
+            if not is_int(value) or not low <= value <= high:
+                fail(name, message)
+
+        def check_float(name: str) -> float:
+            value = getattr(self, name)
+            if is_int(value):
+                value = float(value)
+            if not isinstance(value, float) or not math.isfinite(value):
+                fail(name, "must be a finite number")
+            return value
+
+        check_int("n", 1, INT32_MAX, f"must be an integer in [1, {INT32_MAX}]")
+        if check_float("temperature") < 0.0:
             fail("temperature", "must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < check_float("top_p") <= 1.0:
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "must be -1 (off), 0 (off) or a positive integer")
-        if not 0.0 <= self.min_p <= 1.0:
+        check_int("top_k", 0, INT32_MAX,
+                  f"must be -1 (off), 0 (off) or an integer in [1, {INT32_MAX}]")
+        if not 0.0 <= check_float("min_p") <= 1.0:
             fail("min_p", "must be in [0, 1]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not -2.0 <= check_float("presence_penalty") <= 2.0:
             fail("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not -2.0 <= check_float("frequency_penalty") <= 2.0:
             fail("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0.0:
+        if check_float("repetition_penalty") <= 0.0:
             fail("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None:
+            check_int("max_tokens", 1, INT32_MAX, f"must be an integer in [1, {INT32_MAX}]")
+        check_int("min_tokens", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            fail("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            fail("prompt_logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            fail("stop_token_ids", f"must be token ids in [0, {INT32_MAX}]")
+        if self.logprobs is not None:
+            check_int("logprobs", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
+        if self.seed is not None:
+            # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
+            check_int("seed", INT64_MIN, INT64_MAX,
+                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit)")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a mapping of token id to bias")
             for token, bias in self.logit_bias.items():
-                if not -100.0 <= float(bias) <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for {token}")
+                if not is_int(token) or not 0 <= token <= INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], "
+                                     f"got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                        not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
+                                     f"for {token}")
 
     @property
     def greedy(self) -> bool:

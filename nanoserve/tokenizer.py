@@ -4,18 +4,26 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 from tokenizers import Tokenizer as BackendTokenizer
 
 
 class ChatTemplateError(ValueError):
     """The chat template is missing, or refused to render these messages."""
+
+
+_GIL_FREE_ENCODE_CHARS = 4096
+# A rendered chat template, or any string or list a template builds, is capped at this many items
+# (a template can otherwise build a gigabyte string from a few bytes of source).
+MAX_TEMPLATE_OUTPUT = 64 * 1024 * 1024
 
 
 def _read_json(path: Path) -> dict:
@@ -89,7 +97,12 @@ class Tokenizer:
     # ------------------------------------------------------------------ ids and text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # encode_batch releases the GIL (encode does not): a long text tokenized on a worker
+            # thread then leaves the event loop free.
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -149,7 +162,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, continue_final_message: bool = False,
-                            **template_kwargs: Any) -> str:
+                            deadline: float | None = None, **template_kwargs: Any) -> str:
+        """`deadline` (time.monotonic()): rendering stops with ChatTemplateError once past it."""
         template = chat_template or self.chat_template
         if not template:
             raise ChatTemplateError(
@@ -171,8 +185,8 @@ class Tokenizer:
                    "pad_token": self.pad_token, "unk_token": self.unk_token,
                    "tools": None, "documents": None, **template_kwargs}
         try:
-            rendered = _compile_template(template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            rendered = _render(_compile_template(template), deadline, dict(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context))
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template failed to render: {error}") from error
         if continue_final_message:
@@ -219,12 +233,79 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise ChatTemplateError("chat template rendering took too long")
+
+
+def _render(template: jinja2.Template, deadline: float | None, context: dict) -> str:
+    """Render piece by piece, so the output size and the time are bounded as it grows."""
+    parts: list[str] = []
+    size = 0
+    with _deadline_scope(deadline):
+        for part in template.generate(**context):
+            size += len(part)
+            if size > MAX_TEMPLATE_OUTPUT:
+                raise ChatTemplateError(
+                    f"the chat template's output exceeds {MAX_TEMPLATE_OUTPUT} characters")
+            _check_deadline(deadline)
+            parts.append(part)
+    return "".join(parts)
+
+
+_render_deadline = threading.local()
+
+
+class _deadline_scope:
+    """Makes `deadline` visible to the sandbox hooks (range, operators) on this thread."""
+
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def __enter__(self) -> None:
+        _render_deadline.value = self.deadline
+
+    def __exit__(self, *exc) -> None:
+        _render_deadline.value = None
+
+
+def _current_deadline() -> float | None:
+    return getattr(_render_deadline, "value", None)
+
+
+def _bounded_range(*args: int):
+    # The sandbox caps one range's length; nested loops still multiply, so check the clock too.
+    for index, value in enumerate(safe_range(*args)):
+        if index % 1024 == 0:
+            _check_deadline(_current_deadline())
+        yield value
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus bounds on what `*` and `**` can build (a huge string, a huge integer)."""
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _check_deadline(_current_deadline())
+        if operator == "**":
+            if isinstance(right, int) and abs(right) > 64 and \
+                    not (isinstance(left, (int, float)) and abs(left) <= 1):
+                raise ChatTemplateError("exponent too large in the chat template")
+        elif isinstance(left, int) and isinstance(right, (str, list, tuple)):
+            left, right = right, left
+        if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
+            if len(left) * right > MAX_TEMPLATE_OUTPUT:
+                raise ChatTemplateError("the chat template builds a value that is too large")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_template(template: str) -> jinja2.Template:
     # Chat templates come with downloaded models: untrusted code, so sandboxed. trim_blocks and
     # lstrip_blocks match transformers, which is what template authors test against.
-    environment = ImmutableSandboxedEnvironment(
+    environment = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment.globals["range"] = _bounded_range
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now

@@ -3,8 +3,11 @@
 Requests and aborts enter an asyncio.Queue. One step coroutine owns the engine: between steps it
 drains the queue into `add_request` / `abort_request`, then runs `engine.step()` on a worker
 thread so the event loop keeps answering (torch releases the GIL in its kernels), and hands each
-request's output to that request's `RequestStream`. With no work it sleeps on the queue. If a
-step raises, the engine is dead: every stream gets the error and `is_dead` turns true.
+request's output to that request's `RequestStream`. With no work it sleeps on the queue.
+
+A step that fails because of its requests (`StepError`) fails only those requests. Any other
+failure (a dead rank, a device fault), or `MAX_CONSECUTIVE_STEP_ERRORS` failed steps in a row,
+means the engine is dead: every stream gets the error and `is_dead` turns true.
 """
 from __future__ import annotations
 
@@ -15,10 +18,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nanoserve.engine.llm_engine import StepError
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
+
+# Steps failing one after another, each with other requests, point at the engine, not a request.
+MAX_CONSECUTIVE_STEP_ERRORS = 8
 
 
 class EngineDeadError(RuntimeError):
@@ -90,6 +97,7 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    already_failed: bool = False  # its stream was failed and removed: only the engine is left
 
 
 def new_step_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -123,6 +131,7 @@ class AsyncLLMEngine:
         self.dead_error: BaseException | None = None
         self.stats = engine.stats()
         self.num_queued_adds = 0
+        self.consecutive_step_errors = 0
         self._step_thread = step_executor or new_step_executor()
         self._task: asyncio.Task | None = None
 
@@ -188,7 +197,16 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished_requests():
                     self.stats = self.engine.stats()
                     continue
-                outputs = await loop.run_in_executor(self._step_thread, self.engine.step)
+                try:
+                    outputs = await loop.run_in_executor(self._step_thread, self.engine.step)
+                except StepError as error:
+                    self.consecutive_step_errors += 1
+                    if self.consecutive_step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
+                        raise
+                    self._fail_requests(error.request_ids, error)
+                    self.stats = self.engine.stats()
+                    continue
+                self.consecutive_step_errors = 0
                 self._dispatch(outputs)
                 self.stats = self.engine.stats()
                 if not self.overlap_streaming:
@@ -202,6 +220,9 @@ class AsyncLLMEngine:
 
     def _handle(self, item: _Add | _Abort) -> None:
         if isinstance(item, _Abort):
+            if item.already_failed:
+                self.engine.abort_request(item.request_id)
+                return
             stream = self.streams.pop(item.request_id, None)
             if stream is None or stream.finished:
                 return
@@ -248,6 +269,25 @@ class AsyncLLMEngine:
                 if observer is not None:
                     reason = (output.outputs[0].finish_reason if output.outputs else None) or "stop"
                     observer.on_finished(output, reason, now - stream.arrival_time, num_generated)
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        """The engine already dropped these requests; their readers get the error."""
+        for request_id in request_ids:
+            stream = self.streams.pop(request_id, None)
+            if stream is None:
+                continue
+            stream.fail(error)
+            if self.observer is not None:
+                self.observer.on_finished(None, "abort", time.time() - stream.arrival_time,
+                                          stream.num_generated)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight (shutdown's grace period ran out); the engine drops them
+        within one step."""
+        request_ids = [rid for rid, stream in self.streams.items() if not stream.finished]
+        self._fail_requests(request_ids, error)
+        for request_id in request_ids:
+            self.intake.put_nowait(_Abort(request_id, already_failed=True))
 
     def _die(self, exc: BaseException) -> None:
         self.dead_error = exc

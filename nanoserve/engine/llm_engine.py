@@ -29,6 +29,25 @@ from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class StepError(RuntimeError):
+    """A step failed because of what the requests in it asked for (not a dead device or rank).
+    Those requests were aborted; the engine serves on. `request_ids`: the requests that failed."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the request failed during a model step: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+def _is_device_fault(error: BaseException) -> bool:
+    """A fault that leaves the device unusable for every request (a CUDA error poisons the
+    context), as opposed to one request's bad input."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return "CUDA error" in str(error) or "device-side assert" in str(error)
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -107,6 +126,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self.max_prompt_chars = self._max_prompt_chars()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
@@ -160,8 +180,9 @@ class LLMEngine:
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        self._check_params(params, vocab)
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
@@ -171,8 +192,9 @@ class LLMEngine:
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
                 f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
+            raise ValueError(f"min_tokens must be <= {self.max_model_len - num_prompt} (the context "
+                             f"left after {num_prompt} prompt tokens), got {params.min_tokens}")
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
@@ -187,14 +209,47 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def _check_params(self, params: SamplingParams, vocab: int) -> None:
+        """Bounds that depend on the engine (SamplingParams checked the rest when it was made)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params._validate()  # fields may have been assigned after construction
+        if params.n > self.config.max_n_sequences:
+            raise ValueError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
+                             f"got {params.n}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+
+    def _max_prompt_chars(self) -> int:
+        """No text longer than this fits in the context: each token covers at most as many
+        characters as the longest vocabulary entry. Checked before tokenizing, which is slow."""
+        backend = self.tokenizer.backend
+        longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+        return self.max_model_len * max(longest, 1)
+
+    def check_prompt_text(self, text: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {len(text)} characters of input, more than any {self.max_model_len} "
+                f"tokens can hold. Please reduce the length of the input messages.")
+
+    def _encode(self, text: str) -> list[int]:
+        self.check_prompt_text(text)
+        return self.tokenizer.encode(text)
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -237,6 +292,19 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        try:
+            return self._run_step(scheduled)
+        except Exception as error:
+            # With other ranks the step's collectives may be half done: only a restart recovers.
+            if self.dead_reason is not None or self.workers is not None or _is_device_fault(error):
+                raise
+            request_ids = list(dict.fromkeys(item.seq.request_id for item in scheduled))
+            logger.exception("a step failed; failing its %d request(s), the engine goes on",
+                             len(request_ids))
+            self.abort_request(request_ids)
+            raise StepError(request_ids, error) from error
+
+    def _run_step(self, scheduled) -> list[RequestOutput]:
         now = time.time()
         model_input = self.runner.prepare(scheduled)
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,

@@ -8,12 +8,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, new_step_executor
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ServerOptions
 from nanoserve.server.http import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import ServingContext, load_generation_defaults
+from nanoserve.server.preprocess import Preprocessor
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -26,6 +27,7 @@ class RunningServer:
     engine: AsyncLLMEngine
     app: OpenAIApp
     options: ServerOptions
+    preprocessor: Preprocessor
 
     @property
     def url(self) -> str:
@@ -35,8 +37,10 @@ class RunningServer:
         """Stop accepting, let in-flight requests finish within the grace period, abort the rest
         (their handlers abort the engine requests), then stop the engine."""
         grace = self.options.shutdown_grace_period if grace_period is None else grace_period
-        await self.http.shutdown(grace)
+        error = EngineDeadError("The server is shutting down and its grace period ran out.")
+        await self.http.shutdown(grace, on_grace_expired=lambda: self.engine.fail_all(error))
         await self.engine.stop()
+        self.preprocessor.shutdown()
 
 
 async def start_server(engine, options: ServerOptions,
@@ -46,16 +50,22 @@ async def start_server(engine, options: ServerOptions,
     metrics = ServerMetrics(engine.served_model_name)
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor)
     async_engine.start()
+    preprocessor = Preprocessor(options.preprocess_threads, options.preprocess_timeout,
+                                options.max_preprocess_in_flight)
     ctx = ServingContext(
         engine=async_engine, tokenizer=engine.tokenizer,
         served_model_name=engine.served_model_name, model_path=engine.model_path,
         max_model_len=engine.max_model_len,
         generation_defaults=load_generation_defaults(getattr(engine, "model_dir", None)),
-        max_waiting_requests=options.max_waiting_requests)
+        preprocessor=preprocessor, max_prompt_chars=engine.max_prompt_chars,
+        max_n_sequences=engine.config.max_n_sequences,
+        max_waiting_requests=options.max_waiting_requests,
+        trust_request_chat_template=options.trust_request_chat_template,
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
-    return RunningServer(host, port, http, async_engine, app, options)
+    return RunningServer(host, port, http, async_engine, app, options, preprocessor)
 
 
 def configure_logging(level: str) -> None:

@@ -10,6 +10,7 @@ import msgspec
 
 import nanoserve
 from nanoserve.engine.async_engine import EngineDeadError
+from nanoserve.engine.llm_engine import StepError
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
@@ -23,6 +24,7 @@ logger = logging.getLogger("nanoserve.server")
 
 Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
 _decoders: dict[type, msgspec.json.Decoder] = {}
+TOO_DEEP = "The request body is nested too deeply."
 
 
 def error_response(error: APIError) -> Response:
@@ -45,6 +47,8 @@ def decode_body(request: Request, struct: type):
         body = decoder.decode(request.body)
         _log_ignored_fields(request.body, struct)
         return body
+    except RecursionError:
+        raise bad_request(TOO_DEEP) from None
     except msgspec.ValidationError as error:
         message = str(error)
         param = None
@@ -101,6 +105,10 @@ class OpenAIApp:
             return error_response(error)
         except EngineDeadError as error:
             return error_response(APIError(503, str(error)))
+        except StepError as error:  # this request's step failed; the engine serves on
+            return error_response(APIError(500, str(error)))
+        except RecursionError:  # nested input that decoded, then was too deep for later work
+            return error_response(APIError(400, TOO_DEEP))
 
     def _authenticate(self, request: Request) -> None:
         header = request.header("authorization") or ""

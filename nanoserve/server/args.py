@@ -1,7 +1,10 @@
-"""Server-only command-line flags (engine flags belong to nanoserve.cli) and `run_server`."""
+"""Server-only command-line flags (engine flags belong to nanoserve.cli) and `run_server`.
+
+Each default is written once, on `ServerOptions` or `HttpLimits`; the flags read it from there."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -18,61 +21,95 @@ class ServerOptions:
     max_waiting_requests: int | None = None
     shutdown_grace_period: float = 30.0
     log_level: str = "info"
+    trust_request_chat_template: bool = False
+    enable_prompt_tokens_details: bool = False
+    preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
+    preprocess_timeout: float = 30.0
+    max_preprocess_in_flight: int = 64
     limits: HttpLimits = field(default_factory=HttpLimits)
+
+
+def _default(cls: type, name: str):
+    for item in dataclasses.fields(cls):
+        if item.name == name:
+            return item.default
+    raise KeyError(name)
+
+
+# (flag, owner, field, type, help); positive numbers unless the type is bool or optional.
+_FLAGS: list[tuple[str, type, str, type, str]] = [
+    ("--max-waiting-requests", ServerOptions, "max_waiting_requests", int,
+     "answer 503 while this many requests wait for the engine"),
+    ("--shutdown-grace-period", ServerOptions, "shutdown_grace_period", float,
+     "seconds in-flight requests may finish after SIGTERM/SIGINT; then each open stream gets an "
+     "error event and [DONE]"),
+    ("--trust-request-chat-template", ServerOptions, "trust_request_chat_template", bool,
+     "render a chat_template sent in a request (sandboxed); refused (400) without this flag"),
+    ("--enable-prompt-tokens-details", ServerOptions, "enable_prompt_tokens_details", bool,
+     "report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)"),
+    ("--preprocess-threads", ServerOptions, "preprocess_threads", int,
+     "threads that tokenize and render large inputs off the event loop"),
+    ("--preprocess-timeout", ServerOptions, "preprocess_timeout", float,
+     "seconds one input may take to tokenize / render before a 400"),
+    ("--max-preprocess-in-flight", ServerOptions, "max_preprocess_in_flight", int,
+     "large inputs queued or being prepared at once; 503 beyond"),
+    ("--timeout-keep-alive", HttpLimits, "keep_alive_timeout", float,
+     "seconds an idle keep-alive connection stays open"),
+    ("--request-read-timeout", HttpLimits, "request_read_timeout", float,
+     "seconds allowed to receive one request's headers and body"),
+    ("--write-timeout", HttpLimits, "write_timeout", float,
+     "seconds a response may wait for a client that reads nothing before the connection closes"),
+    ("--max-request-header-bytes", HttpLimits, "max_header_bytes", int,
+     "larger request headers get 431"),
+    ("--max-request-body-bytes", HttpLimits, "max_body_bytes", int,
+     "larger request bodies get 413"),
+    ("--max-buffered-body-bytes", HttpLimits, "max_buffered_body_bytes", int,
+     "request bodies held at once across all connections; a request over it gets 503"),
+]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000,
+    group.add_argument("--host", default=_default(ServerOptions, "host"), help="address to listen on")
+    group.add_argument("--port", type=int, default=_default(ServerOptions, "port"),
                        help="port to listen on; 0 picks a free one (the bound address is printed)")
     group.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                             "$NANOSERVE_API_KEY or $VLLM_API_KEY)")
-    group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 503 while this many requests wait for the engine")
-    group.add_argument("--timeout-keep-alive", type=float, default=5.0,
-                       help="seconds an idle keep-alive connection stays open")
-    group.add_argument("--request-read-timeout", type=float, default=30.0,
-                       help="seconds allowed to receive one request's headers and body")
-    group.add_argument("--max-request-header-bytes", type=int, default=64 * 1024,
-                       help="larger request headers get 431")
-    group.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024,
-                       help="larger request bodies get 413")
-    group.add_argument("--shutdown-grace-period", type=float, default=30.0,
-                       help="seconds in-flight requests may finish after SIGTERM/SIGINT")
-    group.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
-                       choices=LOG_LEVELS, help="server log level")
+    for flag, owner, name, kind, help_text in _FLAGS:
+        default = _default(owner, name)
+        if kind is bool:
+            group.add_argument(flag, dest=name, action="store_true", default=default, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, type=kind, default=default,
+                               help=f"{help_text} (default: {default})")
+    group.add_argument("--log-level", "--uvicorn-log-level", dest="log_level",
+                       default=_default(ServerOptions, "log_level"), choices=LOG_LEVELS,
+                       help="server log level")
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
-    def get(name: str, default):
+    def get(owner: type, name: str):
         value = getattr(args, name, None)
-        return default if value is None else value
+        return _default(owner, name) if value is None else value
 
-    api_key = get("api_key", None) or os.environ.get("NANOSERVE_API_KEY") or \
+    port = get(ServerOptions, "port")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    values: dict[type, dict] = {ServerOptions: {}, HttpLimits: {}}
+    for flag, owner, name, kind, _ in _FLAGS:
+        value = get(owner, name)
+        if name == "max_waiting_requests":
+            if value is not None and value < 0:
+                raise ValueError(f"{flag} must be >= 0, got {value}")
+        elif kind is not bool and value <= 0:
+            raise ValueError(f"{flag} must be > 0, got {value}")
+        values[owner][name] = value
+    api_key = getattr(args, "api_key", None) or os.environ.get("NANOSERVE_API_KEY") or \
         os.environ.get("VLLM_API_KEY") or None
-    limits = HttpLimits(
-        max_header_bytes=get("max_request_header_bytes", 64 * 1024),
-        max_body_bytes=get("max_request_body_bytes", 32 * 1024 * 1024),
-        request_read_timeout=get("request_read_timeout", 30.0),
-        keep_alive_timeout=get("timeout_keep_alive", 5.0))
-    for name, value in (("--port", get("port", 8000)),):
-        if not 0 <= value <= 65535:
-            raise ValueError(f"{name} must be in [0, 65535], got {value}")
-    for name, value in (("--timeout-keep-alive", limits.keep_alive_timeout),
-                        ("--request-read-timeout", limits.request_read_timeout),
-                        ("--max-request-header-bytes", limits.max_header_bytes),
-                        ("--max-request-body-bytes", limits.max_body_bytes)):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
-    waiting = get("max_waiting_requests", None)
-    if waiting is not None and waiting < 0:
-        raise ValueError(f"--max-waiting-requests must be >= 0, got {waiting}")
-    return ServerOptions(host=get("host", "127.0.0.1"), port=get("port", 8000), api_key=api_key,
-                         max_waiting_requests=waiting,
-                         shutdown_grace_period=get("shutdown_grace_period", 30.0),
-                         log_level=get("log_level", "info"), limits=limits)
+    return ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
+                         log_level=get(ServerOptions, "log_level"),
+                         limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
 
 
 def run_server(engine_config, args: argparse.Namespace) -> int:

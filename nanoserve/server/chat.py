@@ -6,11 +6,12 @@ import time
 from typing import AsyncGenerator
 
 from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, random_id,
                                      sse, sse_error, token_text, top_entries)
 from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatLogprobEntry, ChatLogprobs,
-                                       ChatMessage, ChatStreamChoice, DeltaMessage, TopLogprob, Usage)
+                                       ChatMessage, ChatStreamChoice, DeltaMessage, TopLogprob)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
@@ -25,15 +26,23 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
         if content is not None and not isinstance(content, (str, list)):
             raise bad_request("message content must be a string or a list of text parts",
                               "messages")
+    if chat_template is not None and not ctx.trust_request_chat_template:
+        raise bad_request("A chat template was sent with the request, but the server does not "
+                          "run request-supplied templates (start it with "
+                          "--trust-request-chat-template to allow them).", "chat_template")
     kwargs = dict(chat_template_kwargs or {})
-    for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message"):
+    for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message",
+                     "deadline"):
         kwargs.pop(reserved, None)
-    size = sum(len(str(message.get("content") or "")) for message in messages)
+    size = sum(len(str(message.get("content") or "")) + 16 for message in messages)
+    if chat_template is not None:  # its cost is not bounded by the size of its input
+        size = max(size, SMALL_INPUT)
     try:
         text = await ctx.off_loop(size, ctx.tokenizer.apply_chat_template, messages,
                                   add_generation_prompt=add_generation_prompt,
                                   chat_template=chat_template,
-                                  continue_final_message=continue_final_message, **kwargs)
+                                  continue_final_message=continue_final_message,
+                                  deadline=ctx.preprocessor.deadline(), **kwargs)
     except (ValueError, TypeError) as error:  # ChatTemplateError is a ValueError
         raise bad_request(str(error), "messages") from None
     ids = await ctx.encode(text, add_special_tokens)
@@ -91,7 +100,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
             _logprobs(ctx, choice, 0, request.top_logprobs or 0) if request.logprobs else None,
             choice.finish_reason, choice.stop_reason))
     prompt_tokens = len(prompt["prompt_token_ids"])
-    usage = Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+    usage = ctx.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
     return Response(200, encode_json(ChatCompletionResponse(
         base_id, "chat.completion", created, ctx.served_model_name, choices, usage)))
 
@@ -108,16 +117,18 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
     top = request.top_logprobs or 0
     # per choice index: [text sent, tokens sent, finished]
     progress: dict[int, list] = {}
+    cached_tokens = 0
 
     def chunk(choices: list[ChatStreamChoice]) -> bytes:
         usage = None
         if continuous_usage:
             done = sum(p[1] for p in progress.values())
-            usage = Usage(prompt_tokens, prompt_tokens + done, done)
+            usage = ctx.usage(prompt_tokens, done, cached_tokens)
         return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
                                                 choices, usage))
     try:
         async for output in stream:
+            cached_tokens = output.num_cached_tokens
             events = []
             for choice in output.outputs:
                 state = progress.get(choice.index)
@@ -147,7 +158,7 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
             completion_tokens = sum(p[1] for p in progress.values())
             yield sse(ChatCompletionStreamResponse(
                 base_id, "chat.completion.chunk", created, model, [],
-                Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)))
+                ctx.usage(prompt_tokens, completion_tokens, cached_tokens)))
         yield DONE
     except Exception as error:  # after the 200 went out: report in-band, then end the stream
         yield sse_error(error) + DONE

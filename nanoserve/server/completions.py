@@ -10,7 +10,7 @@ from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_j
                                      random_id, sse, sse_error, token_text, top_entries)
 from nanoserve.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
                                        CompletionResponse, CompletionStreamChoice,
-                                       CompletionStreamResponse, Usage)
+                                       CompletionStreamResponse)
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
                 logprobs=logprobs, finish_reason=output.finish_reason,
                 stop_reason=output.stop_reason))
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-    usage = Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+    usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
     body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
                               choices, usage)
     return Response(200, encode_json(body))
@@ -129,8 +129,10 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
     holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     progress: dict[int, ChoiceProgress] = {}
+    cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
     try:
         async for prompt_index, output in merge_streams(streams):
+            cached[prompt_index] = output.num_cached_tokens
             events = []
             for choice in output.outputs:
                 index = prompt_index * n + choice.index
@@ -160,7 +162,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
                 usage = None
                 if continuous_usage:
                     done = sum(p.num_tokens for p in progress.values())
-                    usage = Usage(prompt_tokens, prompt_tokens + done, done)
+                    usage = ctx.usage(prompt_tokens, done, sum(cached.values()))
                 events.append(sse(CompletionStreamResponse(
                     base_id, "text_completion", created, model,
                     [CompletionStreamChoice(index, text, logprobs, choice.finish_reason,
@@ -169,7 +171,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
                 yield b"".join(events)
         if include_usage:
             completion_tokens = sum(p.num_tokens for p in progress.values())
-            usage = Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+            usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],
                                                usage))
         yield DONE

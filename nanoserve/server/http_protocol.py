@@ -1,9 +1,15 @@
 """One HTTP/1.1 connection: httptools parsing, pipelining, limits, timers, backpressure.
 
 Complete requests queue in `pending` and are answered in order, one handler task at a time.
-Errors found while parsing (400, 408, 413, 431) queue an error reply in order, then the
+Errors found while parsing (400, 408, 413, 431, 503) queue an error reply in order, then the
 connection closes. `connection_lost` cancels the running handler: that is how a disconnect
-reaches the OpenAI layer, which aborts its engine request.
+reaches the OpenAI layer, which aborts its engine request. So reading goes on (bytes after the
+last request are discarded) until the answer is out: a paused socket would hide a disconnect.
+A client that half-closes after a complete request is still answered (`eof_received`).
+
+Bounds: header bytes, body bytes (per request, and all bodies held at once across connections),
+the time to read one request, keep-alive idle time (not restarted by bytes that start no
+request), and the time a send may wait for a reader that does not read (`write_timeout`).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ if TYPE_CHECKING:
     from nanoserve.server.http import HttpServer
 
 logger = logging.getLogger("nanoserve.server")
+
+PEER_PROBE_INTERVAL = 0.5  # seconds between writes that check a client which sent EOF is there
 
 
 class _ParseFailure(Exception):
@@ -42,6 +50,7 @@ class _Partial:
     header_bytes: int = 0
     expect_continue: bool = False
     headers_done: bool = False
+    reserved: int = 0  # body bytes counted against the server-wide budget
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -61,6 +70,11 @@ class HttpProtocol(asyncio.Protocol):
         self.drain_waiters: list[asyncio.Future] = []
         self.idle_timer: asyncio.TimerHandle | None = None
         self.read_timer: asyncio.TimerHandle | None = None
+        self.write_timer: asyncio.TimerHandle | None = None
+        self.probe_timer: asyncio.TimerHandle | None = None
+        self.current_request: Request | None = None
+        self.held_body_bytes = 0  # this connection's share of the server-wide body budget
+        self.discarded_bytes = 0  # read after parsing stopped (only to notice a disconnect)
         self.stop_parsing = False  # after an error reply or `Connection: close`
         self.closing = False  # shutting down: answer what is queued, then close
         self.lost = False
@@ -77,6 +91,7 @@ class HttpProtocol(asyncio.Protocol):
         self.lost = True
         self.server.connections.discard(self)
         self._cancel_timers()
+        self._release_body_bytes(self.held_body_bytes)
         for waiter in self.drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -85,11 +100,41 @@ class HttpProtocol(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the handler aborts its engine request
 
+    def eof_received(self) -> bool | None:
+        """The client shut its sending side. Answer the requests it completed (returning True
+        keeps the socket open for that), then close; with nothing to answer, close now."""
+        self._stop_parsing()
+        if self.task is not None or any(isinstance(item, Request) for item in self.pending):
+            self._probe_peer()
+            return True
+        return None
+
+    def _probe_peer(self) -> None:
+        """After an EOF only a write tells a half-closed client (waiting for its answer) from a
+        gone one: a gone client's kernel answers with a reset and the next write fails, which
+        ends the connection and so aborts the request. An interim `100 Continue` is a write
+        every HTTP/1.1 client accepts before a response; sent until the response starts."""
+        self.probe_timer = None
+        if self.lost or self.transport is None or self.transport.is_closing():
+            return
+        request = self.current_request
+        if self.task is not None and not self.head_sent and request is not None \
+                and request.http_version == "1.1":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.task is not None or self.pending:
+            self.probe_timer = self.loop.call_later(PEER_PROBE_INTERVAL, self._probe_peer)
+
     def pause_writing(self) -> None:
         self.write_paused = True
+        if self.write_timer is None:
+            self.write_timer = self.loop.call_later(self.limits.write_timeout,
+                                                    self._on_write_timeout)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
         for waiter in self.drain_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -102,8 +147,11 @@ class HttpProtocol(asyncio.Protocol):
             await waiter
 
     def data_received(self, data: bytes) -> None:
-        self._cancel_idle_timer()
         if self.stop_parsing:
+            self.discarded_bytes += len(data)
+            if self.discarded_bytes > self.limits.max_header_bytes and not self.reading_paused:
+                self.reading_paused = True  # a flood after the last request: stop reading it
+                self.transport.pause_reading()
             return
         try:
             self.parser.feed_data(data)
@@ -127,6 +175,7 @@ class HttpProtocol(asyncio.Protocol):
 
     # ---- parser callbacks ----
     def on_message_begin(self) -> None:
+        self._cancel_idle_timer()  # only a request ends idleness, not stray bytes (bare CRLFs)
         self.partial = _Partial()
         self.raw_header_bytes = 0
         if self.read_timer is None:
@@ -151,6 +200,7 @@ class HttpProtocol(asyncio.Protocol):
             if name == "content-length" and value.strip().isdigit():
                 if int(value) > self.limits.max_body_bytes:
                     self._fail(413, "Request body too large.")
+                self._reserve_body_bytes(int(value))
             elif name == "expect" and value.strip().lower() == "100-continue":
                 partial.expect_continue = True
         if partial.expect_continue and self.task is None and not self.pending:
@@ -162,6 +212,8 @@ class HttpProtocol(asyncio.Protocol):
         partial.body_bytes += len(body)
         if partial.body_bytes > self.limits.max_body_bytes:
             self._fail(413, "Request body too large.")
+        if partial.body_bytes > partial.reserved:  # no Content-Length (chunked): as it comes
+            self._reserve_body_bytes(partial.body_bytes - partial.reserved)
         partial.body.append(body)
 
     def on_message_complete(self) -> None:
@@ -180,6 +232,7 @@ class HttpProtocol(asyncio.Protocol):
             headers=partial.headers,
             body=b"".join(partial.body),
             keep_alive=keep_alive,
+            reserved_bytes=partial.reserved,
         )
         self.pending.append(request)
         if not keep_alive:
@@ -189,6 +242,21 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
     # ---- helpers ----
+    def _reserve_body_bytes(self, count: int) -> None:
+        """Count body bytes against the server-wide budget, or refuse the request (503)."""
+        server = self.server
+        if server.buffered_body_bytes + count > self.limits.max_buffered_body_bytes:
+            self._fail(503, "The server holds too many request bodies right now. Retry later.")
+        server.buffered_body_bytes += count
+        self.held_body_bytes += count
+        assert self.partial is not None
+        self.partial.reserved += count
+
+    def _release_body_bytes(self, count: int) -> None:
+        count = min(count, self.held_body_bytes)
+        self.held_body_bytes -= count
+        self.server.buffered_body_bytes -= count
+
     def _count_header_bytes(self, count: int) -> None:
         assert self.partial is not None
         self.partial.header_bytes += count
@@ -204,16 +272,19 @@ class HttpProtocol(asyncio.Protocol):
         """Queue an error reply (answered in order, then the connection closes)."""
         if self.stop_parsing:
             return
+        if self.partial is not None:
+            self._release_body_bytes(self.partial.reserved)
         self.partial = None
         self._cancel_read_timer()
         self.pending.append(_ErrorReply(status, message))
         self._stop_parsing()
 
     def _stop_parsing(self) -> None:
+        # Reading goes on (and discards) so that a disconnect still cancels the handler.
         self.stop_parsing = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
-            self.reading_paused = True
+        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
+            self.reading_paused = False
+            self.transport.resume_reading()
 
     def _send_continue(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -242,6 +313,8 @@ class HttpProtocol(asyncio.Protocol):
             self._write_error(item.status, item.message)
             self._close()
             return
+        self.current_request = item
+        self.head_sent = False
         self.task = self.loop.create_task(self._handle(item))
 
     async def _handle(self, request: Request) -> None:
@@ -268,6 +341,7 @@ class HttpProtocol(asyncio.Protocol):
                 keep_alive = False
         finally:
             self.task = None
+            self._release_body_bytes(request.reserved_bytes)
             if not keep_alive:
                 self.stop_parsing = True
                 self.pending.clear()
@@ -337,8 +411,7 @@ class HttpProtocol(asyncio.Protocol):
 
     # ---- timers ----
     def _arm_idle_timer(self) -> None:
-        self._cancel_idle_timer()
-        if not self.lost:
+        if not self.lost and self.idle_timer is None:  # not restarted by bytes that start nothing
             self.idle_timer = self.loop.call_later(self.limits.keep_alive_timeout, self._close)
 
     def _cancel_idle_timer(self) -> None:
@@ -354,6 +427,20 @@ class HttpProtocol(asyncio.Protocol):
     def _cancel_timers(self) -> None:
         self._cancel_idle_timer()
         self._cancel_read_timer()
+        if self.write_timer is not None:
+            self.write_timer.cancel()
+            self.write_timer = None
+        if self.probe_timer is not None:
+            self.probe_timer.cancel()
+            self.probe_timer = None
+
+    def _on_write_timeout(self) -> None:
+        self.write_timer = None
+        if self.lost or not self.write_paused:
+            return
+        logger.info("closing a connection whose reader took no data for %.0f s",
+                    self.limits.write_timeout)
+        self.abort()  # connection_lost follows: the handler is cancelled, its request aborted
 
     def _on_read_timeout(self) -> None:
         self.read_timer = None
@@ -370,11 +457,9 @@ class HttpProtocol(asyncio.Protocol):
     def shutdown(self) -> None:
         """Stop reading; close now if idle, else after the queued requests are answered."""
         self.closing = True
-        self.stop_parsing = True
+        self._stop_parsing()
         if self.task is None and not self.pending:
             self._close()
-        elif self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
 
     def abort(self) -> None:
         if self.task is not None and not self.task.done():

@@ -16,6 +16,8 @@ class HttpLimits:
     keep_alive_timeout: float = 5.0  # idle seconds before an idle connection is closed
     max_pipelined_requests: int = 32  # queued complete requests before reading pauses
     write_high_water: int = 64 * 1024
+    write_timeout: float = 60.0  # seconds a send may wait on a reader that takes no data
+    max_buffered_body_bytes: int = 256 * 1024 * 1024  # all request bodies held at once: 503 above
 
 
 @dataclass(slots=True)
@@ -27,6 +29,7 @@ class Request:
     headers: list[tuple[str, str]]  # names lower-cased, in arrival order
     body: bytes
     keep_alive: bool = True
+    reserved_bytes: int = 0  # this body's share of the server-wide body budget
 
     def header(self, name: str) -> str | None:
         """The value of a header (name lower-case); repeated headers are joined by ', '."""

@@ -15,9 +15,10 @@ import msgspec
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.protocol import APIError, ErrorInfo, ErrorResponse, SamplingFields
+from nanoserve.server.preprocess import Preprocessor
+from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                       SamplingFields, Usage)
 
-LARGE_TEXT = 4096  # characters: tokenize / render on a worker thread above this
 LOGPROB_FLOOR = -9999.0
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -68,7 +69,12 @@ class ServingContext:
     model_path: str
     max_model_len: int
     generation_defaults: dict[str, float]
+    preprocessor: Preprocessor
+    max_prompt_chars: int
+    max_n_sequences: int
     max_waiting_requests: int | None = None
+    trust_request_chat_template: bool = False
+    enable_prompt_tokens_details: bool = False
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -88,14 +94,22 @@ class ServingContext:
                            headers=[("retry-after", "1")])
 
     async def off_loop(self, size: int, fn, *args, **kwargs):
-        """Run fn on a worker thread when the input is large, so running streams don't stall."""
-        if size < LARGE_TEXT:
-            return fn(*args, **kwargs)
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        """Run fn on the preprocessing pool when the input is large, so the loop stays free."""
+        return await self.preprocessor.run(size, fn, *args, **kwargs)
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > self.max_prompt_chars:  # cannot fit, whatever it tokenizes to
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {len(text)} characters of input, more than any "
+                f"{self.max_model_len} tokens can hold. Please reduce the length of the input "
+                "messages.", "input_tokens")
         return await self.off_loop(len(text), self.tokenizer.encode, text,
                                    add_special_tokens=add_special_tokens)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        details = PromptTokensDetails(cached_tokens) if self.enable_prompt_tokens_details else None
+        return Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens, details)
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None) -> SamplingParams:
@@ -137,6 +151,9 @@ class ServingContext:
     async def submit(self, base_id: str, prompts: list[dict], params: SamplingParams,
                      priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
+        if params.n * len(prompts) > self.max_n_sequences:
+            raise bad_request(f"n x prompts must be <= {self.max_n_sequences} per request, got "
+                              f"{params.n} x {len(prompts)}", "n")
         self.check_capacity()
         streams: list[RequestStream] = []
         try:

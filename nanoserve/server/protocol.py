@@ -31,7 +31,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 # ---- requests ------------------------------------------------------------------------------
 class StreamOptions(msgspec.Struct):
-    include_usage: bool | None = True
+    include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
@@ -104,11 +104,15 @@ class DetokenizeRequest(msgspec.Struct):
 
 
 # ---- responses -----------------------------------------------------------------------------
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
-    prompt_tokens_details: None = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(msgspec.Struct):

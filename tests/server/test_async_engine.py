@@ -190,8 +190,10 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     sock.close()
     wait_until(lambda: spy.aborts, timeout=10, what="the abort")
     assert len(spy.aborts) == 1
-    # the running step, then the abort
-    assert spy.aborts[0][1] <= steps_at_close + 2, (spy.aborts, steps_at_close, spy.durations)
+    # An EOF may be a half-close (a client still reading), so the server learns of the close
+    # from its writes: the first one after it draws a reset, the next one fails. So: the running
+    # step, two steps whose chunks are those writes, then the abort.
+    assert spy.aborts[0][1] <= steps_at_close + 4, (spy.aborts, steps_at_close, spy.durations)
     wait_until(lambda: spy.finished == spy.started, timeout=10, what="the last step")
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.generation_tokens_total < 200  # really stopped, not run to the end
@@ -249,7 +251,7 @@ def test_dead_engine(serve, tiny_llama_dir):
     def execute(*args, **kwargs):  # the device fails on the engine's 4th forward pass
         calls.append(1)
         if len(calls) >= 4:
-            raise RuntimeError("simulated device failure")
+            raise RuntimeError("CUDA error: simulated device failure")
         return real_execute(*args, **kwargs)
     engine.runner.execute = execute
     served = serve(engine)
