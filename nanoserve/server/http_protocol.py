@@ -104,7 +104,10 @@ class HttpProtocol(asyncio.Protocol):
         """The client shut its sending side. Answer the requests it completed (returning True
         keeps the socket open for that), then close; with nothing to answer, close now."""
         self._stop_parsing()
-        if self.task is not None or any(isinstance(item, Request) for item in self.pending):
+        waiting = [self.current_request] if self.task is not None else []
+        waiting += [item for item in self.pending if isinstance(item, Request)]
+        # An HTTP/1.0 client cannot be probed (no 1xx for it): its EOF is taken as a disconnect.
+        if waiting and waiting[0].http_version == "1.1":
             self._probe_peer()
             return True
         return None

@@ -1,0 +1,181 @@
+"""Connections that misbehave, on a real server over loopback (issue 15, items 5, 6, 7, 10):
+a non-streamed request is aborted when its `Connection: close` client goes away; a half-closed
+client still gets its answer; bare CRLFs do not keep a connection open past the keep-alive time;
+a reader that reads nothing is cut off after the write timeout; request bodies held at once are
+bounded across connections."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from nanoserve.server.http import HttpLimits
+from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import connect, is_closed, read_response, scrape_metrics
+
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_llama_dir):
+    limits = HttpLimits(keep_alive_timeout=1.0, write_timeout=1.0, write_high_water=1024,
+                        max_body_bytes=3 * MB, max_buffered_body_bytes=4 * MB)
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256}, limits=limits)
+    yield handle
+    handle.close()
+
+
+def request_bytes(body: dict | bytes, *, close: bool = False, version: str = "1.1",
+                  content_length: int | None = None) -> bytes:
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    length = len(payload) if content_length is None else content_length
+    head = (f"POST /v1/completions HTTP/{version}\r\nHost: t\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode() + payload
+
+
+def final_response(sock, timeout: float = 60.0):
+    """The response after any interim 1xx ones."""
+    while True:
+        status, headers, body = read_response(sock, timeout)
+        if status >= 200:
+            return status, headers, body
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def abort_count(handle) -> float:
+    key = ('vllm:request_success_total{model_name="%s",finished_reason="abort"}'
+           % handle.engine.served_model_name)
+    return scrape_metrics(handle.port)[key]
+
+
+@pytest.mark.parametrize("close,version", [(True, "1.1"), (False, "1.1"), (True, "1.0")])
+def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, close, version):
+    port = strict_server.port
+    before = scrape_metrics(port)
+    aborted = abort_count(strict_server)
+    sock = connect(port)
+    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
+                               close=close, version=version))
+    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 10, "the request")
+    sock.close()
+    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 10, "the abort")
+    assert abort_count(strict_server) == aborted + 1
+    generated = scrape_metrics(port)["vllm:generation_tokens_total"] - \
+        before["vllm:generation_tokens_total"]
+    assert generated < 470  # stopped early, not run to the end for nobody
+
+
+@pytest.mark.parametrize("close", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_half_closed_client_is_answered(strict_server, close, stream):
+    sock = connect(strict_server.port)
+    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 40, "ignore_eos": True,
+                                "stream": stream}, close=close))
+    sock.shutdown(socket.SHUT_WR)  # the whole request is sent; now wait for the answer
+    status, _, body = final_response(sock)
+    assert status == 200, body[:300]
+    if stream:
+        assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+    else:
+        assert json.loads(body)["usage"]["completion_tokens"] == 40
+    assert is_closed(sock, timeout=5)  # no more requests can come: the server closes
+    sock.close()
+
+
+def test_bare_crlf_does_not_restart_keep_alive(strict_server):
+    sock = connect(strict_server.port)
+    sock.settimeout(0.3)
+    started = time.monotonic()
+    closed_after = None
+    while time.monotonic() - started < 6:
+        try:
+            sock.sendall(b"\r\n")
+            if sock.recv(1024) == b"":
+                closed_after = time.monotonic() - started
+                break
+        except socket.timeout:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            closed_after = time.monotonic() - started
+            break
+    sock.close()
+    assert closed_after is not None, "a connection sending only CRLFs was never closed"
+    assert closed_after < 1.0 + 1.5  # keep-alive 1 s, counted from connect, not from each CRLF
+
+
+def test_reader_that_never_reads_is_cut_off(strict_server):
+    server = strict_server.server
+    port = strict_server.port
+    wait_for(lambda: not server.http.connections, 10, "idle connections to close")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    # Over 10 MB of SSE (16 choices x 400 tokens x top-20 logprobs), past every buffer.
+    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "n": 16,
+                                "logprobs": 20, "stream": True}))
+    wait_for(lambda: server.http.connections, 10, "the connection")
+    # write_timeout is 1 s: the server gives up on this reader and drops the connection.
+    wait_for(lambda: not server.http.connections, 30, "the server to drop a non-reading client")
+    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 30, "the request")
+    sock.settimeout(5)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):  # what was in flight, then the end
+            received += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    assert received.startswith(b"HTTP/1.1 200")
+    assert not received.endswith(b"0\r\n\r\n"), len(received)  # cut off, not completed
+
+
+def test_request_bodies_held_at_once_are_bounded(strict_server):
+    server = strict_server.server
+    port = strict_server.port
+    body = json.dumps({"prompt": "x" * (2 * MB + 500 * 1024), "max_tokens": 1}).encode()
+    holder = connect(port)
+    holder.sendall(request_bytes(body)[: len(body) // 2])  # 2.5 MB declared, half sent
+    wait_for(lambda: server.http.buffered_body_bytes >= len(body), 10, "the reservation")
+    # A second 2.5 MB body would hold 5 MB at once, over the 4 MB budget: 503 before its body.
+    other = connect(port)
+    other.sendall(request_bytes(body)[:200])
+    status, headers, raw = read_response(other, timeout=10)
+    assert status == 503, raw[:200]
+    assert json.loads(raw)["error"]["code"] == 503
+    other.close()
+    # A chunked body (no length declared) counts as it arrives, and is refused the same way.
+    chunked = connect(port)
+    chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                    b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = 256 * 1024
+    for _ in range(8):  # 2 MB: over what is left of the budget
+        try:
+            chunked.sendall(b"%x\r\n%b\r\n" % (piece, b" " * piece))
+        except (ConnectionResetError, BrokenPipeError):
+            break
+    assert read_response(chunked, timeout=10)[0] == 503
+    chunked.close()
+    # The first request completes and is answered; its bytes go back to the budget.
+    holder.sendall(request_bytes(body)[len(body) // 2:])
+    status, _, raw = final_response(holder)
+    assert status == 400 and b"maximum context length" in raw  # 2.5 MB of text: too long
+    holder.close()
+    wait_for(lambda: server.http.buffered_body_bytes == 0, 10, "the budget to be released")
+    again = connect(port)
+    again.sendall(request_bytes(body))
+    assert final_response(again)[0] == 400  # admitted (and answered), no longer 503
+    again.close()
+    wait_for(lambda: server.http.buffered_body_bytes == 0, 10, "the budget to be released")
