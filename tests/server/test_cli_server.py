@@ -84,7 +84,9 @@ def test_grace_period_expiry_aborts_and_exits_zero(tiny_llama_dir):
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         body = head + read_all(sock)
-        assert not body.endswith(b"0\r\n\r\n")  # cut off, not finished
+        # Cut short by the shutdown, with word of it: an error event, then [DONE] (issue 15).
+        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert b"shutting down" in body and body.count(b'"text_completion"') < 480
         assert process.wait(30) == 0
         assert time.monotonic() - started < 10
     finally:
