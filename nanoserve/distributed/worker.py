@@ -27,7 +27,8 @@ def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Te
              model_input.logits_indices]
     num_seqs, max_blocks = metadata.block_table.shape
     header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
-                           model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k, 0],
+                           model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k,
+                           metadata.num_decode_seqs],
                           dtype=torch.long, device=device)
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header, payload
@@ -40,14 +41,15 @@ def _part_sizes(header: list[int]) -> list[int]:
 
 
 def unpack_step(header: list[int], payload: torch.Tensor):
-    from nanoserve.engine.model_runner import ModelInput
+    from nanoserve.engine.model_runner import PREFILL_ROW_TILE, ModelInput
 
-    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, _ = header
+    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs = header
     input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
     metadata = AttentionMetadata(
         slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
         cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decode_seqs=num_decode_seqs,
+        prefill_row_tile=PREFILL_ROW_TILE if payload.device.type == "cpu" else 0)
     return ModelInput(input_ids, positions, metadata, logits_indices, [])
 
 

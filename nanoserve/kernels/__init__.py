@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
+from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
 from nanoserve.kernels.rmsnorm import (
@@ -55,6 +57,10 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
 def rms_norm(x, weight, eps):
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
+    if not x.is_cuda and cpu_ops.available():
+        done = cpu_ops.rms_norm(x, None, weight, eps)
+        if done is not None:
+            return done[0]
     return rms_norm_reference(x, weight, eps)
 
 
@@ -62,7 +68,35 @@ def fused_add_rms_norm(x, residual, weight, eps):
     """Returns (rms_norm(x + residual) * weight, x + residual) as new tensors."""
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
+    if not x.is_cuda and cpu_ops.available():
+        done = cpu_ops.rms_norm(x, residual, weight, eps)
+        if done is not None:
+            return done
     return fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [..., 2 * inter] holding gate then up (the C++ kernel on
+    CPU; on CUDA torch's two ops, which are not where a GPU step's time goes)."""
+    if not gate_up.is_cuda and cpu_ops.available():
+        done = cpu_ops.silu_and_mul(gate_up)
+        if done is not None:
+            return done
+    return silu_and_mul_reference(gate_up)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of [rows, vocab] logits, on CPU without a float copy."""
+    if not logits.is_cuda and cpu_ops.available():
+        done = cpu_ops.argmax_rows(logits)
+        if done is not None:
+            return done
+    return logits.float().argmax(dim=-1)
 
 
 def apply_rotary(query, key, positions, cos_sin_cache) -> None:
@@ -76,6 +110,8 @@ __all__ = [
     "apply_rotary",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "greedy_argmax",
+    "silu_and_mul",
     "paged_attention",
     "rms_norm",
     "store_kvcache",

@@ -1,12 +1,14 @@
 """Attention over the paged KV cache. Per-step inputs arrive as an explicit AttentionMetadata."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nanoserve.kernels import paged_attention, store_kvcache
+from nanoserve.kernels import paged_attention, store_kvcache, use_triton
+from nanoserve.kernels.cpu_attention import PrefillSpan, paged_attention_cpu, prefill_spans
+from nanoserve.layers.linear import RowTiling
 
 
 @dataclass(slots=True)
@@ -17,6 +19,26 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32, KV length including this step's tokens
     max_seqlen_q: int
     max_seqlen_k: int
+    # The first num_decode_seqs sequences are decodes of generated tokens, one row each, at
+    # rows 0..num_decode_seqs; prompt rows follow; rows past cu_seqlens_q[-1] are padding.
+    num_decode_seqs: int = 0
+    # Prompt rows are padded to a multiple of this and multiplied in tiles of exactly this many
+    # rows, so that a prompt row's GEMM results never depend on what else is in the step
+    # (oneDNN picks kernels, and summation orders, by M). 0: one GEMM over all rows.
+    prefill_row_tile: int = 0
+    spans: list[PrefillSpan] | None = field(default=None)  # host-side; built on first use
+
+    @property
+    def row_tiling(self) -> RowTiling | None:
+        if not self.prefill_row_tile:
+            return None
+        return RowTiling(self.num_decode_seqs, self.prefill_row_tile)
+
+    def prefill_spans(self) -> list[PrefillSpan]:
+        if self.spans is None:
+            self.spans = prefill_spans(self.cu_seqlens_q.tolist(), self.seq_lens.tolist(),
+                                       self.num_decode_seqs)
+        return self.spans
 
 
 class PagedAttention(nn.Module):
@@ -32,8 +54,13 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KVH, D] → [T, H, D]."""
+        """q: [T, H, D], k/v: [T, KVH, D] → [T, H, D]. The cache is written first and
+        attention reads what it holds, so a cached prefix and a fresh one see the same values."""
         store_kvcache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
+        if not use_triton(q) and metadata.prefill_row_tile:
+            return paged_attention_cpu(
+                q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
+                metadata.seq_lens, self.scale, metadata.num_decode_seqs, metadata.prefill_spans())
         return paged_attention(
             q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
             metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k)

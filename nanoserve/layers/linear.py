@@ -6,12 +6,22 @@ columns, so a rank holds about 1/N of the weights.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.layers.cpu_prepack import packed_linear
+
+
+@dataclass(frozen=True, slots=True)
+class RowTiling:
+    """Rows [0, num_free_rows) are multiplied in one GEMM; the rest, a whole number of tiles,
+    tile by tile (see AttentionMetadata.prefill_row_tile)."""
+    num_free_rows: int
+    tile: int
 
 
 def _read(loaded, index) -> torch.Tensor:
@@ -36,15 +46,33 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         param.data.copy_(_read(loaded, None))
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
+        if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:
+            return self._matmul(x, bias)
+        # Rows past num_free_rows come in whole tiles; each tile is its own GEMM of exactly
+        # `tile` rows, written in place, so a row's result never depends on its neighbours.
+        out = x.new_empty((x.shape[0], self.weight.shape[0]))
+        free = rows.num_free_rows
+        if free:
+            out[:free] = self._matmul(x[:free], bias)
+        weight_t = self.weight.t()
+        for start in range(free, x.shape[0], rows.tile):
+            end = start + rows.tile
+            if bias is None:
+                torch.mm(x[start:end], weight_t, out=out[start:end])
+            else:
+                torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
+        return out
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, rows)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -60,8 +88,8 @@ class ColumnParallelLinear(LinearBase):
         rows = param.shape[0]
         param.data.copy_(_read(loaded, slice(self.tp_rank * rows, (self.tp_rank + 1) * rows)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, rows)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -129,8 +157,8 @@ class RowParallelLinear(LinearBase):
         start = self.tp_rank * cols
         param.data.copy_(_read(loaded, (slice(None), slice(start, start + cols))))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(self.matmul(x, None))
+    def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
+        out = all_reduce(self.matmul(x, None, rows))
         if self.bias is not None:
             out = out + self.bias
         return out

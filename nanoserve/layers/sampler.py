@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels import greedy_argmax
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -77,8 +79,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                     and batch.repetition_penalty is None and batch.frequency_penalty is None
                     and batch.presence_penalty is None)
     if plain_greedy:
-        # The fp32 copy is exact and makes argmax ~4x faster than on bf16 (CPU).
-        return SamplerOutput(logits.float().argmax(dim=-1), None, None, None)
+        return SamplerOutput(greedy_argmax(logits), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
     if batch.logit_bias is not None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.kernels import apply_rotary, build_cos_sin_cache
+from nanoserve.kernels import apply_rotary, build_cos_sin_cache, silu_and_mul
 from nanoserve.layers.attention import AttentionMetadata, PagedAttention
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RowTiling
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.models.config import ModelConfig
 
@@ -29,14 +29,15 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        rows = metadata.row_tiling
+        qkv = self.qkv_proj(hidden, rows)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         apply_rotary(q, k, positions, cos_sin_cache)
         out = self.attn(q, k, v, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), rows)
 
 
 class LlamaMLP(nn.Module):
@@ -48,9 +49,8 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [config.intermediate_size] * 2, config.mlp_bias, dtype)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, rows: RowTiling | None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, rows)), rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +69,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, positions, cos_sin_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, metadata.row_tiling), residual
 
 
 class LlamaModel(nn.Module):

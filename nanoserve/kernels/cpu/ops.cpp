@@ -1,0 +1,319 @@
+// CPU kernels for nanoserve's CPU execution path, called through ctypes (kernels/cpu_ops.py).
+// Plain C ABI, no torch headers: it compiles in about a second. OpenMP here resolves to the
+// libgomp that torch already loaded (same soname), so these loops share torch's thread team.
+//
+// Storage types: 0 = float32, 1 = bfloat16. Math is float32. Each op rounds where the torch
+// reference rounds, so that results match it to the last bit wherever the reference's own
+// order of operations allows.
+//
+// Attention is the kernel that matters: it reads K/V where they lie in the paged pool (no
+// gather), and every query row's arithmetic depends only on that row and its keys, visited
+// block by block in key order. So a row gives the same bits whether it is computed in a
+// prefill of any length, a chunk of a longer prompt, or a decode step: prefix caching and
+// chunked prefill can't change an answer through attention.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+struct F32 {
+    using T = float;
+    static inline float load(const float* p, int64_t i) { return p[i]; }
+    static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+    static inline float round(float v) { return v; }
+};
+
+struct BF16 {
+    using T = uint16_t;
+    static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+    static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+    static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
+};
+
+// 2^x, x clamped to [-126, 126], relative error ~1e-7; 2^0 is exactly 1. Written so that the
+// compiler vectorizes it (libm's expf would not be, without -ffast-math).
+inline float exp2_clamped(float x) {
+    x = x < -126.0f ? -126.0f : (x > 126.0f ? 126.0f : x);
+    float n = std::floor(x + 0.5f);
+    float f = x - n;  // [-0.5, 0.5]
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    return p * scale;
+}
+
+constexpr float kLog2E = 1.4426950408889634f;
+
+template <typename S>
+void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_stride_token,
+                     int64_t q_stride_head, const typename S::T* key_cache,
+                     const typename S::T* value_cache, int num_kv_heads, int block_size,
+                     int head_dim, const int32_t* block_table, int64_t block_table_stride,
+                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
+                     int num_heads, float scale, int rows_per_item) {
+    using T = typename S::T;
+    const int group = num_heads / num_kv_heads;
+    const int D = head_dim;
+    const int BS = block_size;
+    // Work items: (sequence, KV head, first query row); a row tile shares each K/V block load.
+    std::vector<int32_t> items;
+    for (int s = 0; s < num_seqs; ++s) {
+        int q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int r = 0; r < q_len; r += rows_per_item) {
+                items.push_back(s);
+                items.push_back(h);
+                items.push_back(r);
+            }
+    }
+    const int64_t num_items = static_cast<int64_t>(items.size() / 3);
+    const float q_scale = scale * kLog2E;
+    const int max_vectors = rows_per_item * group;
+#pragma omp parallel
+    {
+        std::vector<float> qf(static_cast<size_t>(max_vectors) * D);
+        std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
+        std::vector<float> row_max(max_vectors), row_sum(max_vectors);
+        std::vector<float> scores(BS), probs(BS);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int s = items[3 * item], h = items[3 * item + 1], r0 = items[3 * item + 2];
+            const int q_start = cu_seqlens_q[s];
+            const int q_len = cu_seqlens_q[s + 1] - q_start;
+            const int seq_len = seq_lens[s];
+            const int context = seq_len - q_len;
+            const int rows = q_len - r0 < rows_per_item ? q_len - r0 : rows_per_item;
+            const int vectors = rows * group;
+            for (int i = 0; i < rows; ++i)
+                for (int g = 0; g < group; ++g) {
+                    const T* src = query + static_cast<int64_t>(q_start + r0 + i) * q_stride_token +
+                                   static_cast<int64_t>(h * group + g) * q_stride_head;
+                    float* dst = &qf[static_cast<size_t>(i * group + g) * D];
+                    for (int d = 0; d < D; ++d) dst[d] = S::load(src, d) * q_scale;
+                }
+            std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * D, 0.0f);
+            std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
+            std::fill(row_sum.begin(), row_sum.begin() + vectors, 0.0f);
+            const int last_position = context + r0 + rows - 1;
+            const int num_blocks = last_position / BS + 1;
+            const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            for (int b = 0; b < num_blocks; ++b) {
+                const int64_t base = (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
+                const T* kb = key_cache + base;
+                const T* vb = value_cache + base;
+                const int first_key = b * BS;
+                for (int i = 0; i < rows; ++i) {
+                    const int position = context + r0 + i;
+                    if (position < first_key) continue;  // this block is wholly in the row's future
+                    // Keys this row may see in this block; never-written slots are never read.
+                    const int allowed = position - first_key + 1 < BS ? position - first_key + 1 : BS;
+                    for (int g = 0; g < group; ++g) {
+                        const int v = i * group + g;
+                        const float* qv = &qf[static_cast<size_t>(v) * D];
+                        float block_max = -INFINITY;
+                        for (int j = 0; j < allowed; ++j) {
+                            const T* kj = kb + static_cast<int64_t>(j) * D;
+                            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                            for (int d = 0; d < D; ++d) dot += qv[d] * S::load(kj, d);
+                            scores[j] = dot;
+                            block_max = dot > block_max ? dot : block_max;
+                        }
+                        const float new_max = block_max > row_max[v] ? block_max : row_max[v];
+                        const float correction = exp2_clamped(row_max[v] - new_max);
+#pragma omp simd
+                        for (int j = 0; j < BS; ++j) probs[j] = exp2_clamped(scores[j] - new_max);
+                        float block_sum = 0.0f;
+                        for (int j = 0; j < allowed; ++j) block_sum += probs[j];
+                        row_sum[v] = row_sum[v] * correction + block_sum;
+                        row_max[v] = new_max;
+                        float* av = &acc[static_cast<size_t>(v) * D];
+#pragma omp simd
+                        for (int d = 0; d < D; ++d) av[d] *= correction;
+                        for (int j = 0; j < allowed; ++j) {
+                            const float pj = probs[j];
+                            const T* vj = vb + static_cast<int64_t>(j) * D;
+#pragma omp simd
+                            for (int d = 0; d < D; ++d) av[d] += pj * S::load(vj, d);
+                        }
+                    }
+                }
+            }
+            for (int i = 0; i < rows; ++i)
+                for (int g = 0; g < group; ++g) {
+                    const int v = i * group + g;
+                    const float inv = 1.0f / row_sum[v];
+                    T* dst = out + (static_cast<int64_t>(q_start + r0 + i) * num_heads + h * group + g) * D;
+                    const float* av = &acc[static_cast<size_t>(v) * D];
+                    for (int d = 0; d < D; ++d) S::store(dst, d, av[d] * inv);
+                }
+        }
+    }
+}
+
+// out = rms_norm(x (+ residual)) * weight; with a residual, new_residual = x + residual.
+// Rounding as the reference: the sum rounds to the storage type, the normalized row rounds
+// before the weight multiplies it.
+template <typename S>
+void rms_norm(typename S::T* out, typename S::T* new_residual, const typename S::T* x,
+              const typename S::T* residual, const typename S::T* weight, int64_t rows,
+              int64_t hidden, float eps) {
+    using T = typename S::T;
+#pragma omp parallel
+    {
+        std::vector<float> row(hidden);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const T* xr = x + r * hidden;
+            if (residual != nullptr) {
+                const T* rr = residual + r * hidden;
+                T* nr = new_residual + r * hidden;
+                for (int64_t i = 0; i < hidden; ++i) {
+                    float sum = S::round(S::load(xr, i) + S::load(rr, i));
+                    row[i] = sum;
+                    S::store(nr, i, sum);
+                }
+            } else {
+                for (int64_t i = 0; i < hidden; ++i) row[i] = S::load(xr, i);
+            }
+            float square_sum = 0.0f;
+            for (int64_t i = 0; i < hidden; ++i) square_sum += row[i] * row[i];
+            const float inv = 1.0f / std::sqrt(square_sum / static_cast<float>(hidden) + eps);
+            T* o = out + r * hidden;
+            for (int64_t i = 0; i < hidden; ++i)
+                S::store(o, i, S::round(row[i] * inv) * S::load(weight, i));
+        }
+    }
+}
+
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu rounded first, as torch.
+template <typename S>
+void silu_and_mul(typename S::T* out, const typename S::T* gate_up, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const typename S::T* gate = gate_up + r * 2 * inter;
+        const typename S::T* up = gate + inter;
+        typename S::T* o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+            const float g = S::load(gate, i);
+            const float silu = S::round(g / (1.0f + exp2_clamped(-g * kLog2E)));
+            S::store(o, i, silu * S::load(up, i));
+        }
+    }
+}
+
+// Index of the largest value of each row (the first one on ties, as torch.argmax).
+template <typename S>
+void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t cols, int64_t row_stride) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const typename S::T* xr = x + r * row_stride;
+        float best = -INFINITY;
+        int64_t best_index = 0;
+        bool found = false;
+        for (int64_t i = 0; i < cols; ++i) {
+            const float v = S::load(xr, i);
+            if (v != v) {  // NaN wins, as in torch
+                best_index = i;
+                found = true;
+                break;
+            }
+            if (!found || v > best) {
+                best = v;
+                best_index = i;
+                found = true;
+            }
+        }
+        out[r] = best_index;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride_token,
+                       int64_t q_stride_head, const void* key_cache, const void* value_cache,
+                       int num_kv_heads, int block_size, int head_dim, const int32_t* block_table,
+                       int64_t block_table_stride, const int32_t* cu_seqlens_q,
+                       const int32_t* seq_lens, int num_seqs, int num_heads, float scale,
+                       int rows_per_item) {
+    if (dtype == 0)
+        paged_attention<F32>(static_cast<float*>(out), static_cast<const float*>(query), q_stride_token,
+                             q_stride_head, static_cast<const float*>(key_cache),
+                             static_cast<const float*>(value_cache), num_kv_heads, block_size, head_dim,
+                             block_table, block_table_stride, cu_seqlens_q, seq_lens, num_seqs,
+                             num_heads, scale, rows_per_item);
+    else if (dtype == 1)
+        paged_attention<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query),
+                              q_stride_token, q_stride_head, static_cast<const uint16_t*>(key_cache),
+                              static_cast<const uint16_t*>(value_cache), num_kv_heads, block_size,
+                              head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens,
+                              num_seqs, num_heads, scale, rows_per_item);
+    else
+        return 1;
+    return 0;
+}
+
+int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const void* residual,
+                const void* weight, int64_t rows, int64_t hidden, float eps) {
+    if (dtype == 0)
+        rms_norm<F32>(static_cast<float*>(out), static_cast<float*>(new_residual),
+                      static_cast<const float*>(x), static_cast<const float*>(residual),
+                      static_cast<const float*>(weight), rows, hidden, eps);
+    else if (dtype == 1)
+        rms_norm<BF16>(static_cast<uint16_t*>(out), static_cast<uint16_t*>(new_residual),
+                       static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
+                       static_cast<const uint16_t*>(weight), rows, hidden, eps);
+    else
+        return 1;
+    return 0;
+}
+
+int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter) {
+    if (dtype == 0)
+        silu_and_mul<F32>(static_cast<float*>(out), static_cast<const float*>(gate_up), rows, inter);
+    else if (dtype == 1)
+        silu_and_mul<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows, inter);
+    else
+        return 1;
+    return 0;
+}
+
+int ns_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t cols, int64_t row_stride) {
+    if (dtype == 0)
+        argmax_rows<F32>(out, static_cast<const float*>(x), rows, cols, row_stride);
+    else if (dtype == 1)
+        argmax_rows<BF16>(out, static_cast<const uint16_t*>(x), rows, cols, row_stride);
+    else
+        return 1;
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,123 @@
+"""Paged attention on the CPU: decode rows through the C++ kernel (kernels/cpu/ops.cpp), which
+reads K/V where they lie in the pool; prompt rows through torch's flash SDPA (oneDNN/AMX
+GEMMs), which no hand-written loop matches for long prompts.
+
+Every prompt row gives the same bits however its prompt was split (fresh, behind a cached
+prefix, across chunked-prefill steps). The flash kernel's arithmetic for a row depends on the
+shape of the tiles it lands in, so the tiles are made a function of the row alone:
+- query rows go in calls of at most 160 rows padded to a multiple of 32 (below 192 query rows
+  the kernel tiles queries by 32, so every tile is a full 32 rows);
+- the keys of a call are padded with masked zero keys to a length set by the row's own
+  position: 128 or 256 for rows below those positions, else a multiple of 512 (the kernel's
+  key tile), so every key tile a row sees has the same length; keys past a row's position are
+  masked, and a masked tile adds exact zeros.
+Decode rows are one query each; the C++ kernel's result for a row never depends on the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.attention import paged_attention_reference
+
+QUERY_TILE = 32
+MAX_QUERY_ROWS = 160
+KEY_TILE = 512
+SHORT_KEY_LENGTHS = (128, 256)
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Rows [row_start, row_start + q_len) of the batch are the last q_len tokens of sequence
+    seq_index, whose KV length (these tokens included) is seq_len."""
+    seq_index: int
+    row_start: int
+    q_len: int
+    seq_len: int
+
+
+def prefill_spans(cu_seqlens_q: list[int], seq_lens: list[int], num_decode_seqs: int) -> list[PrefillSpan]:
+    return [PrefillSpan(i, cu_seqlens_q[i], cu_seqlens_q[i + 1] - cu_seqlens_q[i], seq_lens[i])
+            for i in range(num_decode_seqs, len(seq_lens))]
+
+
+def key_length_for(position: int) -> int:
+    """The padded key length of a call holding a query row at this position."""
+    for length in SHORT_KEY_LENGTHS:
+        if position < length:
+            return length
+    return -(-(position + 1) // KEY_TILE) * KEY_TILE
+
+
+def _calls(context: int, q_len: int) -> list[tuple[int, int, int]]:
+    """(first row, rows, padded key length) per SDPA call for rows 0..q_len of a span whose
+    first row sits at position `context`. A call never mixes rows of two key-length classes."""
+    calls = []
+    row = 0
+    while row < q_len:
+        position = context + row
+        end = min(q_len, row + MAX_QUERY_ROWS)
+        bucket = key_length_for(position)
+        if bucket in SHORT_KEY_LENGTHS:
+            end = min(end, bucket - context)
+        calls.append((row, end - row, max(bucket, key_length_for(context + end - 1))))
+        row = end
+    return calls
+
+
+def _gather_keys(cache: torch.Tensor, table: torch.Tensor, key_length: int, seq_len: int) -> torch.Tensor:
+    """[1, kv_heads, key_length, dim] of one sequence's cached rows, zero past seq_len."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    num_blocks = -(-seq_len // block_size)
+    physical = cache.permute(0, 2, 1, 3)  # [blocks, kv_heads, block_size, dim], contiguous
+    out = cache.new_zeros((1, num_kv_heads, key_length, head_dim))
+    rows = physical.index_select(0, table[:num_blocks].long())  # [n, kv_heads, block_size, dim]
+    out[0, :, : num_blocks * block_size].view(num_kv_heads, num_blocks, block_size, head_dim).copy_(
+        rows.permute(1, 0, 2, 3))
+    if num_blocks * block_size > seq_len:  # slots after the last written one
+        out[0, :, seq_len : num_blocks * block_size] = 0
+    return out
+
+
+def _prefill(query, out, key_cache, value_cache, table, span: PrefillSpan, scale: float) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    context = span.seq_len - span.q_len
+    calls = _calls(context, span.q_len)
+    max_keys = max(keys for _, _, keys in calls)
+    keys = _gather_keys(key_cache, table, max_keys, span.seq_len)
+    values = _gather_keys(value_cache, table, max_keys, span.seq_len)
+    for first, rows, key_length in calls:
+        padded = -(-rows // QUERY_TILE) * QUERY_TILE
+        q = query.new_zeros((1, num_heads, padded, head_dim))
+        start = span.row_start + first
+        q[0, :, :rows] = query[start : start + rows].transpose(0, 1)
+        positions = torch.arange(context + first, context + first + rows)
+        mask = torch.zeros((padded, key_length), dtype=torch.bool)
+        mask[:rows] = torch.arange(key_length)[None, :] <= positions[:, None]
+        mask[rows:, 0] = True  # padding rows see one key (their output is dropped)
+        result = F.scaled_dot_product_attention(
+            q, keys[:, :, :key_length], values[:, :, :key_length], attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads)
+        out[start : start + rows] = result[0, :, :rows].transpose(0, 1)
+
+
+def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                        num_decode_seqs: int, spans: list[PrefillSpan]) -> torch.Tensor:
+    """The first num_decode_seqs sequences are decodes (one query row each, rows 0..n); `spans`
+    are the others. Rows past the last span are padding and come back zero."""
+    out = query.new_empty(query.shape)
+    n = num_decode_seqs
+    if n:
+        args = (query[:n], key_cache, value_cache, block_table[:n], cu_seqlens_q[: n + 1], seq_lens[:n], scale)
+        if not cpu_ops.available() or cpu_ops.paged_attention(*args, out=out[:n]) is None:
+            out[:n] = paged_attention_reference(*args, 1, None)
+    for span in spans:
+        _prefill(query, out, key_cache, value_cache, block_table[span.seq_index], span, scale)
+    real = spans[-1].row_start + spans[-1].q_len if spans else num_decode_seqs
+    if real < out.shape[0]:
+        out[real:] = 0
+    return out

@@ -1,0 +1,189 @@
+"""The CPU kernels of kernels/cpu/ops.cpp: built once per machine with the system C++ compiler,
+loaded with ctypes (no torch headers, so the build takes about a second), called with raw
+pointers. Every op here has a torch reference beside its Triton kernel; these are the CPU
+execution path when they load, and the references are used when they don't (no compiler,
+an unsupported dtype or layout). ``NANOSERVE_KERNELS=reference`` turns them off.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared",
+          "-fPIC", "-std=c++17"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ROWS_PER_ITEM = 16  # query rows that share one pass over a K/V block in prefill
+
+_library: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int
+_SIGNATURES = {
+    "ns_paged_attention": [_I32, _P, _P, _I64, _I64, _P, _P, _I32, _I32, _I32, _P, _I64, _P, _P, _I32,
+                           _I32, ctypes.c_float, _I32],
+    "ns_rms_norm": [_I32, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
+    "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
+    "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
+}
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: rebuild on a machine with other CPU features."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    from nanoserve.config import nanoserve_home
+
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+    return nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # servers started side by side build once
+        if target.exists():
+            return
+        print(f"nanoserve: compiling the CPU kernels (once per machine) into {target.parent}",
+              file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-2000:]}")
+            os.replace(built, target)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (and why, in load_error()) when they can't be built here."""
+    global _library, _load_error
+    if _library is not None or _load_error is not None:
+        return _library
+    try:
+        target = _cache_dir() / "libnanoserve_cpu.so"
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+        _library = lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _load_error = str(error)
+        logger.warning("CPU kernels unavailable, using the torch references: %s", error)
+    return _library
+
+
+def load_error() -> str | None:
+    return _load_error
+
+
+def available() -> bool:
+    return os.environ.get("NANOSERVE_KERNELS", "auto") != "reference" and library() is not None
+
+
+def _dtype_code(*tensors: torch.Tensor) -> int | None:
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    return _DTYPES.get(dtype)
+
+
+def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None):
+    """Same contract as kernels.attention.paged_attention_reference, for a pool that is
+    head-major underneath ([blocks, kv_heads, block_size, dim] contiguous, seen as
+    [blocks, block_size, kv_heads, dim]). None when this layout or dtype isn't supported.
+    Prompt rows go through it too in tests; the engine sends it decode rows only (see
+    cpu_attention.py for why)."""
+    code = _dtype_code(query, key_cache, value_cache)
+    if code is None or query.stride(2) != 1:
+        return None
+    physical_k, physical_v = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
+    if not (physical_k.is_contiguous() and physical_v.is_contiguous()):
+        return None
+    if not (block_table.is_contiguous() and cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()):
+        return None
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
+    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        return None
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+    _library.ns_paged_attention(
+        code, out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
+        key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, block_size, head_dim,
+        block_table.data_ptr(), block_table.stride(0), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
+        num_seqs, num_heads, float(scale), _ROWS_PER_ITEM)
+    return out
+
+
+def rms_norm(x, residual, weight, eps):
+    """(normed, new_residual) as fused_add_rms_norm_reference (new_residual None without a
+    residual); None when unsupported."""
+    tensors = (x, weight) if residual is None else (x, residual, weight)
+    code = _dtype_code(*tensors)
+    if code is None or not all(t.is_contiguous() for t in tensors):
+        return None
+    hidden = weight.shape[0]
+    rows = x.numel() // hidden if hidden else 0
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if rows:
+        _library.ns_rms_norm(code, out.data_ptr(), new_residual.data_ptr() if residual is not None else None,
+                             x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                             weight.data_ptr(), rows, hidden, float(eps))
+    return out, new_residual
+
+
+def silu_and_mul(gate_up):
+    code = _dtype_code(gate_up)
+    if code is None or not gate_up.is_contiguous() or gate_up.shape[-1] % 2:
+        return None
+    inter = gate_up.shape[-1] // 2
+    rows = gate_up.numel() // gate_up.shape[-1] if gate_up.shape[-1] else 0
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    if rows:
+        _library.ns_silu_and_mul(code, out.data_ptr(), gate_up.data_ptr(), rows, inter)
+    return out
+
+
+def argmax_rows(x):
+    code = _dtype_code(x)
+    if code is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    if x.shape[0]:
+        _library.ns_argmax_rows(code, out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+    return out
