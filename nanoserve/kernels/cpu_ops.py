@@ -22,8 +22,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared",
-          "-fPIC", "-std=c++17"]
+# -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
+# AVX-512 paths are unaffected).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+          "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ROWS_PER_ITEM = 16  # query rows that share one pass over a K/V block in prefill
 
@@ -39,6 +41,7 @@ _SIGNATURES = {
     "ns_rms_norm": [_I32, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
     "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
+    "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
 }
 
 
@@ -110,6 +113,10 @@ def available() -> bool:
 
 
 def _dtype_code(*tensors: torch.Tensor) -> int | None:
+    """The kernels' code for these tensors' dtype; None when the kernels can't take them (or
+    aren't loaded)."""
+    if library() is None:
+        return None
     dtype = tensors[0].dtype
     if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
         return None
@@ -187,3 +194,28 @@ def argmax_rows(x):
     if x.shape[0]:
         _library.ns_argmax_rows(code, out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
     return out
+
+
+def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, key_cache, value_cache,
+                 slot_mapping) -> bool:
+    """Rotary on the q and k heads of the fused QKV rows [tokens, (heads + 2 * kv_heads) * dim],
+    in place, then k and v written to the head-major pool at slot_mapping (-1: skipped). As
+    apply_rotary_reference followed by store_kvcache_reference. False when unsupported."""
+    code = _dtype_code(qkv, key_cache, value_cache)
+    if code is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim % 2:
+        return False
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        return False
+    if not (key_cache.permute(0, 2, 1, 3).is_contiguous() and value_cache.permute(0, 2, 1, 3).is_contiguous()):
+        return False
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
+        return False
+    if positions.dtype != torch.long or slot_mapping.dtype != torch.long or not (
+            positions.is_contiguous() and slot_mapping.is_contiguous()):
+        return False
+    if qkv.shape[0]:
+        _library.ns_rotary_store(code, qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads,
+                                 head_dim, positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+                                 key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
+                                 slot_mapping.data_ptr())
+    return True

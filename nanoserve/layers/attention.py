@@ -57,6 +57,10 @@ class PagedAttention(nn.Module):
         """q: [T, H, D], k/v: [T, KVH, D] → [T, H, D]. The cache is written first and
         attention reads what it holds, so a cached prefix and a fresh one see the same values."""
         store_kvcache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
+        return self.attend(q, metadata)
+
+    def attend(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over what the cache holds (this step's K/V already stored)."""
         if not use_triton(q) and metadata.prefill_row_tile:
             return paged_attention_cpu(
                 q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,

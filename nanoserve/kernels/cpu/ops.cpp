@@ -14,8 +14,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <immintrin.h>
 #include <omp.h>
 #include <vector>
+
+// Hand-vectorized paths for AVX-512 with BF16 (Cooper Lake, Sapphire Rapids and later), chosen
+// at run time; the plain loops below them serve every other CPU and float32.
+#define NS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 namespace {
 
@@ -26,12 +32,12 @@ inline float bf16_to_float(uint16_t v) {
     return out;
 }
 
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch; branch-free
     uint32_t bits;
     std::memcpy(&bits, &f, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 struct F32 {
@@ -69,6 +75,194 @@ inline float exp2_clamped(float x) {
 
 constexpr float kLog2E = 1.4426950408889634f;
 
+
+// ---- AVX-512 BF16 fast paths -------------------------------------------------------------
+
+bool has_avx512_bf16() {
+    static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    return supported;
+}
+
+NS_AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+NS_AVX512_BF16 inline __m256i to_bf16x16(__m512 v) {  // round to nearest even
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+}
+
+NS_AVX512_BF16 inline __m512 round_bf16x16(__m512 v) {
+    const __m512i wide = _mm512_cvtepu16_epi32(to_bf16x16(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 2^x, x clamped to [-126, 126], relative error ~1e-7.
+NS_AVX512_BF16 inline __m512 exp2x16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j].
+NS_AVX512_BF16 inline __m512 transpose_sum16(const __m512* v) {
+    __m512 quads[4];
+    for (int q = 0; q < 4; ++q) {
+        const __m512* w = v + 4 * q;
+        const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+        const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+        const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+        // Per 128-bit chunk: the partial sums of keys 4q..4q+3.
+        quads[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+    }
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                     _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                     _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+// Paged attention for bf16 with 16-token blocks and head_dim a multiple of 32 (<= 256): the
+// scores of a block's 16 keys come out in one register (bf16 dot products, fp32 sums).
+NS_AVX512_BF16 void paged_attention_bf16_block16(
+        uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
+        const uint16_t* key_cache, const uint16_t* value_cache, int num_kv_heads, int head_dim,
+        const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
+        const int32_t* seq_lens, int num_heads, float scale, const std::vector<int32_t>& items,
+        int rows_per_item) {
+    constexpr int BS = 16;
+    const int group = num_heads / num_kv_heads;
+    const int D = head_dim;
+    const int chunks = D / 32;   // bf16 pairs per register
+    const int lanes = D / 16;    // fp32 registers per row
+    const int64_t num_items = static_cast<int64_t>(items.size() / 3);
+    const float scale_log2 = scale * kLog2E;
+    const int max_vectors = rows_per_item * group;
+#pragma omp parallel
+    {
+        std::vector<__m512i> qb(static_cast<size_t>(max_vectors) * chunks);
+        std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
+        std::vector<float> row_max(max_vectors), row_sum(max_vectors);
+        std::vector<float> vf(static_cast<size_t>(BS) * D);
+        __m512 partial[BS];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int s = items[3 * item], h = items[3 * item + 1], r0 = items[3 * item + 2];
+            const int q_start = cu_seqlens_q[s];
+            const int q_len = cu_seqlens_q[s + 1] - q_start;
+            const int seq_len = seq_lens[s];
+            const int context = seq_len - q_len;
+            const int rows = q_len - r0 < rows_per_item ? q_len - r0 : rows_per_item;
+            const int vectors = rows * group;
+            for (int i = 0; i < rows; ++i)
+                for (int g = 0; g < group; ++g) {
+                    const uint16_t* src = query + static_cast<int64_t>(q_start + r0 + i) * q_stride_token +
+                                          static_cast<int64_t>(h * group + g) * q_stride_head;
+                    for (int c = 0; c < chunks; ++c)
+                        qb[static_cast<size_t>(i * group + g) * chunks + c] =
+                            _mm512_loadu_si512(reinterpret_cast<const void*>(src + 32 * c));
+                }
+            std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * D, 0.0f);
+            std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
+            std::fill(row_sum.begin(), row_sum.begin() + vectors, 0.0f);
+            const int last_position = context + r0 + rows - 1;
+            const int num_blocks = last_position / BS + 1;
+            const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            for (int b = 0; b < num_blocks; ++b) {
+                const int64_t base = (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
+                const uint16_t* kb = key_cache + base;
+                const uint16_t* vb = value_cache + base;
+                const int first_key = b * BS;
+                const int valid_keys = seq_len - first_key < BS ? seq_len - first_key : BS;
+                for (int j = 0; j < valid_keys; ++j)
+                    for (int l = 0; l < lanes; ++l)
+                        _mm512_storeu_ps(&vf[static_cast<size_t>(j) * D + 16 * l],
+                                         load_bf16x16(vb + static_cast<int64_t>(j) * D + 16 * l));
+                for (int i = 0; i < rows; ++i) {
+                    const int position = context + r0 + i;
+                    if (position < first_key) continue;  // this block is wholly in the row's future
+                    const int allowed = position - first_key + 1 < BS ? position - first_key + 1 : BS;
+                    const __mmask16 keep = static_cast<__mmask16>((1u << allowed) - 1u);
+                    for (int g = 0; g < group; ++g) {
+                        const int v = i * group + g;
+                        const __m512i* qv = &qb[static_cast<size_t>(v) * chunks];
+                        for (int j = 0; j < BS; ++j) {
+                            const uint16_t* kj = kb + static_cast<int64_t>(j) * D;
+                            __m512 dot = _mm512_setzero_ps();
+                            for (int c = 0; c < chunks; ++c) {
+                                const __m512i k = _mm512_loadu_si512(reinterpret_cast<const void*>(kj + 32 * c));
+                                dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(qv[c]),
+                                                       reinterpret_cast<__m512bh>(k));
+                            }
+                            partial[j] = dot;
+                        }
+                        const __m512 scores = _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale_log2));
+                        const float block_max = _mm512_mask_reduce_max_ps(keep, scores);
+                        const float new_max = block_max > row_max[v] ? block_max : row_max[v];
+                        const float correction =
+                            _mm512_cvtss_f32(exp2x16(_mm512_set1_ps(row_max[v] - new_max)));
+                        const __m512 probs = _mm512_maskz_mov_ps(
+                            keep, exp2x16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+                        row_sum[v] = row_sum[v] * correction + _mm512_reduce_add_ps(probs);
+                        row_max[v] = new_max;
+                        alignas(64) float p[BS];
+                        _mm512_store_ps(p, probs);
+                        float* av = &acc[static_cast<size_t>(v) * D];
+                        for (int l = 0; l < lanes; ++l) {
+                            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(av + 16 * l), _mm512_set1_ps(correction));
+                            for (int j = 0; j < allowed; ++j)
+                                a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
+                                                    _mm512_loadu_ps(&vf[static_cast<size_t>(j) * D + 16 * l]), a);
+                            _mm512_storeu_ps(av + 16 * l, a);
+                        }
+                    }
+                }
+            }
+            for (int i = 0; i < rows; ++i)
+                for (int g = 0; g < group; ++g) {
+                    const int v = i * group + g;
+                    const __m512 inv = _mm512_set1_ps(1.0f / row_sum[v]);
+                    uint16_t* dst = out + (static_cast<int64_t>(q_start + r0 + i) * num_heads + h * group + g) * D;
+                    const float* av = &acc[static_cast<size_t>(v) * D];
+                    for (int l = 0; l < lanes; ++l)
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * l),
+                                            to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(av + 16 * l), inv)));
+                }
+        }
+    }
+}
+
+NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* gate = gate_up + r * 2 * inter;
+        const uint16_t* up = gate + inter;
+        uint16_t* o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 g = load_bf16x16(gate + i);
+            const __m512 e = exp2x16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2E)));
+            const __m512 silu = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16x16(_mm512_mul_ps(silu, load_bf16x16(up + i))));
+        }
+        for (; i < inter; ++i) {  // tail: same arithmetic, one lane at a time
+            const __m512 g = _mm512_set1_ps(bf16_to_float(gate[i]));
+            const __m512 e = exp2x16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2E)));
+            const float silu = _mm512_cvtss_f32(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+            o[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+        }
+    }
+}
+
 template <typename S>
 void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_stride_token,
                      int64_t q_stride_head, const typename S::T* key_cache,
@@ -90,6 +284,14 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
                 items.push_back(h);
                 items.push_back(r);
             }
+    }
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        if (BS == 16 && D % 32 == 0 && D <= 256 && has_avx512_bf16()) {
+            paged_attention_bf16_block16(out, query, q_stride_token, q_stride_head, key_cache, value_cache,
+                                         num_kv_heads, D, block_table, block_table_stride, cu_seqlens_q,
+                                         seq_lens, num_heads, scale, items, rows_per_item);
+            return;
+        }
     }
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float q_scale = scale * kLog2E;
@@ -254,6 +456,43 @@ void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t col
     }
 }
 
+// Rotary (rotate-half) on the query and key heads of each row of the fused QKV output, in
+// place, then the rotated keys and the values written to the head-major pool at their slots
+// (slot < 0: padding, skipped). Math as the reference: fp32, products rounded separately.
+template <typename S>
+void rotary_store(typename S::T* qkv, int64_t row_stride, int64_t num_tokens, int num_heads,
+                  int num_kv_heads, int head_dim, const int64_t* positions, const float* cos_sin,
+                  int64_t cos_sin_stride, typename S::T* key_cache, typename S::T* value_cache,
+                  int block_size, const int64_t* slots) {
+    using T = typename S::T;
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        T* row = qkv + t * row_stride;
+        const float* cos = cos_sin + positions[t] * cos_sin_stride;
+        const float* sin = cos + half;
+        for (int head = 0; head < num_heads + num_kv_heads; ++head) {
+            T* x = row + static_cast<int64_t>(head) * head_dim;
+            for (int i = 0; i < half; ++i) {
+                const float x1 = S::load(x, i), x2 = S::load(x, i + half);
+                const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], d = x1 * sin[i];
+                S::store(x, i, a - b);
+                S::store(x, i + half, c + d);
+            }
+        }
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int kv = 0; kv < num_kv_heads; ++kv) {
+            const int64_t dst = ((block * num_kv_heads + kv) * block_size + offset) * head_dim;
+            const T* k = row + static_cast<int64_t>(num_heads + kv) * head_dim;
+            const T* v = row + static_cast<int64_t>(num_heads + num_kv_heads + kv) * head_dim;
+            std::memcpy(key_cache + dst, k, sizeof(T) * head_dim);
+            std::memcpy(value_cache + dst, v, sizeof(T) * head_dim);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -299,6 +538,8 @@ int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const v
 int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter) {
     if (dtype == 0)
         silu_and_mul<F32>(static_cast<float*>(out), static_cast<const float*>(gate_up), rows, inter);
+    else if (dtype == 1 && has_avx512_bf16())
+        silu_and_mul_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows, inter);
     else if (dtype == 1)
         silu_and_mul<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows, inter);
     else
@@ -311,6 +552,23 @@ int ns_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t
         argmax_rows<F32>(out, static_cast<const float*>(x), rows, cols, row_stride);
     else if (dtype == 1)
         argmax_rows<BF16>(out, static_cast<const uint16_t*>(x), rows, cols, row_stride);
+    else
+        return 1;
+    return 0;
+}
+
+int ns_rotary_store(int dtype, void* qkv, int64_t row_stride, int64_t num_tokens, int num_heads,
+                    int num_kv_heads, int head_dim, const int64_t* positions, const float* cos_sin,
+                    int64_t cos_sin_stride, void* key_cache, void* value_cache, int block_size,
+                    const int64_t* slots) {
+    if (dtype == 0)
+        rotary_store<F32>(static_cast<float*>(qkv), row_stride, num_tokens, num_heads, num_kv_heads, head_dim,
+                          positions, cos_sin, cos_sin_stride, static_cast<float*>(key_cache),
+                          static_cast<float*>(value_cache), block_size, slots);
+    else if (dtype == 1)
+        rotary_store<BF16>(static_cast<uint16_t*>(qkv), row_stride, num_tokens, num_heads, num_kv_heads, head_dim,
+                           positions, cos_sin, cos_sin_stride, static_cast<uint16_t*>(key_cache),
+                           static_cast<uint16_t*>(value_cache), block_size, slots);
     else
         return 1;
     return 0;
