@@ -27,6 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    # CPU: torch / OpenMP threads per rank; None: the CPUs this process may use (affinity and
+    # cgroup quota) shared among this machine's ranks.
+    cpu_threads: int | None = None
     enforce_eager: bool = True
     max_logprobs: int = 20
     max_n_sequences: int = 128  # most outputs per request (`n`), as vLLM's VLLM_MAX_N_SEQUENCES
@@ -57,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if self.max_n_sequences < 1:
             raise ValueError(f"max_n_sequences must be >= 1, got {self.max_n_sequences}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Topology:
     backend: str
     init_method: str
     device_type: str
+    cpu_threads: int | None = None  # EngineConfig.cpu_threads
 
     @property
     def local_ranks(self) -> range:
@@ -98,7 +100,7 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
         init_method = f"tcp://{config.master_addr}:{config.master_port}"
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-    return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type)
+    return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads)
 
 
 def init_rank(topology: Topology, rank: int) -> torch.device:
@@ -113,7 +115,7 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // topology.ranks_per_node))
+        torch.set_num_threads(threads_per_rank(topology.cpu_threads, topology.ranks_per_node))
     if topology.world_size > 1:
         dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
                                 world_size=topology.world_size, timeout=timedelta(minutes=10))
