@@ -75,6 +75,17 @@ inline float exp2_clamped(float x) {
 
 constexpr float kLog2E = 1.4426950408889634f;
 
+// Below this much work a parallel region costs more than it saves, and far more when the process
+// shares its CPUs (each region ends in a barrier that waits for a descheduled thread).
+constexpr int64_t kParallelElements = 1 << 15;
+
+// Keys to visit, summed over the work items: attention runs on one thread below a few thousand.
+inline bool attention_worth_threads(const std::vector<int32_t>& items, const int32_t* seq_lens, int rows_per_item) {
+    int64_t keys = 0;
+    for (size_t i = 0; i < items.size(); i += 3) keys += static_cast<int64_t>(seq_lens[items[i]]) * rows_per_item;
+    return items.size() > 3 && keys >= 4096;
+}
+
 
 // ---- AVX-512 BF16 fast paths -------------------------------------------------------------
 
@@ -147,7 +158,8 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float scale_log2 = scale * kLog2E;
     const int max_vectors = rows_per_item * group;
-#pragma omp parallel
+    const bool parallel_work = attention_worth_threads(items, seq_lens, rows_per_item);
+#pragma omp parallel if (parallel_work)
     {
         std::vector<__m512i> qb(static_cast<size_t>(max_vectors) * chunks);
         std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
@@ -242,7 +254,7 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
 }
 
 NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* gate = gate_up + r * 2 * inter;
         const uint16_t* up = gate + inter;
@@ -296,7 +308,8 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float q_scale = scale * kLog2E;
     const int max_vectors = rows_per_item * group;
-#pragma omp parallel
+    const bool parallel_work = attention_worth_threads(items, seq_lens, rows_per_item);
+#pragma omp parallel if (parallel_work)
     {
         std::vector<float> qf(static_cast<size_t>(max_vectors) * D);
         std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
@@ -386,7 +399,7 @@ void rms_norm(typename S::T* out, typename S::T* new_residual, const typename S:
               const typename S::T* residual, const typename S::T* weight, int64_t rows,
               int64_t hidden, float eps) {
     using T = typename S::T;
-#pragma omp parallel
+#pragma omp parallel if (rows * hidden >= kParallelElements)
     {
         std::vector<float> row(hidden);
 #pragma omp for schedule(static)
@@ -416,7 +429,7 @@ void rms_norm(typename S::T* out, typename S::T* new_residual, const typename S:
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i], silu rounded first, as torch.
 template <typename S>
 void silu_and_mul(typename S::T* out, const typename S::T* gate_up, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const typename S::T* gate = gate_up + r * 2 * inter;
         const typename S::T* up = gate + inter;
@@ -433,7 +446,7 @@ void silu_and_mul(typename S::T* out, const typename S::T* gate_up, int64_t rows
 // Index of the largest value of each row (the first one on ties, as torch.argmax).
 template <typename S>
 void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t cols, int64_t row_stride) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= 4 * kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const typename S::T* xr = x + r * row_stride;
         float best = -INFINITY;
@@ -466,7 +479,7 @@ void rotary_store(typename S::T* qkv, int64_t row_stride, int64_t num_tokens, in
                   int block_size, const int64_t* slots) {
     using T = typename S::T;
     const int half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens >= 32)
     for (int64_t t = 0; t < num_tokens; ++t) {
         T* row = qkv + t * row_stride;
         const float* cos = cos_sin + positions[t] * cos_sin_stride;
