@@ -79,6 +79,26 @@ constexpr float kLog2E = 1.4426950408889634f;
 // shares its CPUs (each region ends in a barrier that waits for a descheduled thread).
 constexpr int64_t kParallelElements = 1 << 15;
 
+// One work item of paged attention: query rows [first_row, first_row + rows) of sequence `seq`
+// (of its q_len new rows, which start at batch row q_start) against KV head `head`.
+struct WorkItem {
+    int seq, head, first_row, q_start, seq_len, context, rows;
+};
+
+inline WorkItem work_item(const std::vector<int32_t>& items, int64_t index, const int32_t* cu_seqlens_q,
+                          const int32_t* seq_lens, int rows_per_item) {
+    WorkItem w;
+    w.seq = items[3 * index];
+    w.head = items[3 * index + 1];
+    w.first_row = items[3 * index + 2];
+    w.q_start = cu_seqlens_q[w.seq];
+    const int q_len = cu_seqlens_q[w.seq + 1] - w.q_start;
+    w.seq_len = seq_lens[w.seq];
+    w.context = w.seq_len - q_len;
+    w.rows = q_len - w.first_row < rows_per_item ? q_len - w.first_row : rows_per_item;
+    return w;
+}
+
 // Keys to visit, summed over the work items: attention runs on one thread below a few thousand.
 inline bool attention_worth_threads(const std::vector<int32_t>& items, const int32_t* seq_lens, int rows_per_item) {
     int64_t keys = 0;
@@ -161,27 +181,22 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     const bool parallel_work = attention_worth_threads(items, seq_lens, rows_per_item);
 #pragma omp parallel if (parallel_work)
     {
-        std::vector<__m512i> qb(static_cast<size_t>(max_vectors) * chunks);
+        std::vector<uint16_t> qb(static_cast<size_t>(max_vectors) * D);  // bf16 query rows
         std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
         std::vector<float> row_max(max_vectors), row_sum(max_vectors);
         std::vector<float> vf(static_cast<size_t>(BS) * D);
         __m512 partial[BS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
-            const int s = items[3 * item], h = items[3 * item + 1], r0 = items[3 * item + 2];
-            const int q_start = cu_seqlens_q[s];
-            const int q_len = cu_seqlens_q[s + 1] - q_start;
-            const int seq_len = seq_lens[s];
-            const int context = seq_len - q_len;
-            const int rows = q_len - r0 < rows_per_item ? q_len - r0 : rows_per_item;
+            const WorkItem w = work_item(items, item, cu_seqlens_q, seq_lens, rows_per_item);
+            const int s = w.seq, h = w.head, r0 = w.first_row, q_start = w.q_start, seq_len = w.seq_len;
+            const int context = w.context, rows = w.rows;
             const int vectors = rows * group;
             for (int i = 0; i < rows; ++i)
                 for (int g = 0; g < group; ++g) {
                     const uint16_t* src = query + static_cast<int64_t>(q_start + r0 + i) * q_stride_token +
                                           static_cast<int64_t>(h * group + g) * q_stride_head;
-                    for (int c = 0; c < chunks; ++c)
-                        qb[static_cast<size_t>(i * group + g) * chunks + c] =
-                            _mm512_loadu_si512(reinterpret_cast<const void*>(src + 32 * c));
+                    std::memcpy(&qb[static_cast<size_t>(i * group + g) * D], src, sizeof(uint16_t) * D);
                 }
             std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * D, 0.0f);
             std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
@@ -206,14 +221,14 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                     const __mmask16 keep = static_cast<__mmask16>((1u << allowed) - 1u);
                     for (int g = 0; g < group; ++g) {
                         const int v = i * group + g;
-                        const __m512i* qv = &qb[static_cast<size_t>(v) * chunks];
+                        const uint16_t* qv = &qb[static_cast<size_t>(v) * D];
                         for (int j = 0; j < BS; ++j) {
                             const uint16_t* kj = kb + static_cast<int64_t>(j) * D;
                             __m512 dot = _mm512_setzero_ps();
                             for (int c = 0; c < chunks; ++c) {
                                 const __m512i k = _mm512_loadu_si512(reinterpret_cast<const void*>(kj + 32 * c));
-                                dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(qv[c]),
-                                                       reinterpret_cast<__m512bh>(k));
+                                const __m512i q = _mm512_loadu_si512(reinterpret_cast<const void*>(qv + 32 * c));
+                                dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(q), reinterpret_cast<__m512bh>(k));
                             }
                             partial[j] = dot;
                         }
@@ -317,12 +332,9 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
         std::vector<float> scores(BS), probs(BS);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
-            const int s = items[3 * item], h = items[3 * item + 1], r0 = items[3 * item + 2];
-            const int q_start = cu_seqlens_q[s];
-            const int q_len = cu_seqlens_q[s + 1] - q_start;
-            const int seq_len = seq_lens[s];
-            const int context = seq_len - q_len;
-            const int rows = q_len - r0 < rows_per_item ? q_len - r0 : rows_per_item;
+            const WorkItem w = work_item(items, item, cu_seqlens_q, seq_lens, rows_per_item);
+            const int s = w.seq, h = w.head, r0 = w.first_row, q_start = w.q_start;
+            const int context = w.context, rows = w.rows;
             const int vectors = rows * group;
             for (int i = 0; i < rows; ++i)
                 for (int g = 0; g < group; ++g) {
