@@ -366,14 +366,18 @@ def test_silu_and_mul_matches_reference(dtype, shape):
         assert_bf16_near_exact(out, expected, max_fraction=0.001)
 
 
-@pytest.mark.xfail(strict=True, reason="ops.cpp clamps exp2's argument to 126, so silu(g) for "
-                   "g < -87.3 is about g * 2^-126 (~1e-36) where torch's exp overflows and gives -0")
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_silu_and_mul_saturated_negative_gate_as_reference(dtype):
     gate_up = torch.tensor([[-88.0, -90.0, -200.0, -1e4, 1.0, 1.0, 1.0, 1.0]]).to(dtype)
     out = cpu_ops.silu_and_mul(gate_up)
     expected = silu_and_mul_reference(gate_up)
-    assert torch.equal(out, expected), f"{out.tolist()} vs {expected.tolist()}"
+    # Where torch's exp overflows the result is exactly -0 (sign included); where it doesn't
+    # (g = -88 in fp32 gives ~-5e-37) the polynomial exp agrees to fp32's last few bits.
+    assert torch.equal(out == 0, expected == 0) and torch.equal(out.signbit(), expected.signbit())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(out, expected), f"{out.tolist()} vs {expected.tolist()}"
 
 
 def test_silu_and_mul_unsupported_shapes():

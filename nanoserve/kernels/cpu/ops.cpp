@@ -54,10 +54,12 @@ struct BF16 {
     static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
 };
 
-// 2^x, x clamped to [-126, 126], relative error ~1e-7; 2^0 is exactly 1. Written so that the
-// compiler vectorizes it (libm's expf would not be, without -ffast-math).
+// 2^x, relative error ~1e-7; 2^0 is exactly 1; below -126 it stays at 2^-126, from 128 up it is
+// +inf (as expf overflows). Written so that the compiler vectorizes it (libm's expf would not
+// be, without -ffast-math).
 inline float exp2_clamped(float x) {
-    x = x < -126.0f ? -126.0f : (x > 126.0f ? 126.0f : x);
+    const bool overflow = x >= 128.0f;
+    x = x < -126.0f ? -126.0f : (overflow ? 0.0f : x);
     float n = std::floor(x + 0.5f);
     float f = x - n;  // [-0.5, 0.5]
     float p = 1.5403530e-4f;
@@ -70,7 +72,7 @@ inline float exp2_clamped(float x) {
     int32_t e = (static_cast<int32_t>(n) + 127) << 23;
     float scale;
     std::memcpy(&scale, &e, sizeof(scale));
-    return p * scale;
+    return overflow ? INFINITY : p * scale;
 }
 
 constexpr float kLog2E = 1.4426950408889634f;
@@ -128,9 +130,10 @@ NS_AVX512_BF16 inline __m512 round_bf16x16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// 2^x, x clamped to [-126, 126], relative error ~1e-7.
+// 2^x, relative error ~1e-7; below -126 it stays at 2^-126, from 128 up it is +inf (scalef
+// overflows), as exp2_clamped.
 NS_AVX512_BF16 inline __m512 exp2x16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(126.0f)), _mm512_set1_ps(-126.0f));
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-126.0f));
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(1.5403530e-4f);
