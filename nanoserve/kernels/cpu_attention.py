@@ -68,33 +68,40 @@ def _calls(context: int, q_len: int) -> list[tuple[int, int, int]]:
     return calls
 
 
-def _gather_keys(cache: torch.Tensor, table: torch.Tensor, key_length: int, seq_len: int) -> torch.Tensor:
-    """[1, kv_heads, key_length, dim] of one sequence's cached rows, zero past seq_len."""
+def _gather_keys(cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq_len: int) -> torch.Tensor:
+    """[B, kv_heads, key_length, dim]: the cached rows of B sequences of the same length (one
+    block table row each), zero past seq_len."""
     _, block_size, num_kv_heads, head_dim = cache.shape
+    batch = tables.shape[0]
     num_blocks = -(-seq_len // block_size)
     physical = cache.permute(0, 2, 1, 3)  # [blocks, kv_heads, block_size, dim], contiguous
-    out = cache.new_zeros((1, num_kv_heads, key_length, head_dim))
-    rows = physical.index_select(0, table[:num_blocks].long())  # [n, kv_heads, block_size, dim]
-    out[0, :, : num_blocks * block_size].view(num_kv_heads, num_blocks, block_size, head_dim).copy_(
-        rows.permute(1, 0, 2, 3))
+    out = cache.new_zeros((batch, num_kv_heads, key_length, head_dim))
+    rows = physical.index_select(0, tables[:, :num_blocks].reshape(-1).long())
+    out[:, :, : num_blocks * block_size].view(batch, num_kv_heads, num_blocks, block_size, head_dim).copy_(
+        rows.view(batch, num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2))
     if num_blocks * block_size > seq_len:  # slots after the last written one
-        out[0, :, seq_len : num_blocks * block_size] = 0
+        out[:, :, seq_len : num_blocks * block_size] = 0
     return out
 
 
-def _prefill(query, out, key_cache, value_cache, table, span: PrefillSpan, scale: float) -> None:
+def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan], scale: float) -> None:
+    """Spans of the same shape (context and q_len), batched: each row's tiles are the same as
+    alone (the flash kernel works on each batch entry and head separately)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
+    span = spans[0]
     context = span.seq_len - span.q_len
     calls = _calls(context, span.q_len)
     max_keys = max(keys for _, _, keys in calls)
-    keys = _gather_keys(key_cache, table, max_keys, span.seq_len)
-    values = _gather_keys(value_cache, table, max_keys, span.seq_len)
+    keys = _gather_keys(key_cache, tables, max_keys, span.seq_len)
+    values = _gather_keys(value_cache, tables, max_keys, span.seq_len)
+    batch = len(spans)
     for first, rows, key_length in calls:
         padded = -(-rows // QUERY_TILE) * QUERY_TILE
-        q = query.new_zeros((1, num_heads, padded, head_dim))
-        start = span.row_start + first
-        q[0, :, :rows] = query[start : start + rows].transpose(0, 1)
+        q = query.new_zeros((batch, num_heads, padded, head_dim))
+        for index, item in enumerate(spans):
+            start = item.row_start + first
+            q[index, :, :rows] = query[start : start + rows].transpose(0, 1)
         positions = torch.arange(context + first, context + first + rows)
         mask = torch.zeros((padded, key_length), dtype=torch.bool)
         mask[:rows] = torch.arange(key_length)[None, :] <= positions[:, None]
@@ -102,7 +109,9 @@ def _prefill(query, out, key_cache, value_cache, table, span: PrefillSpan, scale
         result = F.scaled_dot_product_attention(
             q, keys[:, :, :key_length], values[:, :, :key_length], attn_mask=mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads)
-        out[start : start + rows] = result[0, :, :rows].transpose(0, 1)
+        for index, item in enumerate(spans):
+            start = item.row_start + first
+            out[start : start + rows] = result[index, :, :rows].transpose(0, 1)
 
 
 def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
@@ -115,8 +124,12 @@ def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q
         args = (query[:n], key_cache, value_cache, block_table[:n], cu_seqlens_q[: n + 1], seq_lens[:n], scale)
         if not cpu_ops.available() or cpu_ops.paged_attention(*args, out=out[:n]) is None:
             out[:n] = paged_attention_reference(*args, 1, None)
-    for span in spans:
-        _prefill(query, out, key_cache, value_cache, block_table[span.seq_index], span, scale)
+    groups: dict[tuple[int, int], list[PrefillSpan]] = {}
+    for span in spans:  # fresh prompts of one length, as a benchmark's or a batch's, go together
+        groups.setdefault((span.seq_len, span.q_len), []).append(span)
+    for group in groups.values():
+        tables = block_table[torch.tensor([span.seq_index for span in group])]
+        _prefill(query, out, key_cache, value_cache, tables, group, scale)
     real = spans[-1].row_start + spans[-1].q_len if spans else num_decode_seqs
     if real < out.shape[0]:
         out[real:] = 0

@@ -274,6 +274,26 @@ def test_prompt_rows_same_bits_with_decodes_another_prompt_and_padding(dtype):
     close(out[103:193], expected_other, REFERENCE_TOL)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("q_len, context", [(120, 0), (300, 0), (40, 200)])
+def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, context):
+    """Spans of the same shape go through one batched SDPA call; each row must come out as it
+    does when its span is the only one in the step."""
+    batch = paged_batch([q_len] * 3, [context] * 3, dtype=dtype, seed=q_len + context)
+    cu = batch.cu_seqlens_q.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    together = cpu_attention.paged_attention_cpu(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.cu_seqlens_q,
+        batch.seq_lens, batch.scale, 0, cpu_attention.prefill_spans(cu, seq_lens, 0))
+    for i in range(3):
+        alone = cpu_attention.paged_attention_cpu(
+            batch.query[cu[i] : cu[i + 1]].contiguous(), batch.key_cache, batch.value_cache,
+            batch.block_table[i : i + 1].contiguous(), int32([0, q_len]), batch.seq_lens[i : i + 1].contiguous(),
+            batch.scale, 0, cpu_attention.prefill_spans([0, q_len], [seq_lens[i]], 0))
+        assert torch.equal(together[cu[i] : cu[i + 1]], alone), f"sequence {i}"
+    close(together, paged_attention_reference(*batch.args()), REFERENCE_TOL)
+
+
 def test_key_length_buckets():
     assert [cpu_attention.key_length_for(p) for p in (0, 127, 128, 255, 256, 511, 512, 1023, 1024)] == \
         [128, 128, 256, 256, 512, 512, 1024, 1024, 1536]
