@@ -109,7 +109,9 @@ def load_error() -> str | None:
 
 
 def available() -> bool:
-    return os.environ.get("NANOSERVE_KERNELS", "auto") != "reference" and library() is not None
+    """Whether the CPU path may use these kernels: they load, and NANOSERVE_KERNELS doesn't ask
+    for the references or the Triton kernels instead."""
+    return os.environ.get("NANOSERVE_KERNELS", "auto") == "auto" and library() is not None
 
 
 def _dtype_code(*tensors: torch.Tensor) -> int | None:

@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
         qkv = self.qkv_proj(hidden, rows)
-        if metadata.prefill_row_tile and cpu_ops.rotary_store(
+        if metadata.prefill_row_tile and cpu_ops.available() and cpu_ops.rotary_store(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
                 self.attn.key_cache, self.attn.value_cache, metadata.slot_mapping):
             # CPU: rotary and the KV-cache write in one pass over the fused QKV rows.
