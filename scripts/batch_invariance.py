@@ -11,6 +11,10 @@ first token (sampled from the prompt's last row) is expected to match; decode ro
 whose row count is the batch size, so later tokens may drift once a near-tie flips.
 
     .venv/bin/python scripts/batch_invariance.py [--model DIR] [--dtype bfloat16] [--max-tokens 96]
+
+The same measurement of vLLM (its LLM and LLMEngine have the same names), for comparison:
+
+    ~/.cache/vllm-cpu/venv/bin/python scripts/batch_invariance.py --engine vllm --model DIR
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from nanoserve import LLM, SamplingParams
+import importlib
+
+LLM = SamplingParams = None  # bound in main() from --engine
 
 QUESTIONS = [
     "What is the capital of France, and what is it famous for?",
@@ -127,7 +133,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("nanoserve", "vllm"), default="nanoserve")
     args = parser.parse_args()
+    global LLM, SamplingParams
+    module = importlib.import_module(args.engine)
+    LLM, SamplingParams = module.LLM, module.SamplingParams
+    if args.engine == "vllm" and args.model is None:
+        parser.error("--engine vllm needs --model (the imported SmolLM2 directory)")
 
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
@@ -135,7 +147,8 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
 
     def encode(question: str) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
         return tokenizer.encode(text, add_special_tokens=False)
 
     targets = [encode(q) for q in QUESTIONS[: args.num_prompts]]
@@ -157,7 +170,7 @@ def main() -> None:
             for i in range(n)],
     }
 
-    print(f"model {llm.llm_engine.served_model_name}, {args.dtype}, prefix caching "
+    print(f"{args.engine}: model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, prefix caching "
           f"{'off' if args.no_prefix_caching else 'on'}, {n} chat prompts "
           f"({min(map(len, targets))}-{max(map(len, targets))} tokens), greedy, max_tokens {args.max_tokens}")
     print(f"lone answers: {sum(map(len, alone.values())) / n:.1f} tokens on average")
