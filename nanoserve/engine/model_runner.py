@@ -152,10 +152,11 @@ class ModelRunner:
         prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
         AttentionMetadata.prefill_row_tile)."""
         block_size = self.block_size
-        decodes = [item for item in scheduled
-                   if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens]
-        prompts = [item for item in scheduled
-                   if not (item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens)]
+        decodes: list[ScheduledSequence] = []
+        prompts: list[ScheduledSequence] = []
+        for item in scheduled:  # a decode computes one generated token; prompt rows never count as one
+            is_decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+            (decodes if is_decode else prompts).append(item)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
