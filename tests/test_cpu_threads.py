@@ -57,3 +57,19 @@ def test_threads_per_rank():
     assert threads_per_rank(3) == 3
     assert threads_per_rank(None, 1) == available_cpus()
     assert threads_per_rank(None, 64) == 1
+
+
+def _spincount_after_import(env: dict) -> str:
+    import subprocess
+    import sys
+
+    code = "import nanoserve, os; print(os.environ.get('GOMP_SPINCOUNT', '-'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_openmp_spin_is_short_unless_the_user_chose():
+    assert _spincount_after_import({}) == "10000"
+    assert _spincount_after_import({"GOMP_SPINCOUNT": "300000"}) == "300000"
+    assert _spincount_after_import({"OMP_WAIT_POLICY": "ACTIVE"}) == "-"
