@@ -41,7 +41,7 @@ def _part_sizes(header: list[int]) -> list[int]:
 
 
 def unpack_step(header: list[int], payload: torch.Tensor):
-    from nanoserve.engine.model_runner import PREFILL_ROW_TILE, ModelInput
+    from nanoserve.engine.model_runner import ModelInput, prefill_row_tile
 
     _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs = header
     input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
@@ -49,7 +49,7 @@ def unpack_step(header: list[int], payload: torch.Tensor):
         slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
         cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decode_seqs=num_decode_seqs,
-        prefill_row_tile=PREFILL_ROW_TILE if payload.device.type == "cpu" else 0)
+        prefill_row_tile=prefill_row_tile(payload.device))
     return ModelInput(input_ids, positions, metadata, logits_indices, [])
 
 

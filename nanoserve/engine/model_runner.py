@@ -33,6 +33,11 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 PREFILL_ROW_TILE = 512
 
 
+def prefill_row_tile(device: torch.device) -> int:
+    """AttentionMetadata.prefill_row_tile for a step on this device (0: no tiling, on CUDA)."""
+    return PREFILL_ROW_TILE if device.type == "cpu" else 0
+
+
 @dataclass(slots=True)
 class ModelInput:
     input_ids: torch.Tensor
@@ -180,7 +185,7 @@ class ModelRunner:
             if item.completes_prompt:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
                 sampling_seqs.append(seq)
-        tile = PREFILL_ROW_TILE if self.device.type == "cpu" else 0
+        tile = prefill_row_tile(self.device)
         num_prompt_rows = len(input_ids) - len(decodes)
         if tile and num_prompt_rows % tile:
             padding = tile - num_prompt_rows % tile

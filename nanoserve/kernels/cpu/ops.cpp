@@ -85,6 +85,23 @@ constexpr int64_t kParallelElements = 1 << 15;
 // (of its q_len new rows, which start at batch row q_start) against KV head `head`.
 struct WorkItem {
     int seq, head, first_row, q_start, seq_len, context, rows;
+
+    // KV blocks up to the block of the tile's last row's position.
+    int num_blocks(int block_size) const { return (context + first_row + rows - 1) / block_size + 1; }
+};
+
+// Online-softmax state of the query vectors of one work item (rows x group heads).
+struct SoftmaxRows {
+    std::vector<float> acc, row_max, row_sum;
+
+    SoftmaxRows(int max_vectors, int head_dim)
+        : acc(static_cast<size_t>(max_vectors) * head_dim), row_max(max_vectors), row_sum(max_vectors) {}
+
+    void reset(int vectors, int head_dim) {
+        std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * head_dim, 0.0f);
+        std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
+        std::fill(row_sum.begin(), row_sum.begin() + vectors, 0.0f);
+    }
 };
 
 inline WorkItem work_item(const std::vector<int32_t>& items, int64_t index, const int32_t* cu_seqlens_q,
@@ -185,8 +202,7 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
 #pragma omp parallel if (parallel_work)
     {
         std::vector<uint16_t> qb(static_cast<size_t>(max_vectors) * D);  // bf16 query rows
-        std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
-        std::vector<float> row_max(max_vectors), row_sum(max_vectors);
+        SoftmaxRows state(max_vectors, D);
         std::vector<float> vf(static_cast<size_t>(BS) * D);
         __m512 partial[BS];
 #pragma omp for schedule(dynamic, 1)
@@ -201,11 +217,11 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                                           static_cast<int64_t>(h * group + g) * q_stride_head;
                     std::memcpy(&qb[static_cast<size_t>(i * group + g) * D], src, sizeof(uint16_t) * D);
                 }
-            std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * D, 0.0f);
-            std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
-            std::fill(row_sum.begin(), row_sum.begin() + vectors, 0.0f);
-            const int last_position = context + r0 + rows - 1;
-            const int num_blocks = last_position / BS + 1;
+            state.reset(vectors, D);
+            std::vector<float>& acc = state.acc;
+            std::vector<float>& row_max = state.row_max;
+            std::vector<float>& row_sum = state.row_sum;
+            const int num_blocks = w.num_blocks(BS);
             const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
             for (int b = 0; b < num_blocks; ++b) {
                 const int64_t base = (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
@@ -330,8 +346,7 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
 #pragma omp parallel if (parallel_work)
     {
         std::vector<float> qf(static_cast<size_t>(max_vectors) * D);
-        std::vector<float> acc(static_cast<size_t>(max_vectors) * D);
-        std::vector<float> row_max(max_vectors), row_sum(max_vectors);
+        SoftmaxRows state(max_vectors, D);
         std::vector<float> scores(BS), probs(BS);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
@@ -346,11 +361,11 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
                     float* dst = &qf[static_cast<size_t>(i * group + g) * D];
                     for (int d = 0; d < D; ++d) dst[d] = S::load(src, d) * q_scale;
                 }
-            std::fill(acc.begin(), acc.begin() + static_cast<size_t>(vectors) * D, 0.0f);
-            std::fill(row_max.begin(), row_max.begin() + vectors, -INFINITY);
-            std::fill(row_sum.begin(), row_sum.begin() + vectors, 0.0f);
-            const int last_position = context + r0 + rows - 1;
-            const int num_blocks = last_position / BS + 1;
+            state.reset(vectors, D);
+            std::vector<float>& acc = state.acc;
+            std::vector<float>& row_max = state.row_max;
+            std::vector<float>& row_sum = state.row_sum;
+            const int num_blocks = w.num_blocks(BS);
             const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
             for (int b = 0; b < num_blocks; ++b) {
                 const int64_t base = (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
