@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_tp_rank, get_tp_world_size
 from nanoserve.distributed.launcher import resolve_device_type
@@ -55,8 +56,10 @@ class ModelRunner:
         self.device = device if device is not None else torch.device(resolve_device_type(config))
         self.rank = get_tp_rank()
         self.world_size = get_tp_world_size()
-        if self.device.type == "cpu" and self.world_size == 1:  # TP ranks are sized by init_rank
-            torch.set_num_threads(threads_per_rank(config.cpu_threads))
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            if self.world_size == 1:  # TP ranks are sized by init_rank
+                torch.set_num_threads(threads_per_rank(config.cpu_threads))
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
