@@ -18,7 +18,7 @@ from nanoserve.distributed.launcher import resolve_device_type
 from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
-from nanoserve.layers.cpu_prepack import prepack_linear_weights
+from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model
@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
-# CPU: prompt rows are multiplied in GEMMs of exactly this many rows (see
-# AttentionMetadata.prefill_row_tile). Measured on a 2,048-token prefill step of SmolLM2 (2 cores,
+# CPU without AMX (or NANOSERVE_CPU_AMX=0): prompt rows are multiplied in oneDNN GEMMs of exactly
+# this many rows (see AttentionMetadata.prefill_row_tile). With AMX, kernels/cpu/gemm.cpp takes
+# every row and nothing is padded. Measured on a 2,048-token prefill step of SmolLM2 (2 cores,
 # AMX): the step's GEMMs took 3.1 / 2.5 / 2.05 / 1.96 s per 4 steps with tiles of 128 / 256 /
 # 512 / 1,024 rows; 512 keeps most of that and pads a short prompt to at most 512 rows.
 PREFILL_ROW_TILE = 512
@@ -63,7 +64,12 @@ class ModelRunner:
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
+        # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
+        # through gemm.cpp, whose rows are invariant to M without padding.
+        self.pad_prompt_rows = self.device.type == "cpu"
         if self.device.type == "cpu":
+            packed, slots = prepack_amx_weights(self.model)
+            self.pad_prompt_rows = packed < slots
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.rank_weight_bytes = [self.weight_bytes]
@@ -156,8 +162,8 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
-        """Decodes of generated tokens first (one row each), then prompt chunks. On CPU the
-        prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
+        """Decodes of generated tokens first (one row each), then prompt chunks. On CPU without
+        the AMX GEMM the prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
         AttentionMetadata.prefill_row_tile)."""
         block_size = self.block_size
         decodes: list[ScheduledSequence] = []
@@ -190,7 +196,7 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         tile = prefill_row_tile(self.device)
         num_prompt_rows = len(input_ids) - len(decodes)
-        if tile and num_prompt_rows % tile:
+        if tile and self.pad_prompt_rows and num_prompt_rows % tile:
             padding = tile - num_prompt_rows % tile
             input_ids.extend([0] * padding)
             positions.extend([0] * padding)

@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
+_SOURCES = [Path(__file__).with_name("cpu") / name for name in ("ops.cpp", "gemm.cpp")]
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -41,6 +41,8 @@ _SIGNATURES = {
     "ns_rms_norm": [_I32, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
     "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
+    "ns_gemm_bf16_amx": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
+    "ns_amx_available": [],
     "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
 }
 
@@ -59,7 +61,8 @@ def _cpu_signature() -> str:
 def _cache_dir() -> Path:
     from nanoserve.config import nanoserve_home
 
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     return nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
 
 
@@ -76,10 +79,10 @@ def _build(target: Path) -> None:
               file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)],
+            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)],
                                     capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{result.stderr[-2000:]}")
+                raise RuntimeError(f"compiling the CPU kernels failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)
 
 
@@ -221,3 +224,41 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
                                  key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
                                  slot_mapping.data_ptr())
     return True
+
+
+# ---- row-invariant bf16 GEMM on AMX (kernels/cpu/gemm.cpp) ----------------------------------
+AMX_TILE_K = 32  # K must be a multiple of this
+AMX_TILE_N = 16  # and N of this
+
+
+def amx_gemm_available() -> bool:
+    return available() and bool(_library.ns_amx_available())
+
+
+def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 [N, K] weight in the layout gemm.cpp reads: per block of 16 output columns, its K/32
+    tiles of [16 k-pairs][16 columns][2]. None when this CPU, dtype or shape can't take it."""
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    n, k = weight.shape
+    if n == 0 or k == 0 or n % AMX_TILE_N or k % AMX_TILE_K or not amx_gemm_available():
+        return None
+    blocks = weight.detach().reshape(n // AMX_TILE_N, AMX_TILE_N, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
+    return blocks.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) from pack_amx_weight's packing; each row's bits are the same
+    whatever M is. None when x can't be taken (then use F.linear)."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    m, k = x.shape
+    n = packed.shape[0] * AMX_TILE_N
+    if k != packed.shape[1] * AMX_TILE_K:
+        return None
+    out = x.new_empty((m, n))
+    code = _library.ns_gemm_bf16_amx(out.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                     bias.data_ptr() if bias is not None else None, m, n, k)
+    return out if code == 0 else None

@@ -22,9 +22,10 @@ class AttentionMetadata:
     # The first num_decode_seqs sequences are decodes of generated tokens, one row each, at
     # rows 0..num_decode_seqs; prompt rows follow; rows past cu_seqlens_q[-1] are padding.
     num_decode_seqs: int = 0
-    # Prompt rows are padded to a multiple of this and multiplied in tiles of exactly this many
-    # rows, so that a prompt row's GEMM results never depend on what else is in the step
-    # (oneDNN picks kernels, and summation orders, by M). 0: one GEMM over all rows.
+    # CPU: nonzero (the CPU attention path). Where the linear layers use oneDNN, prompt rows are
+    # padded to a multiple of this and multiplied in tiles of exactly this many rows, so that a
+    # prompt row's GEMM results never depend on what else is in the step (oneDNN picks kernels,
+    # and summation orders, by M); the AMX GEMM (kernels/cpu/gemm.cpp) needs neither. 0: CUDA.
     prefill_row_tile: int = 0
     spans: list[PrefillSpan] | None = field(default=None)  # host-side; built on first use
 

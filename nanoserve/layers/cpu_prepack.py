@@ -24,6 +24,26 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
+def prepack_amx_weights(model: nn.Module) -> tuple[int, int]:
+    """Give every module with an `amx_weight` slot (the linear layers, the LM head) its AMX
+    packing (kernels/cpu/gemm.cpp), which then multiplies all of its rows. Returns (packed, slots)
+    over the layers that prompt rows pass through (not the LM head, which sees sampled rows
+    only): those are row-invariant without padding only when every one is packed."""
+    from nanoserve.kernels import cpu_ops
+
+    packed = slots = 0
+    enabled = os.environ.get("NANOSERVE_CPU_AMX", "1") != "0"  # 0: oneDNN with padded prompt rows
+    for module in model.modules():
+        if not hasattr(module, "amx_weight"):
+            continue
+        if enabled:
+            module.amx_weight = cpu_ops.pack_amx_weight(module.weight)
+        if not getattr(module, "sees_sampled_rows_only", False):
+            slots += 1
+            packed += module.amx_weight is not None
+    return packed, slots
+
+
 def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
     """Give every module with a 2-D bf16 `weight` on CPU and a `packed_weight` slot its packed
     copy; returns how many were packed."""
@@ -33,6 +53,8 @@ def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed_weight") or weight is None or weight.dim() != 2:
+            continue
+        if getattr(module, "amx_weight", None) is not None:  # multiplied by gemm.cpp instead
             continue
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             continue

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
+from nanoserve.kernels import cpu_ops
 from nanoserve.layers.cpu_prepack import packed_linear
 
 
@@ -37,16 +38,20 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each sequence; shards gathered to rank 0 for sampling."""
 
+    sees_sampled_rows_only = True  # see layers/cpu_prepack.prepack_amx_weights
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
         super().__init__(vocab_size, hidden_size, dtype)
         if bias:
             raise ValueError("LM head bias is not supported")
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
+        self.amx_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.packed_weight is not None:
+        logits = cpu_ops.gemm_amx(hidden, self.amx_weight, None) if self.amx_weight is not None else None
+        if logits is None and self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
-        else:
+        elif logits is None:
             logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits

@@ -167,6 +167,28 @@ def test_plain_greedy_path_same_cold_cached_chunked(dtype, model_dir, prompts):
     assert run(build(model_dir, dtype, caching=False, budget=299), prompt, PLAIN_GREEDY)[0] == cold_tokens
 
 
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_prompt_rows_padded_only_without_the_amx_gemm(amx, model_dir, prompts, vocab_size, monkeypatch):
+    """With the AMX GEMM (kernels/cpu/gemm.cpp) prompt rows are not padded; with oneDNN
+    (NANOSERVE_CPU_AMX=0, or a CPU without AMX) they are padded to PREFILL_ROW_TILE. Either way a
+    cached or chunked prompt gives the cold run's bits."""
+    from nanoserve.kernels import cpu_ops
+
+    if amx == "1" and not cpu_ops.amx_gemm_available():
+        pytest.skip("this CPU has no AMX")
+    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    cold_llm = build(model_dir, "bfloat16", caching=False)
+    runner = cold_llm.llm_engine.runner
+    assert runner.pad_prompt_rows == (amx == "0")
+    prompt = prompts["mid"]
+    expected = run(cold_llm, prompt)
+    llm = build(model_dir, "bfloat16", caching=True, budget=37)
+    run(llm, donor_of(prompt, SHARED_PREFIX["mid"], vocab_size))
+    result = run(llm, prompt)
+    assert result[2] > 0
+    assert_same(result, expected, f"cached {result[2]} tokens, chunks of 37, NANOSERVE_CPU_AMX={amx}")
+
+
 # ---- SmolLM2, the issue's report -----------------------------------------------------------
 
 CHAT = [{"role": "user", "content": (

@@ -1,0 +1,86 @@
+"""kernels/cpu/gemm.cpp: the AMX bf16 GEMM that multiplies every row of a CPU step.
+
+Oracle: the same product in float64, rounded once to bf16. The property the engine relies on
+(prompt rows are no longer padded to fixed-size GEMMs) is tested bit for bit: a row's output is
+the same whatever M is, wherever the row sits and whatever rows share its call."""
+import pytest
+import torch
+
+from nanoserve.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.amx_gemm_available(), reason="this CPU has no AMX (or no compiler)")
+
+SHAPES = [(576, 960), (576, 3072), (1536, 576), (64, 48), (32, 16), (96, 80)]
+
+
+def _weights(n, k, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=generator) * k ** -0.5).to(torch.bfloat16)
+    x = torch.randn(300, k, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).to(torch.bfloat16)
+    return w, x, bias
+
+
+def _oracle(x, w, bias=None):
+    out = x.double() @ w.double().t()
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64_product(k, n, with_bias):
+    w, x, bias = _weights(n, k)
+    packed = cpu_ops.pack_amx_weight(w)
+    b = bias if with_bias else None
+    for m in (1, 7, 16, 33, 300):
+        out = cpu_ops.gemm_amx(x[:m], packed, b)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        expected = _oracle(x[:m], w, b)
+        # fp32 accumulation then one bf16 rounding: within a bf16 step of the exact value,
+        # plus the fp32 accumulation error.
+        tolerance = expected.abs() * 2 ** -8 + 1e-3 * k ** 0.5
+        assert ((out.double() - expected).abs() <= tolerance).all()
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_rows_do_not_depend_on_their_neighbours(k, n):
+    w, x, _ = _weights(n, k, seed=1)
+    packed = cpu_ops.pack_amx_weight(w)
+    full = cpu_ops.gemm_amx(x, packed, None)
+    for start, m in [(0, 1), (0, 15), (0, 17), (5, 32), (37, 90), (100, 200), (299, 1), (64, 64)]:
+        part = cpu_ops.gemm_amx(x[start:start + m], packed, None)
+        assert torch.equal(part, full[start:start + m]), (start, m)
+    # Other rows in the same call, in another order, change nothing either.
+    mixed = torch.cat([x[200:230], x[3:4], torch.randn(50, k).to(torch.bfloat16)])
+    out = cpu_ops.gemm_amx(mixed, packed, None)
+    assert torch.equal(out[:30], full[200:230]) and torch.equal(out[30], full[3])
+
+
+def test_strided_rows_and_threads_give_the_same_bits():
+    w, x, _ = _weights(960, 576, seed=2)
+    packed = cpu_ops.pack_amx_weight(w)
+    wide = torch.zeros(300, 1000, dtype=torch.bfloat16)
+    wide[:, 100:676] = x
+    strided = wide[:, 100:676]
+    assert strided.stride(0) == 1000
+    reference = cpu_ops.gemm_amx(x, packed, None)
+    assert torch.equal(cpu_ops.gemm_amx(strided, packed, None), reference)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpu_ops.gemm_amx(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, reference)
+
+
+def test_shapes_it_does_not_take():
+    assert cpu_ops.pack_amx_weight(torch.zeros(48, 40, dtype=torch.bfloat16)) is None  # K % 32
+    assert cpu_ops.pack_amx_weight(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # N % 16
+    assert cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.float32)) is None
+    packed = cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    assert cpu_ops.gemm_amx(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None  # K mismatch
+    assert cpu_ops.gemm_amx(torch.zeros(3, 64, dtype=torch.float32), packed, None) is None
+    assert cpu_ops.gemm_amx(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 48)
