@@ -6,9 +6,10 @@ arriving every few steps among filler requests of random lengths, and one prompt
 that arrive and finish around it. Prints, per scenario, the fraction of prompts whose greedy
 tokens differ from their lone answer and the index of the first differing token.
 
-Prompt rows are computed in fixed 256-row GEMM tiles and batch-independent attention, so the
-first token (sampled from the prompt's last row) is expected to match; decode rows use GEMMs
-whose row count is the batch size, so later tokens may drift once a near-tie flips.
+On a CPU with AMX every row of a step (prompt and decode) is computed by row-invariant kernels
+(kernels/cpu/gemm.cpp for the GEMMs), so no answer should change; without AMX prompt rows use
+fixed 512-row oneDNN GEMM tiles but decode rows one GEMM of the batch's size, so later tokens may
+drift once a near-tie flips.
 
     .venv/bin/python scripts/batch_invariance.py [--model DIR] [--dtype bfloat16] [--max-tokens 96]
 

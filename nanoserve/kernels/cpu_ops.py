@@ -237,28 +237,39 @@ def amx_gemm_available() -> bool:
 
 def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A bf16 [N, K] weight in the layout gemm.cpp reads: per block of 16 output columns, its K/32
-    tiles of [16 k-pairs][16 columns][2]. None when this CPU, dtype or shape can't take it."""
+    tiles of [16 k-pairs][16 columns][2] (N padded with zero columns to a multiple of 16). None
+    when this CPU, dtype or shape can't take it."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     n, k = weight.shape
-    if n == 0 or k == 0 or n % AMX_TILE_N or k % AMX_TILE_K or not amx_gemm_available():
+    if n == 0 or k == 0 or k % AMX_TILE_K or not amx_gemm_available():
         return None
-    blocks = weight.detach().reshape(n // AMX_TILE_N, AMX_TILE_N, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
+    padded = -(-n // AMX_TILE_N) * AMX_TILE_N
+    weight = weight.detach()
+    if padded != n:
+        weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+    blocks = weight.reshape(padded // AMX_TILE_N, AMX_TILE_N, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [M, K] @ weight.T (+ bias) from pack_amx_weight's packing; each row's bits are the same
-    whatever M is. None when x can't be taken (then use F.linear)."""
+def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) from pack_amx_weight's packing of a weight with n rows (all of
+    the packed columns by default); each row's bits are the same whatever M is. None when x
+    can't be taken (then use F.linear)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
         return None
-    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
-        return None
     m, k = x.shape
-    n = packed.shape[0] * AMX_TILE_N
-    if k != packed.shape[1] * AMX_TILE_K:
+    padded = packed.shape[0] * AMX_TILE_N
+    n = padded if n is None else n
+    if k != packed.shape[1] * AMX_TILE_K or not 0 < n <= padded:
         return None
-    out = x.new_empty((m, n))
-    code = _library.ns_gemm_bf16_amx(out.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                     bias.data_ptr() if bias is not None else None, m, n, k)
-    return out if code == 0 else None
+    if bias is not None:
+        if bias.dtype != torch.bfloat16 or bias.shape != (n,):
+            return None
+        bias = torch.nn.functional.pad(bias, (0, padded - n)) if padded != n else bias.contiguous()
+    out = x.new_empty((m, padded))
+    code = _library.ns_gemm_bf16_amx(out.data_ptr(), padded, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                     bias.data_ptr() if bias is not None else None, m, padded, k)
+    if code != 0:
+        return None
+    return out if padded == n else out[:, :n]

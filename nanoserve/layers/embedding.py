@@ -48,12 +48,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.amx_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = cpu_ops.gemm_amx(hidden, self.amx_weight, None) if self.amx_weight is not None else None
+        logits = cpu_ops.gemm_amx(hidden, self.amx_weight, None, self.weight.shape[0]) if self.amx_weight is not None else None
         if logits is None and self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
         elif logits is None:
             logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits
-        gathered = gather_to_first(logits, dim=-1)
+        gathered = gather_to_first(logits.contiguous(), dim=-1)
         return None if gathered is None else gathered[:, : self.vocab_size]

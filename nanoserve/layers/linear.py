@@ -51,7 +51,7 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
         if self.amx_weight is not None:
             # CPU with AMX: one GEMM over all rows, each row's bits independent of M (gemm.cpp).
-            out = cpu_ops.gemm_amx(x, self.amx_weight, bias)
+            out = cpu_ops.gemm_amx(x, self.amx_weight, bias, self.weight.shape[0])
             if out is not None:
                 return out
         if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:

@@ -223,3 +223,37 @@ def test_smollm2_bf16_three_identical_chats_with_prefix_caching(smollm2_dir):
     chunked_text = chunked.chat(CHAT, CHAT_PARAMS, use_tqdm=False)[0].outputs[0].text
     assert chunked_text == texts[0], (
         f"chunked prefill (48 tokens a step) differs from character {first_difference(chunked_text, texts[0])}")
+
+
+# ---- batching -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm2_shaped_dir(tmp_path_factory):
+    """SmolLM2's layer shapes (hidden 576, 9 heads / 3 KV heads, MLP 1536), two layers: shapes on
+    which oneDNN's per-row results do change with the number of rows."""
+    return write_random_llama(tmp_path_factory.mktemp("batching-llama"), seed=23, hidden_size=576, num_heads=9,
+                              num_kv_heads=3, intermediate_size=1536, num_layers=2)
+
+
+def test_decode_rows_do_not_depend_on_the_batch(smollm2_shaped_dir, prompts, vocab_size):
+    """With the AMX GEMM every op of a CPU step is row-invariant, decode rows included: a prompt
+    answered alone and answered among other requests that come and go gives the same tokens and
+    the same logprob bits."""
+    from nanoserve.kernels import cpu_ops
+
+    if not cpu_ops.amx_gemm_available():
+        pytest.skip("this CPU has no AMX: decode rows are one oneDNN GEMM of the batch's size")
+    llm = build(smollm2_shaped_dir, "bfloat16", caching=False)
+    alone = {name: run(llm, prompt) for name, prompt in prompts.items()}
+    rng = random.Random(7)
+    fillers = [{"prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(rng.randrange(5, 120))]}
+               for _ in range(40)]
+    filler_params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 2 * NUM_TOKENS), ignore_eos=True)
+                     for _ in fillers]
+    batch = [{"prompt_token_ids": p} for p in prompts.values()] + fillers
+    outputs = llm.generate(batch, [GREEDY_WITH_LOGPROB] * len(prompts) + filler_params, use_tqdm=False)
+    for (name, expected), output in zip(alone.items(), outputs):
+        completion = output.outputs[0]
+        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
+        assert_same((completion.token_ids, logprobs, expected[2]), expected,
+                    f"{name} prompt among {len(batch) - 1} other requests")

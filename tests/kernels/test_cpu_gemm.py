@@ -76,9 +76,20 @@ def test_strided_rows_and_threads_give_the_same_bits():
     assert torch.equal(single, reference)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_columns_not_a_multiple_of_16_are_padded_and_cut(with_bias):
+    w, x, bias = _weights(1001, 64, seed=3)
+    packed = cpu_ops.pack_amx_weight(w)
+    b = bias if with_bias else None
+    out = cpu_ops.gemm_amx(x, packed, b, n=1001)
+    assert out.shape == (300, 1001)
+    expected = _oracle(x, w, b)
+    assert ((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-2).all()
+    assert torch.equal(cpu_ops.gemm_amx(x[7:9], packed, b, n=1001), out[7:9])
+
+
 def test_shapes_it_does_not_take():
     assert cpu_ops.pack_amx_weight(torch.zeros(48, 40, dtype=torch.bfloat16)) is None  # K % 32
-    assert cpu_ops.pack_amx_weight(torch.zeros(40, 64, dtype=torch.bfloat16)) is None  # N % 16
     assert cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.float32)) is None
     packed = cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
     assert cpu_ops.gemm_amx(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None  # K mismatch
