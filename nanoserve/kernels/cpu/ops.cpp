@@ -194,7 +194,6 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     const int group = num_heads / num_kv_heads;
     const int D = head_dim;
     const int chunks = D / 32;   // bf16 pairs per register
-    const int lanes = D / 16;    // fp32 registers per row
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float scale_log2 = scale * kLog2E;
     const int max_vectors = rows_per_item * group;
@@ -203,7 +202,10 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     {
         std::vector<uint16_t> qb(static_cast<size_t>(max_vectors) * D);  // bf16 query rows
         SoftmaxRows state(max_vectors, D);
-        std::vector<float> vf(static_cast<size_t>(BS) * D);
+        // V of one block with its keys paired for dpbf16: vp[(t * chunks + c) * 2 + half] holds
+        // (v[2t][d], v[2t + 1][d]) for the 16 d's that unpack{lo,hi}_epi16 take from chunk c of
+        // 32 d's. The accumulators follow that order and are put back in d order at the end.
+        std::vector<__m512i> vp(static_cast<size_t>(BS / 2) * chunks * 2);
         __m512 partial[BS];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
@@ -229,10 +231,15 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                 const uint16_t* vb = value_cache + base;
                 const int first_key = b * BS;
                 const int valid_keys = seq_len - first_key < BS ? seq_len - first_key : BS;
-                for (int j = 0; j < valid_keys; ++j)
-                    for (int l = 0; l < lanes; ++l)
-                        _mm512_storeu_ps(&vf[static_cast<size_t>(j) * D + 16 * l],
-                                         load_bf16x16(vb + static_cast<int64_t>(j) * D + 16 * l));
+                for (int t = 0; 2 * t < valid_keys; ++t)
+                    for (int c = 0; c < chunks; ++c) {
+                        const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
+                        const __m512i r1 = 2 * t + 1 < valid_keys  // never read a key past the end
+                            ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
+                            : _mm512_setzero_si512();
+                        vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
+                        vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
+                    }
                 for (int i = 0; i < rows; ++i) {
                     const int position = context + r0 + i;
                     if (position < first_key) continue;  // this block is wholly in the row's future
@@ -260,15 +267,23 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                             keep, exp2x16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
                         row_sum[v] = row_sum[v] * correction + _mm512_reduce_add_ps(probs);
                         row_max[v] = new_max;
-                        alignas(64) float p[BS];
-                        _mm512_store_ps(p, probs);
+                        // P @ V with probabilities rounded to bf16 (as torch's bf16 attention
+                        // multiplies them), two keys per dpbf16.
+                        alignas(32) uint32_t pairs[BS / 2];
+                        _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), to_bf16x16(probs));
+                        const int num_pairs = (allowed + 1) / 2;
                         float* av = &acc[static_cast<size_t>(v) * D];
-                        for (int l = 0; l < lanes; ++l) {
-                            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(av + 16 * l), _mm512_set1_ps(correction));
-                            for (int j = 0; j < allowed; ++j)
-                                a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]),
-                                                    _mm512_loadu_ps(&vf[static_cast<size_t>(j) * D + 16 * l]), a);
-                            _mm512_storeu_ps(av + 16 * l, a);
+                        const __m512 corr = _mm512_set1_ps(correction);
+                        for (int c = 0; c < chunks; ++c) {
+                            __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(av + 32 * c), corr);
+                            __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(av + 32 * c + 16), corr);
+                            for (int t = 0; t < num_pairs; ++t) {
+                                const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[t])));
+                                lo = _mm512_dpbf16_ps(lo, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2]));
+                                hi = _mm512_dpbf16_ps(hi, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2 + 1]));
+                            }
+                            _mm512_storeu_ps(av + 32 * c, lo);
+                            _mm512_storeu_ps(av + 32 * c + 16, hi);
                         }
                     }
                 }
@@ -279,9 +294,16 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                     const __m512 inv = _mm512_set1_ps(1.0f / row_sum[v]);
                     uint16_t* dst = out + (static_cast<int64_t>(q_start + r0 + i) * num_heads + h * group + g) * D;
                     const float* av = &acc[static_cast<size_t>(v) * D];
-                    for (int l = 0; l < lanes; ++l)
-                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * l),
-                                            to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(av + 16 * l), inv)));
+                    // unpacklo held d {0-3, 8-11, 16-19, 24-27} of each 32, unpackhi the others.
+                    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+                    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+                    for (int c = 0; c < chunks; ++c) {
+                        const __m512 lo = _mm512_loadu_ps(av + 32 * c), hi = _mm512_loadu_ps(av + 32 * c + 16);
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c),
+                                            to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv)));
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c + 16),
+                                            to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv)));
+                    }
                 }
         }
     }
