@@ -128,6 +128,15 @@ def _dtype_code(*tensors: torch.Tensor) -> int | None:
     return _DTYPES.get(dtype)
 
 
+def _head_major(cache: torch.Tensor) -> bool:
+    """[blocks, block_size, kv_heads, dim] seen over contiguous [blocks, kv_heads, block_size, dim]
+    (strides checked directly: a permute per call per layer costs more than the check)."""
+    if cache.dim() != 4:
+        return False
+    _, block_size, kv_heads, dim = cache.shape
+    return cache.stride() == (kv_heads * block_size * dim, dim, block_size * dim, 1)
+
+
 def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale, out=None):
     """Same contract as kernels.attention.paged_attention_reference, for a pool that is
     head-major underneath ([blocks, kv_heads, block_size, dim] contiguous, seen as
@@ -137,8 +146,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     code = _dtype_code(query, key_cache, value_cache)
     if code is None or query.stride(2) != 1:
         return None
-    physical_k, physical_v = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
-    if not (physical_k.is_contiguous() and physical_v.is_contiguous()):
+    if not (_head_major(key_cache) and _head_major(value_cache)):
         return None
     if not (block_table.is_contiguous() and cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()):
         return None
@@ -211,7 +219,7 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
         return False
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         return False
-    if not (key_cache.permute(0, 2, 1, 3).is_contiguous() and value_cache.permute(0, 2, 1, 3).is_contiguous()):
+    if not (_head_major(key_cache) and _head_major(value_cache)):
         return False
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
         return False
