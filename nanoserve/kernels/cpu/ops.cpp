@@ -340,6 +340,40 @@ NS_AVX512_BF16 void rms_norm_bf16(uint16_t* out, uint16_t* new_residual, const u
     }
 }
 
+// argmax_rows for bf16 in two vector passes per row (the row stays in L2): its largest value,
+// then the first index holding it. A row with a NaN takes the scalar loop (NaN wins, as in torch).
+NS_AVX512_BF16 bool argmax_row_bf16(int64_t* out, const uint16_t* xr, int64_t cols) {
+    const int64_t whole = cols / 16 * 16;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < whole; i += 16) {
+        const __m512 v = load_bf16x16(xr + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        best = _mm512_max_ps(best, v);
+    }
+    if (nan) return false;
+    float top = _mm512_reduce_max_ps(best);
+    for (int64_t i = whole; i < cols; ++i) {
+        const float v = bf16_to_float(xr[i]);
+        if (v != v) return false;
+        top = v > top ? v : top;
+    }
+    const __m512 target = _mm512_set1_ps(top);
+    for (int64_t i = 0; i < whole; i += 16) {
+        const __mmask16 hit = _mm512_cmp_ps_mask(load_bf16x16(xr + i), target, _CMP_EQ_OQ);
+        if (hit) {
+            *out = i + __builtin_ctz(hit);
+            return true;
+        }
+    }
+    for (int64_t i = whole; i < cols; ++i)
+        if (bf16_to_float(xr[i]) == top) {
+            *out = i;
+            return true;
+        }
+    return false;  // all -inf with no tail hit cannot happen: -inf == -inf
+}
+
 NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, int64_t rows, int64_t inter) {
 #pragma omp parallel for schedule(static) if (rows * inter >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
@@ -533,6 +567,9 @@ void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t col
 #pragma omp parallel for schedule(static) if (rows * cols >= 4 * kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
         const typename S::T* xr = x + r * row_stride;
+        if constexpr (std::is_same_v<S, BF16>) {
+            if (has_avx512_bf16() && argmax_row_bf16(out + r, xr, cols)) continue;
+        }
         float best = -INFINITY;
         int64_t best_index = 0;
         bool found = false;
