@@ -16,6 +16,7 @@ from nanoserve.distributed import get_tp_rank, get_tp_world_size
 from nanoserve.distributed.launcher import resolve_device_type
 from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
+from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_prepack import prepack_linear_weights
@@ -63,11 +64,8 @@ class ModelRunner:
             torch.set_num_threads(threads_per_rank(config.cpu_threads))
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
-        self.free_memory_at_start = 0  # CUDA: free device memory before the weights were loaded
+        self.memory_at_start = MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
         self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-            self.free_memory_at_start = torch.cuda.mem_get_info(self.device)[0]
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
         if self.device.type == "cpu":
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
@@ -111,32 +109,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             gib = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
             return int(gib * GIB)
-        # CUDA, as vLLM: this process may use gpu_memory_utilization of the device's memory, and it
-        # must be free at startup (other processes keep theirs). The KV pool gets what is left
-        # of that after the weights, a forward pass at the full token budget, and the memory
-        # this process holds outside torch's allocator (cuBLAS workspaces and the like).
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        requested = int(total * self.config.gpu_memory_utilization)
-        if requested > self.free_memory_at_start:
-            raise ValueError(
-                f"--gpu-memory-utilization {self.config.gpu_memory_utilization} asks for "
-                f"{requested / GIB:.1f} GiB but only {self.free_memory_at_start / GIB:.1f} GiB of "
-                f"{total / GIB:.1f} GiB were free at startup (other processes hold the rest); lower it")
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        used = self.free_memory_at_start - torch.cuda.mem_get_info(self.device)[0]
-        outside_torch = max(0, used - torch.cuda.memory_reserved(self.device))
-        budget = requested - peak - outside_torch
-        if budget <= 0:
-            raise ValueError(
-                f"no memory left for the KV cache: the weights and a forward pass peak at "
-                f"{(peak + outside_torch) / GIB:.1f} GiB of the {requested / GIB:.1f} GiB that "
-                "--gpu-memory-utilization allows; raise it or lower --max-num-batched-tokens")
-        self.memory_profile = {"total": total, "requested": requested, "free_at_start": self.free_memory_at_start,
-                               "peak_torch": peak, "outside_torch": outside_torch, "kv_budget": budget}
+        budget, self.memory_profile = kv_cache_budget(self.device, self.config.gpu_memory_utilization,
+                                                      self.memory_at_start, self.profile_run)
         return budget
 
     def _allocate_kv_cache(self) -> int:
