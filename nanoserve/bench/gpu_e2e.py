@@ -53,8 +53,12 @@ def release() -> None:
 
 def make_llm(args, **kwargs):
     from nanoserve import LLM
+    from nanoserve.models.config import ModelConfig
 
     kwargs.setdefault("device", cuda_device(args))
+    if "max_model_len" in kwargs:  # no longer than the model allows
+        longest = ModelConfig.from_dir(args.model).max_position_embeddings
+        kwargs["max_model_len"] = min(kwargs["max_model_len"], longest)
     return LLM(model=args.model, seed=0, **kwargs)
 
 

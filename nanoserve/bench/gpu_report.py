@@ -59,7 +59,7 @@ def targets(stages: list[dict], kernels: dict | None) -> list[dict]:
 
 
 def to_markdown(report: dict) -> str:
-    lines = ["# GPU end-to-end check", "", f"Device: {report.get('device', 'unknown')}.", "",
+    lines = ["# GPU end-to-end check", "", f"Device: {report.get('device') or 'unknown'}.", "",
              "| stage | status | seconds |", "| --- | --- | --- |"]
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']} |" for s in report["stage_status"]]
     lines += ["", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
