@@ -163,7 +163,8 @@ def stage_memory(args) -> dict:
     # Each engine holds its share, less the activation headroom it leaves free, plus its graphs.
     result["used_fraction"] = {u: (e["used_bytes"] - e["graph_bytes"]) / total for u, e in result["engines"].items()}
     checks = {"kv_pool_tracks_utilization": abs(result["kv_difference_fraction"] - 0.3) <= 0.01,
-              "within_share": all(f <= float(u) + 0.005 for u, f in result["used_fraction"].items())}
+              # (1% slack: the kernel tests run beside this stage, in processes of their own)
+              "within_share": all(f <= float(u) + 0.01 for u, f in result["used_fraction"].items())}
     # Two engines of 0.3 side by side fit; a third asking for 0.5 is refused, not run out of memory.
     first = make_llm(args, gpu_memory_utilization=0.3, **engine)
     second = make_llm(args, gpu_memory_utilization=0.3, **engine)

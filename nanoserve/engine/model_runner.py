@@ -243,6 +243,8 @@ class ModelRunner:
         a non-blocking copy: the host goes on preparing while the copy is queued."""
         if self.device.type == "cpu":
             return torch.tensor(values, dtype=dtype)
+        if not values:
+            return torch.empty(0, dtype=dtype, device=self.device)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
