@@ -205,6 +205,7 @@ class DecodeGraphs:
                 self.outputs[size] = self.forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # what the warm-ups left cached is not the graphs' memory
         stats = CaptureStats(list(self.sizes), time.perf_counter() - started,
                              free_before - torch.cuda.mem_get_info(self.device)[0])
         logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.2f GiB",
