@@ -231,6 +231,7 @@ finish_kernel_tests() {
         rc=$?
         echo "== pytest ${SHARDS[$i]}: rc $rc"
         tail -n 15 "$WORK/pytest$i.log"
+        echo
         if [ $rc = 124 ] || [ $rc = 137 ]; then result=timed-out
         elif [ $rc != 0 ] && [ $result = passed ]; then result=failed; fi
     done
