@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-threads", type=int, default=_config_default("cpu_threads"),
                        help="CPU threads per rank (default: the CPUs this process may use, from its affinity "
                             "and cgroup quota, shared among the machine's ranks)")
+    group.add_argument("--enforce-eager", action="store_true", default=_config_default("enforce_eager"),
+                       help="CUDA: run every step eagerly, without CUDA graphs for decode steps "
+                            "(a CPU always runs eagerly)")
     group.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tensor_parallel_size", type=int, default=1,
                        help="number of tensor-parallel ranks")
     group.add_argument("--nnodes", type=int, default=1, help="machines in the tensor-parallel group")
@@ -72,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
             max_n_sequences=args.max_n_sequences, cpu_threads=args.cpu_threads,
+            enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port)
     except ValueError as error:

@@ -30,7 +30,9 @@ class EngineConfig:
     # CPU: torch / OpenMP threads per rank; None: the CPUs this process may use (affinity and
     # cgroup quota) shared among this machine's ranks.
     cpu_threads: int | None = None
-    enforce_eager: bool = True
+    # CUDA: capture the decode steps as CUDA graphs at startup unless True (vLLM's flag). Steps
+    # on a CPU, and with tensor parallelism, are always eager.
+    enforce_eager: bool = False
     max_logprobs: int = 20
     max_n_sequences: int = 128  # most outputs per request (`n`), as vLLM's VLLM_MAX_N_SEQUENCES
     disable_log_stats: bool = True

@@ -32,9 +32,11 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"dtype": args.dtype, "device": args.device, "seed": args.seed}
-    if args.max_num_batched_tokens:
-        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    kwargs = {"dtype": args.dtype, "device": args.device, "seed": args.seed,
+              "enforce_eager": args.enforce_eager}
+    for name in ("max_num_batched_tokens", "max_model_len", "gpu_memory_utilization"):
+        if getattr(args, name):
+            kwargs[name] = getattr(args, name)
     return kwargs
 
 
@@ -89,8 +91,11 @@ def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "nanoserve", "serve", "--model", args.model, "--port", "0",
                "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed),
                "--log-level", "warning"]
-    if args.max_num_batched_tokens:
-        command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    for name in ("max_num_batched_tokens", "max_model_len", "gpu_memory_utilization"):
+        if getattr(args, name):
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     for line in process.stdout:
         if line.startswith("listening on "):
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="per engine: the server and the offline baseline run side by side")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate offline and served runs at the top concurrency this many "

@@ -307,9 +307,11 @@ class LLMEngine:
     def _run_step(self, scheduled) -> list[RequestOutput]:
         now = time.time()
         model_input = self.runner.prepare(scheduled)
+        logits = self.runner.forward(model_input)
+        # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
                                         self.model_config.vocab_size, self.eos_token_ids, self.generator)
-        result = self.runner.execute(model_input, sampling)
+        result = self.runner.sample(logits, sampling)
         progressed: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq

@@ -16,6 +16,8 @@ from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_tp_rank, get_tp_world_size
 from nanoserve.distributed.launcher import resolve_device_type
 from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
+from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
+from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
@@ -47,6 +49,9 @@ class ModelInput:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampling_seqs: list  # the Sequences that sample this step, in logits_indices order
+    # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
+    # (its first len(logits_indices) rows are real). 0: an eager step.
+    graph_size: int = 0
 
 
 class ModelRunner:
@@ -63,6 +68,8 @@ class ModelRunner:
                 torch.set_num_threads(threads_per_rank(config.cpu_threads))
         self.dtype = model_config.resolve_dtype(config.dtype)
         self.block_size = config.block_size
+        self.memory_at_start = MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
+        self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
         # through gemm.cpp, whose rows are invariant to M without padding.
@@ -76,6 +83,29 @@ class ModelRunner:
         self.broadcast_seconds = 0.0
         self.broadcast_steps = 0
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.max_model_len = self._max_model_len()
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graph_capture: CaptureStats | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if self.world_size > 1:
+                logger.info("CUDA graphs are off with tensor parallelism: every step runs eagerly")
+            else:
+                self.decode_graphs = self.make_decode_graphs()
+                self.graph_capture = self.decode_graphs.capture()
+
+    def _max_model_len(self) -> int:
+        """The longest sequence a step can hold (the engine lowers its limit the same way)."""
+        longest = self.config.max_model_len or self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            longest = min(longest, self.model_config.sliding_window)
+        return min(longest, self.num_kv_blocks * self.block_size)
+
+    def make_decode_graphs(self, capture: bool | None = None) -> DecodeGraphs:
+        """Static decode buffers for this runner's model (captured as CUDA graphs on CUDA,
+        unless ``capture=False``). Decode batches never exceed max_num_batched_tokens either."""
+        max_batch = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        return DecodeGraphs(self.model, self.device, max_batch, self.max_model_len, self.block_size,
+                            prefill_row_tile(self.device), capture=capture)
 
     # ---- KV cache -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
@@ -88,17 +118,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             gib = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
             return int(gib * GIB)
-        # GPU: what a forward pass at the full token budget needs, then fill up to the limit.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.profile_run()
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
-        if budget <= 0:
-            raise ValueError(
-                f"no memory left for the KV cache: the model's forward pass peaks at {peak / GIB:.1f} GiB "
-                f"of {total / GIB:.1f} GiB; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
+        budget, self.memory_profile = kv_cache_budget(self.device, self.config.gpu_memory_utilization,
+                                                      self.memory_at_start, self.profile_run)
         return budget
 
     def _allocate_kv_cache(self) -> int:
@@ -194,6 +215,14 @@ class ModelRunner:
             if item.completes_prompt:
                 logits_indices.append(cu_seqlens_q[-1] - 1)
                 sampling_seqs.append(seq)
+        graphs = self.decode_graphs
+        if (graphs is not None and not prompts and len(logits_indices) == len(decodes)
+                and graphs.fits(len(decodes), max_blocks)):
+            size = graphs.load(input_ids, positions, slot_mapping, seq_lens, block_rows)
+            graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
+            return ModelInput(input_ids=graph_ids, positions=graph_positions, metadata=graph_metadata,
+                              logits_indices=graphs.row_indices[: len(decodes)],
+                              sampling_seqs=sampling_seqs, graph_size=size)
         tile = prefill_row_tile(self.device)
         num_prompt_rows = len(input_ids) - len(decodes)
         if tile and self.pad_prompt_rows and num_prompt_rows % tile:
@@ -201,25 +230,40 @@ class ModelRunner:
             input_ids.extend([0] * padding)
             positions.extend([0] * padding)
             slot_mapping.extend([-1] * padding)
-        device = self.device
+        to_device = self._to_device
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long).to(device, non_blocking=True),
-            block_table=torch.tensor(block_rows, dtype=torch.int32).to(device, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            slot_mapping=to_device(slot_mapping, torch.long),
+            block_table=to_device(block_rows, torch.int32),
+            cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
             max_seqlen_q=max(s.num_new_tokens for s in scheduled),
             max_seqlen_k=max(seq_lens),
             num_decode_seqs=len(decodes),
             prefill_row_tile=tile)
         return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
+            input_ids=to_device(input_ids, torch.long),
+            positions=to_device(positions, torch.long),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long).to(device, non_blocking=True),
+            logits_indices=to_device(logits_indices, torch.long),
             sampling_seqs=sampling_seqs)
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor on this runner's device. On CUDA through pinned memory with
+        a non-blocking copy: the host goes on preparing while the copy is queued."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        if not values:
+            return torch.empty(0, dtype=dtype, device=self.device)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, sampling: SamplingBatch | None) -> SamplerOutput | None:
+        return self.sample(self.forward(model_input), sampling)
+
+    @torch.inference_mode()
+    def forward(self, model_input: ModelInput) -> torch.Tensor | None:
+        """The logits of the sampled rows (rank 0), or None. On CUDA the work is queued and
+        this returns at once, so the host can prepare sampling while the device computes."""
         if self.world_size > 1:
             started = time.perf_counter()
             header, payload = pack_step(model_input, self.device)
@@ -227,14 +271,22 @@ class ModelRunner:
             dist.broadcast(payload, src=0)
             self.broadcast_seconds += time.perf_counter() - started
             self.broadcast_steps += 1
-        logits = self._forward(model_input)
+        return self._forward(model_input)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None) -> SamplerOutput | None:
         if sampling is None or logits is None:
             return None
         return sample(logits, sampling)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor | None:
+        num_logits = model_input.logits_indices.shape[0]
+        if model_input.graph_size:
+            # The graph's output rows past num_logits are padding; the real ones all sample.
+            hidden = self.decode_graphs.run(model_input.graph_size)
+            return self.model.compute_logits(hidden[:num_logits])
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
-        if model_input.logits_indices.numel() == 0:
+        if num_logits == 0:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])
 

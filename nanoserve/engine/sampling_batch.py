@@ -9,8 +9,18 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.sampler import SamplingBatch
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device. To CUDA through pinned memory and a non-blocking copy, so
+    building a batch never waits for the forward pass queued before it."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _token_matrix(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
@@ -43,9 +53,10 @@ def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size:
 
     output_counts = prompt_mask = None
     if use_presence or use_frequency or use_repetition:
-        output_counts = _token_matrix([s.output_token_ids for s in seqs], vocab_size).to(device)
+        output_counts = _to_device(_token_matrix([s.output_token_ids for s in seqs], vocab_size), device)
     if use_repetition:
-        prompt_mask = (_token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0).to(device)
+        prompt_mask = _to_device(_token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0,
+                                 device)
 
     logit_bias = None
     for row, seq in enumerate(seqs):
@@ -73,7 +84,7 @@ def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size:
         repetition_penalty=_column([p.repetition_penalty for p in params], torch.float32, device) if use_repetition else None,
         output_counts=output_counts,
         prompt_mask=prompt_mask,
-        logit_bias=logit_bias.to(device) if logit_bias is not None else None,
+        logit_bias=_to_device(logit_bias, device) if logit_bias is not None else None,
         generators=[s.generator for s in seqs],
         default_generator=default_generator,
         all_greedy=all_greedy,

@@ -196,3 +196,27 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
                              dtype=torch.float32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         paged_attention_triton(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_decode_as_a_cuda_graph_calls_it(dtype):
+    """A captured decode step: the batch padded with rows of KV length 1, a block table as wide
+    as the longest sequence allowed with stale block ids past each sequence's blocks, and the
+    static upper bound max_seqlen_k (so the split count, fixed at capture, is the largest and
+    most splits are empty). The real rows must equal the plain decode of the real batch."""
+    real = make_paged_batch([1, 1, 1], [199, 2, 76], num_heads=8, num_kv_heads=NUM_KV_HEADS,
+                            head_dim=64, block_size=16, dtype=dtype, seed=12)
+    num_blocks = real.key_cache.shape[0]
+    width, padded = 64, 4  # up to 1024 tokens; 3 rows padded to 4
+    stale = torch.randint(0, num_blocks, (padded, width), generator=torch.Generator().manual_seed(1),
+                          dtype=torch.int32).to(DEVICE)
+    table = stale.clone()
+    table[:3, : real.block_table.shape[1]] = real.block_table
+    query = torch.cat([real.query, real.query[:1]])
+    seq_lens = torch.cat([real.seq_lens, real.seq_lens.new_ones(1)])
+    cu_seqlens_q = torch.arange(padded + 1, dtype=torch.int32, device=DEVICE)
+    out = paged_attention_triton(query, real.key_cache, real.value_cache, table, cu_seqlens_q,
+                                 seq_lens, real.scale, 1, width * 16)
+    expected = paged_attention_reference(*real.args())
+    assert torch.isfinite(out[:3]).all()
+    assert_close(out[:3], expected, ATTENTION_TOL)

@@ -4,7 +4,7 @@ failed step kills the engine visibly (error chunk, /health 503) without hanging 
 
 Nothing here is a stand-in: the engine is the real one. Where a test needs to watch or break it,
 it wraps a method of the real object (a spy that counts `step` calls, a fault injected into
-`engine.runner.execute`), and where it needs slow steps it serves a larger random model."""
+`engine.runner.forward`), and where it needs slow steps it serves a larger random model."""
 from __future__ import annotations
 
 import json
@@ -245,15 +245,15 @@ def test_prompt_too_long_is_400_with_vllm_wording(serve, tiny_llama_dir):
 
 def test_dead_engine(serve, tiny_llama_dir):
     engine = build_engine(tiny_llama_dir)
-    real_execute = engine.runner.execute
+    real_forward = engine.runner.forward
     calls = []
 
-    def execute(*args, **kwargs):  # the device fails on the engine's 4th forward pass
+    def forward(*args, **kwargs):  # the device fails on the engine's 4th forward pass
         calls.append(1)
         if len(calls) >= 4:
             raise RuntimeError("CUDA error: simulated device failure")
-        return real_execute(*args, **kwargs)
-    engine.runner.execute = execute
+        return real_forward(*args, **kwargs)
+    engine.runner.forward = forward
     served = serve(engine)
     status, _, body = post(served.port, "/v1/completions",
                            {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True})

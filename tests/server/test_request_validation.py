@@ -132,13 +132,13 @@ def faulty_engine(tiny_llama_dir):
     """The real engine; its forward pass fails for batches holding a marked prompt, as a request
     whose input breaks the step would (the door now stops every such input we know of)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=128))
-    real_execute = engine.runner.execute
+    real_forward = engine.runner.forward
 
-    def execute(model_input, sampling):
+    def forward(model_input):
         if any(seq.token_ids[:4] == POISON for seq in model_input.sampling_seqs):
             raise RuntimeError("Overflow when unpacking long long")
-        return real_execute(model_input, sampling)
-    engine.runner.execute = execute
+        return real_forward(model_input)
+    engine.runner.forward = forward
     return engine
 
 
