@@ -49,3 +49,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # One entry per prompt token (the first is None) once the prompt is scored; None when the
+    # request did not ask for prompt_logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

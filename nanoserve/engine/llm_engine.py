@@ -2,6 +2,7 @@
 drive exactly this."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -180,9 +182,12 @@ class LLMEngine:
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        self._check_params(params, vocab)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
+            if not 0 <= bad < vocab:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
+        params = self._check_params(params, vocab)
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
@@ -204,25 +209,41 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
+        if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
+            seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _check_params(self, params: SamplingParams, vocab: int) -> None:
-        """Bounds that depend on the engine (SamplingParams checked the rest when it was made)."""
+    def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
+        with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params._validate()  # fields may have been assigned after construction
         if params.n > self.config.max_n_sequences:
             raise ValueError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
                              f"got {params.n}")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
+            value = getattr(params, name)
+            if value is not None and (vocab if value == -1 else value) > max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {what} of {vocab if value == -1 else value}, which is greater than "
+                    f"max allowed: {max_logprobs}", name)
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", list(params.logit_bias or ()))):
+            invalid = [t for t in token_ids if not 0 <= t < vocab]
+            if invalid:
+                raise InvalidRequestError(
+                    f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}", name)
+        if params.logprobs == -1 or params.prompt_logprobs == -1:
+            params = params.clone()
+            params.logprobs = vocab if params.logprobs == -1 else params.logprobs
+            params.prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
+        return params
 
     def _max_prompt_chars(self) -> int:
         """No text longer than this fits in the context: each token covers at most as many
@@ -320,6 +341,8 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
         if result is not None:
+            if result.prompt_logprobs is not None:
+                self._append_prompt_logprobs(model_input.prompt_logprob_seqs, result.prompt_logprobs)
             token_ids = result.token_ids.tolist()
             logprob_rows = self._logprob_rows(result)
             for row, seq in enumerate(model_input.sampling_seqs):
@@ -348,6 +371,31 @@ class LLMEngine:
             return None
         return list(zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist()))
 
+    @functools.cached_property
+    def _token_text(self):
+        """One token's text, as logprobs show it (decoded alone, special tokens kept); cached."""
+        decode = self.tokenizer.decode
+        return functools.lru_cache(maxsize=1 << 17)(
+            lambda token: decode([token], skip_special_tokens=False))
+
+    def _logprob_entry(self, rank: int, ids: list[int], values: list[float],
+                       num_top: int) -> dict[int, Logprob]:
+        """The given token first (as vLLM orders it), then the top `num_top` by rank."""
+        text = self._token_text
+        entry = {ids[0]: Logprob(values[0], rank, text(ids[0]))}
+        for position in range(1, 1 + num_top):
+            entry.setdefault(ids[position], Logprob(values[position], position, text(ids[position])))
+        return entry
+
+    def _append_prompt_logprobs(self, seqs: list[tuple[Sequence, int]], tensors) -> None:
+        values, ids, ranks = tensors.logprobs.tolist(), tensors.token_ids.tolist(), tensors.ranks.tolist()
+        row = 0
+        for seq, num_rows in seqs:
+            for r in range(row, row + num_rows):
+                seq.prompt_logprobs.append(self._logprob_entry(ranks[r], ids[r], values[r],
+                                                               seq.params.prompt_logprobs))
+            row += num_rows
+
     def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
@@ -355,12 +403,7 @@ class LLMEngine:
         if logprob_row is not None and params.logprobs is not None:
             rank, ids, values = logprob_row
             seq.cumulative_logprob += values[0]
-            decode = self.tokenizer.decode
-            top = {token: Logprob(values[0], rank, decode([token], skip_special_tokens=False))}
-            for position in range(1, 1 + params.logprobs):
-                top.setdefault(ids[position], Logprob(values[position], position,
-                                                      decode([ids[position]], skip_special_tokens=False)))
-            seq.logprobs.append(top)
+            seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
         num_out = seq.num_output_tokens
         reason = stop_reason = None
         if num_out >= params.min_tokens:
@@ -411,5 +454,8 @@ class LLMEngine:
                 stop_reason=seq.stop_reason)
             for seq in request.seqs
         ]
+        first = request.seqs[0]
+        prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.metrics, request.metrics.num_cached_tokens)
+                             request.finished, request.metrics, request.metrics.num_cached_tokens,
+                             prompt_logprobs)
