@@ -61,7 +61,8 @@ async def start_server(engine, options: ServerOptions,
         max_n_sequences=engine.config.max_n_sequences,
         max_waiting_requests=options.max_waiting_requests,
         trust_request_chat_template=options.trust_request_chat_template,
-        enable_prompt_tokens_details=options.enable_prompt_tokens_details)
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        truncation_side=getattr(engine.tokenizer, "truncation_side", "right"))
     app = OpenAIApp(ctx, metrics, api_key=options.api_key)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
