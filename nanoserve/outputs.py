@@ -38,6 +38,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)

@@ -35,10 +35,12 @@ class StepError(RuntimeError):
     """A step failed because of what the requests in it asked for (not a dead device or rank).
     Those requests were aborted; the engine serves on. `request_ids`: the requests that failed."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(self, request_ids: list[str], cause: BaseException,
+                 outputs: list[RequestOutput] | None = None) -> None:
         super().__init__(f"the request failed during a model step: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
+        self.outputs = outputs or []  # the failed requests' last state (finish reason "abort")
 
 
 def _is_device_fault(error: BaseException) -> bool:
@@ -61,6 +63,9 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_kv_blocks: int
+    prompt_tokens_cached_total: int = 0  # prompt tokens whose KV came from the prefix cache
+    block_size: int = 16
+    enable_prefix_caching: bool = True
 
 
 @dataclass(eq=False)
@@ -132,6 +137,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -276,8 +282,10 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Drop unfinished requests; returns their final outputs (for metrics)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = []
         for rid in ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -287,6 +295,10 @@ class LLMEngine:
                     self.scheduler.remove(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = seq.finish_reason or "abort"
+            request.finished = True
+            request.metrics.finished_time = time.time()
+            aborted.append(self._make_output(request))
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -304,7 +316,10 @@ class LLMEngine:
             prefix_cache_hits_total=self.block_manager.prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_kv_blocks=self.block_manager.num_blocks)
+            num_kv_blocks=self.block_manager.num_blocks,
+            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
+            block_size=self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -322,8 +337,8 @@ class LLMEngine:
             request_ids = list(dict.fromkeys(item.seq.request_id for item in scheduled))
             logger.exception("a step failed; failing its %d request(s), the engine goes on",
                              len(request_ids))
-            self.abort_request(request_ids)
-            raise StepError(request_ids, error) from error
+            outputs = self.abort_request(request_ids)
+            raise StepError(request_ids, error, outputs) from error
 
     def _run_step(self, scheduled) -> list[RequestOutput]:
         now = time.time()
@@ -350,6 +365,7 @@ class LLMEngine:
                 if not request.prompt_counted:
                     request.prompt_counted = True
                     self.prompt_tokens_total += seq.num_prompt_tokens
+                    self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
                 self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None)
                 progressed[seq.request_id] = request
         finished_at = time.time()
@@ -456,6 +472,7 @@ class LLMEngine:
         ]
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
+        request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.metrics, request.metrics.num_cached_tokens,
                              prompt_logprobs)

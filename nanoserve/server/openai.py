@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
@@ -75,6 +75,7 @@ class ServingContext:
     trust_request_chat_template: bool = False
     enable_prompt_tokens_details: bool = False
     truncation_side: str = "right"  # the tokenizer's default, when a request names none
+    on_admission_rejected: Callable[[str], None] | None = None  # metrics: a 503 for a full queue
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class ServingContext:
             raise APIError(503, "The engine is dead; this server can no longer serve requests.")
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
+            if self.on_admission_rejected is not None:
+                self.on_admission_rejected("max_num_queued_reqs")
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "
                                 f"waiting (limit {limit}). Retry later.",
                            headers=[("retry-after", "1")])
