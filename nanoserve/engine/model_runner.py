@@ -183,6 +183,7 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
             if seq.needs_prompt_logprobs:  # rows whose next token is a prompt token not yet scored
+                assert start < len(seq.prompt_logprobs), "prompt rows skipped without logits"
                 first = max(start, len(seq.prompt_logprobs) - 1)
                 last = min(end, seq.num_prompt_tokens - 1)
                 if last > first:
