@@ -34,7 +34,8 @@ def oracle(tiny_llama_dir):
 def chunked_server(tiny_llama_dir):
     """Prefill in chunks of 16 tokens, prefix caching on: a 40-token prompt takes 3 steps."""
     handle = ServerHandle(tiny_llama_dir, engine_kwargs={"max_num_batched_tokens": 16,
-                                                         "enable_prefix_caching": True})
+                                                         "enable_prefix_caching": True,
+                                                         "num_kv_blocks": 256})
     yield handle
     handle.close()
 
@@ -212,7 +213,7 @@ def test_bad_prompt_logprobs_are_400(tiny_server, path, base, fields, message):
 
 
 def test_whole_vocabulary_logprobs_with_max_logprobs_minus_one(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"max_logprobs": -1})
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"max_logprobs": -1, "num_kv_blocks": 256})
     try:
         vocab = handle.engine.model_config.vocab_size
         client = handle.client()

@@ -77,7 +77,7 @@ def value(samples, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def metrics_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir)
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256})
     yield handle
     handle.close()
 
@@ -111,7 +111,7 @@ def test_every_vllm_metric_with_its_type_and_labels(metrics_server):
 
 def test_counts_follow_the_requests(tiny_llama_dir):
     """vLLM's test_metrics_counts: N sequential requests of P prompt tokens and T new tokens."""
-    handle = ServerHandle(tiny_llama_dir)
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256})
     try:
         requests, prompt, new_tokens = 4, list(range(40, 50)), 5  # P < one block: no cache hits
         client = handle.client()
@@ -160,7 +160,8 @@ def test_counts_follow_the_requests(tiny_llama_dir):
 
 
 def test_admission_rejections_are_counted(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, max_waiting_requests=0)  # every request is refused
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256},
+                          max_waiting_requests=0)  # every request is refused
     try:
         for _ in range(3):
             status, _, _ = http_request(handle.port, "POST", "/v1/completions",

@@ -16,8 +16,9 @@ from tests.server.test_async_engine import sse_events
 
 @pytest.fixture(scope="module")
 def flagged_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, enable_server_load_tracking=True,
-                          enable_tokenizer_info_endpoint=True, api_key="secret")
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256},
+                          enable_server_load_tracking=True, enable_tokenizer_info_endpoint=True,
+                          api_key="secret")
     yield handle
     handle.close()
 
