@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of shared prompt prefixes")
     group.add_argument("--seed", type=int, default=0, help="random seed")
+    group.add_argument("--max-logprobs", type=int, default=_config_default("max_logprobs"),
+                       help="most logprobs (sample or prompt) one request may ask for; -1: the whole "
+                            "vocabulary")
     group.add_argument("--max-n-sequences", type=int, default=_config_default("max_n_sequences"),
                        help="most outputs one request may ask for (n, and n x prompts)")
     group.add_argument("--cpu-threads", type=int, default=_config_default("cpu_threads"),
@@ -74,7 +77,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-            max_n_sequences=args.max_n_sequences, cpu_threads=args.cpu_threads,
+            max_n_sequences=args.max_n_sequences, max_logprobs=args.max_logprobs, cpu_threads=args.cpu_threads,
             enforce_eager=args.enforce_eager,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port)

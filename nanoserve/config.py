@@ -60,6 +60,9 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or >= 0, got "
+                             f"{self.max_logprobs}")
         if self.max_n_sequences < 1:
             raise ValueError(f"max_n_sequences must be >= 1, got {self.max_n_sequences}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

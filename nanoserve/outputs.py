@@ -38,6 +38,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -49,3 +50,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # One entry per prompt token (the first is None) once the prompt is scored; None when the
+    # request did not ask for prompt_logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

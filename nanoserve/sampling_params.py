@@ -87,12 +87,15 @@ class SamplingParams:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop", "must be non-empty strings")
-        if any(not is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            fail("stop_token_ids", f"must be token ids in [0, {INT32_MAX}]")
+        # Token ids are checked against the vocabulary by the engine, which knows its size.
+        if any(not is_int(t) for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be a list of integer token ids")
+        # -1: the whole vocabulary (as vLLM); the engine resolves it and checks max_logprobs.
         if self.logprobs is not None:
-            check_int("logprobs", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
+            check_int("logprobs", -1, INT32_MAX, f"must be -1 or an integer in [0, {INT32_MAX}]")
         if self.prompt_logprobs is not None:
-            check_int("prompt_logprobs", 0, INT32_MAX, f"must be an integer in [0, {INT32_MAX}]")
+            check_int("prompt_logprobs", -1, INT32_MAX,
+                      f"must be -1 or an integer in [0, {INT32_MAX}]")
         if self.seed is not None:
             # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
             check_int("seed", INT64_MIN, INT64_MAX,
@@ -101,9 +104,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", "must be a mapping of token id to bias")
             for token, bias in self.logit_bias.items():
-                if not is_int(token) or not 0 <= token <= INT32_MAX:
-                    raise ValueError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], "
-                                     f"got {token!r}")
+                if not is_int(token):
+                    raise ValueError(f"logit_bias keys must be integer token ids, got {token!r}")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
                         not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "

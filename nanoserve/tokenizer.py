@@ -67,6 +67,9 @@ class Tokenizer:
                  chat_template: str | None = None) -> None:
         self._backend = backend
         config = tokenizer_config or {}
+        self.config = dict(config)  # tokenizer_config.json as read (GET /tokenizer_info shows it)
+        self.truncation_side = config.get("truncation_side") if config.get("truncation_side") in (
+            "left", "right") else "right"
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.pad_token = _token_content(config.get("pad_token"))

@@ -32,13 +32,33 @@ class EngineDeadError(RuntimeError):
     """The engine failed during a step; no request can be served any more."""
 
 
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """One request's life, for request-level metrics (vLLM's phases: queued from arrival to the
+    first schedule, prefill until the first token, decode until the last one)."""
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    e2e_seconds: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generation_tokens: int  # all outputs together
+    max_num_generation_tokens: int  # the longest of the n outputs
+    n: int
+    max_tokens: int | None  # the max_tokens in effect
+    num_preemptions: int
+    queued_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    inference_seconds: float
+    time_per_output_token: float  # decode time per token after the first; 0 with one token
+
+
 class Observer(Protocol):
-    """Receives per-request timings (the server's metrics implement this)."""
+    """Receives per-step and per-request figures (the server's metrics implement this)."""
 
     def on_first_token(self, request_id: str, seconds_since_arrival: float) -> None: ...
     def on_token_gap(self, seconds: float) -> None: ...
-    def on_finished(self, output: RequestOutput | None, reason: str, e2e_seconds: float,
-                    num_generated: int) -> None: ...
+    def on_step(self, num_tokens: int) -> None: ...
+    def on_finished(self, stats: FinishedRequestStats) -> None: ...
 
 
 class RequestStream:
@@ -46,11 +66,13 @@ class RequestStream:
     behind (a slow SSE client) gets a larger delta next time instead of a growing queue."""
 
     __slots__ = ("request_id", "arrival_time", "latest", "error", "finished", "event",
-                 "first_token_time", "last_token_time", "num_generated")
+                 "first_token_time", "last_token_time", "num_generated", "params")
 
-    def __init__(self, request_id: str, arrival_time: float) -> None:
+    def __init__(self, request_id: str, arrival_time: float,
+                 params: SamplingParams | None = None) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
+        self.params = params
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -167,7 +189,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, time.time())
+        stream = RequestStream(request_id, time.time(), params)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         self.num_queued_adds += 1
@@ -203,7 +225,8 @@ class AsyncLLMEngine:
                     self.consecutive_step_errors += 1
                     if self.consecutive_step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
                         raise
-                    self._fail_requests(error.request_ids, error)
+                    self._fail_requests(error.request_ids, error, "error",
+                                        {output.request_id: output for output in error.outputs})
                     self.stats = self.engine.stats()
                     continue
                 self.consecutive_step_errors = 0
@@ -226,12 +249,10 @@ class AsyncLLMEngine:
             stream = self.streams.pop(item.request_id, None)
             if stream is None or stream.finished:
                 return
-            self.engine.abort_request(item.request_id)
+            aborted = self.engine.abort_request(item.request_id)
             stream.finished = True  # its reader (if still there) sees the stream end
             stream.event.set()
-            if self.observer is not None:
-                self.observer.on_finished(None, "abort", time.time() - stream.arrival_time,
-                                          stream.num_generated)
+            self._observe_finished(stream, aborted[0] if aborted else None, "abort")
             return
         self.num_queued_adds -= 1
         if item.accepted.done():  # the caller gave up while queued (abort follows)
@@ -249,14 +270,17 @@ class AsyncLLMEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         observer = self.observer
+        step_tokens = 0  # prompt tokens computed by prefills that finished, plus new tokens
         for output in outputs:
             stream = self.streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
             num_generated = sum(len(c.token_ids) for c in output.outputs)
             if num_generated > stream.num_generated:
+                step_tokens += num_generated - stream.num_generated
                 if stream.first_token_time is None:
                     stream.first_token_time = now
+                    step_tokens += len(output.prompt_token_ids) - output.num_cached_tokens
                     if observer is not None:
                         observer.on_first_token(output.request_id, now - stream.arrival_time)
                 elif observer is not None:
@@ -266,20 +290,54 @@ class AsyncLLMEngine:
             stream.put(output)
             if output.finished:
                 del self.streams[output.request_id]
-                if observer is not None:
-                    reason = (output.outputs[0].finish_reason if output.outputs else None) or "stop"
-                    observer.on_finished(output, reason, now - stream.arrival_time, num_generated)
+                reason = (output.outputs[0].finish_reason if output.outputs else None) or "stop"
+                self._observe_finished(stream, output, reason, now)
+        if observer is not None and step_tokens:
+            observer.on_step(step_tokens)
 
-    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
-        """The engine already dropped these requests; their readers get the error."""
+    def _observe_finished(self, stream: RequestStream, output: RequestOutput | None, reason: str,
+                          now: float | None = None) -> None:
+        if self.observer is None:
+            return
+        now = time.time() if now is None else now
+        e2e = now - stream.arrival_time
+        params = stream.params
+        n = params.n if params is not None else 1
+        if output is None:  # never reached the engine
+            self.observer.on_finished(FinishedRequestStats(
+                reason, e2e, 0, 0, 0, 0, n, params.max_tokens if params else None, 0, e2e,
+                0.0, 0.0, 0.0, 0.0))
+            return
+        lengths = [len(c.token_ids) for c in output.outputs] or [0]
+        num_prompt = len(output.prompt_token_ids)
+        max_tokens = params.max_tokens if params is not None else None
+        if max_tokens is None:
+            max_tokens = getattr(self.engine, "max_model_len", num_prompt) - num_prompt
+        metrics = output.metrics
+        scheduled = metrics.first_scheduled_time if metrics else None
+        first = metrics.first_token_time if metrics else None
+        last = metrics.last_token_time if metrics else None
+        queued = (scheduled if scheduled is not None else now) - stream.arrival_time
+        prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
+        decode = (last - first) if last is not None and first is not None else 0.0
+        inference = (last - scheduled) if last is not None and scheduled is not None else 0.0
+        generated = max(lengths)
+        self.observer.on_finished(FinishedRequestStats(
+            reason, e2e, num_prompt, output.num_cached_tokens, sum(lengths), generated, n,
+            max_tokens, metrics.num_preemptions if metrics else 0, max(queued, 0.0),
+            max(prefill, 0.0), max(decode, 0.0), max(inference, 0.0),
+            decode / (generated - 1) if generated > 1 else 0.0))
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException, reason: str = "abort",
+                       outputs: dict[str, RequestOutput] | None = None) -> None:
+        """The engine already dropped (or will drop) these requests; their readers get the
+        error."""
         for request_id in request_ids:
             stream = self.streams.pop(request_id, None)
             if stream is None:
                 continue
             stream.fail(error)
-            if self.observer is not None:
-                self.observer.on_finished(None, "abort", time.time() - stream.arrival_time,
-                                          stream.num_generated)
+            self._observe_finished(stream, (outputs or {}).get(request_id), reason)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight (shutdown's grace period ran out); the engine drops them

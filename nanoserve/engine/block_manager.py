@@ -60,7 +60,9 @@ class BlockManager:
         At least one token is always left to compute, to produce the next token's logits."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         seq.block_hashes = []
-        if not self.enable_prefix_caching:
+        # A cached prefix has no logits: a sequence that needs its prompt logprobs computes every
+        # prompt row (vLLM V1 likewise skips prefix-cache reads for such requests).
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_cache_queries += seq.num_tokens

@@ -2,6 +2,7 @@
 drive exactly this."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -21,6 +22,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -33,10 +35,12 @@ class StepError(RuntimeError):
     """A step failed because of what the requests in it asked for (not a dead device or rank).
     Those requests were aborted; the engine serves on. `request_ids`: the requests that failed."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(self, request_ids: list[str], cause: BaseException,
+                 outputs: list[RequestOutput] | None = None) -> None:
         super().__init__(f"the request failed during a model step: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
+        self.outputs = outputs or []  # the failed requests' last state (finish reason "abort")
 
 
 def _is_device_fault(error: BaseException) -> bool:
@@ -59,6 +63,9 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_kv_blocks: int
+    prompt_tokens_cached_total: int = 0  # prompt tokens whose KV came from the prefix cache
+    block_size: int = 16
+    enable_prefix_caching: bool = True
 
 
 @dataclass(eq=False)
@@ -130,6 +137,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
 
     # ---- life cycle -----------------------------------------------------------------------
@@ -180,9 +188,12 @@ class LLMEngine:
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        self._check_params(params, vocab)
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
+            if not 0 <= bad < vocab:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
+        params = self._check_params(params, vocab)
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
@@ -204,25 +215,41 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
+        if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
+            seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _check_params(self, params: SamplingParams, vocab: int) -> None:
-        """Bounds that depend on the engine (SamplingParams checked the rest when it was made)."""
+    def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
+        with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params._validate()  # fields may have been assigned after construction
         if params.n > self.config.max_n_sequences:
             raise ValueError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
                              f"got {params.n}")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs must be <= {self.config.max_logprobs}, got {params.logprobs}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
+            value = getattr(params, name)
+            if value is not None and (vocab if value == -1 else value) > max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {what} of {vocab if value == -1 else value}, which is greater than "
+                    f"max allowed: {max_logprobs}", name)
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", list(params.logit_bias or ()))):
+            invalid = [t for t in token_ids if not 0 <= t < vocab]
+            if invalid:
+                raise InvalidRequestError(
+                    f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}", name)
+        if params.logprobs == -1 or params.prompt_logprobs == -1:
+            params = params.clone()
+            params.logprobs = vocab if params.logprobs == -1 else params.logprobs
+            params.prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
+        return params
 
     def _max_prompt_chars(self) -> int:
         """No text longer than this fits in the context: each token covers at most as many
@@ -255,8 +282,10 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Drop unfinished requests; returns their final outputs (for metrics)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        aborted = []
         for rid in ids:
             request = self.requests.pop(rid, None)
             if request is None:
@@ -266,6 +295,10 @@ class LLMEngine:
                     self.scheduler.remove(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = seq.finish_reason or "abort"
+            request.finished = True
+            request.metrics.finished_time = time.time()
+            aborted.append(self._make_output(request))
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -283,7 +316,10 @@ class LLMEngine:
             prefix_cache_hits_total=self.block_manager.prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_kv_blocks=self.block_manager.num_blocks)
+            num_kv_blocks=self.block_manager.num_blocks,
+            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
+            block_size=self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -301,8 +337,8 @@ class LLMEngine:
             request_ids = list(dict.fromkeys(item.seq.request_id for item in scheduled))
             logger.exception("a step failed; failing its %d request(s), the engine goes on",
                              len(request_ids))
-            self.abort_request(request_ids)
-            raise StepError(request_ids, error) from error
+            outputs = self.abort_request(request_ids)
+            raise StepError(request_ids, error, outputs) from error
 
     def _run_step(self, scheduled) -> list[RequestOutput]:
         now = time.time()
@@ -311,7 +347,7 @@ class LLMEngine:
         # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
                                         self.model_config.vocab_size, self.eos_token_ids, self.generator)
-        result = self.runner.sample(logits, sampling)
+        result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq
@@ -322,6 +358,8 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.register_full_blocks(seq)
         if result is not None:
+            if result.prompt_logprobs is not None:
+                self._append_prompt_logprobs(model_input.prompt_logprob_seqs, result.prompt_logprobs)
             token_ids = result.token_ids.tolist()
             logprob_rows = self._logprob_rows(result)
             for row, seq in enumerate(model_input.sampling_seqs):
@@ -329,6 +367,7 @@ class LLMEngine:
                 if not request.prompt_counted:
                     request.prompt_counted = True
                     self.prompt_tokens_total += seq.num_prompt_tokens
+                    self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
                 self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None)
                 progressed[seq.request_id] = request
         finished_at = time.time()
@@ -350,6 +389,31 @@ class LLMEngine:
             return None
         return list(zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist()))
 
+    @functools.cached_property
+    def _token_text(self):
+        """One token's text, as logprobs show it (decoded alone, special tokens kept); cached."""
+        decode = self.tokenizer.decode
+        return functools.lru_cache(maxsize=1 << 17)(
+            lambda token: decode([token], skip_special_tokens=False))
+
+    def _logprob_entry(self, rank: int, ids: list[int], values: list[float],
+                       num_top: int) -> dict[int, Logprob]:
+        """The given token first (as vLLM orders it), then the top `num_top` by rank."""
+        text = self._token_text
+        entry = {ids[0]: Logprob(values[0], rank, text(ids[0]))}
+        for position in range(1, 1 + num_top):
+            entry.setdefault(ids[position], Logprob(values[position], position, text(ids[position])))
+        return entry
+
+    def _append_prompt_logprobs(self, seqs: list[tuple[Sequence, int]], tensors) -> None:
+        values, ids, ranks = tensors.logprobs.tolist(), tensors.token_ids.tolist(), tensors.ranks.tolist()
+        row = 0
+        for seq, num_rows in seqs:
+            for r in range(row, row + num_rows):
+                seq.prompt_logprobs.append(self._logprob_entry(ranks[r], ids[r], values[r],
+                                                               seq.params.prompt_logprobs))
+            row += num_rows
+
     def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
@@ -357,12 +421,7 @@ class LLMEngine:
         if logprob_row is not None and params.logprobs is not None:
             rank, ids, values = logprob_row
             seq.cumulative_logprob += values[0]
-            decode = self.tokenizer.decode
-            top = {token: Logprob(values[0], rank, decode([token], skip_special_tokens=False))}
-            for position in range(1, 1 + params.logprobs):
-                top.setdefault(ids[position], Logprob(values[position], position,
-                                                      decode([ids[position]], skip_special_tokens=False)))
-            seq.logprobs.append(top)
+            seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
         num_out = seq.num_output_tokens
         reason = stop_reason = None
         if num_out >= params.min_tokens:
@@ -413,5 +472,9 @@ class LLMEngine:
                 stop_reason=seq.stop_reason)
             for seq in request.seqs
         ]
+        first = request.seqs[0]
+        prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
+        request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.metrics, request.metrics.num_cached_tokens)
+                             request.finished, request.metrics, request.metrics.num_cached_tokens,
+                             prompt_logprobs)

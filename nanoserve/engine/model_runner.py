@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
-from nanoserve.layers.sampler import SamplerOutput, SamplingBatch, sample
+from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model
 
@@ -52,6 +52,10 @@ class ModelInput:
     # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
     # (its first len(logits_indices) rows are real). 0: an eager step.
     graph_size: int = 0
+    # Prompt logprobs, only for sequences that ask: their prompt rows follow the sampling rows in
+    # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
+    prompt_logprob_seqs: list = field(default_factory=list)
+    prompt_logprob_targets: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -199,12 +203,24 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         sampling_seqs = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_logprob_seqs = []
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         block_rows: list[list[int]] = []  # padded with block 0, never read past seq_lens
         for item in decodes + prompts:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new_tokens
+            if seq.needs_prompt_logprobs:  # rows whose next token is a prompt token not yet scored
+                assert start < len(seq.prompt_logprobs), "prompt rows skipped without logits"
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    row = len(input_ids) + first - start
+                    prompt_rows.extend(range(row, row + last - first))
+                    prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
+                    prompt_logprob_seqs.append((seq, last - first))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
@@ -240,12 +256,16 @@ class ModelRunner:
             max_seqlen_k=max(seq_lens),
             num_decode_seqs=len(decodes),
             prefill_row_tile=tile)
-        return ModelInput(
+        model_input = ModelInput(
             input_ids=to_device(input_ids, torch.long),
             positions=to_device(positions, torch.long),
             metadata=metadata,
-            logits_indices=to_device(logits_indices, torch.long),
+            logits_indices=to_device(logits_indices + prompt_rows, torch.long),
             sampling_seqs=sampling_seqs)
+        if prompt_logprob_seqs:
+            model_input.prompt_logprob_seqs = prompt_logprob_seqs
+            model_input.prompt_logprob_targets = to_device(prompt_targets, torch.long)
+        return model_input
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor on this runner's device. On CUDA through pinned memory with
@@ -258,7 +278,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, sampling: SamplingBatch | None) -> SamplerOutput | None:
-        return self.sample(self.forward(model_input), sampling)
+        return self.sample(self.forward(model_input), sampling, model_input)
 
     @torch.inference_mode()
     def forward(self, model_input: ModelInput) -> torch.Tensor | None:
@@ -274,10 +294,32 @@ class ModelRunner:
         return self._forward(model_input)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None) -> SamplerOutput | None:
-        if sampling is None or logits is None:
+    def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None,
+               model_input: ModelInput) -> SamplerOutput | None:
+        """Sample the rows of the sequences that completed their prompt; score the prompt rows of
+        those that asked for prompt logprobs (their logits follow the sampled rows)."""
+        if logits is None:
             return None
-        return sample(logits, sampling)
+        prompt_logprobs = None
+        if model_input.prompt_logprob_seqs:
+            num_sampled = len(model_input.sampling_seqs)
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], model_input)
+            logits = logits[:num_sampled]
+        if sampling is None:  # no sequence completes its prompt this step
+            if prompt_logprobs is None:
+                return None
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return SamplerOutput(empty, None, None, None, prompt_logprobs)
+        output = sample(logits, sampling)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, model_input: ModelInput) -> LogprobsTensors:
+        """Raw (unprocessed) logprobs of each prompt row's next token, and the top k."""
+        num_top = max(seq.params.prompt_logprobs for seq, _ in model_input.prompt_logprob_seqs)
+        return gather_logprobs(logits.float().log_softmax(dim=-1), model_input.prompt_logprob_targets,
+                               num_top)
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor | None:
         num_logits = model_input.logits_indices.shape[0]

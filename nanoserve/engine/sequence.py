@@ -35,6 +35,8 @@ class Sequence:
     generator: torch.Generator | None = None
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Prompt logprobs collected so far (position 0 is None, as vLLM); None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer
@@ -52,6 +54,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions still lack their logprobs: this sequence's prompt rows must be
+        computed (not taken from the prefix cache) and their logits kept."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

@@ -32,11 +32,32 @@ class SamplingBatch:
 
 
 @dataclass(slots=True)
+class LogprobsTensors:
+    """Per row: a given token's logprob and rank, then the k most likely tokens."""
+    logprobs: torch.Tensor  # [R, 1 + k] the given token's logprob, then the top k
+    token_ids: torch.Tensor  # [R, 1 + k]
+    ranks: torch.Tensor  # [R] rank of the given token (1 = best)
+
+
+@dataclass(slots=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [S] int64
     logprobs: torch.Tensor | None  # [S, 1 + k] logprob of the sampled token, then the top k
     logprob_token_ids: torch.Tensor | None  # [S, 1 + k]
     ranks: torch.Tensor | None  # [S] rank of the sampled token (1 = best)
+    # Logprobs of prompt tokens, for the sequences that asked (ModelInput.prompt_logprob_seqs).
+    prompt_logprobs: LogprobsTensors | None = None
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """`token_ids[row]`'s logprob and rank in each row of `logprobs`, then the `num_top` best."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    if num_top <= 0:
+        return LogprobsTensors(chosen, token_ids[:, None], ranks)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return LogprobsTensors(torch.cat([chosen, top_values], dim=1),
+                           torch.cat([token_ids[:, None], top_ids], dim=1), ranks)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -104,12 +125,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = torch.where(batch.temperature == 0, greedy_tokens, sampled)
     out = SamplerOutput(tokens, None, None, None)
     if batch.max_logprobs >= 0:
-        chosen = raw_logprobs.gather(1, tokens[:, None])
-        out.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        if batch.max_logprobs > 0:
-            top_values, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
-            out.logprobs = torch.cat([chosen, top_values], dim=1)
-            out.logprob_token_ids = torch.cat([tokens[:, None], top_ids], dim=1)
-        else:
-            out.logprobs, out.logprob_token_ids = chosen, tokens[:, None]
+        gathered = gather_logprobs(raw_logprobs, tokens, batch.max_logprobs)
+        out.logprobs, out.logprob_token_ids, out.ranks = gathered.logprobs, gathered.token_ids, gathered.ranks
     return out

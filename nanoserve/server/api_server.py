@@ -47,7 +47,12 @@ async def start_server(engine, options: ServerOptions,
                        step_executor: ThreadPoolExecutor | None = None) -> RunningServer:
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
-    metrics = ServerMetrics(engine.served_model_name)
+    config = engine.config
+    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, {
+        "block_size": config.block_size, "cache_dtype": "auto",
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "num_gpu_blocks": engine.block_manager.num_blocks, "num_cpu_blocks": None})
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor)
     async_engine.start()
     preprocessor = Preprocessor(options.preprocess_threads, options.preprocess_timeout,
@@ -61,8 +66,12 @@ async def start_server(engine, options: ServerOptions,
         max_n_sequences=engine.config.max_n_sequences,
         max_waiting_requests=options.max_waiting_requests,
         trust_request_chat_template=options.trust_request_chat_template,
-        enable_prompt_tokens_details=options.enable_prompt_tokens_details)
-    app = OpenAIApp(ctx, metrics, api_key=options.api_key)
+        enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+        truncation_side=getattr(engine.tokenizer, "truncation_side", "right"),
+        on_admission_rejected=metrics.on_admission_rejected)
+    app = OpenAIApp(ctx, metrics, api_key=options.api_key,
+                    server_load_tracking=options.enable_server_load_tracking,
+                    tokenizer_info=options.enable_tokenizer_info_endpoint)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)

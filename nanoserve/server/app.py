@@ -1,10 +1,12 @@
-"""The route table: OpenAI endpoints plus /health, /version, /tokenize, /detokenize, /metrics.
-Maps every error to vLLM's {"error": {...}} body once, here."""
+"""The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
+/metrics, /load, /tokenizer_info and /invocations. Maps every error to vLLM's {"error": {...}}
+body once, here."""
 from __future__ import annotations
 
 import hmac
 import logging
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
+from urllib.parse import unquote
 
 import msgspec
 
@@ -19,6 +21,7 @@ from nanoserve.server.openai import ServingContext, bad_request, encode_json, er
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                        TokenizeRequest, TokenizeResponse)
+from nanoserve.server.tokenizer_info import tokenizer_info
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -36,10 +39,14 @@ def http_error_response(status: int, message: str) -> Response:
     return error_response(APIError(status, message))
 
 
-def decode_body(request: Request, struct: type):
+def check_content_type(request: Request) -> None:
     content_type = (request.header("content-type") or "application/json").split(";")[0].strip()
     if content_type.lower() != "application/json" and not content_type.lower().endswith("+json"):
         raise bad_request(f"Unsupported content type {content_type!r}: send application/json.")
+
+
+def decode_body(request: Request, struct: type):
+    check_content_type(request)
     decoder = _decoders.get(struct)
     if decoder is None:
         decoder = _decoders[struct] = msgspec.json.Decoder(struct)
@@ -69,27 +76,73 @@ def _log_ignored_fields(raw: bytes, struct: type) -> None:
                        sorted(unknown))
 
 
+class _ReleaseWhenDone:
+    """A streamed body that calls `release` once, when it ends or is closed (even unstarted)."""
+
+    def __init__(self, body, release: Callable[[], None]) -> None:
+        self.body = body
+        self.release: Callable[[], None] | None = release
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self.body.__anext__()
+        except BaseException:
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self.body.aclose()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
+
+
+INVOCATION_TYPES = ("ChatCompletionRequest", "CompletionRequest")
+MODELS_PREFIX = "/v1/models/"
+
+
 class OpenAIApp:
     def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, server_load_tracking: bool = False,
+                 tokenizer_info: bool = False) -> None:
         self.ctx = ctx
         self.metrics = metrics
         self.api_key = api_key
+        self.server_load_tracking = server_load_tracking
+        self.server_load = 0  # completion and chat requests in flight (with the tracking flag)
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self.health},
             "/ping": {"GET": self.health, "POST": self.health},
             "/version": {"GET": self.version},
             "/metrics": {"GET": self.prometheus},
+            "/load": {"GET": self.load},
             "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
+            "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
+        if tokenizer_info:
+            self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
+
+    def _methods(self, path: str) -> dict[str, Handler] | None:
+        methods = self.routes.get(path)
+        if methods is None and path.startswith(MODELS_PREFIX) and len(path) > len(MODELS_PREFIX):
+            methods = {"GET": self.model}
+        return methods
 
     async def __call__(self, request: Request) -> Response | StreamingResponse:
         try:
-            methods = self.routes.get(request.path)
+            methods = self._methods(request.path)
             if methods is None:
                 raise APIError(404, f"Route {request.path} not found.")
             method = "GET" if request.method == "HEAD" else request.method
@@ -132,20 +185,80 @@ class OpenAIApp:
         body = self.metrics.render(self.ctx.engine.stats).encode()
         return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
 
-    async def models(self, request: Request) -> Response:
+    async def load(self, request: Request) -> Response:
+        return Response(200, encode_json({"server_load": self.server_load}))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return Response(200, encode_json(tokenizer_info(self.ctx.tokenizer)))
+
+    def _model_card(self) -> ModelCard:
         ctx = self.ctx
-        card = ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
+        return ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
                          ctx.max_model_len, None, [])
-        return Response(200, encode_json(ModelList("list", [card])))
+
+    async def models(self, request: Request) -> Response:
+        return Response(200, encode_json(ModelList("list", [self._model_card()])))
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id} (OpenAI's retrieve-model): the served model, else 404."""
+        name = unquote(request.path[len(MODELS_PREFIX):])
+        if name != self.ctx.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return Response(200, encode_json(self._model_card()))
 
     # ---- OpenAI endpoints ----
+    async def _tracked(self, serve: Callable[[], Awaitable[Response | StreamingResponse]]):
+        """With --enable-server-load-tracking, count the request until its response is done."""
+        if not self.server_load_tracking:
+            return await serve()
+        self.server_load += 1
+        try:
+            response = await serve()
+        except BaseException:
+            self.server_load -= 1
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body = _ReleaseWhenDone(response.body, self._release_load)
+        else:
+            self.server_load -= 1
+        return response
+
+    def _release_load(self) -> None:
+        self.server_load -= 1
+
     async def completions(self, request: Request):
         body = decode_body(request, CompletionRequest)
-        return await create_completion(self.ctx, body)
+        return await self._tracked(lambda: create_completion(self.ctx, body))
 
     async def chat(self, request: Request):
         body = decode_body(request, ChatCompletionRequest)
-        return await create_chat_completion(self.ctx, body)
+        return await self._tracked(lambda: create_chat_completion(self.ctx, body))
+
+    async def invocations(self, request: Request):
+        """SageMaker's POST /invocations, as vLLM: a chat request when the body has `messages`,
+        a completion request when it has a non-empty `prompt`."""
+        check_content_type(request)
+        try:
+            fields = _top_level.decode(request.body)
+        except (msgspec.DecodeError, RecursionError):
+            raise bad_request("The request body is not a JSON object.") from None
+        if "messages" in fields:
+            try:
+                body = decode_body(request, ChatCompletionRequest)
+            except APIError:
+                body = None
+            if body is not None:
+                return await self._tracked(lambda: create_chat_completion(self.ctx, body))
+        prompt = fields.get("prompt")
+        if prompt is not None and bytes(prompt) not in (b"null", b'""'):
+            try:
+                body = decode_body(request, CompletionRequest)
+            except APIError:
+                body = None
+            if body is not None:
+                return await self._tracked(lambda: create_completion(self.ctx, body))
+        raise bad_request("Cannot find suitable handler for request. Expected one of: "
+                          f"{list(INVOCATION_TYPES)}")
 
     async def tokenize(self, request: Request) -> Response:
         body = decode_body(request, TokenizeRequest)

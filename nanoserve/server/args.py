@@ -23,6 +23,8 @@ class ServerOptions:
     log_level: str = "info"
     trust_request_chat_template: bool = False
     enable_prompt_tokens_details: bool = False
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
@@ -47,6 +49,10 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "render a chat_template sent in a request (sandboxed); refused (400) without this flag"),
     ("--enable-prompt-tokens-details", ServerOptions, "enable_prompt_tokens_details", bool,
      "report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix cache)"),
+    ("--enable-server-load-tracking", ServerOptions, "enable_server_load_tracking", bool,
+     "count in-flight completion and chat requests; GET /load reports them as server_load"),
+    ("--enable-tokenizer-info-endpoint", ServerOptions, "enable_tokenizer_info_endpoint", bool,
+     "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"),
     ("--preprocess-threads", ServerOptions, "preprocess_threads", int,
      "threads that tokenize and render large inputs off the event loop"),
     ("--preprocess-timeout", ServerOptions, "preprocess_timeout", float,

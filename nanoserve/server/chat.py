@@ -6,17 +6,19 @@ import time
 from typing import AsyncGenerator
 
 from nanoserve.server.http_types import Response, StreamingResponse
-from nanoserve.server.preprocess import SMALL_INPUT
+from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
 from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, random_id,
-                                     sse, sse_error, token_text, top_entries)
+                                     sse, sse_error)
+from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatCompletionStreamResponse, ChatLogprobEntry, ChatLogprobs,
-                                       ChatMessage, ChatStreamChoice, DeltaMessage, TopLogprob)
+                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
+                                       DeltaMessage, Usage)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
                              continue_final_message: bool, chat_template: str | None,
-                             chat_template_kwargs: dict | None, add_special_tokens: bool) -> dict:
+                             chat_template_kwargs: dict | None, add_special_tokens: bool,
+                             truncation_side: str | None = None) -> dict:
     if not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     for message in messages:
@@ -45,23 +47,29 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
                                   deadline=ctx.preprocessor.deadline(), **kwargs)
     except (ValueError, TypeError) as error:  # ChatTemplateError is a ValueError
         raise bad_request(str(error), "messages") from None
-    ids = await ctx.encode(text, add_special_tokens)
+    ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     return {"prompt": text, "prompt_token_ids": ids}
 
 
-def _logprobs(ctx: ServingContext, choice, start: int, limit: int) -> ChatLogprobs:
-    tokenizer = ctx.tokenizer
-    entries = choice.logprobs or []
-    content = []
-    for position in range(start, len(choice.token_ids)):
-        entry = entries[position] if position < len(entries) else {}
-        text, value = token_text(entry, choice.token_ids[position], tokenizer)
-        top = [TopLogprob(t, v, list(t.encode("utf-8")))
-               for t, v in top_entries(entry, limit, tokenizer)] if limit else []
-        content.append(ChatLogprobEntry(text, value, list(text.encode("utf-8")), top))
-    return ChatLogprobs(content)
+def _response_role(request: ChatCompletionRequest) -> str:
+    """vLLM: "assistant" when a generation prompt is added, else the last message's role."""
+    if request.add_generation_prompt:
+        return "assistant"
+    return str(request.messages[-1].get("role"))
+
+
+def _echo_text(request: ChatCompletionRequest, role: str) -> str:
+    """With echo, the last message's content when it has the response's role (the message that
+    continue_final_message continues), else nothing."""
+    last = request.messages[-1]
+    if not request.echo or last.get("role") != role:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        content = "\n".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest):
@@ -72,18 +80,29 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if request.continue_final_message and request.add_generation_prompt:
         raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` "
                           "to True.", "continue_final_message")
+    ctx.check_fields(request, "top_logprobs", request.top_logprobs)
     prompt = await render_chat_prompt(
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
-        request.chat_template, request.chat_template_kwargs, request.add_special_tokens)
+        request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
+        ctx.truncation_side_of(request))
+    prompt["prompt_token_ids"], cut = ctx.truncate(prompt["prompt_token_ids"], request)
+    if cut:
+        prompt["prompt"] = None
+    if not prompt["prompt_token_ids"]:
+        raise bad_request("the prompt is empty", "messages")
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = ctx.sampling_params(request, max_tokens, logprobs)
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo:
+        prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
+    params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
     base_id = random_id("chatcmpl")
     created = int(time.time())
     streams = await ctx.submit(base_id, [prompt], params, request.priority)
     stream = streams[0]
+    role = _response_role(request)
     if request.stream:
-        return StreamingResponse(_stream(ctx, request, base_id, created, prompt, stream))
+        return StreamingResponse(_stream(ctx, request, base_id, created, prompt, stream, role))
     final = None
     try:
         async for output in stream:
@@ -91,41 +110,55 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
+    echo = _echo_text(request, role)
+    as_token_ids = bool(request.return_tokens_as_token_ids)
     choices = []
     completion_tokens = 0
     for choice in final.outputs:
         completion_tokens += len(choice.token_ids)
+        logprobs_body = None
+        if request.logprobs:
+            logprobs_body = chat_logprobs(choice.token_ids, choice.logprobs or [],
+                                          request.top_logprobs or 0, ctx.tokenizer, as_token_ids)
         choices.append(ChatChoice(
-            choice.index, ChatMessage("assistant", choice.text),
-            _logprobs(ctx, choice, 0, request.top_logprobs or 0) if request.logprobs else None,
-            choice.finish_reason, choice.stop_reason))
-    prompt_tokens = len(prompt["prompt_token_ids"])
-    usage = ctx.usage(prompt_tokens, completion_tokens, final.num_cached_tokens)
+            choice.index, ChatMessage(role, echo + choice.text), logprobs_body,
+            choice.finish_reason, choice.stop_reason,
+            list(choice.token_ids) if request.return_token_ids else None))
+    prompt_ids = prompt["prompt_token_ids"]
+    usage = ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
     return Response(200, encode_json(ChatCompletionResponse(
-        base_id, "chat.completion", created, ctx.served_model_name, choices, usage)))
+        base_id, "chat.completion", created, ctx.served_model_name, choices, usage,
+        prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+        prompt_token_ids=prompt_ids if request.return_token_ids else None)))
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
-                  prompt: dict, stream) -> AsyncGenerator[bytes, None]:
+                  prompt: dict, stream, role: str) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
     stop = [] if request.include_stop_str_in_output else (request.stop or [])
     holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
-    prompt_tokens = len(prompt["prompt_token_ids"])
+    prompt_ids = prompt["prompt_token_ids"]
+    prompt_tokens = len(prompt_ids)
     top = request.top_logprobs or 0
+    as_token_ids = bool(request.return_tokens_as_token_ids)
+    echo = _echo_text(request, role)
     # per choice index: [text sent, tokens sent, finished]
     progress: dict[int, list] = {}
     cached_tokens = 0
+    first_chunk = True
 
-    def chunk(choices: list[ChatStreamChoice]) -> bytes:
+    def chunk(choice: ChatStreamChoice, tokens_so_far: int) -> bytes:
+        nonlocal first_chunk
         usage = None
-        if continuous_usage:
-            done = sum(p[1] for p in progress.values())
-            usage = ctx.usage(prompt_tokens, done, cached_tokens)
+        if continuous_usage:  # per choice, as vLLM: the prompt and this choice's tokens so far
+            usage = Usage(prompt_tokens, prompt_tokens + tokens_so_far, tokens_so_far)
+        ids = prompt_ids if first_chunk and request.return_token_ids else None
+        first_chunk = False
         return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
-                                                choices, usage))
+                                                [choice], usage, ids))
     try:
         async for output in stream:
             cached_tokens = output.num_cached_tokens
@@ -137,21 +170,28 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
                     if not choice.token_ids and not finished:
                         continue  # the role chunk waits for the first token
                     state = progress[choice.index] = [0, 0, False]
-                    events.append(chunk([ChatStreamChoice(
-                        choice.index, DeltaMessage(role="assistant", content=""))]))
+                    events.append(chunk(ChatStreamChoice(
+                        choice.index, DeltaMessage(role=role, content="")), 0))
+                    if echo:
+                        events.append(chunk(ChatStreamChoice(
+                            choice.index, DeltaMessage(content=echo)), 0))
                 if state[2]:
                     continue
                 end = len(choice.text) if finished else max(state[0], len(choice.text) - holdback)
                 text = choice.text[state[0]:end]
+                new_ids = choice.token_ids[state[1]:]
                 logprobs = None
-                if request.logprobs and len(choice.token_ids) > state[1]:
-                    logprobs = _logprobs(ctx, choice, state[1], top)
-                if not text and not finished and logprobs is None:
+                if request.logprobs and new_ids:
+                    logprobs = chat_logprobs(new_ids, (choice.logprobs or [])[state[1]:], top,
+                                             ctx.tokenizer, as_token_ids)
+                if not text and not finished and logprobs is None and not (
+                        new_ids and request.return_token_ids):
                     continue
                 state[0], state[1], state[2] = end, len(choice.token_ids), finished
-                events.append(chunk([ChatStreamChoice(
+                events.append(chunk(ChatStreamChoice(
                     choice.index, DeltaMessage(content=text), logprobs, choice.finish_reason,
-                    choice.stop_reason)]))
+                    choice.stop_reason, list(new_ids) if request.return_token_ids else None),
+                    state[1]))
             if events:
                 yield b"".join(events)
         if include_usage:

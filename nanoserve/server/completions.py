@@ -6,21 +6,21 @@ from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, merge_streams,
-                                     random_id, sse, sse_error, token_text, top_entries)
-from nanoserve.server.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
-                                       CompletionResponse, CompletionStreamChoice,
-                                       CompletionStreamResponse)
+                                     random_id, sse, sse_error)
+from nanoserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                       CompletionStreamChoice, CompletionStreamResponse, Usage)
 
 
 @dataclass(slots=True)
 class ChoiceProgress:
-    """How much of one choice's cumulative output was already sent."""
+    """How much of one choice was already sent."""
     prompt_index: int
-    text_sent: int = 0
+    text_sent: int = 0  # characters of the generated text
+    chars_sent: int = 0  # characters in all, an echoed prompt included: the next text_offset
     tokens_sent: int = 0
-    text_offset: int = 0
-    num_tokens: int = 0
+    prompt_sent: bool = False  # the echoed prompt / its token ids went out (first chunk)
     finished: bool = False
 
 
@@ -29,9 +29,10 @@ def _is_token_list(value: Any) -> bool:
                                            for t in value)
 
 
-async def normalize_prompts(ctx: ServingContext, prompt: Any,
-                            add_special_tokens: bool) -> list[dict]:
-    """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids."""
+async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[dict]:
+    """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
+    as the request asks (a truncated prompt keeps no text: echo shows its tokens' text)."""
+    prompt = request.prompt
     if isinstance(prompt, str):
         texts: list = [prompt]
     elif _is_token_list(prompt) and prompt:
@@ -42,33 +43,31 @@ async def normalize_prompts(ctx: ServingContext, prompt: Any,
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
                           "list of token-id lists (non-empty)", "prompt")
+    side = ctx.truncation_side_of(request)
     result = []
     for item in texts:
         if isinstance(item, str):
-            ids = await ctx.encode(item, add_special_tokens)
-            if not ids:
-                raise bad_request("the prompt is empty", "prompt")
-            result.append({"prompt": item, "prompt_token_ids": ids})
+            ids = await ctx.encode(item, request.add_special_tokens, side)
+            text = item
         else:
-            result.append({"prompt": None, "prompt_token_ids": list(item)})
+            ids, text = list(item), None
+        ids, cut = ctx.truncate(ids, request)
+        if not ids:
+            raise bad_request("the prompt is empty", "prompt")
+        result.append({"prompt": None if cut else text, "prompt_token_ids": ids})
     return result
 
 
-def _logprobs(ctx: ServingContext, output, start: int, progress: ChoiceProgress,
-              limit: int) -> CompletionLogProbs:
-    tokenizer = ctx.tokenizer
-    result = CompletionLogProbs([], [], [], [])
-    entries = output.logprobs or []
-    for position in range(start, len(output.token_ids)):
-        token_id = output.token_ids[position]
-        entry = entries[position] if position < len(entries) else {}
-        text, value = token_text(entry, token_id, tokenizer)
-        result.text_offset.append(progress.text_offset)
-        progress.text_offset += len(text)
-        result.tokens.append(text)
-        result.token_logprobs.append(value)
-        result.top_logprobs.append(dict(top_entries(entry, limit, tokenizer)) if limit else {})
-    return result
+def _prompt_text(ctx: ServingContext, request: CompletionRequest, prompt: dict) -> str:
+    if request.return_token_ids:  # vLLM echoes no prompt text then: the ids say it
+        return ""
+    if prompt["prompt"] is not None:
+        return prompt["prompt"]
+    return ctx.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+
+
+def _prompt_entries(output, prompt_ids: list[int]) -> list:
+    return output.prompt_logprobs or [None] * len(prompt_ids)
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest):
@@ -77,14 +76,21 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
         raise bad_request("suffix is not currently supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    prompts = await normalize_prompts(ctx, request.prompt, request.add_special_tokens)
+    ctx.check_fields(request, "logprobs", request.logprobs)
+    prompts = await normalize_prompts(ctx, request)
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
-    params = ctx.sampling_params(request, max_tokens, request.logprobs)
+    echo_only = bool(request.echo) and max_tokens == 0  # vLLM: return the prompt, generate 1
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo:
+        prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
+    params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
+                                 prompt_logprobs)
     base_id = random_id("cmpl")
     created = int(time.time())
     streams = await ctx.submit(base_id, prompts, params, request.priority)
     if request.stream:
-        return StreamingResponse(_stream(ctx, request, base_id, created, prompts, streams))
+        return StreamingResponse(_stream(ctx, request, base_id, created, prompts, streams,
+                                         echo_only))
     try:
         finals: list = [None] * len(streams)
         async for index, output in merge_streams(streams):
@@ -95,16 +101,28 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     choices = []
     completion_tokens = 0
     for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
-        prompt_text = _prompt_text(ctx, prompt) if request.echo else ""
+        prompt_ids = prompt["prompt_token_ids"]
         for output in final.outputs:
-            progress = ChoiceProgress(prompt_index, text_offset=len(prompt_text))
-            logprobs = (_logprobs(ctx, output, 0, progress, request.logprobs)
-                        if request.logprobs is not None else None)
+            token_ids, entries, text = output.token_ids, output.logprobs or [], output.text
+            if request.echo:
+                prompt_text = _prompt_text(ctx, request, prompt)
+                prompt_entries = _prompt_entries(final, prompt_ids)
+                if echo_only:
+                    token_ids, entries, text = prompt_ids, prompt_entries, prompt_text
+                else:
+                    token_ids, entries = prompt_ids + token_ids, prompt_entries + entries
+                    text = prompt_text + text
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(token_ids, entries, request.logprobs, ctx.tokenizer,
+                                               as_token_ids=bool(request.return_tokens_as_token_ids))
             completion_tokens += len(output.token_ids)
             choices.append(CompletionChoice(
-                index=prompt_index * request.n + output.index, text=prompt_text + output.text,
-                logprobs=logprobs, finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason))
+                index=prompt_index * request.n + output.index, text=text, logprobs=logprobs,
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                token_ids=list(output.token_ids) if request.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+                prompt_token_ids=prompt_ids if request.return_token_ids else None))
     prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
     body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
@@ -112,14 +130,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     return Response(200, encode_json(body))
 
 
-def _prompt_text(ctx: ServingContext, prompt: dict) -> str:
-    if prompt["prompt"] is not None:
-        return prompt["prompt"]
-    return ctx.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
-
-
 async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                  prompts: list[dict], streams) -> AsyncGenerator[bytes, None]:
+                  prompts: list[dict], streams, echo_only: bool) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     n = request.n
     options = request.stream_options
@@ -127,12 +139,14 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
     stop = [] if request.include_stop_str_in_output else (request.stop or [])
     holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
-    prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    as_token_ids = bool(request.return_tokens_as_token_ids)
     progress: dict[int, ChoiceProgress] = {}
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
     try:
         async for prompt_index, output in merge_streams(streams):
             cached[prompt_index] = output.num_cached_tokens
+            prompt = prompts[prompt_index]
+            prompt_ids = prompt["prompt_token_ids"]
             events = []
             for choice in output.outputs:
                 index = prompt_index * n + choice.index
@@ -145,32 +159,46 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
                 end = len(choice.text) if finished else max(state.text_sent,
                                                             len(choice.text) - holdback)
                 text = choice.text[state.text_sent:end]
-                if request.echo and state.tokens_sent == 0 and state.text_sent == 0 and \
-                        (text or choice.token_ids or finished):
-                    prompt_text = _prompt_text(ctx, prompts[prompt_index])
-                    text = prompt_text + text
-                    state.text_offset = len(prompt_text)
-                new_tokens = len(choice.token_ids) - state.tokens_sent
-                if not text and not finished and not (new_tokens and request.logprobs is not None):
+                new_ids = choice.token_ids[state.tokens_sent:]
+                ids, entries = new_ids, (choice.logprobs or [])[state.tokens_sent:]
+                send_prompt_ids = False
+                if request.echo and not state.prompt_sent:  # the prompt leads the first chunk
+                    prompt_text = _prompt_text(ctx, request, prompt)
+                    prompt_entries = _prompt_entries(output, prompt_ids)
+                    if echo_only:
+                        text, ids, entries = prompt_text, prompt_ids, prompt_entries
+                    else:
+                        text, ids, entries = prompt_text + text, prompt_ids + ids, prompt_entries + entries
+                    send_prompt_ids = True
+                elif not text and not finished and not (
+                        new_ids and (request.logprobs is not None or request.return_token_ids)):
                     continue
+                elif request.return_token_ids and not state.prompt_sent:
+                    send_prompt_ids = True
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = _logprobs(ctx, choice, state.tokens_sent, state, request.logprobs)
+                    logprobs = completion_logprobs(ids, entries, request.logprobs, ctx.tokenizer,
+                                                   state.chars_sent, as_token_ids)
+                state.prompt_sent = state.prompt_sent or send_prompt_ids
                 state.text_sent = end
-                state.tokens_sent = state.num_tokens = len(choice.token_ids)
+                state.chars_sent += len(text)
+                state.tokens_sent = len(choice.token_ids)
                 state.finished = finished
                 usage = None
-                if continuous_usage:
-                    done = sum(p.num_tokens for p in progress.values())
-                    usage = ctx.usage(prompt_tokens, done, sum(cached.values()))
+                if continuous_usage:  # per choice, as vLLM: its prompt and its tokens so far
+                    usage = Usage(len(prompt_ids), len(prompt_ids) + state.tokens_sent,
+                                  state.tokens_sent)
                 events.append(sse(CompletionStreamResponse(
                     base_id, "text_completion", created, model,
-                    [CompletionStreamChoice(index, text, logprobs, choice.finish_reason,
-                                            choice.stop_reason)], usage)))
+                    [CompletionStreamChoice(
+                        index, text, logprobs, choice.finish_reason, choice.stop_reason,
+                        prompt_ids if send_prompt_ids else None,
+                        list(new_ids) if request.return_token_ids else None)], usage)))
             if events:
                 yield b"".join(events)
         if include_usage:
-            completion_tokens = sum(p.num_tokens for p in progress.values())
+            completion_tokens = sum(p.tokens_sent for p in progress.values())
+            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
             usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],
                                                usage))
@@ -179,4 +207,3 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
         yield sse_error(error) + DONE
     finally:
         ctx.abort_unfinished(streams)
-

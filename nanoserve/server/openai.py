@@ -8,18 +8,17 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from nanoserve.outputs import Logprob
+from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
                                        SamplingFields, Usage)
 
-LOGPROB_FLOOR = -9999.0
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
 
@@ -75,6 +74,8 @@ class ServingContext:
     max_waiting_requests: int | None = None
     trust_request_chat_template: bool = False
     enable_prompt_tokens_details: bool = False
+    truncation_side: str = "right"  # the tokenizer's default, when a request names none
+    on_admission_rejected: Callable[[str], None] | None = None  # metrics: a 503 for a full queue
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class ServingContext:
             raise APIError(503, "The engine is dead; this server can no longer serve requests.")
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting >= limit:
+            if self.on_admission_rejected is not None:
+                self.on_admission_rejected("max_num_queued_reqs")
             raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "
                                 f"waiting (limit {limit}). Retry later.",
                            headers=[("retry-after", "1")])
@@ -97,7 +100,13 @@ class ServingContext:
         """Run fn on the preprocessing pool when the input is large, so the loop stays free."""
         return await self.preprocessor.run(size, fn, *args, **kwargs)
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool,
+                     truncation_side: str | None = None) -> list[int]:
+        """With a truncation side, text longer than any context is first cut (by characters,
+        from that side); the tokens are truncated later."""
+        if len(text) > self.max_prompt_chars and truncation_side is not None:
+            cut = self.max_prompt_chars
+            text = text[-cut:] if truncation_side == "left" else text[:cut]
         if len(text) > self.max_prompt_chars:  # cannot fit, whatever it tokenizes to
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -111,8 +120,52 @@ class ServingContext:
         details = PromptTokensDetails(cached_tokens) if self.enable_prompt_tokens_details else None
         return Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens, details)
 
+    def check_fields(self, request: SamplingFields, logprobs_name: str,
+                     logprobs: int | None) -> None:
+        """vLLM's request-level checks of logprobs, prompt_logprobs and truncation."""
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is not None:
+            if request.stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
+                raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                                  "prompt_logprobs")
+            if prompt_logprobs < -1:
+                raise bad_request("`prompt_logprobs` must be a positive value or -1.",
+                                  "prompt_logprobs")
+        if logprobs is not None and logprobs < -1:
+            raise bad_request(f"`{logprobs_name}` must be a positive value or -1.", logprobs_name)
+        if request.truncation_side not in (None, "left", "right"):
+            raise bad_request("`truncation_side` must be either 'left' or 'right'.",
+                              "truncation_side")
+        limit = request.truncate_prompt_tokens
+        if limit is not None and limit < -1:
+            raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len - 1) or >= 0, "
+                              f"got {limit}", "truncate_prompt_tokens")
+        if limit is not None and limit > self.max_model_len:
+            raise bad_request(f"truncate_prompt_tokens={limit} cannot be greater than "
+                              f"max_model_len = {self.max_model_len}. Please request a smaller "
+                              "truncation size.", "truncate_prompt_tokens")
+
+    def truncation_side_of(self, request: SamplingFields) -> str | None:
+        """The side to cut from, or None when the request does not truncate."""
+        if request.truncate_prompt_tokens is None:
+            return None
+        return request.truncation_side or self.truncation_side
+
+    def truncate(self, token_ids: list[int], request: SamplingFields) -> tuple[list[int], bool]:
+        """truncate_prompt_tokens as vLLM: keep that many tokens (-1: max_model_len - 1), the
+        last ones with truncation_side "left". Returns the tokens and whether any were cut."""
+        limit = request.truncate_prompt_tokens
+        if limit is None:
+            return token_ids, False
+        keep = self.max_model_len - 1 if limit == -1 else limit
+        if keep >= len(token_ids):
+            return token_ids, False
+        if self.truncation_side_of(request) == "left":
+            return token_ids[len(token_ids) - keep:], True
+        return token_ids[:keep], True
+
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         if request.stream_options is not None and not request.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.",
                               "stream_options")
@@ -124,10 +177,15 @@ class ServingContext:
 
         logit_bias = None
         if request.logit_bias:
-            try:
-                logit_bias = {int(token): float(bias) for token, bias in request.logit_bias.items()}
-            except ValueError:
-                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+            logit_bias, invalid = {}, []
+            for token, bias in request.logit_bias.items():
+                try:
+                    logit_bias[int(token)] = float(bias)
+                except (ValueError, TypeError):
+                    invalid.append(token)
+            if invalid:
+                raise bad_request("logit_bias contains key(s) that cannot be converted to integer "
+                                  f"token IDs: {invalid!r}", "logit_bias")
         try:
             return SamplingParams(
                 n=request.n, temperature=float(pick("temperature", 1.0)),
@@ -140,6 +198,7 @@ class ServingContext:
                 stop_token_ids=request.stop_token_ids,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
                 logit_bias=logit_bias)
@@ -166,6 +225,8 @@ class ServingContext:
             if isinstance(error, ValueError):
                 message = str(error)
                 param = "input_tokens" if "context length" in message else None
+                if isinstance(error, InvalidRequestError):
+                    param = error.param
                 raise bad_request(message, param) from None
             if isinstance(error, EngineDeadError):
                 raise APIError(503, str(error)) from None
@@ -209,30 +270,3 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally:
         for task in tasks:
             task.cancel()
-
-
-def clamp(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def token_text(entry: dict[int, Logprob], token_id: int, tokenizer) -> tuple[str, float]:
-    chosen = entry.get(token_id)
-    if chosen is None:
-        return tokenizer.decode([token_id], skip_special_tokens=False), LOGPROB_FLOOR
-    text = chosen.decoded_token
-    if text is None:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return text, clamp(chosen.logprob)
-
-
-def top_entries(entry: dict[int, Logprob], limit: int, tokenizer) -> list[tuple[str, float]]:
-    """The `limit` most likely tokens of one position, by rank (the sampled one first when
-    ranks are missing)."""
-    ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
-    result = []
-    for token_id, logprob in ranked[:limit]:
-        text = logprob.decoded_token
-        if text is None:
-            text = tokenizer.decode([token_id], skip_special_tokens=False)
-        result.append((text, clamp(logprob.logprob)))
-    return result

@@ -60,6 +60,11 @@ class SamplingFields(msgspec.Struct):
     user: str | None = None
     priority: int = 0
     request_id: str | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # -1: max_model_len - 1
+    truncation_side: str | None = None  # "left" keeps the last tokens, "right" the first
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -122,13 +127,25 @@ class CompletionLogProbs(msgspec.Struct):
     top_logprobs: list[dict[str, float] | None] = []
 
 
+class PromptLogprob(msgspec.Struct):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One per prompt token: None for the first, else {token id: its logprob} (ids as JSON keys).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionStreamChoice(msgspec.Struct):
@@ -137,6 +154,8 @@ class CompletionStreamChoice(msgspec.Struct):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -193,6 +212,7 @@ class ChatChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatStreamChoice(msgspec.Struct):
@@ -201,6 +221,7 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -211,7 +232,8 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
@@ -221,6 +243,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, omit_defaults=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk only, with return_token_ids
 
 
 class ErrorInfo(msgspec.Struct):

@@ -20,7 +20,8 @@ def llm(tiny_llama_dir):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", -1), ("stop", [""]),
+    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", -2), ("prompt_logprobs", -2),
+    ("stop", [""]),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -55,7 +55,7 @@ def wait_for(condition, timeout: float, what: str):
 
 
 def abort_count(handle) -> float:
-    key = ('vllm:request_success_total{model_name="%s",finished_reason="abort"}'
+    key = ('vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
            % handle.engine.served_model_name)
     return scrape_metrics(handle.port)[key]
 

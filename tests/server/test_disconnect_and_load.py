@@ -41,7 +41,7 @@ def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
     port = small_kv_server.port
     idle = scrape_metrics(port)
     idle_usage = idle["vllm:kv_cache_usage_perc"]
-    aborted_before = idle['vllm:request_success_total{model_name="%s",finished_reason="abort"}'
+    aborted_before = idle['vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
                           % small_kv_server.engine.served_model_name]
     sock = connect(port)
     _send(sock, {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
@@ -54,7 +54,7 @@ def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
     assert busy["vllm:kv_cache_usage_perc"] > idle_usage
     sock.close()
     metrics = _wait_idle(port, idle_usage)
-    key = 'vllm:request_success_total{model_name="%s",finished_reason="abort"}' % (
+    key = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}' % (
         small_kv_server.engine.served_model_name)
     assert metrics[key] == aborted_before + 1
     # the engine really dropped it: it generated far fewer than the 480 tokens asked for
