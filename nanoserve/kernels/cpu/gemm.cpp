@@ -130,7 +130,11 @@ NS_AMX void gemm_bf16(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx
         // Column pairs in groups whose packed weights stay in L2 while every row chunk passes.
         const int64_t group = std::max<int64_t>(1, kWeightGroupBytes / (2 * kTileCols * K * 2));
         alignas(64) float acc[2 * kTileRows * 2 * kTileCols];
-        std::vector<uint16_t> tail;  // the last rows, zero-padded to 32, so tile loads stay in x
+        // The last rows, copied into 32 rows so that tile loads stay inside x. Kept per thread
+        // across calls (a decode step's M is rarely a multiple of 32); rows past the copied ones
+        // hold whatever is there, which only reaches output rows that are never stored.
+        thread_local std::vector<uint16_t> tail;
+        bool tail_copied = false;
         configure_tiles();
         for (int64_t group_start = first; group_start < last; group_start += group) {
             const int64_t group_end = std::min(group_start + group, last);
@@ -146,9 +150,10 @@ NS_AMX void gemm_bf16(uint16_t* out, int64_t ldo, const uint16_t* x, int64_t ldx
                         const uint16_t* a = x + row * ldx;
                         int64_t lda = ldx;
                         if (rows < 2 * kTileRows) {  // only the last block of rows is short
-                            if (tail.empty()) {
-                                tail.assign(2 * kTileRows * K, 0);
+                            if (!tail_copied) {
+                                if (tail.size() < static_cast<size_t>(2 * kTileRows * K)) tail.resize(2 * kTileRows * K);
                                 for (int r = 0; r < rows; ++r) std::memcpy(&tail[r * K], a + r * ldx, K * sizeof(uint16_t));
+                                tail_copied = true;
                             }
                             a = tail.data();
                             lda = K;
