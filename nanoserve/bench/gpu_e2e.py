@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.bench.throughput import greedy_timed
+
 TEXT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -182,12 +184,7 @@ def stage_memory(args) -> dict:
 
 
 def timed_requests(llm, prompts: list[list[int]], output_len: int) -> dict:
-    from nanoserve import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
+    outputs, elapsed = greedy_timed(llm, prompts, output_len)
     tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
              for o in outputs]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)

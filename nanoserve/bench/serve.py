@@ -17,10 +17,10 @@ import platform
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from nanoserve.bench.serve_client import run_load, summarize
+from nanoserve.bench.throughput import greedy_timed
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -41,12 +41,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def timed_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
-    from nanoserve import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    outputs, elapsed = greedy_timed(llm, prompts, output_len)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"num_prompts": len(prompts), "elapsed_s": elapsed, "output_tokens": tokens,
             "output_throughput": tokens / elapsed}

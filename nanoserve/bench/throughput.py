@@ -25,17 +25,26 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
     return torch.randint(100, vocab_size, (num_prompts, input_len), generator=generator).tolist()
 
 
+def greedy_timed(llm, prompts: list[list[int]], output_len: int) -> tuple[list, float]:
+    """Every prompt in one `generate` call, greedy with `ignore_eos`: (outputs, seconds). Shared by
+    the offline benchmarks (this one, bench serve's offline side, the GPU end-to-end run), and free
+    of the server's packages."""
+    from nanoserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return outputs, time.perf_counter() - started
+
+
 def run_nanoserve(model_dir: str, prompts, output_len: int, dtype: str, tp: int, **engine_args) -> dict:
     from nanoserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=model_dir, dtype=dtype, tensor_parallel_size=tp, **engine_args)
     load_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - started
+    outputs, elapsed = greedy_timed(llm, prompts, output_len)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     runner = llm.llm_engine.runner
     result = {"engine": "nanoserve", "load_s": load_s, "elapsed_s": elapsed, "output_tokens": generated,
