@@ -242,21 +242,18 @@ class OpenAIApp:
             fields = _top_level.decode(request.body)
         except (msgspec.DecodeError, RecursionError):
             raise bad_request("The request body is not a JSON object.") from None
-        if "messages" in fields:
+        def decoded(struct: type):
             try:
-                body = decode_body(request, ChatCompletionRequest)
-            except APIError:
-                body = None
-            if body is not None:
-                return await self._tracked(lambda: create_chat_completion(self.ctx, body))
+                return decode_body(request, struct)
+            except APIError:  # not this kind of request: try the next
+                return None
+
+        if "messages" in fields and (chat := decoded(ChatCompletionRequest)) is not None:
+            return await self._tracked(lambda: create_chat_completion(self.ctx, chat))
         prompt = fields.get("prompt")
-        if prompt is not None and bytes(prompt) not in (b"null", b'""'):
-            try:
-                body = decode_body(request, CompletionRequest)
-            except APIError:
-                body = None
-            if body is not None:
-                return await self._tracked(lambda: create_completion(self.ctx, body))
+        if (prompt is not None and bytes(prompt) not in (b"null", b'""')
+                and (completion := decoded(CompletionRequest)) is not None):
+            return await self._tracked(lambda: create_completion(self.ctx, completion))
         raise bad_request("Cannot find suitable handler for request. Expected one of: "
                           f"{list(INVOCATION_TYPES)}")
 
