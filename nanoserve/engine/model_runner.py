@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = build_model(model_config, self.dtype, self.device, model_dir)
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
         # through gemm.cpp, whose rows are invariant to M without padding.
-        self.pad_prompt_rows = self.device.type == "cpu"
+        self.pad_prompt_rows = False
         if self.device.type == "cpu":
             packed, slots = prepack_amx_weights(self.model)
             self.pad_prompt_rows = packed < slots
