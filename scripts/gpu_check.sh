@@ -10,7 +10,7 @@
 #                 the models: SmolLM2-135M-Instruct (already imported, or from .device-model/'s
 #                 GGUF parts, else a random Llama of its shape, named smollm2-shape) and a random
 #                 Llama of Llama-3.2-1B's shape (scripts/make_random_llama.py, drawn on the GPU)
-#   kernel-tests  pytest tests/kernels and tests/engine/test_cuda_graphs.py natively (bf16 too),
+#   kernel-tests  pytest tests/kernels and tests/engine natively (bf16 too),
 #                 in the background while tokens and memory run (nothing timed runs beside it)
 #   tokens        greedy tokens on CUDA in fp32, eager and with CUDA graphs, = the CPU reference
 #                 path, and = transformers (nanoserve.bench.gpu_e2e tokens)
@@ -204,7 +204,8 @@ start_kernel_tests() {
         args+=(--noconftest --ignore=tests/kernels/test_engine_triton.py)
         SHARDS=()
     else
-        SHARDS=("tests/engine/test_cuda_graphs.py tests/engine/test_gpu_memory.py")
+        # The engine's tests on CUDA (tiny random models; SmolLM2's own need it imported).
+        SHARDS=("tests/engine --ignore=tests/engine/test_engine_smollm2.py")
     fi
     SHARDS+=(
         "tests/kernels/test_attention.py::test_mixed_prefill_and_decode"

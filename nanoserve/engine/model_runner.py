@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanoserve import kernels
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
@@ -93,6 +94,9 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.world_size > 1:
                 logger.info("CUDA graphs are off with tensor parallelism: every step runs eagerly")
+            elif not kernels.graph_safe(self.device):
+                logger.info("CUDA graphs are off with NANOSERVE_KERNELS=reference (the torch "
+                            "references sync with the host): every step runs eagerly")
             else:
                 self.decode_graphs = self.make_decode_graphs()
                 self.graph_capture = self.decode_graphs.capture()

@@ -36,6 +36,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+def graph_safe(device: torch.device) -> bool:
+    """Whether a step on ``device`` can be captured as a CUDA graph: the Triton kernels never
+    sync with the host; the torch references do (masks and lengths read back), so
+    ``NANOSERVE_KERNELS=reference`` on CUDA runs every step eagerly."""
+    return device.type == "cuda" and use_triton(torch.empty(0, device=device))
+
+
 def store_kvcache(key, value, key_cache, value_cache, slot_mapping) -> None:
     if use_triton(key):
         store_kvcache_triton(key, value, key_cache, value_cache, slot_mapping)

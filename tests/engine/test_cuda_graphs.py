@@ -143,7 +143,8 @@ def attach_static_graphs(llm: LLM) -> DecodeGraphs:
 
 def test_cpu_runs_eagerly_whatever_enforce_eager_says(tiny_llama_dir):
     for enforce_eager in (False, True):
-        assert tiny_llm(tiny_llama_dir, enforce_eager=enforce_eager).llm_engine.runner.decode_graphs is None
+        llm = tiny_llm(tiny_llama_dir, enforce_eager=enforce_eager, device="cpu")
+        assert llm.llm_engine.runner.decode_graphs is None
 
 
 def test_static_buffer_steps_match_eager_steps(tiny_llama_dir):

@@ -8,7 +8,7 @@ import torch
 
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
-from tests.kernels.utils import ATTENTION_TOL, assert_close, make_paged_batch, naive_paged_attention
+from tests.kernels.utils import ATTENTION_TOL, DEVICE, assert_close, make_paged_batch, naive_paged_attention
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -32,10 +32,10 @@ def test_attention_on_head_major_cache(q_lens, context_lens, attention):
 def test_store_on_head_major_cache(store):
     generator = torch.Generator().manual_seed(0)
     num_blocks, block_size, heads, dim = 6, 16, 3, 32
-    key = torch.randn(10, heads, dim, generator=generator)
-    value = torch.randn(10, heads, dim, generator=generator)
-    slots = torch.tensor([0, 5, 17, -1, 40, 95, 63, -1, 33, 2])
-    contiguous_k = torch.zeros(num_blocks, block_size, heads, dim)
+    key = torch.randn(10, heads, dim, generator=generator).to(DEVICE)
+    value = torch.randn(10, heads, dim, generator=generator).to(DEVICE)
+    slots = torch.tensor([0, 5, 17, -1, 40, 95, 63, -1, 33, 2], device=DEVICE)
+    contiguous_k = torch.zeros(num_blocks, block_size, heads, dim, device=DEVICE)
     contiguous_v = torch.zeros_like(contiguous_k)
     store_kvcache_reference(key, value, contiguous_k, contiguous_v, slots)
     strided_k, strided_v = head_major(torch.zeros_like(contiguous_k)), head_major(torch.zeros_like(contiguous_v))

@@ -6,15 +6,17 @@ import pytest
 import torch
 
 from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton, build_cos_sin_cache
+from tests.kernels.utils import DEVICE
 
 
 @pytest.mark.parametrize("rotate", [apply_rotary_reference, apply_rotary_triton])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_qkv_views_equal_separate_tensors(rotate, dtype):
     tokens, heads, kv_heads, dim = 7, 6, 2, 32
-    cache = build_cos_sin_cache(dim, 64, 10000.0)
-    positions = torch.tensor([0, 3, 9, 10, 11, 40, 63])
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cache = build_cos_sin_cache(dim, 64, 10000.0).to(DEVICE)
+    positions = torch.tensor([0, 3, 9, 10, 11, 40, 63], device=DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim,
+                      generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v_before = qkv[:, (heads + kv_heads) * dim:].clone()
