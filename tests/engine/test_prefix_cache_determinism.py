@@ -7,7 +7,12 @@ only the prompt's computation varies between runs. The oracle is the same engine
 caching off and the whole prompt in one step. Besides the token ids, the tiny-model runs ask for
 the sampled token's logprob: the CPU path promises the same bits for a prompt row however the
 prompt was split, so those floats must be equal too, which catches a divergence long before it
-flips a greedy choice."""
+flips a greedy choice.
+
+These are promises of the CPU path, so every engine here runs on the CPU, also on a GPU machine:
+cuBLAS picks its GEMM kernels by row count, so on CUDA a prompt's logprobs move in the last bits
+with its chunking and batch (the greedy tokens stayed the same in the H200 run of these tests;
+scripts/gpu_check.sh compares CUDA's tokens with the CPU path's)."""
 from __future__ import annotations
 
 import random
@@ -62,7 +67,7 @@ def donor_of(prompt: list[int], shared: int, vocab_size: int) -> list[int]:
 
 def build(model_dir, dtype: str, *, caching: bool, budget: int = 2048) -> LLM:
     return LLM(model=str(model_dir), dtype=dtype, enable_prefix_caching=caching,
-               max_num_batched_tokens=budget, num_kv_blocks=256, block_size=BLOCK_SIZE)
+               max_num_batched_tokens=budget, num_kv_blocks=256, block_size=BLOCK_SIZE, device="cpu")
 
 
 def run(llm: LLM, prompt: list[int], params=GREEDY_WITH_LOGPROB):
@@ -200,7 +205,8 @@ CHAT_PARAMS = SamplingParams(temperature=0, max_tokens=120)
 
 
 def smollm2(model_dir, **kwargs) -> LLM:
-    return LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=256, max_model_len=2048, **kwargs)
+    return LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=256, max_model_len=2048, device="cpu",
+               **kwargs)
 
 
 def test_smollm2_bf16_three_identical_chats_with_prefix_caching(smollm2_dir):
