@@ -9,8 +9,9 @@
 // Attention is the kernel that matters: it reads K/V where they lie in the paged pool (no
 // gather), and every query row's arithmetic depends only on that row and its keys, visited
 // block by block in key order. So a row gives the same bits whether it is computed in a
-// prefill of any length, a chunk of a longer prompt, or a decode step: prefix caching and
-// chunked prefill can't change an answer through attention.
+// prefill of any length or a chunk of a longer prompt, whatever else is in the batch. A batch
+// of decodes only (one new row per sequence; the engine's only use of this kernel) takes a
+// two-pass decode kernel in bf16: the same invariances, another summation order.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -309,6 +310,144 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     }
 }
 
+// Decode rows (sequences with one new row) for bf16 with 16-token blocks: two passes over the
+// context instead of an online softmax. Pass 1 reads each K block once for the group's query
+// heads and keeps every score; then one max and one exp per score; pass 2 reads each V block once
+// and accumulates P @ V with no per-block rescaling. A row's arithmetic depends on its own
+// sequence alone (not on the batch, the thread count or the other rows), as the span kernel's.
+template <int kChunks>  // head_dim / 32; 0: read it from head_dim
+NS_AVX512_BF16 void decode_attention_bf16_block16(
+        uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
+        const uint16_t* key_cache, const uint16_t* value_cache, int num_kv_heads, int head_dim,
+        const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
+        const int32_t* seq_lens, int num_seqs, int num_heads, float scale) {
+    constexpr int BS = 16;
+    const int group = num_heads / num_kv_heads;
+    const int D = head_dim;
+    const int chunks = kChunks ? kChunks : D / 32;
+    const float scale_log2 = scale * kLog2E;
+    const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
+    int64_t keys = 0;
+    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
+    const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
+#pragma omp parallel if (parallel_work)
+    {
+        std::vector<float> scores;     // [group][padded keys]
+        std::vector<uint32_t> probs;   // [group][padded keys / 2]: bf16 pairs of probabilities
+        std::vector<float> acc(static_cast<size_t>(group) * D);
+        std::vector<float> row_sum(group);
+        std::vector<__m512i> vp(static_cast<size_t>(BS / 2) * chunks * 2);  // as in the span kernel
+        __m512 partial[BS];
+        __m512i q[8];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
+            const int row = cu_seqlens_q[s], seq_len = seq_lens[s];
+            const int num_blocks = (seq_len + BS - 1) / BS;
+            const int padded = num_blocks * BS;
+            if (scores.size() < static_cast<size_t>(group) * padded) {
+                scores.resize(static_cast<size_t>(group) * padded);
+                probs.resize(static_cast<size_t>(group) * padded / 2);
+            }
+            const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            const int64_t head_stride = static_cast<int64_t>(BS) * D;  // elements of one block's head
+            auto block_base = [&](int b) { return (static_cast<int64_t>(table[b]) * num_kv_heads + h) * head_stride; };
+            auto prefetch_block = [&](const uint16_t* p) {
+                for (int64_t line = 0; line < head_stride * 2; line += 64)
+                    _mm_prefetch(reinterpret_cast<const char*>(p) + line, _MM_HINT_T0);
+            };
+            // Pass 1: scores, K read once per block for every query head of the group.
+            for (int b = 0; b < num_blocks; ++b) {
+                const uint16_t* kb = key_cache + block_base(b);
+                if (b + 1 < num_blocks) prefetch_block(key_cache + block_base(b + 1));
+                const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+                const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+                for (int g = 0; g < group; ++g) {
+                    const uint16_t* qv = query + static_cast<int64_t>(row) * q_stride_token +
+                                         static_cast<int64_t>(h * group + g) * q_stride_head;
+                    for (int c = 0; c < chunks; ++c) q[c] = _mm512_loadu_si512(qv + 32 * c);
+                    for (int j = 0; j < BS; ++j) {
+                        const uint16_t* kj = kb + static_cast<int64_t>(j) * D;
+                        __m512 dot = _mm512_setzero_ps();
+                        for (int c = 0; c < chunks; ++c)
+                            dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(q[c]),
+                                                   reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj + 32 * c)));
+                        partial[j] = dot;
+                    }
+                    // Keys past the end (unwritten slots, maybe NaN) become -inf.
+                    const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,
+                                                         _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale_log2)));
+                    _mm512_storeu_ps(&scores[static_cast<size_t>(g) * padded + b * BS], sc);
+                }
+            }
+            // Softmax: one max and one exp per score; probabilities rounded to bf16 for P @ V
+            // (as torch's bf16 attention multiplies them), their sum kept in fp32 unrounded.
+            const __mmask16 last_keep = static_cast<__mmask16>((1u << (seq_len - (num_blocks - 1) * BS)) - 1u);
+            for (int g = 0; g < group; ++g) {
+                const float* sg = &scores[static_cast<size_t>(g) * padded];
+                __m512 m = _mm512_loadu_ps(sg);
+                for (int b = 1; b < num_blocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + b * BS));
+                const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+                __m512 sum = _mm512_setzero_ps();
+                uint32_t* pg = &probs[static_cast<size_t>(g) * padded / 2];
+                for (int b = 0; b < num_blocks; ++b) {
+                    __m512 p = exp2x16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * BS), row_max));
+                    if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
+                    sum = _mm512_add_ps(sum, p);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * BS / 2), to_bf16x16(p));
+                }
+                row_sum[g] = _mm512_reduce_add_ps(sum);
+            }
+            // Pass 2: P @ V, V read once per block, two keys per dpbf16.
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int b = 0; b < num_blocks; ++b) {
+                const uint16_t* vb = value_cache + block_base(b);
+                if (b + 1 < num_blocks) prefetch_block(value_cache + block_base(b + 1));
+                const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+                for (int t = 0; 2 * t < valid; ++t)
+                    for (int c = 0; c < chunks; ++c) {
+                        const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
+                        const __m512i r1 = 2 * t + 1 < valid  // never read a key past the end
+                            ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
+                            : _mm512_setzero_si512();
+                        vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
+                        vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
+                    }
+                const int num_pairs = (valid + 1) / 2;
+                for (int g = 0; g < group; ++g) {
+                    const uint32_t* pairs = &probs[static_cast<size_t>(g) * padded / 2 + b * BS / 2];
+                    float* av = &acc[static_cast<size_t>(g) * D];
+                    for (int c = 0; c < chunks; ++c) {
+                        __m512 lo = _mm512_loadu_ps(av + 32 * c);
+                        __m512 hi = _mm512_loadu_ps(av + 32 * c + 16);
+                        for (int t = 0; t < num_pairs; ++t) {
+                            const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[t])));
+                            lo = _mm512_dpbf16_ps(lo, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2]));
+                            hi = _mm512_dpbf16_ps(hi, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2 + 1]));
+                        }
+                        _mm512_storeu_ps(av + 32 * c, lo);
+                        _mm512_storeu_ps(av + 32 * c + 16, hi);
+                    }
+                }
+            }
+            const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+            for (int g = 0; g < group; ++g) {
+                const __m512 inv = _mm512_set1_ps(1.0f / row_sum[g]);
+                uint16_t* dst = out + (static_cast<int64_t>(row) * num_heads + h * group + g) * D;
+                const float* av = &acc[static_cast<size_t>(g) * D];
+                for (int c = 0; c < chunks; ++c) {  // back to d order (see the span kernel)
+                    const __m512 lo = _mm512_loadu_ps(av + 32 * c), hi = _mm512_loadu_ps(av + 32 * c + 16);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c),
+                                        to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv)));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * c + 16),
+                                        to_bf16x16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv)));
+                }
+            }
+        }
+    }
+}
+
 // rms_norm for bf16 rows whose length is a multiple of 16: the generic loop below, in registers.
 NS_AVX512_BF16 void rms_norm_bf16(uint16_t* out, uint16_t* new_residual, const uint16_t* x, const uint16_t* residual,
                                   const uint16_t* weight, int64_t rows, int64_t hidden, float eps) {
@@ -407,6 +546,8 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
     const int group = num_heads / num_kv_heads;
     const int D = head_dim;
     const int BS = block_size;
+    bool all_decodes = true;
+    for (int s = 0; s < num_seqs; ++s) all_decodes = all_decodes && cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1;
     // Work items: (sequence, KV head, first query row); a row tile shares each K/V block load.
     std::vector<int32_t> items;
     for (int s = 0; s < num_seqs; ++s) {
@@ -419,6 +560,14 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
             }
     }
     if constexpr (std::is_same_v<T, uint16_t>) {
+        if (BS == 16 && D % 32 == 0 && D <= 256 && has_avx512_bf16() && all_decodes) {
+            // Every sequence has one new row: decodes.
+            auto decode = D == 64 ? decode_attention_bf16_block16<2>
+                        : D == 128 ? decode_attention_bf16_block16<4> : decode_attention_bf16_block16<0>;
+            decode(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D, block_table,
+                   block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
+            return;
+        }
         if (BS == 16 && D % 32 == 0 && D <= 256 && has_avx512_bf16()) {
             paged_attention_bf16_block16(out, query, q_stride_token, q_stride_head, key_cache, value_cache,
                                          num_kv_heads, D, block_table, block_table_stride, cu_seqlens_q,
