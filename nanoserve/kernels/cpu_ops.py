@@ -120,11 +120,12 @@ def available() -> bool:
 def _dtype_code(*tensors: torch.Tensor) -> int | None:
     """The kernels' code for these tensors' dtype; None when the kernels can't take them (or
     aren't loaded)."""
-    if library() is None:
+    if _library is None and library() is None:
         return None
     dtype = tensors[0].dtype
-    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
-        return None
+    for t in tensors:  # a plain loop: this runs several hundred times a step
+        if t.dtype != dtype or not t.is_cpu:
+            return None
     return _DTYPES.get(dtype)
 
 
@@ -174,7 +175,8 @@ def rms_norm(x, residual, weight, eps):
     residual); None when unsupported."""
     tensors = (x, weight) if residual is None else (x, residual, weight)
     code = _dtype_code(*tensors)
-    if code is None or not all(t.is_contiguous() for t in tensors):
+    if code is None or not (x.is_contiguous() and weight.is_contiguous()
+                            and (residual is None or residual.is_contiguous())):
         return None
     hidden = weight.shape[0]
     rows = x.numel() // hidden if hidden else 0
