@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("cpu") / name for name in ("ops.cpp", "gemm.cpp")]
+_SOURCES = [Path(__file__).with_name("cpu") / name for name in ("ops.cpp", "gemm.cpp", "attention_amx.cpp")]
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -43,6 +43,8 @@ _SIGNATURES = {
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
     "ns_gemm_bf16_amx": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
     "ns_amx_available": [],
+    "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
+                                ctypes.c_float],
     "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
 }
 
@@ -162,6 +164,14 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
+    # Decodes only (one row per sequence: query row i is sequence i's): the AMX decode kernel
+    # (kernels/cpu/attention_amx.cpp) where it takes them.
+    if (num_tokens == num_seqs and code == _DTYPES[torch.bfloat16] and block_size == 16 and _amx_attention()
+            and _library.ns_decode_attention_amx(
+                out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
+                value_cache.data_ptr(), num_kv_heads, head_dim, block_table.data_ptr(), block_table.stride(0),
+                cu_seqlens_q.data_ptr(), seq_lens.data_ptr(), num_seqs, num_heads, float(scale)) == 0):
+        return out
     _library.ns_paged_attention(
         code, out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, block_size, head_dim,
@@ -234,6 +244,11 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
                                  key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
                                  slot_mapping.data_ptr())
     return True
+
+
+def _amx_attention() -> bool:
+    """The AMX decode attention kernel, unless NANOSERVE_CPU_AMX=0 (then ops.cpp's AVX-512 one)."""
+    return os.environ.get("NANOSERVE_CPU_AMX", "1") != "0"
 
 
 # ---- row-invariant bf16 GEMM on AMX (kernels/cpu/gemm.cpp) ----------------------------------

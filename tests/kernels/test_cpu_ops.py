@@ -190,6 +190,52 @@ def test_rows_of_one_sequence_do_not_read_another_sequences_blocks():
     assert not torch.allclose(after[7:], before[7:])
 
 
+# ---- batches of decodes: the engine's only use of this kernel ------------------------------
+# In bf16 they take the AMX decode kernel (kernels/cpu/attention_amx.cpp) where the CPU has AMX
+# and head_dim is 64 or 128, else ops.cpp's two-pass AVX-512 one (NANOSERVE_CPU_AMX=0 forces it).
+
+DECODE_LENS = [1, 15, 16, 17, 200, 333]  # context + the new token: on and around block edges
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (16, 1, 64)], ids=HEAD_IDS + ["gqa4-d64", "mqa16-d64"])
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_decodes_match_the_oracle(heads, amx, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    num_heads, num_kv_heads, head_dim = heads
+    batch = paged_batch([1] * len(DECODE_LENS), [n - 1 for n in DECODE_LENS], num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
+    out = kernel(batch)
+    assert not out.isnan().any(), "read a never-written (NaN) slot"
+    close(out, naive_paged_attention(batch), ORACLE_TOL)
+    close(out, paged_attention_reference(*batch.args()), REFERENCE_TOL)
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_decode_rows_independent_of_the_batch_and_threads(amx, monkeypatch):
+    """A decode row's bits alone, among other decodes in other orders, and on one thread."""
+    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    lens = [40, 3, 250, 17, 64, 1]
+    batch = paged_batch([1] * len(lens), [n - 1 for n in lens], dtype=torch.bfloat16, seed=21)
+
+    def run(order):
+        return kernel(batch, query=batch.query[order], block_table=batch.block_table[order].contiguous(),
+                      cu_seqlens_q=int32(list(range(len(order) + 1))),
+                      seq_lens=batch.seq_lens[order].contiguous())
+
+    alone = [run([i])[0] for i in range(len(lens))]
+    for order in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 0, 4]):
+        out = run(order)
+        for position, i in enumerate(order):
+            assert torch.equal(out[position], alone[i]), (order, i)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run(list(range(len(lens))))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(single[i], alone[i]) for i in range(len(lens)))
+
+
 # ---- cpu_attention.paged_attention_cpu: prompt rows however the prompt is split ------------
 
 def prompt_pool(prompt_len: int, dtype, *, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0):

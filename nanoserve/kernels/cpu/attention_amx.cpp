@@ -1,0 +1,240 @@
+// Decode attention (one new row per sequence) on AMX tiles, for bf16 pools of 16-token blocks
+// and head_dim 64 or 128: the engine's CPU decode step. Same two passes as ops.cpp's AVX-512
+// decode kernel (scores of every key, one max, one exp per score, then P @ V with no rescaling),
+// with both matrix products on the tiles, so a block costs a few tile instructions for all the
+// query heads of its KV head instead of a dot product per head and key:
+//   S^T[16 keys][16 heads] = K[16 keys][dims] . Q^T  (Q^T in pair-interleaved tiles, built once
+//                                                     per sequence and KV head; heads past the
+//                                                     group are zero columns)
+//   O[16 heads][dims]     += P[16 heads][16 keys] . V (V's rows interleaved by key pairs per block)
+// O stays in tile registers across all blocks (the probabilities are final when P @ V runs).
+// Every row's arithmetic depends on its own sequence and KV head alone: the same bits whatever
+// else is in the batch and whatever the thread count.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+#include <vector>
+
+#define NS_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+extern "C" int ns_amx_available();  // gemm.cpp: AMX present and the OS lets us use it
+
+namespace {
+
+constexpr int kBlock = 16;     // tokens per KV block
+constexpr int kRows = 16;      // query heads per tile (a group is padded to 16)
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct alignas(64) AttnTileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0-3: S^T (pass 1, tile 0) and O's four 16-column blocks (pass 2); 4: P (16 heads x 16
+// keys); 5: one V column block (8 key pairs x 16 columns); 6: K (16 keys x 32 dims); 7: Q^T.
+NS_AMX_ATTN void configure_attention_tiles() {
+    AttnTileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    config.colsb[4] = 32;
+    config.rows[5] = 8;
+    _tile_loadconfig(&config);
+}
+
+NS_AMX_ATTN inline __m512 exp2_16(__m512 x) {  // as ops.cpp's exp2x16
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+template <int D>
+NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int64_t q_stride_token,
+                                      int64_t q_stride_head, const uint16_t* key_cache, const uint16_t* value_cache,
+                                      int num_kv_heads, const int32_t* block_table, int64_t block_table_stride,
+                                      const int32_t* seq_lens, int num_seqs, int num_heads, float scale) {
+    constexpr int kChunks = D / 32;        // 32-dim chunks: K tiles and Q^T tiles per block
+    constexpr int kColBlocks = D / 16;     // O's 16-column blocks
+    constexpr int kHalves = kColBlocks / 4;  // O in passes of 4 tiles (D 128: two passes over V)
+    const int group = num_heads / num_kv_heads;
+    const float scale_log2 = scale * kLog2e;
+    const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
+    int64_t keys = 0;
+    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
+    const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
+#pragma omp parallel if (parallel_work)
+    {
+        configure_attention_tiles();
+        alignas(64) uint32_t qt[kChunks][16 * 16];     // Q^T tiles: [dim pair][head]
+        alignas(64) float sbuf[kBlock * 16];           // one block's S^T
+        alignas(64) uint16_t vt[4][8 * 32];            // V column blocks of one block, pair rows
+        alignas(64) float obuf[kRows * D];             // O out of the tiles
+        std::memset(qt, 0, sizeof(qt));                // heads past the group stay zero
+        std::vector<float> scores;                     // [group][padded keys]
+        std::vector<uint16_t> probs;                   // [16][padded keys] bf16; rows >= group unused
+        std::vector<float> row_sum(group);
+        const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(16));
+        // Word j of the interleave of two rows' 32 bf16: (a[j], b[j]) for j < 16, the next
+        // 16 for the second index.
+        alignas(64) uint16_t lo_index[32], hi_index[32];
+        for (int j = 0; j < 16; ++j) {
+            lo_index[2 * j] = static_cast<uint16_t>(j);
+            lo_index[2 * j + 1] = static_cast<uint16_t>(32 + j);
+            hi_index[2 * j] = static_cast<uint16_t>(16 + j);
+            hi_index[2 * j + 1] = static_cast<uint16_t>(48 + j);
+        }
+        const __m512i lo_idx = _mm512_load_si512(lo_index), hi_idx = _mm512_load_si512(hi_index);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
+            const int seq_len = seq_lens[s];
+            const int num_blocks = (seq_len + kBlock - 1) / kBlock;
+            const int padded = num_blocks * kBlock;
+            if (scores.size() < static_cast<size_t>(group) * padded) scores.resize(static_cast<size_t>(group) * padded);
+            if (probs.size() < static_cast<size_t>(kRows) * padded) probs.resize(static_cast<size_t>(kRows) * padded);
+            const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            constexpr int64_t head_elems = static_cast<int64_t>(kBlock) * D;
+            auto base = [&](int b) { return (static_cast<int64_t>(table[b]) * num_kv_heads + h) * head_elems; };
+
+            // Q^T: word r (dims 2r, 2r+1 of the chunk) of head g goes to row r, column g.
+            for (int g = 0; g < group; ++g) {
+                const uint16_t* qv = query + static_cast<int64_t>(s) * q_stride_token +
+                                     static_cast<int64_t>(h * group + g) * q_stride_head;
+                for (int c = 0; c < kChunks; ++c)
+                    _mm512_i32scatter_epi32(qt[c] + g, column, _mm512_loadu_si512(qv + 32 * c), 4);
+            }
+
+            // Pass 1: scores.
+            for (int b = 0; b < num_blocks; ++b) {
+                const uint16_t* kb = key_cache + base(b);
+                if (b + 1 < num_blocks) {
+                    const char* next = reinterpret_cast<const char*>(key_cache + base(b + 1));
+                    for (int line = 0; line < head_elems * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+                }
+                _tile_zero(0);
+                for (int c = 0; c < kChunks; ++c) {
+                    _tile_loadd(6, kb + 32 * c, D * 2);
+                    _tile_loadd(7, qt[c], 64);
+                    _tile_dpbf16ps(0, 6, 7);
+                }
+                _tile_stored(0, sbuf, 64);
+                const int valid = seq_len - b * kBlock < kBlock ? seq_len - b * kBlock : kBlock;
+                const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
+                for (int g = 0; g < group; ++g) {
+                    const __m512 sc = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(g)), sbuf, 4);
+                    _mm512_storeu_ps(&scores[static_cast<size_t>(g) * padded + b * kBlock],
+                                     _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,
+                                                        _mm512_mul_ps(sc, _mm512_set1_ps(scale_log2))));
+                }
+            }
+
+            // Softmax: probabilities rounded to bf16 for P @ V, their fp32 sum unrounded.
+            const __mmask16 last_keep = static_cast<__mmask16>((1u << (seq_len - (num_blocks - 1) * kBlock)) - 1u);
+            for (int g = 0; g < group; ++g) {
+                const float* sg = &scores[static_cast<size_t>(g) * padded];
+                __m512 m = _mm512_loadu_ps(sg);
+                for (int b = 1; b < num_blocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + b * kBlock));
+                const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+                __m512 sum = _mm512_setzero_ps();
+                uint16_t* pg = &probs[static_cast<size_t>(g) * padded];
+                for (int b = 0; b < num_blocks; ++b) {
+                    __m512 p = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * kBlock), row_max));
+                    if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
+                    sum = _mm512_add_ps(sum, p);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * kBlock),
+                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+                }
+                row_sum[g] = _mm512_reduce_add_ps(sum);
+            }
+
+            // Pass 2: O = P @ V, four 16-column blocks of O at a time in tiles 0-3.
+            for (int half = 0; half < kHalves; ++half) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int b = 0; b < num_blocks; ++b) {
+                    const uint16_t* vb = value_cache + base(b) + 64 * half;
+                    if (b + 1 < num_blocks) {
+                        const char* next = reinterpret_cast<const char*>(value_cache + base(b + 1));
+                        for (int line = 0; line < head_elems * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+                    }
+                    const int valid = seq_len - b * kBlock < kBlock ? seq_len - b * kBlock : kBlock;
+                    for (int t = 0; t < kBlock / 2; ++t)
+                        for (int c = 0; c < 2; ++c) {  // the half's two 32-dim chunks
+                            // Keys past the end are zero rows: their P is 0, but 0 x NaN is NaN.
+                            const __m512i r0 = 2 * t < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c)
+                                                             : _mm512_setzero_si512();
+                            const __m512i r1 = 2 * t + 1 < valid
+                                ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
+                                : _mm512_setzero_si512();
+                            _mm512_store_si512(vt[2 * c] + 32 * t, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+                            _mm512_store_si512(vt[2 * c + 1] + 32 * t, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+                        }
+                    _tile_loadd(4, probs.data() + b * kBlock, padded * 2);
+                    _tile_loadd(5, vt[0], 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, vt[1], 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(5, vt[2], 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(5, vt[3], 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, obuf + 64 * half, D * 4);
+                _tile_stored(1, obuf + 64 * half + 16, D * 4);
+                _tile_stored(2, obuf + 64 * half + 32, D * 4);
+                _tile_stored(3, obuf + 64 * half + 48, D * 4);
+            }
+            for (int g = 0; g < group; ++g) {
+                const __m512 inv = _mm512_set1_ps(1.0f / row_sum[g]);
+                uint16_t* dst = out + (static_cast<int64_t>(s) * num_heads + h * group + g) * D;
+                for (int c = 0; c < D; c += 16)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                            _mm512_mul_ps(_mm512_loadu_ps(obuf + g * D + c), inv))));
+            }
+        }
+        _tile_release();
+    }
+}
+
+}  // namespace
+
+extern "C" {
+// Decodes only (cu_seqlens_q = 0, 1, ..., num_seqs: query row s is sequence s's), bf16, 16-token blocks, head-major pool
+// ([blocks, kv_heads, 16, head_dim] underneath), out [num_seqs, num_heads, head_dim] contiguous.
+// 0 done; 1 not taken here (no AMX, head_dim not 64 or 128, a group wider than 16).
+int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
+                            const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
+                            const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
+                            const int32_t* seq_lens, int num_seqs, int num_heads, float scale) {
+    if (!ns_amx_available() || num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kRows)
+        return 1;
+    for (int s = 0; s < num_seqs; ++s)
+        if (seq_lens[s] <= 0 || cu_seqlens_q[s + 1] != s + 1) return 1;
+    auto run = head_dim == 64 ? decode_attention_amx<64> : head_dim == 128 ? decode_attention_amx<128> : nullptr;
+    if (run == nullptr) return 1;
+    run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query), q_stride_token, q_stride_head,
+        static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), num_kv_heads,
+        block_table, block_table_stride, seq_lens, num_seqs, num_heads, scale);
+    return 0;
+}
+}  // extern "C"
