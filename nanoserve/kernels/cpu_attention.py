@@ -1,10 +1,12 @@
-"""Paged attention on the CPU: decode rows through the C++ kernel (kernels/cpu/ops.cpp), which
-reads K/V where they lie in the pool; prompt rows through torch's flash SDPA (oneDNN/AMX
-GEMMs), which no hand-written loop matches for long prompts.
+"""Paged attention on the CPU: decode rows through the C++ kernels (kernels/cpu/attention_amx.cpp
+on AMX, else ops.cpp), which read K/V where they lie in the pool; prompt rows on AMX tiles too
+(attention_amx.cpp's prefill kernel, 2-3x torch's flash SDPA here), else through torch's flash
+SDPA (a CPU without AMX, fp32, head_dim other than 64/128, or NANOSERVE_CPU_AMX=0).
 
 Every prompt row gives the same bits however its prompt was split (fresh, behind a cached
-prefix, across chunked-prefill steps). The flash kernel's arithmetic for a row depends on the
-shape of the tiles it lands in, so the tiles are made a function of the row alone:
+prefix, across chunked-prefill steps). The AMX kernel does so by construction (each row's sums
+run over its own keys only). The flash kernel's arithmetic for a row depends on the shape of
+the tiles it lands in, so on the SDPA path the tiles are made a function of the row alone:
 - query rows go in calls of at most 160 rows padded to a multiple of 32 (below 192 query rows
   the kernel tiles queries by 32, so every tile is a full 32 rows);
 - the keys of a call are padded with masked zero keys to a length set by the row's own
@@ -124,8 +126,11 @@ def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q
         args = (query[:n], key_cache, value_cache, block_table[:n], cu_seqlens_q[: n + 1], seq_lens[:n], scale)
         if not cpu_ops.available() or cpu_ops.paged_attention(*args, out=out[:n]) is None:
             out[:n] = paged_attention_reference(*args, 1, None)
+    # On AMX: every prompt row in one call (kernels/cpu/attention_amx.cpp); else torch's SDPA below.
+    on_tiles = cpu_ops.available() and cpu_ops.prefill_attention_amx(query, key_cache, value_cache, block_table,
+                                                                      spans, scale, out)
     groups: dict[tuple[int, int], list[PrefillSpan]] = {}
-    for span in spans:  # fresh prompts of one length, as a benchmark's or a batch's, go together
+    for span in [] if on_tiles else spans:  # fresh prompts of one length go together
         groups.setdefault((span.seq_len, span.q_len), []).append(span)
     for group in groups.values():
         tables = block_table[torch.tensor([span.seq_index for span in group])]

@@ -45,6 +45,8 @@ _SIGNATURES = {
     "ns_amx_available": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
                                 ctypes.c_float],
+    "ns_prefill_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
+                                 ctypes.c_float],
     "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
 }
 
@@ -244,6 +246,27 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
                                  key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
                                  slot_mapping.data_ptr())
     return True
+
+
+def prefill_attention_amx(query, key_cache, value_cache, block_table, spans, scale, out) -> bool:
+    """Attention of prompt rows on AMX tiles (kernels/cpu/attention_amx.cpp): spans as
+    cpu_attention.PrefillSpan (their K/V already in the pool), into the rows of `out` (a
+    contiguous tensor shaped as query) that the spans cover. Each row's bits depend on that row
+    alone, however its prompt is split. False when not taken (then use the SDPA path)."""
+    if not spans or not _amx_attention() or _dtype_code(query, key_cache, value_cache) != _DTYPES[torch.bfloat16]:
+        return False
+    if query.stride(2) != 1 or not out.is_contiguous() or key_cache.shape[1] != 16:
+        return False
+    if not (_head_major(key_cache) and _head_major(value_cache)):
+        return False
+    if block_table.dtype != torch.int32 or not block_table.is_contiguous():
+        return False
+    table = torch.tensor([(s.seq_index, s.row_start, s.q_len, s.seq_len) for s in spans], dtype=torch.int32)
+    _, num_heads, head_dim = query.shape
+    return _library.ns_prefill_attention_amx(
+        out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
+        value_cache.data_ptr(), key_cache.shape[2], head_dim, block_table.data_ptr(), block_table.stride(0),
+        table.data_ptr(), len(spans), num_heads, float(scale)) == 0
 
 
 def _amx_attention() -> bool:

@@ -348,6 +348,33 @@ def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, con
     close(together, paged_attention_reference(*batch.args()), REFERENCE_TOL)
 
 
+@pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (8, 8, 64)], ids=HEAD_IDS + ["gqa4-d64", "mha-d64"])
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_prompt_rows_match_the_oracle(heads, amx, monkeypatch):
+    """bf16 prompt rows (fresh, behind a cached prefix, single rows, past 16-row tiles) next to
+    decodes, on AMX tiles (kernels/cpu/attention_amx.cpp) or, with NANOSERVE_CPU_AMX=0 or
+    head_dim 32, through SDPA: against the float64 definition."""
+    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    num_heads, num_kv_heads, head_dim = heads
+    q_lens, context_lens = [1, 1, 37, 1, 16, 100, 5], [20, 70, 0, 3, 33, 150, 0]
+    batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, dtype=torch.bfloat16, seed=num_heads + head_dim)
+    cu = batch.cu_seqlens_q.tolist()
+    # Decodes first, as the engine orders a step.
+    order = [0, 1, 3, 2, 4, 5, 6]
+    rows = [r for i in order for r in range(cu[i], cu[i + 1])]
+    lens = [q_lens[i] for i in order]
+    new_cu = [0] + torch.tensor(lens).cumsum(0).tolist()
+    seq_lens = [int(batch.seq_lens[i]) for i in order]
+    out = cpu_attention.paged_attention_cpu(
+        batch.query[rows].contiguous(), batch.key_cache, batch.value_cache,
+        batch.block_table[order].contiguous(), int32(new_cu), int32(seq_lens), batch.scale, 3,
+        cpu_attention.prefill_spans(new_cu, seq_lens, 3))
+    assert not out.isnan().any(), "read a never-written (NaN) slot"
+    expected = naive_paged_attention(batch)[rows]
+    close(out, expected, ORACLE_TOL)
+
+
 def test_key_length_buckets():
     assert [cpu_attention.key_length_for(p) for p in (0, 127, 128, 255, 256, 511, 512, 1023, 1024)] == \
         [128, 128, 256, 256, 512, 512, 1024, 1024, 1536]

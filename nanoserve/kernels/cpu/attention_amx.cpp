@@ -10,6 +10,14 @@
 // O stays in tile registers across all blocks (the probabilities are final when P @ V runs).
 // Every row's arithmetic depends on its own sequence and KV head alone: the same bits whatever
 // else is in the batch and whatever the thread count.
+//
+// Prompt rows (prefill_attention_amx) work the same way per tile of 16 query rows of one head:
+//   S[16 rows][16 keys] = Q . K^T  (K^T pair-interleaved, built once per sequence and KV head)
+//   P = softmax over each row's own keys (0..its position), O += P . V
+// A row's scores, max, exps and sum run over its own keys only, in key order; the blocks a tile
+// visits past a row's position add exact zeros to its O. So a prompt row gets the same bits
+// whether the prompt is computed whole, in chunks of any size, behind a cached prefix, or next to
+// other prompts: prefix caching and chunked prefill can't change an answer through attention.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -216,6 +224,205 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
     }
 }
 
+struct Span {  // one prompt's rows in this step, as cpu_attention.PrefillSpan
+    int32_t seq, row_start, q_len, seq_len;
+};
+
+// K^T and V of one sequence and KV head in the tiles' layouts, for all its blocks:
+// kt[block][chunk]: [16 dim pairs][16 keys] words; vv[block][column block]: [8 key pairs][16 columns][2].
+template <int D>
+NS_AMX_ATTN void pack_keys_values(uint32_t* kt, uint16_t* vv, const uint16_t* key_cache, const uint16_t* value_cache,
+                                  const int32_t* table, int num_kv_heads, int h, int seq_len, __m512i lo_idx,
+                                  __m512i hi_idx) {
+    constexpr int kChunks = D / 32;
+    constexpr int kColBlocks = D / 16;
+    constexpr int64_t head_elems = static_cast<int64_t>(kBlock) * D;
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    const int num_blocks = (seq_len + kBlock - 1) / kBlock;
+    for (int b = 0; b < num_blocks; ++b) {
+        const int64_t base = (static_cast<int64_t>(table[b]) * num_kv_heads + h) * head_elems;
+        const uint16_t* kb = key_cache + base;
+        const uint16_t* vb = value_cache + base;
+        const int valid = seq_len - b * kBlock < kBlock ? seq_len - b * kBlock : kBlock;
+        uint32_t* ktb = kt + static_cast<int64_t>(b) * kChunks * 256;
+        for (int n = 0; n < kBlock; ++n)  // keys past the end: zero columns
+            for (int c = 0; c < kChunks; ++c)
+                _mm512_i32scatter_epi32(ktb + c * 256 + n, column,
+                                        n < valid ? _mm512_loadu_si512(kb + static_cast<int64_t>(n) * D + 32 * c)
+                                                  : _mm512_setzero_si512(), 4);
+        uint16_t* vvb = vv + static_cast<int64_t>(b) * kColBlocks * 256;
+        for (int t = 0; t < kBlock / 2; ++t)
+            for (int c = 0; c < kChunks; ++c) {  // keys past the end: zero rows (0 x NaN is NaN)
+                const __m512i r0 = 2 * t < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c)
+                                                 : _mm512_setzero_si512();
+                const __m512i r1 = 2 * t + 1 < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
+                                                     : _mm512_setzero_si512();
+                _mm512_storeu_si512(vvb + (2 * c) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+                _mm512_storeu_si512(vvb + (2 * c + 1) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+            }
+    }
+}
+
+template <int D>
+NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
+                                       const uint16_t* key_cache, const uint16_t* value_cache, int num_kv_heads,
+                                       const int32_t* block_table, int64_t block_table_stride, const Span* spans,
+                                       int num_spans, int num_heads, float scale) {
+    constexpr int kChunks = D / 32;
+    constexpr int kColBlocks = D / 16;
+    constexpr int kHalves = kColBlocks / 4;
+    const int group = num_heads / num_kv_heads;
+    const float scale_log2 = scale * kLog2e;
+    // Packed K^T / V of every (span, KV head), then the work items: (span, head, 16-row tile).
+    std::vector<int64_t> packed_offset(static_cast<size_t>(num_spans) * num_kv_heads + 1, 0);
+    std::vector<int32_t> items;  // span, head, first row
+    int64_t work = 0;
+    for (int i = 0; i < num_spans; ++i) {
+        const int blocks = (spans[i].seq_len + kBlock - 1) / kBlock;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            const size_t k = static_cast<size_t>(i) * num_kv_heads + h;
+            packed_offset[k + 1] = packed_offset[k] + static_cast<int64_t>(blocks) * (kChunks + kColBlocks) * 256;
+        }
+        for (int h = 0; h < num_heads; ++h)
+            for (int r = 0; r < spans[i].q_len; r += kRows) {
+                items.push_back(i);
+                items.push_back(h);
+                items.push_back(r);
+            }
+        work += static_cast<int64_t>(spans[i].q_len) * spans[i].seq_len;
+    }
+    // 32-bit words: K^T (kChunks x 256 words a block) then V (kColBlocks x 256 words a block).
+    std::vector<uint32_t> packed(static_cast<size_t>(packed_offset.back()));
+    const int64_t num_items = static_cast<int64_t>(items.size() / 3);
+    const bool parallel_work = work * num_heads >= 16384;
+    alignas(64) uint16_t lo_index[32], hi_index[32];
+    for (int j = 0; j < 16; ++j) {
+        lo_index[2 * j] = static_cast<uint16_t>(j);
+        lo_index[2 * j + 1] = static_cast<uint16_t>(32 + j);
+        hi_index[2 * j] = static_cast<uint16_t>(16 + j);
+        hi_index[2 * j + 1] = static_cast<uint16_t>(48 + j);
+    }
+#pragma omp parallel if (parallel_work)
+    {
+        const __m512i lo_idx = _mm512_load_si512(lo_index), hi_idx = _mm512_load_si512(hi_index);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < static_cast<int64_t>(num_spans) * num_kv_heads; ++k) {
+            const Span& span = spans[k / num_kv_heads];
+            const int h = static_cast<int>(k % num_kv_heads);
+            const int blocks = (span.seq_len + kBlock - 1) / kBlock;
+            uint32_t* kt = packed.data() + packed_offset[k];
+            uint16_t* vv = reinterpret_cast<uint16_t*>(kt + static_cast<int64_t>(blocks) * kChunks * 256);
+            pack_keys_values<D>(kt, vv, key_cache, value_cache, block_table + static_cast<int64_t>(span.seq) * block_table_stride,
+                                num_kv_heads, h, span.seq_len, lo_idx, hi_idx);
+        }
+        configure_attention_tiles();
+        std::vector<float> scores;     // [16 rows][padded keys]
+        std::vector<uint16_t> probs;   // [16 rows][padded keys] bf16
+        alignas(64) uint16_t qbuf[kRows * D];  // a short last tile's rows, zero-padded
+        alignas(64) float obuf[kRows * D];
+        float row_sum[kRows];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const Span& span = spans[items[3 * item]];
+            const int head = items[3 * item + 1], first = items[3 * item + 2];
+            const int kv = head / group;
+            const int rows = span.q_len - first < kRows ? span.q_len - first : kRows;
+            const int context = span.seq_len - span.q_len;
+            const int last_position = context + first + rows - 1;
+            const int num_blocks = last_position / kBlock + 1;  // blocks this tile's rows can see
+            const int padded = num_blocks * kBlock;
+            if (scores.size() < static_cast<size_t>(kRows) * padded) {
+                scores.resize(static_cast<size_t>(kRows) * padded);
+                probs.resize(static_cast<size_t>(kRows) * padded);
+            }
+            const int all_blocks = (span.seq_len + kBlock - 1) / kBlock;
+            const uint32_t* kt = packed.data() + packed_offset[static_cast<size_t>(items[3 * item]) * num_kv_heads + kv];
+            const uint16_t* vv = reinterpret_cast<const uint16_t*>(kt + static_cast<int64_t>(all_blocks) * kChunks * 256);
+            const uint16_t* q = query + static_cast<int64_t>(span.row_start + first) * q_stride_token +
+                                static_cast<int64_t>(head) * q_stride_head;
+            int64_t q_stride_bytes = q_stride_token * 2;
+            if (rows < kRows) {
+                std::memset(qbuf, 0, sizeof(qbuf));
+                for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * q_stride_token, D * 2);
+                q = qbuf;
+                q_stride_bytes = D * 2;
+            }
+            // Pass 1: S for every block the tile can see.
+            for (int b = 0; b < num_blocks; ++b) {
+                _tile_zero(0);
+                for (int c = 0; c < kChunks; ++c) {
+                    _tile_loadd(7, q + 32 * c, q_stride_bytes);
+                    _tile_loadd(6, kt + (static_cast<int64_t>(b) * kChunks + c) * 256, 64);
+                    _tile_dpbf16ps(0, 7, 6);
+                }
+                _tile_stored(0, scores.data() + b * kBlock, padded * 4);
+            }
+            // Softmax of each row over its own keys 0..position; later keys get P = 0.
+            for (int r = 0; r < kRows; ++r) {
+                const float* sr = scores.data() + static_cast<int64_t>(r) * padded;
+                uint16_t* pr = probs.data() + static_cast<int64_t>(r) * padded;
+                if (r >= rows) {
+                    std::memset(pr, 0, padded * 2);
+                    continue;
+                }
+                const int position = context + first + r;
+                const int own_blocks = position / kBlock + 1;
+                const __mmask16 last_keep = static_cast<__mmask16>((2u << (position % kBlock)) - 1u);
+                __m512 m = _mm512_set1_ps(-INFINITY);
+                for (int b = 0; b < own_blocks; ++b) {
+                    const __m512 x = _mm512_loadu_ps(sr + b * kBlock);
+                    m = b == own_blocks - 1 ? _mm512_mask_max_ps(m, last_keep, m, x) : _mm512_max_ps(m, x);
+                }
+                const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m) * scale_log2);
+                const __m512 scale_v = _mm512_set1_ps(scale_log2);
+                __m512 sum = _mm512_setzero_ps();
+                for (int b = 0; b < own_blocks; ++b) {
+                    __m512 p = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + b * kBlock), scale_v, row_max));
+                    if (b == own_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
+                    sum = _mm512_add_ps(sum, p);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock),
+                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+                }
+                row_sum[r] = _mm512_reduce_add_ps(sum);
+                if (own_blocks < num_blocks) std::memset(pr + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 2);
+            }
+            // Pass 2: O = P . V.
+            for (int half = 0; half < kHalves; ++half) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int b = 0; b < num_blocks; ++b) {
+                    const uint16_t* vb = vv + (static_cast<int64_t>(b) * kColBlocks + 4 * half) * 256;
+                    _tile_loadd(4, probs.data() + b * kBlock, padded * 2);
+                    _tile_loadd(5, vb, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, vb + 256, 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(5, vb + 512, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(5, vb + 768, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+                _tile_stored(0, obuf + 64 * half, D * 4);
+                _tile_stored(1, obuf + 64 * half + 16, D * 4);
+                _tile_stored(2, obuf + 64 * half + 32, D * 4);
+                _tile_stored(3, obuf + 64 * half + 48, D * 4);
+            }
+            for (int r = 0; r < rows; ++r) {
+                const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
+                uint16_t* dst = out + (static_cast<int64_t>(span.row_start + first + r) * num_heads + head) * D;
+                for (int c = 0; c < D; c += 16)
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                            _mm512_mul_ps(_mm512_loadu_ps(obuf + r * D + c), inv))));
+            }
+        }
+        _tile_release();
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -235,6 +442,25 @@ int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token
     run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query), q_stride_token, q_stride_head,
         static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), num_kv_heads,
         block_table, block_table_stride, seq_lens, num_seqs, num_heads, scale);
+    return 0;
+}
+// Prompt rows: spans [num_spans][4] = (sequence index into block_table, first row in query/out,
+// rows, seq_len with these rows); their K/V already in the pool. Rows outside the spans are left
+// alone. 0 done; 1 not taken here.
+int ns_prefill_attention_amx(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
+                             const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
+                             const int32_t* block_table, int64_t block_table_stride, const int32_t* spans,
+                             int num_spans, int num_heads, float scale) {
+    if (!ns_amx_available() || num_kv_heads <= 0 || num_heads % num_kv_heads)
+        return 1;
+    const Span* span_list = reinterpret_cast<const Span*>(spans);
+    for (int i = 0; i < num_spans; ++i)
+        if (span_list[i].q_len <= 0 || span_list[i].seq_len < span_list[i].q_len) return 1;
+    auto run = head_dim == 64 ? prefill_attention_amx<64> : head_dim == 128 ? prefill_attention_amx<128> : nullptr;
+    if (run == nullptr) return 1;
+    run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query), q_stride_token, q_stride_head,
+        static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), num_kv_heads,
+        block_table, block_table_stride, span_list, num_spans, num_heads, scale);
     return 0;
 }
 }  // extern "C"
