@@ -22,6 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name for name in ("ops.cpp", "gemm.cpp", "attention_amx.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu") / "simd.h"]  # part of the build's cache key
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -65,7 +66,7 @@ def _cpu_signature() -> str:
 def _cache_dir() -> Path:
     from nanoserve.config import nanoserve_home
 
-    sources = b"".join(source.read_bytes() for source in _SOURCES)
+    sources = b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     return nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
 

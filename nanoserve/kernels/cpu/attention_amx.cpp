@@ -26,6 +26,8 @@
 #include <omp.h>
 #include <vector>
 
+#include "simd.h"
+
 #define NS_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 extern "C" int ns_amx_available();  // gemm.cpp: AMX present and the OS lets us use it
@@ -58,18 +60,74 @@ NS_AMX_ATTN void configure_attention_tiles() {
     _tile_loadconfig(&config);
 }
 
-NS_AMX_ATTN inline __m512 exp2_16(__m512 x) {  // as ops.cpp's exp2x16
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+using ns_simd::exp2x16;
+
+// Indexes for _mm512_permutex2var_epi16 that interleave two rows of 32 bf16 (a, b) into
+// (a[j], b[j]) pairs: `lo` for j < 16, `hi` for the others.
+NS_AMX_ATTN inline void pair_indexes(__m512i* lo, __m512i* hi) {
+    alignas(64) uint16_t lo_index[32], hi_index[32];
+    for (int j = 0; j < 16; ++j) {
+        lo_index[2 * j] = static_cast<uint16_t>(j);
+        lo_index[2 * j + 1] = static_cast<uint16_t>(32 + j);
+        hi_index[2 * j] = static_cast<uint16_t>(16 + j);
+        hi_index[2 * j + 1] = static_cast<uint16_t>(48 + j);
+    }
+    *lo = _mm512_load_si512(lo_index);
+    *hi = _mm512_load_si512(hi_index);
+}
+
+// One block's V (rows of head_dim bf16, `valid` of them real) as the P . V tiles take it, for its
+// 32-dim chunks [0, chunks) of vb: out[column block][8 key pairs][32]. Keys past the end are zero
+// rows: their P is 0, but 0 x NaN is NaN.
+NS_AMX_ATTN inline void pair_value_rows(uint16_t* out, const uint16_t* vb, int head_dim, int valid, int chunks,
+                                        __m512i lo_idx, __m512i hi_idx) {
+    for (int t = 0; t < 8; ++t)
+        for (int c = 0; c < chunks; ++c) {
+            const __m512i r0 = 2 * t < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * head_dim + 32 * c)
+                                             : _mm512_setzero_si512();
+            const __m512i r1 = 2 * t + 1 < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * head_dim + 32 * c)
+                                                 : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + (2 * c) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+            _mm512_storeu_si512(out + (2 * c + 1) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+        }
+}
+
+// O[16 rows][D] (fp32, into obuf) = P[16 rows][padded keys] (bf16) . V, V as pair_value_rows
+// wrote it for each of the num_blocks blocks (D / 16 column blocks a block). O accumulates in
+// tiles 0-3 over every block, four column blocks at a time.
+template <int D>
+NS_AMX_ATTN void multiply_probs_values(float* obuf, const uint16_t* probs, int padded, const uint16_t* vv, int num_blocks) {
+    constexpr int kColBlocks = D / 16;
+    for (int half = 0; half < kColBlocks / 4; ++half) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int b = 0; b < num_blocks; ++b) {
+            const uint16_t* vb = vv + (static_cast<int64_t>(b) * kColBlocks + 4 * half) * 256;
+            _tile_loadd(4, probs + b * kBlock, padded * 2);
+            _tile_loadd(5, vb, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(5, vb + 256, 64);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(5, vb + 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, vb + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, obuf + 64 * half, D * 4);
+        _tile_stored(1, obuf + 64 * half + 16, D * 4);
+        _tile_stored(2, obuf + 64 * half + 32, D * 4);
+        _tile_stored(3, obuf + 64 * half + 48, D * 4);
+    }
+}
+
+// dst[0, head_dim) = row / sum, rounded to bf16.
+NS_AMX_ATTN inline void store_normalized(uint16_t* dst, const float* row, float sum, int head_dim) {
+    const __m512 inv = _mm512_set1_ps(1.0f / sum);
+    for (int c = 0; c < head_dim; c += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                            ns_simd::to_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(row + c), inv)));
 }
 
 template <int D>
@@ -79,7 +137,6 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
                                       const int32_t* seq_lens, int num_seqs, int num_heads, float scale) {
     constexpr int kChunks = D / 32;        // 32-dim chunks: K tiles and Q^T tiles per block
     constexpr int kColBlocks = D / 16;     // O's 16-column blocks
-    constexpr int kHalves = kColBlocks / 4;  // O in passes of 4 tiles (D 128: two passes over V)
     const int group = num_heads / num_kv_heads;
     const float scale_log2 = scale * kLog2e;
     const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
@@ -91,7 +148,7 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
         configure_attention_tiles();
         alignas(64) uint32_t qt[kChunks][16 * 16];     // Q^T tiles: [dim pair][head]
         alignas(64) float sbuf[kBlock * 16];           // one block's S^T
-        alignas(64) uint16_t vt[4][8 * 32];            // V column blocks of one block, pair rows
+        std::vector<uint16_t> values;                  // V paired for the tiles, all blocks
         alignas(64) float obuf[kRows * D];             // O out of the tiles
         std::memset(qt, 0, sizeof(qt));                // heads past the group stay zero
         std::vector<float> scores;                     // [group][padded keys]
@@ -99,16 +156,8 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
         std::vector<float> row_sum(group);
         const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                   _mm512_set1_epi32(16));
-        // Word j of the interleave of two rows' 32 bf16: (a[j], b[j]) for j < 16, the next
-        // 16 for the second index.
-        alignas(64) uint16_t lo_index[32], hi_index[32];
-        for (int j = 0; j < 16; ++j) {
-            lo_index[2 * j] = static_cast<uint16_t>(j);
-            lo_index[2 * j + 1] = static_cast<uint16_t>(32 + j);
-            hi_index[2 * j] = static_cast<uint16_t>(16 + j);
-            hi_index[2 * j + 1] = static_cast<uint16_t>(48 + j);
-        }
-        const __m512i lo_idx = _mm512_load_si512(lo_index), hi_idx = _mm512_load_si512(hi_index);
+        __m512i lo_idx, hi_idx;
+        pair_indexes(&lo_idx, &hi_idx);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
@@ -163,62 +212,30 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
                 __m512 sum = _mm512_setzero_ps();
                 uint16_t* pg = &probs[static_cast<size_t>(g) * padded];
                 for (int b = 0; b < num_blocks; ++b) {
-                    __m512 p = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * kBlock), row_max));
+                    __m512 p = exp2x16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * kBlock), row_max));
                     if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
                     sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * kBlock),
-                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * kBlock), ns_simd::to_bf16x16(p));
                 }
                 row_sum[g] = _mm512_reduce_add_ps(sum);
             }
 
-            // Pass 2: O = P @ V, four 16-column blocks of O at a time in tiles 0-3.
-            for (int half = 0; half < kHalves; ++half) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int b = 0; b < num_blocks; ++b) {
-                    const uint16_t* vb = value_cache + base(b) + 64 * half;
-                    if (b + 1 < num_blocks) {
-                        const char* next = reinterpret_cast<const char*>(value_cache + base(b + 1));
-                        for (int line = 0; line < head_elems * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-                    }
-                    const int valid = seq_len - b * kBlock < kBlock ? seq_len - b * kBlock : kBlock;
-                    for (int t = 0; t < kBlock / 2; ++t)
-                        for (int c = 0; c < 2; ++c) {  // the half's two 32-dim chunks
-                            // Keys past the end are zero rows: their P is 0, but 0 x NaN is NaN.
-                            const __m512i r0 = 2 * t < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c)
-                                                             : _mm512_setzero_si512();
-                            const __m512i r1 = 2 * t + 1 < valid
-                                ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
-                                : _mm512_setzero_si512();
-                            _mm512_store_si512(vt[2 * c] + 32 * t, _mm512_permutex2var_epi16(r0, lo_idx, r1));
-                            _mm512_store_si512(vt[2 * c + 1] + 32 * t, _mm512_permutex2var_epi16(r0, hi_idx, r1));
-                        }
-                    _tile_loadd(4, probs.data() + b * kBlock, padded * 2);
-                    _tile_loadd(5, vt[0], 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(5, vt[1], 64);
-                    _tile_dpbf16ps(1, 4, 5);
-                    _tile_loadd(5, vt[2], 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(5, vt[3], 64);
-                    _tile_dpbf16ps(3, 4, 5);
+            // Pass 2: V paired once per block, then O = P . V.
+            if (values.size() < static_cast<size_t>(num_blocks) * kColBlocks * 256)
+                values.resize(static_cast<size_t>(num_blocks) * kColBlocks * 256);
+            for (int b = 0; b < num_blocks; ++b) {
+                if (b + 1 < num_blocks) {
+                    const char* next = reinterpret_cast<const char*>(value_cache + base(b + 1));
+                    for (int line = 0; line < head_elems * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
                 }
-                _tile_stored(0, obuf + 64 * half, D * 4);
-                _tile_stored(1, obuf + 64 * half + 16, D * 4);
-                _tile_stored(2, obuf + 64 * half + 32, D * 4);
-                _tile_stored(3, obuf + 64 * half + 48, D * 4);
+                const int valid = seq_len - b * kBlock < kBlock ? seq_len - b * kBlock : kBlock;
+                pair_value_rows(values.data() + static_cast<int64_t>(b) * kColBlocks * 256, value_cache + base(b), D,
+                                valid, kChunks, lo_idx, hi_idx);
             }
-            for (int g = 0; g < group; ++g) {
-                const __m512 inv = _mm512_set1_ps(1.0f / row_sum[g]);
-                uint16_t* dst = out + (static_cast<int64_t>(s) * num_heads + h * group + g) * D;
-                for (int c = 0; c < D; c += 16)
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
-                                            _mm512_mul_ps(_mm512_loadu_ps(obuf + g * D + c), inv))));
-            }
+            multiply_probs_values<D>(obuf, probs.data(), padded, values.data(), num_blocks);
+            for (int g = 0; g < group; ++g)
+                store_normalized(out + (static_cast<int64_t>(s) * num_heads + h * group + g) * D, obuf + g * D,
+                                 row_sum[g], D);
         }
         _tile_release();
     }
@@ -251,16 +268,7 @@ NS_AMX_ATTN void pack_keys_values(uint32_t* kt, uint16_t* vv, const uint16_t* ke
                 _mm512_i32scatter_epi32(ktb + c * 256 + n, column,
                                         n < valid ? _mm512_loadu_si512(kb + static_cast<int64_t>(n) * D + 32 * c)
                                                   : _mm512_setzero_si512(), 4);
-        uint16_t* vvb = vv + static_cast<int64_t>(b) * kColBlocks * 256;
-        for (int t = 0; t < kBlock / 2; ++t)
-            for (int c = 0; c < kChunks; ++c) {  // keys past the end: zero rows (0 x NaN is NaN)
-                const __m512i r0 = 2 * t < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c)
-                                                 : _mm512_setzero_si512();
-                const __m512i r1 = 2 * t + 1 < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
-                                                     : _mm512_setzero_si512();
-                _mm512_storeu_si512(vvb + (2 * c) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, lo_idx, r1));
-                _mm512_storeu_si512(vvb + (2 * c + 1) * 256 + 32 * t, _mm512_permutex2var_epi16(r0, hi_idx, r1));
-            }
+        pair_value_rows(vv + static_cast<int64_t>(b) * kColBlocks * 256, vb, D, valid, kChunks, lo_idx, hi_idx);
     }
 }
 
@@ -271,7 +279,6 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
                                        int num_spans, int num_heads, float scale) {
     constexpr int kChunks = D / 32;
     constexpr int kColBlocks = D / 16;
-    constexpr int kHalves = kColBlocks / 4;
     const int group = num_heads / num_kv_heads;
     const float scale_log2 = scale * kLog2e;
     // Packed K^T / V of every (span, KV head), then the work items: (span, head, 16-row tile).
@@ -296,16 +303,10 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
     std::vector<uint32_t> packed(static_cast<size_t>(packed_offset.back()));
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const bool parallel_work = work * num_heads >= 16384;
-    alignas(64) uint16_t lo_index[32], hi_index[32];
-    for (int j = 0; j < 16; ++j) {
-        lo_index[2 * j] = static_cast<uint16_t>(j);
-        lo_index[2 * j + 1] = static_cast<uint16_t>(32 + j);
-        hi_index[2 * j] = static_cast<uint16_t>(16 + j);
-        hi_index[2 * j + 1] = static_cast<uint16_t>(48 + j);
-    }
 #pragma omp parallel if (parallel_work)
     {
-        const __m512i lo_idx = _mm512_load_si512(lo_index), hi_idx = _mm512_load_si512(hi_index);
+        __m512i lo_idx, hi_idx;
+        pair_indexes(&lo_idx, &hi_idx);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < static_cast<int64_t>(num_spans) * num_kv_heads; ++k) {
             const Span& span = spans[k / num_kv_heads];
@@ -378,46 +379,19 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
                 const __m512 scale_v = _mm512_set1_ps(scale_log2);
                 __m512 sum = _mm512_setzero_ps();
                 for (int b = 0; b < own_blocks; ++b) {
-                    __m512 p = exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + b * kBlock), scale_v, row_max));
+                    __m512 p = exp2x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + b * kBlock), scale_v, row_max));
                     if (b == own_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
                     sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock),
-                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(p)));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), ns_simd::to_bf16x16(p));
                 }
                 row_sum[r] = _mm512_reduce_add_ps(sum);
                 if (own_blocks < num_blocks) std::memset(pr + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 2);
             }
             // Pass 2: O = P . V.
-            for (int half = 0; half < kHalves; ++half) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int b = 0; b < num_blocks; ++b) {
-                    const uint16_t* vb = vv + (static_cast<int64_t>(b) * kColBlocks + 4 * half) * 256;
-                    _tile_loadd(4, probs.data() + b * kBlock, padded * 2);
-                    _tile_loadd(5, vb, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(5, vb + 256, 64);
-                    _tile_dpbf16ps(1, 4, 5);
-                    _tile_loadd(5, vb + 512, 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_loadd(5, vb + 768, 64);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-                _tile_stored(0, obuf + 64 * half, D * 4);
-                _tile_stored(1, obuf + 64 * half + 16, D * 4);
-                _tile_stored(2, obuf + 64 * half + 32, D * 4);
-                _tile_stored(3, obuf + 64 * half + 48, D * 4);
-            }
-            for (int r = 0; r < rows; ++r) {
-                const __m512 inv = _mm512_set1_ps(1.0f / row_sum[r]);
-                uint16_t* dst = out + (static_cast<int64_t>(span.row_start + first + r) * num_heads + head) * D;
-                for (int c = 0; c < D; c += 16)
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
-                                            _mm512_mul_ps(_mm512_loadu_ps(obuf + r * D + c), inv))));
-            }
+            multiply_probs_values<D>(obuf, probs.data(), padded, vv, num_blocks);
+            for (int r = 0; r < rows; ++r)
+                store_normalized(out + (static_cast<int64_t>(span.row_start + first + r) * num_heads + head) * D,
+                                 obuf + r * D, row_sum[r], D);
         }
         _tile_release();
     }

@@ -22,7 +22,7 @@
 
 // Hand-vectorized paths for AVX-512 with BF16 (Cooper Lake, Sapphire Rapids and later), chosen
 // at run time; the plain loops below them serve every other CPU and float32.
-#define NS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16
 
 namespace {
 
@@ -139,30 +139,14 @@ NS_AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-NS_AVX512_BF16 inline __m256i to_bf16x16(__m512 v) {  // round to nearest even
-    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-}
+using ns_simd::to_bf16x16;
 
 NS_AVX512_BF16 inline __m512 round_bf16x16(__m512 v) {
     const __m512i wide = _mm512_cvtepu16_epi32(to_bf16x16(v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// 2^x, relative error ~1e-7; below -126 it stays at 2^-126, from 128 up it is +inf (scalef
-// overflows), as exp2_clamped.
-NS_AVX512_BF16 inline __m512 exp2x16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(200.0f)), _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+using ns_simd::exp2x16;
 
 // Lane j of the result is the sum of the 16 lanes of v[j].
 NS_AVX512_BF16 inline __m512 transpose_sum16(const __m512* v) {
