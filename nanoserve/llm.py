@@ -16,6 +16,7 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
+        engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: quiet unless asked
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
 
