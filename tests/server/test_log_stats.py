@@ -188,3 +188,38 @@ def test_max_log_len_must_not_be_negative():
     assert options_from_args(build_parser().parse_args(["serve"])).max_log_len is None
     with pytest.raises(ValueError, match="--max-log-len must be >= 0, got -1"):
         options_from_args(build_parser().parse_args(["serve", "--max-log-len", "-1"]))
+
+
+def test_serve_command_logs_stats_and_requests_on_stderr(tiny_llama_dir, tmp_path):
+    """`nanoserve serve` as users run it: the stats line is on without any flag."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server.server_helpers import http_request
+
+    stderr_path = tmp_path / "stderr.log"
+    env = {**os.environ, "VLLM_LOG_STATS_INTERVAL": str(INTERVAL)}
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve", "serve", "--model", str(tiny_llama_dir),
+             "--port", "0", "--num-kv-blocks", "64", "--enable-log-requests"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    try:
+        line = wait_for(lambda: process.stdout.readline() or process.poll() is not None, 120)
+        assert isinstance(line, str) and line.startswith("listening on http://"), line
+        port = int(line.strip().rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "secret prompt", "max_tokens": 200, "ignore_eos": True})
+        status, _, reply = http_request(port, "POST", "/v1/completions", body)
+        assert status == 200
+        request_id = json.loads(reply)["id"]
+        text = wait_for(lambda: (t := stderr_path.read_text()) and " Engine 000: " in t and t)
+        assert f"Received request {request_id}: prompt_token_ids_len: " in text
+        assert "secret" not in text
+        stats = [x for x in text.splitlines() if "nanoserve.stats" in x]
+        assert STATS_LINE.match(stats[0].split("nanoserve.stats: ", 1)[1])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
