@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 
-from nanoserve.config import DTYPES, EngineConfig
+from nanoserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 
 SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
 
@@ -52,6 +52,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "vocabulary")
     group.add_argument("--max-n-sequences", type=int, default=_config_default("max_n_sequences"),
                        help="most outputs one request may ask for (n, and n x prompts)")
+    group.add_argument("--scheduling-policy", default=_config_default("scheduling_policy"),
+                       choices=SCHEDULING_POLICIES,
+                       help="fcfs: first come, first served (a request's priority must be 0); "
+                            "priority: lower priority value first, then arrival")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       default=_config_default("disable_log_stats"),
+                       help="do not log the engine's throughput, queue and cache figures every "
+                            "few seconds")
     group.add_argument("--cpu-threads", type=int, default=_config_default("cpu_threads"),
                        help="CPU threads per rank (default: the CPUs this process may use, from its affinity "
                             "and cgroup quota, shared among the machine's ranks)")
@@ -78,7 +86,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
             swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
             max_n_sequences=args.max_n_sequences, max_logprobs=args.max_logprobs, cpu_threads=args.cpu_threads,
-            enforce_eager=args.enforce_eager,
+            enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
+            disable_log_stats=args.disable_log_stats,
             tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port)
     except ValueError as error:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(slots=True)
@@ -35,7 +36,12 @@ class EngineConfig:
     enforce_eager: bool = False
     max_logprobs: int = 20
     max_n_sequences: int = 128  # most outputs per request (`n`), as vLLM's VLLM_MAX_N_SEQUENCES
-    disable_log_stats: bool = True
+    # "fcfs": arrival order, a request's priority must be 0; "priority": lower value first, then
+    # arrival (vLLM's --scheduling-policy).
+    scheduling_policy: str = "fcfs"
+    # The periodic "Engine 000: Avg prompt throughput ..." line; on for a server, as `vllm serve`
+    # (the offline LLM turns it off unless asked, as vLLM's LLM does).
+    disable_log_stats: bool = False
     # Distributed rendezvous (multi-node); None = single host.
     nnodes: int = 1
     node_rank: int = 0
@@ -65,6 +71,9 @@ class EngineConfig:
                              f"{self.max_logprobs}")
         if self.max_n_sequences < 1:
             raise ValueError(f"max_n_sequences must be >= 1, got {self.max_n_sequences}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:

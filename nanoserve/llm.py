@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -16,8 +17,11 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
+        engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: quiet unless asked
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._counter = itertools.count()
+        self.stat_logger = None if self.llm_engine.config.disable_log_stats else \
+            LoggingStatLogger(self.llm_engine.stats())
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker ranks (a no-op with one rank)."""
@@ -73,6 +77,8 @@ class LLM:
                     finished[output.request_id] = output
                     if bar is not None:
                         bar.update(1)
+            if self.stat_logger is not None:
+                self.stat_logger.maybe_log(self.llm_engine.stats())
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]

@@ -49,5 +49,23 @@ def test_help_lists_commands_and_vllm_flags():
     serve = run_cli("serve", "--help")
     for flag in ("--model", "--tensor-parallel-size", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--gpu-memory-utilization", "--kv-cache-memory",
-                 "--enable-prefix-caching", "--dtype", "--seed", "--host", "--port", "--api-key"):
+                 "--enable-prefix-caching", "--dtype", "--seed", "--host", "--port", "--api-key",
+                 "--scheduling-policy", "--disable-log-stats", "--enable-log-requests", "--max-log-len"):
         assert flag in serve.stdout, flag
+
+
+def test_engine_flags_reach_the_config():
+    from nanoserve.cli import build_parser, engine_config_from_args
+
+    default = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert default.scheduling_policy == "fcfs" and default.disable_log_stats is False
+    args = build_parser().parse_args(["serve", "--scheduling-policy", "priority", "--disable-log-stats"])
+    config = engine_config_from_args(args)
+    assert config.scheduling_policy == "priority" and config.disable_log_stats is True
+
+
+def test_unknown_scheduling_policy_is_refused():
+    result = run_cli("serve", "--scheduling-policy", "lifo")
+    assert result.returncode == 2
+    assert "argument --scheduling-policy: invalid choice: 'lifo'" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nanoserve.engine.llm_engine import StepError
+from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -139,7 +140,8 @@ def _runs_on_accelerator(engine) -> bool:
 class AsyncLLMEngine:
     def __init__(self, engine, observer: Observer | None = None,
                  overlap_streaming: bool | None = None,
-                 step_executor: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
+                 step_executor: concurrent.futures.ThreadPoolExecutor | None = None,
+                 log_stats: bool = False) -> None:
         self.engine = engine
         if overlap_streaming is None:
             overlap_streaming = _runs_on_accelerator(engine)
@@ -156,6 +158,9 @@ class AsyncLLMEngine:
         self.consecutive_step_errors = 0
         self._step_thread = step_executor or new_step_executor()
         self._task: asyncio.Task | None = None
+        # vLLM's periodic stats line (off with --disable-log-stats)
+        self.stat_logger = LoggingStatLogger(self.stats) if log_stats else None
+        self._stats_task: asyncio.Task | None = None
 
     # ---- public API -----------------------------------------------------------------------
     @property
@@ -167,13 +172,18 @@ class AsyncLLMEngine:
         return self.stats.num_waiting + self.num_queued_adds
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-step-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name="engine-step-loop")
+        if self.stat_logger is not None:
+            self._stats_task = loop.create_task(self._log_stats(), name="engine-stats-log")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._stats_task, self._task):
+            if task is None:
+                continue
+            task.cancel()
             try:
-                await self._task
+                await task
             except (asyncio.CancelledError, Exception):
                 pass
         for stream in list(self.streams.values()):
@@ -206,6 +216,13 @@ class AsyncLLMEngine:
         stream = self.streams.get(request_id)
         if stream is not None and not stream.finished:
             self.intake.put_nowait(_Abort(request_id))
+
+    async def _log_stats(self) -> None:
+        """Every interval, one line from the latest stats snapshot (the step loop refreshes it
+        after each step), as vLLM's API server does."""
+        while True:
+            await asyncio.sleep(self.stat_logger.interval)
+            self.stat_logger.log(self.stats)
 
     # ---- the step loop --------------------------------------------------------------------
     async def _run(self) -> None:

@@ -129,7 +129,8 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
@@ -182,6 +183,8 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         prompt_text, token_ids = self._tokenize(prompt)
         params = sampling_params
         num_prompt = len(token_ids)

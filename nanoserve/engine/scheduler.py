@@ -1,9 +1,11 @@
 """Continuous batching: which sequences run this step and how many tokens each computes.
 
-Running sequences go first (decodes and unfinished prefill chunks), then waiting ones, in
-(priority, arrival) order, within a token budget and a sequence cap. A long prompt is split
-into chunks so it never stalls running decodes. When blocks run out, the last running
-sequence in that order is preempted and recomputed later.
+Running sequences go first (decodes and unfinished prefill chunks), then waiting ones, in the
+policy's order (vLLM's --scheduling-policy): "fcfs" by arrival, "priority" by (priority, arrival),
+within a token budget and a sequence cap. A long prompt is split into chunks so it never stalls
+running decodes. When blocks run out, the last running sequence in that order (the latest
+arrival; with "priority", the least urgent, as vLLM's priority scheduler) is preempted and
+recomputed later.
 """
 from __future__ import annotations
 
@@ -25,18 +27,31 @@ class ScheduledSequence:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+def _arrival_key(seq: Sequence) -> tuple[int, int]:
+    return (seq.arrival_order, seq.index)
+
+
+def _priority_key(seq: Sequence) -> tuple[int, int, int]:
+    return (seq.priority, seq.arrival_order, seq.index)
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "fcfs"):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.sort_key = _priority_key if policy == "priority" else _arrival_key
         self.waiting: list[Sequence] = []  # kept sorted by sort_key
         self.running: list[Sequence] = []  # kept sorted by sort_key
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=self.sort_key)
 
     def remove(self, seq: Sequence) -> None:
         """Take a finished or aborted sequence out and free its blocks."""
@@ -94,7 +109,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.sort_key)
+            bisect.insort(self.running, seq, key=self.sort_key)
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         return scheduled

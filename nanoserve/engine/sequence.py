@@ -62,10 +62,5 @@ class Sequence:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
-    def sort_key(self) -> tuple[int, int, int]:
-        """Lower runs first: priority, then arrival (FCFS), then output index."""
-        return (self.priority, self.arrival_order, self.index)
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

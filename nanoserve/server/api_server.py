@@ -15,6 +15,7 @@ from nanoserve.server.http import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import ServingContext, load_generation_defaults
 from nanoserve.server.preprocess import Preprocessor
+from nanoserve.server.request_logger import RequestLogger
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -53,7 +54,8 @@ async def start_server(engine, options: ServerOptions,
         "enable_prefix_caching": config.enable_prefix_caching,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "num_gpu_blocks": engine.block_manager.num_blocks, "num_cpu_blocks": None})
-    async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor)
+    async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
+                                  log_stats=not config.disable_log_stats)
     async_engine.start()
     preprocessor = Preprocessor(options.preprocess_threads, options.preprocess_timeout,
                                 options.max_preprocess_in_flight)
@@ -68,7 +70,8 @@ async def start_server(engine, options: ServerOptions,
         trust_request_chat_template=options.trust_request_chat_template,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         truncation_side=getattr(engine.tokenizer, "truncation_side", "right"),
-        on_admission_rejected=metrics.on_admission_rejected)
+        on_admission_rejected=metrics.on_admission_rejected,
+        request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key,
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint)

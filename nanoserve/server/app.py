@@ -182,7 +182,7 @@ class OpenAIApp:
         return Response(200, encode_json({"version": nanoserve.__version__}))
 
     async def prometheus(self, request: Request) -> Response:
-        body = self.metrics.render(self.ctx.engine.stats).encode()
+        body = self.metrics.render(self.ctx.engine.stats)
         return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
 
     async def load(self, request: Request) -> Response:

@@ -25,6 +25,8 @@ class ServerOptions:
     enable_prompt_tokens_details: bool = False
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
+    enable_log_requests: bool = False
+    max_log_len: int | None = None  # prompt characters / token ids in the request log; None: all
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
@@ -39,6 +41,7 @@ def _default(cls: type, name: str):
 
 
 # (flag, owner, field, type, help); positive numbers unless the type is bool or optional.
+_OPTIONAL = ("max_waiting_requests", "max_log_len")  # None (the default) or >= 0
 _FLAGS: list[tuple[str, type, str, type, str]] = [
     ("--max-waiting-requests", ServerOptions, "max_waiting_requests", int,
      "answer 503 while this many requests wait for the engine"),
@@ -53,6 +56,11 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "count in-flight completion and chat requests; GET /load reports them as server_load"),
     ("--enable-tokenizer-info-endpoint", ServerOptions, "enable_tokenizer_info_endpoint", bool,
      "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"),
+    ("--enable-log-requests", ServerOptions, "enable_log_requests", bool,
+     "log each request: its id, prompt length and sampling params (the prompt itself only at "
+     "--log-level debug)"),
+    ("--max-log-len", ServerOptions, "max_log_len", int,
+     "prompt characters and token ids the debug request log shows; unset: all"),
     ("--preprocess-threads", ServerOptions, "preprocess_threads", int,
      "threads that tokenize and render large inputs off the event loop"),
     ("--preprocess-timeout", ServerOptions, "preprocess_timeout", float,
@@ -105,7 +113,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     values: dict[type, dict] = {ServerOptions: {}, HttpLimits: {}}
     for flag, owner, name, kind, _ in _FLAGS:
         value = get(owner, name)
-        if name == "max_waiting_requests":
+        if name in _OPTIONAL:
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         elif kind is not bool and value <= 0:

@@ -18,6 +18,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
                                        SamplingFields, Usage)
+from nanoserve.server.request_logger import RequestLogger
 
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -76,6 +77,7 @@ class ServingContext:
     enable_prompt_tokens_details: bool = False
     truncation_side: str = "right"  # the tokenizer's default, when a request names none
     on_admission_rejected: Callable[[str], None] | None = None  # metrics: a 503 for a full queue
+    request_logger: RequestLogger | None = None  # --enable-log-requests
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -218,6 +220,9 @@ class ServingContext:
         try:
             for index, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+                if self.request_logger is not None:
+                    self.request_logger.log_inputs(request_id, prompt.get("prompt"),
+                                                   prompt["prompt_token_ids"], params, priority)
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority))
         except BaseException as error:
             for stream in streams:

@@ -104,17 +104,39 @@ def test_abort_frees_blocks(llm):
     assert engine.block_manager.num_used_blocks == 0
 
 
+def _finish_order(engine) -> list[str]:
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    return order
+
+
 def test_priority_runs_first(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64,
+              scheduling_policy="priority")
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
     engine.add_request("low", [5, 6, 7], params, priority=5)
     engine.add_request("high", [8, 9, 10], params, priority=-1)
     engine.add_request("low2", [5, 6, 8], params, priority=5)
-    order = []
-    while engine.has_unfinished_requests():
-        order += [o.request_id for o in engine.step() if o.finished]
-    assert order == ["high", "low", "low2"]
+    engine.add_request("zero", [5, 6, 9], params)
+    assert _finish_order(engine) == ["high", "zero", "low", "low2"]
+
+
+def test_fcfs_is_arrival_order_and_refuses_priorities(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64)
+    engine = llm.llm_engine
+    assert engine.config.scheduling_policy == "fcfs"
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    for name in ("c", "a", "b"):
+        engine.add_request(name, [5, 6, 7], params)
+    with pytest.raises(ValueError, match=r"^Got priority 1 but Priority scheduling is not enabled\.$"):
+        engine.add_request("urgent", [8, 9, 10], params, priority=1)
+    with pytest.raises(ValueError, match="Got priority -3 but"):
+        llm.generate(["hello"], params, use_tqdm=False, priority=[-3])
+    assert _finish_order(engine) == ["c", "a", "b"]
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        LLM(model=str(tiny_llama_dir), scheduling_policy="lifo")
 
 
 def test_prompt_too_long_is_a_clear_error(tiny_llama_dir):

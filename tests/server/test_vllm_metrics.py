@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from nanoserve.server.metrics import format_number, token_buckets
+from nanoserve.server.metrics import token_buckets
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 
@@ -175,8 +175,6 @@ def test_admission_rejections_are_counted(tiny_llama_dir):
         handle.close()
 
 
-def test_number_format_and_buckets_as_prometheus_client():
-    assert [format_number(v) for v in (1, 0.25, 1e6, 2560.0, float("inf"), 12345678.0)] == \
-        ["1.0", "0.25", "1e+06", "2560.0", "+Inf", "1.2345678e+07"]
+def test_token_buckets_as_vllm():
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
     assert token_buckets(512)[-1] == 500

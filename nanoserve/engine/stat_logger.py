@@ -1,0 +1,77 @@
+"""The periodic engine stats line, as vLLM's LoggingStatLogger prints it:
+
+    Engine 000: Avg prompt throughput: 512.3 tokens/s, Avg generation throughput: 203.1 tokens/s,
+    Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 12.5%, Prefix cache hit rate: 40.0%
+
+Throughputs are the engine's token counters' growth since the previous line over the time
+between them. "Preemptions: N" joins the line when the interval had any. A line whose interval
+and the one before it moved no tokens goes to DEBUG, so an idle server stays quiet at INFO.
+The KV cache is named "GPU KV cache" on every device, as vLLM's CPU backend names it too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from nanoserve.engine.llm_engine import EngineStats
+
+logger = logging.getLogger("nanoserve.stats")
+
+LOG_STATS_INTERVAL = 10.0  # seconds; vLLM's default, overridden by $VLLM_LOG_STATS_INTERVAL
+
+
+def log_stats_interval() -> float:
+    """vLLM's VLLM_LOG_STATS_INTERVAL: a positive number of seconds, else the default."""
+    try:
+        value = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", LOG_STATS_INTERVAL))
+    except ValueError:
+        return LOG_STATS_INTERVAL
+    return value if value > 0 else LOG_STATS_INTERVAL
+
+
+class LoggingStatLogger:
+    def __init__(self, stats: EngineStats, engine_index: int = 0,
+                 now: float | None = None) -> None:
+        self.engine_index = engine_index
+        self.interval = log_stats_interval()
+        self._mark(stats, time.monotonic() if now is None else now)
+        self.last_prompt_throughput = 0.0
+        self.last_generation_throughput = 0.0
+
+    def _mark(self, stats: EngineStats, now: float) -> None:
+        self.last_log_time = now
+        self.prompt_tokens = stats.prompt_tokens_total
+        self.generation_tokens = stats.generation_tokens_total
+        self.preemptions = stats.num_preemptions_total
+
+    def maybe_log(self, stats: EngineStats, now: float | None = None) -> None:
+        """Log when an interval has passed since the last line (the offline loop calls this
+        after every step)."""
+        now = time.monotonic() if now is None else now
+        if now - self.last_log_time >= self.interval:
+            self.log(stats, now)
+
+    def log(self, stats: EngineStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self.last_log_time
+        prompt = (stats.prompt_tokens_total - self.prompt_tokens) / elapsed if elapsed > 0 else 0.0
+        generation = ((stats.generation_tokens_total - self.generation_tokens) / elapsed
+                      if elapsed > 0 else 0.0)
+        preemptions = stats.num_preemptions_total - self.preemptions
+        self._mark(stats, now)
+        idle = not any((prompt, generation, self.last_prompt_throughput,
+                        self.last_generation_throughput))
+        self.last_prompt_throughput, self.last_generation_throughput = prompt, generation
+        parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
+                 "Running: %d reqs", "Waiting: %d reqs"]
+        args: list[float] = [prompt, generation, stats.num_running, stats.num_waiting]
+        if preemptions > 0:
+            parts.append("Preemptions: %d")
+            args.append(preemptions)
+        queries = stats.prefix_cache_queries_total
+        hit_rate = stats.prefix_cache_hits_total / queries if queries else 0.0
+        parts += ["GPU KV cache usage: %.1f%%", "Prefix cache hit rate: %.1f%%"]
+        args += [stats.kv_cache_usage * 100, hit_rate * 100]
+        (logger.debug if idle else logger.info)(
+            f"Engine {self.engine_index:03d}: " + ", ".join(parts), *args)
