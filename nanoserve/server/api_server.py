@@ -71,7 +71,8 @@ async def start_server(engine, options: ServerOptions,
         on_admission_rejected=metrics.on_admission_rejected)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key,
                     server_load_tracking=options.enable_server_load_tracking,
-                    tokenizer_info=options.enable_tokenizer_info_endpoint)
+                    tokenizer_info=options.enable_tokenizer_info_endpoint,
+                    ui=not options.no_ui)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)

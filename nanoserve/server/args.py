@@ -25,6 +25,7 @@ class ServerOptions:
     enable_prompt_tokens_details: bool = False
     enable_server_load_tracking: bool = False
     enable_tokenizer_info_endpoint: bool = False
+    no_ui: bool = False  # serve the browser chat page at / unless set
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
@@ -53,6 +54,8 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "count in-flight completion and chat requests; GET /load reports them as server_load"),
     ("--enable-tokenizer-info-endpoint", ServerOptions, "enable_tokenizer_info_endpoint", bool,
      "serve GET /tokenizer_info (the tokenizer's configuration and chat template)"),
+    ("--no-ui", ServerOptions, "no_ui", bool,
+     "do not serve the browser chat page at / (GET /, /index.html and /ui/config answer 404)"),
     ("--preprocess-threads", ServerOptions, "preprocess_threads", int,
      "threads that tokenize and render large inputs off the event loop"),
     ("--preprocess-timeout", ServerOptions, "preprocess_timeout", float,
