@@ -4,6 +4,9 @@ at the highest concurrency to offline `LLM.generate` on the same prompts and bat
 
     nanoserve bench serve --model DIR --concurrency 1 16 64 --result-dir benchmarks/serve
 
+With --vllm-results (the JSON files of `vllm bench serve --save-result --max-concurrency N`, one
+per level) the plot and the summary (JSON and markdown) show vLLM's figures beside nanoserve's.
+
 Without --base-url it measures offline throughput first, then starts `nanoserve serve` in a
 subprocess (so the two never compete for cores), runs the load, and stops the server.
 """
@@ -20,7 +23,9 @@ import sys
 from pathlib import Path
 
 from nanoserve.bench.serve_client import run_load, summarize
+from nanoserve.bench.serve_plot import plot
 from nanoserve.bench.throughput import greedy_timed
+from nanoserve.bench.vllm_results import VllmResultsError, load_vllm_results, to_markdown
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -122,42 +127,6 @@ def print_level(concurrency: int, summary: dict) -> None:
         print(f"Failed requests: {summary['failed']} {summary['errors']}")
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    levels = result["levels"]
-    xs = [level["concurrency"] for level in levels]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    left.plot(xs, [lv["output_throughput"] for lv in levels], "o-", label="served output tok/s")
-    if result.get("offline"):
-        left.axhline(result["offline"]["output_throughput"], color="gray", linestyle="--",
-                     label=f"offline LLM.generate (batch {result['offline']['max_num_seqs']})")
-    left.set_xscale("log", base=2)
-    left.set_xlabel("concurrency")
-    left.set_ylabel("output tokens / s")
-    left.set_title("Throughput")
-    left.legend()
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
-        right.plot(xs, [lv[key]["median"] for lv in levels], "o-", label=f"{label} median")
-        right.plot(xs, [lv[key]["p99"] for lv in levels], "x:", label=f"{label} p99")
-    right.set_xscale("log", base=2)
-    right.set_yscale("log")
-    for axis in (left, right):
-        axis.set_xticks(xs, [str(x) for x in xs])
-        axis.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-    right.set_xlabel("concurrency")
-    right.set_ylabel("ms")
-    right.set_title("Latency")
-    right.legend(fontsize=8)
-    fig.suptitle(result["title"], fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -189,11 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument("--result-dir", default=None, help="write result JSON (and PNG) here")
     parser.add_argument("--label", default=None, help="file name stem for the results")
+    parser.add_argument("--vllm-results", nargs="+", default=None, metavar="FILE",
+                        help="`vllm bench serve --save-result` JSON files (one per concurrency "
+                             "level) to plot and summarize beside nanoserve's results")
     parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.offline_worker:
         return offline_worker(json.loads(args.offline_worker))
 
+    vllm_levels = None
+    if args.vllm_results:
+        try:
+            vllm_levels = load_vllm_results(args.vllm_results)
+        except VllmResultsError as error:  # `nanoserve bench serve` prints it as one line
+            raise VllmResultsError(f"--vllm-results: {error}") from None
     if args.model is None and args.base_url is None:
         from nanoserve.models.gguf_import import ensure_default_model
         args.model = str(ensure_default_model())
@@ -269,16 +247,20 @@ def main(argv: list[str] | None = None) -> int:
         result["served_over_offline_per_pair"] = [s / o for s, o in zip(served_runs, offline_tps)]
         print(f"served / offline output tok/s at concurrency {top} (medians of {len(served_runs)}):"
               f" {result['served_over_offline']:.3f}")
+    if vllm_levels is not None:
+        result["vllm"] = {"files": args.vllm_results, "levels": vllm_levels}
+        print(to_markdown(result))
     if args.result_dir:
         out = Path(args.result_dir)
         out.mkdir(parents=True, exist_ok=True)
         stem = args.label or "serve"
         (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / f"{stem}.md").write_text(to_markdown(result))
         try:
             plot(result, out / f"{stem}.png")
         except ImportError:
             print("matplotlib is not installed: no plot", file=sys.stderr)
-        print(f"results written to {out / stem}.json")
+        print(f"results written to {out / stem}.json, .md and .png")
     return 0 if all(lv["failed"] == 0 for lv in levels) else 1
 
 

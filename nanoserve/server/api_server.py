@@ -74,7 +74,8 @@ async def start_server(engine, options: ServerOptions,
         request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key,
                     server_load_tracking=options.enable_server_load_tracking,
-                    tokenizer_info=options.enable_tokenizer_info_endpoint)
+                    tokenizer_info=options.enable_tokenizer_info_endpoint,
+                    ui=not options.no_ui)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)

@@ -1,5 +1,5 @@
 """The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info and /invocations. Maps every error to vLLM's {"error": {...}}
+/metrics, /load, /tokenizer_info and /invocations, and the chat page (server/ui.py). Maps every error to vLLM's {"error": {...}}
 body once, here."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from nanoserve.server.protocol import (APIError, ChatCompletionRequest, Completi
                                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                        TokenizeRequest, TokenizeResponse)
 from nanoserve.server.tokenizer_info import tokenizer_info
+from nanoserve.server.ui import ui_routes
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -112,7 +113,7 @@ MODELS_PREFIX = "/v1/models/"
 class OpenAIApp:
     def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
                  api_key: str | None = None, server_load_tracking: bool = False,
-                 tokenizer_info: bool = False) -> None:
+                 tokenizer_info: bool = False, ui: bool = True) -> None:
         self.ctx = ctx
         self.metrics = metrics
         self.api_key = api_key
@@ -133,6 +134,8 @@ class OpenAIApp:
         }
         if tokenizer_info:
             self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
+        if ui:  # the browser chat page at /
+            self.routes.update(ui_routes(api_key_required=api_key is not None))
 
     def _methods(self, path: str) -> dict[str, Handler] | None:
         methods = self.routes.get(path)

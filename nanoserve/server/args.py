@@ -27,6 +27,7 @@ class ServerOptions:
     enable_tokenizer_info_endpoint: bool = False
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters / token ids in the request log; None: all
+    no_ui: bool = False  # serve the browser chat page at / unless set
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
@@ -61,6 +62,8 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "--log-level debug)"),
     ("--max-log-len", ServerOptions, "max_log_len", int,
      "prompt characters and token ids the debug request log shows; unset: all"),
+    ("--no-ui", ServerOptions, "no_ui", bool,
+     "do not serve the browser chat page at / (GET /, /index.html and /ui/config answer 404)"),
     ("--preprocess-threads", ServerOptions, "preprocess_threads", int,
      "threads that tokenize and render large inputs off the event loop"),
     ("--preprocess-timeout", ServerOptions, "preprocess_timeout", float,
