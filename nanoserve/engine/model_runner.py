@@ -21,6 +21,7 @@ from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
@@ -89,6 +90,8 @@ class ModelRunner:
         self.broadcast_steps = 0
         self.num_kv_blocks = self._allocate_kv_cache()
         self.max_model_len = self._max_model_len()
+        # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
+        self.fused_decode = FusedDecode.build(self.model, self.world_size) if self.device.type == "cpu" else None
         self.decode_graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -331,7 +334,11 @@ class ModelRunner:
             # The graph's output rows past num_logits are padding; the real ones all sample.
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
-        hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        hidden = None
+        if self.fused_decode is not None:
+            hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata)
+        if hidden is None:
+            hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
         if num_logits == 0:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])

@@ -21,7 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("cpu") / name for name in ("ops.cpp", "gemm.cpp", "attention_amx.cpp")]
+_SOURCES = [Path(__file__).with_name("cpu") / name
+            for name in ("ops.cpp", "gemm.cpp", "attention_amx.cpp", "decode_layers.cpp")]
 _HEADERS = [Path(__file__).with_name("cpu") / "simd.h"]  # part of the build's cache key
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
@@ -48,6 +49,8 @@ _SIGNATURES = {
                                 ctypes.c_float],
     "ns_prefill_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
                                  ctypes.c_float],
+    "ns_decode_layers": [_P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, ctypes.c_float, ctypes.c_float,
+                         _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32],
     "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
 }
 
@@ -268,6 +271,21 @@ def prefill_attention_amx(query, key_cache, value_cache, block_table, spans, sca
         out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), key_cache.shape[2], head_dim, block_table.data_ptr(), block_table.stride(0),
         table.data_ptr(), len(spans), num_heads, float(scale)) == 0
+
+
+def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads, head_dim, eps,
+                  scale, positions, cos_sin_cache, metadata) -> int:
+    """kernels/cpu/decode_layers.cpp over every layer (layers/cpu_decode.py builds the tables):
+    the index of the residual among the buffers, 0 when it could not run."""
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
+        return 0
+    block_table = metadata.block_table
+    return _library.ns_decode_layers(
+        layer_table.data_ptr(), layer_table.shape[0], addresses.data_ptr(), rows, hidden, qkv_n, inter, num_heads,
+        num_kv_heads, head_dim, float(eps), float(scale), positions.data_ptr(), cos_sin_cache.data_ptr(),
+        cos_sin_cache.stride(0), metadata.slot_mapping.data_ptr(), 16, block_table.data_ptr(),
+        block_table.stride(0), metadata.cu_seqlens_q.data_ptr(), metadata.seq_lens.data_ptr(),
+        int(_amx_attention()))
 
 
 def _amx_attention() -> bool:

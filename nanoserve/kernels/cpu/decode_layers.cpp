@@ -1,0 +1,90 @@
+// A decode step's decoder layers in one call from Python (layers/cpu_decode.py): the same kernels,
+// in the same order, on the same inputs as the modules' path (models/llama.py through
+// kernels/cpu_ops.py), so every value comes out with the same bits; what goes away is the
+// Python between them (~270 module and ctypes calls a step, several ms at batch 1).
+//
+// Per layer (Llama family; bf16; AMX GEMMs; one new row per sequence):
+//   normed, residual = rms_norm(x (+ residual))      input_layernorm
+//   qkv = normed @ Wqkv^T; rotary on q, k and k, v into the pool
+//   attn = decode attention of q over the pool;  o = attn @ Wo^T
+//   normed, residual = rms_norm(o + residual)        post_attention_layernorm
+//   x = (silu(gate) * up of normed @ Wgu^T) @ Wdown^T
+#include <cstdint>
+
+extern "C" {
+int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const void* residual, const void* weight,
+                int64_t rows, int64_t hidden, float eps);
+int ns_gemm_bf16_amx(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed, const void* bias,
+                     int64_t M, int64_t N, int64_t K);
+int ns_rotary_store(int dtype, void* qkv, int64_t row_stride, int64_t num_tokens, int num_heads, int num_kv_heads,
+                    int head_dim, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
+                    void* key_cache, void* value_cache, int block_size, const int64_t* slots);
+int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
+                            const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
+                            const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
+                            const int32_t* seq_lens, int num_seqs, int num_heads, float scale);
+int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
+                       const void* key_cache, const void* value_cache, int num_kv_heads, int block_size, int head_dim,
+                       const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
+                       const int32_t* seq_lens, int num_seqs, int num_heads, float scale, int rows_per_item);
+int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter);
+
+// layers: num_layers x 8 addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
+// weight, packed Wgate_up, packed Wdown, key pool, value pool (no biases: layers/cpu_decode.py
+// leaves models with any to the modules).
+// buffers: 9 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
+// layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
+// [heads * head_dim], gate_up [2 * inter], act [inter].
+// Returns the index (1 or 2) of the buffer holding the residual after the last layer; 0 when a
+// GEMM refused its shapes (nothing usable then; the caller runs the modules' path).
+int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffers, int64_t rows, int64_t hidden,
+                     int64_t qkv_n, int64_t inter, int num_heads, int num_kv_heads, int head_dim, float eps,
+                     float scale, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
+                     const int64_t* slots, int block_size, const int32_t* block_table, int64_t block_table_stride,
+                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int amx_attention) {
+    constexpr int kBf16 = 1;
+    auto at = [](int64_t address) { return reinterpret_cast<void*>(address); };
+    void* x = at(buffers[0]);
+    void* residual[2] = {at(buffers[1]), at(buffers[2])};
+    void* normed = at(buffers[3]);
+    void* o = at(buffers[4]);
+    void* qkv = at(buffers[5]);
+    void* attn = at(buffers[6]);
+    void* gate_up = at(buffers[7]);
+    void* act = at(buffers[8]);
+    const int64_t q_size = static_cast<int64_t>(num_heads) * head_dim;
+    const int seqs = static_cast<int>(rows);
+    int current = -1;  // which residual buffer holds the residual; -1: x itself (layer 0)
+    for (int layer = 0; layer < num_layers; ++layer) {
+        const int64_t* w = layers + 8 * static_cast<int64_t>(layer);
+        if (current < 0) {
+            ns_rms_norm(kBf16, normed, nullptr, x, nullptr, at(w[0]), rows, hidden, eps);
+        } else {
+            ns_rms_norm(kBf16, normed, residual[1 - current], x, residual[current], at(w[0]), rows, hidden, eps);
+            current = 1 - current;
+        }
+        if (ns_gemm_bf16_amx(qkv, qkv_n, normed, hidden, at(w[1]), nullptr, rows, qkv_n, hidden))
+            return 0;
+        void* key_cache = at(w[6]);
+        void* value_cache = at(w[7]);
+        ns_rotary_store(kBf16, qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos_sin, cos_sin_stride,
+                        key_cache, value_cache, block_size, slots);
+        if (!amx_attention || ns_decode_attention_amx(attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads,
+                                                      head_dim, block_table, block_table_stride, cu_seqlens_q,
+                                                      seq_lens, seqs, num_heads, scale))
+            ns_paged_attention(kBf16, attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads, block_size,
+                               head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
+                               scale, 16);
+        if (ns_gemm_bf16_amx(o, hidden, attn, q_size, at(w[2]), nullptr, rows, hidden, q_size)) return 0;
+        // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
+        const void* previous = current < 0 ? x : residual[current];
+        const int next = current < 0 ? 0 : 1 - current;
+        ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[3]), rows, hidden, eps);
+        current = next;
+        if (ns_gemm_bf16_amx(gate_up, 2 * inter, normed, hidden, at(w[4]), nullptr, rows, 2 * inter, hidden)) return 0;
+        ns_silu_and_mul(kBf16, act, gate_up, rows, inter);
+        if (ns_gemm_bf16_amx(x, hidden, act, inter, at(w[5]), nullptr, rows, hidden, inter)) return 0;
+    }
+    return current + 1;
+}
+}  // extern "C"
