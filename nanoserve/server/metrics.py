@@ -71,9 +71,10 @@ class ResponseCacheCollector:
 
     def collect(self):
         cache = self.cache
+        queries, hits = (0, 0) if cache is None else (cache.queries, cache.hits)
         for name, documentation, value in (
-                ("queries", "Response cache lookups, in requests.", cache.queries if cache else 0),
-                ("hits", "Requests answered from the response cache.", cache.hits if cache else 0)):
+                ("queries", "Response cache lookups, in requests.", queries),
+                ("hits", "Requests answered from the response cache.", hits)):
             family = CounterMetricFamily(f"nanoserve:response_cache_{name}", documentation,
                                          labels=["model_name", "engine"])
             family.add_metric(self.label_values, value)
