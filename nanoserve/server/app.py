@@ -1,6 +1,6 @@
 """The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info, /invocations and /reset_prefix_cache, and the chat page (server/ui.py). Maps every error to vLLM's {"error": {...}}
-body once, here."""
+/metrics, /load, /tokenizer_info, /invocations and /reset_prefix_cache, and the chat page
+(server/ui.py). Maps every error to vLLM's {"error": {...}} body once, here."""
 from __future__ import annotations
 
 import hmac

@@ -255,9 +255,11 @@ class ServingContext:
         if outputs is None:
             return key, None
         streams = []
-        for index, output in enumerate(outputs):
-            stream = RequestStream(base_id if len(outputs) == 1 else f"{base_id}-{index}",
-                                   time.time(), params)
+        for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            output.request_id = base_id if len(outputs) == 1 else f"{base_id}-{index}"
+            output.prompt = prompt.get("prompt")
+            output.prompt_token_ids = prompt["prompt_token_ids"]
+            stream = RequestStream(output.request_id, time.time(), params)
             stream.put(output)
             streams.append(stream)
         return None, streams

@@ -108,11 +108,14 @@ class ResponseCache:
         return _decode(blob)
 
     def put(self, key: bytes, outputs: Sequence[RequestOutput]) -> bool:
-        """Store finished outputs (their timing metrics left out); False when not stored: a
-        failed or aborted request, or one larger than the whole cache."""
+        """Store finished outputs, less what the repeat brings itself (request id, prompt text
+        and ids) and timing metrics; False when not stored: a failed or aborted request, or one
+        larger than the whole cache."""
         if not self.enabled or not is_complete(outputs):
             return False
-        blob = _encode([dataclasses.replace(output, metrics=None) for output in outputs])
+        blob = _encode([dataclasses.replace(output, request_id="", prompt=None,
+                                            prompt_token_ids=[], metrics=None)
+                        for output in outputs])
         size = self.entry_size(key, blob)
         if size > self.max_bytes:
             return False

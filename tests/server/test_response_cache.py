@@ -138,7 +138,8 @@ def test_streamed_hits_match_the_original_either_way(server):
     hit_offsets = streamed_hit["choices"][0]["logprobs"].pop("text_offset")
     streamed_miss["choices"][0]["logprobs"].pop("text_offset")
     assert streamed_hit == streamed_miss
-    assert streamed_hit["usage"]["completion_tokens"] == len(streamed_hit["choices"][0]["token_ids"])
+    hit_choice = streamed_hit["choices"][0]
+    assert streamed_hit["usage"]["completion_tokens"] == len(hit_choice["token_ids"])
     # the entry a stream stored answers the same request unstreamed, and the other way round
     plain = dict(payload, stream=False)
     plain.pop("stream_options")
@@ -165,7 +166,8 @@ def test_echo_with_prompt_logprobs_and_n_seeded(server):
         assert cache_moved(before, middle) == (1, 0) and cache_moved(middle, after) == (1, 1)
         assert not engine_moved(middle, after)
         assert without_ids(second) == without_ids(first)
-        assert len(second.choices) == request.get("n", 1) * (2 if isinstance(request["prompt"], list) else 1)
+        num_prompts = 2 if isinstance(request["prompt"], list) else 1
+        assert len(second.choices) == request.get("n", 1) * num_prompts
 
 
 def test_chat_hit_streamed_and_not(server):

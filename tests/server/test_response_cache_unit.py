@@ -76,7 +76,8 @@ def test_hit_returns_the_stored_outputs_as_fresh_objects():
     stored = [output("a"), output("b", text="bye", finish_reason="length")]
     assert cache.put(b"k", stored)
     first = cache.get(b"k")
-    assert first == [dataclasses.replace(o, metrics=None) for o in stored]
+    assert first == [dataclasses.replace(o, request_id="", prompt=None, prompt_token_ids=[],
+                                         metrics=None) for o in stored]
     first[0].outputs[0].token_ids.append(99)  # a handler that changed its copy changes nothing
     assert cache.get(b"k")[0].outputs[0].token_ids == [5, 6, 7]
     assert cache.get(b"missing") is None
