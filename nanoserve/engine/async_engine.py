@@ -123,6 +123,11 @@ class _Abort:
     already_failed: bool = False  # its stream was failed and removed: only the engine is left
 
 
+@dataclass(slots=True)
+class _ResetPrefixCache:
+    done: asyncio.Future
+
+
 def new_step_executor() -> concurrent.futures.ThreadPoolExecutor:
     """The one thread that runs torch for the engine. Build the engine on it too
     (`await loop.run_in_executor(executor, LLMEngine, config)`): on CPU, torch work from a second
@@ -150,7 +155,7 @@ class AsyncLLMEngine:
         # than running that work between steps costs (measured: ~5% of served throughput).
         self.overlap_streaming = overlap_streaming
         self.observer = observer
-        self.intake: asyncio.Queue[_Add | _Abort] = asyncio.Queue()
+        self.intake: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: BaseException | None = None
         self.stats = engine.stats()
@@ -217,6 +222,15 @@ class AsyncLLMEngine:
         if stream is not None and not stream.finished:
             self.intake.put_nowait(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Clear the engine's prefix cache between two steps (the step loop does it, never
+        while a step runs). Raises EngineDeadError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+        done = asyncio.get_running_loop().create_future()
+        self.intake.put_nowait(_ResetPrefixCache(done))
+        return await done
+
     async def _log_stats(self) -> None:
         """Every interval, one line from the latest stats snapshot (the step loop refreshes it
         after each step), as vLLM's API server does."""
@@ -258,7 +272,11 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; the engine is dead")
             self._die(exc)
 
-    def _handle(self, item: _Add | _Abort) -> None:
+    def _handle(self, item: _Add | _Abort | _ResetPrefixCache) -> None:
+        if isinstance(item, _ResetPrefixCache):
+            if not item.done.done():
+                item.done.set_result(self.engine.reset_prefix_cache())
+            return
         if isinstance(item, _Abort):
             if item.already_failed:
                 self.engine.abort_request(item.request_id)
@@ -371,6 +389,8 @@ class AsyncLLMEngine:
             item = self.intake.get_nowait()
             if isinstance(item, _Add) and not item.accepted.done():
                 item.accepted.set_exception(error)
+            elif isinstance(item, _ResetPrefixCache) and not item.done.done():
+                item.done.set_exception(error)
         for stream in self.streams.values():
             stream.fail(error)
         self.streams.clear()

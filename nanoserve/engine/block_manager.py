@@ -131,6 +131,12 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free_blocks):
-            self._evict(block)
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix, of free and in-use blocks alike: no later request finds
+        one. Running sequences keep their blocks; their next full blocks are hashed again and
+        become findable, as any new block. Returns how many blocks were findable."""
+        count = len(self.hash_to_block)
+        self.hash_to_block.clear()
+        self.block_hash = [None] * self.num_blocks
+        self.block_tokens = [None] * self.num_blocks
+        return count

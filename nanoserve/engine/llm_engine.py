@@ -303,6 +303,12 @@ class LLMEngine:
             aborted.append(self._make_output(request))
         return aborted
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (call between steps). The cached KV lives on the device
+        pool, its index here only: forgetting the index is enough, for every rank."""
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -16,6 +16,7 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import ServingContext, load_generation_defaults
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger
+from nanoserve.server.response_cache import ResponseCache
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -49,11 +50,16 @@ async def start_server(engine, options: ServerOptions,
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     config = engine.config
+    response_cache = None
+    if options.response_cache_size > 0:
+        response_cache = ResponseCache(int(options.response_cache_size * 2 ** 20),
+                                       options.response_cache_ttl)
     metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, {
         "block_size": config.block_size, "cache_dtype": "auto",
         "enable_prefix_caching": config.enable_prefix_caching,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "num_gpu_blocks": engine.block_manager.num_blocks, "num_cpu_blocks": None})
+        "num_gpu_blocks": engine.block_manager.num_blocks, "num_cpu_blocks": None},
+        response_cache)
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
                                   log_stats=not config.disable_log_stats)
     async_engine.start()
@@ -71,7 +77,8 @@ async def start_server(engine, options: ServerOptions,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
         truncation_side=getattr(engine.tokenizer, "truncation_side", "right"),
         on_admission_rejected=metrics.on_admission_rejected,
-        request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None)
+        request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None,
+        response_cache=response_cache)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key,
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint,

@@ -1,6 +1,6 @@
 """The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info and /invocations, and the chat page (server/ui.py). Maps every error to vLLM's {"error": {...}}
-body once, here."""
+/metrics, /load, /tokenizer_info, /invocations and /reset_prefix_cache, and the chat page
+(server/ui.py). Maps every error to vLLM's {"error": {...}} body once, here."""
 from __future__ import annotations
 
 import hmac
@@ -131,6 +131,7 @@ class OpenAIApp:
             "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
+            "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
         }
         if tokenizer_info:
             self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
@@ -187,6 +188,17 @@ class OpenAIApp:
     async def prometheus(self, request: Request) -> Response:
         body = self.metrics.render(self.ctx.engine.stats)
         return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's route: an empty 200 once the engine's prefix cache (cleared between two steps)
+        and the response cache are empty. vLLM's query flags (reset_running_requests,
+        reset_external) are accepted and need nothing: the prefix cache of running requests'
+        blocks is dropped too, and there is no external cache."""
+        logger.info("Resetting prefix cache...")
+        await self.ctx.engine.reset_prefix_cache()
+        if self.ctx.response_cache is not None:
+            self.ctx.response_cache.clear()
+        return Response(200, b"", content_type=None)
 
     async def load(self, request: Request) -> Response:
         return Response(200, encode_json({"server_load": self.server_load}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class ServerOptions:
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
+    response_cache_size: float = 0.0  # MiB of finished responses kept for repeats; 0: off
+    response_cache_ttl: float = 3600.0  # seconds a cached response stays valid
     limits: HttpLimits = field(default_factory=HttpLimits)
 
 
@@ -43,6 +46,7 @@ def _default(cls: type, name: str):
 
 # (flag, owner, field, type, help); positive numbers unless the type is bool or optional.
 _OPTIONAL = ("max_waiting_requests", "max_log_len")  # None (the default) or >= 0
+_NON_NEGATIVE = ("response_cache_size",)  # 0 turns the feature off
 _FLAGS: list[tuple[str, type, str, type, str]] = [
     ("--max-waiting-requests", ServerOptions, "max_waiting_requests", int,
      "answer 503 while this many requests wait for the engine"),
@@ -70,6 +74,11 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "seconds one input may take to tokenize / render before a 400"),
     ("--max-preprocess-in-flight", ServerOptions, "max_preprocess_in_flight", int,
      "large inputs queued or being prepared at once; 503 beyond"),
+    ("--response-cache-size", ServerOptions, "response_cache_size", float,
+     "MiB of finished responses kept to answer identical requests (greedy, or with a seed) "
+     "without running the model; LRU by bytes; 0 turns the cache off"),
+    ("--response-cache-ttl", ServerOptions, "response_cache_ttl", float,
+     "seconds a cached response may answer repeats"),
     ("--timeout-keep-alive", HttpLimits, "keep_alive_timeout", float,
      "seconds an idle keep-alive connection stays open"),
     ("--request-read-timeout", HttpLimits, "request_read_timeout", float,
@@ -119,7 +128,10 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         if name in _OPTIONAL:
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
-        elif kind is not bool and value <= 0:
+        elif name in _NON_NEGATIVE:
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{flag} must be a finite number >= 0, got {value}")
+        elif kind is not bool and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
         values[owner][name] = value
     api_key = getattr(args, "api_key", None) or os.environ.get("NANOSERVE_API_KEY") or \

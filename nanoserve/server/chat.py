@@ -98,11 +98,14 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
     base_id = random_id("chatcmpl")
     created = int(time.time())
-    streams = await ctx.submit(base_id, [prompt], params, request.priority)
+    cache_key, streams = ctx.cached_streams(base_id, [prompt], params)
+    if streams is None:
+        streams = await ctx.submit(base_id, [prompt], params, request.priority)
     stream = streams[0]
     role = _response_role(request)
     if request.stream:
-        return StreamingResponse(_stream(ctx, request, base_id, created, prompt, stream, role))
+        return StreamingResponse(_stream(ctx, request, base_id, created, prompt, stream, role,
+                                         cache_key))
     final = None
     try:
         async for output in stream:
@@ -110,6 +113,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
+    ctx.store_response(cache_key, [final])
     echo = _echo_text(request, role)
     as_token_ids = bool(request.return_tokens_as_token_ids)
     choices = []
@@ -133,7 +137,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
-                  prompt: dict, stream, role: str) -> AsyncGenerator[bytes, None]:
+                  prompt: dict, stream, role: str,
+                  cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
@@ -159,9 +164,11 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
         first_chunk = False
         return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
                                                 [choice], usage, ids))
+    final = None  # for the response cache
     try:
         async for output in stream:
             cached_tokens = output.num_cached_tokens
+            final = output
             events = []
             for choice in output.outputs:
                 state = progress.get(choice.index)
@@ -194,6 +201,7 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
                     state[1]))
             if events:
                 yield b"".join(events)
+        ctx.store_response(cache_key, [final])
         if include_usage:
             completion_tokens = sum(p[1] for p in progress.values())
             yield sse(ChatCompletionStreamResponse(

@@ -87,10 +87,12 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
                                  prompt_logprobs)
     base_id = random_id("cmpl")
     created = int(time.time())
-    streams = await ctx.submit(base_id, prompts, params, request.priority)
+    cache_key, streams = ctx.cached_streams(base_id, prompts, params)
+    if streams is None:
+        streams = await ctx.submit(base_id, prompts, params, request.priority)
     if request.stream:
         return StreamingResponse(_stream(ctx, request, base_id, created, prompts, streams,
-                                         echo_only))
+                                         echo_only, cache_key))
     try:
         finals: list = [None] * len(streams)
         async for index, output in merge_streams(streams):
@@ -98,6 +100,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
+    ctx.store_response(cache_key, finals)
     choices = []
     completion_tokens = 0
     for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
@@ -131,7 +134,8 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
 
 
 async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                  prompts: list[dict], streams, echo_only: bool) -> AsyncGenerator[bytes, None]:
+                  prompts: list[dict], streams, echo_only: bool,
+                  cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     n = request.n
     options = request.stream_options
@@ -142,9 +146,11 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
     as_token_ids = bool(request.return_tokens_as_token_ids)
     progress: dict[int, ChoiceProgress] = {}
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+    finals: list = [None] * len(streams)  # for the response cache
     try:
         async for prompt_index, output in merge_streams(streams):
             cached[prompt_index] = output.num_cached_tokens
+            finals[prompt_index] = output
             prompt = prompts[prompt_index]
             prompt_ids = prompt["prompt_token_ids"]
             events = []
@@ -196,6 +202,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
                         list(new_ids) if request.return_token_ids else None)], usage)))
             if events:
                 yield b"".join(events)
+        ctx.store_response(cache_key, finals)
         if include_usage:
             completion_tokens = sum(p.tokens_sent for p in progress.values())
             prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily
 
 from nanoserve.engine.async_engine import FinishedRequestStats
 from nanoserve.server.engine_metrics import EngineStatsCollector
+from nanoserve.server.response_cache import ResponseCache
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -58,15 +60,38 @@ class _WithoutCreated:
             yield family
 
 
+class ResponseCacheCollector:
+    """nanoserve:response_cache_{queries,hits}_total, read from the cache at scrape time (0
+    without a cache). Queries count the requests looked up: those whose output their input
+    determines."""
+
+    def __init__(self, model_name: str, cache: ResponseCache | None) -> None:
+        self.label_values = [model_name, "0"]
+        self.cache = cache
+
+    def collect(self):
+        cache = self.cache
+        queries, hits = (0, 0) if cache is None else (cache.queries, cache.hits)
+        for name, documentation, value in (
+                ("queries", "Response cache lookups, in requests.", queries),
+                ("hits", "Requests answered from the response cache.", hits)):
+            family = CounterMetricFamily(f"nanoserve:response_cache_{name}", documentation,
+                                         labels=["model_name", "engine"])
+            family.add_metric(self.label_values, value)
+            yield family
+
+
 class ServerMetrics:
     """Request-level metrics (an async engine Observer) plus the /metrics exposition."""
 
     def __init__(self, model_name: str, max_model_len: int = 8192,
-                 cache_config: dict[str, object] | None = None) -> None:
+                 cache_config: dict[str, object] | None = None,
+                 response_cache: ResponseCache | None = None) -> None:
         self.registry = CollectorRegistry()
         self._exposed = _WithoutCreated(self.registry)
         self.engine_stats = EngineStatsCollector(model_name)
         self.registry.register(self.engine_stats)
+        self.registry.register(ResponseCacheCollector(model_name, response_cache))
         labels = {"model_name": model_name, "engine": "0"}
         tokens = token_buckets(max_model_len)
 

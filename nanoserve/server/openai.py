@@ -1,5 +1,6 @@
 """What the completions and chat handlers share: the serving context, request → SamplingParams,
-prompt tokenization off the event loop, submission to the async engine, logprobs and SSE."""
+prompt tokenization off the event loop, submission to the async engine (or a replay from the
+response cache), logprobs and SSE."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
                                        SamplingFields, Usage)
 from nanoserve.server.request_logger import RequestLogger
+from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
 
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -78,6 +80,7 @@ class ServingContext:
     truncation_side: str = "right"  # the tokenizer's default, when a request names none
     on_admission_rejected: Callable[[str], None] | None = None  # metrics: a 503 for a full queue
     request_logger: RequestLogger | None = None  # --enable-log-requests
+    response_cache: ResponseCache | None = None  # --response-cache-size
     created: int = 0
 
     def __post_init__(self) -> None:
@@ -237,6 +240,35 @@ class ServingContext:
                 raise APIError(503, str(error)) from None
             raise
         return streams
+
+    def cached_streams(self, base_id: str, prompts: list[dict], params: SamplingParams
+                       ) -> tuple[bytes | None, list[RequestStream] | None]:
+        """Look the request up in the response cache. Returns the key to store its outputs under
+        (None: not cacheable, or a hit) and, on a hit, finished streams that replay the stored
+        outputs: the engine never sees the request."""
+        cache = self.response_cache
+        if cache is None or not cache.enabled or not is_cacheable(params):
+            return None, None
+        model = f"{self.served_model_name}\0{self.model_path}"
+        key = cache_key(model, [prompt["prompt_token_ids"] for prompt in prompts], params)
+        outputs = cache.get(key)
+        if outputs is None:
+            return key, None
+        streams = []
+        for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            output.request_id = base_id if len(outputs) == 1 else f"{base_id}-{index}"
+            output.prompt = prompt.get("prompt")
+            output.prompt_token_ids = prompt["prompt_token_ids"]
+            stream = RequestStream(output.request_id, time.time(), params)
+            stream.put(output)
+            streams.append(stream)
+        return None, streams
+
+    def store_response(self, key: bytes | None, finals: list) -> None:
+        """Keep a finished request's final outputs (one per prompt) for its repeats; failed or
+        aborted ones are refused by the cache."""
+        if key is not None and self.response_cache is not None:
+            self.response_cache.put(key, finals)
 
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         for stream in streams:

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
-from tests.server.test_vllm_metrics import EXPECTED, EXTRA_LABELS
+from tests.server.test_vllm_metrics import EXPECTED, EXTRA_LABELS, NANOSERVE
 
 BASE_LABELS = {"model_name", "engine"}
 
@@ -41,7 +41,7 @@ def test_families_types_and_label_sets(two_servers):
     families = scrape(handle.port)
     # The parser names a counter family without its _total suffix, as the client library does.
     expected = {(name[:-len("_total")] if kind == "counter" and name.endswith("_total") else name):
-                kind for name, kind in EXPECTED.items()}
+                kind for name, kind in (EXPECTED | NANOSERVE).items()}
     assert {name: family.type for name, family in families.items()} == expected
     model = handle.engine.served_model_name
     for name, family in families.items():
