@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 
-from nanoserve.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
+from nanoserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
 
 SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
 
@@ -43,7 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory for weights, activations and KV cache")
     group.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    group.add_argument("--swap-space", type=float, default=0.0, help="accepted for vLLM compatibility (unused)")
+    group.add_argument("--swap-space", type=float, default=_config_default("swap_space"),
+                       help="GiB of host memory per rank for the KV blocks of swapped-out sequences "
+                            "(used with --preemption-mode swap)")
+    group.add_argument("--preemption-mode", default=_config_default("preemption_mode"),
+                       choices=PREEMPTION_MODES,
+                       help="when KV blocks run out: recompute the preempted request later, or swap "
+                            "its blocks to host memory and back (recompute when that is full)")
+    group.add_argument("--num-swap-blocks", type=int, default=None, help=argparse.SUPPRESS)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV cache of shared prompt prefixes")
     group.add_argument("--seed", type=int, default=0, help="random seed")
@@ -84,7 +91,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-            swap_space=args.swap_space, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+            swap_space=args.swap_space, preemption_mode=args.preemption_mode,
+            num_swap_blocks=args.num_swap_blocks, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
             max_n_sequences=args.max_n_sequences, max_logprobs=args.max_logprobs, cpu_threads=args.cpu_threads,
             enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
             disable_log_stats=args.disable_log_stats,

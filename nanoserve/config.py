@@ -8,6 +8,7 @@ from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(slots=True)
@@ -24,7 +25,14 @@ class EngineConfig:
     kv_cache_memory: float | None = None  # GiB for the KV pool on CPU; None: sized automatically
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # override the pool size (tests)
-    swap_space: float = 0.0  # accepted for vLLM compatibility; preemption is by recompute
+    # GiB of host memory per rank for KV blocks of swapped-out sequences (vLLM's --swap-space);
+    # allocated only with preemption_mode "swap".
+    swap_space: float = 4.0
+    # What preemption does when KV blocks run out: "recompute" frees the sequence's blocks and
+    # computes its tokens again later; "swap" copies its blocks to the host pool and back (falling
+    # back to recompute when the host pool is full). vLLM V0's --preemption-mode.
+    preemption_mode: str = "recompute"
+    num_swap_blocks: int | None = None  # override the host pool size (tests)
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -74,6 +82,16 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        if (self.preemption_mode == "swap" and self.num_swap_blocks is None
+                and self.swap_space == 0):
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 GiB")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.tensor_parallel_size < 1:

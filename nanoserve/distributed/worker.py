@@ -1,6 +1,7 @@
 """Ranks > 0: build the same model on this rank's weight shard, then run every step that rank 0
 broadcasts until it says stop. The step's inputs travel as two broadcasts: a fixed-size header
-and one flat int64 tensor holding every per-step array."""
+and one flat int64 tensor holding every per-step array. A step that swaps KV blocks between the
+device and the host pool sends its copies the same way first (CMD_SWAP)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,7 +18,23 @@ from nanoserve.layers.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 HEADER_SIZE = 8
-CMD_STEP, CMD_STOP = 1, 2
+CMD_STEP, CMD_STOP, CMD_SWAP = 1, 2, 3
+
+
+def pack_swap(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) block pairs copied out (device → host) and in (host → device)."""
+    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
+    header[:3] = torch.tensor([CMD_SWAP, len(swap_out), len(swap_in)])
+    pairs = [block for pair in swap_out + swap_in for block in pair]
+    return header, torch.tensor(pairs, dtype=torch.long).to(device)
+
+
+def unpack_swap(header: list[int], payload: torch.Tensor) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    num_out = header[1]
+    blocks = payload.tolist()
+    pairs = list(zip(blocks[0::2], blocks[1::2]))
+    return pairs[:num_out], pairs[num_out:]
 
 
 def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +71,8 @@ def unpack_step(header: list[int], payload: torch.Tensor):
 
 
 def payload_size(header: list[int]) -> int:
+    if header[0] == CMD_SWAP:
+        return 2 * (header[1] + header[2])
     return sum(_part_sizes(header))
 
 

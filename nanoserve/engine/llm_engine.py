@@ -22,6 +22,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -66,6 +67,9 @@ class EngineStats:
     prompt_tokens_cached_total: int = 0  # prompt tokens whose KV came from the prefix cache
     block_size: int = 16
     enable_prefix_caching: bool = True
+    num_swapped: int = 0  # requests with a sequence swapped out to the host pool
+    num_swap_outs_total: int = 0  # sequences swapped out
+    cpu_cache_usage: float = 0.0  # fraction of the host pool's blocks in use
 
 
 @dataclass(eq=False)
@@ -129,8 +133,10 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
+                          if config.preemption_mode == "swap" else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, self.host_pool)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
@@ -328,13 +334,19 @@ class LLMEngine:
             num_kv_blocks=self.block_manager.num_blocks,
             prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             block_size=self.config.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching)
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            num_swapped=len({s.request_id for s in self.scheduler.swapped}),
+            num_swap_outs_total=self.scheduler.num_swap_outs,
+            cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
         scheduled = self.scheduler.schedule()
+        swaps = self.scheduler.take_swap_plan()
+        if swaps:  # before the forward pass that may overwrite the freed blocks
+            self.runner.swap(swaps)
         if not scheduled:
             return []
         try:

@@ -16,10 +16,13 @@ from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_tp_rank, get_tp_world_size
 from nanoserve.distributed.launcher import resolve_device_type
-from nanoserve.distributed.worker import CMD_STOP, HEADER_SIZE, broadcast_stop, pack_step, payload_size, unpack_step
+from nanoserve.distributed.worker import (CMD_STOP, CMD_SWAP, HEADER_SIZE, broadcast_stop, pack_step, pack_swap,
+                                          payload_size, unpack_step, unpack_swap)
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
+from nanoserve.engine.kv_swap import KVSwapper
 from nanoserve.engine.scheduler import ScheduledSequence
+from nanoserve.engine.swap import SwapPlan
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
@@ -88,7 +91,9 @@ class ModelRunner:
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0
         self.broadcast_steps = 0
+        self.num_swap_blocks = 0  # host blocks for swapped-out sequences (preemption mode "swap")
         self.num_kv_blocks = self._allocate_kv_cache()
+        self.swapper = self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
         # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
         self.fused_decode = FusedDecode.build(self.model, self.world_size) if self.device.type == "cpu" else None
@@ -133,15 +138,25 @@ class ModelRunner:
                                                       self.memory_at_start, self.profile_run)
         return budget
 
+    def _host_blocks_wanted(self) -> int:
+        if self.config.preemption_mode != "swap":
+            return 0
+        if self.config.num_swap_blocks is not None:
+            return self.config.num_swap_blocks
+        return int(self.config.swap_space * GIB) // self._kv_bytes_per_block()
+
     def _allocate_kv_cache(self) -> int:
         num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
+        self.num_swap_blocks = self._host_blocks_wanted()
         if self.world_size > 1:
             # Every rank must hold the same blocks; also collect each rank's weight bytes.
-            local = torch.tensor([num_blocks, self.weight_bytes], dtype=torch.long, device=self.device)
+            local = torch.tensor([num_blocks, self.weight_bytes, self.num_swap_blocks], dtype=torch.long,
+                                 device=self.device)
             gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
             num_blocks = min(int(g[0]) for g in gathered)
             self.rank_weight_bytes = [int(g[1]) for g in gathered]
+            self.num_swap_blocks = min(int(g[2]) for g in gathered)
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
         for layer in self.model.model.layers:
@@ -151,6 +166,25 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
                     num_blocks * self._kv_bytes_per_block() / GIB)
         return num_blocks
+
+    def _allocate_host_pool(self) -> KVSwapper | None:
+        if self.config.preemption_mode != "swap":
+            return None
+        pools = []
+        for layer in self.model.model.layers:
+            pools += [layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache]
+        swapper = KVSwapper(pools, self.num_swap_blocks)
+        logger.info("swap space: %d blocks of %d tokens (%.2f GiB)", self.num_swap_blocks, self.block_size,
+                    swapper.host_bytes / GIB)
+        return swapper
+
+    def swap(self, plan: SwapPlan) -> None:
+        """Make a step's block copies, on every rank, before its forward pass."""
+        if self.world_size > 1:
+            header, payload = pack_swap(plan.swap_out, plan.swap_in, self.device)
+            dist.broadcast(header, src=0)
+            dist.broadcast(payload, src=0)
+        self.swapper.swap(plan)
 
     def _new_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
         """A [num_blocks, block_size, num_kv_heads, head_dim] cache. On CPU it is head-major
@@ -355,7 +389,10 @@ class ModelRunner:
                 return
             payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)
-            self._forward(unpack_step(values, payload))
+            if values[0] == CMD_SWAP:
+                self.swapper.swap(SwapPlan(*unpack_swap(values, payload)))
+            else:
+                self._forward(unpack_step(values, payload))
 
     def shutdown(self) -> None:
         if self.world_size > 1 and self.rank == 0:

@@ -13,6 +13,7 @@ from nanoserve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swapping: its KV blocks wait in the host pool
     FINISHED = "finished"
 
 
@@ -29,6 +30,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)  # while swapped out
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
