@@ -38,6 +38,8 @@ class EngineStatsCollector:
                      "Number of requests in model execution batches.", stats.num_running)
         yield family("gauge", "vllm:num_requests_waiting",
                      "Number of requests waiting to be processed.", stats.num_waiting)
+        yield family("gauge", "vllm:num_requests_swapped",
+                     "Number of requests swapped to CPU.", stats.num_swapped)
         yield family("gauge", "vllm:num_requests_waiting_by_reason",
                      "Number of waiting requests by reason. Reason labels: 'capacity' = waiting "
                      "for scheduling capacity; 'deferred' = deferred by transient constraints "
@@ -51,6 +53,8 @@ class EngineStatsCollector:
                      {"awake": 1, "weights_offloaded": 0, "discard_all": 0}, "sleep_state")
         yield family("gauge", "vllm:kv_cache_usage_perc",
                      "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
+        yield family("gauge", "vllm:cpu_cache_usage_perc",
+                     "CPU KV-cache usage. 1 means 100 percent usage.", stats.cpu_cache_usage)
         yield family("counter", "vllm:prefix_cache_queries",
                      "Prefix cache queries, in terms of number of queried tokens.",
                      stats.prefix_cache_queries_total)

@@ -42,6 +42,8 @@ EXPECTED = {
     "vllm:estimated_flops_per_gpu_total": "counter",
     "vllm:estimated_read_bytes_per_gpu_total": "counter",
     "vllm:estimated_write_bytes_per_gpu_total": "counter", "vllm:cache_config_info": "gauge",
+    # vLLM V0's swap gauges (--preemption-mode swap, issue 11); 0 under preemption by recompute.
+    "vllm:num_requests_swapped": "gauge", "vllm:cpu_cache_usage_perc": "gauge",
 }
 # nanoserve's own series beside them (the response cache, issue 11), labelled the same way
 NANOSERVE = {"nanoserve:response_cache_queries_total": "counter",
