@@ -69,3 +69,37 @@ def test_unknown_scheduling_policy_is_refused():
     assert result.returncode == 2
     assert "argument --scheduling-policy: invalid choice: 'lifo'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_swap_flags_reach_the_config():
+    from nanoserve.cli import build_parser, engine_config_from_args
+
+    default = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert default.preemption_mode == "recompute" and default.swap_space == 4.0
+    args = build_parser().parse_args(["serve", "--preemption-mode", "swap", "--swap-space", "0.5"])
+    config = engine_config_from_args(args)
+    assert config.preemption_mode == "swap" and config.swap_space == 0.5
+
+
+def test_bad_swap_flags_are_one_line():
+    result = run_cli("serve", "--swap-space", "-1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["nanoserve: error: swap_space must be >= 0 GiB, got -1.0"]
+    result = run_cli("serve", "--preemption-mode", "swap", "--swap-space", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "nanoserve: error: preemption_mode 'swap' needs swap_space > 0 GiB"]
+    result = run_cli("serve", "--preemption-mode", "spill")
+    assert result.returncode == 2
+    assert "argument --preemption-mode: invalid choice: 'spill'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_with_swap_preemption(tiny_llama_dir):
+    prompts = ["The quick brown fox", "def add(a, b):", "Paris is the capital"]
+    common = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "40"]
+    roomy = run_cli("generate", *common, "--num-kv-blocks", "64", *prompts)
+    swap = run_cli("generate", *common, "--num-kv-blocks", "5", "--preemption-mode", "swap",
+                   "--swap-space", "0.01", *prompts)
+    assert roomy.returncode == 0 and swap.returncode == 0, swap.stderr
+    assert swap.stdout == roomy.stdout
