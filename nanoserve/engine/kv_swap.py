@@ -8,6 +8,8 @@ the host pool is a second pool in memory, copied by the same code.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nanoserve.engine.swap import SwapPlan
@@ -31,6 +33,8 @@ class KVSwapper:
         self.host_pools = [torch.empty((num_host_blocks, *pool.shape[1:]), dtype=pool.dtype,
                                        pin_memory=pin)
                            for pool in self.device_pools]
+        self.blocks_swapped_out = self.blocks_swapped_in = 0
+        self.swap_seconds = 0.0  # host time in swap(), copies included (they synchronize)
 
     @property
     def host_bytes(self) -> int:
@@ -39,6 +43,9 @@ class KVSwapper:
     @torch.inference_mode()
     def swap(self, plan: SwapPlan) -> None:
         """Copies out, then copies in (a block freed by one may be reused by the other)."""
+        started = time.perf_counter()
+        self.blocks_swapped_out += len(plan.swap_out)
+        self.blocks_swapped_in += len(plan.swap_in)
         if plan.swap_out:
             device_index, host_index = self._indices(plan.swap_out, self.device, torch.device("cpu"))
             for device_pool, host_pool in zip(self.device_pools, self.host_pools):
@@ -47,6 +54,7 @@ class KVSwapper:
             host_index, device_index = self._indices(plan.swap_in, torch.device("cpu"), self.device)
             for device_pool, host_pool in zip(self.device_pools, self.host_pools):
                 device_pool[device_index] = host_pool[host_index].to(self.device)
+        self.swap_seconds += time.perf_counter() - started
 
     @staticmethod
     def _indices(pairs: list[tuple[int, int]], source: torch.device,
