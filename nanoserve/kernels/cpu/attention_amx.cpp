@@ -204,21 +204,9 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
 
             // Softmax: probabilities rounded to bf16 for P @ V, their fp32 sum unrounded.
             const __mmask16 last_keep = static_cast<__mmask16>((1u << (seq_len - (num_blocks - 1) * kBlock)) - 1u);
-            for (int g = 0; g < group; ++g) {
-                const float* sg = &scores[static_cast<size_t>(g) * padded];
-                __m512 m = _mm512_loadu_ps(sg);
-                for (int b = 1; b < num_blocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + b * kBlock));
-                const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-                __m512 sum = _mm512_setzero_ps();
-                uint16_t* pg = &probs[static_cast<size_t>(g) * padded];
-                for (int b = 0; b < num_blocks; ++b) {
-                    __m512 p = exp2x16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * kBlock), row_max));
-                    if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
-                    sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * kBlock), ns_simd::to_bf16x16(p));
-                }
-                row_sum[g] = _mm512_reduce_add_ps(sum);
-            }
+            for (int g = 0; g < group; ++g)
+                row_sum[g] = ns_simd::softmax_bf16(&probs[static_cast<size_t>(g) * padded],
+                                                   &scores[static_cast<size_t>(g) * padded], num_blocks, last_keep);
 
             // Pass 2: V paired once per block, then O = P . V.
             if (values.size() < static_cast<size_t>(num_blocks) * kColBlocks * 256)

@@ -167,6 +167,20 @@ NS_AVX512_BF16 inline __m512 transpose_sum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
+// One block's V (`valid` of its 16 keys written) with its keys paired for dpbf16: vp[(t * chunks
+// + c) * 2 + half] holds (v[2t][d], v[2t + 1][d]) for the 16 d's that unpack{lo,hi}_epi16 take
+// from chunk c of 32 d's. Keys past `valid` are never read.
+NS_AVX512_BF16 inline void pair_values_dpbf16(__m512i* vp, const uint16_t* vb, int D, int chunks, int valid) {
+    for (int t = 0; 2 * t < valid; ++t)
+        for (int c = 0; c < chunks; ++c) {
+            const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
+            const __m512i r1 = 2 * t + 1 < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
+                                                 : _mm512_setzero_si512();
+            vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
+            vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
+        }
+}
+
 // Paged attention for bf16 with 16-token blocks and head_dim a multiple of 32 (<= 256): the
 // scores of a block's 16 keys come out in one register (bf16 dot products, fp32 sums).
 NS_AVX512_BF16 void paged_attention_bf16_block16(
@@ -187,9 +201,8 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
     {
         std::vector<uint16_t> qb(static_cast<size_t>(max_vectors) * D);  // bf16 query rows
         SoftmaxRows state(max_vectors, D);
-        // V of one block with its keys paired for dpbf16: vp[(t * chunks + c) * 2 + half] holds
-        // (v[2t][d], v[2t + 1][d]) for the 16 d's that unpack{lo,hi}_epi16 take from chunk c of
-        // 32 d's. The accumulators follow that order and are put back in d order at the end.
+        // One block's V as pair_values_dpbf16 lays it out; the accumulators follow that order
+        // and are put back in d order at the end.
         std::vector<__m512i> vp(static_cast<size_t>(BS / 2) * chunks * 2);
         __m512 partial[BS];
 #pragma omp for schedule(dynamic, 1)
@@ -216,15 +229,7 @@ NS_AVX512_BF16 void paged_attention_bf16_block16(
                 const uint16_t* vb = value_cache + base;
                 const int first_key = b * BS;
                 const int valid_keys = seq_len - first_key < BS ? seq_len - first_key : BS;
-                for (int t = 0; 2 * t < valid_keys; ++t)
-                    for (int c = 0; c < chunks; ++c) {
-                        const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
-                        const __m512i r1 = 2 * t + 1 < valid_keys  // never read a key past the end
-                            ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
-                            : _mm512_setzero_si512();
-                        vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
-                        vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
-                    }
+                pair_values_dpbf16(vp.data(), vb, D, chunks, valid_keys);
                 for (int i = 0; i < rows; ++i) {
                     const int position = context + r0 + i;
                     if (position < first_key) continue;  // this block is wholly in the row's future
@@ -367,36 +372,16 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
             // Softmax: one max and one exp per score; probabilities rounded to bf16 for P @ V
             // (as torch's bf16 attention multiplies them), their sum kept in fp32 unrounded.
             const __mmask16 last_keep = static_cast<__mmask16>((1u << (seq_len - (num_blocks - 1) * BS)) - 1u);
-            for (int g = 0; g < group; ++g) {
-                const float* sg = &scores[static_cast<size_t>(g) * padded];
-                __m512 m = _mm512_loadu_ps(sg);
-                for (int b = 1; b < num_blocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + b * BS));
-                const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-                __m512 sum = _mm512_setzero_ps();
-                uint32_t* pg = &probs[static_cast<size_t>(g) * padded / 2];
-                for (int b = 0; b < num_blocks; ++b) {
-                    __m512 p = exp2x16(_mm512_sub_ps(_mm512_loadu_ps(sg + b * BS), row_max));
-                    if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
-                    sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + b * BS / 2), to_bf16x16(p));
-                }
-                row_sum[g] = _mm512_reduce_add_ps(sum);
-            }
+            for (int g = 0; g < group; ++g)
+                row_sum[g] = ns_simd::softmax_bf16(reinterpret_cast<uint16_t*>(&probs[static_cast<size_t>(g) * padded / 2]),
+                                                   &scores[static_cast<size_t>(g) * padded], num_blocks, last_keep);
             // Pass 2: P @ V, V read once per block, two keys per dpbf16.
             std::fill(acc.begin(), acc.end(), 0.0f);
             for (int b = 0; b < num_blocks; ++b) {
                 const uint16_t* vb = value_cache + block_base(b);
                 if (b + 1 < num_blocks) prefetch_block(value_cache + block_base(b + 1));
                 const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
-                for (int t = 0; 2 * t < valid; ++t)
-                    for (int c = 0; c < chunks; ++c) {
-                        const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
-                        const __m512i r1 = 2 * t + 1 < valid  // never read a key past the end
-                            ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
-                            : _mm512_setzero_si512();
-                        vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
-                        vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
-                    }
+                pair_values_dpbf16(vp.data(), vb, D, chunks, valid);
                 const int num_pairs = (valid + 1) / 2;
                 for (int g = 0; g < group; ++g) {
                     const uint32_t* pairs = &probs[static_cast<size_t>(g) * padded / 2 + b * BS / 2];

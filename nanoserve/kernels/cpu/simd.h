@@ -1,6 +1,7 @@
 // AVX-512 helpers shared by the CPU kernels (ops.cpp, attention_amx.cpp). Each caller compiles
 // them for its own target (AVX-512 BF16, or that plus AMX).
 #pragma once
+#include <cstdint>
 #include <immintrin.h>
 
 #define NS_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -25,6 +26,23 @@ NS_AVX512_BF16 inline __m512 exp2x16(__m512 x) {
 
 NS_AVX512_BF16 inline __m256i to_bf16x16(__m512 v) {  // round to nearest even
     return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+}
+
+// A decode row's softmax over num_blocks blocks of 16 scores (base 2, -inf where masked): one
+// max, one exp per score; the probabilities rounded to bf16 into probs (16 a block), lanes of the
+// last block outside last_keep zero; returns their fp32 sum, unrounded.
+NS_AVX512_BF16 inline float softmax_bf16(uint16_t* probs, const float* scores, int num_blocks, __mmask16 last_keep) {
+    __m512 m = _mm512_loadu_ps(scores);
+    for (int b = 1; b < num_blocks; ++b) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + b * 16));
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int b = 0; b < num_blocks; ++b) {
+        __m512 p = exp2x16(_mm512_sub_ps(_mm512_loadu_ps(scores + b * 16), row_max));
+        if (b == num_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
+        sum = _mm512_add_ps(sum, p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + b * 16), to_bf16x16(p));
+    }
+    return _mm512_reduce_add_ps(sum);
 }
 
 }  // namespace ns_simd
