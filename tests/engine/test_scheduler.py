@@ -78,10 +78,11 @@ def test_preempts_latest_arrival_first():
     assert scheduler.num_preemptions == 1
 
 
-def _fill_and_grow(policy: str, priorities: tuple[int, int]):
-    """Two 7-token prompts fill a 4-block pool; two decode steps later both need a third block."""
+def fill_and_grow(policy: str, priorities: tuple[int, int], host=None):
+    """Two 7-token prompts fill a 4-block pool; two decode steps later both need a third block
+    (the next schedule() must preempt one). host: a HostBlockPool for swap mode."""
     manager = BlockManager(4, 4)
-    scheduler = Scheduler(manager, 8, 64, policy)
+    scheduler = Scheduler(manager, 8, 64, policy, host)
     a = Sequence(0, "a", 0, [1] * 7, 7, SamplingParams(), priorities[0], 0)
     b = Sequence(1, "b", 0, [2] * 7, 7, SamplingParams(), priorities[1], 1)
     scheduler.add(a)
@@ -91,17 +92,19 @@ def _fill_and_grow(policy: str, priorities: tuple[int, int]):
         for seq in (a, b):
             seq.num_computed_tokens = computed
             seq.token_ids.append(3)
-    return scheduler, a, b, scheduler.schedule()
+    return scheduler, a, b
 
 
 def test_priority_policy_preempts_the_least_urgent():
     """vLLM's priority scheduler: the victim is the running request with the largest
     (priority, arrival), here the earlier arrival because its priority value is higher."""
-    scheduler, a, b, scheduled = _fill_and_grow("priority", (2, 0))
+    scheduler, a, b = fill_and_grow("priority", (2, 0))
+    scheduled = scheduler.schedule()
     assert [s.seq for s in scheduled] == [b]
     assert a.status is SequenceStatus.WAITING and a.num_computed_tokens == 0
     # With fcfs the same requests are ordered by arrival alone: the later one (b) gives way.
-    scheduler, a, b, scheduled = _fill_and_grow("fcfs", (0, 0))
+    scheduler, a, b = fill_and_grow("fcfs", (0, 0))
+    scheduled = scheduler.schedule()
     assert [s.seq for s in scheduled] == [a] and b.status is SequenceStatus.WAITING
 
 

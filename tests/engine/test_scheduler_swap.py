@@ -11,6 +11,7 @@ from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.sampling_params import SamplingParams
+from tests.engine.test_scheduler import fill_and_grow
 
 requests = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 2), st.integers(0, 2)),
                     min_size=1, max_size=25)
@@ -75,19 +76,7 @@ def test_swapped_blocks_keep_their_tokens(requests, num_blocks, num_host_blocks,
 
 
 def _fill_and_grow(host_blocks: int):
-    """Two 7-token prompts fill a 4-block pool; two decode steps later both need a third block."""
-    manager = BlockManager(4, 4)
-    scheduler = Scheduler(manager, 8, 64, "fcfs", HostBlockPool(host_blocks))
-    a = Sequence(0, "a", 0, [1] * 7, 7, SamplingParams(), 0, 0)
-    b = Sequence(1, "b", 0, [2] * 7, 7, SamplingParams(), 0, 1)
-    scheduler.add(a)
-    scheduler.add(b)
-    for computed in (7, 8):
-        scheduler.schedule()
-        for seq in (a, b):
-            seq.num_computed_tokens = computed
-            seq.token_ids.append(3)
-    return scheduler, a, b
+    return fill_and_grow("fcfs", (0, 0), HostBlockPool(host_blocks))
 
 
 def test_swaps_out_the_latest_arrival_and_back_in_before_new_work():
