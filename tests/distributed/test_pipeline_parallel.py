@@ -1,0 +1,113 @@
+"""Pipeline parallelism on the CPU with gloo: --pp 2 (alone and with --tp 2) gives pp=1's greedy
+tokens; each rank holds only its stage's weights and KV; two micro-batches are in flight at once."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.distributed.pipeline import PARTITION_ENV, layer_partition
+from tests.conftest import write_random_llama
+from tests.engine.test_engine_tiny import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+KV_GIB = 0.001  # a fixed KV budget: a stage holding half the layers holds twice the blocks
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """4 layers, tied embeddings: the last stage loads its LM head from the embedding's tensor."""
+    return write_random_llama(tmp_path_factory.mktemp("tied-llama"), num_layers=4, tie=True, seed=5)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [{"prompt_token_ids": p} for p in random_prompts(6, 300, seed=21)]
+
+
+def run(model_dir, prompts, trace: bool = False, **engine_args):
+    """Greedy token ids, each rank's weight bytes, the KV blocks per stage, and (trace) the
+    batches in flight after every step as [(virtual engine, its sequence ids)]."""
+    with LLM(model=str(model_dir), dtype="float32", kv_cache_memory=KV_GIB, cpu_threads=1, **engine_args) as llm:
+        engine = llm.llm_engine
+        steps = []
+        if trace:
+            step = engine.step
+
+            def traced_step():
+                outputs = step()
+                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduled})
+                              for f in engine.in_flight if f is not None])
+                return outputs
+            engine.step = traced_step
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outputs], list(engine.runner.rank_weight_bytes),
+                engine.runner.num_kv_blocks, steps)
+
+
+def test_layer_partition():
+    assert layer_partition(4, 2) == [(0, 2), (2, 4)]
+    assert layer_partition(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]  # the remainder before the last
+    assert layer_partition(5, 1) == [(0, 5)]
+    assert layer_partition(6, 2, "1,5") == [(0, 1), (1, 6)]
+    with pytest.raises(ValueError, match="more than the model's 2 decoder layers"):
+        layer_partition(2, 3)
+    with pytest.raises(ValueError, match="adding up to the model's 6 layers"):
+        layer_partition(6, 2, "3,4")
+    with pytest.raises(ValueError, match="comma-separated"):
+        layer_partition(6, 2, "3;3")
+
+
+def test_pp2_equals_pp1_with_two_batches_in_flight(tied_llama_dir, prompts):
+    ref, (full_bytes,), ref_blocks, _ = run(tied_llama_dir, prompts)
+    out, rank_bytes, blocks, steps = run(tied_llama_dir, prompts, trace=True, pipeline_parallel_size=2)
+    assert out == ref
+    print(f"\nrank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}; KV blocks pp1 {ref_blocks}, pp2 {blocks}")
+    # Each stage: 2 of the 4 layers plus the embedding (first) or the LM head (last, tied).
+    assert len(rank_bytes) == 2 and all(0.5 * full_bytes < b < 0.6 * full_bytes for b in rank_bytes)
+    assert blocks in (2 * ref_blocks, 2 * ref_blocks + 1)  # half the layers: twice the blocks (floored)
+    # The micro-batch schedule: after some steps both virtual engines have a batch launched and
+    # not yet sampled, with disjoint sequences (stage 1 runs one while stage 0 runs the other).
+    both = [s for s in steps if len(s) == 2]
+    assert both, steps
+    for (engine_a, seqs_a), (engine_b, seqs_b) in both:
+        assert {engine_a, engine_b} == {0, 1} and not seqs_a & seqs_b
+    assert all(len(s) <= 2 for s in steps)
+
+
+def test_tp2_pp2_equals_pp1(tied_llama_dir, prompts):
+    ref, (full_bytes,), _, _ = run(tied_llama_dir, prompts[:3])
+    out, rank_bytes, _, _ = run(tied_llama_dir, prompts[:3], tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert out == ref
+    assert len(rank_bytes) == 4 and all(0.2 * full_bytes < b < 0.35 * full_bytes for b in rank_bytes)
+
+
+def test_pp2_on_smollm2_equals_pp1(smollm2_dir):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+    args = dict(max_model_len=256, num_kv_blocks=64)
+    ref, (full_bytes,), _, _ = run(smollm2_dir, prompts, **args)
+    out, rank_bytes, _, _ = run(smollm2_dir, prompts, pipeline_parallel_size=2, **args)
+    assert out == ref
+    print(f"\nSmolLM2 rank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}")
+    assert all(b < 0.75 * full_bytes for b in rank_bytes)
+
+
+def test_uneven_partition_from_the_environment(tied_llama_dir, prompts, monkeypatch):
+    monkeypatch.setenv(PARTITION_ENV, "1,3")
+    ref, (full_bytes,), _, _ = run(tied_llama_dir, prompts[:2])
+    out, (first, last), _, _ = run(tied_llama_dir, prompts[:2], pipeline_parallel_size=2)
+    assert out == ref and first < last
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--pp", "5"], "--pipeline-parallel-size 5 is more than the model's 4 decoder layers "
+                    "(each stage needs at least one)"),
+    (["--pp", "0"], "pipeline_parallel_size must be >= 1, got 0"),
+])
+def test_cli_bad_pp_one_line(tied_llama_dir, args, message):
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(tied_llama_dir),
+                             *args, "hello"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]
