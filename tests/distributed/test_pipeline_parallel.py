@@ -111,3 +111,27 @@ def test_cli_bad_pp_one_line(tied_llama_dir, args, message):
                              *args, "hello"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]
+
+
+def test_abort_while_in_flight(tied_llama_dir):
+    """Requests aborted while their batch is in a later stage: the others finish with pp=1's
+    tokens, and no KV block is left in use."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
+    with LLM(model=str(tied_llama_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1) as llm:
+        ref = [o.outputs[0].token_ids for o in
+               llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], GREEDY, use_tqdm=False)]
+    with LLM(model=str(tied_llama_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1,
+             pipeline_parallel_size=2) as llm:
+        engine = llm.llm_engine
+        for index, prompt in enumerate(prompts):
+            engine.add_request(str(index), {"prompt_token_ids": prompt}, GREEDY)
+        assert [engine.requests[str(i)].seqs[0].virtual_engine for i in range(4)] == [0, 1, 0, 1]
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            steps += 1
+            if steps == 3:
+                assert all(engine.in_flight)
+                engine.abort_request(["0", "1"])  # one in each virtual engine, both in flight
+        assert [finished.get("2"), finished.get("3")] == ref and "0" not in finished
+        assert engine.stats().kv_cache_usage == 0.0
