@@ -5,7 +5,9 @@ A model builds its layers with `make_layers`: the layers of other stages are `PP
 (no parameters, no KV cache) and the weight loader skips their tensors (`is_missing_parameter`).
 The embedding lives on the first stage, the final norm and LM head on the last; a model marks the
 others with `PPMissingLayer` too. Stage k sends (hidden, residual) to stage k+1's rank with the
-same tp rank; the last stage's tp rank 0 sends the sampled rows' logits to the driver (rank 0).
+same tp rank; the last stage's tp rank 0 sends the sampled rows' logits to the driver (rank 0),
+which samples (the per-request sampling state lives there), or only their argmax when the whole
+step is plain greedy.
 Messages are tagged with the step's virtual engine, so the hand-offs of micro-batches in flight
 at once never match the wrong receive.
 """
@@ -128,12 +130,13 @@ def recv_intermediate(num_tokens: int, hidden_size: int, dtype: torch.dtype, dev
     return message[0], message[1]
 
 
-def send_logits(logits: torch.Tensor, tag: int):
-    logits = logits.contiguous()
-    return logits, dist.isend(logits, dst=0, tag=tag)
+def send_to_driver(result: torch.Tensor, tag: int):
+    """The last stage's logits (or greedy token ids) of a step, to the driver."""
+    result = result.contiguous()
+    return result, dist.isend(result, dst=0, tag=tag)
 
 
-def irecv_logits(num_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device, tag: int):
-    """On the driver: post the receive of a step's logits from the last stage; (buffer, work)."""
-    logits = torch.empty((num_rows, vocab_size), dtype=dtype, device=device)
-    return logits, dist.irecv(logits, src=last_stage_leader(), tag=tag)
+def irecv_from_last_stage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tag: int):
+    """On the driver: post the receive of a step's logits (or token ids); (buffer, work)."""
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    return buffer, dist.irecv(buffer, src=last_stage_leader(), tag=tag)

@@ -24,6 +24,7 @@ from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
+from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
@@ -79,6 +80,7 @@ class InFlightStep:
     model_input: object  # ModelInput
     launched: object  # engine/pipeline_stage.LaunchedStep
     started: float
+    sampling: object = None  # its SamplingBatch, built at launch
 
 
 @dataclass(eq=False)
@@ -194,7 +196,7 @@ class LLMEngine:
         if self.dead_reason is None:
             try:
                 for in_flight in filter(None, self.in_flight):  # pipelined steps still in flight
-                    self.runner.pipeline.wait_logits(in_flight.launched)
+                    self.runner.pipeline.wait(in_flight.launched)
                 self.runner.shutdown()
             except Exception:  # a rank already gone: nothing to tell it
                 pass
@@ -401,15 +403,27 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         in_flight, self.in_flight[virtual_engine] = self.in_flight[virtual_engine], None
         if in_flight is not None:
-            logits = self.runner.pipeline.wait_logits(in_flight.launched)
-            outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, logits, in_flight.started)
+            received = self.runner.pipeline.wait(in_flight.launched)
+            if in_flight.launched.tokens_only:
+                result = SamplerOutput(received, None, None, None)
+                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, None, in_flight.started,
+                                            result=result)
+            else:
+                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, received,
+                                            in_flight.started, sampling=in_flight.sampling)
         scheduled = self.schedulers[virtual_engine].schedule()
         if scheduled:
             started = time.time()
             offset = virtual_engine * self.block_manager.num_blocks
             model_input = self.runner.prepare(scheduled, block_offset=offset)
-            launched = self.runner.pipeline.launch(model_input, virtual_engine)
-            self.in_flight[virtual_engine] = InFlightStep(scheduled, model_input, launched, started)
+            # Built now (nothing it reads changes while in flight): a plain greedy step only
+            # needs the last stage's argmax, not its logits.
+            sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
+                                            self.model_config.vocab_size, self.eos_token_ids, self.generator)
+            tokens_only = (sampling is not None and sampling.plain_greedy
+                           and not model_input.prompt_logprob_seqs)
+            launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
+            self.in_flight[virtual_engine] = InFlightStep(scheduled, model_input, launched, started, sampling)
         return outputs
 
     def _run_step(self, scheduled) -> list[RequestOutput]:
@@ -418,13 +432,17 @@ class LLMEngine:
         logits = self.runner.forward(model_input)
         return self._finish_step(scheduled, model_input, logits, now)
 
-    def _finish_step(self, scheduled, model_input, logits, now: float) -> list[RequestOutput]:
-        """Sample and append the tokens. With pipeline parallelism a request may have been
-        aborted while its step was in flight: its sequences are skipped."""
-        # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
-        sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
-                                        self.model_config.vocab_size, self.eos_token_ids, self.generator)
-        result = self.runner.sample(logits, sampling, model_input)
+    def _finish_step(self, scheduled, model_input, logits, now: float, sampling=None,
+                     result: SamplerOutput | None = None) -> list[RequestOutput]:
+        """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
+        parallelism a request may have been aborted while its step was in flight: its sequences
+        are skipped."""
+        if result is None:
+            if sampling is None:
+                # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
+                sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
+                                                self.model_config.vocab_size, self.eos_token_ids, self.generator)
+            result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq

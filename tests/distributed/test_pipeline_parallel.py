@@ -13,6 +13,7 @@ from tests.conftest import write_random_llama
 from tests.engine.test_engine_tiny import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, seed=7, logprobs=2, max_tokens=6, ignore_eos=True)
 KV_GIB = 0.001  # a fixed KV budget: a stage holding half the layers holds twice the blocks
 
 
@@ -27,9 +28,9 @@ def prompts():
     return [{"prompt_token_ids": p} for p in random_prompts(6, 300, seed=21)]
 
 
-def run(model_dir, prompts, trace: bool = False, **engine_args):
+def run(model_dir, prompts, trace: bool = False, sampled: bool = False, **engine_args):
     """Greedy token ids, each rank's weight bytes, the KV blocks per stage, and (trace) the
-    batches in flight after every step as [(virtual engine, its sequence ids)]."""
+    batches in flight after every step as [(virtual engine, its sequence ids, tokens only)]."""
     with LLM(model=str(model_dir), dtype="float32", kv_cache_memory=KV_GIB, cpu_threads=1, **engine_args) as llm:
         engine = llm.llm_engine
         steps = []
@@ -38,13 +39,16 @@ def run(model_dir, prompts, trace: bool = False, **engine_args):
 
             def traced_step():
                 outputs = step()
-                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduled})
-                              for f in engine.in_flight if f is not None])
+                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduled},
+                               f.launched.tokens_only) for f in engine.in_flight if f is not None])
                 return outputs
             engine.step = traced_step
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        return ([o.outputs[0].token_ids for o in outputs], list(engine.runner.rank_weight_bytes),
-                engine.runner.num_kv_blocks, steps)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        if sampled:  # the last stage sends the logits (not only the argmax): sampled at the driver
+            outputs = llm.generate(prompts, SAMPLED, use_tqdm=False)
+            tokens += [(o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs]) for o in outputs]
+        return tokens, list(engine.runner.rank_weight_bytes), engine.runner.num_kv_blocks, steps
 
 
 def test_layer_partition():
@@ -61,8 +65,9 @@ def test_layer_partition():
 
 
 def test_pp2_equals_pp1_with_two_batches_in_flight(tied_llama_dir, prompts):
-    ref, (full_bytes,), ref_blocks, _ = run(tied_llama_dir, prompts)
-    out, rank_bytes, blocks, steps = run(tied_llama_dir, prompts, trace=True, pipeline_parallel_size=2)
+    ref, (full_bytes,), ref_blocks, _ = run(tied_llama_dir, prompts, sampled=True)
+    out, rank_bytes, blocks, steps = run(tied_llama_dir, prompts, trace=True, sampled=True,
+                                         pipeline_parallel_size=2)
     assert out == ref
     print(f"\nrank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}; KV blocks pp1 {ref_blocks}, pp2 {blocks}")
     # Each stage: 2 of the 4 layers plus the embedding (first) or the LM head (last, tied).
@@ -72,9 +77,11 @@ def test_pp2_equals_pp1_with_two_batches_in_flight(tied_llama_dir, prompts):
     # not yet sampled, with disjoint sequences (stage 1 runs one while stage 0 runs the other).
     both = [s for s in steps if len(s) == 2]
     assert both, steps
-    for (engine_a, seqs_a), (engine_b, seqs_b) in both:
+    for (engine_a, seqs_a, _), (engine_b, seqs_b, _) in both:
         assert {engine_a, engine_b} == {0, 1} and not seqs_a & seqs_b
     assert all(len(s) <= 2 for s in steps)
+    # Greedy steps bring back token ids only; the seeded ones with logprobs bring the logits.
+    assert {tokens_only for s in steps for _, _, tokens_only in s} == {True, False}
 
 
 def test_tp2_pp2_equals_pp1(tied_llama_dir, prompts):
