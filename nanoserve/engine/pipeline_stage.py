@@ -65,14 +65,16 @@ class PipelineStage:
         header, payload = pack_step(model_input, self.device, virtual_engine, tokens_only)
         self._keep(header, dist.broadcast(header, src=0, async_op=True))
         self._keep(payload, dist.broadcast(payload, src=0, async_op=True))
+        self._run_stage(model_input, virtual_engine, None, tokens_only)
         launched = LaunchedStep(virtual_engine, tokens_only)
         num_rows = model_input.logits_indices.numel()
-        if num_rows:  # posted first, so the last stage's send never waits on the driver
+        if num_rows:
+            # Posted after the send to stage 1: NCCL runs one pair's sends and receives in order
+            # on one stream, and with 2 stages the last stage is that pair's other end.
             shape, dtype = (num_rows,), torch.long
             if not tokens_only:
                 shape, dtype = (num_rows, self.runner.model_config.vocab_size), self.runner.dtype
             launched.result, launched.receive = irecv_from_last_stage(shape, dtype, self.device, virtual_engine)
-        self._run_stage(model_input, virtual_engine, None, tokens_only)
         self.steps_launched += 1
         return launched
 
