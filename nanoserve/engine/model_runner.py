@@ -135,10 +135,6 @@ class ModelRunner:
         per_layer = 2 * self.block_size * attention.num_kv_heads * attention.head_dim * element
         return per_layer * len(layers)
 
-    @staticmethod
-    def pipeline_stage_index() -> int:
-        return get_pp_rank()
-
     def stage_layers(self) -> list[torch.nn.Module]:
         return real_layers(self.model.model.layers)
 
@@ -234,7 +230,7 @@ class ModelRunner:
             seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
             max_seqlen_q=seq_len, max_seqlen_k=seq_len)
         intermediate = None
-        if self.pipeline_stage_index() > 0:  # a later stage: the previous stage's (hidden, residual)
+        if get_pp_rank() > 0:  # a later stage: the previous stage's (hidden, residual)
             zeros = torch.zeros((tokens.numel(), self.model_config.hidden_size), dtype=self.dtype,
                                 device=self.device)
             intermediate = (zeros, zeros.clone())

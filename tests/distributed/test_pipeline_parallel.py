@@ -142,3 +142,18 @@ def test_abort_while_in_flight(tied_llama_dir):
                 engine.abort_request(["0", "1"])  # one in each virtual engine, both in flight
         assert [finished.get("2"), finished.get("3")] == ref and "0" not in finished
         assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_pp2_chunked_prefill_and_preemption_equal_pp1(tied_llama_dir):
+    """Prompts split into chunks (steps that sample nothing) and a pool small enough that each
+    virtual engine preempts: still pp=1's tokens."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 300, seed=4, min_len=20, max_len=40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for engine_args in (dict(num_kv_blocks=128), dict(num_kv_blocks=16, pipeline_parallel_size=2)):
+        with LLM(model=str(tied_llama_dir), dtype="float32", cpu_threads=1, max_num_batched_tokens=32,
+                 **engine_args) as llm:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            stats = llm.llm_engine.stats()
+    assert results[1] == results[0]
+    assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
