@@ -91,14 +91,19 @@ def test_tp2_pp2_equals_pp1(tied_llama_dir, prompts):
     assert len(rank_bytes) == 4 and all(0.2 * full_bytes < b < 0.35 * full_bytes for b in rank_bytes)
 
 
-def test_pp2_on_smollm2_equals_pp1(smollm2_dir):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
+@pytest.mark.slow  # 8 ranks in all on 2 cores: about 30 s
+def test_pp2_and_tp3_pp2_on_smollm2_equal_pp1(smollm2_dir):
+    """SmolLM2's 9 heads do not split in two: tensor parallelism with it is tp=3."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
     args = dict(max_model_len=256, num_kv_blocks=64)
     ref, (full_bytes,), _, _ = run(smollm2_dir, prompts, **args)
     out, rank_bytes, _, _ = run(smollm2_dir, prompts, pipeline_parallel_size=2, **args)
     assert out == ref
     print(f"\nSmolLM2 rank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}")
     assert all(b < 0.75 * full_bytes for b in rank_bytes)
+    out, rank_bytes, _, _ = run(smollm2_dir, prompts, tensor_parallel_size=3, pipeline_parallel_size=2, **args)
+    assert out == ref
+    assert len(rank_bytes) == 6 and all(b < 0.25 * full_bytes for b in rank_bytes)
 
 
 def test_uneven_partition_from_the_environment(tied_llama_dir, prompts, monkeypatch):
