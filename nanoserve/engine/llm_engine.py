@@ -26,6 +26,7 @@ from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -126,6 +127,7 @@ class LLMEngine:
         if self.model_config.sliding_window:
             max_len = min(max_len, self.model_config.sliding_window)
         torch.manual_seed(config.seed)
+        check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)
         self.workers: WorkerGroup | None = None
         self.dead_reason: str | None = None

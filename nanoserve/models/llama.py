@@ -107,6 +107,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_pipeline_parallel = True  # see models/registry.check_pipeline_support
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
