@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.distributed.pipeline import PARTITION_ENV, layer_partition
@@ -162,3 +163,11 @@ def test_pp2_chunked_prefill_and_preemption_equal_pp1(tied_llama_dir):
             stats = llm.llm_engine.stats()
     assert results[1] == results[0]
     assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_pp2_cuda_equals_pp1(tied_llama_dir, prompts):
+    """The NCCL path: stage hand-offs and the last stage's results between GPUs."""
+    ref, _, _, _ = run(tied_llama_dir, prompts, sampled=True, device="cuda")
+    out, _, _, steps = run(tied_llama_dir, prompts, trace=True, sampled=True, device="cuda", pipeline_parallel_size=2)
+    assert out == ref and any(len(s) == 2 for s in steps)
