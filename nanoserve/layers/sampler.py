@@ -30,6 +30,14 @@ class SamplingBatch:
     all_greedy: bool
     max_logprobs: int  # -1: none requested; 0: the sampled token's only; k: plus the top k
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The tokens are the logits' argmax and nothing else is asked for (pipeline parallelism
+        then takes the argmax on the last stage and sends only the token ids)."""
+        return (self.all_greedy and self.max_logprobs < 0 and self.logit_bias is None
+                and self.repetition_penalty is None and self.frequency_penalty is None
+                and self.presence_penalty is None)
+
 
 @dataclass(slots=True)
 class LogprobsTensors:
@@ -96,10 +104,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    plain_greedy = (batch.all_greedy and batch.max_logprobs < 0 and batch.logit_bias is None
-                    and batch.repetition_penalty is None and batch.frequency_penalty is None
-                    and batch.presence_penalty is None)
-    if plain_greedy:
+    if batch.plain_greedy:
         return SamplerOutput(greedy_argmax(logits), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
