@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from nanoserve.server.http import HttpLimits
+from nanoserve.server.http_types import HttpLimits
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import connect, is_closed, read_response, scrape_metrics
 
@@ -148,7 +148,7 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     body = json.dumps({"prompt": "x" * (2 * MB + 500 * 1024), "max_tokens": 1}).encode()
     holder = connect(port)
     holder.sendall(request_bytes(body)[: len(body) // 2])  # 2.5 MB declared, half sent
-    wait_for(lambda: server.http.buffered_body_bytes >= len(body), 10, "the reservation")
+    wait_for(lambda: server.http.state.buffered_body_bytes >= len(body), 10, "the reservation")
     # A second 2.5 MB body would hold 5 MB at once, over the 4 MB budget: 503 before its body.
     other = connect(port)
     other.sendall(request_bytes(body)[:200])
@@ -173,9 +173,9 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     status, _, raw = final_response(holder)
     assert status == 400 and b"maximum context length" in raw  # 2.5 MB of text: too long
     holder.close()
-    wait_for(lambda: server.http.buffered_body_bytes == 0, 10, "the budget to be released")
+    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 10, "the budget to be released")
     again = connect(port)
     again.sendall(request_bytes(body))
     assert final_response(again)[0] == 400  # admitted (and answered), no longer 503
     again.close()
-    wait_for(lambda: server.http.buffered_body_bytes == 0, 10, "the budget to be released")
+    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 10, "the budget to be released")

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from nanoserve.server.http import HttpLimits, HttpServer
-from nanoserve.server.http_types import Request, Response, StreamingResponse
+from nanoserve.server.http_server import HttpServer
+from nanoserve.server.http_types import HttpLimits, Request, Response, StreamingResponse
 
 from tests.server.server_helpers import connect, is_closed, read_response
 

@@ -1,11 +1,12 @@
-"""One HTTP/1.1 connection: httptools parsing, pipelining, limits, timers, backpressure.
+"""One HTTP/1.1 connection, the read half: httptools parsing, limits, keep-alive, pipelining.
 
-Complete requests queue in `pending` and are answered in order, one handler task at a time.
-Errors found while parsing (400, 408, 413, 431, 503) queue an error reply in order, then the
-connection closes. `connection_lost` cancels the running handler: that is how a disconnect
-reaches the OpenAI layer, which aborts its engine request. So reading goes on (bytes after the
-last request are discarded) until the answer is out: a paused socket would hide a disconnect.
-A client that half-closes after a complete request is still answered (`eof_received`).
+Complete requests queue in `pending` and are answered in order, one handler task at a time; the
+write half (framing, write backpressure) is `http_writer.ResponseWriter`. Errors found while
+parsing (400, 408, 413, 431, 503) queue an error reply in order, then the connection closes.
+`connection_lost` cancels the running handler: that is how a disconnect reaches the OpenAI layer,
+which aborts its engine request. So reading goes on (bytes after the last request are discarded)
+until the answer is out: a paused socket would hide a disconnect. A client that half-closes after
+a complete request is still answered (`eof_received`).
 
 Bounds: header bytes, body bytes (per request, and all bodies held at once across connections),
 the time to read one request, keep-alive idle time (not restarted by bytes that start no
@@ -17,14 +18,11 @@ import asyncio
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import httptools
 
-from nanoserve.server.http_types import Request, Response, StreamingResponse, encode_head
-
-if TYPE_CHECKING:
-    from nanoserve.server.http import HttpServer
+from nanoserve.server.http_types import Request, ServerState
+from nanoserve.server.http_writer import ResponseWriter
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -53,12 +51,13 @@ class _Partial:
     reserved: int = 0  # body bytes counted against the server-wide budget
 
 
-class HttpProtocol(asyncio.Protocol):
-    def __init__(self, server: "HttpServer") -> None:
-        self.server = server
-        self.app = server.app
-        self.limits = server.limits
-        self.loop = server.loop
+class HttpConnection(asyncio.Protocol):
+    writer: ResponseWriter  # from `connection_made` on
+
+    def __init__(self, state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = state
+        self.limits = state.limits
+        self.loop = loop
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.partial: _Partial | None = None
@@ -66,11 +65,8 @@ class HttpProtocol(asyncio.Protocol):
         self.pending: collections.deque[Request | _ErrorReply] = collections.deque()
         self.task: asyncio.Task | None = None
         self.reading_paused = False
-        self.write_paused = False
-        self.drain_waiters: list[asyncio.Future] = []
         self.idle_timer: asyncio.TimerHandle | None = None
         self.read_timer: asyncio.TimerHandle | None = None
-        self.write_timer: asyncio.TimerHandle | None = None
         self.probe_timer: asyncio.TimerHandle | None = None
         self.current_request: Request | None = None
         self.held_body_bytes = 0  # this connection's share of the server-wide body budget
@@ -78,24 +74,21 @@ class HttpProtocol(asyncio.Protocol):
         self.stop_parsing = False  # after an error reply or `Connection: close`
         self.closing = False  # shutting down: answer what is queued, then close
         self.lost = False
-        self.head_sent = False
 
     # ---- connection lifecycle ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        transport.set_write_buffer_limits(high=self.limits.write_high_water)
-        self.server.connections.add(self)
+        self.writer = ResponseWriter(transport, self.loop, self.limits, self.state.error_response,
+                                     self._on_write_timeout)
+        self.state.connections.add(self)
         self._arm_idle_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.server.connections.discard(self)
+        self.state.connections.discard(self)
         self._cancel_timers()
+        self.writer.connection_lost()  # wakes senders waiting on a drain
         self._release_body_bytes(self.held_body_bytes)
-        for waiter in self.drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self.drain_waiters.clear()
         self.pending.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the handler aborts its engine request
@@ -121,33 +114,17 @@ class HttpProtocol(asyncio.Protocol):
         if self.lost or self.transport is None or self.transport.is_closing():
             return
         request = self.current_request
-        if self.task is not None and not self.head_sent and request is not None \
+        if self.task is not None and not self.writer.head_sent and request is not None \
                 and request.http_version == "1.1":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.writer.write_continue()
         if self.task is not None or self.pending:
             self.probe_timer = self.loop.call_later(PEER_PROBE_INTERVAL, self._probe_peer)
 
     def pause_writing(self) -> None:
-        self.write_paused = True
-        if self.write_timer is None:
-            self.write_timer = self.loop.call_later(self.limits.write_timeout,
-                                                    self._on_write_timeout)
+        self.writer.pause()
 
     def resume_writing(self) -> None:
-        self.write_paused = False
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
-        for waiter in self.drain_waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self.drain_waiters.clear()
-
-    async def drain(self) -> None:
-        if self.write_paused and not self.lost:
-            waiter = self.loop.create_future()
-            self.drain_waiters.append(waiter)
-            await waiter
+        self.writer.resume()
 
     def data_received(self, data: bytes) -> None:
         if self.stop_parsing:
@@ -247,10 +224,10 @@ class HttpProtocol(asyncio.Protocol):
     # ---- helpers ----
     def _reserve_body_bytes(self, count: int) -> None:
         """Count body bytes against the server-wide budget, or refuse the request (503)."""
-        server = self.server
-        if server.buffered_body_bytes + count > self.limits.max_buffered_body_bytes:
+        state = self.state
+        if state.buffered_body_bytes + count > self.limits.max_buffered_body_bytes:
             self._fail(503, "The server holds too many request bodies right now. Retry later.")
-        server.buffered_body_bytes += count
+        state.buffered_body_bytes += count
         self.held_body_bytes += count
         assert self.partial is not None
         self.partial.reserved += count
@@ -258,7 +235,7 @@ class HttpProtocol(asyncio.Protocol):
     def _release_body_bytes(self, count: int) -> None:
         count = min(count, self.held_body_bytes)
         self.held_body_bytes -= count
-        self.server.buffered_body_bytes -= count
+        self.state.buffered_body_bytes -= count
 
     def _count_header_bytes(self, count: int) -> None:
         assert self.partial is not None
@@ -290,8 +267,7 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.resume_reading()
 
     def _send_continue(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.writer.write_continue()
         assert self.partial is not None
         self.partial.expect_continue = False
 
@@ -313,35 +289,17 @@ class HttpProtocol(asyncio.Protocol):
             self.reading_paused = False
             self.transport.resume_reading()
         if isinstance(item, _ErrorReply):
-            self._write_error(item.status, item.message)
+            self.writer.write_error(item.status, item.message)
             self._close()
             return
         self.current_request = item
-        self.head_sent = False
+        self.writer.head_sent = False
         self.task = self.loop.create_task(self._handle(item))
 
     async def _handle(self, request: Request) -> None:
         keep_alive = request.keep_alive
         try:
-            try:
-                response = await self.app(request)
-            except Exception:
-                logger.exception("Unhandled error in %s %s", request.method, request.path)
-                self._write_error(500, "Internal server error.")
-                keep_alive = False
-                return
-            keep_alive = keep_alive and not self.closing
-            self.head_sent = False
-            try:
-                if isinstance(response, StreamingResponse):
-                    keep_alive = await self._write_stream(request, response, keep_alive)
-                else:
-                    self._write_response(request, response, keep_alive)
-            except Exception:
-                logger.exception("Error while sending %s %s", request.method, request.path)
-                if not self.head_sent:
-                    self._write_error(500, "Internal server error.")
-                keep_alive = False
+            keep_alive = await self.writer.respond(request, self.state.app, lambda: self.closing)
         finally:
             self.task = None
             self._release_body_bytes(request.reserved_bytes)
@@ -350,62 +308,6 @@ class HttpProtocol(asyncio.Protocol):
                 self.pending.clear()
             if not self.lost:
                 self._dispatch()
-
-    def _write_response(self, request: Request, response: Response, keep_alive: bool) -> None:
-        if not keep_alive:
-            response.headers.append(("connection", "close"))
-        elif request.http_version == "1.0":
-            response.headers.append(("connection", "keep-alive"))
-        body = response.body
-        head = encode_head(request.http_version, response.status, response.headers,
-                           response.content_type, len(body), self.server.date_header())
-        if request.method == "HEAD" or response.status in (204, 304):
-            body = b""
-        self.head_sent = True
-        if not self.transport.is_closing():
-            self.transport.write(head + body)
-
-    async def _write_stream(self, request: Request, response: StreamingResponse,
-                            keep_alive: bool) -> bool:
-        chunked = request.http_version == "1.1"
-        keep_alive = keep_alive and chunked
-        headers = list(response.headers)
-        if chunked:
-            headers.append(("transfer-encoding", "chunked"))
-        if not keep_alive:
-            headers.append(("connection", "close"))
-        body = response.body
-        try:
-            head = encode_head(request.http_version, response.status, headers,
-                               response.content_type, None, self.server.date_header())
-        except Exception:
-            await body.aclose()
-            raise
-        self.head_sent = True
-        self.transport.write(head)
-        try:
-            async for chunk in body:
-                if not chunk or self.lost:
-                    continue
-                if chunked:
-                    self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-                else:
-                    self.transport.write(chunk)
-                await self.drain()
-        finally:
-            await body.aclose()
-        if chunked and not self.lost:
-            self.transport.write(b"0\r\n\r\n")
-        return keep_alive
-
-    def _write_error(self, status: int, message: str) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return
-        response = self.server.error_response(status, message)
-        response.headers.append(("connection", "close"))
-        head = encode_head("1.1", status, response.headers, response.content_type,
-                           len(response.body), self.server.date_header())
-        self.transport.write(head + response.body)
 
     def _close(self) -> None:
         self._cancel_timers()
@@ -430,17 +332,12 @@ class HttpProtocol(asyncio.Protocol):
     def _cancel_timers(self) -> None:
         self._cancel_idle_timer()
         self._cancel_read_timer()
-        if self.write_timer is not None:
-            self.write_timer.cancel()
-            self.write_timer = None
+        self.writer.cancel_timer()
         if self.probe_timer is not None:
             self.probe_timer.cancel()
             self.probe_timer = None
 
     def _on_write_timeout(self) -> None:
-        self.write_timer = None
-        if self.lost or not self.write_paused:
-            return
         logger.info("closing a connection whose reader took no data for %.0f s",
                     self.limits.write_timeout)
         self.abort()  # connection_lost follows: the handler is cancelled, its request aborted
