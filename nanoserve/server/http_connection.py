@@ -355,7 +355,8 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- shutdown ----
     def shutdown(self) -> None:
-        """Stop reading; close now if idle, else after the queued requests are answered."""
+        """Stop reading; close now if idle, else once the answer under way is sent (with
+        `Connection: close`; requests queued behind it are dropped, for the client to retry)."""
         self.closing = True
         self._stop_parsing()
         if self.task is None and not self.pending:
