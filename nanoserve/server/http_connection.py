@@ -1,26 +1,26 @@
-"""One HTTP/1.1 connection, the read half: httptools parsing, limits, keep-alive, pipelining.
+"""One HTTP/1.1 connection: keep-alive, pipelining, the timers, and the order of answers.
 
-Complete requests queue in `pending` and are answered in order, one handler task at a time; the
-write half (framing, write backpressure) is `http_writer.ResponseWriter`. Errors found while
-parsing (400, 408, 413, 431, 503) queue an error reply in order, then the connection closes.
-`connection_lost` cancels the running handler: that is how a disconnect reaches the OpenAI layer,
-which aborts its engine request. So reading goes on (bytes after the last request are discarded)
-until the answer is out: a paused socket would hide a disconnect. A client that half-closes after
-a complete request is still answered (`eof_received`).
+Bytes go to the `RequestParser` (http_parser.py: httptools, header and body limits, the
+server-wide body budget); the requests it completes queue in `pending` and are answered in order,
+one handler task at a time, through the `ResponseWriter` (http_writer.py: framing, write
+backpressure). Errors found while parsing (400, 408, 413, 431, 503) queue an error reply in order,
+then the connection closes. `connection_lost` cancels the running handler: that is how a
+disconnect reaches the OpenAI layer, which aborts its engine request. So reading goes on (bytes
+after the last request are discarded) until the answer is out: a paused socket would hide a
+disconnect. A client that half-closes after a complete request is still answered (`eof_received`).
 
-Bounds: header bytes, body bytes (per request, and all bodies held at once across connections),
-the time to read one request, keep-alive idle time (not restarted by bytes that start no
-request), and the time a send may wait for a reader that does not read (`write_timeout`).
+Timers: the time to read one request (408; it waits while reading is paused for pipelining), the
+keep-alive idle time (not restarted by bytes that start no request), and, after an EOF, a probe
+that tells a half-closed client from a gone one.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import httptools
-
+from nanoserve.server.http_parser import RequestParser
 from nanoserve.server.http_types import Request, ServerState
 from nanoserve.server.http_writer import ResponseWriter
 
@@ -29,26 +29,10 @@ logger = logging.getLogger("nanoserve.server")
 PEER_PROBE_INTERVAL = 0.5  # seconds between writes that check a client which sent EOF is there
 
 
-class _ParseFailure(Exception):
-    """Raised inside a parser callback to stop parsing after a limit was hit."""
-
-
 @dataclass(slots=True)
 class _ErrorReply:
     status: int
     message: str
-
-
-@dataclass(slots=True)
-class _Partial:
-    url: bytes = b""
-    headers: list[tuple[str, str]] = field(default_factory=list)
-    body: list[bytes] = field(default_factory=list)
-    body_bytes: int = 0
-    header_bytes: int = 0
-    expect_continue: bool = False
-    headers_done: bool = False
-    reserved: int = 0  # body bytes counted against the server-wide budget
 
 
 class HttpConnection(asyncio.Protocol):
@@ -58,10 +42,8 @@ class HttpConnection(asyncio.Protocol):
         self.state = state
         self.limits = state.limits
         self.loop = loop
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = RequestParser(state, self)
         self.transport: asyncio.Transport | None = None
-        self.partial: _Partial | None = None
-        self.raw_header_bytes = 0
         self.pending: collections.deque[Request | _ErrorReply] = collections.deque()
         self.task: asyncio.Task | None = None
         self.reading_paused = False
@@ -69,10 +51,9 @@ class HttpConnection(asyncio.Protocol):
         self.read_timer: asyncio.TimerHandle | None = None
         self.probe_timer: asyncio.TimerHandle | None = None
         self.current_request: Request | None = None
-        self.held_body_bytes = 0  # this connection's share of the server-wide body budget
         self.discarded_bytes = 0  # read after parsing stopped (only to notice a disconnect)
         self.stop_parsing = False  # after an error reply or `Connection: close`
-        self.closing = False  # shutting down: answer what is queued, then close
+        self.closing = False  # shutting down: finish the answer under way, then close
         self.lost = False
 
     # ---- connection lifecycle ----
@@ -88,7 +69,7 @@ class HttpConnection(asyncio.Protocol):
         self.state.connections.discard(self)
         self._cancel_timers()
         self.writer.connection_lost()  # wakes senders waiting on a drain
-        self._release_body_bytes(self.held_body_bytes)
+        self.parser.release_body_bytes(self.parser.held_body_bytes)
         self.pending.clear()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the handler aborts its engine request
@@ -133,128 +114,39 @@ class HttpConnection(asyncio.Protocol):
                 self.reading_paused = True  # a flood after the last request: stop reading it
                 self.transport.pause_reading()
             return
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # Protocol upgrades are not offered; answer what was parsed, then close.
-            self._stop_parsing()
-        except _ParseFailure:
-            pass
-        except httptools.HttpParserError as exc:
-            if isinstance(exc.__context__, _ParseFailure):
-                pass
-            else:
-                self._queue_error(400, "Invalid HTTP request received.")
-        else:
-            if self.partial is not None and not self.partial.headers_done:
-                # httptools buffers a header line until it ends, so count raw bytes as well.
-                self.raw_header_bytes += len(data)
-                if self.raw_header_bytes > self.limits.max_header_bytes:
-                    self._queue_error(431, "Request header fields too large.")
+        self.parser.feed(data)
         self._dispatch()
 
-    # ---- parser callbacks ----
-    def on_message_begin(self) -> None:
+    # ---- what the parser finds (ParseEvents) ----
+    def request_started(self) -> None:
         self._cancel_idle_timer()  # only a request ends idleness, not stray bytes (bare CRLFs)
-        self.partial = _Partial()
-        self.raw_header_bytes = 0
         if self.read_timer is None:
             self.read_timer = self.loop.call_later(
                 self.limits.request_read_timeout, self._on_read_timeout)
 
-    def on_url(self, url: bytes) -> None:
-        assert self.partial is not None
-        self.partial.url += url
-        self._count_header_bytes(len(url))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.partial is not None
-        self._count_header_bytes(len(name) + len(value) + 4)
-        self.partial.headers.append((name.decode("latin-1").lower(), value.decode("latin-1")))
-
-    def on_headers_complete(self) -> None:
-        partial = self.partial
-        assert partial is not None
-        partial.headers_done = True
-        for name, value in partial.headers:
-            if name == "content-length" and value.strip().isdigit():
-                if int(value) > self.limits.max_body_bytes:
-                    self._fail(413, "Request body too large.")
-                self._reserve_body_bytes(int(value))
-            elif name == "expect" and value.strip().lower() == "100-continue":
-                partial.expect_continue = True
-        if partial.expect_continue and self.task is None and not self.pending:
+    def continue_wanted(self) -> None:
+        if self.task is None and not self.pending:  # else once the answers before it are out
             self._send_continue()
 
-    def on_body(self, body: bytes) -> None:
-        partial = self.partial
-        assert partial is not None
-        partial.body_bytes += len(body)
-        if partial.body_bytes > self.limits.max_body_bytes:
-            self._fail(413, "Request body too large.")
-        if partial.body_bytes > partial.reserved:  # no Content-Length (chunked): as it comes
-            self._reserve_body_bytes(partial.body_bytes - partial.reserved)
-        partial.body.append(body)
-
-    def on_message_complete(self) -> None:
-        partial = self.partial
-        assert partial is not None
-        self.partial = None
+    def request_parsed(self, request: Request) -> None:
         self._cancel_read_timer()
-        keep_alive = self.parser.should_keep_alive() and not self.closing
-        url = partial.url.decode("latin-1")
-        path, _, query = url.partition("?")
-        request = Request(
-            method=self.parser.get_method().decode("ascii"),
-            path=path,
-            query=query,
-            http_version=self.parser.get_http_version(),
-            headers=partial.headers,
-            body=b"".join(partial.body),
-            keep_alive=keep_alive,
-            reserved_bytes=partial.reserved,
-        )
+        request.keep_alive = request.keep_alive and not self.closing
         self.pending.append(request)
-        if not keep_alive:
+        if not request.keep_alive:
             self._stop_parsing()
         elif len(self.pending) >= self.limits.max_pipelined_requests and not self.reading_paused:
             self.reading_paused = True
             self.transport.pause_reading()
 
+    def upgrade_requested(self) -> None:
+        self._stop_parsing()  # upgrades are not offered: answer what was parsed, then close
+
     # ---- helpers ----
-    def _reserve_body_bytes(self, count: int) -> None:
-        """Count body bytes against the server-wide budget, or refuse the request (503)."""
-        state = self.state
-        if state.buffered_body_bytes + count > self.limits.max_buffered_body_bytes:
-            self._fail(503, "The server holds too many request bodies right now. Retry later.")
-        state.buffered_body_bytes += count
-        self.held_body_bytes += count
-        assert self.partial is not None
-        self.partial.reserved += count
-
-    def _release_body_bytes(self, count: int) -> None:
-        count = min(count, self.held_body_bytes)
-        self.held_body_bytes -= count
-        self.state.buffered_body_bytes -= count
-
-    def _count_header_bytes(self, count: int) -> None:
-        assert self.partial is not None
-        self.partial.header_bytes += count
-        if self.partial.header_bytes > self.limits.max_header_bytes:
-            self._fail(431, "Request header fields too large.")
-
-    def _fail(self, status: int, message: str) -> None:
-        """From a parser callback: queue an error reply and stop the parser."""
-        self._queue_error(status, message)
-        raise _ParseFailure()
-
-    def _queue_error(self, status: int, message: str) -> None:
+    def queue_error(self, status: int, message: str) -> None:
         """Queue an error reply (answered in order, then the connection closes)."""
         if self.stop_parsing:
             return
-        if self.partial is not None:
-            self._release_body_bytes(self.partial.reserved)
-        self.partial = None
+        self.parser.drop_partial()
         self._cancel_read_timer()
         self.pending.append(_ErrorReply(status, message))
         self._stop_parsing()
@@ -268,8 +160,8 @@ class HttpConnection(asyncio.Protocol):
 
     def _send_continue(self) -> None:
         self.writer.write_continue()
-        assert self.partial is not None
-        self.partial.expect_continue = False
+        assert self.parser.partial is not None
+        self.parser.partial.expect_continue = False
 
     def _dispatch(self) -> None:
         """Start the next queued request if none is being answered."""
@@ -279,9 +171,10 @@ class HttpConnection(asyncio.Protocol):
             if self.stop_parsing or self.closing:
                 self._close()
                 return
-            if self.partial is not None and self.partial.expect_continue:
+            partial = self.parser.partial
+            if partial is not None and partial.expect_continue:
                 self._send_continue()
-            if self.partial is None:
+            if partial is None:
                 self._arm_idle_timer()
             return
         item = self.pending.popleft()
@@ -302,7 +195,7 @@ class HttpConnection(asyncio.Protocol):
             keep_alive = await self.writer.respond(request, self.state.app, lambda: self.closing)
         finally:
             self.task = None
-            self._release_body_bytes(request.reserved_bytes)
+            self.parser.release_body_bytes(request.reserved_bytes)
             if not keep_alive:
                 self.stop_parsing = True
                 self.pending.clear()
@@ -344,13 +237,13 @@ class HttpConnection(asyncio.Protocol):
 
     def _on_read_timeout(self) -> None:
         self.read_timer = None
-        if self.partial is None or self.lost:
+        if self.parser.partial is None or self.lost:
             return
         if self.reading_paused:  # our own pipelining pause: not the client's fault
             self.read_timer = self.loop.call_later(
                 self.limits.request_read_timeout, self._on_read_timeout)
             return
-        self._queue_error(408, "Timed out reading the request.")
+        self.queue_error(408, "Timed out reading the request.")
         self._dispatch()
 
     # ---- shutdown ----

@@ -1,8 +1,8 @@
 """A small HTTP/1.1 server on asyncio + httptools: listen, track connections, shut down gracefully.
 
-One `HttpConnection` per connection (http_connection.py: parsing, limits, keep-alive, pipelining)
-answers its requests in order through a `ResponseWriter` (http_writer.py: framing, write
-backpressure). The handler (`App`) returns a `Response` or a `StreamingResponse`; a client that
+One `HttpConnection` per connection (http_connection.py: keep-alive, pipelining, timers) reads
+requests through a `RequestParser` (http_parser.py: httptools, header and body limits) and answers
+them in order through a `ResponseWriter` (http_writer.py: framing, write backpressure). The handler (`App`) returns a `Response` or a `StreamingResponse`; a client that
 goes away cancels its handler task, which is how the OpenAI layer learns to abort the engine
 request. Limits: header bytes (431), body bytes (413), the time allowed to read one request (408),
 the keep-alive idle time, the request bodies held at once across all connections (503), and write

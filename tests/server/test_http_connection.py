@@ -685,6 +685,25 @@ async def test_bodies_held_at_once_across_connections_are_bounded():
 
 
 @run_async
+async def test_a_refused_body_is_released_at_once_though_the_connection_stays_open():
+    # The 413 waits behind the answer under way; the bytes it held must not wait with it.
+    routes = Routes()
+    state = new_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
+    client = Client(state)
+    client.send(get("/wait"))
+    await client.until(lambda: routes.started == ["/wait"], "the handler")
+    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"190\r\n" + b"a" * 400 + b"\r\n")
+    assert state.buffered_body_bytes == 400
+    client.send(b"259\r\n" + b"a" * 601 + b"\r\n")  # 1001: over the limit
+    assert state.buffered_body_bytes == 0 and not client.closed
+    routes.release.set()
+    await client.settled()
+    assert client.transport.take() == reply("200 OK", b"waited") + TOO_LARGE_413
+    assert client.closed
+
+
+@run_async
 async def test_a_disconnect_releases_the_body_budget():
     routes = Routes()
     state = new_state(routes, max_buffered_body_bytes=1500)
