@@ -2,12 +2,12 @@
 
 One `HttpConnection` per connection (http_connection.py: keep-alive, pipelining, timers) reads
 requests through a `RequestParser` (http_parser.py: httptools, header and body limits) and answers
-them in order through a `ResponseWriter` (http_writer.py: framing, write backpressure). The handler (`App`) returns a `Response` or a `StreamingResponse`; a client that
-goes away cancels its handler task, which is how the OpenAI layer learns to abort the engine
-request. Limits: header bytes (431), body bytes (413), the time allowed to read one request (408),
-the keep-alive idle time, the request bodies held at once across all connections (503), and write
-backpressure (a stream waits for the socket to drain instead of buffering, for at most the write
-timeout).
+them in order through a `ResponseWriter` (http_writer.py: framing, write backpressure). The
+handler (`App`) returns a `Response` or a `StreamingResponse`; a client that goes away cancels its
+handler task, which is how the OpenAI layer learns to abort the engine request. Limits: header
+bytes (431), body bytes (413), the time allowed to read one request (408), the keep-alive idle
+time, the request bodies held at once across all connections (503), and write backpressure (a
+stream waits for the socket to drain instead of buffering, for at most the write timeout).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import asyncio
 from typing import Callable
 
 from nanoserve.server.http_connection import HttpConnection
-from nanoserve.server.http_types import App, ErrorResponse, HttpLimits, ServerState, plain_error
+from nanoserve.server.http_types import (App, ErrorResponse, HttpLimits, ServerState,
+                                         plain_error)
 
 
 class HttpServer:
