@@ -7,6 +7,7 @@ import os
 import sys
 
 from nanoserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from nanoserve.server.args import add_server_args
 
 SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
 
@@ -174,12 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench,import-model}")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
     add_engine_args(serve)
-    try:
-        from nanoserve.server.args import add_server_args
-    except ImportError:  # the server's packages are optional on a kernels-only machine
-        add_server_args = None
-    if add_server_args is not None:
-        add_server_args(serve)
+    add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
     generate = sub.add_parser("generate", help="complete prompts offline and print the results")
     add_engine_args(generate)

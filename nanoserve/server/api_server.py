@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ServerOptions
-from nanoserve.server.http import HttpServer
+from nanoserve.server.http_server import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import ServingContext, load_generation_defaults
 from nanoserve.server.preprocess import Preprocessor
