@@ -112,8 +112,6 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings {max_len}")
             max_len = config.max_model_len
-        if self.model_config.sliding_window:
-            max_len = min(max_len, self.model_config.sliding_window)
         torch.manual_seed(config.seed)
         self.topology = check_topology(config, self.model_config)
         self.workers: WorkerGroup | None = None

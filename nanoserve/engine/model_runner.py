@@ -112,8 +112,6 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         """The longest sequence a step can hold (the engine lowers its limit the same way)."""
         longest = self.config.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            longest = min(longest, self.model_config.sliding_window)
         return min(longest, self.num_kv_blocks * self.block_size)
 
     def make_decode_graphs(self, capture: bool | None = None) -> DecodeGraphs:

@@ -6,13 +6,20 @@ from pathlib import Path
 import torch
 
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.phi3 import Phi3ForCausalLM
+from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.weights import load_weights
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -1,0 +1,90 @@
+"""Qwen3, Phi-3, Gemma 2 / 3 and Mistral (sliding window) against transformers: greedy fp32
+tokens equal for prompts shorter and longer than the window, alone and batched, with chunked
+prefill, and with the chat template the checkpoint ships."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.models.config import ModelConfig
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.test_engine_tiny import random_prompts
+from tests.models.family_checkpoints import WINDOW, write_random_checkpoint
+
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+FAMILIES = ["qwen3", "phi3", "phi3-partial-rotary", "gemma2", "gemma3", "mistral"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory):
+    return request.param, write_random_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def load_hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def generate_ids(llm, prompts):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_matches_transformers(family_dir):
+    family, model_dir = family_dir
+    hf_model = load_hf(model_dir)
+    vocab = hf_model.config.vocab_size
+    # Shorter than the window, and up to 3x longer (then the window slides during decode too).
+    prompts = random_prompts(2, vocab, seed=5, min_len=5, max_len=WINDOW - 8)
+    prompts += random_prompts(2, vocab, seed=6, min_len=WINDOW + 5, max_len=3 * WINDOW)
+    expected = [hf_greedy(hf_model, prompt, NUM_TOKENS) for prompt in prompts]
+    # max_num_batched_tokens=32: the long prompts are prefilled in chunks.
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
+    assert generate_ids(llm, prompts) == expected, family
+    assert generate_ids(llm, prompts[3:]) == expected[3:]
+    assert llm.llm_engine.max_model_len == 512  # no cap at the window any more
+
+
+def test_chat_template_from_the_checkpoint(family_dir):
+    from transformers import AutoTokenizer
+
+    family, model_dir = family_dir
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ("<start_of_turn>model" in prompt) == family.startswith("gemma")
+    prompt_ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=32)
+    out = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt_ids
+    assert out.outputs[0].token_ids == hf_greedy(load_hf(model_dir), prompt_ids, NUM_TOKENS)
+
+
+def test_layer_types_and_windows(family_dir):
+    family, model_dir = family_dir
+    config = ModelConfig.from_dir(model_dir)
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    if family == "qwen3":
+        assert windows == [None, None]
+    elif family.startswith("gemma"):
+        assert windows == [WINDOW, None, WINDOW, None]
+    else:
+        assert windows == [WINDOW] * config.num_hidden_layers
+
+
+def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPTNeoXForCausalLM"]}))
+    with pytest.raises(ValueError) as error:
+        ModelConfig.from_dir(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "unsupported architecture GPTNeoXForCausalLM" in message
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                 "Gemma3ForCausalLM", "MistralForCausalLM"):
+        assert name in message
