@@ -23,9 +23,18 @@ MODEL_CLASSES = {
 }
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path) -> torch.nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path,
+                max_model_len: int | None = None) -> torch.nn.Module:
+    """`max_model_len`: no sequence is longer. A sliding window at least that long never leaves
+    a key out, so such layers drop it and keep the fast kernels (the CPU's C++ attention and
+    fused decode step; Mistral's 4,096-token window when serving up to 4,096 tokens)."""
     model_class = MODEL_CLASSES[config.architecture]
     with torch.device(device):
         model = model_class(config, dtype)
+    if max_model_len is not None:
+        for layer in model.model.layers:
+            attention = layer.self_attn.attn
+            if attention.sliding_window is not None and attention.sliding_window >= max_model_len:
+                attention.sliding_window = None
     load_weights(model, model_dir)
     return model.eval()

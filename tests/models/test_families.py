@@ -88,3 +88,15 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
     for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                  "Gemma3ForCausalLM", "MistralForCausalLM"):
         assert name in message
+
+
+def test_window_no_shorter_than_max_model_len_is_dropped(tmp_path):
+    """Such a window never leaves a key out: the layers keep Llama's fast kernels."""
+    model_dir = write_random_checkpoint(tmp_path / "mistral", "mistral")
+
+    def windows(max_model_len):
+        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=max_model_len)
+        return [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.runner.model.model.layers]
+
+    assert windows(WINDOW) == [None, None]
+    assert windows(WINDOW + 1) == [WINDOW, WINDOW]
