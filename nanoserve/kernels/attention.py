@@ -424,20 +424,43 @@ def _soft_cap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores
 
 
+def _gather_window(key_cache, value_cache, block_table, seq_lens, window):
+    """Like _gather_valid for decodes under a sliding window: only the blocks that hold a
+    sequence's last `window` keys (its query sits at seq_len - 1), so a step reads O(window)
+    keys, not the whole context; the mask also covers keys before the window."""
+    block_size = key_cache.shape[1]
+    width = block_table.shape[1]
+    num_blocks = min(-(-(window - 1) // block_size) + 1, width)
+    first_block = (seq_lens - window).clamp(min=0) // block_size
+    steps = torch.arange(num_blocks, device=seq_lens.device)
+    # Columns past the table only come with positions past seq_len, which are masked.
+    columns = (first_block[:, None] + steps[None, :]).clamp(max=width - 1)
+    table = block_table.long().gather(1, columns)
+    max_k = num_blocks * block_size
+    keys = _gather_cache(key_cache, table, max_k)
+    values = _gather_cache(value_cache, table, max_k)
+    positions = first_block[:, None] * block_size + torch.arange(max_k, device=seq_lens.device)[None, :]
+    invalid = (positions >= seq_lens[:, None]) | (positions < seq_lens[:, None] - window)
+    invalid_rows = invalid.nonzero(as_tuple=True)  # zeroed: unwritten slots may hold NaN
+    keys.transpose(1, 2).index_put_(invalid_rows, keys.new_zeros(()))
+    values.transpose(1, 2).index_put_(invalid_rows, values.new_zeros(()))
+    return keys, values, invalid
+
+
 def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
                       sliding_window=None, softcap=None):
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
+    if sliding_window:
+        keys, values, invalid = _gather_window(key_cache, value_cache, block_table, seq_lens, sliding_window)
+    else:
+        keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
     max_k = keys.shape[2]
     batch = num_seqs * num_kv_heads
     q = query.reshape(batch, group, head_dim)
     scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
     scores = _soft_cap_(scores, softcap).view(num_seqs, num_kv_heads, group, max_k)
-    if sliding_window:  # the query sits at position seq_len - 1
-        key_positions = torch.arange(max_k, device=query.device)
-        invalid = invalid | (key_positions[None, :] <= seq_lens[:, None] - 1 - sliding_window)
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
     out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))

@@ -18,13 +18,14 @@ def batch_of(dtype, device, group=2, seed=0):
                             block_size=8, dtype=dtype, device=device, seed=seed)
 
 
-@pytest.mark.parametrize("window,softcap", [(7, None), (16, None), (None, 5.0), (7, 2.0), (1, None)])
+@pytest.mark.parametrize("window,softcap", [(7, None), (12, None), (16, None), (None, 5.0), (7, 2.0), (1, None)])
 def test_reference_matches_naive_loop(window, softcap):
     batch = batch_of(torch.float32, torch.device("cpu"))
     expected = naive_paged_attention(batch, sliding_window=window, softcap=softcap)
     actual = paged_attention_reference(*batch.args(), sliding_window=window, softcap=softcap)
     torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
-    # Decode rows alone (the batched-GEMM decode path).
+    # Decode rows alone (the batched-GEMM decode path; under a window it reads the window's
+    # blocks only, and a window of 12 at position 45 reaches past the last block of the table).
     decode = make_paged_batch([1, 1], [45, 3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
                               dtype=torch.float32, device=torch.device("cpu"), seed=1)
     expected = naive_paged_attention(decode, sliding_window=window, softcap=softcap)
