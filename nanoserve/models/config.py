@@ -80,6 +80,10 @@ class ModelConfig:
             rope_theta = rope_parameters.get("rope_theta")
             if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
                 rope_scaling = rope_parameters
+        if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling:
+            original = raw.get("original_max_position_embeddings")  # Phi-3's LongRoPE keeps it outside
+            if original is not None:
+                rope_scaling = {**rope_scaling, "original_max_position_embeddings": original}
         partial_rotary = raw.get("partial_rotary_factor")
         if partial_rotary is None and isinstance(rope_parameters, dict):
             partial_rotary = rope_parameters.get("partial_rotary_factor")

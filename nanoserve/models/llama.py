@@ -117,7 +117,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos_sin = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # below head_dim: Phi-4-mini
+        cos_sin = build_cos_sin_cache(rotary_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 

@@ -1,12 +1,13 @@
 """Phi-3 / Phi-4-mini: Llama's layers from a checkpoint whose q/k/v and gate/up projections are
 already fused (``qkv_proj``, ``gate_up_proj``); each rank takes its heads' rows of every part
 (layers/linear.py, shard ids "qkv" and "fused"). A partial_rotary_factor below 1 (Phi-4-mini)
-rotates only the first part of each head."""
+rotates only the first part of each head (LlamaForCausalLM builds the cos/sin cache that wide);
+LongRoPE scaling is kernels/rotary.py's."""
 from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels import apply_rotary, build_cos_sin_cache
+from nanoserve.kernels import apply_rotary
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -50,10 +51,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         "qkv_proj": ("qkv_proj", "qkv"),
         "gate_up_proj": ("gate_up_proj", "fused"),
     }
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
-        super().__init__(config, dtype)
-        if rotary_dim(config) != config.head_dim:
-            cos_sin = build_cos_sin_cache(rotary_dim(config), config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling)
-            self.register_buffer("cos_sin_cache", cos_sin, persistent=False)

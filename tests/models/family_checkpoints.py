@@ -14,6 +14,9 @@ GEMMA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
 
 WINDOW = 24  # shorter than the long test prompts, longer than the short ones
+LONGROPE_SWITCH = 128  # longer than every test sequence (transformers switches a whole forward)
+SHORT_FACTOR = [1.0, 1.3, 1.9, 2.6, 3.1, 4.0]  # head_dim 16 * 0.75 / 2 frequencies
+LONG_FACTOR = [1.5, 2.5, 4.0, 6.0, 9.0, 12.0]
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
@@ -30,9 +33,11 @@ def _configs(family: str, specials: dict, vocab: int):
                                 sliding_window=WINDOW), hf.MistralForCausalLM
     if family == "phi3":
         return hf.Phi3Config(**SHAPE, **ids, num_hidden_layers=2, sliding_window=WINDOW), hf.Phi3ForCausalLM
-    if family == "phi3-partial-rotary":  # Phi-4-mini's layout: rotary on the first half of a head
+    if family == "phi4-mini":  # rotary on the first 3/4 of a head, LongRoPE (below its switch point)
         config = hf.Phi3Config(**SHAPE, **ids, num_hidden_layers=2, sliding_window=WINDOW,
-                               partial_rotary_factor=0.5)
+                               partial_rotary_factor=0.75, original_max_position_embeddings=LONGROPE_SWITCH,
+                               rope_scaling={"type": "longrope", "short_factor": SHORT_FACTOR,
+                                             "long_factor": LONG_FACTOR})
         return config, hf.Phi3ForCausalLM
     gemma = dict(SHAPE, tie_word_embeddings=True)
     layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]

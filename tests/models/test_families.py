@@ -14,7 +14,7 @@ from tests.models.family_checkpoints import WINDOW, write_random_checkpoint
 
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-FAMILIES = ["qwen3", "phi3", "phi3-partial-rotary", "gemma2", "gemma3", "mistral"]
+FAMILIES = ["qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "mistral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -100,3 +100,24 @@ def test_window_no_shorter_than_max_model_len_is_dropped(tmp_path):
 
     assert windows(WINDOW) == [None, None]
     assert windows(WINDOW + 1) == [WINDOW, WINDOW]
+
+
+def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
+    """Past original_max_position_embeddings the cache holds the long factors' rotation, times
+    the attention factor, as transformers computes for a sequence that long."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from nanoserve.kernels.rotary import build_cos_sin_cache
+    from tests.models.family_checkpoints import LONG_FACTOR, LONGROPE_SWITCH, SHORT_FACTOR
+
+    rope = {"type": "longrope", "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR}
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                        original_max_position_embeddings=LONGROPE_SWITCH, partial_rotary_factor=0.75,
+                        rope_scaling=rope)
+    ours = build_cos_sin_cache(12, 512, 10000.0, {**rope, "original_max_position_embeddings": LONGROPE_SWITCH})
+    positions = torch.arange(512)[None]
+    cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
+    long = slice(LONGROPE_SWITCH, 512)
+    torch.testing.assert_close(ours[long, :6], cos[0, long, :6], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours[long, 6:], sin[0, long, :6], atol=1e-4, rtol=1e-4)
