@@ -40,7 +40,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     sliding_window: int | None
-    # Per layer, SLIDING or FULL (config.json's layer_types, else each family's rule).
+    # Per layer, SLIDING or FULL (config.json's layer_types, else each family's rule); empty:
+    # every layer has sliding_window.
     layer_types: list[str] = field(default_factory=list)
     partial_rotary_factor: float = 1.0  # Phi-3 / Phi-4-mini: rotary on the first part of each head
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
@@ -50,7 +51,7 @@ class ModelConfig:
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
-        if not self.sliding_window or self.layer_types[index] != SLIDING:
+        if not self.sliding_window or (self.layer_types and self.layer_types[index] != SLIDING):
             return None
         return int(self.sliding_window)
 
