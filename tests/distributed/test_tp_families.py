@@ -1,4 +1,4 @@
-"""Tensor parallelism (gloo on CPU, 2 ranks) for the new families: greedy tokens equal
+"""Tensor parallelism (gloo on CPU, 2 ranks) for the new families and windowed Mistral: greedy tokens equal
 transformers' for prompts shorter and longer than the sliding window, and each rank holds
 about half the weights (Phi-3's fused qkv_proj / gate_up_proj split by heads and rows)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tests.models.family_checkpoints import WINDOW, write_random_checkpoint
 from tests.models.test_families import load_hf
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "mistral"])
 def test_tp2_matches_transformers_and_splits_weights(family, tmp_path):
     model_dir = write_random_checkpoint(tmp_path / family, family)
     hf_model = load_hf(model_dir)
