@@ -121,3 +121,36 @@ def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
     long = slice(LONGROPE_SWITCH, 512)
     torch.testing.assert_close(ours[long, :6], cos[0, long, :6], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ours[long, 6:], sin[0, long, :6], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    # Gemma 3 1B as exported before layer_types: rope bases side by side, a 6-layer pattern.
+    ({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7, "sliding_window": 512,
+      "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+      "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256},
+     dict(windows=[512] * 5 + [None, 512], rope_theta=1000000.0, rope_local_base_freq=10000.0,
+          hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256)),
+    # Gemma 2: even layers slide.
+    ({"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 3, "sliding_window": 4096,
+      "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+     dict(windows=[4096, None, 4096], attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    # Phi-3 128k: LongRoPE with original_max_position_embeddings outside rope_scaling.
+    ({"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "sliding_window": 262144,
+      "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     dict(windows=[262144] * 2, rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
+                                               "original_max_position_embeddings": 4096})),
+    # Qwen2.5: a sliding_window with use_sliding_window false is no window.
+    ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "sliding_window": 32768,
+      "use_sliding_window": False, "max_window_layers": 1},
+     dict(windows=[None, None], attention_bias=True)),
+])
+def test_config_json_without_layer_types(tmp_path, raw, expected):
+    import json
+
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps({**base, **raw}))
+    config = ModelConfig.from_dir(tmp_path)
+    assert [config.layer_window(i) for i in range(config.num_hidden_layers)] == expected.pop("windows")
+    for name, value in expected.items():
+        assert getattr(config, name) == value, name
