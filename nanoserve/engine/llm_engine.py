@@ -124,8 +124,6 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings {max_len}")
             max_len = config.max_model_len
-        if self.model_config.sliding_window:
-            max_len = min(max_len, self.model_config.sliding_window)
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)

@@ -81,7 +81,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.memory_at_start = MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
         self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
-        self.model = build_model(model_config, self.dtype, self.device, model_dir)
+        self.model = build_model(model_config, self.dtype, self.device, model_dir,
+                                 config.max_model_len or model_config.max_position_embeddings)
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
         # through gemm.cpp, whose rows are invariant to M without padding.
         self.pad_prompt_rows = False
@@ -116,8 +117,6 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         """The longest sequence a step can hold (the engine lowers its limit the same way)."""
         longest = self.config.max_model_len or self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            longest = min(longest, self.model_config.sliding_window)
         return min(longest, self.num_kv_blocks * self.block_size)
 
     def make_decode_graphs(self, capture: bool | None = None) -> DecodeGraphs:

@@ -51,14 +51,17 @@ def store_kvcache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                    max_seqlen_q=None, max_seqlen_k=None) -> torch.Tensor:
+                    max_seqlen_q=None, max_seqlen_k=None, sliding_window=None, softcap=None) -> torch.Tensor:
     """``max_seqlen_q == 1`` (an int from the caller, no sync) selects the split-KV decode
-    configuration of the Triton kernel; ``None`` is computed on the host (a sync)."""
+    configuration of the Triton kernel; ``None`` is computed on the host (a sync).
+    ``sliding_window`` / ``softcap``: None for Llama (see kernels/attention.py)."""
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                      seq_lens, scale, max_seqlen_q, max_seqlen_k)
+                                      seq_lens, scale, max_seqlen_q, max_seqlen_k,
+                                      sliding_window=sliding_window, softcap=softcap)
     return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                     seq_lens, scale, max_seqlen_q, max_seqlen_k)
+                                     seq_lens, scale, max_seqlen_q, max_seqlen_k,
+                                     sliding_window=sliding_window, softcap=softcap)
 
 
 def rms_norm(x, weight, eps):

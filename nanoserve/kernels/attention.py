@@ -40,7 +40,7 @@ def _paged_attention_kernel(
     out_stride_token, out_stride_head, out_stride_dim,
     block_table_stride, max_blocks_per_seq,
     num_seqs, num_heads, num_splits,
-    scale_log2,
+    scale_log2, scale, softcap, window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
@@ -50,9 +50,14 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One program: up to BLOCK_Q query tokens of one sequence times the GROUP query heads of
-    one KV head (BLOCK_M rows), over the keys of one split (all keys when not SPLIT)."""
+    one KV head (BLOCK_M rows), over the keys of one split (all keys when not SPLIT).
+    HAS_WINDOW: a query at position p sees keys p - window + 1..p only, and tiles wholly
+    before the block's first query's window are skipped. HAS_SOFTCAP: scores are
+    softcap * tanh(scores / softcap) (Gemma 2)."""
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,12 +99,17 @@ def _paged_attention_kernel(
     last_position = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_len = tl.minimum(last_position + 1, seq_len)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    if HAS_WINDOW:
+        first_key = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0)
+        first_tile = first_key // BLOCK_N
+    else:
+        first_tile = 0
     if SPLIT:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_start = split * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+        tile_start = first_tile + split * tiles_per_split
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
     else:
-        tile_start = 0
+        tile_start = first_tile
         tile_end = num_tiles
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -120,8 +130,15 @@ def _paged_attention_kernel(
         # Masked loads, not only masked scores: unwritten slots may hold NaN.
         k = tl.load(key_cache_ptr + key_offset[None, :] + dims[:, None] * cache_stride_dim,
                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): core ops only (no libdevice in the interpreter).
+            capped = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale / softcap)
+            scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)) * 1.4426950408889634
+        else:
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
         allowed = key_valid[None, :] & (keys[None, :] <= q_position[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (keys[None, :] > q_position[:, None] - window)
         scores = tl.where(allowed, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A row with every key masked so far keeps max -inf: exponentiate against 0 instead,
@@ -251,6 +268,8 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`paged_attention_reference`. ``max_seqlen_q == 1`` selects the
     decode configuration (split-KV); any query lengths are computed correctly either way.
@@ -262,6 +281,10 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
@@ -303,10 +326,11 @@ def paged_attention_triton(
         *query.stride(), *key_cache.stride(), *out.stride(),
         block_table.stride(0), block_table.shape[1],
         num_seqs, num_heads, num_splits,
-        float(scale) * _LOG2_E,
+        float(scale) * _LOG2_E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
         BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=tile_n, SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
@@ -331,8 +355,14 @@ def paged_attention_reference(
     scale: float,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Batched over sequences (no Python loop over them). This is also the CPU execution path,
+    """``sliding_window`` W: a query at position p sees keys max(0, p - W + 1)..p only.
+    ``softcap`` c: scores become c * tanh(scores / c) before the mask (Gemma 2).
+
+    Batched over sequences (no Python loop over them). This is also the CPU execution path,
     so it is written for speed there: decode sequences (one query) go through two batched
     GEMMs, the others through one masked SDPA over padded queries; a mixed batch is split so
     decodes are never padded to a prefill's length."""
@@ -345,24 +375,26 @@ def paged_attention_reference(
     if max_seqlen_q is None:
         max_seqlen_q = int(q_lens.max())
     if max_seqlen_q == 1 and num_tokens == num_seqs:
-        return _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k)
+        return _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
+                                 sliding_window, softcap)
     is_decode = q_lens == 1
     if not bool(is_decode.any()):
         return _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q.long(), q_lens,
-                                  seq_lens, scale, max_seqlen_q)
+                                  seq_lens, scale, max_seqlen_q, sliding_window, softcap)
     out = query.new_empty(query.shape)
     starts = cu_seqlens_q[:-1].long()
     decode_seqs = is_decode.nonzero().flatten()
     decode_rows = starts[decode_seqs]
     out[decode_rows] = _decode_reference(query[decode_rows], key_cache, value_cache, block_table[decode_seqs],
-                                         seq_lens[decode_seqs], scale, None)
+                                         seq_lens[decode_seqs], scale, None, sliding_window, softcap)
     prefill_seqs = (~is_decode).nonzero().flatten()
     prefill_lens = q_lens[prefill_seqs]
     prefill_cu = F.pad(prefill_lens.cumsum(0), (1, 0))
     owner = torch.repeat_interleave(torch.arange(prefill_seqs.numel(), device=query.device), prefill_lens)
     prefill_rows = starts[prefill_seqs][owner] + torch.arange(owner.numel(), device=query.device) - prefill_cu[owner]
     out[prefill_rows] = _prefill_reference(query[prefill_rows], key_cache, value_cache, block_table[prefill_seqs],
-                                           prefill_cu, prefill_lens, seq_lens[prefill_seqs], scale, max_seqlen_q)
+                                           prefill_cu, prefill_lens, seq_lens[prefill_seqs], scale, max_seqlen_q,
+                                           sliding_window, softcap)
     return out
 
 
@@ -386,16 +418,49 @@ def _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k):
     return keys, values, invalid
 
 
-def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k):
+def _soft_cap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    if softcap:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
+def _gather_window(key_cache, value_cache, block_table, seq_lens, window):
+    """Like _gather_valid for decodes under a sliding window: only the blocks that hold a
+    sequence's last `window` keys (its query sits at seq_len - 1), so a step reads O(window)
+    keys, not the whole context; the mask also covers keys before the window."""
+    block_size = key_cache.shape[1]
+    width = block_table.shape[1]
+    num_blocks = min(-(-(window - 1) // block_size) + 1, width)
+    first_block = (seq_lens - window).clamp(min=0) // block_size
+    steps = torch.arange(num_blocks, device=seq_lens.device)
+    # Columns past the table only come with positions past seq_len, which are masked.
+    columns = (first_block[:, None] + steps[None, :]).clamp(max=width - 1)
+    table = block_table.long().gather(1, columns)
+    max_k = num_blocks * block_size
+    keys = _gather_cache(key_cache, table, max_k)
+    values = _gather_cache(value_cache, table, max_k)
+    positions = first_block[:, None] * block_size + torch.arange(max_k, device=seq_lens.device)[None, :]
+    invalid = (positions >= seq_lens[:, None]) | (positions < seq_lens[:, None] - window)
+    invalid_rows = invalid.nonzero(as_tuple=True)  # zeroed: unwritten slots may hold NaN
+    keys.transpose(1, 2).index_put_(invalid_rows, keys.new_zeros(()))
+    values.transpose(1, 2).index_put_(invalid_rows, values.new_zeros(()))
+    return keys, values, invalid
+
+
+def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
+                      sliding_window=None, softcap=None):
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
+    if sliding_window:
+        keys, values, invalid = _gather_window(key_cache, value_cache, block_table, seq_lens, sliding_window)
+    else:
+        keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
     max_k = keys.shape[2]
     batch = num_seqs * num_kv_heads
     q = query.reshape(batch, group, head_dim)
     scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
-    scores = scores.view(num_seqs, num_kv_heads, group, max_k)
+    scores = _soft_cap_(scores, softcap).view(num_seqs, num_kv_heads, group, max_k)
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
     out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))
@@ -403,7 +468,7 @@ def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scal
 
 
 def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, q_lens, seq_lens, scale,
-                       max_seqlen_q):
+                       max_seqlen_q, sliding_window=None, softcap=None):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
@@ -417,12 +482,28 @@ def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
     query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
     key_positions = torch.arange(max_k, device=device)
     allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & ~invalid[:, None, :]
+    if sliding_window:
+        allowed &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
-    allowed[:, :, 0] = True
-    out = F.scaled_dot_product_attention(
-        padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
-        enable_gqa=num_heads != num_kv_heads)  # [S, H, Q, D]
+    allowed[:, :, 0] |= torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]
+    if softcap:
+        out = _attention_softcapped(padded_q.permute(0, 2, 1, 3), keys, values, allowed, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
+            enable_gqa=num_heads != num_kv_heads)  # [S, H, Q, D]
     return out.permute(0, 2, 1, 3)[token_seq, token_offset]
+
+
+def _attention_softcapped(q, keys, values, allowed, scale, softcap):
+    """SDPA with capped scores (SDPA has no cap): q [S, H, Q, D], keys/values [S, KVH, K, D],
+    allowed [S, Q, K] → [S, H, Q, D]; softmax in fp32."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = _soft_cap_(torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale), softcap)
+    scores.masked_fill_(~allowed[:, None], float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
 
 
 def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int) -> torch.Tensor:

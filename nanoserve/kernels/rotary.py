@@ -18,12 +18,36 @@ def build_cos_sin_cache(
     rope_scaling: dict | None = None,
 ) -> torch.Tensor:
     """Returns fp32 [max_position, head_dim]: the first half is cos, the second half sin."""
+    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+        return _longrope_cache(head_dim, max_position, base, rope_scaling)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if rope_scaling is not None:
         inv_freq = _scale_inv_freq(inv_freq, rope_scaling)
     positions = torch.arange(max_position, dtype=torch.float64)
     freqs = torch.outer(positions, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def _longrope_cache(head_dim: int, max_position: int, base: float, rope_scaling: dict) -> torch.Tensor:
+    """Phi-3 / Phi-4-mini's LongRoPE: per-frequency factors, `short_factor` for positions below
+    original_max_position_embeddings and `long_factor` from there on (per position, so a token's
+    rotation never depends on the batch; transformers picks one set for a whole forward by its
+    longest position), and cos/sin scaled by the attention factor."""
+    original = int(rope_scaling["original_max_position_embeddings"])
+    factor = float(rope_scaling.get("factor") or max_position / original)
+    attention = rope_scaling.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    positions = torch.arange(max_position, dtype=torch.float64)
+    halves = []
+    for name in ("short_factor", "long_factor"):
+        factors = torch.tensor(rope_scaling[name], dtype=torch.float64)
+        if factors.shape != exponents.shape:
+            raise ValueError(f"rope_scaling {name} has {factors.numel()} values, expected {exponents.numel()}")
+        halves.append(torch.outer(positions, 1.0 / (factors * base ** exponents)))
+    freqs = torch.where(positions[:, None] < original, halves[0], halves[1])
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention)).float()
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
@@ -45,7 +69,7 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from nanoserve.kernels import paged_attention, store_kvcache, use_triton
+from nanoserve.kernels.attention import paged_attention_reference
 from nanoserve.kernels.cpu_attention import PrefillSpan, paged_attention_cpu, prefill_spans
 from nanoserve.layers.linear import RowTiling
 
@@ -43,12 +44,18 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Both None for Llama. A window W: a query sees its last W positions only; a softcap c:
+        # scores c * tanh(scores / c) (Gemma 2). The C++ CPU kernels do neither, so on CPU such
+        # a layer runs the torch reference.
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         # Set by the model runner once the pool is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
@@ -63,9 +70,25 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Attention of q over what the cache holds (this step's K/V already stored)."""
         if not use_triton(q) and metadata.prefill_row_tile:
+            if self.sliding_window or self.softcap:
+                return self._attend_reference(q, metadata)
             return paged_attention_cpu(
                 q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
                 metadata.seq_lens, self.scale, metadata.num_decode_seqs, metadata.prefill_spans())
         return paged_attention(
             q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
-            metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k)
+            metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k,
+            self.sliding_window, self.softcap)
+
+    def _attend_reference(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """CPU, a windowed or capped layer: the torch reference over the real rows; the prompt
+        rows' padding (see AttentionMetadata.prefill_row_tile) comes back zero."""
+        spans = metadata.prefill_spans()
+        real = spans[-1].row_start + spans[-1].q_len if spans else metadata.num_decode_seqs
+        out = paged_attention_reference(
+            q[:real], self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
+            metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k,
+            sliding_window=self.sliding_window, softcap=self.softcap)
+        if real == q.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros((q.shape[0] - real, *out.shape[1:]))])

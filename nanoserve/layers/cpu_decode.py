@@ -32,7 +32,11 @@ class FusedDecode:
         """None unless every condition for the fused path holds for this model here."""
         from nanoserve.models.llama import LlamaForCausalLM
 
-        if world_size != 1 or not isinstance(model, LlamaForCausalLM) or not cpu_ops.amx_gemm_available():
+        # Exactly Llama's layers (not a family's subclass), no sliding window (decode_layers.cpp
+        # attends to every key).
+        if world_size != 1 or type(model) is not LlamaForCausalLM or not cpu_ops.amx_gemm_available():
+            return None
+        if any(layer.self_attn.attn.sliding_window for layer in model.model.layers):
             return None
         config = model.config
         if config.hidden_act != "silu" or config.hidden_size % 16:

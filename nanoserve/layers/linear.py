@@ -6,6 +6,7 @@ columns, so a rank holds about 1/N of the weights.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,17 @@ class RowTiling:
 def _read(loaded, index) -> torch.Tensor:
     """`loaded` is a tensor or a safetensors slice; both support basic indexing."""
     return loaded[index] if index is not None else loaded[:]
+
+
+class _Rows:
+    """Rows from `start` on of a checkpoint tensor or slice, indexed like one: a fused
+    checkpoint matrix (Phi-3's qkv_proj) read part by part through the parts' loaders."""
+
+    def __init__(self, loaded, start: int):
+        self.loaded, self.start = loaded, start
+
+    def __getitem__(self, index: slice):
+        return self.loaded[self.start + index.start : self.start + index.stop]
 
 
 class LinearBase(nn.Module):
@@ -107,6 +119,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id == "fused":  # all parts in one checkpoint tensor, in order
+            for part, start in enumerate(itertools.accumulate([0, *self.output_sizes[:-1]])):
+                self.weight_loader(param, _Rows(loaded, start), part)
+            return
         shard_size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         start = self.tp_rank * shard_size
@@ -138,6 +154,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "qkv":  # q, k and v in one checkpoint tensor (all ranks' heads)
+            total_q, total_kv = q_size * self.tp_size, self.total_num_kv_heads * self.head_dim
+            for part, start in (("q", 0), ("k", total_q), ("v", total_q + total_kv)):
+                self.weight_loader(param, _Rows(loaded, start), part)
+            return
         if shard_id == "q":
             offset, size, start = 0, q_size, self.tp_rank * q_size
         else:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -38,6 +40,20 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     sliding_window: int | None
+    # Per layer, SLIDING or FULL (config.json's layer_types, else each family's rule); empty:
+    # every layer has sliding_window.
+    layer_types: list[str] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0  # Phi-3 / Phi-4-mini: rotary on the first part of each head
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # Gemma 2
+    rope_local_base_freq: float | None = None  # Gemma 3: rope theta of the sliding layers
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window (keys a query attends to, itself included) of layer `index`."""
+        if not self.sliding_window or (self.layer_types and self.layer_types[index] != SLIDING):
+            return None
+        return int(self.sliding_window)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -48,23 +64,38 @@ class ModelConfig:
         architectures = raw.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:
-            raise ValueError(
-                f"{model_dir}: unsupported architecture {architectures or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            named = ", ".join(architectures) if architectures else f"model_type {raw.get('model_type')!r}"
+            raise ValueError(f"{model_dir}: unsupported architecture {named}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         rope_scaling = raw.get("rope_scaling")
         rope_theta = raw.get("rope_theta")
-        if rope_theta is None and isinstance(raw.get("rope_parameters"), dict):
-            rope_theta = raw["rope_parameters"].get("rope_theta")
-            if rope_scaling is None and raw["rope_parameters"].get("rope_type", "default") != "default":
-                rope_scaling = raw["rope_parameters"]
+        rope_local = raw.get("rope_local_base_freq")
+        rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, dict) and FULL in rope_parameters:  # Gemma 3: per layer type
+            if rope_local is None:
+                rope_local = rope_parameters.get(SLIDING, {}).get("rope_theta")
+            rope_parameters = rope_parameters[FULL]
+        if rope_theta is None and isinstance(rope_parameters, dict):
+            rope_theta = rope_parameters.get("rope_theta")
+            if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
+                rope_scaling = rope_parameters
+        if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling:
+            original = raw.get("original_max_position_embeddings")  # Phi-3's LongRoPE keeps it outside
+            if original is not None:
+                rope_scaling = {**rope_scaling, "original_max_position_embeddings": original}
+        partial_rotary = raw.get("partial_rotary_factor")
+        if partial_rotary is None and isinstance(rope_parameters, dict):
+            partial_rotary = rope_parameters.get("partial_rotary_factor")
+        sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        num_layers = raw["num_hidden_layers"]
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=hidden,
             intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or hidden // num_heads,
@@ -75,14 +106,39 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            hidden_act=raw.get("hidden_act", "silu"),
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
-            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            sliding_window=sliding_window,
+            layer_types=_layer_types(raw, architecture, num_layers, sliding_window),
+            partial_rotary_factor=float(partial_rotary or 1.0),
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            rope_local_base_freq=float(rope_local) if rope_local is not None else None,
         )
 
     def resolve_dtype(self, requested: str) -> torch.dtype:
         if requested == "auto":
             return _DTYPE_NAMES.get(str(self.torch_dtype), torch.float32)
         return _DTYPE_NAMES[requested]
+
+
+def _layer_types(raw: dict, architecture: str, num_layers: int, sliding_window: int | None) -> list[str]:
+    """Which layers use the sliding window: config.json's layer_types when it has them (newer
+    exports), else the family's rule as in transformers' configs."""
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
+            raise ValueError(f"config.json layer_types must list {num_layers} of {SLIDING!r} / {FULL!r}")
+        return list(types)
+    if architecture == "Gemma2ForCausalLM":
+        return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+    if architecture == "Gemma3ForCausalLM":
+        pattern = int(raw.get("sliding_window_pattern", 6))
+        return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = raw.get("max_window_layers", num_layers)
+        return [SLIDING if sliding_window and i >= first else FULL for i in range(num_layers)]
+    return [SLIDING if sliding_window else FULL] * num_layers

@@ -16,7 +16,7 @@ from nanoserve.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_index: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -27,7 +27,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         False, dtype)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                                   sliding_window=config.layer_window(layer_index))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -63,9 +64,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    attention_class = LlamaAttention  # a family's subclass swaps in its own (models/qwen3.py)
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_index: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = self.attention_class(config, dtype, layer_index)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -82,13 +85,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer_class = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        # With pipeline parallelism: this stage's layers only (see distributed/pipeline.py).
+        # With pipeline parallelism: this stage's layers only (see distributed/pipeline.py); a
+        # layer keeps its global index (its sliding window comes from config.layer_types).
         self.embed_tokens = stage_module(
             lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype), is_first_stage())
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda _: LlamaDecoderLayer(config, dtype))
+            config.num_hidden_layers, lambda i: self.decoder_layer_class(config, dtype, i))
         self.norm = stage_module(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype), is_last_stage())
 
     def forward(self, input_ids, positions, cos_sin_cache, metadata, intermediate=None):
@@ -108,6 +114,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     supports_pipeline_parallel = True  # see models/registry.check_pipeline_support
+    model_class = LlamaModel
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -120,12 +127,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype)
+        self.model = self.model_class(config, dtype)
         self.lm_head = stage_module(lambda: ParallelLMHead(config.vocab_size, config.hidden_size, dtype),
                                     is_last_stage())
         if config.tie_word_embeddings and is_first_stage() and is_last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
-        cos_sin = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # below head_dim: Phi-4-mini
+        cos_sin = build_cos_sin_cache(rotary_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 

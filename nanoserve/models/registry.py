@@ -6,13 +6,20 @@ from pathlib import Path
 import torch
 
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.phi3 import Phi3ForCausalLM
+from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.weights import load_weights
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -25,9 +32,19 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path) -> torch.nn.Module:
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path,
+                max_model_len: int | None = None) -> torch.nn.Module:
+    """`max_model_len`: no sequence is longer. A sliding window at least that long never leaves
+    a key out, so such layers drop it and keep the fast kernels (the CPU's C++ attention and
+    fused decode step; Mistral's 4,096-token window when serving up to 4,096 tokens)."""
     model_class = MODEL_CLASSES[config.architecture]
     with torch.device(device):
         model = model_class(config, dtype)
+    if max_model_len is not None:
+        for layer in model.model.layers:
+            attention = getattr(getattr(layer, "self_attn", None), "attn", None)  # None: another stage's
+            window = attention.sliding_window if attention is not None else None
+            if window is not None and window >= max_model_len:
+                attention.sliding_window = None
     load_weights(model, model_dir)
     return model.eval()

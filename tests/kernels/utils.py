@@ -79,8 +79,10 @@ def make_paged_batch(q_lens, context_lens, *, num_heads, num_kv_heads, head_dim,
         scale=head_dim ** -0.5, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
 
 
-def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:
-    """One query row, one head at a time, in float64: the definition the kernels implement."""
+def naive_paged_attention(batch: PagedBatch, sliding_window: int | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """One query row, one head at a time, in float64: the definition the kernels implement
+    (a window W: keys position - W + 1..position; a softcap c: scores c * tanh(scores / c))."""
     query = batch.query.cpu().double()
     key_cache = batch.key_cache.cpu().double()
     value_cache = batch.value_cache.cpu().double()
@@ -93,13 +95,16 @@ def naive_paged_attention(batch: PagedBatch) -> torch.Tensor:
         q_len = cu[seq + 1] - cu[seq]
         for j in range(q_len):
             position = seq_len - q_len + j
+            first = max(0, position - sliding_window + 1) if sliding_window else 0
             keys = torch.stack([key_cache[table[p // block_size], p % block_size]
-                                for p in range(position + 1)])  # [P, KVH, D]
+                                for p in range(first, position + 1)])  # [P, KVH, D]
             values = torch.stack([value_cache[table[p // block_size], p % block_size]
-                                  for p in range(position + 1)])
+                                  for p in range(first, position + 1)])
             for head in range(query.shape[1]):
                 q = query[cu[seq] + j, head]
                 scores = keys[:, head // group] @ q * batch.scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
                 weights = torch.softmax(scores, dim=0)
                 out[cu[seq] + j, head] = weights @ values[:, head // group]
     return out
