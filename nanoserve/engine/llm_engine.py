@@ -2,6 +2,7 @@
 drive exactly this."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -22,6 +23,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
@@ -146,6 +148,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
+        self.structured_output: StructuredOutputManager | None = None  # on the first constrained request
+        self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
@@ -168,6 +172,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor parallelism) and leave the process group."""
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         if self.workers is None:
             return
         workers, self.workers = self.workers, None
@@ -215,6 +221,9 @@ class LLMEngine:
         if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
             raise ValueError(f"min_tokens must be <= {self.max_model_len - num_prompt} (the context "
                              f"left after {num_prompt} prompt tokens), got {params.min_tokens}")
+        grammar = self.prepare_structured_output(params)
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise grammar.exception()
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
@@ -223,13 +232,38 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if grammar is not None:  # one matcher per sequence, one compiled grammar per request
+                seq.grammar = SequenceGrammar(grammar)
             seqs.append(seq)
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = grammar
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def prepare_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        """Start compiling a constrained request's grammar (or find it in the cache); None for
+        a free request. The future raises InvalidRequestError for a bad schema, regex or
+        grammar. Callable from any thread: the server awaits it before adding the request."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured_output is None:
+            self.structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self.structured_output.compile(params.structured_outputs)
+
+    def _fail_compiled_grammars(self) -> None:
+        """Requests added before their grammar compiled: a failed compile fails the request
+        (StepError, as a failed step would); the rest wait in the queue."""
+        done = [rid for rid, future in self._compiling.items() if future.done()]
+        failed = [rid for rid in done if self._compiling[rid].exception() is not None]
+        errors = [self._compiling.pop(rid).exception() for rid in done]
+        if failed:
+            error = next(e for e in errors if e is not None)
+            raise StepError(failed, error, self.abort_request(failed))
 
     def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
@@ -297,6 +331,7 @@ class LLMEngine:
         aborted = []
         for rid in ids:
             request = self.requests.pop(rid, None)
+            self._compiling.pop(rid, None)
             if request is None:
                 continue
             for seq in request.seqs:
@@ -343,11 +378,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
+        if self._compiling:
+            self._fail_compiled_grammars()
         scheduled = self.scheduler.schedule()
         swaps = self.scheduler.take_swap_plan()
         if swaps:  # before the forward pass that may overwrite the freed blocks
             self.runner.swap(swaps)
         if not scheduled:
+            if self._compiling:  # only grammars to wait for: not a busy loop
+                concurrent.futures.wait(list(self._compiling.values()), timeout=0.1,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         try:
             return self._run_step(scheduled)
@@ -368,6 +408,12 @@ class LLMEngine:
         # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
                                         self.model_config.vocab_size, self.eos_token_ids, self.generator)
+        if sampling is not None and self.structured_output is not None:
+            rows = [(row, seq.grammar) for row, seq in enumerate(model_input.sampling_seqs)
+                    if seq.grammar is not None]
+            if rows:
+                sampling.token_bitmask, sampling.bitmask_rows = self.structured_output.fill_bitmask(
+                    rows, self.runner.device)
         result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:
@@ -436,6 +482,16 @@ class LLMEngine:
             row += num_rows
 
     def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The grammar allowed nothing it could take (min_tokens or a logit bias had masked
+            # its stop tokens): end the output where the grammar ended it.
+            logger.warning("request %s: token %d does not fit its grammar; finishing it",
+                           seq.request_id, token)
+            seq.text += seq.detokenizer.flush()
+            seq.finish_reason = "stop"
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            return
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         params = seq.params
@@ -451,6 +507,8 @@ class LLMEngine:
             elif not params.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+            reason = "stop"  # the grammar is complete (it took a stop token)
         if reason is None and (num_out >= max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         delta = seq.detokenizer.step([token])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels import greedy_argmax
+from nanoserve.kernels import apply_token_bitmask, greedy_argmax
 
 
 @dataclass(slots=True)
@@ -29,6 +29,10 @@ class SamplingBatch:
     default_generator: torch.Generator | None
     all_greedy: bool
     max_logprobs: int  # -1: none requested; 0: the sampled token's only; k: plus the top k
+    # Structured outputs: [C, ceil(V / 32)] int32 allowed-token bits for the C constrained rows,
+    # and [C] which rows they are. None when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -96,6 +100,10 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """`logits` are the step's own: a constrained row's forbidden tokens are set to -inf in
+    place before anything else (as vLLM, logprobs then see the constrained distribution)."""
+    if batch.token_bitmask is not None:
+        apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     plain_greedy = (batch.all_greedy and batch.max_logprobs < 0 and batch.logit_bias is None
                     and batch.repetition_penalty is None and batch.frequency_penalty is None
                     and batch.presence_penalty is None)
