@@ -7,6 +7,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.structured_output: StructuredOutputManager | None = None  # on the first constrained request
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
+        self._structured_output_lock = threading.Lock()
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
@@ -250,9 +252,10 @@ class LLMEngine:
         grammar. Callable from any thread: the server awaits it before adding the request."""
         if params.structured_outputs is None:
             return None
-        if self.structured_output is None:
-            self.structured_output = StructuredOutputManager(
-                self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        with self._structured_output_lock:
+            if self.structured_output is None:
+                self.structured_output = StructuredOutputManager(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         return self.structured_output.compile(params.structured_outputs)
 
     def _fail_compiled_grammars(self) -> None:

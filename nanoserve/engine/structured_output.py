@@ -61,7 +61,9 @@ class SequenceGrammar:
 
     @property
     def is_ready(self) -> bool:
-        return self.future.done()
+        """Compiled. A failed compile never becomes ready: the engine fails its request before
+        the next schedule, so it can never reach a batch (and fail the others' step)."""
+        return self.future.done() and self.future.exception() is None
 
     @property
     def failed(self) -> BaseException | None:
