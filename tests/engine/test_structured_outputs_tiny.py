@@ -119,3 +119,28 @@ def test_a_compiling_grammar_holds_back_only_its_request(roomy, prompts):
             if output.finished:
                 finished[output.request_id] = output
     assert_matches("json", finished["constrained"].outputs[0].text)
+
+
+def test_a_failed_compile_fails_only_its_request(roomy, prompts):
+    from nanoserve.engine.llm_engine import StepError
+
+    engine = roomy.llm_engine
+    engine.prepare_structured_output(constrained(regex=REGEX)).result()
+    gate = threading.Event()
+    engine.structured_output.executor.submit(gate.wait)
+    engine.add_request("bad", {"prompt_token_ids": prompts[2]}, constrained(regex="(unclosed"))
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("free", {"prompt_token_ids": prompts[3]}, free)
+    engine.step()  # the free request's prefill; the bad one waits for its grammar
+    gate.set()
+    engine.structured_output.compile(StructuredOutputsParams(regex="(unclosed")).exception()
+    with pytest.raises(StepError) as caught:
+        engine.step()
+    assert caught.value.request_ids == ["bad"] and "parenthesis" in str(caught.value.cause)
+    assert caught.value.cause.param == "structured_outputs"
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finished[output.request_id] = output
+    reference = run(roomy, [prompts[3]], free)[0][0][0]
+    assert list(finished["free"].outputs[0].token_ids) == reference
