@@ -412,11 +412,7 @@ class LLMEngine:
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
                                         self.model_config.vocab_size, self.eos_token_ids, self.generator)
         if sampling is not None and self.structured_output is not None:
-            rows = [(row, seq.grammar) for row, seq in enumerate(model_input.sampling_seqs)
-                    if seq.grammar is not None]
-            if rows:
-                sampling.token_bitmask, sampling.bitmask_rows = self.structured_output.fill_bitmask(
-                    rows, self.runner.device)
+            self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
         result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:

@@ -155,6 +155,12 @@ class StructuredOutputManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- each step ----------------------------------------------------------------------------
+    def constrain(self, sampling, seqs: list, device: torch.device) -> None:
+        """Give a step's SamplingBatch the bitmask of its constrained rows, if it has any."""
+        rows = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if rows:
+            sampling.token_bitmask, sampling.bitmask_rows = self.fill_bitmask(rows, device)
+
     def fill_bitmask(self, rows: list[tuple[int, SequenceGrammar]],
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """One bitmask for the constrained rows of a step: ([C, words] int32, [C] their rows in
