@@ -144,3 +144,13 @@ def test_a_failed_compile_fails_only_its_request(roomy, prompts):
             finished[output.request_id] = output
     reference = run(roomy, [prompts[3]], free)[0][0][0]
     assert list(finished["free"].outputs[0].token_ids) == reference
+
+
+def test_min_tokens_past_the_grammar_end_stops_cleanly(roomy, prompts):
+    # After the choice only a stop token fits the grammar, and min_tokens forbids it: the
+    # output ends where the grammar did, with no token outside it.
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, max_tokens=16, min_tokens=12,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        (output,), = run(roomy, [prompts[4]], params)
+        assert output[1] in ("yes", "no") and output[2] == "stop"
