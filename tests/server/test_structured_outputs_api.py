@@ -7,11 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import threading
 
 import jsonschema
 import pydantic
 import pytest
 
+from nanoserve import SamplingParams, StructuredOutputsParams
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 
@@ -102,3 +104,25 @@ def test_the_server_serves_on_after_bad_requests(server):
         {"model": server.engine.served_model_name, "prompt": "1, 2, 3,", "max_tokens": 2,
          "temperature": 0}))
     assert status == 200 and json.loads(raw)["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_compiling_grammar_does_not_hold_up_other_requests(server):
+    engine = server.engine
+    engine.prepare_structured_output(SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="warm"))).result()
+    gate = threading.Event()
+    engine.structured_output.executor.submit(gate.wait)  # the compile thread is busy
+    client = server.client()
+    model = engine.served_model_name
+    numbers = r"[0-9]{1,3}( [0-9]{1,3}){2}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        constrained = pool.submit(client.completions.create, model=model, prompt="Three numbers:",
+                                  max_tokens=16, temperature=0, extra_body={"guided_regex": numbers})
+        try:
+            free = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=4,
+                                             temperature=0)
+            assert free.choices[0].finish_reason == "length"
+            assert not constrained.done()  # still waiting for its grammar
+        finally:
+            gate.set()
+        assert re.fullmatch(numbers, constrained.result().choices[0].text)
