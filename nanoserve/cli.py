@@ -7,6 +7,7 @@ import os
 import sys
 
 from nanoserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from nanoserve.server.args import add_server_args
 
 SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
 
@@ -75,7 +76,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(a CPU always runs eagerly)")
     group.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tensor_parallel_size", type=int, default=1,
                        help="number of tensor-parallel ranks")
-    group.add_argument("--nnodes", type=int, default=1, help="machines in the tensor-parallel group")
+    group.add_argument("--pipeline-parallel-size", "--pp", "-pp", dest="pipeline_parallel_size", type=int,
+                       default=_config_default("pipeline_parallel_size"),
+                       help="number of pipeline stages (the decoder layers split evenly, or as "
+                            "$NANOSERVE_PP_LAYER_PARTITION says, e.g. '10,14'); ranks = tp x pp")
+    group.add_argument("--nnodes", type=int, default=1, help="machines the tp x pp ranks span")
     group.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
     group.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
                        help="rendezvous address of rank 0 (default: $MASTER_ADDR)")
@@ -96,7 +101,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             max_n_sequences=args.max_n_sequences, max_logprobs=args.max_logprobs, cpu_threads=args.cpu_threads,
             enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
             disable_log_stats=args.disable_log_stats,
-            tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port)
     except ValueError as error:
         raise CliError(str(error)) from None
@@ -171,12 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench,import-model}")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
     add_engine_args(serve)
-    try:
-        from nanoserve.server.args import add_server_args
-    except ImportError:  # the server's packages are optional on a kernels-only machine
-        add_server_args = None
-    if add_server_args is not None:
-        add_server_args(serve)
+    add_server_args(serve)
     serve.set_defaults(handler=cmd_serve)
     generate = sub.add_parser("generate", help="complete prompts offline and print the results")
     add_engine_args(generate)

@@ -36,6 +36,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Decoder layers split into this many contiguous stages (vLLM's --pipeline-parallel-size);
+    # ranks = tensor_parallel_size x pipeline_parallel_size.
+    pipeline_parallel_size: int = 1
     # CPU: torch / OpenMP threads per rank; None: the CPUs this process may use (affinity and
     # cgroup quota) shared among this machine's ranks.
     cpu_threads: int | None = None
@@ -97,6 +100,12 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode 'swap' is not supported with pipeline parallelism "
+                             "(use the default, recompute)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

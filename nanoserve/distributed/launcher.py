@@ -1,4 +1,4 @@
-"""Starting the tensor-parallel group: checks before anything loads, rendezvous, worker processes.
+"""Starting the tensor- and pipeline-parallel ranks: checks before anything loads, rendezvous, worker processes.
 
 Rank 0 lives in the serving (or offline) process and spawns this host's other ranks. With
 --nnodes > 1, the other hosts run `nanoserve serve --nnodes N --node-rank K ...`, which starts
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import threads_per_rank
+from nanoserve.distributed.pipeline import layer_partition, partition_override
 from nanoserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ class Topology:
     init_method: str
     device_type: str
     cpu_threads: int | None = None  # EngineConfig.cpu_threads
+    tp_size: int = 1
+    pp_size: int = 1
+    layer_partition: tuple = ()  # each stage's [start, end) decoder layers when pp_size > 1
 
     @property
     def local_ranks(self) -> range:
@@ -56,6 +60,10 @@ def resolve_device_type(config: EngineConfig) -> str:
 def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     """Every mistake here is one clear ValueError, raised before any weight is read."""
     world = config.tensor_parallel_size
+    pp_size = config.pipeline_parallel_size
+    partition = ()
+    if pp_size > 1:
+        partition = tuple(layer_partition(model_config.num_hidden_layers, pp_size, partition_override()))
     heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
     if heads % world:
         raise ValueError(f"--tensor-parallel-size {world} does not divide the model's {heads} attention heads")
@@ -67,8 +75,9 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     if model_config.intermediate_size % world:
         raise ValueError(f"--tensor-parallel-size {world} does not divide the MLP size "
                          f"{model_config.intermediate_size}")
+    tp_size, world = world, world * pp_size
     if config.nnodes < 1 or world % config.nnodes:
-        raise ValueError(f"--nnodes {config.nnodes} must divide --tensor-parallel-size {world}")
+        raise ValueError(f"--nnodes {config.nnodes} must divide the {world} ranks (tensor x pipeline parallel size)")
     if not 0 <= config.node_rank < config.nnodes:
         raise ValueError(f"--node-rank must be in [0, {config.nnodes}), got {config.node_rank}")
     ranks_per_node = world // config.nnodes
@@ -87,7 +96,7 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
         backend = "gloo"
     if world > 1:
         if not dist.is_available():
-            raise ValueError("this torch build has no torch.distributed; tensor parallelism needs it")
+            raise ValueError("this torch build has no torch.distributed; tensor and pipeline parallelism need it")
         if backend == "nccl" and not dist.is_nccl_available():
             raise ValueError("the NCCL backend is not available in this torch build")
         if backend == "gloo" and not dist.is_gloo_available():
@@ -100,7 +109,8 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
         init_method = f"tcp://{config.master_addr}:{config.master_port}"
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-    return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads)
+    return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads,
+                    tp_size, pp_size, partition)
 
 
 def init_rank(topology: Topology, rank: int) -> torch.device:
@@ -116,10 +126,19 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(threads_per_rank(topology.cpu_threads, topology.ranks_per_node))
+    tp_group = None  # pp == 1: the whole world is the tensor-parallel group
     if topology.world_size > 1:
         dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
                                 world_size=topology.world_size, timeout=timedelta(minutes=10))
-    set_parallel_state(rank, topology.world_size)
+        if topology.pp_size > 1 and topology.tp_size > 1:
+            # Every rank creates every stage's group, in the same order (new_group is collective).
+            for stage in range(topology.pp_size):
+                ranks = list(range(stage * topology.tp_size, (stage + 1) * topology.tp_size))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    tp_group = group
+    set_parallel_state(rank, topology.world_size, topology.tp_size, topology.pp_size, tp_group,
+                       topology.layer_partition)
     return device
 
 
@@ -161,7 +180,7 @@ class WorkerGroup:
                 process.join()
                 if self._stopping or process.exitcode == 0 or self.failure is not None:
                     continue
-                self.failure = f"tensor-parallel worker {process.name} died (exit code {process.exitcode})"
+                self.failure = f"parallel worker {process.name} died (exit code {process.exitcode})"
                 logger.error(self.failure)
                 for callback in list(self._on_failure):
                     callback(self.failure)

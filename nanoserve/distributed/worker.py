@@ -17,7 +17,9 @@ from nanoserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-HEADER_SIZE = 8
+# The last two slots, for pipeline parallelism: the step's virtual engine, and 1 when the last
+# stage sends the greedy token ids instead of the logits (else 0, 0).
+HEADER_SIZE = 10
 CMD_STEP, CMD_STOP, CMD_SWAP = 1, 2, 3
 
 
@@ -37,7 +39,8 @@ def unpack_swap(header: list[int], payload: torch.Tensor) -> tuple[list[tuple[in
     return pairs[:num_out], pairs[num_out:]
 
 
-def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_step(model_input, device: torch.device, virtual_engine: int = 0,
+              tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     metadata = model_input.metadata
     parts = [model_input.input_ids, model_input.positions, metadata.slot_mapping,
              metadata.block_table.flatten(), metadata.cu_seqlens_q, metadata.seq_lens,
@@ -45,7 +48,7 @@ def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Te
     num_seqs, max_blocks = metadata.block_table.shape
     header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
                            model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k,
-                           metadata.num_decode_seqs],
+                           metadata.num_decode_seqs, virtual_engine, int(tokens_only)],
                           dtype=torch.long, device=device)
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header, payload
@@ -53,14 +56,14 @@ def pack_step(model_input, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 def _part_sizes(header: list[int]) -> list[int]:
     """Lengths of the payload's parts, in pack_step's order."""
-    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _ = header
+    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, _, _ = header
     return [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
 
 
 def unpack_step(header: list[int], payload: torch.Tensor):
     from nanoserve.engine.model_runner import ModelInput, prefill_row_tile
 
-    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs = header
+    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs, _, _ = header
     input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
     metadata = AttentionMetadata(
         slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),

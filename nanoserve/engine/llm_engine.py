@@ -27,7 +27,9 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
+from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,6 +77,16 @@ class EngineStats:
     cpu_cache_usage: float = 0.0  # fraction of the host pool's blocks in use
 
 
+@dataclass(slots=True)
+class InFlightStep:
+    """A pipelined step launched and not yet sampled (one per virtual engine at most)."""
+    scheduled: list
+    model_input: object  # ModelInput
+    launched: object  # engine/pipeline_stage.LaunchedStep
+    started: float
+    sampling: object = None  # its SamplingBatch, built at launch
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -118,28 +130,40 @@ class LLMEngine:
         if self.model_config.sliding_window:
             max_len = min(max_len, self.model_config.sliding_window)
         torch.manual_seed(config.seed)
+        check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)
         self.workers: WorkerGroup | None = None
         self.dead_reason: str | None = None
         self._failure_callbacks: list = []
         device = None
-        if config.tensor_parallel_size > 1:
+        if self.topology.world_size > 1:
             self.workers = WorkerGroup(config, self.topology, str(self.model_dir))
             self.workers.on_failure(self._fail_during_startup)
             device = init_rank(self.topology, 0)
         self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)
         if self.workers is not None:
             self.workers.on_failure(self._on_worker_failure)
-        capacity = self.runner.num_kv_blocks * config.block_size
+        # Pipeline parallelism: one scheduler per "virtual engine" (vLLM V0), each with its own
+        # share of the pool, so that as many independent batches as stages can be in flight.
+        num_virtual_engines = config.pipeline_parallel_size
+        blocks_each = self.runner.num_kv_blocks // num_virtual_engines
+        if blocks_each < 1:
+            raise ValueError("the KV cache holds fewer blocks than pipeline stages; raise --kv-cache-memory")
+        capacity = blocks_each * config.block_size
         if capacity < max_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
         self.max_model_len = max_len
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
                           if config.preemption_mode == "swap" else None)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling_policy, self.host_pool)
+        self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
+                               for _ in range(num_virtual_engines)]
+        self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                     config.scheduling_policy, self.host_pool)
+                           for manager in self.block_managers]
+        self.block_manager, self.scheduler = self.block_managers[0], self.schedulers[0]
+        self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
+        self._next_virtual_engine = 0
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
@@ -173,7 +197,7 @@ class LLMEngine:
             callback(self.dead_reason)
 
     def shutdown(self) -> None:
-        """Stop the other ranks (tensor parallelism) and leave the process group."""
+        """Stop the other ranks (tensor / pipeline parallelism) and leave the process group."""
         if self.structured_output is not None:
             self.structured_output.shutdown()
         if self.workers is None:
@@ -181,6 +205,8 @@ class LLMEngine:
         workers, self.workers = self.workers, None
         if self.dead_reason is None:
             try:
+                for in_flight in filter(None, self.in_flight):  # pipelined steps still in flight
+                    self.runner.pipeline.wait(in_flight.launched)
                 self.runner.shutdown()
             except Exception:  # a rank already gone: nothing to tell it
                 pass
@@ -243,8 +269,10 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
+        virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
         for seq in seqs:
-            self.scheduler.add(seq)
+            seq.virtual_engine = virtual_engine
+            self.schedulers[virtual_engine].add(seq)
 
     def prepare_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
         """Start compiling a constrained request's grammar (or find it in the cache); None for
@@ -339,7 +367,7 @@ class LLMEngine:
                 continue
             for seq in request.seqs:
                 if not seq.is_finished:
-                    self.scheduler.remove(seq)
+                    self.schedulers[seq.virtual_engine].remove(seq)
                     seq.status = SequenceStatus.FINISHED
                     seq.finish_reason = seq.finish_reason or "abort"
             request.finished = True
@@ -350,31 +378,34 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (call between steps). The cached KV lives on the device
         pool, its index here only: forgetting the index is enough, for every rank."""
-        self.block_manager.reset_prefix_cache()
+        for manager in self.block_managers:
+            manager.reset_prefix_cache()
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or any(self.in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     def stats(self) -> EngineStats:
+        schedulers, managers = self.schedulers, self.block_managers  # one each unless pipelined
+        num_blocks = sum(m.num_blocks for m in managers)
         return EngineStats(
-            num_running=len({s.request_id for s in self.scheduler.running}),
-            num_waiting=len({s.request_id for s in self.scheduler.waiting}),
-            kv_cache_usage=self.block_manager.usage,
-            num_preemptions_total=self.scheduler.num_preemptions,
-            prefix_cache_queries_total=self.block_manager.prefix_cache_queries,
-            prefix_cache_hits_total=self.block_manager.prefix_cache_hits,
+            num_running=len({s.request_id for x in schedulers for s in x.running}),
+            num_waiting=len({s.request_id for x in schedulers for s in x.waiting}),
+            kv_cache_usage=sum(m.num_used_blocks for m in managers) / num_blocks,
+            num_preemptions_total=sum(x.num_preemptions for x in schedulers),
+            prefix_cache_queries_total=sum(m.prefix_cache_queries for m in managers),
+            prefix_cache_hits_total=sum(m.prefix_cache_hits for m in managers),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_kv_blocks=self.block_manager.num_blocks,
+            num_kv_blocks=num_blocks,
             prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             block_size=self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            num_swapped=len({s.request_id for s in self.scheduler.swapped}),
-            num_swap_outs_total=self.scheduler.num_swap_outs,
+            num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),
+            num_swap_outs_total=sum(x.num_swap_outs for x in schedulers),
             cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0)
 
     # ---- one step -------------------------------------------------------------------------
@@ -383,6 +414,8 @@ class LLMEngine:
             raise RuntimeError(self.dead_reason)
         if self._compiling:
             self._fail_compiled_grammars()
+        if self.runner.pipeline is not None:
+            return self._pipeline_step()
         scheduled = self.scheduler.schedule()
         swaps = self.scheduler.take_swap_plan()
         if swaps:  # before the forward pass that may overwrite the freed blocks
@@ -404,19 +437,69 @@ class LLMEngine:
             outputs = self.abort_request(request_ids)
             raise StepError(request_ids, error, outputs) from error
 
+    def _pipeline_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism: one virtual engine per call, in turn. Its batch in flight is
+        finished first (the last stage's logits, sampled here, since its next batch depends on
+        them), then its next batch is launched into stage 0 without waiting: the other virtual
+        engines' batches are in the later stages meanwhile. A failure here is fatal, as with
+        tensor parallelism (other ranks may be mid-step)."""
+        virtual_engine = self._next_virtual_engine
+        self._next_virtual_engine = (virtual_engine + 1) % len(self.schedulers)
+        outputs: list[RequestOutput] = []
+        in_flight, self.in_flight[virtual_engine] = self.in_flight[virtual_engine], None
+        if in_flight is not None:
+            received = self.runner.pipeline.wait(in_flight.launched)
+            if in_flight.launched.tokens_only:
+                result = SamplerOutput(received, None, None, None)
+                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, None, in_flight.started,
+                                            result=result)
+            else:
+                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, received,
+                                            in_flight.started, sampling=in_flight.sampling)
+        scheduled = self.schedulers[virtual_engine].schedule()
+        if scheduled:
+            started = time.time()
+            offset = virtual_engine * self.block_manager.num_blocks
+            model_input = self.runner.prepare(scheduled, block_offset=offset)
+            # Built now (nothing it reads changes while in flight): a plain greedy step only
+            # needs the last stage's argmax, not its logits (a constrained one needs them).
+            sampling = self._sampling_batch(model_input)
+            tokens_only = (sampling is not None and sampling.plain_greedy
+                           and not model_input.prompt_logprob_seqs)
+            launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
+            self.in_flight[virtual_engine] = InFlightStep(scheduled, model_input, launched, started, sampling)
+        return outputs
+
     def _run_step(self, scheduled) -> list[RequestOutput]:
         now = time.time()
         model_input = self.runner.prepare(scheduled)
         logits = self.runner.forward(model_input)
-        # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
+        return self._finish_step(scheduled, model_input, logits, now)
+
+    def _sampling_batch(self, model_input):
+        """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
+        only advance when this step's tokens are appended, so it may be built at launch."""
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
                                         self.model_config.vocab_size, self.eos_token_ids, self.generator)
         if sampling is not None and self.structured_output is not None:
             self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
-        result = self.runner.sample(logits, sampling, model_input)
+        return sampling
+
+    def _finish_step(self, scheduled, model_input, logits, now: float, sampling=None,
+                     result: SamplerOutput | None = None) -> list[RequestOutput]:
+        """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
+        parallelism a request may have been aborted while its step was in flight: its sequences
+        are skipped."""
+        if result is None:
+            if sampling is None:
+                # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
+                sampling = self._sampling_batch(model_input)
+            result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq
+            if seq.is_finished:  # aborted while in flight
+                continue
             request = self.requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
@@ -429,6 +512,8 @@ class LLMEngine:
             token_ids = result.token_ids.tolist()
             logprob_rows = self._logprob_rows(result)
             for row, seq in enumerate(model_input.sampling_seqs):
+                if seq.is_finished:  # aborted while in flight
+                    continue
                 request = self.requests[seq.request_id]
                 if not request.prompt_counted:
                     request.prompt_counted = True
@@ -488,7 +573,7 @@ class LLMEngine:
                            seq.request_id, token)
             seq.text += seq.detokenizer.flush()
             seq.finish_reason = "stop"
-            self.scheduler.remove(seq)
+            self.schedulers[seq.virtual_engine].remove(seq)
             seq.status = SequenceStatus.FINISHED
             return
         seq.token_ids.append(token)
@@ -520,7 +605,7 @@ class LLMEngine:
                 reason, stop_reason = stop_reason_text, stop
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.remove(seq)
+            self.schedulers[seq.virtual_engine].remove(seq)
             seq.status = SequenceStatus.FINISHED
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> tuple[str | None, str | None]:

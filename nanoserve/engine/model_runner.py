@@ -14,13 +14,15 @@ from nanoserve import kernels
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
-from nanoserve.distributed import get_tp_rank, get_tp_world_size
+from nanoserve.distributed import get_pp_rank, get_pp_world_size, get_rank, get_world_size
 from nanoserve.distributed.launcher import resolve_device_type
+from nanoserve.distributed.pipeline import real_layers
 from nanoserve.distributed.worker import (CMD_STOP, CMD_SWAP, HEADER_SIZE, broadcast_stop, pack_step, pack_swap,
                                           payload_size, unpack_step, unpack_swap)
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.kv_swap import KVSwapper
+from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.layers.attention import AttentionMetadata
@@ -69,8 +71,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = device if device is not None else torch.device(resolve_device_type(config))
-        self.rank = get_tp_rank()
-        self.world_size = get_tp_world_size()
+        self.rank = get_rank()  # among every rank (tp x pp)
+        self.world_size = get_world_size()
         if self.device.type == "cpu":
             keep_freed_memory()
             if self.world_size == 1:  # TP ranks are sized by init_rank
@@ -93,6 +95,8 @@ class ModelRunner:
         self.broadcast_steps = 0
         self.num_swap_blocks = 0  # host blocks for swapped-out sequences (preemption mode "swap")
         self.num_kv_blocks = self._allocate_kv_cache()
+        # Pipeline parallelism: this rank's stage (engine/pipeline_stage.py); None with one stage.
+        self.pipeline = PipelineStage(self) if get_pp_world_size() > 1 else None
         self.swapper = self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
         # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
@@ -101,7 +105,7 @@ class ModelRunner:
         self.graph_capture: CaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             if self.world_size > 1:
-                logger.info("CUDA graphs are off with tensor parallelism: every step runs eagerly")
+                logger.info("CUDA graphs are off with tensor or pipeline parallelism: every step runs eagerly")
             elif not kernels.graph_safe(self.device):
                 logger.info("CUDA graphs are off with NANOSERVE_KERNELS=reference (the torch "
                             "references sync with the host): every step runs eagerly")
@@ -125,10 +129,14 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def _kv_bytes_per_block(self) -> int:
-        attention = self.model.model.layers[0].self_attn
+        layers = self.stage_layers()  # with pipeline parallelism, only this stage's layers
+        attention = layers[0].self_attn
         element = torch.tensor([], dtype=self.dtype).element_size()
         per_layer = 2 * self.block_size * attention.num_kv_heads * attention.head_dim * element
-        return per_layer * self.model_config.num_hidden_layers
+        return per_layer * len(layers)
+
+    def stage_layers(self) -> list[torch.nn.Module]:
+        return real_layers(self.model.model.layers)
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cpu":
@@ -149,7 +157,8 @@ class ModelRunner:
         num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
         self.num_swap_blocks = self._host_blocks_wanted()
         if self.world_size > 1:
-            # Every rank must hold the same blocks; also collect each rank's weight bytes.
+            # Every rank must hold the same blocks (the min over stages too); also collect each
+            # rank's weight bytes.
             local = torch.tensor([num_blocks, self.weight_bytes, self.num_swap_blocks], dtype=torch.long,
                                  device=self.device)
             gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
@@ -159,7 +168,7 @@ class ModelRunner:
             self.num_swap_blocks = min(int(g[2]) for g in gathered)
         if num_blocks < 1:
             raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
-        for layer in self.model.model.layers:
+        for layer in self.stage_layers():
             attn = layer.self_attn.attn
             attn.key_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
             attn.value_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
@@ -171,7 +180,7 @@ class ModelRunner:
         if self.config.preemption_mode != "swap":
             return None
         pools = []
-        for layer in self.model.model.layers:
+        for layer in self.stage_layers():
             pools += [layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache]
         swapper = KVSwapper(pools, self.num_swap_blocks)
         logger.info("swap space: %d blocks of %d tokens (%.2f GiB)", self.num_swap_blocks, self.block_size,
@@ -206,7 +215,7 @@ class ModelRunner:
         num_seqs = -(-num_tokens // seq_len)
         blocks_per_seq = -(-seq_len // self.block_size)
         # A scratch cache big enough for the profiled batch; the real pool is sized after this.
-        for layer in self.model.model.layers:
+        for layer in self.stage_layers():
             attn = layer.self_attn.attn
             shape = (blocks_per_seq, self.block_size, attn.num_kv_heads, attn.head_dim)
             attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -220,17 +229,24 @@ class ModelRunner:
             cu_seqlens_q=torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len,
             seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
             max_seqlen_q=seq_len, max_seqlen_k=seq_len)
-        hidden = self.model(tokens, positions, metadata)
-        self.model.compute_logits(hidden[-num_seqs:])
+        intermediate = None
+        if get_pp_rank() > 0:  # a later stage: the previous stage's (hidden, residual)
+            zeros = torch.zeros((tokens.numel(), self.model_config.hidden_size), dtype=self.dtype,
+                                device=self.device)
+            intermediate = (zeros, zeros.clone())
+        hidden = self.model(tokens, positions, metadata, intermediate)
+        if isinstance(hidden, torch.Tensor):  # the last stage (or the only one)
+            self.model.compute_logits(hidden[-num_seqs:])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         del hidden
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledSequence]) -> ModelInput:
+    def prepare(self, scheduled: list[ScheduledSequence], block_offset: int = 0) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU without
         the AMX GEMM the prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
-        AttentionMetadata.prefill_row_tile)."""
+        AttentionMetadata.prefill_row_tile). `block_offset`: where the scheduler's blocks start
+        in the pool (pipeline parallelism gives each virtual engine its own share)."""
         block_size = self.block_size
         decodes: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []
@@ -264,7 +280,7 @@ class ModelRunner:
                     prompt_logprob_seqs.append((seq, last - first))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
-            table = seq.block_table
+            table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
             seq_lens.append(end)
@@ -380,6 +396,9 @@ class ModelRunner:
     @torch.inference_mode()
     def worker_loop(self) -> None:
         """Ranks > 0: run each step rank 0 broadcasts, until it sends stop."""
+        if self.pipeline is not None:
+            self.pipeline.worker_loop()
+            return
         header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=self.device)
         while True:
             dist.broadcast(header, src=0)
@@ -396,4 +415,6 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         if self.world_size > 1 and self.rank == 0:
+            if self.pipeline is not None:
+                self.pipeline.drain()
             broadcast_stop(self.device)

@@ -59,6 +59,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self.sort_key)

@@ -44,6 +44,7 @@ class Sequence:
     detokenizer: object | None = None  # IncrementalDetokenizer
     text: str = ""
     num_preemptions: int = 0
+    virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: object | None = None
 

@@ -34,6 +34,21 @@ class SamplingBatch:
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else asked for: once any bitmask is applied, the tokens are the
+        logits' argmax."""
+        return (self.all_greedy and self.max_logprobs < 0 and self.logit_bias is None
+                and self.repetition_penalty is None and self.frequency_penalty is None
+                and self.presence_penalty is None)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The tokens are the logits' argmax and nothing else is asked for (pipeline parallelism
+        then takes the argmax on the last stage and sends only the token ids). A structured-
+        output bitmask lives on rank 0, so its batches send their logits."""
+        return self.argmax_only and self.token_bitmask is None
+
 
 @dataclass(slots=True)
 class LogprobsTensors:
@@ -104,10 +119,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     place before anything else (as vLLM, logprobs then see the constrained distribution)."""
     if batch.token_bitmask is not None:
         apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
-    plain_greedy = (batch.all_greedy and batch.max_logprobs < 0 and batch.logit_bias is None
-                    and batch.repetition_penalty is None and batch.frequency_penalty is None
-                    and batch.presence_penalty is None)
-    if plain_greedy:
+    if batch.argmax_only:
         return SamplerOutput(greedy_argmax(logits), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None

@@ -1,9 +1,12 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2 with QKV bias) in one readable file."""
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
+from nanoserve.distributed.pipeline import is_first_stage, is_last_stage, make_layers, stage_module
 from nanoserve.kernels import apply_rotary, build_cos_sin_cache, cpu_ops, silu_and_mul
 from nanoserve.layers.attention import AttentionMetadata, PagedAttention
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -81,20 +84,30 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # With pipeline parallelism: this stage's layers only (see distributed/pipeline.py).
+        self.embed_tokens = stage_module(
+            lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype), is_first_stage())
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda _: LlamaDecoderLayer(config, dtype))
+        self.norm = stage_module(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype), is_last_stage())
 
-    def forward(self, input_ids, positions, cos_sin_cache, metadata):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids, positions, cos_sin_cache, metadata, intermediate=None):
+        """The final hidden states; on a stage before the last, (hidden, residual) for the next
+        stage. `intermediate`: the previous stage's (hidden, residual), on stages after the first."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(hidden, residual, positions, cos_sin_cache, metadata)
+        if not is_last_stage():
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_pipeline_parallel = True  # see models/registry.check_pipeline_support
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
@@ -108,16 +121,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype)
-        if config.tie_word_embeddings:
+        self.lm_head = stage_module(lambda: ParallelLMHead(config.vocab_size, config.hidden_size, dtype),
+                                    is_last_stage())
+        if config.tie_word_embeddings and is_first_stage() and is_last_stage():
             self.lm_head.weight = self.model.embed_tokens.weight
         cos_sin = build_cos_sin_cache(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, self.cos_sin_cache, metadata)
+                metadata: AttentionMetadata, intermediate=None):
+        return self.model(input_ids, positions, self.cos_sin_cache, metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head(hidden)

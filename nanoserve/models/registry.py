@@ -16,6 +16,15 @@ MODEL_CLASSES = {
 }
 
 
+def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> None:
+    """A model class takes part in pipeline parallelism by building its layers with
+    distributed/pipeline.py's make_layers and taking `intermediate` in forward; it says so with
+    `supports_pipeline_parallel = True`."""
+    model_class = MODEL_CLASSES[config.architecture]
+    if pipeline_parallel_size > 1 and not getattr(model_class, "supports_pipeline_parallel", False):
+        raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
+
+
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path) -> torch.nn.Module:
     model_class = MODEL_CLASSES[config.architecture]
     with torch.device(device):

@@ -8,6 +8,8 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 
+from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
+
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
@@ -28,6 +30,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    # Pipeline parallelism: tensors of other stages' modules are skipped. A last stage without the
+    # embedding loads a tied LM head from the embedding's tensor.
+    missing = missing_prefixes(model)
+    tied_head_from_embedding = tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
     loaded_names: set[str] = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
@@ -36,7 +42,13 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue
-                target, shard_id = name, None
+                if tied_head_from_embedding and name == "model.embed_tokens.weight":
+                    name_in_model = "lm_head.weight"
+                elif is_missing_parameter(name, missing):
+                    continue
+                else:
+                    name_in_model = name
+                target, shard_id = name_in_model, None
                 for fragment, (fused, shard) in packed.items():
                     if f".{fragment}." in name:
                         target, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
@@ -50,7 +62,7 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 else:
                     loader(param, f.get_slice(name), shard_id)
                 loaded_names.add(target)
-    expected = {n for n in params if not (tied and n == "lm_head.weight")}
-    missing = sorted(expected - loaded_names)
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
+    absent = sorted(expected - loaded_names)
+    if absent:
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(absent)} tensor(s), e.g. {absent[:3]}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ServerOptions
-from nanoserve.server.http import HttpServer
+from nanoserve.server.http_server import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.openai import ServingContext, load_generation_defaults
 from nanoserve.server.preprocess import Preprocessor
@@ -58,7 +58,7 @@ async def start_server(engine, options: ServerOptions,
         "block_size": config.block_size, "cache_dtype": "auto",
         "enable_prefix_caching": config.enable_prefix_caching,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "num_gpu_blocks": engine.block_manager.num_blocks, "num_cpu_blocks": None},
+        "num_gpu_blocks": sum(m.num_blocks for m in engine.block_managers), "num_cpu_blocks": None},
         response_cache)
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
                                   log_stats=not config.disable_log_stats)

@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from nanoserve.server.http import HttpLimits
+from nanoserve.server.http_types import HttpLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 

@@ -1,11 +1,9 @@
-"""Request and response objects passed between the HTTP layer and the handlers."""
+"""What the HTTP layer and the route handlers pass each other: the limits, a parsed request, a
+response (whole or streamed), and the state the connections of one server share."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from http import HTTPStatus
-from typing import AsyncGenerator
-
-_REASONS = {status.value: status.phrase for status in HTTPStatus}
+from typing import AsyncGenerator, Awaitable, Callable
 
 
 @dataclass(slots=True)
@@ -54,24 +52,20 @@ class StreamingResponse:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _check_header_text(text: str) -> str:
-    # A CR or LF in a header would let a value inject headers or split the response.
-    if "\r" in text or "\n" in text or "\0" in text:
-        raise ValueError(f"invalid character in response header: {text!r}")
-    return text
+App = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+ErrorResponse = Callable[[int, str], Response]  # the body of an error found by the HTTP layer
 
 
-def encode_head(http_version: str, status: int, headers: list[tuple[str, str]],
-                content_type: str | None, content_length: int | None, date: str) -> bytes:
-    """Status line and headers. `content_length` None: the caller frames the body itself."""
-    version = "1.0" if http_version == "1.0" else "1.1"
-    lines = [f"HTTP/{version} {status} {_REASONS.get(status, 'Unknown')}",
-             f"date: {date}", "server: nanoserve"]
-    if content_type is not None:
-        lines.append(f"content-type: {_check_header_text(content_type)}")
-    if content_length is not None:
-        lines.append(f"content-length: {content_length}")
-    for name, value in headers:
-        lines.append(f"{_check_header_text(name)}: {_check_header_text(value)}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1")
+def plain_error(status: int, message: str) -> Response:
+    return Response(status, message.encode() + b"\n", content_type="text/plain; charset=utf-8")
+
+
+@dataclass(slots=True, eq=False)
+class ServerState:
+    """What the connections of one server share: the route table, the limits, the open
+    connections, and the request body bytes held at once across all of them."""
+    app: App
+    limits: HttpLimits = field(default_factory=HttpLimits)
+    error_response: ErrorResponse = plain_error
+    connections: set = field(default_factory=set)
+    buffered_body_bytes: int = 0

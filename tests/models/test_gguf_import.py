@@ -20,8 +20,8 @@ from nanoserve.models.gguf_import import (
     ensure_default_model,
     import_gguf,
     is_complete_model_dir,
-    unpermute_rotary_rows,
 )
+from nanoserve.models.gguf_reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

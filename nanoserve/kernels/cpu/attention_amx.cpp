@@ -139,7 +139,14 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
     constexpr int kColBlocks = D / 16;     // O's 16-column blocks
     const int group = num_heads / num_kv_heads;
     const float scale_log2 = scale * kLog2e;
-    const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
+    // Work items: whole sequences (their KV heads one after the other) when there are enough to
+    // share among the threads, else (sequence, KV head) pairs, so that a batch of one still splits.
+    // A whole sequence lets the first head fetch each block of every head ahead (the heads of a
+    // block lie side by side): 64 sequences x 128-256 keys x 30 layers, pool in memory, 15-18%
+    // faster than pairs that fetch their own head's next block only. Same bits either way.
+    const bool whole_sequences = num_seqs >= 2 * omp_get_max_threads();
+    const int heads_per_item = whole_sequences ? num_kv_heads : 1;
+    const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads / heads_per_item;
     int64_t keys = 0;
     for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
     const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
@@ -159,8 +166,10 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
         __m512i lo_idx, hi_idx;
         pair_indexes(&lo_idx, &hi_idx);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
+        for (int64_t item = 0; item < num_items; ++item)
+        for (int item_head = 0; item_head < heads_per_item; ++item_head) {
+            const int64_t pair = item * heads_per_item + item_head;
+            const int s = static_cast<int>(pair / num_kv_heads), h = static_cast<int>(pair % num_kv_heads);
             const int seq_len = seq_lens[s];
             const int num_blocks = (seq_len + kBlock - 1) / kBlock;
             const int padded = num_blocks * kBlock;
@@ -184,6 +193,12 @@ NS_AMX_ATTN void decode_attention_amx(uint16_t* out, const uint16_t* query, int6
                 if (b + 1 < num_blocks) {
                     const char* next = reinterpret_cast<const char*>(key_cache + base(b + 1));
                     for (int line = 0; line < head_elems * 2; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+                }
+                if (whole_sequences && h == 0 && b + 2 < num_blocks) {  // every head's K, into L2
+                    const char* ahead = reinterpret_cast<const char*>(
+                        key_cache + static_cast<int64_t>(table[b + 2]) * num_kv_heads * head_elems);
+                    for (int line = 0; line < num_kv_heads * head_elems * 2; line += 64)
+                        _mm_prefetch(ahead + line, _MM_HINT_T1);
                 }
                 _tile_zero(0);
                 for (int c = 0; c < kChunks; ++c) {

@@ -1,0 +1,150 @@
+"""Reading a Llama-architecture GGUF file: its metadata as plain values, the HF `config.json` it
+implies, and its tensors dequantized and renamed to the HF Llama layout (bfloat16)."""
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import torch
+
+
+class GGUFImportError(RuntimeError):
+    """The GGUF file cannot be turned into a model directory (unsupported, corrupt, download failed)."""
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict:
+    """All key/value fields as plain Python values (works on every gguf-py version we allow)."""
+    metadata = {}
+    for name, field in reader.fields.items():
+        if not field.types:
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            if len(field.types) > 1 and field.types[1] == gguf.GGUFValueType.STRING:
+                value = [bytes(field.parts[index]).decode("utf-8") for index in field.data]
+            else:
+                value = [field.parts[index][0].item() for index in field.data]
+        elif kind == gguf.GGUFValueType.STRING:
+            value = bytes(field.parts[field.data[0]]).decode("utf-8")
+        else:
+            value = field.parts[field.data[0]][0].item()
+        metadata[name] = value
+    return metadata
+
+
+def _float32_value(value: float) -> float:
+    # GGUF stores float32: 1e-5 arrives as 9.999999747378752e-06; keep the value that was meant.
+    return float(str(np.float32(value)))
+
+
+def llama_config(metadata: dict, tensor_names: set[str]) -> dict:
+    def get(key: str, default=None):
+        value = metadata.get(f"llama.{key}", default)
+        if value is None:
+            raise GGUFImportError(f"GGUF metadata lacks llama.{key}")
+        return value
+
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
+    hidden_size = get("embedding_length")
+    num_heads = get("attention.head_count")
+    num_kv_heads = get("attention.head_count_kv", num_heads)
+    head_dim = metadata.get("llama.attention.key_length",
+                            metadata.get("llama.rope.dimension_count", hidden_size // num_heads))
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    vocab_size = metadata.get("llama.vocab_size", len(tokens))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(get("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": metadata.get("tokenizer.ggml.padding_token_id"),
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# ---------------------------------------------------------------------------------------- weights
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """llama.cpp's tensor name → the HF Llama name."""
+    if gguf_name in _GLOBAL_TENSOR_NAMES:
+        return _GLOBAL_TENSOR_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
+        raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
+    return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}.weight"
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's Q/K row order.
+
+    llama.cpp rotates interleaved pairs (x0, x1), (x2, x3) ... while HF rotates the two halves of each
+    head, so the converter reorders each head's rows from [half 0 | half 1] to interleaved. This
+    puts them back: gguf row 2*j + s of a head is HF row s * head_dim/2 + j.
+    """
+    out_features, in_features = weight.shape
+    head_dim = out_features // num_heads
+    return (weight.reshape(num_heads, head_dim // 2, 2, in_features)
+            .transpose(1, 2).reshape(out_features, in_features).contiguous())
+
+
+def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+    state_dict = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        # GGUF lists dims fastest-first; torch wants them slowest-first.
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        try:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as error:
+            raise GGUFImportError(
+                f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported") from error
+        # np.array copies: unquantized tensors come back as read-only views of the memory map.
+        weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
+        state_dict[name] = weight.to(torch.bfloat16).contiguous()
+    missing = {"model.embed_tokens.weight", "model.norm.weight"} - state_dict.keys()
+    if missing:
+        raise GGUFImportError(f"GGUF lacks tensors for {sorted(missing)}")
+    return state_dict

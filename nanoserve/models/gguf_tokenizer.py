@@ -1,0 +1,102 @@
+"""The tokenizer of a GGUF file, rebuilt as a `tokenizers` byte-level BPE (tokenizer.json) with its
+tokenizer_config.json, as llama.cpp's converters read the `tokenizer.ggml.*` metadata."""
+from __future__ import annotations
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from nanoserve.models.gguf_reader import GGUFImportError
+
+# llama.cpp's `tokenizer.ggml.pre` names the pre-tokenizer regex the vocabulary was trained with.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT2_PRE = {"gpt2", "default", "mpt", "olmo", "jais"}
+_DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _pre_tokenizer(pre: str):
+    if pre in _DIGITS_THEN_GPT2_PRE:
+        # llama.cpp: "\p{N}" (each digit alone), then GPT-2's regex.
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    if pre in _GPT2_PRE:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _LLAMA3_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    raise GGUFImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
+
+
+def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendTokenizer, dict]:
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise GGUFImportError(
+            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    if any(len(merge) != 2 for merge in merges):
+        raise GGUFImportError("malformed entry in tokenizer.ggml.merges")
+
+    alphabet = _byte_level_alphabet()
+    spelling = set(alphabet.values())
+    # llama.cpp sometimes stores a token in plain UTF-8; BPE needs it in the byte alphabet.
+    vocab = {token if set(token) <= spelling else "".join(alphabet[b] for b in token.encode()): index
+             for index, token in enumerate(tokens)}
+    tokenizer = BackendTokenizer(models.BPE(
+        vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+        end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    # Matched whole in text, never split by BPE. A "control" token outside the byte alphabet would
+    # not map back to its id, so it is left out, as llama.cpp's converters do.
+    tokenizer.add_special_tokens([
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(tokens, token_types)
+        if kind == _TOKEN_TYPE_CONTROL and set(token) <= spelling])
+    tokenizer.add_tokens([
+        AddedToken(token, special=False, normalized=False)
+        for token, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED])
+    if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise GGUFImportError("rebuilt tokenizer does not have the GGUF vocabulary's size")
+
+    def token_of(key: str) -> str | None:
+        index = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(metadata.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": token_of("bos_token_id"),
+        "eos_token": token_of("eos_token_id"),
+        "pad_token": token_of("padding_token_id"),
+        "unk_token": token_of("unknown_token_id"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    if metadata.get("tokenizer.chat_template"):
+        tokenizer_config["chat_template"] = metadata["tokenizer.chat_template"]
+    return tokenizer, tokenizer_config
