@@ -154,3 +154,17 @@ def test_min_tokens_past_the_grammar_end_stops_cleanly(roomy, prompts):
                                 structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
         (output,), = run(roomy, [prompts[4]], params)
         assert output[1] in ("yes", "no") and output[2] == "stop"
+
+
+def test_choice_strings_are_escaped_exactly(roomy):
+    import xgrammar
+
+    choices = ['say "hi"', "back\\slash", "café ☕", "new\nline"]
+    compiled = roomy.llm_engine.prepare_structured_output(
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=choices))).result()
+    for choice in choices:
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert matcher.accept_string(choice) and matcher.is_terminated(), choice
+    for wrong in ['say \\"hi\\"', "backslash", "café", "say"]:
+        matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        assert not (matcher.accept_string(wrong) and matcher.is_terminated()), wrong
