@@ -228,7 +228,9 @@ class AsyncLLMEngine:
             return
         future = prepare(params)
         if future is not None:
-            await asyncio.wrap_future(future)
+            # Shielded: a client that goes away must not cancel a compile that other requests
+            # with the same grammar share (through the cache).
+            await asyncio.shield(asyncio.wrap_future(future))
 
     def abort(self, request_id: str) -> None:
         """Abort a request that has not finished; freed within one step."""

@@ -108,7 +108,8 @@ class StructuredOutputManager:
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if future is not None and not (future.cancelled() or (
+                    future.done() and future.exception() is not None)):
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 return future

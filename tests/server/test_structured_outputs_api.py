@@ -126,3 +126,30 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(server):
         finally:
             gate.set()
         assert re.fullmatch(numbers, constrained.result().choices[0].text)
+
+
+def test_a_client_gone_while_its_grammar_compiles_cancels_nothing_shared(server):
+    import asyncio
+
+    engine = server.engine
+    async_engine = server.server.engine
+    params = SamplingParams(max_tokens=4, temperature=0,
+                            structured_outputs=StructuredOutputsParams(regex="[0-9]{2} gone"))
+    gate = threading.Event()
+    engine.prepare_structured_output(SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="warm"))).result()
+    engine.structured_output.executor.submit(gate.wait)
+    shared = engine.prepare_structured_output(params)  # another request's, queued behind the gate
+
+    async def add_then_give_up():
+        task = asyncio.ensure_future(async_engine.add_request("gone-1", "Count:", params))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        return await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        (outcome,) = server.loop_thread.call(add_then_give_up)
+        assert isinstance(outcome, asyncio.CancelledError)
+    finally:
+        gate.set()
+    assert not shared.cancelled() and shared.result() is not None
