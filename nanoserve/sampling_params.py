@@ -29,8 +29,9 @@ class StructuredOutputsParams:
         if len(kinds) != 1:
             raise ValueError(f"{self.field} must set exactly one of json, regex, choice, grammar "
                              f"or json_object, got {kinds or 'none'}")
-        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
-                                        or any(not isinstance(c, str) for c in self.choice)):
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError(f"{self.field} choice must be a non-empty list of strings")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):

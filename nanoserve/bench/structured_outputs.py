@@ -43,13 +43,15 @@ def timed_run(llm, prompts: list[list[int]], output_len: int, grammar: str | Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanoserve bench structured-outputs",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized from memory")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="default: sized from memory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -64,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     with LLM(model=args.model, dtype=args.dtype, device=args.device,
              max_num_seqs=max(args.batch_size, 1), num_kv_blocks=args.num_kv_blocks) as llm:
         # Warm-up: the model, and xgrammar's import, tokenizer info and the grammar's compile.
-        llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2),
+                     use_tqdm=False)
         engine = llm.llm_engine
         started = time.perf_counter()
         engine.prepare_structured_output(SamplingParams(

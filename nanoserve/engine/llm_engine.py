@@ -173,7 +173,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
-        self.structured_output: StructuredOutputManager | None = None  # on the first constrained request
+        # Structured outputs: made on the first constrained request.
+        self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
         self._structured_output_lock = threading.Lock()
 

@@ -63,7 +63,8 @@ class SequenceGrammar:
     def is_ready(self) -> bool:
         """Compiled. A failed compile never becomes ready: the engine fails its request before
         the next schedule, so it can never reach a batch (and fail the others' step)."""
-        return self.future.done() and self.future.exception() is None
+        future = self.future
+        return future.done() and not future.cancelled() and future.exception() is None
 
     @property
     def failed(self) -> BaseException | None:
@@ -139,7 +140,8 @@ class StructuredOutputManager:
         try:
             if spec.json is not None:
                 text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return compiler.compile_json_schema(text, any_whitespace=not spec.disable_any_whitespace)
+                return compiler.compile_json_schema(
+                    text, any_whitespace=not spec.disable_any_whitespace)
             if spec.json_object:
                 return compiler.compile_builtin_json_grammar()
             if spec.regex is not None:

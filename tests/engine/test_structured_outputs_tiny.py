@@ -17,7 +17,8 @@ REGEX = r"[a-z]{3,12}( [a-z]{2,10}){4,8}\."
 SCHEMA = {"type": "object",
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                          "kind": {"type": "string", "enum": ["fox", "dog", "cat"]},
-                         "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                         "tags": {"type": "array",
+                                  "items": {"type": "string", "pattern": "^[a-z]{1,6}$"},
                                   "minItems": 1, "maxItems": 3}},
           "required": ["id", "kind", "tags"]}
 
@@ -46,7 +47,8 @@ def assert_matches(kind: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def roomy(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512)
+    return LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256,
+               num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,8 @@ def test_free_rows_are_unchanged_by_constrained_rows(roomy, prompts):
     alone = run(roomy, prompts[:8], free)
     mixed_params = []
     for index, params in enumerate(free):
-        mixed_params += [params, constrained(regex=REGEX) if index % 2 else constrained(json=SCHEMA)]
+        other = constrained(regex=REGEX) if index % 2 else constrained(json=SCHEMA)
+        mixed_params += [params, other]
     mixed_prompts = [p for prompt in prompts[:8] for p in (prompt, prompt)]
     mixed = run(roomy, mixed_prompts, mixed_params)
     assert mixed[0::2] == alone

@@ -17,7 +17,8 @@ CASES = [(400, 13), (1000, 32), (49152, 1536), (49155, 1536)]  # (vocab, bitmask
 def make(vocab: int, words: int, dtype=torch.float32, device="cpu", seed=0):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, vocab, generator=generator).to(dtype)
-    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32, generator=generator)
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32,
+                            generator=generator)
     rows = torch.tensor([4, 0, 2])
     return logits.to(device), bitmask.to(device), rows.to(device)
 

@@ -20,7 +20,8 @@ from tests.server.server_helpers import http_request
 CITY = {"type": "object",
         "properties": {"city": {"type": "string", "maxLength": 20},
                        "population": {"type": "integer", "minimum": 0},
-                       "tags": {"type": "array", "items": {"type": "string", "enum": ["big", "old", "coastal"]},
+                       "tags": {"type": "array",
+                                "items": {"type": "string", "enum": ["big", "old", "coastal"]},
                                 "maxItems": 2}},
         "required": ["city", "population", "tags"]}
 MESSAGES = [{"role": "user", "content": "Describe Paris as JSON."}]
@@ -117,7 +118,8 @@ def test_a_compiling_grammar_does_not_hold_up_other_requests(server):
     numbers = r"[0-9]{1,3}( [0-9]{1,3}){2}"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         constrained = pool.submit(client.completions.create, model=model, prompt="Three numbers:",
-                                  max_tokens=16, temperature=0, extra_body={"guided_regex": numbers})
+                                  max_tokens=16, temperature=0,
+                                  extra_body={"guided_regex": numbers})
         try:
             free = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=4,
                                              temperature=0)
