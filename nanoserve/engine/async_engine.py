@@ -1,6 +1,7 @@
 """AsyncLLMEngine: the one LLMEngine driven from an asyncio server.
 
-Requests and aborts enter an asyncio.Queue. One step coroutine owns the engine: between steps it
+Requests and aborts enter an asyncio.Queue (a constrained request once its grammar compiled, so
+a large schema never holds up the step loop). One step coroutine owns the engine: between steps it
 drains the queue into `add_request` / `abort_request`, then runs `engine.step()` on a worker
 thread so the event loop keeps answering (torch releases the GIL in its kernels), and hands each
 request's output to that request's `RequestStream`. With no work it sleeps on the queue.
@@ -204,7 +205,9 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, time.time(), params)
+        arrival_time = time.time()
+        await self._compile_grammar(params)
+        stream = RequestStream(request_id, arrival_time, params)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         self.num_queued_adds += 1
@@ -215,6 +218,19 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         return stream
+
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """A constrained request waits here, off the step loop, while its grammar compiles on
+        the compiler's thread; a bad schema, regex or grammar raises InvalidRequestError
+        before the engine sees the request."""
+        prepare = getattr(self.engine, "prepare_structured_output", None)
+        if prepare is None or params.structured_outputs is None:
+            return
+        future = prepare(params)
+        if future is not None:
+            # Shielded: a client that goes away must not cancel a compile that other requests
+            # with the same grammar share (through the cache).
+            await asyncio.shield(asyncio.wrap_future(future))
 
     def abort(self, request_id: str) -> None:
         """Abort a request that has not finished; freed within one step."""

@@ -2,10 +2,12 @@
 drive exactly this."""
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.layers.sampler import SamplerOutput
@@ -168,6 +171,10 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
+        # Structured outputs: made on the first constrained request.
+        self.structured_output: StructuredOutputManager | None = None
+        self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
+        self._structured_output_lock = threading.Lock()
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
@@ -190,6 +197,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor / pipeline parallelism) and leave the process group."""
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         if self.workers is None:
             return
         workers, self.workers = self.workers, None
@@ -239,6 +248,9 @@ class LLMEngine:
         if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
             raise ValueError(f"min_tokens must be <= {self.max_model_len - num_prompt} (the context "
                              f"left after {num_prompt} prompt tokens), got {params.min_tokens}")
+        grammar = self.prepare_structured_output(params)
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise grammar.exception()
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
@@ -247,15 +259,41 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if grammar is not None:  # one matcher per sequence, one compiled grammar per request
+                seq.grammar = SequenceGrammar(grammar)
             seqs.append(seq)
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = grammar
         virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
         for seq in seqs:
             seq.virtual_engine = virtual_engine
             self.schedulers[virtual_engine].add(seq)
+
+    def prepare_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        """Start compiling a constrained request's grammar (or find it in the cache); None for
+        a free request. The future raises InvalidRequestError for a bad schema, regex or
+        grammar. Callable from any thread: the server awaits it before adding the request."""
+        if params.structured_outputs is None:
+            return None
+        with self._structured_output_lock:
+            if self.structured_output is None:
+                self.structured_output = StructuredOutputManager(
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self.structured_output.compile(params.structured_outputs)
+
+    def _fail_compiled_grammars(self) -> None:
+        """Requests added before their grammar compiled: a failed compile fails the request
+        (StepError, as a failed step would); the rest wait in the queue."""
+        done = [rid for rid, future in self._compiling.items() if future.done()]
+        failed = [rid for rid in done if self._compiling[rid].exception() is not None]
+        errors = [self._compiling.pop(rid).exception() for rid in done]
+        if failed:
+            error = next(e for e in errors if e is not None)
+            raise StepError(failed, error, self.abort_request(failed))
 
     def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
         """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
@@ -323,6 +361,7 @@ class LLMEngine:
         aborted = []
         for rid in ids:
             request = self.requests.pop(rid, None)
+            self._compiling.pop(rid, None)
             if request is None:
                 continue
             for seq in request.seqs:
@@ -372,6 +411,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
+        if self._compiling:
+            self._fail_compiled_grammars()
         if self.runner.pipeline is not None:
             return self._pipeline_step()
         scheduled = self.scheduler.schedule()
@@ -379,6 +420,9 @@ class LLMEngine:
         if swaps:  # before the forward pass that may overwrite the freed blocks
             self.runner.swap(swaps)
         if not scheduled:
+            if self._compiling:  # only grammars to wait for: not a busy loop
+                concurrent.futures.wait(list(self._compiling.values()), timeout=0.1,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         try:
             return self._run_step(scheduled)
@@ -417,9 +461,8 @@ class LLMEngine:
             offset = virtual_engine * self.block_manager.num_blocks
             model_input = self.runner.prepare(scheduled, block_offset=offset)
             # Built now (nothing it reads changes while in flight): a plain greedy step only
-            # needs the last stage's argmax, not its logits.
-            sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
-                                            self.model_config.vocab_size, self.eos_token_ids, self.generator)
+            # needs the last stage's argmax, not its logits (a constrained one needs them).
+            sampling = self._sampling_batch(model_input)
             tokens_only = (sampling is not None and sampling.plain_greedy
                            and not model_input.prompt_logprob_seqs)
             launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
@@ -432,6 +475,15 @@ class LLMEngine:
         logits = self.runner.forward(model_input)
         return self._finish_step(scheduled, model_input, logits, now)
 
+    def _sampling_batch(self, model_input):
+        """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
+        only advance when this step's tokens are appended, so it may be built at launch."""
+        sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
+                                        self.model_config.vocab_size, self.eos_token_ids, self.generator)
+        if sampling is not None and self.structured_output is not None:
+            self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
+        return sampling
+
     def _finish_step(self, scheduled, model_input, logits, now: float, sampling=None,
                      result: SamplerOutput | None = None) -> list[RequestOutput]:
         """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
@@ -440,8 +492,7 @@ class LLMEngine:
         if result is None:
             if sampling is None:
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
-                sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
-                                                self.model_config.vocab_size, self.eos_token_ids, self.generator)
+                sampling = self._sampling_batch(model_input)
             result = self.runner.sample(logits, sampling, model_input)
         progressed: dict[str, Request] = {}
         for item in scheduled:
@@ -514,6 +565,16 @@ class LLMEngine:
             row += num_rows
 
     def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            # The grammar allowed nothing it could take (min_tokens or a logit bias had masked
+            # its stop tokens): end the output where the grammar ended it.
+            logger.warning("request %s: token %d does not fit its grammar; finishing it",
+                           seq.request_id, token)
+            seq.text += seq.detokenizer.flush()
+            seq.finish_reason = "stop"
+            self.schedulers[seq.virtual_engine].remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            return
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         params = seq.params
@@ -529,6 +590,8 @@ class LLMEngine:
             elif not params.ignore_eos and token in self.eos_token_ids:
                 reason = "stop"
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated:
+            reason = "stop"  # the grammar is complete (it took a stop token)
         if reason is None and (num_out >= max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         delta = seq.detokenizer.step([token])

@@ -8,7 +8,8 @@ run out, the last running sequence in that order (the latest arrival; with "prio
 urgent, as vLLM's priority scheduler) is preempted: recomputed later, or with preemption mode
 "swap" its blocks are copied to the host pool (recompute when that is full). As in vLLM V0, a
 step that preempted swaps nothing in and admits nothing, and no waiting sequence is admitted
-while any is swapped out.
+while any is swapped out. A waiting sequence whose grammar is still compiling (structured
+outputs) is passed over until it is ready.
 """
 from __future__ import annotations
 
@@ -148,7 +149,9 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
         while not preempted and not self.swapped and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if s.is_schedulable), None)
+            if seq is None:  # every waiting sequence's grammar is still compiling
+                break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -161,7 +164,7 @@ class Scheduler:
                 else:
                     self.block_manager.free(seq)  # give back prefix-cache hits while waiting
                     break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self.sort_key)

@@ -45,6 +45,8 @@ class Sequence:
     text: str = ""
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
+    # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
+    grammar: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,11 @@ class Sequence:
         """Prompt positions still lack their logprobs: this sequence's prompt rows must be
         computed (not taken from the prefix cache) and their logits kept."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def is_schedulable(self) -> bool:
+        """False while its grammar is still compiling: it waits in the queue, others go first."""
+        return self.grammar is None or self.grammar.is_ready
 
     @property
     def is_finished(self) -> bool:

@@ -21,6 +21,8 @@ from nanoserve.kernels.rmsnorm import (
     rms_norm_triton,
 )
 from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton, build_cos_sin_cache
+from nanoserve.kernels.token_bitmask import (apply_token_bitmask_cpu, apply_token_bitmask_reference,
+                                             apply_token_bitmask_triton)
 
 _CHOICES = ("auto", "triton", "reference")
 
@@ -109,6 +111,16 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
+def apply_token_bitmask(logits, bitmask, rows) -> None:
+    """Structured outputs: -inf, in place, for the tokens each constrained row's grammar forbids."""
+    if use_triton(logits):
+        apply_token_bitmask_triton(logits, bitmask, rows)
+    elif not logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        apply_token_bitmask_cpu(logits, bitmask, rows)
+    else:
+        apply_token_bitmask_reference(logits, bitmask, rows)
+
+
 def apply_rotary(query, key, positions, cos_sin_cache) -> None:
     if use_triton(query):
         apply_rotary_triton(query, key, positions, cos_sin_cache)
@@ -118,6 +130,7 @@ def apply_rotary(query, key, positions, cos_sin_cache) -> None:
 
 __all__ = [
     "apply_rotary",
+    "apply_token_bitmask",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
     "greedy_argmax",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.kernels import greedy_argmax
+from nanoserve.kernels import apply_token_bitmask, greedy_argmax
 
 
 @dataclass(slots=True)
@@ -29,14 +29,25 @@ class SamplingBatch:
     default_generator: torch.Generator | None
     all_greedy: bool
     max_logprobs: int  # -1: none requested; 0: the sampled token's only; k: plus the top k
+    # Structured outputs: [C, ceil(V / 32)] int32 allowed-token bits for the C constrained rows,
+    # and [C] which rows they are. None when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing else asked for: once any bitmask is applied, the tokens are the
+        logits' argmax."""
+        return (self.all_greedy and self.max_logprobs < 0 and self.logit_bias is None
+                and self.repetition_penalty is None and self.frequency_penalty is None
+                and self.presence_penalty is None)
 
     @property
     def plain_greedy(self) -> bool:
         """The tokens are the logits' argmax and nothing else is asked for (pipeline parallelism
-        then takes the argmax on the last stage and sends only the token ids)."""
-        return (self.all_greedy and self.max_logprobs < 0 and self.logit_bias is None
-                and self.repetition_penalty is None and self.frequency_penalty is None
-                and self.presence_penalty is None)
+        then takes the argmax on the last stage and sends only the token ids). A structured-
+        output bitmask lives on rank 0, so its batches send their logits."""
+        return self.argmax_only and self.token_bitmask is None
 
 
 @dataclass(slots=True)
@@ -104,7 +115,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    if batch.plain_greedy:
+    """`logits` are the step's own: a constrained row's forbidden tokens are set to -inf in
+    place before anything else (as vLLM, logprobs then see the constrained distribution)."""
+    if batch.token_bitmask is not None:
+        apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    if batch.argmax_only:
         return SamplerOutput(greedy_argmax(logits), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None

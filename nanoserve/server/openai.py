@@ -21,6 +21,7 @@ from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, Promp
                                        SamplingFields, Usage)
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
+from nanoserve.server.structured_outputs import structured_outputs_params
 
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -206,7 +207,7 @@ class ServingContext:
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=request.skip_special_tokens,
                 spaces_between_special_tokens=request.spaces_between_special_tokens,
-                logit_bias=logit_bias)
+                logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
         except (ValueError, TypeError) as error:
             message = str(error)
             param = message.split(" ", 1)[0]

@@ -65,6 +65,16 @@ class SamplingFields(msgspec.Struct):
     truncation_side: str | None = None  # "left" keeps the last tokens, "right" the first
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # Structured outputs (server/structured_outputs.py turns them into StructuredOutputsParams):
+    # OpenAI's response_format, vLLM's structured_outputs object and its older guided_* names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None  # a schema object or its JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted; xgrammar is the one backend
+    guided_whitespace_pattern: str | None = None  # accepted and ignored
 
 
 class CompletionRequest(SamplingFields):

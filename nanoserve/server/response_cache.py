@@ -28,12 +28,13 @@ from nanoserve.sampling_params import SamplingParams
 # list does not name). n and best_of: how many outputs; stop strings / ids and
 # include_stop_str_in_output: where and how outputs end; skip_special_tokens and
 # spaces_between_special_tokens: the detokenized text; logprobs / prompt_logprobs: the entries
-# returned (echo and max_tokens=0 reach the key through prompt_logprobs and max_tokens).
+# returned (echo and max_tokens=0 reach the key through prompt_logprobs and max_tokens);
+# structured_outputs: the grammar, by its kind and text.
 KEY_PARAMS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop",
               "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "seed", "logprobs",
               "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
-              "logit_bias")
+              "logit_bias", "structured_outputs")
 _FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 # Beyond an entry's two bytes objects: its OrderedDict slot and links, the (blob, expiry) tuple
@@ -57,6 +58,8 @@ def cache_key(model: str, prompts: Sequence[Sequence[int]], params: SamplingPara
             value = float(value)  # 0 and 0.0 are the same setting
         elif name == "logit_bias" and value is not None:
             value = sorted((int(token), float(bias)) for token, bias in value.items())
+        elif name == "structured_outputs" and value is not None:
+            value = list(value.key)  # the grammar's kind and text
         values.append(value)
     payload = _encode([model, [list(p) for p in prompts], values])
     return hashlib.sha256(payload).digest()

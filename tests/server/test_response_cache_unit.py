@@ -156,3 +156,16 @@ def test_bad_flags_are_one_line(tiny_llama_dir, flag, value, message):
                             timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]
+
+
+def test_structured_outputs_are_in_the_key():
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    def key(**kind):
+        constraint = StructuredOutputsParams(**kind) if kind else None
+        return cache_key("m", [[1, 2, 3]], SamplingParams(temperature=0, structured_outputs=constraint))
+
+    keys = {key(), key(regex="a+"), key(regex="b+"), key(json={"type": "object"}),
+            key(json={"type": "object"}, disable_any_whitespace=True)}
+    assert len(keys) == 5
+    assert key(choice=["x", "y"]) == key(choice=["x", "y"])

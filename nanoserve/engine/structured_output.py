@@ -1,0 +1,180 @@
+"""Structured outputs on xgrammar: grammars compiled off the step loop and cached by their text,
+one matcher per sequence, and each step's token bitmask for the constrained rows.
+
+xgrammar is imported here only, and only once a constrained request arrives: the engine, the
+models and the kernels run without it. Compiling happens on this module's own thread; a request
+whose grammar is not compiled yet waits in the scheduler's queue (Sequence.is_schedulable) while
+the others decode.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256
+# xgrammar compiles one grammar on several threads; the engine's step needs the cores too.
+COMPILER_THREADS = 2
+# "[18:17:38] /project/cpp/regex_converter.cc:94: " and "Check failed: (...) is false: "
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as error:  # an install without the runtime dependency
+        raise InvalidRequestError("structured outputs need the xgrammar package, which is not "
+                                  f"installed on this server ({error})", None) from None
+    return xgrammar
+
+
+def _clean_message(error: BaseException) -> str:
+    text = str(error).strip()
+    return _NATIVE_PREFIX.sub("", text).strip() or type(error).__name__
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for exactly one of the given strings (JSON escapes are EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+class SequenceGrammar:
+    """One sequence's matcher (n > 1: one each), built once its grammar is compiled. It lives
+    with the sequence, so swapping keeps it, and preemption by recompute, which keeps the
+    generated tokens, needs nothing rebuilt."""
+
+    __slots__ = ("future", "_matcher")
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+        self._matcher = None
+
+    @property
+    def is_ready(self) -> bool:
+        """Compiled. A failed compile never becomes ready: the engine fails its request before
+        the next schedule, so it can never reach a batch (and fail the others' step)."""
+        future = self.future
+        return future.done() and not future.cancelled() and future.exception() is None
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self.future.exception() if self.future.done() else None
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            xgrammar = _import_xgrammar()
+            self._matcher = xgrammar.GrammarMatcher(self.future.result())
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one tokenizer (on its own thread) and fills bitmasks."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.max_cached = max_cached
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._compiler = None  # built on the compile thread by the first compile
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+
+    # ---- compiling (any thread submits; the compile thread compiles) ------------------------
+    def compile(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar for `spec`, as a future: from the cache when the same text was
+        compiled (or is being compiled), else queued on the compile thread. A failed compile
+        is not kept: the future raises InvalidRequestError naming spec.field."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None and not (future.cancelled() or (
+                    future.done() and future.exception() is not None)):
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return future
+            future = self.executor.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            self.num_compiles += 1
+        return future
+
+    def _tokenizer_info(self, xgrammar):
+        from transformers import PreTrainedTokenizerFast
+
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+        return xgrammar.TokenizerInfo.from_huggingface(
+            wrapped, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
+
+    def _get_compiler(self):
+        if self._compiler is None:
+            xgrammar = _import_xgrammar()
+            self._compiler = xgrammar.GrammarCompiler(self._tokenizer_info(xgrammar),
+                                                      max_threads=COMPILER_THREADS)
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutputsParams):
+        compiler = self._get_compiler()
+        try:
+            if spec.json is not None:
+                text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return compiler.compile_json_schema(
+                    text, any_whitespace=not spec.disable_any_whitespace)
+            if spec.json_object:
+                return compiler.compile_builtin_json_grammar()
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as error:
+            kind = spec.key[0].split("_any_whitespace")[0]
+            raise InvalidRequestError(f"Invalid {kind} for {spec.field}: {_clean_message(error)}",
+                                      spec.field) from None
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- each step ----------------------------------------------------------------------------
+    def constrain(self, sampling, seqs: list, device: torch.device) -> None:
+        """Give a step's SamplingBatch the bitmask of its constrained rows, if it has any."""
+        rows = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if rows:
+            sampling.token_bitmask, sampling.bitmask_rows = self.fill_bitmask(rows, device)
+
+    def fill_bitmask(self, rows: list[tuple[int, SequenceGrammar]],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One bitmask for the constrained rows of a step: ([C, words] int32, [C] their rows in
+        the batch), on `device`."""
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32,
+                              pin_memory=device.type == "cuda")
+        for index, (_, grammar) in enumerate(rows):
+            grammar.matcher.fill_next_token_bitmask(bitmask, index)
+        row_ids = torch.tensor([row for row, _ in rows], dtype=torch.long,
+                               pin_memory=device.type == "cuda")
+        if device.type == "cpu":
+            return bitmask, row_ids
+        return bitmask.to(device, non_blocking=True), row_ids.to(device, non_blocking=True)
