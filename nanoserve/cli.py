@@ -6,7 +6,7 @@ import dataclasses
 import os
 import sys
 
-from nanoserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from nanoserve.config import EngineConfig
 from nanoserve.server.args import add_server_args
 
 SUBCOMMANDS = ("serve", "generate", "bench", "import-model")
@@ -16,94 +16,44 @@ class CliError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-def _env_int(name: str) -> int | None:
+_FLAG_TYPES = {"str": str, "int": int, "float": float}
+
+
+def _engine_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
+
+
+def _env_default(name: str, kind: type):
     value = os.environ.get(name)
     try:
-        return int(value) if value else None
+        return kind(value) if value else None
     except ValueError:
-        raise CliError(f"${name} must be an integer, got {value!r}") from None
-
-
-def _config_default(name: str):
-    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
+        raise CliError(f"${name} must be {'an integer' if kind is int else 'a number'}, "
+                       f"got {value!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field: name, default, choices and help come from the field."""
     group = parser.add_argument_group("engine (same flags as `vllm serve`)")
-    group.add_argument("--model", default=None,
-                       help="Hugging Face-layout model directory (default: SmolLM2-135M-Instruct, imported once)")
-    group.add_argument("--served-model-name", default=None, help="model name reported by the API")
-    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    group.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and activations dtype")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    group.add_argument("--kv-cache-memory", type=float, default=None, help="KV cache size in GiB (CPU)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of GPU memory for weights, activations and KV cache")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    group.add_argument("--swap-space", type=float, default=_config_default("swap_space"),
-                       help="GiB of host memory per rank for the KV blocks of swapped-out sequences "
-                            "(used with --preemption-mode swap)")
-    group.add_argument("--preemption-mode", default=_config_default("preemption_mode"),
-                       choices=PREEMPTION_MODES,
-                       help="when KV blocks run out: recompute the preempted request later, or swap "
-                            "its blocks to host memory and back (recompute when that is full)")
-    group.add_argument("--num-swap-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV cache of shared prompt prefixes")
-    group.add_argument("--seed", type=int, default=0, help="random seed")
-    group.add_argument("--max-logprobs", type=int, default=_config_default("max_logprobs"),
-                       help="most logprobs (sample or prompt) one request may ask for; -1: the whole "
-                            "vocabulary")
-    group.add_argument("--max-n-sequences", type=int, default=_config_default("max_n_sequences"),
-                       help="most outputs one request may ask for (n, and n x prompts)")
-    group.add_argument("--scheduling-policy", default=_config_default("scheduling_policy"),
-                       choices=SCHEDULING_POLICIES,
-                       help="fcfs: first come, first served (a request's priority must be 0); "
-                            "priority: lower priority value first, then arrival")
-    group.add_argument("--disable-log-stats", action="store_true",
-                       default=_config_default("disable_log_stats"),
-                       help="do not log the engine's throughput, queue and cache figures every "
-                            "few seconds")
-    group.add_argument("--cpu-threads", type=int, default=_config_default("cpu_threads"),
-                       help="CPU threads per rank (default: the CPUs this process may use, from its affinity "
-                            "and cgroup quota, shared among the machine's ranks)")
-    group.add_argument("--enforce-eager", action="store_true", default=_config_default("enforce_eager"),
-                       help="CUDA: run every step eagerly, without CUDA graphs for decode steps "
-                            "(a CPU always runs eagerly)")
-    group.add_argument("--tensor-parallel-size", "--tp", "-tp", dest="tensor_parallel_size", type=int, default=1,
-                       help="number of tensor-parallel ranks")
-    group.add_argument("--pipeline-parallel-size", "--pp", "-pp", dest="pipeline_parallel_size", type=int,
-                       default=_config_default("pipeline_parallel_size"),
-                       help="number of pipeline stages (the decoder layers split evenly, or as "
-                            "$NANOSERVE_PP_LAYER_PARTITION says, e.g. '10,14'); ranks = tp x pp")
-    group.add_argument("--nnodes", type=int, default=1, help="machines the tp x pp ranks span")
-    group.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
-    group.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR"),
-                       help="rendezvous address of rank 0 (default: $MASTER_ADDR)")
-    group.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT"),
-                       help="rendezvous port on rank 0's host (default: $MASTER_PORT)")
+    for item in _engine_fields():
+        meta = item.metadata
+        flags = meta.get("flags", ("--" + item.name.replace("_", "-"),))
+        kind = item.type.removesuffix(" | None")  # annotations are strings (PEP 563)
+        if kind == "bool":
+            action = argparse.BooleanOptionalAction if item.default else "store_true"
+            group.add_argument(*flags, dest=item.name, action=action, default=item.default,
+                               help=meta["help"])
+            continue
+        default = item.default
+        if "env" in meta:
+            default = _env_default(meta["env"], _FLAG_TYPES[kind])
+        group.add_argument(*flags, dest=item.name, type=_FLAG_TYPES[kind], default=default,
+                           choices=meta.get("choices"), help=meta["help"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
-        return EngineConfig(
-            model=args.model, served_model_name=args.served_model_name, tokenizer=args.tokenizer,
-            dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-            swap_space=args.swap_space, preemption_mode=args.preemption_mode,
-            num_swap_blocks=args.num_swap_blocks, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-            max_n_sequences=args.max_n_sequences, max_logprobs=args.max_logprobs, cpu_threads=args.cpu_threads,
-            enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
-            disable_log_stats=args.disable_log_stats,
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-            master_addr=args.master_addr, master_port=args.master_port)
+        return EngineConfig(**{item.name: getattr(args, item.name) for item in _engine_fields()})
     except ValueError as error:
         raise CliError(str(error)) from None
 
@@ -127,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise CliError(str(error)) from None
     config = engine_config_from_args(args)
-    llm = LLM(**{name: getattr(config, name) for name in config.__slots__ if name != "extra"})
+    llm = LLM(config=config)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
     else:

@@ -1,6 +1,7 @@
 """EngineConfig: one dataclass built once (from CLI flags or LLM(**kwargs)) that flows down."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -11,54 +12,86 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 
 
+def arg(default=None, help: str = "", **cli):
+    """A config field with its command-line help beside it. `cli` may name `flags` (the option
+    strings, the first one long; default: --field-name), `choices`, `env` (the flag's default is
+    read from this environment variable when the parser is built) or `cli=False` (no flag)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct, imported once)
-    served_model_name: str | None = None
-    tokenizer: str | None = None  # defaults to the model dir
-    dtype: str = "auto"
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: float | None = None  # GiB for the KV pool on CPU; None: sized automatically
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: int | None = None  # override the pool size (tests)
+    """Every engine default, written once; `nanoserve serve / generate` build their engine flags
+    from these fields (nanoserve.cli.add_engine_args), `LLM(**kwargs)` takes the same names."""
+    model: str | None = arg(
+        None, "Hugging Face-layout model directory (default: SmolLM2-135M-Instruct, imported once)")
+    served_model_name: str | None = arg(None, "model name reported by the API")
+    tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
+    dtype: str = arg("auto", "weights and activations dtype", choices=DTYPES)
+    device: str = arg("auto", "auto, cpu or cuda")  # "auto": cuda when available, else cpu
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = arg(None, "context length (prompt + output)")
+    max_num_seqs: int = arg(256, "sequences per step")
+    max_num_batched_tokens: int = arg(2048, "tokens per step")
+    block_size: int = arg(16, "tokens per KV cache block")
+    # None: sized automatically
+    kv_cache_memory: float | None = arg(None, "KV cache size in GiB (CPU)")
+    gpu_memory_utilization: float = arg(
+        0.9, "fraction of GPU memory for weights, activations and KV cache")
+    num_kv_blocks: int | None = arg(None, argparse.SUPPRESS)  # override the pool size (tests)
     # GiB of host memory per rank for KV blocks of swapped-out sequences (vLLM's --swap-space);
     # allocated only with preemption_mode "swap".
-    swap_space: float = 4.0
+    swap_space: float = arg(
+        4.0, "GiB of host memory per rank for the KV blocks of swapped-out sequences (used with "
+             "--preemption-mode swap)")
     # What preemption does when KV blocks run out: "recompute" frees the sequence's blocks and
     # computes its tokens again later; "swap" copies its blocks to the host pool and back (falling
     # back to recompute when the host pool is full). vLLM V0's --preemption-mode.
-    preemption_mode: str = "recompute"
-    num_swap_blocks: int | None = None  # override the host pool size (tests)
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    # Decoder layers split into this many contiguous stages (vLLM's --pipeline-parallel-size);
-    # ranks = tensor_parallel_size x pipeline_parallel_size.
-    pipeline_parallel_size: int = 1
-    # CPU: torch / OpenMP threads per rank; None: the CPUs this process may use (affinity and
-    # cgroup quota) shared among this machine's ranks.
-    cpu_threads: int | None = None
-    # CUDA: capture the decode steps as CUDA graphs at startup unless True (vLLM's flag). Steps
-    # on a CPU, and with tensor parallelism, are always eager.
-    enforce_eager: bool = False
-    max_logprobs: int = 20
-    max_n_sequences: int = 128  # most outputs per request (`n`), as vLLM's VLLM_MAX_N_SEQUENCES
-    # "fcfs": arrival order, a request's priority must be 0; "priority": lower value first, then
-    # arrival (vLLM's --scheduling-policy).
-    scheduling_policy: str = "fcfs"
+    preemption_mode: str = arg(
+        "recompute", "when KV blocks run out: recompute the preempted request later, or swap its "
+                     "blocks to host memory and back (recompute when that is full)",
+        choices=PREEMPTION_MODES)
+    num_swap_blocks: int | None = arg(None, argparse.SUPPRESS)  # override the host pool (tests)
+    enable_prefix_caching: bool = arg(True, "reuse the KV cache of shared prompt prefixes")
+    seed: int = arg(0, "random seed")
+    max_logprobs: int = arg(
+        20, "most logprobs (sample or prompt) one request may ask for; -1: the whole vocabulary")
+    # As vLLM's VLLM_MAX_N_SEQUENCES.
+    max_n_sequences: int = arg(128, "most outputs one request may ask for (n, and n x prompts)")
+    # vLLM's --scheduling-policy.
+    scheduling_policy: str = arg(
+        "fcfs", "fcfs: first come, first served (a request's priority must be 0); priority: lower "
+                "priority value first, then arrival", choices=SCHEDULING_POLICIES)
     # The periodic "Engine 000: Avg prompt throughput ..." line; on for a server, as `vllm serve`
     # (the offline LLM turns it off unless asked, as vLLM's LLM does).
-    disable_log_stats: bool = False
+    disable_log_stats: bool = arg(
+        False, "do not log the engine's throughput, queue and cache figures every few seconds")
+    # CPU: torch / OpenMP threads per rank; None: the CPUs this process may use (affinity and
+    # cgroup quota) shared among this machine's ranks.
+    cpu_threads: int | None = arg(
+        None, "CPU threads per rank (default: the CPUs this process may use, from its affinity "
+              "and cgroup quota, shared among the machine's ranks)")
+    # CUDA: capture the decode steps as CUDA graphs at startup unless True (vLLM's flag). Steps
+    # on a CPU, and with tensor parallelism, are always eager.
+    enforce_eager: bool = arg(
+        False, "CUDA: run every step eagerly, without CUDA graphs for decode steps (a CPU always "
+               "runs eagerly)")
+    tensor_parallel_size: int = arg(1, "number of tensor-parallel ranks",
+                                    flags=("--tensor-parallel-size", "--tp", "-tp"))
+    # Decoder layers split into this many contiguous stages (vLLM's --pipeline-parallel-size);
+    # ranks = tensor_parallel_size x pipeline_parallel_size.
+    pipeline_parallel_size: int = arg(
+        1, "number of pipeline stages (the decoder layers split evenly, or as "
+           "$NANOSERVE_PP_LAYER_PARTITION says, e.g. '10,14'); ranks = tp x pp",
+        flags=("--pipeline-parallel-size", "--pp", "-pp"))
     # Distributed rendezvous (multi-node); None = single host.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
-    extra: dict = field(default_factory=dict)
+    nnodes: int = arg(1, "machines the tp x pp ranks span")
+    node_rank: int = arg(0, "this machine's rank among --nnodes")
+    master_addr: str | None = arg(None, "rendezvous address of rank 0 (default: $MASTER_ADDR)",
+                                  env="MASTER_ADDR")
+    master_port: int | None = arg(None, "rendezvous port on rank 0's host (default: $MASTER_PORT)",
+                                  env="MASTER_PORT")
+    extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -16,9 +16,16 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
-        engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: quiet unless asked
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **engine_args):
+        """`LLM(model=..., **EngineConfig fields)`, or `LLM(config=EngineConfig(...))` taken as
+        it is (the command line builds one from its flags)."""
+        if config is None:
+            engine_args.setdefault("disable_log_stats", True)  # as vLLM's LLM: quiet unless asked
+            config = EngineConfig.from_kwargs(model=model, **engine_args)
+        elif model is not None or engine_args:
+            raise TypeError("LLM takes either config= or model= and engine arguments, not both")
+        self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
         self.stat_logger = None if self.llm_engine.config.disable_log_stats else \
             LoggingStatLogger(self.llm_engine.stats())

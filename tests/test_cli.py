@@ -103,3 +103,32 @@ def test_generate_with_swap_preemption(tiny_llama_dir):
                    "--swap-space", "0.01", *prompts)
     assert roomy.returncode == 0 and swap.returncode == 0, swap.stderr
     assert swap.stdout == roomy.stdout
+
+
+def test_every_engine_flag_comes_from_a_config_field():
+    """Defaults are written once, on EngineConfig: the parser's defaults are the fields' defaults."""
+    import dataclasses
+
+    from nanoserve.cli import build_parser, engine_config_from_args
+    from nanoserve.config import EngineConfig
+
+    parsed = engine_config_from_args(build_parser().parse_args(["serve"]))
+    for item in dataclasses.fields(EngineConfig):
+        if item.metadata.get("cli", True) and "env" not in item.metadata:
+            assert getattr(parsed, item.name) == getattr(EngineConfig(), item.name), item.name
+    args = build_parser().parse_args(["serve", "-tp", "2", "--pp", "3", "--no-enable-prefix-caching"])
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 3)
+    assert args.enable_prefix_caching is False
+
+
+def test_llm_takes_a_config(tiny_llama_dir):
+    import pytest
+
+    from nanoserve.config import EngineConfig
+
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(TypeError, match="not both"):
+        LLM(model=str(tiny_llama_dir), config=config)
+    with LLM(config=config) as llm:
+        assert llm.llm_engine.config is config
+        assert llm.stat_logger is not None  # a config is taken as it is: stats on, as configured
