@@ -2,11 +2,23 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["tests.fixtures_models"]
+
+
+@pytest.fixture(autouse=True)
+def _forget_kernel_choice():
+    """NANOSERVE_KERNELS is read once per process (nanoserve/kernels/choice.py): a test that
+    sets it calls reset_kernel_choice(); after every test (and after monkeypatch has put the
+    variable back) the next dispatch reads it again."""
+    yield
+    choice = sys.modules.get("nanoserve.kernels.choice")
+    if choice is not None:
+        choice.reset_kernel_choice()
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "

@@ -1,18 +1,18 @@
 """Kernel dispatch, in one place: CUDA tensors run the Triton kernels, CPU tensors the torch
 references. ``NANOSERVE_KERNELS=triton`` forces Triton (with ``TRITON_INTERPRET=1`` on a CPU);
-``NANOSERVE_KERNELS=reference`` forces the references.
+``NANOSERVE_KERNELS=reference`` forces the references. The variable is read once, at the first
+dispatch (kernels/choice.py; ``reset_kernel_choice()`` makes the next dispatch read it again).
 
 Importing this package never imports Triton; the first Triton launch does (see triton_utils).
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
+from nanoserve.kernels.choice import kernel_choice, reset_kernel_choice
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
 from nanoserve.kernels.rmsnorm import (
     fused_add_rms_norm_reference,
@@ -24,18 +24,11 @@ from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton
 from nanoserve.kernels.token_bitmask import (apply_token_bitmask_cpu, apply_token_bitmask_reference,
                                              apply_token_bitmask_triton)
 
-_CHOICES = ("auto", "triton", "reference")
-
-
 def use_triton(tensor: torch.Tensor) -> bool:
-    choice = os.environ.get("NANOSERVE_KERNELS", "auto")
+    choice = kernel_choice()
     if choice == "reference":
         return False
-    if choice == "triton":
-        return True
-    if choice != "auto":
-        raise ValueError(f"NANOSERVE_KERNELS must be one of {_CHOICES}, got {choice!r}")
-    return tensor.is_cuda
+    return choice == "triton" or tensor.is_cuda
 
 
 def graph_safe(device: torch.device) -> bool:
@@ -136,6 +129,7 @@ __all__ = [
     "greedy_argmax",
     "silu_and_mul",
     "paged_attention",
+    "reset_kernel_choice",
     "rms_norm",
     "store_kvcache",
     "use_triton",

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.kernels.choice import kernel_choice
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
@@ -122,7 +124,7 @@ def load_error() -> str | None:
 def available() -> bool:
     """Whether the CPU path may use these kernels: they load, and NANOSERVE_KERNELS doesn't ask
     for the references or the Triton kernels instead."""
-    return os.environ.get("NANOSERVE_KERNELS", "auto") == "auto" and library() is not None
+    return kernel_choice() == "auto" and library() is not None
 
 
 def _dtype_code(*tensors: torch.Tensor) -> int | None:

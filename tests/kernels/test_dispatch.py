@@ -14,20 +14,37 @@ from tests.kernels.utils import DEVICE, make_paged_batch
 def test_use_triton_follows_device_and_environment(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("NANOSERVE_KERNELS", raising=False)
+    kernels.reset_kernel_choice()
     assert not kernels.use_triton(cpu)
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
     assert kernels.use_triton(cpu)
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    kernels.reset_kernel_choice()
     assert not kernels.use_triton(cpu)
     monkeypatch.setenv("NANOSERVE_KERNELS", "cuda")
+    kernels.reset_kernel_choice()
     with pytest.raises(ValueError, match="NANOSERVE_KERNELS"):
         kernels.use_triton(cpu)
+
+
+def test_the_environment_is_read_once(monkeypatch):
+    """NANOSERVE_KERNELS is read at the first dispatch, not on every kernel call."""
+    cpu = torch.zeros(1)
+    monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
+    assert kernels.use_triton(cpu)
+    monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    assert kernels.use_triton(cpu)  # still the cached choice
+    kernels.reset_kernel_choice()
+    assert not kernels.use_triton(cpu)
 
 
 @pytest.mark.parametrize("choice", ["triton", "reference"])
 def test_every_op_dispatches(monkeypatch, choice):
     """Each public op calls the implementation NANOSERVE_KERNELS selects, with its arguments."""
     monkeypatch.setenv("NANOSERVE_KERNELS", choice)
+    kernels.reset_kernel_choice()
     calls = []
     names = ["store_kvcache", "paged_attention", "rms_norm", "fused_add_rms_norm", "apply_rotary"]
     for name in names:
@@ -47,8 +64,10 @@ def test_forced_triton_attention_equals_reference(monkeypatch):
     batch = make_paged_batch([3, 1], [5, 20], num_heads=4, num_kv_heads=2, head_dim=64,
                              block_size=16, dtype=torch.float32, device=DEVICE)
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    kernels.reset_kernel_choice()
     expected = kernels.paged_attention(*batch.args())
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
     actual = kernels.paged_attention(*batch.args())
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
 

@@ -9,12 +9,14 @@ import pytest
 
 import nanoserve.kernels as kernels
 from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import reset_kernel_choice
 
 NUM_TOKENS = 8
 
 
 def _generate(tiny_llama_dir, prompts, monkeypatch, kernels: str) -> list[list[int]]:
     monkeypatch.setenv("NANOSERVE_KERNELS", kernels)
+    reset_kernel_choice()
     # A small pool: the interpreter copies every tensor argument per launch. A small token budget
     # splits the longest prompt into prefill chunks.
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=48,

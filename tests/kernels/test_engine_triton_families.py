@@ -31,6 +31,7 @@ def test_family_on_triton_kernels_matches_transformers(family, tmp_path, monkeyp
     monkeypatch.setattr(kernels, "paged_attention_triton",
                         lambda *a, **k: launches.append(k.get("sliding_window")) or real(*a, **k))
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=32)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
