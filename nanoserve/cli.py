@@ -95,9 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from nanoserve.engine.llm_engine import resolve_model_dir
 
         return run_node(config, str(resolve_model_dir(config.model)))
-    from nanoserve.server.args import run_server
+    from nanoserve.server.api_server import run
+    from nanoserve.server.args import options_from_args
 
-    return run_server(config, args)
+    return run(config, options_from_args(args))
 
 
 def cmd_import_model(args: argparse.Namespace) -> int:

@@ -13,48 +13,22 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed.pipeline import layer_partition, partition_override
+from nanoserve.distributed.rank import Topology, init_rank, resolve_device_type  # noqa: F401 (re-exported)
 from nanoserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Topology:
-    world_size: int
-    ranks_per_node: int
-    node_rank: int
-    backend: str
-    init_method: str
-    device_type: str
-    cpu_threads: int | None = None  # EngineConfig.cpu_threads
-    tp_size: int = 1
-    pp_size: int = 1
-    layer_partition: tuple = ()  # each stage's [start, end) decoder layers when pp_size > 1
-
-    @property
-    def local_ranks(self) -> range:
-        first = self.node_rank * self.ranks_per_node
-        return range(first, first + self.ranks_per_node)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def resolve_device_type(config: EngineConfig) -> str:
-    if config.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return config.device
 
 
 def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
@@ -111,35 +85,6 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads,
                     tp_size, pp_size, partition)
-
-
-def init_rank(topology: Topology, rank: int) -> torch.device:
-    """Join the process group as `rank` and return this rank's device."""
-    from datetime import timedelta
-
-    from nanoserve.distributed import set_parallel_state
-
-    local_rank = rank - topology.node_rank * topology.ranks_per_node
-    if topology.device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(threads_per_rank(topology.cpu_threads, topology.ranks_per_node))
-    tp_group = None  # pp == 1: the whole world is the tensor-parallel group
-    if topology.world_size > 1:
-        dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
-                                world_size=topology.world_size, timeout=timedelta(minutes=10))
-        if topology.pp_size > 1 and topology.tp_size > 1:
-            # Every rank creates every stage's group, in the same order (new_group is collective).
-            for stage in range(topology.pp_size):
-                ranks = list(range(stage * topology.tp_size, (stage + 1) * topology.tp_size))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    tp_group = group
-    set_parallel_state(rank, topology.world_size, topology.tp_size, topology.pp_size, tp_group,
-                       topology.layer_partition)
-    return device
 
 
 class WorkerGroup:

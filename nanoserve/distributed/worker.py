@@ -1,7 +1,7 @@
 """Ranks > 0: build the same model on this rank's weight shard, then run every step that rank 0
-broadcasts until it says stop. The step's inputs travel as two broadcasts: a fixed-size header
-and one flat int64 tensor holding every per-step array. A step that swaps KV blocks between the
-device and the host pool sends its copies the same way first (CMD_SWAP)."""
+broadcasts until it says stop (ModelRunner.worker_loop; the step's wire format is beside
+ModelInput, in engine/model_input.py). The one module of distributed/ that imports the engine: the
+worker entry point."""
 from __future__ import annotations
 
 import ctypes
@@ -10,82 +10,13 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.distributed.rank import init_rank
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-# The last two slots, for pipeline parallelism: the step's virtual engine, and 1 when the last
-# stage sends the greedy token ids instead of the logits (else 0, 0).
-HEADER_SIZE = 10
-CMD_STEP, CMD_STOP, CMD_SWAP = 1, 2, 3
-
-
-def pack_swap(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, destination) block pairs copied out (device → host) and in (host → device)."""
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
-    header[:3] = torch.tensor([CMD_SWAP, len(swap_out), len(swap_in)])
-    pairs = [block for pair in swap_out + swap_in for block in pair]
-    return header, torch.tensor(pairs, dtype=torch.long).to(device)
-
-
-def unpack_swap(header: list[int], payload: torch.Tensor) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    num_out = header[1]
-    blocks = payload.tolist()
-    pairs = list(zip(blocks[0::2], blocks[1::2]))
-    return pairs[:num_out], pairs[num_out:]
-
-
-def pack_step(model_input, device: torch.device, virtual_engine: int = 0,
-              tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    metadata = model_input.metadata
-    parts = [model_input.input_ids, model_input.positions, metadata.slot_mapping,
-             metadata.block_table.flatten(), metadata.cu_seqlens_q, metadata.seq_lens,
-             model_input.logits_indices]
-    num_seqs, max_blocks = metadata.block_table.shape
-    header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
-                           model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k,
-                           metadata.num_decode_seqs, virtual_engine, int(tokens_only)],
-                          dtype=torch.long, device=device)
-    payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
-    return header, payload
-
-
-def _part_sizes(header: list[int]) -> list[int]:
-    """Lengths of the payload's parts, in pack_step's order."""
-    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, _, _ = header
-    return [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
-
-
-def unpack_step(header: list[int], payload: torch.Tensor):
-    from nanoserve.engine.model_runner import ModelInput, prefill_row_tile
-
-    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs, _, _ = header
-    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
-    metadata = AttentionMetadata(
-        slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
-        cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decode_seqs=num_decode_seqs,
-        prefill_row_tile=prefill_row_tile(payload.device))
-    return ModelInput(input_ids, positions, metadata, logits_indices, [])
-
-
-def payload_size(header: list[int]) -> int:
-    if header[0] == CMD_SWAP:
-        return 2 * (header[1] + header[2])
-    return sum(_part_sizes(header))
-
-
-def broadcast_stop(device: torch.device) -> None:
-    """Tell every rank to leave its loop, and wait until all have read it: without the barrier
-    rank 0 could tear its connections down before a peer has read the message."""
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
-    header[0] = CMD_STOP
-    dist.broadcast(header, src=0)
-    dist.barrier()
 
 
 def _die_with_parent() -> None:
@@ -102,10 +33,6 @@ def worker_main(config, topology, rank: int, model_dir: str) -> None:
     # Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
-    from nanoserve.distributed.launcher import init_rank
-    from nanoserve.engine.model_runner import ModelRunner
-    from nanoserve.models.config import ModelConfig
-
     try:
         device = init_rank(topology, rank)
         runner = ModelRunner(config, ModelConfig.from_dir(model_dir), Path(model_dir), device=device)

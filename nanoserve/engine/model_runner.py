@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,13 +14,13 @@ from nanoserve.config import EngineConfig
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_pp_rank, get_pp_world_size, get_rank, get_world_size
-from nanoserve.distributed.launcher import resolve_device_type
 from nanoserve.distributed.pipeline import real_layers
-from nanoserve.distributed.worker import (CMD_STOP, CMD_SWAP, HEADER_SIZE, broadcast_stop, pack_step, pack_swap,
-                                          payload_size, unpack_step, unpack_swap)
+from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart, kv_cache_budget
 from nanoserve.engine.kv_swap import KVSwapper
+from nanoserve.engine.model_input import (CMD_STOP, CMD_SWAP, HEADER_SIZE, ModelInput, broadcast_stop, pack_step,
+                                          pack_swap, payload_size, prefill_row_tile, unpack_step, unpack_swap)
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.swap import SwapPlan
@@ -36,35 +35,6 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
-# CPU without AMX (or NANOSERVE_CPU_AMX=0): prompt rows are multiplied in oneDNN GEMMs of exactly
-# this many rows (see AttentionMetadata.prefill_row_tile). With AMX, kernels/cpu/gemm.cpp takes
-# every row and nothing is padded. Measured on a 2,048-token prefill step of SmolLM2 (2 cores,
-# AMX): the step's GEMMs took 3.1 / 2.5 / 2.05 / 1.96 s per 4 steps with tiles of 128 / 256 /
-# 512 / 1,024 rows; 512 keeps most of that and pads a short prompt to at most 512 rows.
-PREFILL_ROW_TILE = 512
-
-
-def prefill_row_tile(device: torch.device) -> int:
-    """AttentionMetadata.prefill_row_tile for a step on this device (0: no tiling, on CUDA)."""
-    return PREFILL_ROW_TILE if device.type == "cpu" else 0
-
-
-@dataclass(slots=True)
-class ModelInput:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampling_seqs: list  # the Sequences that sample this step, in logits_indices order
-    # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
-    # (its first len(logits_indices) rows are real). 0: an eager step.
-    graph_size: int = 0
-    # Prompt logprobs, only for sequences that ask: their prompt rows follow the sampling rows in
-    # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
-    prompt_logprob_seqs: list = field(default_factory=list)
-    prompt_logprob_targets: torch.Tensor | None = None
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
                  device: torch.device | None = None):

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from nanoserve.distributed import parallel_state
 from nanoserve.distributed.pipeline import (irecv_from_last_stage, is_first_stage, is_last_stage,
                                             recv_intermediate, send_intermediate, send_to_driver)
+from nanoserve.engine.model_input import CMD_STEP, CMD_STOP, HEADER_SIZE, pack_step, payload_size, unpack_step
 from nanoserve.kernels import greedy_argmax
-from nanoserve.distributed.worker import CMD_STEP, CMD_STOP, HEADER_SIZE, pack_step, payload_size, unpack_step
 
 
 @dataclass(slots=True)

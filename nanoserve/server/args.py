@@ -1,4 +1,4 @@
-"""Server-only command-line flags (engine flags belong to nanoserve.cli) and `run_server`.
+"""Server-only command-line flags (engine flags belong to nanoserve.cli) and ServerOptions.
 
 Each default is written once, on `ServerOptions` or `HttpLimits`; the flags read it from there."""
 from __future__ import annotations
@@ -139,10 +139,3 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
                          log_level=get(ServerOptions, "log_level"),
                          limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
-
-
-def run_server(engine_config, args: argparse.Namespace) -> int:
-    """Build the engine, serve until SIGTERM/SIGINT, shut down gracefully; the exit code."""
-    from nanoserve.server.api_server import run
-
-    return run(engine_config, options_from_args(args))

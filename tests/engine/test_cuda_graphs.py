@@ -12,7 +12,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.cli import build_parser, engine_config_from_args
 from nanoserve.engine.cuda_graphs import MAX_CAPTURE_SIZE, PAD_SLOT, DecodeGraphs, capture_sizes
-from nanoserve.engine.model_runner import prefill_row_tile
+from nanoserve.engine.model_input import prefill_row_tile
 
 pytest.importorskip("transformers", reason="the tiny_llama_dir fixture writes with transformers")
 

@@ -1,0 +1,114 @@
+"""No import cycles inside nanoserve: every module imports, and the graph of nanoserve-internal
+imports (module-level and the lazy ones inside functions, all counted) has no cycle, so a lower
+layer never imports a higher one. Imports under ``if TYPE_CHECKING:`` are for annotations only
+and not counted."""
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import nanoserve
+
+PACKAGE_DIR = Path(nanoserve.__file__).parent
+
+
+def module_names() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_modules(name: str, known: set[str]) -> set[str]:
+    """The nanoserve modules `name` imports, anywhere in its body."""
+    path = PACKAGE_DIR.parent.joinpath(*name.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    found.add(f"{base}.{alias.name}")
+                elif base in known:
+                    found.add(base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    found.discard(name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def walk(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = walk(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = walk(node)
+            if cycle:
+                return cycle
+    return None
+
+
+# Modules that need an optional package at import time (checked only where it is installed).
+OPTIONAL = {"nanoserve.bench.serve_plot": "matplotlib"}
+
+
+@pytest.mark.parametrize("name", [n for n in module_names() if n != "nanoserve.__main__"])
+def test_every_module_imports(name):  # (__main__ runs the command line when imported)
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name])
+    importlib.import_module(name)
+
+
+def test_no_import_cycle():
+    names = module_names()
+    known = set(names)
+    graph = {name: imported_modules(name, known) for name in names}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
