@@ -19,10 +19,6 @@ class CliError(Exception):
 _FLAG_TYPES = {"str": str, "int": int, "float": float}
 
 
-def _engine_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("cli", True)]
-
-
 def _env_default(name: str, kind: type):
     value = os.environ.get(name)
     try:
@@ -35,7 +31,7 @@ def _env_default(name: str, kind: type):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field: name, default, choices and help come from the field."""
     group = parser.add_argument_group("engine (same flags as `vllm serve`)")
-    for item in _engine_fields():
+    for item in dataclasses.fields(EngineConfig):
         meta = item.metadata
         flags = meta.get("flags", ("--" + item.name.replace("_", "-"),))
         kind = item.type.removesuffix(" | None")  # annotations are strings (PEP 563)
@@ -53,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
-        return EngineConfig(**{item.name: getattr(args, item.name) for item in _engine_fields()})
+        return EngineConfig(**{item.name: getattr(args, item.name)
+                              for item in dataclasses.fields(EngineConfig)})
     except ValueError as error:
         raise CliError(str(error)) from None
 

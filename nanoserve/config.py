@@ -14,8 +14,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 
 def arg(default=None, help: str = "", **cli):
     """A config field with its command-line help beside it. `cli` may name `flags` (the option
-    strings, the first one long; default: --field-name), `choices`, `env` (the flag's default is
-    read from this environment variable when the parser is built) or `cli=False` (no flag)."""
+    strings, the first one long; default: --field-name), `choices`, or `env` (the flag's default
+    is read from this environment variable when the parser is built)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -91,7 +91,6 @@ class EngineConfig:
                                   env="MASTER_ADDR")
     master_port: int | None = arg(None, "rendezvous port on rank 0's host (default: $MASTER_PORT)",
                                   env="MASTER_PORT")
-    extra: dict = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -76,7 +76,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
-    best_of: int | None = field(default=None, repr=False)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -159,10 +158,6 @@ class SamplingParams:
                         not -100.0 <= bias <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
                                      f"for {token}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     def clone(self) -> "SamplingParams":
         from dataclasses import replace

@@ -77,7 +77,7 @@ def drive(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[str, list[int]], int]
         while pending and pending[0].step <= step:
             arrival = pending.pop(0)
             engine.add_request(arrival.request_id, {"prompt_token_ids": arrival.prompt_ids}, arrival.params)
-        largest = max(largest, engine.get_num_unfinished_requests())
+        largest = max(largest, len(engine.requests))
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids

@@ -114,7 +114,7 @@ def test_every_engine_flag_comes_from_a_config_field():
 
     parsed = engine_config_from_args(build_parser().parse_args(["serve"]))
     for item in dataclasses.fields(EngineConfig):
-        if item.metadata.get("cli", True) and "env" not in item.metadata:
+        if "env" not in item.metadata:
             assert getattr(parsed, item.name) == getattr(EngineConfig(), item.name), item.name
     args = build_parser().parse_args(["serve", "-tp", "2", "--pp", "3", "--no-enable-prefix-caching"])
     assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 3)

@@ -68,7 +68,6 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
-    num_kv_blocks: int
     prompt_tokens_cached_total: int = 0  # prompt tokens whose KV came from the prefix cache
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -384,9 +383,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or any(self.in_flight)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def stats(self) -> EngineStats:
         schedulers, managers = self.schedulers, self.block_managers  # one each unless pipelined
         num_blocks = sum(m.num_blocks for m in managers)
@@ -399,7 +395,6 @@ class LLMEngine:
             prefix_cache_hits_total=sum(m.prefix_cache_hits for m in managers),
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            num_kv_blocks=num_blocks,
             prompt_tokens_cached_total=self.prompt_tokens_cached_total,
             block_size=self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,

@@ -89,11 +89,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
-        return self.matmul(x, self.bias, rows)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 

@@ -37,7 +37,6 @@ class ModelConfig:
     mlp_bias: bool
     hidden_act: str
     torch_dtype: str | None
-    bos_token_id: int | None
     eos_token_id: int | list[int] | None
     sliding_window: int | None
     # Per layer, SLIDING or FULL (config.json's layer_types, else each family's rule); empty:
@@ -108,7 +107,6 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
             sliding_window=sliding_window,
             layer_types=_layer_types(raw, architecture, num_layers, sliding_window),

@@ -147,3 +147,15 @@ def test_n_returns_distinct_samples(llm):
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert all(len(o.token_ids) == 16 for o in out.outputs)
+
+
+def test_whole_vocabulary_logprobs_leave_the_callers_params_alone(tiny_llama_dir):
+    """logprobs=-1 means the whole vocabulary: the engine resolves it on a clone of the params."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_logprobs=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1)
+    output = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0]
+    vocab = llm.llm_engine.model_config.vocab_size
+    assert params.logprobs == -1
+    assert all(len(step) == vocab for step in output.outputs[0].logprobs)
+    copy = params.clone()
+    assert copy == params and copy is not params
