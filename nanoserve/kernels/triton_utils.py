@@ -7,6 +7,16 @@ Each kernel module declares a module global ``tl = None``; on the first launch o
 that module, ``tl`` is bound to ``triton.language`` and the function is wrapped by ``triton.jit``.
 Kernel parameters annotated ``tl.constexpr`` are strings under ``from __future__ import
 annotations``, which Triton accepts.
+
+Why not ``@triton.jit`` with ``import triton.language as tl`` at the top, as Triton readers
+expect (measured for issue 14, triton 3.9, torch CPU venv, a 2-core shared machine, 8 runs
+each): importing the server and engine (nanoserve.server.api_server + engine.llm_engine) took a
+median 1.48 s lazily and 1.55 s with triton imported first; ``-X importtime`` puts triton at
+~110 ms on top of torch. That alone (~5% of the import, less of the startup to /health, which
+also loads the weights) would not pay for the indirection. What does: triton is a Linux-only
+dependency (pyproject), so a top-level import would make the CPU path need a working triton it
+never runs; and ``triton.jit`` picks interpreter or compiler when it decorates, so an eager
+decorator would fix that choice at the first ``import nanoserve`` rather than the first launch.
 """
 from __future__ import annotations
 
