@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
-from nanoserve.outputs import RequestOutput
+from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
 PROGRESS_BAR_MIN_PROMPTS = 8
@@ -65,7 +65,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(request_id)
             return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:

@@ -30,7 +30,8 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import check_pipeline_support
-from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                               RequestOutputKind)
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -97,6 +98,10 @@ class Request:
     metrics: RequestMetrics
     finished: bool = False
     prompt_counted: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # DELTA: characters of text held back until no stop string can start in them (a stop
+    # string is cut from the text, so what went out must never be part of one).
+    holdback: int = 0
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -219,7 +224,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
@@ -265,7 +271,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
+        holdback = 0
+        if params.stop and not params.include_stop_str_in_output:
+            holdback = max(len(stop) for stop in params.stop) - 1
+        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
+                                            output_kind=output_kind, holdback=holdback)
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
         virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
@@ -356,7 +366,8 @@ class LLMEngine:
         raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
-        """Drop unfinished requests; returns their final outputs (for metrics)."""
+        """Drop unfinished requests; returns their final outputs, cumulative whatever the
+        request's output kind (for metrics)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         aborted = []
         for rid in ids:
@@ -371,7 +382,7 @@ class LLMEngine:
                     seq.finish_reason = seq.finish_reason or "abort"
             request.finished = True
             request.metrics.finished_time = time.time()
-            aborted.append(self._make_output(request))
+            aborted.append(self._make_output(request, RequestOutputKind.CUMULATIVE))
         return aborted
 
     def reset_prefix_cache(self) -> bool:
@@ -530,7 +541,9 @@ class LLMEngine:
                 request.finished = True
                 metrics.finished_time = finished_at
                 del self.requests[request.request_id]
-            outputs.append(self._make_output(request))
+            output = self._make_output(request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _logprob_rows(self, result) -> list[tuple[int, list[int], list[float]]] | None:
@@ -622,21 +635,56 @@ class LLMEngine:
         seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
         return "stop", stop
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason)
-            for seq in request.seqs
-        ]
+    def _make_output(self, request: Request, kind: RequestOutputKind | None = None) -> RequestOutput | None:
+        """The request's output of its kind; None when there is nothing to send (FINAL_ONLY
+        before the end, DELTA with nothing new)."""
+        kind = request.output_kind if kind is None else kind
+        if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+            return None
+        with_logprobs = request.params.logprobs is not None
+        if kind is RequestOutputKind.DELTA:
+            outputs = [output for seq in request.seqs
+                       if (output := self._delta(seq, request.holdback, with_logprobs)) is not None]
+            if not outputs and not request.finished:
+                return None
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+                    logprobs=list(seq.logprobs) if with_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason)
+                for seq in request.seqs
+            ]
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
         request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.metrics, request.metrics.num_cached_tokens,
                              prompt_logprobs)
+
+    @staticmethod
+    def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
+        """What of one sequence is new since its last delta (None: nothing). Until it finishes,
+        the last `holdback` characters stay back: a stop string may still begin in them."""
+        if seq.finish_sent:
+            return None
+        finished = seq.finish_reason is not None
+        num_output = seq.num_output_tokens
+        text_end = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - holdback)
+        if not finished and num_output == seq.num_tokens_sent and text_end == seq.num_chars_sent:
+            return None
+        sent = seq.num_tokens_sent
+        output = CompletionOutput(
+            index=seq.index,
+            text=seq.text[seq.num_chars_sent:text_end],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
+            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+            logprobs=seq.logprobs[sent:] if with_logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason)
+        seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
+        return output

@@ -2,26 +2,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator
 
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
-from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, merge_streams,
-                                     random_id, sse, sse_error)
+from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_request,
+                                     encode_json, fold, merge_streams, random_id, sse, sse_error)
 from nanoserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                        CompletionStreamChoice, CompletionStreamResponse, Usage)
-
-
-@dataclass(slots=True)
-class ChoiceProgress:
-    """How much of one choice was already sent."""
-    prompt_index: int
-    text_sent: int = 0  # characters of the generated text
-    chars_sent: int = 0  # characters in all, an echoed prompt included: the next text_offset
-    tokens_sent: int = 0
-    prompt_sent: bool = False  # the echoed prompt / its token ids went out (first chunk)
-    finished: bool = False
 
 
 def _is_token_list(value: Any) -> bool:
@@ -96,7 +84,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     try:
         finals: list = [None] * len(streams)
         async for index, output in merge_streams(streams):
-            finals[index] = output
+            finals[index] = fold(finals[index], output)
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
@@ -141,16 +129,14 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    stop = [] if request.include_stop_str_in_output else (request.stop or [])
-    holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
     as_token_ids = bool(request.return_tokens_as_token_ids)
-    progress: dict[int, ChoiceProgress] = {}
+    shows_tokens = request.logprobs is not None or bool(request.return_token_ids)
+    progress: dict[int, ChoiceProgress] = {}  # per choice index
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
-    finals: list = [None] * len(streams)  # for the response cache
+    finals: list = [None] * len(streams)  # the whole answers, for the response cache
     try:
         async for prompt_index, output in merge_streams(streams):
             cached[prompt_index] = output.num_cached_tokens
-            finals[prompt_index] = output
             prompt = prompts[prompt_index]
             prompt_ids = prompt["prompt_token_ids"]
             events = []
@@ -158,53 +144,39 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
                 index = prompt_index * n + choice.index
                 state = progress.get(index)
                 if state is None:
-                    state = progress[index] = ChoiceProgress(prompt_index)
-                if state.finished:
+                    state = progress[index] = ChoiceProgress()
+                first = not state.started
+                if not state.take(choice, shows_tokens) and not (first and request.echo):
                     continue
-                finished = choice.finish_reason is not None
-                end = len(choice.text) if finished else max(state.text_sent,
-                                                            len(choice.text) - holdback)
-                text = choice.text[state.text_sent:end]
-                new_ids = choice.token_ids[state.tokens_sent:]
-                ids, entries = new_ids, (choice.logprobs or [])[state.tokens_sent:]
-                send_prompt_ids = False
-                if request.echo and not state.prompt_sent:  # the prompt leads the first chunk
+                text, ids, entries = choice.text, choice.token_ids, choice.logprobs or []
+                if request.echo and first:  # the prompt leads the first chunk
                     prompt_text = _prompt_text(ctx, request, prompt)
                     prompt_entries = _prompt_entries(output, prompt_ids)
                     if echo_only:
                         text, ids, entries = prompt_text, prompt_ids, prompt_entries
                     else:
                         text, ids, entries = prompt_text + text, prompt_ids + ids, prompt_entries + entries
-                    send_prompt_ids = True
-                elif not text and not finished and not (
-                        new_ids and (request.logprobs is not None or request.return_token_ids)):
-                    continue
-                elif request.return_token_ids and not state.prompt_sent:
-                    send_prompt_ids = True
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(ids, entries, request.logprobs, ctx.tokenizer,
                                                    state.chars_sent, as_token_ids)
-                state.prompt_sent = state.prompt_sent or send_prompt_ids
-                state.text_sent = end
+                state.started = True
                 state.chars_sent += len(text)
-                state.tokens_sent = len(choice.token_ids)
-                state.finished = finished
-                usage = None
-                if continuous_usage:  # per choice, as vLLM: its prompt and its tokens so far
-                    usage = Usage(len(prompt_ids), len(prompt_ids) + state.tokens_sent,
-                                  state.tokens_sent)
+                send_prompt_ids = first and bool(request.echo or request.return_token_ids)
                 events.append(sse(CompletionStreamResponse(
                     base_id, "text_completion", created, model,
                     [CompletionStreamChoice(
                         index, text, logprobs, choice.finish_reason, choice.stop_reason,
                         prompt_ids if send_prompt_ids else None,
-                        list(new_ids) if request.return_token_ids else None)], usage)))
+                        list(choice.token_ids) if request.return_token_ids else None)],
+                    state.usage(len(prompt_ids)) if continuous_usage else None)))
+            if cache_key is not None:
+                finals[prompt_index] = fold(finals[prompt_index], output)
             if events:
                 yield b"".join(events)
         ctx.store_response(cache_key, finals)
         if include_usage:
-            completion_tokens = sum(p.tokens_sent for p in progress.values())
+            completion_tokens = sum(p.num_tokens for p in progress.values())
             prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
             usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],

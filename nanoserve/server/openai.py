@@ -15,6 +15,7 @@ import msgspec
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from nanoserve.errors import InvalidRequestError
+from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
@@ -227,7 +228,8 @@ class ServingContext:
                 if self.request_logger is not None:
                     self.request_logger.log_inputs(request_id, prompt.get("prompt"),
                                                    prompt["prompt_token_ids"], params, priority)
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority,
+                                                             RequestOutputKind.DELTA))
         except BaseException as error:
             for stream in streams:
                 self.engine.abort(stream.request_id)
@@ -275,6 +277,38 @@ class ServingContext:
         for stream in streams:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+
+
+def fold(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """A request's deltas so far as one output (for the response, or the response cache)."""
+    if whole is None:
+        return delta
+    whole.add(delta)
+    return whole
+
+
+@dataclass(slots=True)
+class ChoiceProgress:
+    """One streamed choice: what of it came from the engine and what went out. The engine's
+    deltas already hold back text that a stop string may still take."""
+    num_tokens: int = 0  # generated tokens received: the usage so far
+    chars_sent: int = 0  # characters sent, an echoed prompt included (completions' text_offset)
+    started: bool = False  # its first chunk went out
+    finished: bool = False
+
+    def take(self, choice: CompletionOutput, shows_tokens: bool) -> bool:
+        """Count a delta in; True when it makes a chunk: new text, the finish, or new tokens
+        that the client sees (`shows_tokens`: logprobs or token ids asked for). Empty deltas
+        are not sent."""
+        if self.finished:
+            return False
+        self.num_tokens += len(choice.token_ids)
+        self.finished = choice.finish_reason is not None
+        return bool(choice.text) or self.finished or (shows_tokens and bool(choice.token_ids))
+
+    def usage(self, prompt_tokens: int) -> Usage:
+        """continuous_usage_stats: per choice, as vLLM: its prompt and its tokens so far."""
+        return Usage(prompt_tokens, prompt_tokens + self.num_tokens, self.num_tokens)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
