@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from nanoserve.engine.llm_engine import StepError
 from nanoserve.engine.stat_logger import LoggingStatLogger
+from nanoserve.errors import InvalidRequestError
 from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
@@ -210,13 +211,13 @@ class AsyncLLMEngine:
                           priority: int = 0,
                           output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
                           ) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises ValueError
-        (the engine's user-facing message) or EngineDeadError. The server asks for DELTA
-        outputs: each one carries only what is new."""
+        """Queue a request; returns its stream once the engine accepted it. Raises
+        InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
+        asks for DELTA outputs: each one carries only what is new."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if request_id in self.streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival_time = time.time()
         await self._compile_grammar(params)
         stream = RequestStream(request_id, arrival_time, params, output_kind)

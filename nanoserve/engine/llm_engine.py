@@ -227,14 +227,14 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
         prompt_text, token_ids = self._tokenize(prompt)
         params = sampling_params
         num_prompt = len(token_ids)
         if num_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
@@ -243,17 +243,19 @@ class LLMEngine:
                 raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
         params = self._check_params(params, vocab)
         if num_prompt >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {num_prompt} input tokens. Please reduce the length of the input messages.")
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
+                "input_tokens")
         if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(  # vLLM blames the input too
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", "input_tokens")
         if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise ValueError(f"min_tokens must be <= {self.max_model_len - num_prompt} (the context "
-                             f"left after {num_prompt} prompt tokens), got {params.min_tokens}")
+            raise InvalidRequestError(
+                f"min_tokens must be <= {self.max_model_len - num_prompt} (the context left after "
+                f"{num_prompt} prompt tokens), got {params.min_tokens}")
         grammar = self.prepare_structured_output(params)
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise grammar.exception()
@@ -309,11 +311,11 @@ class LLMEngine:
         """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
         with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params._validate()  # fields may have been assigned after construction
         if params.n > self.config.max_n_sequences:
-            raise ValueError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
-                             f"got {params.n}")
+            raise InvalidRequestError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
+                                      f"got {params.n}", "n")
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
         for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
             value = getattr(params, name)
@@ -343,10 +345,10 @@ class LLMEngine:
 
     def check_prompt_text(self, text: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"request has {len(text)} characters of input, more than any {self.max_model_len} "
-                f"tokens can hold. Please reduce the length of the input messages.")
+                f"tokens can hold. Please reduce the length of the input messages.", "input_tokens")
 
     def _encode(self, text: str) -> list[int]:
         self.check_prompt_text(text)
@@ -360,10 +362,10 @@ class LLMEngine:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return prompt["prompt"], self._encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+        raise InvalidRequestError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Drop unfinished requests; returns their final outputs, cumulative whatever the

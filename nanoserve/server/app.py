@@ -11,13 +11,12 @@ from urllib.parse import unquote
 import msgspec
 
 import nanoserve
-from nanoserve.engine.async_engine import EngineDeadError
-from nanoserve.engine.llm_engine import StepError
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
 from nanoserve.server.http_types import Request, Response, StreamingResponse
-from nanoserve.server.openai import ServingContext, bad_request, encode_json, error_body
+from nanoserve.server.openai import (TOO_DEEP, ServingContext, bad_request, encode_json,
+                                     error_body, to_api_error)
 from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                        TokenizeRequest, TokenizeResponse)
@@ -28,7 +27,6 @@ logger = logging.getLogger("nanoserve.server")
 
 Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
 _decoders: dict[type, msgspec.json.Decoder] = {}
-TOO_DEEP = "The request body is nested too deeply."
 
 
 def error_response(error: APIError) -> Response:
@@ -58,6 +56,7 @@ def decode_body(request: Request, struct: type):
     except RecursionError:
         raise bad_request(TOO_DEEP) from None
     except msgspec.ValidationError as error:
+        # msgspec names the failing field only in its message ("... - at `$.n`").
         message = str(error)
         param = None
         if "at `$." in message:
@@ -158,14 +157,11 @@ class OpenAIApp:
             if self.api_key is not None and request.path.startswith("/v1/"):
                 self._authenticate(request)
             return await handler(request)
-        except APIError as error:
-            return error_response(error)
-        except EngineDeadError as error:
-            return error_response(APIError(503, str(error)))
-        except StepError as error:  # this request's step failed; the engine serves on
-            return error_response(APIError(500, str(error)))
-        except RecursionError:  # nested input that decoded, then was too deep for later work
-            return error_response(APIError(400, TOO_DEEP))
+        except Exception as error:
+            api_error = to_api_error(error)
+            if api_error is None:
+                raise  # the connection answers 500 and logs it
+            return error_response(api_error)
 
     def _authenticate(self, request: Request) -> None:
         header = request.header("authorization") or ""

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
@@ -54,11 +55,30 @@ def error_body(error: APIError) -> bytes:
     return encode_json(ErrorResponse(ErrorInfo(error.message, error.error_type, error.param, error.status)))
 
 
+TOO_DEEP = "The request body is nested too deeply."
+
+
+def to_api_error(error: BaseException) -> APIError | None:
+    """The one map from an exception to its HTTP status and `param`: a request the engine or
+    SamplingParams refused (InvalidRequestError, its `param` set where it was raised) is a 400,
+    a dead engine 503, a failed step 500. None: not a user-facing error (a bug: 500)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error), error.param)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error))
+    if isinstance(error, StepError):  # this request's step failed; the engine serves on
+        return APIError(500, str(error))
+    if isinstance(error, RecursionError):  # nested input that decoded, then was too deep
+        return APIError(400, TOO_DEEP)
+    return None
+
+
 def sse_error(error: BaseException) -> bytes:
-    if not isinstance(error, APIError):
-        status = 503 if isinstance(error, EngineDeadError) else 500
-        error = APIError(status, str(error) or type(error).__name__)
-    return b"data: " + error_body(error) + b"\n\n"
+    """A mid-stream error: the 200 went out, so the error is an event."""
+    api_error = to_api_error(error) or APIError(500, str(error) or type(error).__name__)
+    return b"data: " + error_body(api_error) + b"\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -173,6 +193,7 @@ class ServingContext:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises APIError, or InvalidRequestError (SamplingParams' checks) naming the field."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.",
                               "stream_options")
@@ -193,26 +214,21 @@ class ServingContext:
             if invalid:
                 raise bad_request("logit_bias contains key(s) that cannot be converted to integer "
                                   f"token IDs: {invalid!r}", "logit_bias")
-        try:
-            return SamplingParams(
-                n=request.n, temperature=float(pick("temperature", 1.0)),
-                top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
-                min_p=float(pick("min_p", 0.0)),
-                presence_penalty=request.presence_penalty or 0.0,
-                frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=float(pick("repetition_penalty", 1.0)),
-                max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
-                stop_token_ids=request.stop_token_ids,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens,
-                logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
-        except (ValueError, TypeError) as error:
-            message = str(error)
-            param = message.split(" ", 1)[0]
-            raise bad_request(message, param if hasattr(request, param) else None) from None
+        return SamplingParams(
+            n=request.n, temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
+            min_p=float(pick("min_p", 0.0)),
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
 
     async def submit(self, base_id: str, prompts: list[dict], params: SamplingParams,
                      priority: int) -> list[RequestStream]:
@@ -230,17 +246,9 @@ class ServingContext:
                                                    prompt["prompt_token_ids"], params, priority)
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority,
                                                              RequestOutputKind.DELTA))
-        except BaseException as error:
+        except BaseException:  # the routes map it to its status (to_api_error)
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            if isinstance(error, ValueError):
-                message = str(error)
-                param = "input_tokens" if "context length" in message else None
-                if isinstance(error, InvalidRequestError):
-                    param = error.param
-                raise bad_request(message, param) from None
-            if isinstance(error, EngineDeadError):
-                raise APIError(503, str(error)) from None
             raise
         return streams
 
