@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
+from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
@@ -43,7 +44,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
+        """`prompts`: one prompt or a list of them, each a string, a list of token ids, a dict
+        (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt."""
+        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -101,5 +104,5 @@ class LLM:
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 **(chat_template_kwargs or {}))
             # The template already carries BOS where the model wants it.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

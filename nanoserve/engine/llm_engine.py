@@ -27,6 +27,7 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import check_pipeline_support
@@ -223,7 +224,7 @@ class LLMEngine:
         set_parallel_state(0, 1)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         if request_id in self.requests:
@@ -354,18 +355,11 @@ class LLMEngine:
         self.check_prompt_text(text)
         return self.tokenizer.encode(text)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self._encode(prompt["prompt"])
-            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidRequestError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        prompt = parse_prompt(prompt)
+        if isinstance(prompt, TextPrompt):
+            return prompt.prompt, self._encode(prompt.prompt)
+        return prompt.prompt, prompt.prompt_token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Drop unfinished requests; returns their final outputs, cumulative whatever the

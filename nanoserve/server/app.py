@@ -276,7 +276,7 @@ class OpenAIApp:
             prompt = await render_chat_prompt(
                 ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
                 body.chat_template, body.chat_template_kwargs, bool(body.add_special_tokens))
-            tokens = prompt["prompt_token_ids"]
+            tokens = prompt.prompt_token_ids
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await ctx.encode(body.prompt, add_special)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import AsyncGenerator
 
+from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
 from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_request,
@@ -12,13 +13,13 @@ from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_r
 from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                        ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
-                                       DeltaMessage, Usage)
+                                       DeltaMessage)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
                              continue_final_message: bool, chat_template: str | None,
                              chat_template_kwargs: dict | None, add_special_tokens: bool,
-                             truncation_side: str | None = None) -> dict:
+                             truncation_side: str | None = None) -> TokensPrompt:
     if not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     for message in messages:
@@ -50,7 +51,7 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
     ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
-    return {"prompt": text, "prompt_token_ids": ids}
+    return TokensPrompt(ids, text)
 
 
 def _response_role(request: ChatCompletionRequest) -> str:
@@ -85,10 +86,10 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
         request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
         ctx.truncation_side_of(request))
-    prompt["prompt_token_ids"], cut = ctx.truncate(prompt["prompt_token_ids"], request)
+    prompt.prompt_token_ids, cut = ctx.truncate(prompt.prompt_token_ids, request)
     if cut:
-        prompt["prompt"] = None
-    if not prompt["prompt_token_ids"]:
+        prompt.prompt = None
+    if not prompt.prompt_token_ids:
         raise bad_request("the prompt is empty", "messages")
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -128,7 +129,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
             choice.index, ChatMessage(role, echo + choice.text), logprobs_body,
             choice.finish_reason, choice.stop_reason,
             list(choice.token_ids) if request.return_token_ids else None))
-    prompt_ids = prompt["prompt_token_ids"]
+    prompt_ids = prompt.prompt_token_ids
     usage = ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
     return Response(200, encode_json(ChatCompletionResponse(
         base_id, "chat.completion", created, ctx.served_model_name, choices, usage,
@@ -137,13 +138,13 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
-                  prompt: dict, stream, role: str,
+                  prompt: TokensPrompt, stream, role: str,
                   cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    prompt_ids = prompt["prompt_token_ids"]
+    prompt_ids = prompt.prompt_token_ids
     prompt_tokens = len(prompt_ids)
     top = request.top_logprobs or 0
     as_token_ids = bool(request.return_tokens_as_token_ids)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncGenerator
 
+from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_request,
                                      encode_json, fold, merge_streams, random_id, sse, sse_error)
 from nanoserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                       CompletionStreamChoice, CompletionStreamResponse, Usage)
+                                       CompletionStreamChoice, CompletionStreamResponse)
 
 
 def _is_token_list(value: Any) -> bool:
@@ -17,7 +18,7 @@ def _is_token_list(value: Any) -> bool:
                                            for t in value)
 
 
-async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[dict]:
+async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
     """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
     as the request asks (a truncated prompt keeps no text: echo shows its tokens' text)."""
     prompt = request.prompt
@@ -42,16 +43,16 @@ async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> 
         ids, cut = ctx.truncate(ids, request)
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
-        result.append({"prompt": None if cut else text, "prompt_token_ids": ids})
+        result.append(TokensPrompt(ids, None if cut else text))
     return result
 
 
-def _prompt_text(ctx: ServingContext, request: CompletionRequest, prompt: dict) -> str:
+def _prompt_text(ctx: ServingContext, request: CompletionRequest, prompt: TokensPrompt) -> str:
     if request.return_token_ids:  # vLLM echoes no prompt text then: the ids say it
         return ""
-    if prompt["prompt"] is not None:
-        return prompt["prompt"]
-    return ctx.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+    if prompt.prompt is not None:
+        return prompt.prompt
+    return ctx.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
 
 
 def _prompt_entries(output, prompt_ids: list[int]) -> list:
@@ -92,7 +93,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     choices = []
     completion_tokens = 0
     for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
-        prompt_ids = prompt["prompt_token_ids"]
+        prompt_ids = prompt.prompt_token_ids
         for output in final.outputs:
             token_ids, entries, text = output.token_ids, output.logprobs or [], output.text
             if request.echo:
@@ -114,7 +115,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
                 token_ids=list(output.token_ids) if request.return_token_ids else None,
                 prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
                 prompt_token_ids=prompt_ids if request.return_token_ids else None))
-    prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
     body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
                               choices, usage)
@@ -122,7 +123,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
 
 
 async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                  prompts: list[dict], streams, echo_only: bool,
+                  prompts: list[TokensPrompt], streams, echo_only: bool,
                   cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     n = request.n
@@ -138,7 +139,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
         async for prompt_index, output in merge_streams(streams):
             cached[prompt_index] = output.num_cached_tokens
             prompt = prompts[prompt_index]
-            prompt_ids = prompt["prompt_token_ids"]
+            prompt_ids = prompt.prompt_token_ids
             events = []
             for choice in output.outputs:
                 index = prompt_index * n + choice.index
@@ -177,7 +178,7 @@ async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str,
         ctx.store_response(cache_key, finals)
         if include_usage:
             completion_tokens = sum(p.num_tokens for p in progress.values())
-            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
             usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],
                                                usage))

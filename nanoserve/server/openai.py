@@ -16,6 +16,7 @@ import msgspec
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
@@ -230,7 +231,7 @@ class ServingContext:
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
 
-    async def submit(self, base_id: str, prompts: list[dict], params: SamplingParams,
+    async def submit(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
                      priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
         if params.n * len(prompts) > self.max_n_sequences:
@@ -242,8 +243,8 @@ class ServingContext:
             for index, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
                 if self.request_logger is not None:
-                    self.request_logger.log_inputs(request_id, prompt.get("prompt"),
-                                                   prompt["prompt_token_ids"], params, priority)
+                    self.request_logger.log_inputs(request_id, prompt.prompt,
+                                                   prompt.prompt_token_ids, params, priority)
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority,
                                                              RequestOutputKind.DELTA))
         except BaseException:  # the routes map it to its status (to_api_error)
@@ -252,7 +253,7 @@ class ServingContext:
             raise
         return streams
 
-    def cached_streams(self, base_id: str, prompts: list[dict], params: SamplingParams
+    def cached_streams(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams
                        ) -> tuple[bytes | None, list[RequestStream] | None]:
         """Look the request up in the response cache. Returns the key to store its outputs under
         (None: not cacheable, or a hit) and, on a hit, finished streams that replay the stored
@@ -261,15 +262,15 @@ class ServingContext:
         if cache is None or not cache.enabled or not is_cacheable(params):
             return None, None
         model = f"{self.served_model_name}\0{self.model_path}"
-        key = cache_key(model, [prompt["prompt_token_ids"] for prompt in prompts], params)
+        key = cache_key(model, [prompt.prompt_token_ids for prompt in prompts], params)
         outputs = cache.get(key)
         if outputs is None:
             return key, None
         streams = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             output.request_id = base_id if len(outputs) == 1 else f"{base_id}-{index}"
-            output.prompt = prompt.get("prompt")
-            output.prompt_token_ids = prompt["prompt_token_ids"]
+            output.prompt = prompt.prompt
+            output.prompt_token_ids = prompt.prompt_token_ids
             stream = RequestStream(output.request_id, time.time(), params)
             stream.put(output)
             streams.append(stream)

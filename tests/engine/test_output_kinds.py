@@ -75,3 +75,25 @@ def test_final_only_gives_one_output(engine):
     outputs = run(engine, "final", params, RequestOutputKind.FINAL_ONLY)
     assert len(outputs) == 1 and outputs[0].finished
     assert len(outputs[0].outputs[0].token_ids) == 8
+
+
+def test_prompt_forms_are_one_typed_prompt(tiny_llama_dir, engine):
+    """vLLM's prompt forms all reach the engine as a TextPrompt or a TokensPrompt."""
+    from nanoserve import TextPrompt, TokensPrompt
+    from nanoserve.errors import InvalidRequestError
+    from nanoserve.inputs import parse_prompt
+
+    assert parse_prompt("hi") == parse_prompt({"prompt": "hi"}) == TextPrompt("hi")
+    assert parse_prompt([5, 6]) == parse_prompt({"prompt_token_ids": [5, 6]}) == TokensPrompt([5, 6])
+    assert parse_prompt({"prompt_token_ids": [5], "prompt": "x"}) == TokensPrompt([5], "x")
+    with pytest.raises(InvalidRequestError):
+        parse_prompt({"text": "hi"})
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    forms = [PROMPT, {"prompt_token_ids": PROMPT}, TokensPrompt(PROMPT, "its text")]
+    for i, form in enumerate(forms):
+        engine.add_request(f"form-{i}", form, params, output_kind=RequestOutputKind.FINAL_ONLY)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step())
+    assert len({tuple(finals[f"form-{i}"].outputs[0].token_ids) for i in range(3)}) == 1
+    assert [finals[f"form-{i}"].prompt for i in range(3)] == [None, None, "its text"]
