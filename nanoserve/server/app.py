@@ -14,18 +14,18 @@ import nanoserve
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
-from nanoserve.server.http_types import Request, Response, StreamingResponse
-from nanoserve.server.openai import (TOO_DEEP, ServingContext, bad_request, encode_json,
-                                     error_body, to_api_error)
-from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                       TokenizeRequest, TokenizeResponse)
+from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
+from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                      TokenizeRequest, TokenizeResponse)
+from nanoserve.server.serving import (TOO_DEEP, ServingContext, bad_request, encode_json,
+                                      error_body, to_api_error)
 from nanoserve.server.tokenizer_info import tokenizer_info
 from nanoserve.server.ui import ui_routes
 
 logger = logging.getLogger("nanoserve.server")
 
-Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+Handler = Callable[[HttpRequest], Awaitable["Response | StreamingResponse"]]
 _decoders: dict[type, msgspec.json.Decoder] = {}
 
 
@@ -38,13 +38,13 @@ def http_error_response(status: int, message: str) -> Response:
     return error_response(APIError(status, message))
 
 
-def check_content_type(request: Request) -> None:
+def check_content_type(request: HttpRequest) -> None:
     content_type = (request.header("content-type") or "application/json").split(";")[0].strip()
     if content_type.lower() != "application/json" and not content_type.lower().endswith("+json"):
         raise bad_request(f"Unsupported content type {content_type!r}: send application/json.")
 
 
-def decode_body(request: Request, struct: type):
+def decode_body(request: HttpRequest, struct: type):
     check_content_type(request)
     decoder = _decoders.get(struct)
     if decoder is None:
@@ -143,7 +143,7 @@ class OpenAIApp:
             methods = {"GET": self.model}
         return methods
 
-    async def __call__(self, request: Request) -> Response | StreamingResponse:
+    async def __call__(self, request: HttpRequest) -> Response | StreamingResponse:
         try:
             methods = self._methods(request.path)
             if methods is None:
@@ -163,7 +163,7 @@ class OpenAIApp:
                 raise  # the connection answers 500 and logs it
             return error_response(api_error)
 
-    def _authenticate(self, request: Request) -> None:
+    def _authenticate(self, request: HttpRequest) -> None:
         header = request.header("authorization") or ""
         scheme, _, token = header.partition(" ")
         expected = self.api_key.encode()
@@ -173,19 +173,19 @@ class OpenAIApp:
                            headers=[("www-authenticate", "Bearer")])
 
     # ---- plain endpoints ----
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         if self.ctx.engine.is_dead:
             return error_response(APIError(503, "The engine is dead."))
         return Response(200, b"", content_type=None)
 
-    async def version(self, request: Request) -> Response:
+    async def version(self, request: HttpRequest) -> Response:
         return Response(200, encode_json({"version": nanoserve.__version__}))
 
-    async def prometheus(self, request: Request) -> Response:
+    async def prometheus(self, request: HttpRequest) -> Response:
         body = self.metrics.render(self.ctx.engine.stats)
         return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
 
-    async def reset_prefix_cache(self, request: Request) -> Response:
+    async def reset_prefix_cache(self, request: HttpRequest) -> Response:
         """vLLM's route: an empty 200 once the engine's prefix cache (cleared between two steps)
         and the response cache are empty. vLLM's query flags (reset_running_requests,
         reset_external) are accepted and need nothing: the prefix cache of running requests'
@@ -196,10 +196,10 @@ class OpenAIApp:
             self.ctx.response_cache.clear()
         return Response(200, b"", content_type=None)
 
-    async def load(self, request: Request) -> Response:
+    async def load(self, request: HttpRequest) -> Response:
         return Response(200, encode_json({"server_load": self.server_load}))
 
-    async def tokenizer_info(self, request: Request) -> Response:
+    async def tokenizer_info(self, request: HttpRequest) -> Response:
         return Response(200, encode_json(tokenizer_info(self.ctx.tokenizer)))
 
     def _model_card(self) -> ModelCard:
@@ -207,10 +207,10 @@ class OpenAIApp:
         return ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
                          ctx.max_model_len, None, [])
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HttpRequest) -> Response:
         return Response(200, encode_json(ModelList("list", [self._model_card()])))
 
-    async def model(self, request: Request) -> Response:
+    async def model(self, request: HttpRequest) -> Response:
         """GET /v1/models/{id} (OpenAI's retrieve-model): the served model, else 404."""
         name = unquote(request.path[len(MODELS_PREFIX):])
         if name != self.ctx.served_model_name:
@@ -237,15 +237,15 @@ class OpenAIApp:
     def _release_load(self) -> None:
         self.server_load -= 1
 
-    async def completions(self, request: Request):
+    async def completions(self, request: HttpRequest):
         body = decode_body(request, CompletionRequest)
         return await self._tracked(lambda: create_completion(self.ctx, body))
 
-    async def chat(self, request: Request):
+    async def chat(self, request: HttpRequest):
         body = decode_body(request, ChatCompletionRequest)
         return await self._tracked(lambda: create_chat_completion(self.ctx, body))
 
-    async def invocations(self, request: Request):
+    async def invocations(self, request: HttpRequest):
         """SageMaker's POST /invocations, as vLLM: a chat request when the body has `messages`,
         a completion request when it has a non-empty `prompt`."""
         check_content_type(request)
@@ -268,7 +268,7 @@ class OpenAIApp:
         raise bad_request("Cannot find suitable handler for request. Expected one of: "
                           f"{list(INVOCATION_TYPES)}")
 
-    async def tokenize(self, request: Request) -> Response:
+    async def tokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, TokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)
@@ -286,7 +286,7 @@ class OpenAIApp:
         return Response(200, encode_json(TokenizeResponse(len(tokens), ctx.max_model_len, tokens,
                                                           token_strs)))
 
-    async def detokenize(self, request: Request) -> Response:
+    async def detokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, DetokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)

@@ -8,12 +8,12 @@ from typing import AsyncGenerator
 from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
-from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                     encode_json, fold, random_id, sse, sse_error)
 from nanoserve.server.preprocess import SMALL_INPUT
-from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
-                                       DeltaMessage)
+from nanoserve.server.schemas import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                      ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
+                                      DeltaMessage)
+from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
+                                      encode_json, fold, random_id, sse, sse_error)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,

@@ -1,16 +1,51 @@
 """POST /v1/completions, streamed and not."""
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, AsyncIterator
 
+from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
-from nanoserve.server.openai import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                     encode_json, fold, merge_streams, random_id, sse, sse_error)
-from nanoserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                       CompletionStreamChoice, CompletionStreamResponse)
+from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                      CompletionStreamChoice, CompletionStreamResponse)
+from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
+                                      encode_json, fold, random_id, sse, sse_error)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from several request streams, as they arrive."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+        except BaseException as error:  # delivered to the reader, which re-raises it
+            queue.put_nowait((index, None, error))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _is_token_list(value: Any) -> bool:

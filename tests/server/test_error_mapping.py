@@ -8,7 +8,7 @@ from nanoserve.engine.async_engine import EngineDeadError
 from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
-from nanoserve.server.openai import to_api_error
+from nanoserve.server.serving import to_api_error
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -1,15 +1,15 @@
-"""What the completions and chat handlers share: the serving context, request → SamplingParams,
-prompt tokenization off the event loop, submission to the async engine (or a replay from the
-response cache), logprobs and SSE."""
+"""The OpenAI serving layer's shared part (vLLM's serving_engine.py), used by the serving
+modules chat.py and completions.py: the serving context, request → SamplingParams, prompt
+tokenization off the event loop, submission to the async engine (or a replay from the response
+cache), what a streamed choice has sent, SSE, and the one map from errors to HTTP statuses."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import msgspec
 
@@ -20,10 +20,10 @@ from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
-from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                       SamplingFields, Usage)
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
+from nanoserve.server.schemas import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                      SamplingFields, Usage)
 from nanoserve.server.structured_outputs import structured_outputs_params
 
 DONE = b"data: [DONE]\n\n"
@@ -318,36 +318,3 @@ class ChoiceProgress:
     def usage(self, prompt_tokens: int) -> Usage:
         """continuous_usage_stats: per choice, as vLLM: its prompt and its tokens so far."""
         return Usage(prompt_tokens, prompt_tokens + self.num_tokens, self.num_tokens)
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, output) from several request streams, as they arrive."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output, None))
-        except BaseException as error:  # delivered to the reader, which re-raises it
-            queue.put_nowait((index, None, error))
-            return
-        queue.put_nowait((index, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, output, error = await queue.get()
-            if error is not None:
-                raise error
-            if output is None:
-                remaining -= 1
-                continue
-            yield index, output
-    finally:
-        for task in tasks:
-            task.cancel()
