@@ -76,6 +76,13 @@ def _log_ignored_fields(raw: bytes, struct: type) -> None:
                        sorted(unknown))
 
 
+def with_request_id(request: HttpRequest, body):
+    """vLLM: the X-Request-Id header, else the body's `request_id`, names the request (its
+    response id and the engine request's id)."""
+    body.request_id = request.header("x-request-id") or body.request_id
+    return body
+
+
 class _ReleaseWhenDone:
     """A streamed body that calls `release` once, when it ends or is closed (even unstarted)."""
 
@@ -238,11 +245,11 @@ class OpenAIApp:
         self.server_load -= 1
 
     async def completions(self, request: HttpRequest):
-        body = decode_body(request, CompletionRequest)
+        body = with_request_id(request, decode_body(request, CompletionRequest))
         return await self._tracked(lambda: create_completion(self.ctx, body))
 
     async def chat(self, request: HttpRequest):
-        body = decode_body(request, ChatCompletionRequest)
+        body = with_request_id(request, decode_body(request, ChatCompletionRequest))
         return await self._tracked(lambda: create_chat_completion(self.ctx, body))
 
     async def invocations(self, request: HttpRequest):
@@ -255,7 +262,7 @@ class OpenAIApp:
             raise bad_request("The request body is not a JSON object.") from None
         def decoded(struct: type):
             try:
-                return decode_body(request, struct)
+                return with_request_id(request, decode_body(request, struct))
             except APIError:  # not this kind of request: try the next
                 return None
 

@@ -13,7 +13,7 @@ from nanoserve.server.schemas import (ChatChoice, ChatCompletionRequest, ChatCom
                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
                                       DeltaMessage)
 from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                      encode_json, fold, random_id, sse, sse_error)
+                                      encode_json, fold, response_id, sse, sse_error)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
@@ -97,7 +97,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
     params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-    base_id = random_id("chatcmpl")
+    base_id = response_id("chatcmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, [prompt], params)
     if streams is None:

@@ -12,7 +12,7 @@ from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
                                       CompletionStreamChoice, CompletionStreamResponse)
 from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                      encode_json, fold, random_id, sse, sse_error)
+                                      encode_json, fold, response_id, sse, sse_error)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
@@ -109,7 +109,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
         prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
     params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
                                  prompt_logprobs)
-    base_id = random_id("cmpl")
+    base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, prompts, params)
     if streams is None:

@@ -48,6 +48,12 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_id(prefix: str, client_id: str | None) -> str:
+    """The response's id, which is also the engine request's: vLLM's form, the client's id
+    (X-Request-Id or the body's request_id) after the prefix; random without one."""
+    return f"{prefix}-{client_id}" if client_id else random_id(prefix)
+
+
 def sse(payload: msgspec.Struct) -> bytes:
     return b"data: " + encode_json(payload) + b"\n\n"
 
