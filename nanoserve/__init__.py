@@ -10,6 +10,7 @@ import os
 if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
     os.environ["GOMP_SPINCOUNT"] = "10000"
 
+from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -25,4 +26,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "TextPrompt", "TokensPrompt", "__version__"]

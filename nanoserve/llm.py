@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
-from nanoserve.outputs import RequestOutput
+from nanoserve.inputs import TextPrompt, TokensPrompt
+from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
 PROGRESS_BAR_MIN_PROMPTS = 8
@@ -50,7 +51,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
+        """`prompts`: one prompt or a list of them, each a string, a list of token ids, a dict
+        (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt."""
+        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -72,7 +75,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0)
+                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
                 ids.append(request_id)
             return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
@@ -107,5 +111,5 @@ class LLM:
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 **(chat_template_kwargs or {}))
             # The template already carries BOS where the model wants it.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

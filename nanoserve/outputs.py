@@ -1,7 +1,18 @@
 """What the engine returns per step, with vLLM's names."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names). CUMULATIVE: everything so far,
+    every step. DELTA: only what is new since the previous output (the server's streams;
+    stop-string hold-back applied, so no text that a stop string may still take back goes
+    out). FINAL_ONLY: one cumulative output, when the request finishes (`LLM.generate`)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -18,8 +29,8 @@ SampleLogprobs = list[dict[int, Logprob]]
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
-    text: str = ""  # cumulative
-    token_ids: list[int] = field(default_factory=list)  # cumulative
+    text: str = ""  # cumulative, or new since the last output (DELTA)
+    token_ids: list[int] = field(default_factory=list)  # likewise
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -28,6 +39,18 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def add(self, delta: "CompletionOutput") -> None:
+        """Append a later delta of the same output."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.cumulative_logprob is not None:
+            self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass(slots=True)
@@ -53,3 +76,22 @@ class RequestOutput:
     # One entry per prompt token (the first is None) once the prompt is scored; None when the
     # request did not ask for prompt_logprobs.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+    def add(self, delta: "RequestOutput") -> None:
+        """Fold a later DELTA output of the same request into this one (vLLM's
+        `RequestOutput.add`): a reader that fell behind, or one that wants the whole answer,
+        sees the deltas so far as one. A delta names only the outputs that changed."""
+        by_index = {output.index: output for output in self.outputs}
+        for output in delta.outputs:
+            known = by_index.get(output.index)
+            if known is None:
+                by_index[output.index] = output
+            else:
+                known.add(output)
+        if len(by_index) != len(self.outputs):
+            self.outputs = sorted(by_index.values(), key=lambda output: output.index)
+        self.finished = delta.finished
+        self.metrics = delta.metrics or self.metrics
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs

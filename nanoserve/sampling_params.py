@@ -1,10 +1,12 @@
-"""Per-request sampling settings, with vLLM's names and defaults. Bad values raise ValueError
-naming the field."""
+"""Per-request sampling settings, with vLLM's names and defaults. Bad values raise
+InvalidRequestError (a ValueError) whose `param` names the field."""
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
+
+from nanoserve.errors import InvalidRequestError
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, inside every index type
@@ -27,17 +29,19 @@ class StructuredOutputsParams:
         kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(f"{self.field} must set exactly one of json, regex, choice, grammar "
-                             f"or json_object, got {kinds or 'none'}")
+            raise InvalidRequestError(f"{self.field} must set exactly one of json, regex, choice, "
+                                      f"grammar or json_object, got {kinds or 'none'}", self.field)
         if self.choice is not None and (
                 not isinstance(self.choice, (list, tuple)) or not self.choice
                 or any(not isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"{self.field} choice must be a non-empty list of strings")
+            raise InvalidRequestError(f"{self.field} choice must be a non-empty list of strings",
+                                      self.field)
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"{self.field} {name} must be a string")
+                raise InvalidRequestError(f"{self.field} {name} must be a string", self.field)
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"{self.field} json must be a JSON schema (an object or its text)")
+            raise InvalidRequestError(f"{self.field} json must be a JSON schema (an object or its text)",
+                                      self.field)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -92,7 +96,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def fail(name: str, message: str) -> None:
-            raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+            raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}", name)
 
         def is_int(value) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
@@ -153,11 +157,12 @@ class SamplingParams:
                 fail("logit_bias", "must be a mapping of token id to bias")
             for token, bias in self.logit_bias.items():
                 if not is_int(token):
-                    raise ValueError(f"logit_bias keys must be integer token ids, got {token!r}")
+                    raise InvalidRequestError(
+                        f"logit_bias keys must be integer token ids, got {token!r}", "logit_bias")
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
                         not -100.0 <= bias <= 100.0:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} "
-                                     f"for {token}")
+                    raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got "
+                                              f"{bias!r} for {token}", "logit_bias")
 
     def clone(self) -> "SamplingParams":
         from dataclasses import replace

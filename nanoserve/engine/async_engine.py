@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from nanoserve.engine.llm_engine import StepError
 from nanoserve.engine.stat_logger import LoggingStatLogger
-from nanoserve.outputs import RequestOutput
+from nanoserve.errors import InvalidRequestError
+from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
@@ -64,17 +65,22 @@ class Observer(Protocol):
 
 
 class RequestStream:
-    """One request's mailbox. It keeps only the newest cumulative output, so a reader that falls
-    behind (a slow SSE client) gets a larger delta next time instead of a growing queue."""
+    """One request's mailbox. It holds one output: the newest cumulative one, or the deltas not
+    yet read folded into one (DELTA), so a reader that falls behind (a slow SSE client) gets a
+    larger delta next time instead of a growing queue."""
 
     __slots__ = ("request_id", "arrival_time", "latest", "error", "finished", "event",
-                 "first_token_time", "last_token_time", "num_generated", "params")
+                 "first_token_time", "last_token_time", "num_generated", "params", "output_kind",
+                 "output_lengths")
 
     def __init__(self, request_id: str, arrival_time: float,
-                 params: SamplingParams | None = None) -> None:
+                 params: SamplingParams | None = None,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.params = params
+        self.output_kind = output_kind
+        self.output_lengths: dict[int, int] = {}  # output index -> tokens generated so far
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
         self.finished = False
@@ -84,7 +90,10 @@ class RequestStream:
         self.num_generated = 0
 
     def put(self, output: RequestOutput) -> None:
-        self.latest = output
+        if self.latest is not None and self.output_kind is RequestOutputKind.DELTA:
+            self.latest.add(output)
+        else:
+            self.latest = output
         self.finished = output.finished
         self.event.set()
 
@@ -116,6 +125,7 @@ class _Add:
     priority: int
     stream: RequestStream
     accepted: asyncio.Future
+    output_kind: RequestOutputKind
 
 
 @dataclass(slots=True)
@@ -198,20 +208,23 @@ class AsyncLLMEngine:
         self._step_thread.shutdown(wait=True)
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises ValueError
-        (the engine's user-facing message) or EngineDeadError."""
+                          priority: int = 0,
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+                          ) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it. Raises
+        InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
+        asks for DELTA outputs: each one carries only what is new."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
         if request_id in self.streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival_time = time.time()
         await self._compile_grammar(params)
-        stream = RequestStream(request_id, arrival_time, params)
+        stream = RequestStream(request_id, arrival_time, params, output_kind)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         self.num_queued_adds += 1
-        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted))
+        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted, output_kind))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -311,7 +324,8 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                    arrival_time=item.stream.arrival_time)
+                                    arrival_time=item.stream.arrival_time,
+                                    output_kind=item.output_kind)
         except Exception as exc:  # user-facing validation errors
             self.streams.pop(item.request_id, None)
             item.accepted.set_exception(exc)
@@ -326,7 +340,14 @@ class AsyncLLMEngine:
             stream = self.streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
-            num_generated = sum(len(c.token_ids) for c in output.outputs)
+            lengths = stream.output_lengths
+            if stream.output_kind is RequestOutputKind.DELTA:
+                for choice in output.outputs:
+                    lengths[choice.index] = lengths.get(choice.index, 0) + len(choice.token_ids)
+            else:
+                for choice in output.outputs:
+                    lengths[choice.index] = len(choice.token_ids)
+            num_generated = sum(lengths.values())
             if num_generated > stream.num_generated:
                 step_tokens += num_generated - stream.num_generated
                 if stream.first_token_time is None:
@@ -359,7 +380,10 @@ class AsyncLLMEngine:
                 reason, e2e, 0, 0, 0, 0, n, params.max_tokens if params else None, 0, e2e,
                 0.0, 0.0, 0.0, 0.0))
             return
-        lengths = [len(c.token_ids) for c in output.outputs] or [0]
+        if stream.output_kind is RequestOutputKind.DELTA:  # the output is the last delta only
+            lengths = list(stream.output_lengths.values()) or [0]
+        else:
+            lengths = [len(c.token_ids) for c in output.outputs] or [0]
         num_prompt = len(output.prompt_token_ids)
         max_tokens = params.max_tokens if params is not None else None
         if max_tokens is None:

@@ -27,10 +27,12 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import check_pipeline_support
-from nanoserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanoserve.outputs import (CompletionOutput, Logprob, RequestMetrics, RequestOutput,
+                               RequestOutputKind)
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -96,6 +98,10 @@ class Request:
     metrics: RequestMetrics
     finished: bool = False
     prompt_counted: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # DELTA: characters of text held back until no stop string can start in them (a stop
+    # string is cut from the text, so what went out must never be part of one).
+    holdback: int = 0
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -217,17 +223,18 @@ class LLMEngine:
         set_parallel_state(0, 1)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int] | dict, sampling_params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
-            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
         prompt_text, token_ids = self._tokenize(prompt)
         params = sampling_params
         num_prompt = len(token_ids)
         if num_prompt == 0:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
             raise InvalidRequestError("prompt token ids must be integers", "prompt")
@@ -236,17 +243,19 @@ class LLMEngine:
                 raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
         params = self._check_params(params, vocab)
         if num_prompt >= self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {num_prompt} input tokens. Please reduce the length of the input messages.")
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
+                "input_tokens")
         if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(  # vLLM blames the input too
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).")
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", "input_tokens")
         if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise ValueError(f"min_tokens must be <= {self.max_model_len - num_prompt} (the context "
-                             f"left after {num_prompt} prompt tokens), got {params.min_tokens}")
+            raise InvalidRequestError(
+                f"min_tokens must be <= {self.max_model_len - num_prompt} (the context left after "
+                f"{num_prompt} prompt tokens), got {params.min_tokens}")
         grammar = self.prepare_structured_output(params)
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise grammar.exception()
@@ -264,7 +273,11 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics)
+        holdback = 0
+        if params.stop and not params.include_stop_str_in_output:
+            holdback = max(len(stop) for stop in params.stop) - 1
+        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
+                                            output_kind=output_kind, holdback=holdback)
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
         virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
@@ -298,11 +311,11 @@ class LLMEngine:
         """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
         with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params._validate()  # fields may have been assigned after construction
         if params.n > self.config.max_n_sequences:
-            raise ValueError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
-                             f"got {params.n}")
+            raise InvalidRequestError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
+                                      f"got {params.n}", "n")
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
         for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
             value = getattr(params, name)
@@ -332,30 +345,24 @@ class LLMEngine:
 
     def check_prompt_text(self, text: str) -> None:
         if len(text) > self.max_prompt_chars:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"request has {len(text)} characters of input, more than any {self.max_model_len} "
-                f"tokens can hold. Please reduce the length of the input messages.")
+                f"tokens can hold. Please reduce the length of the input messages.", "input_tokens")
 
     def _encode(self, text: str) -> list[int]:
         self.check_prompt_text(text)
         return self.tokenizer.encode(text)
 
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self._encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("a prompt is a string, a list of token ids or {'prompt_token_ids': [...]}")
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        prompt = parse_prompt(prompt)
+        if isinstance(prompt, TextPrompt):
+            return prompt.prompt, self._encode(prompt.prompt)
+        return prompt.prompt, prompt.prompt_token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
-        """Drop unfinished requests; returns their final outputs (for metrics)."""
+        """Drop unfinished requests; returns their final outputs, cumulative whatever the
+        request's output kind (for metrics)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         aborted = []
         for rid in ids:
@@ -370,7 +377,7 @@ class LLMEngine:
                     seq.finish_reason = seq.finish_reason or "abort"
             request.finished = True
             request.metrics.finished_time = time.time()
-            aborted.append(self._make_output(request))
+            aborted.append(self._make_output(request, RequestOutputKind.CUMULATIVE))
         return aborted
 
     def reset_prefix_cache(self) -> bool:
@@ -525,7 +532,9 @@ class LLMEngine:
                 request.finished = True
                 metrics.finished_time = finished_at
                 del self.requests[request.request_id]
-            outputs.append(self._make_output(request))
+            output = self._make_output(request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
     def _logprob_rows(self, result) -> list[tuple[int, list[int], list[float]]] | None:
@@ -617,21 +626,56 @@ class LLMEngine:
         seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
         return "stop", stop
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if request.params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason)
-            for seq in request.seqs
-        ]
+    def _make_output(self, request: Request, kind: RequestOutputKind | None = None) -> RequestOutput | None:
+        """The request's output of its kind; None when there is nothing to send (FINAL_ONLY
+        before the end, DELTA with nothing new)."""
+        kind = request.output_kind if kind is None else kind
+        if kind is RequestOutputKind.FINAL_ONLY and not request.finished:
+            return None
+        with_logprobs = request.params.logprobs is not None
+        if kind is RequestOutputKind.DELTA:
+            outputs = [output for seq in request.seqs
+                       if (output := self._delta(seq, request.holdback, with_logprobs)) is not None]
+            if not outputs and not request.finished:
+                return None
+        else:
+            outputs = [
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=seq.output_token_ids,
+                    cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+                    logprobs=list(seq.logprobs) if with_logprobs else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason)
+                for seq in request.seqs
+            ]
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
         request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.metrics, request.metrics.num_cached_tokens,
                              prompt_logprobs)
+
+    @staticmethod
+    def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
+        """What of one sequence is new since its last delta (None: nothing). Until it finishes,
+        the last `holdback` characters stay back: a stop string may still begin in them."""
+        if seq.finish_sent:
+            return None
+        finished = seq.finish_reason is not None
+        num_output = seq.num_output_tokens
+        text_end = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - holdback)
+        if not finished and num_output == seq.num_tokens_sent and text_end == seq.num_chars_sent:
+            return None
+        sent = seq.num_tokens_sent
+        output = CompletionOutput(
+            index=seq.index,
+            text=seq.text[seq.num_chars_sent:text_end],
+            token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
+            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+            logprobs=seq.logprobs[sent:] if with_logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason)
+        seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
+        return output

@@ -43,6 +43,10 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: object | None = None  # IncrementalDetokenizer
     text: str = ""
+    # DELTA outputs: how much of the output already went out
+    num_tokens_sent: int = 0
+    num_chars_sent: int = 0
+    finish_sent: bool = False
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).

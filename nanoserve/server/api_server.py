@@ -13,10 +13,10 @@ from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ServerOptions
 from nanoserve.server.http_server import HttpServer
 from nanoserve.server.metrics import ServerMetrics
-from nanoserve.server.openai import ServingContext, load_generation_defaults
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache
+from nanoserve.server.serving import ServingContext, load_generation_defaults
 
 logger = logging.getLogger("nanoserve.server")
 

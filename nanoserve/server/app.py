@@ -11,24 +11,22 @@ from urllib.parse import unquote
 import msgspec
 
 import nanoserve
-from nanoserve.engine.async_engine import EngineDeadError
-from nanoserve.engine.llm_engine import StepError
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
-from nanoserve.server.http_types import Request, Response, StreamingResponse
-from nanoserve.server.openai import ServingContext, bad_request, encode_json, error_body
-from nanoserve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                       TokenizeRequest, TokenizeResponse)
+from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
+from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
+                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                      TokenizeRequest, TokenizeResponse)
+from nanoserve.server.serving import (TOO_DEEP, ServingContext, bad_request, encode_json,
+                                      error_body, to_api_error)
 from nanoserve.server.tokenizer_info import tokenizer_info
 from nanoserve.server.ui import ui_routes
 
 logger = logging.getLogger("nanoserve.server")
 
-Handler = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+Handler = Callable[[HttpRequest], Awaitable["Response | StreamingResponse"]]
 _decoders: dict[type, msgspec.json.Decoder] = {}
-TOO_DEEP = "The request body is nested too deeply."
 
 
 def error_response(error: APIError) -> Response:
@@ -40,13 +38,13 @@ def http_error_response(status: int, message: str) -> Response:
     return error_response(APIError(status, message))
 
 
-def check_content_type(request: Request) -> None:
+def check_content_type(request: HttpRequest) -> None:
     content_type = (request.header("content-type") or "application/json").split(";")[0].strip()
     if content_type.lower() != "application/json" and not content_type.lower().endswith("+json"):
         raise bad_request(f"Unsupported content type {content_type!r}: send application/json.")
 
 
-def decode_body(request: Request, struct: type):
+def decode_body(request: HttpRequest, struct: type):
     check_content_type(request)
     decoder = _decoders.get(struct)
     if decoder is None:
@@ -58,6 +56,7 @@ def decode_body(request: Request, struct: type):
     except RecursionError:
         raise bad_request(TOO_DEEP) from None
     except msgspec.ValidationError as error:
+        # msgspec names the failing field only in its message ("... - at `$.n`").
         message = str(error)
         param = None
         if "at `$." in message:
@@ -75,6 +74,13 @@ def _log_ignored_fields(raw: bytes, struct: type) -> None:
     if unknown:
         logger.warning("The following fields were present in the request but ignored: %s",
                        sorted(unknown))
+
+
+def with_request_id(request: HttpRequest, body):
+    """vLLM: the X-Request-Id header, else the body's `request_id`, names the request (its
+    response id and the engine request's id)."""
+    body.request_id = request.header("x-request-id") or body.request_id
+    return body
 
 
 class _ReleaseWhenDone:
@@ -144,7 +150,7 @@ class OpenAIApp:
             methods = {"GET": self.model}
         return methods
 
-    async def __call__(self, request: Request) -> Response | StreamingResponse:
+    async def __call__(self, request: HttpRequest) -> Response | StreamingResponse:
         try:
             methods = self._methods(request.path)
             if methods is None:
@@ -158,16 +164,13 @@ class OpenAIApp:
             if self.api_key is not None and request.path.startswith("/v1/"):
                 self._authenticate(request)
             return await handler(request)
-        except APIError as error:
-            return error_response(error)
-        except EngineDeadError as error:
-            return error_response(APIError(503, str(error)))
-        except StepError as error:  # this request's step failed; the engine serves on
-            return error_response(APIError(500, str(error)))
-        except RecursionError:  # nested input that decoded, then was too deep for later work
-            return error_response(APIError(400, TOO_DEEP))
+        except Exception as error:
+            api_error = to_api_error(error)
+            if api_error is None:
+                raise  # the connection answers 500 and logs it
+            return error_response(api_error)
 
-    def _authenticate(self, request: Request) -> None:
+    def _authenticate(self, request: HttpRequest) -> None:
         header = request.header("authorization") or ""
         scheme, _, token = header.partition(" ")
         expected = self.api_key.encode()
@@ -177,19 +180,19 @@ class OpenAIApp:
                            headers=[("www-authenticate", "Bearer")])
 
     # ---- plain endpoints ----
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: HttpRequest) -> Response:
         if self.ctx.engine.is_dead:
             return error_response(APIError(503, "The engine is dead."))
         return Response(200, b"", content_type=None)
 
-    async def version(self, request: Request) -> Response:
+    async def version(self, request: HttpRequest) -> Response:
         return Response(200, encode_json({"version": nanoserve.__version__}))
 
-    async def prometheus(self, request: Request) -> Response:
+    async def prometheus(self, request: HttpRequest) -> Response:
         body = self.metrics.render(self.ctx.engine.stats)
         return Response(200, body, content_type=metrics_module.CONTENT_TYPE)
 
-    async def reset_prefix_cache(self, request: Request) -> Response:
+    async def reset_prefix_cache(self, request: HttpRequest) -> Response:
         """vLLM's route: an empty 200 once the engine's prefix cache (cleared between two steps)
         and the response cache are empty. vLLM's query flags (reset_running_requests,
         reset_external) are accepted and need nothing: the prefix cache of running requests'
@@ -200,10 +203,10 @@ class OpenAIApp:
             self.ctx.response_cache.clear()
         return Response(200, b"", content_type=None)
 
-    async def load(self, request: Request) -> Response:
+    async def load(self, request: HttpRequest) -> Response:
         return Response(200, encode_json({"server_load": self.server_load}))
 
-    async def tokenizer_info(self, request: Request) -> Response:
+    async def tokenizer_info(self, request: HttpRequest) -> Response:
         return Response(200, encode_json(tokenizer_info(self.ctx.tokenizer)))
 
     def _model_card(self) -> ModelCard:
@@ -211,10 +214,10 @@ class OpenAIApp:
         return ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
                          ctx.max_model_len, None, [])
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: HttpRequest) -> Response:
         return Response(200, encode_json(ModelList("list", [self._model_card()])))
 
-    async def model(self, request: Request) -> Response:
+    async def model(self, request: HttpRequest) -> Response:
         """GET /v1/models/{id} (OpenAI's retrieve-model): the served model, else 404."""
         name = unquote(request.path[len(MODELS_PREFIX):])
         if name != self.ctx.served_model_name:
@@ -241,15 +244,15 @@ class OpenAIApp:
     def _release_load(self) -> None:
         self.server_load -= 1
 
-    async def completions(self, request: Request):
-        body = decode_body(request, CompletionRequest)
+    async def completions(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, CompletionRequest))
         return await self._tracked(lambda: create_completion(self.ctx, body))
 
-    async def chat(self, request: Request):
-        body = decode_body(request, ChatCompletionRequest)
+    async def chat(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, ChatCompletionRequest))
         return await self._tracked(lambda: create_chat_completion(self.ctx, body))
 
-    async def invocations(self, request: Request):
+    async def invocations(self, request: HttpRequest):
         """SageMaker's POST /invocations, as vLLM: a chat request when the body has `messages`,
         a completion request when it has a non-empty `prompt`."""
         check_content_type(request)
@@ -259,7 +262,7 @@ class OpenAIApp:
             raise bad_request("The request body is not a JSON object.") from None
         def decoded(struct: type):
             try:
-                return decode_body(request, struct)
+                return with_request_id(request, decode_body(request, struct))
             except APIError:  # not this kind of request: try the next
                 return None
 
@@ -272,7 +275,7 @@ class OpenAIApp:
         raise bad_request("Cannot find suitable handler for request. Expected one of: "
                           f"{list(INVOCATION_TYPES)}")
 
-    async def tokenize(self, request: Request) -> Response:
+    async def tokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, TokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)
@@ -280,7 +283,7 @@ class OpenAIApp:
             prompt = await render_chat_prompt(
                 ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
                 body.chat_template, body.chat_template_kwargs, bool(body.add_special_tokens))
-            tokens = prompt["prompt_token_ids"]
+            tokens = prompt.prompt_token_ids
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await ctx.encode(body.prompt, add_special)
@@ -290,7 +293,7 @@ class OpenAIApp:
         return Response(200, encode_json(TokenizeResponse(len(tokens), ctx.max_model_len, tokens,
                                                           token_strs)))
 
-    async def detokenize(self, request: Request) -> Response:
+    async def detokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, DetokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)

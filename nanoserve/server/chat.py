@@ -5,20 +5,21 @@ from __future__ import annotations
 import time
 from typing import AsyncGenerator
 
+from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
-from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, random_id,
-                                     sse, sse_error)
 from nanoserve.server.preprocess import SMALL_INPUT
-from nanoserve.server.protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
-                                       DeltaMessage, Usage)
+from nanoserve.server.schemas import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
+                                      ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
+                                      DeltaMessage)
+from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
+                                      encode_json, fold, response_id, sse, sse_error)
 
 
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
                              continue_final_message: bool, chat_template: str | None,
                              chat_template_kwargs: dict | None, add_special_tokens: bool,
-                             truncation_side: str | None = None) -> dict:
+                             truncation_side: str | None = None) -> TokensPrompt:
     if not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     for message in messages:
@@ -50,7 +51,7 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
     ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
-    return {"prompt": text, "prompt_token_ids": ids}
+    return TokensPrompt(ids, text)
 
 
 def _response_role(request: ChatCompletionRequest) -> str:
@@ -85,10 +86,10 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
         request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
         ctx.truncation_side_of(request))
-    prompt["prompt_token_ids"], cut = ctx.truncate(prompt["prompt_token_ids"], request)
+    prompt.prompt_token_ids, cut = ctx.truncate(prompt.prompt_token_ids, request)
     if cut:
-        prompt["prompt"] = None
-    if not prompt["prompt_token_ids"]:
+        prompt.prompt = None
+    if not prompt.prompt_token_ids:
         raise bad_request("the prompt is empty", "messages")
     max_tokens = request.max_completion_tokens or request.max_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -96,7 +97,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
     params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-    base_id = random_id("chatcmpl")
+    base_id = response_id("chatcmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, [prompt], params)
     if streams is None:
@@ -109,7 +110,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     final = None
     try:
         async for output in stream:
-            final = output
+            final = fold(final, output)
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
@@ -128,7 +129,7 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
             choice.index, ChatMessage(role, echo + choice.text), logprobs_body,
             choice.finish_reason, choice.stop_reason,
             list(choice.token_ids) if request.return_token_ids else None))
-    prompt_ids = prompt["prompt_token_ids"]
+    prompt_ids = prompt.prompt_token_ids
     usage = ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
     return Response(200, encode_json(ChatCompletionResponse(
         base_id, "chat.completion", created, ctx.served_model_name, choices, usage,
@@ -137,73 +138,62 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
 
 
 async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
-                  prompt: dict, stream, role: str,
+                  prompt: TokensPrompt, stream, role: str,
                   cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    stop = [] if request.include_stop_str_in_output else (request.stop or [])
-    holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
-    prompt_ids = prompt["prompt_token_ids"]
+    prompt_ids = prompt.prompt_token_ids
     prompt_tokens = len(prompt_ids)
     top = request.top_logprobs or 0
     as_token_ids = bool(request.return_tokens_as_token_ids)
+    shows_tokens = bool(request.logprobs or request.return_token_ids)
     echo = _echo_text(request, role)
-    # per choice index: [text sent, tokens sent, finished]
-    progress: dict[int, list] = {}
+    progress: dict[int, ChoiceProgress] = {}  # per choice index
     cached_tokens = 0
     first_chunk = True
 
-    def chunk(choice: ChatStreamChoice, tokens_so_far: int) -> bytes:
+    def chunk(choice: ChatStreamChoice, state: ChoiceProgress) -> bytes:
         nonlocal first_chunk
-        usage = None
-        if continuous_usage:  # per choice, as vLLM: the prompt and this choice's tokens so far
-            usage = Usage(prompt_tokens, prompt_tokens + tokens_so_far, tokens_so_far)
+        usage = state.usage(prompt_tokens) if continuous_usage else None
         ids = prompt_ids if first_chunk and request.return_token_ids else None
         first_chunk = False
         return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
                                                 [choice], usage, ids))
-    final = None  # for the response cache
+    final = None  # the whole answer, for the response cache
     try:
         async for output in stream:
             cached_tokens = output.num_cached_tokens
-            final = output
             events = []
             for choice in output.outputs:
                 state = progress.get(choice.index)
-                finished = choice.finish_reason is not None
                 if state is None:
-                    if not choice.token_ids and not finished:
+                    if not choice.token_ids and choice.finish_reason is None:
                         continue  # the role chunk waits for the first token
-                    state = progress[choice.index] = [0, 0, False]
+                    state = progress[choice.index] = ChoiceProgress()
                     events.append(chunk(ChatStreamChoice(
-                        choice.index, DeltaMessage(role=role, content="")), 0))
+                        choice.index, DeltaMessage(role=role, content="")), state))
                     if echo:
                         events.append(chunk(ChatStreamChoice(
-                            choice.index, DeltaMessage(content=echo)), 0))
-                if state[2]:
+                            choice.index, DeltaMessage(content=echo)), state))
+                if not state.take(choice, shows_tokens):
                     continue
-                end = len(choice.text) if finished else max(state[0], len(choice.text) - holdback)
-                text = choice.text[state[0]:end]
-                new_ids = choice.token_ids[state[1]:]
                 logprobs = None
-                if request.logprobs and new_ids:
-                    logprobs = chat_logprobs(new_ids, (choice.logprobs or [])[state[1]:], top,
+                if request.logprobs and choice.token_ids:
+                    logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], top,
                                              ctx.tokenizer, as_token_ids)
-                if not text and not finished and logprobs is None and not (
-                        new_ids and request.return_token_ids):
-                    continue
-                state[0], state[1], state[2] = end, len(choice.token_ids), finished
                 events.append(chunk(ChatStreamChoice(
-                    choice.index, DeltaMessage(content=text), logprobs, choice.finish_reason,
-                    choice.stop_reason, list(new_ids) if request.return_token_ids else None),
-                    state[1]))
+                    choice.index, DeltaMessage(content=choice.text), logprobs,
+                    choice.finish_reason, choice.stop_reason,
+                    list(choice.token_ids) if request.return_token_ids else None), state))
+            if cache_key is not None:
+                final = fold(final, output)
             if events:
                 yield b"".join(events)
         ctx.store_response(cache_key, [final])
         if include_usage:
-            completion_tokens = sum(p[1] for p in progress.values())
+            completion_tokens = sum(p.num_tokens for p in progress.values())
             yield sse(ChatCompletionStreamResponse(
                 base_id, "chat.completion.chunk", created, model, [],
                 ctx.usage(prompt_tokens, completion_tokens, cached_tokens)))

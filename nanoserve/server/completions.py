@@ -1,27 +1,51 @@
 """POST /v1/completions, streamed and not."""
 from __future__ import annotations
 
+import asyncio
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, AsyncIterator
 
+from nanoserve.engine.async_engine import RequestStream
+from nanoserve.inputs import TokensPrompt
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
-from nanoserve.server.openai import (DONE, ServingContext, bad_request, encode_json, merge_streams,
-                                     random_id, sse, sse_error)
-from nanoserve.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                       CompletionStreamChoice, CompletionStreamResponse, Usage)
+from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                      CompletionStreamChoice, CompletionStreamResponse)
+from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
+                                      encode_json, fold, response_id, sse, sse_error)
 
 
-@dataclass(slots=True)
-class ChoiceProgress:
-    """How much of one choice was already sent."""
-    prompt_index: int
-    text_sent: int = 0  # characters of the generated text
-    chars_sent: int = 0  # characters in all, an echoed prompt included: the next text_offset
-    tokens_sent: int = 0
-    prompt_sent: bool = False  # the echoed prompt / its token ids went out (first chunk)
-    finished: bool = False
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(prompt index, output) from several request streams, as they arrive."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output, None))
+        except BaseException as error:  # delivered to the reader, which re-raises it
+            queue.put_nowait((index, None, error))
+            return
+        queue.put_nowait((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _is_token_list(value: Any) -> bool:
@@ -29,7 +53,7 @@ def _is_token_list(value: Any) -> bool:
                                            for t in value)
 
 
-async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[dict]:
+async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
     """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
     as the request asks (a truncated prompt keeps no text: echo shows its tokens' text)."""
     prompt = request.prompt
@@ -54,16 +78,16 @@ async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> 
         ids, cut = ctx.truncate(ids, request)
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
-        result.append({"prompt": None if cut else text, "prompt_token_ids": ids})
+        result.append(TokensPrompt(ids, None if cut else text))
     return result
 
 
-def _prompt_text(ctx: ServingContext, request: CompletionRequest, prompt: dict) -> str:
+def _prompt_text(ctx: ServingContext, request: CompletionRequest, prompt: TokensPrompt) -> str:
     if request.return_token_ids:  # vLLM echoes no prompt text then: the ids say it
         return ""
-    if prompt["prompt"] is not None:
-        return prompt["prompt"]
-    return ctx.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
+    if prompt.prompt is not None:
+        return prompt.prompt
+    return ctx.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
 
 
 def _prompt_entries(output, prompt_ids: list[int]) -> list:
@@ -85,7 +109,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
         prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
     params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
                                  prompt_logprobs)
-    base_id = random_id("cmpl")
+    base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, prompts, params)
     if streams is None:
@@ -96,7 +120,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     try:
         finals: list = [None] * len(streams)
         async for index, output in merge_streams(streams):
-            finals[index] = output
+            finals[index] = fold(finals[index], output)
     except BaseException:
         ctx.abort_unfinished(streams)
         raise
@@ -104,7 +128,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     choices = []
     completion_tokens = 0
     for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
-        prompt_ids = prompt["prompt_token_ids"]
+        prompt_ids = prompt.prompt_token_ids
         for output in final.outputs:
             token_ids, entries, text = output.token_ids, output.logprobs or [], output.text
             if request.echo:
@@ -126,7 +150,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
                 token_ids=list(output.token_ids) if request.return_token_ids else None,
                 prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
                 prompt_token_ids=prompt_ids if request.return_token_ids else None))
-    prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
     body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
                               choices, usage)
@@ -134,78 +158,62 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
 
 
 async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                  prompts: list[dict], streams, echo_only: bool,
+                  prompts: list[TokensPrompt], streams, echo_only: bool,
                   cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
     model = ctx.served_model_name
     n = request.n
     options = request.stream_options
     include_usage = bool(options and options.include_usage)
     continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    stop = [] if request.include_stop_str_in_output else (request.stop or [])
-    holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop)), default=1) - 1
     as_token_ids = bool(request.return_tokens_as_token_ids)
-    progress: dict[int, ChoiceProgress] = {}
+    shows_tokens = request.logprobs is not None or bool(request.return_token_ids)
+    progress: dict[int, ChoiceProgress] = {}  # per choice index
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
-    finals: list = [None] * len(streams)  # for the response cache
+    finals: list = [None] * len(streams)  # the whole answers, for the response cache
     try:
         async for prompt_index, output in merge_streams(streams):
             cached[prompt_index] = output.num_cached_tokens
-            finals[prompt_index] = output
             prompt = prompts[prompt_index]
-            prompt_ids = prompt["prompt_token_ids"]
+            prompt_ids = prompt.prompt_token_ids
             events = []
             for choice in output.outputs:
                 index = prompt_index * n + choice.index
                 state = progress.get(index)
                 if state is None:
-                    state = progress[index] = ChoiceProgress(prompt_index)
-                if state.finished:
+                    state = progress[index] = ChoiceProgress()
+                first = not state.started
+                if not state.take(choice, shows_tokens) and not (first and request.echo):
                     continue
-                finished = choice.finish_reason is not None
-                end = len(choice.text) if finished else max(state.text_sent,
-                                                            len(choice.text) - holdback)
-                text = choice.text[state.text_sent:end]
-                new_ids = choice.token_ids[state.tokens_sent:]
-                ids, entries = new_ids, (choice.logprobs or [])[state.tokens_sent:]
-                send_prompt_ids = False
-                if request.echo and not state.prompt_sent:  # the prompt leads the first chunk
+                text, ids, entries = choice.text, choice.token_ids, choice.logprobs or []
+                if request.echo and first:  # the prompt leads the first chunk
                     prompt_text = _prompt_text(ctx, request, prompt)
                     prompt_entries = _prompt_entries(output, prompt_ids)
                     if echo_only:
                         text, ids, entries = prompt_text, prompt_ids, prompt_entries
                     else:
                         text, ids, entries = prompt_text + text, prompt_ids + ids, prompt_entries + entries
-                    send_prompt_ids = True
-                elif not text and not finished and not (
-                        new_ids and (request.logprobs is not None or request.return_token_ids)):
-                    continue
-                elif request.return_token_ids and not state.prompt_sent:
-                    send_prompt_ids = True
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = completion_logprobs(ids, entries, request.logprobs, ctx.tokenizer,
                                                    state.chars_sent, as_token_ids)
-                state.prompt_sent = state.prompt_sent or send_prompt_ids
-                state.text_sent = end
+                state.started = True
                 state.chars_sent += len(text)
-                state.tokens_sent = len(choice.token_ids)
-                state.finished = finished
-                usage = None
-                if continuous_usage:  # per choice, as vLLM: its prompt and its tokens so far
-                    usage = Usage(len(prompt_ids), len(prompt_ids) + state.tokens_sent,
-                                  state.tokens_sent)
+                send_prompt_ids = first and bool(request.echo or request.return_token_ids)
                 events.append(sse(CompletionStreamResponse(
                     base_id, "text_completion", created, model,
                     [CompletionStreamChoice(
                         index, text, logprobs, choice.finish_reason, choice.stop_reason,
                         prompt_ids if send_prompt_ids else None,
-                        list(new_ids) if request.return_token_ids else None)], usage)))
+                        list(choice.token_ids) if request.return_token_ids else None)],
+                    state.usage(len(prompt_ids)) if continuous_usage else None)))
+            if cache_key is not None:
+                finals[prompt_index] = fold(finals[prompt_index], output)
             if events:
                 yield b"".join(events)
         ctx.store_response(cache_key, finals)
         if include_usage:
-            completion_tokens = sum(p.tokens_sent for p in progress.values())
-            prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+            completion_tokens = sum(p.num_tokens for p in progress.values())
+            prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
             usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],
                                                usage))

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from nanoserve.server.http_parser import RequestParser
-from nanoserve.server.http_types import Request, ServerState
+from nanoserve.server.http_types import HttpRequest, ServerState
 from nanoserve.server.http_writer import ResponseWriter
 
 logger = logging.getLogger("nanoserve.server")
@@ -44,13 +44,13 @@ class HttpConnection(asyncio.Protocol):
         self.loop = loop
         self.parser = RequestParser(state, self)
         self.transport: asyncio.Transport | None = None
-        self.pending: collections.deque[Request | _ErrorReply] = collections.deque()
+        self.pending: collections.deque[HttpRequest | _ErrorReply] = collections.deque()
         self.task: asyncio.Task | None = None
         self.reading_paused = False
         self.idle_timer: asyncio.TimerHandle | None = None
         self.read_timer: asyncio.TimerHandle | None = None
         self.probe_timer: asyncio.TimerHandle | None = None
-        self.current_request: Request | None = None
+        self.current_request: HttpRequest | None = None
         self.discarded_bytes = 0  # read after parsing stopped (only to notice a disconnect)
         self.stop_parsing = False  # after an error reply or `Connection: close`
         self.closing = False  # shutting down: finish the answer under way, then close
@@ -79,7 +79,7 @@ class HttpConnection(asyncio.Protocol):
         keeps the socket open for that), then close; with nothing to answer, close now."""
         self._stop_parsing()
         waiting = [self.current_request] if self.task is not None else []
-        waiting += [item for item in self.pending if isinstance(item, Request)]
+        waiting += [item for item in self.pending if isinstance(item, HttpRequest)]
         # An HTTP/1.0 client cannot be probed (no 1xx for it): its EOF is taken as a disconnect.
         if waiting and waiting[0].http_version == "1.1":
             self._probe_peer()
@@ -128,7 +128,7 @@ class HttpConnection(asyncio.Protocol):
         if self.task is None and not self.pending:  # else once the answers before it are out
             self._send_continue()
 
-    def request_parsed(self, request: Request) -> None:
+    def request_parsed(self, request: HttpRequest) -> None:
         self._cancel_read_timer()
         request.keep_alive = request.keep_alive and not self.closing
         self.pending.append(request)
@@ -189,7 +189,7 @@ class HttpConnection(asyncio.Protocol):
         self.writer.head_sent = False
         self.task = self.loop.create_task(self._handle(item))
 
-    async def _handle(self, request: Request) -> None:
+    async def _handle(self, request: HttpRequest) -> None:
         keep_alive = request.keep_alive
         try:
             keep_alive = await self.writer.respond(request, self.state.app, lambda: self.closing)

@@ -1,4 +1,4 @@
-"""Bytes in, `Request`s out: httptools' callbacks with the limits on what one request may hold.
+"""Bytes in, `HttpRequest`s out: httptools' callbacks with the limits on what one request may hold.
 
 Limits: header bytes (431; counted raw as well, since httptools holds a header line until it
 ends), body bytes per request (413, before the body when its length is declared), and the body
@@ -14,13 +14,13 @@ from typing import Protocol
 
 import httptools
 
-from nanoserve.server.http_types import Request, ServerState
+from nanoserve.server.http_types import HttpRequest, ServerState
 
 
 class ParseEvents(Protocol):
     def request_started(self) -> None: ...
     def continue_wanted(self) -> None: ...  # the client waits for `100 Continue` to send a body
-    def request_parsed(self, request: Request) -> None: ...
+    def request_parsed(self, request: HttpRequest) -> None: ...
     def queue_error(self, status: int, message: str) -> None: ...  # then stop parsing
     def upgrade_requested(self) -> None: ...
 
@@ -127,7 +127,7 @@ class RequestParser:
         self.partial = None
         url = partial.url.decode("latin-1")
         path, _, query = url.partition("?")
-        self.events.request_parsed(Request(
+        self.events.request_parsed(HttpRequest(
             method=self.parser.get_method().decode("ascii"),
             path=path,
             query=query,

@@ -19,7 +19,7 @@ class HttpLimits:
 
 
 @dataclass(slots=True)
-class Request:
+class HttpRequest:
     method: str
     path: str
     query: str
@@ -52,7 +52,7 @@ class StreamingResponse:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
-App = Callable[[Request], Awaitable["Response | StreamingResponse"]]
+App = Callable[[HttpRequest], Awaitable["Response | StreamingResponse"]]
 ErrorResponse = Callable[[int, str], Response]  # the body of an error found by the HTTP layer
 
 

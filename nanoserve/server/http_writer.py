@@ -19,7 +19,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Callable
 
-from nanoserve.server.http_types import (App, ErrorResponse, HttpLimits, Request, Response,
+from nanoserve.server.http_types import (App, ErrorResponse, HttpLimits, HttpRequest, Response,
                                          StreamingResponse)
 
 logger = logging.getLogger("nanoserve.server")
@@ -116,7 +116,8 @@ class ResponseWriter:
             self.on_write_timeout()
 
     # ---- one request's answer ----
-    async def respond(self, request: Request, app: App, shutting_down: Callable[[], bool]) -> bool:
+    async def respond(self, request: HttpRequest, app: App,
+                      shutting_down: Callable[[], bool]) -> bool:
         """Run the handler and send its response; returns whether the connection stays open.
         An error before the response started is answered 500; after it started, the connection
         closes (a half-sent response cannot be taken back)."""
@@ -143,7 +144,7 @@ class ResponseWriter:
         if not self.transport.is_closing():
             self.transport.write(CONTINUE)
 
-    def write_response(self, request: Request, response: Response, keep_alive: bool) -> None:
+    def write_response(self, request: HttpRequest, response: Response, keep_alive: bool) -> None:
         if not keep_alive:
             response.headers.append(("connection", "close"))
         elif request.http_version == "1.0":
@@ -157,7 +158,7 @@ class ResponseWriter:
         if not self.transport.is_closing():
             self.transport.write(head + body)
 
-    async def write_stream(self, request: Request, response: StreamingResponse,
+    async def write_stream(self, request: HttpRequest, response: StreamingResponse,
                            keep_alive: bool) -> bool:
         """Send each piece as it comes, waiting out backpressure; returns keep-alive."""
         chunked = request.http_version == "1.1"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from nanoserve.outputs import Logprob
-from nanoserve.server.protocol import (ChatLogprobEntry, ChatLogprobs, CompletionLogProbs,
-                                       PromptLogprob, PromptLogprobs, TopLogprob)
+from nanoserve.server.schemas import (ChatLogprobEntry, ChatLogprobs, CompletionLogProbs,
+                                      PromptLogprob, PromptLogprobs, TopLogprob)
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI writes for -inf
 

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from nanoserve.server.protocol import APIError
+from nanoserve.server.schemas import APIError
 
 SMALL_INPUT = 4096  # characters: below this, tokenize / render on the loop
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.sampling_params import StructuredOutputsParams
-from nanoserve.server.protocol import APIError, SamplingFields
+from nanoserve.server.schemas import APIError, SamplingFields
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object",
                            "disable_any_whitespace")

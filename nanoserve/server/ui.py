@@ -7,8 +7,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Awaitable, Callable
 
-from nanoserve.server.http_types import Request, Response
-from nanoserve.server.openai import encode_json
+from nanoserve.server.http_types import HttpRequest, Response
+from nanoserve.server.serving import encode_json
 
 PAGE_PATHS = ("/", "/index.html")
 CONFIG_PATH = "/ui/config"
@@ -29,17 +29,17 @@ def chat_page() -> bytes:
     return resources.files("nanoserve.server").joinpath("static", "chat.html").read_bytes()
 
 
-def ui_routes(api_key_required: bool) -> dict[str, dict[str, Callable[[Request],
+def ui_routes(api_key_required: bool) -> dict[str, dict[str, Callable[[HttpRequest],
                                                                         Awaitable[Response]]]]:
     """Route table entries for the page and its config, to merge into the app's routes."""
     page = chat_page()  # read once at startup: a missing file fails the start, not a request
     config = encode_json({"api_key_required": api_key_required})
 
-    async def serve_page(request: Request) -> Response:
+    async def serve_page(request: HttpRequest) -> Response:
         return Response(200, page, content_type="text/html; charset=utf-8",
                         headers=list(PAGE_HEADERS))
 
-    async def serve_config(request: Request) -> Response:
+    async def serve_config(request: HttpRequest) -> Response:
         return Response(200, config, headers=[("cache-control", "no-cache")])
 
     routes = {path: {"GET": serve_page} for path in PAGE_PATHS}

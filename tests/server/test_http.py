@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from nanoserve.server.http_server import HttpServer
-from nanoserve.server.http_types import HttpLimits, Request, Response, StreamingResponse
+from nanoserve.server.http_types import HttpLimits, HttpRequest, Response, StreamingResponse
 
 from tests.server.server_helpers import connect, is_closed, read_response
 
@@ -29,7 +29,7 @@ class Probe:
 
 
 def make_app(probe: Probe):
-    async def app(request: Request):
+    async def app(request: HttpRequest):
         if request.path == "/hello":
             return Response(200, b"hello", content_type="text/plain")
         if request.path in ("/wait", "/stuck"):

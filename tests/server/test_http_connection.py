@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from nanoserve.server import http_writer
-from nanoserve.server.http_types import (HttpLimits, Request, Response, ServerState,
+from nanoserve.server.http_types import (HttpLimits, HttpRequest, Response, ServerState,
                                          StreamingResponse)
 
 from tests.server.http_fakes import Client, run_async, until
@@ -34,7 +34,7 @@ class Routes:
         self.chunks_produced = 0
         self.stream_closed = False
 
-    async def __call__(self, request: Request):
+    async def __call__(self, request: HttpRequest):
         self.started.append(request.path)
         if request.path == "/hello":
             return Response(200, b"hello", content_type="text/plain")
@@ -417,7 +417,7 @@ async def test_response_header_injection_is_a_500():
 async def test_handler_exception_is_a_500_then_close():
     calls: list[str] = []
 
-    async def app(request: Request):
+    async def app(request: HttpRequest):
         calls.append(request.path)
         raise RuntimeError("boom")
     client = Client(ServerState(app, HttpLimits()))

@@ -255,3 +255,21 @@ def test_chat_continuous_usage_grows_every_chunk(tiny_server):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
         last = usage.completion_tokens
     assert last == 6
+
+
+# ---- request_id ---------------------------------------------------------------------------
+def test_client_request_id_names_the_response(tiny_server):
+    """As vLLM: the X-Request-Id header, else the body's request_id, after the response's prefix
+    (it is the engine request's id too: the request log shows it)."""
+    port = tiny_server.port
+    status, body = post(port, "/v1/completions",
+                        {"prompt": "hello", "max_tokens": 2, "request_id": "body-id-1"})
+    assert status == 200 and body["id"] == "cmpl-body-id-1"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "request_id": "body-id-2", "stream": True}
+    status, _, raw = http_request(port, "POST", "/v1/chat/completions", json.dumps(chat),
+                                  headers={"X-Request-Id": "header-id"}, timeout=60)
+    events = [e for e in sse_events(raw) if isinstance(e, dict)]
+    assert status == 200 and events and {e["id"] for e in events} == {"chatcmpl-header-id"}
+    status, body = post(port, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1})
+    assert status == 200 and body["id"].startswith("cmpl-") and len(body["id"]) > 20  # random

@@ -8,7 +8,7 @@ from urllib.parse import quote
 import openai
 import pytest
 
-from nanoserve.server.http_types import Request, StreamingResponse
+from nanoserve.server.http_types import HttpRequest, StreamingResponse
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 from tests.server.test_async_engine import sse_events
@@ -42,9 +42,9 @@ def test_server_load_counts_requests_until_their_response_is_done(flagged_server
     assert load(port) == 0
     app = flagged_server.server.app
     body = json.dumps({"prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True})
-    request = Request("POST", "/v1/completions", "", "1.1",
-                      [("content-type", "application/json"), ("authorization", "Bearer secret")],
-                      body.encode())
+    request = HttpRequest("POST", "/v1/completions", "", "1.1",
+                          [("content-type", "application/json"), ("authorization", "Bearer secret")],
+                          body.encode())
     # Two streams accepted and not yet sent: both count until their bodies end.
     first = flagged_server.loop_thread.call(lambda: app(request))
     second = flagged_server.loop_thread.call(lambda: app(request))
@@ -65,8 +65,9 @@ def test_server_load_counts_requests_until_their_response_is_done(flagged_server
 
 def test_server_load_is_zero_without_the_flag(tiny_server):
     app = tiny_server.server.app
-    request = Request("POST", "/v1/completions", "", "1.1", [("content-type", "application/json")],
-                      json.dumps({"prompt": "hello", "max_tokens": 5, "stream": True}).encode())
+    request = HttpRequest("POST", "/v1/completions", "", "1.1",
+                          [("content-type", "application/json")],
+                          json.dumps({"prompt": "hello", "max_tokens": 5, "stream": True}).encode())
     response = tiny_server.loop_thread.call(lambda: app(request))
     assert load(tiny_server.port) == 0
     tiny_server.loop_thread.call(response.body.aclose)

@@ -1,26 +1,29 @@
-"""What the completions and chat handlers share: the serving context, request → SamplingParams,
-prompt tokenization off the event loop, submission to the async engine (or a replay from the
-response cache), logprobs and SSE."""
+"""The OpenAI serving layer's shared part (vLLM's serving_engine.py), used by the serving
+modules chat.py and completions.py: the serving context, request → SamplingParams, prompt
+tokenization off the event loop, submission to the async engine (or a replay from the response
+cache), what a streamed choice has sent, SSE, and the one map from errors to HTTP statuses."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import msgspec
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import TokensPrompt
+from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
-from nanoserve.server.protocol import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                       SamplingFields, Usage)
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
+from nanoserve.server.schemas import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                      SamplingFields, Usage)
 from nanoserve.server.structured_outputs import structured_outputs_params
 
 DONE = b"data: [DONE]\n\n"
@@ -45,6 +48,12 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def response_id(prefix: str, client_id: str | None) -> str:
+    """The response's id, which is also the engine request's: vLLM's form, the client's id
+    (X-Request-Id or the body's request_id) after the prefix; random without one."""
+    return f"{prefix}-{client_id}" if client_id else random_id(prefix)
+
+
 def sse(payload: msgspec.Struct) -> bytes:
     return b"data: " + encode_json(payload) + b"\n\n"
 
@@ -53,11 +62,30 @@ def error_body(error: APIError) -> bytes:
     return encode_json(ErrorResponse(ErrorInfo(error.message, error.error_type, error.param, error.status)))
 
 
+TOO_DEEP = "The request body is nested too deeply."
+
+
+def to_api_error(error: BaseException) -> APIError | None:
+    """The one map from an exception to its HTTP status and `param`: a request the engine or
+    SamplingParams refused (InvalidRequestError, its `param` set where it was raised) is a 400,
+    a dead engine 503, a failed step 500. None: not a user-facing error (a bug: 500)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidRequestError):
+        return APIError(400, str(error), error.param)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, str(error))
+    if isinstance(error, StepError):  # this request's step failed; the engine serves on
+        return APIError(500, str(error))
+    if isinstance(error, RecursionError):  # nested input that decoded, then was too deep
+        return APIError(400, TOO_DEEP)
+    return None
+
+
 def sse_error(error: BaseException) -> bytes:
-    if not isinstance(error, APIError):
-        status = 503 if isinstance(error, EngineDeadError) else 500
-        error = APIError(status, str(error) or type(error).__name__)
-    return b"data: " + error_body(error) + b"\n\n"
+    """A mid-stream error: the 200 went out, so the error is an event."""
+    api_error = to_api_error(error) or APIError(500, str(error) or type(error).__name__)
+    return b"data: " + error_body(api_error) + b"\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -172,6 +200,7 @@ class ServingContext:
 
     def sampling_params(self, request: SamplingFields, max_tokens: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises APIError, or InvalidRequestError (SamplingParams' checks) naming the field."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("Stream options can only be defined when `stream=True`.",
                               "stream_options")
@@ -192,28 +221,23 @@ class ServingContext:
             if invalid:
                 raise bad_request("logit_bias contains key(s) that cannot be converted to integer "
                                   f"token IDs: {invalid!r}", "logit_bias")
-        try:
-            return SamplingParams(
-                n=request.n, temperature=float(pick("temperature", 1.0)),
-                top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
-                min_p=float(pick("min_p", 0.0)),
-                presence_penalty=request.presence_penalty or 0.0,
-                frequency_penalty=request.frequency_penalty or 0.0,
-                repetition_penalty=float(pick("repetition_penalty", 1.0)),
-                max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
-                stop_token_ids=request.stop_token_ids,
-                include_stop_str_in_output=request.include_stop_str_in_output,
-                ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=request.skip_special_tokens,
-                spaces_between_special_tokens=request.spaces_between_special_tokens,
-                logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
-        except (ValueError, TypeError) as error:
-            message = str(error)
-            param = message.split(" ", 1)[0]
-            raise bad_request(message, param if hasattr(request, param) else None) from None
+        return SamplingParams(
+            n=request.n, temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
+            min_p=float(pick("min_p", 0.0)),
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=float(pick("repetition_penalty", 1.0)),
+            max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
 
-    async def submit(self, base_id: str, prompts: list[dict], params: SamplingParams,
+    async def submit(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
                      priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
         if params.n * len(prompts) > self.max_n_sequences:
@@ -225,24 +249,17 @@ class ServingContext:
             for index, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
                 if self.request_logger is not None:
-                    self.request_logger.log_inputs(request_id, prompt.get("prompt"),
-                                                   prompt["prompt_token_ids"], params, priority)
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority))
-        except BaseException as error:
+                    self.request_logger.log_inputs(request_id, prompt.prompt,
+                                                   prompt.prompt_token_ids, params, priority)
+                streams.append(await self.engine.add_request(request_id, prompt, params, priority,
+                                                             RequestOutputKind.DELTA))
+        except BaseException:  # the routes map it to its status (to_api_error)
             for stream in streams:
                 self.engine.abort(stream.request_id)
-            if isinstance(error, ValueError):
-                message = str(error)
-                param = "input_tokens" if "context length" in message else None
-                if isinstance(error, InvalidRequestError):
-                    param = error.param
-                raise bad_request(message, param) from None
-            if isinstance(error, EngineDeadError):
-                raise APIError(503, str(error)) from None
             raise
         return streams
 
-    def cached_streams(self, base_id: str, prompts: list[dict], params: SamplingParams
+    def cached_streams(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams
                        ) -> tuple[bytes | None, list[RequestStream] | None]:
         """Look the request up in the response cache. Returns the key to store its outputs under
         (None: not cacheable, or a hit) and, on a hit, finished streams that replay the stored
@@ -251,15 +268,15 @@ class ServingContext:
         if cache is None or not cache.enabled or not is_cacheable(params):
             return None, None
         model = f"{self.served_model_name}\0{self.model_path}"
-        key = cache_key(model, [prompt["prompt_token_ids"] for prompt in prompts], params)
+        key = cache_key(model, [prompt.prompt_token_ids for prompt in prompts], params)
         outputs = cache.get(key)
         if outputs is None:
             return key, None
         streams = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             output.request_id = base_id if len(outputs) == 1 else f"{base_id}-{index}"
-            output.prompt = prompt.get("prompt")
-            output.prompt_token_ids = prompt["prompt_token_ids"]
+            output.prompt = prompt.prompt
+            output.prompt_token_ids = prompt.prompt_token_ids
             stream = RequestStream(output.request_id, time.time(), params)
             stream.put(output)
             streams.append(stream)
@@ -277,34 +294,33 @@ class ServingContext:
                 self.engine.abort(stream.request_id)
 
 
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, output) from several request streams, as they arrive."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
+def fold(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """A request's deltas so far as one output (for the response, or the response cache)."""
+    if whole is None:
+        return delta
+    whole.add(delta)
+    return whole
 
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output, None))
-        except BaseException as error:  # delivered to the reader, which re-raises it
-            queue.put_nowait((index, None, error))
-            return
-        queue.put_nowait((index, None, None))
 
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, output, error = await queue.get()
-            if error is not None:
-                raise error
-            if output is None:
-                remaining -= 1
-                continue
-            yield index, output
-    finally:
-        for task in tasks:
-            task.cancel()
+@dataclass(slots=True)
+class ChoiceProgress:
+    """One streamed choice: what of it came from the engine and what went out. The engine's
+    deltas already hold back text that a stop string may still take."""
+    num_tokens: int = 0  # generated tokens received: the usage so far
+    chars_sent: int = 0  # characters sent, an echoed prompt included (completions' text_offset)
+    started: bool = False  # its first chunk went out
+    finished: bool = False
+
+    def take(self, choice: CompletionOutput, shows_tokens: bool) -> bool:
+        """Count a delta in; True when it makes a chunk: new text, the finish, or new tokens
+        that the client sees (`shows_tokens`: logprobs or token ids asked for). Empty deltas
+        are not sent."""
+        if self.finished:
+            return False
+        self.num_tokens += len(choice.token_ids)
+        self.finished = choice.finish_reason is not None
+        return bool(choice.text) or self.finished or (shows_tokens and bool(choice.token_ids))
+
+    def usage(self, prompt_tokens: int) -> Usage:
+        """continuous_usage_stats: per choice, as vLLM: its prompt and its tokens so far."""
+        return Usage(prompt_tokens, prompt_tokens + self.num_tokens, self.num_tokens)
