@@ -78,6 +78,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Accepted as vLLM accepts it, and like vLLM with a fast (tokenizer.json) tokenizer, which is
+    # the only kind nanoserve loads, it changes nothing: special tokens are decoded as the
+    # tokenizer writes them, with no spaces added around them.
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
