@@ -25,12 +25,12 @@ from nanoserve.sampling_params import SamplingParams
 
 # Every SamplingParams field, each of which may change the tokens, text, logprobs or finish
 # reasons (tests/server/test_response_cache_unit.py fails when SamplingParams gains a field this
-# list does not name). n and best_of: how many outputs; stop strings / ids and
+# list does not name). n: how many outputs; stop strings / ids and
 # include_stop_str_in_output: where and how outputs end; skip_special_tokens and
 # spaces_between_special_tokens: the detokenized text; logprobs / prompt_logprobs: the entries
 # returned (echo and max_tokens=0 reach the key through prompt_logprobs and max_tokens);
 # structured_outputs: the grammar, by its kind and text.
-KEY_PARAMS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+KEY_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop",
               "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "seed", "logprobs",
               "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",

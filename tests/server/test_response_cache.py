@@ -285,7 +285,9 @@ def test_aborted_request_is_not_stored(server):
                      b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
         received = b""
         while b"data: " not in received:
-            received += sock.recv(65536)
+            chunk = sock.recv(65536)
+            assert chunk, f"the server closed the stream before its first event: {received!r}"
+            received += chunk
         sock.close()
 
     for expected_queries in (1, 1):
