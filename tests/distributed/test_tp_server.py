@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -108,32 +109,48 @@ def test_tp3_smollm2_server_matches_tp1(smollm2_dir):
         assert server.stop() == 0
 
 
+def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = False) -> None:
+    """Kill every worker rank while a stream is open. The server must exit non-zero within 30 s,
+    the stream either breaks or ends with an error event and [DONE], no worker is left, and (with
+    check_health) /health answers 503 in between, or the server is already gone."""
+    workers = server.children()
+    assert workers, "no worker process found"
+    body = json.dumps({"model": server.model_name(), "prompt": [5, 6, 7], "max_tokens": 500,
+                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+    request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=60)
+    assert response.readline().startswith(b"data: {")
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = b""
+    try:
+        rest = response.read()
+    except Exception:  # the connection may be cut instead of ending the stream
+        pass
+    if check_health:
+        health = None
+        try:
+            urllib.request.urlopen(server.url + "/health", timeout=5)
+            health = 200
+        except urllib.error.HTTPError as error:
+            health = error.code
+        except OSError:  # already gone
+            pass
+        assert health in (503, None), health
+    assert server.proc.wait(timeout=30) != 0
+    assert time.monotonic() - killed_at < 30
+    if rest:  # a stream that did not just break ends with an error event and [DONE]
+        assert b'"error"' in rest and rest.rstrip().endswith(b"data: [DONE]")
+    assert not any(pid_alive(pid) for pid in workers)
+
+
 def test_killed_worker_fails_requests_and_exits_nonzero(tiny_llama_dir):
     server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
                            "--num-kv-blocks", "128", "--max-model-len", "512")
     try:
-        workers = server.children()
-        assert workers, "no worker process found"
-        body = json.dumps({"model": server.model_name(), "prompt": [5, 6, 7], "max_tokens": 500,
-                           "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-        request = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        response = urllib.request.urlopen(request, timeout=60)
-        first = response.readline()
-        assert first.startswith(b"data: {")
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        rest = b""
-        try:
-            rest = response.read()
-        except Exception:  # the connection may be cut instead of ending the stream
-            pass
-        assert server.proc.wait(timeout=30) != 0
-        assert time.monotonic() - killed_at < 30
-        if rest:  # a stream that did not just break ends with an error event and [DONE]
-            assert b'"error"' in rest and rest.rstrip().endswith(b"data: [DONE]")
-        assert not any(pid_alive(pid) for pid in workers)
+        kill_workers_during_a_stream(server)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
