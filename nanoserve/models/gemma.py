@@ -14,6 +14,7 @@ from nanoserve.layers.attention import AttentionMetadata, PagedAttention
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RowTiling
 from nanoserve.models.config import SLIDING, ModelConfig
+from nanoserve.models.llama import LlamaForCausalLM
 
 _GELU_APPROXIMATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_tanh": "tanh", "gelu": "none"}
 
@@ -122,13 +123,7 @@ class GemmaModel(nn.Module):
 
 class Gemma2ForCausalLM(nn.Module):
     qk_norm = False
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = LlamaForCausalLM.packed_modules  # the same checkpoint names as Llama's
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
