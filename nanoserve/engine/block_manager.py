@@ -15,7 +15,27 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
-class BlockManager:
+class BlockCounts:
+    """Used / free counts of a pool with `num_blocks` blocks and a `free_blocks` collection (the
+    device pool here, the host pool of engine/swap.py)."""
+
+    num_blocks: int
+    free_blocks: object
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class BlockManager(BlockCounts):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
@@ -32,17 +52,6 @@ class BlockManager:
         self.prefix_cache_hits = 0  # tokens found
 
     # ---- queries -------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanoserve.engine.block_manager import BlockCounts
+
 
 @dataclass(slots=True)
 class SwapPlan:
@@ -23,7 +25,7 @@ class SwapPlan:
         return bool(self.swap_out or self.swap_in)
 
 
-class HostBlockPool:
+class HostBlockPool(BlockCounts):
     """Which host blocks are in use. Host blocks hold swapped-out sequences only."""
 
     def __init__(self, num_blocks: int):
@@ -31,18 +33,6 @@ class HostBlockPool:
             raise ValueError(f"the host pool needs >= 0 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_blocks)
