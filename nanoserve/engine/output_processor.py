@@ -16,7 +16,7 @@ from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestO
 if TYPE_CHECKING:
     from nanoserve.engine.llm_engine import Request
 
-logger = logging.getLogger("nanoserve.engine.llm_engine")
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessing:
