@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.distributed.pipeline import real_layers
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
@@ -41,10 +42,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     with torch.device(device):
         model = model_class(config, dtype)
     if max_model_len is not None:
-        for layer in model.model.layers:
-            attention = getattr(getattr(layer, "self_attn", None), "attn", None)  # None: another stage's
-            window = attention.sliding_window if attention is not None else None
-            if window is not None and window >= max_model_len:
+        for layer in real_layers(model.model.layers):  # this pipeline stage's
+            attention = layer.self_attn.attn
+            if attention.sliding_window is not None and attention.sliding_window >= max_model_len:
                 attention.sliding_window = None
     load_weights(model, model_dir)
     return model.eval()
