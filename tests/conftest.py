@@ -83,3 +83,22 @@ def write_random_llama(out_dir: Path, *, hidden_size=64, num_layers=2, num_heads
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _cpu_isas() -> list:
+    from nanoserve.kernels import cpu_ops
+
+    levels = cpu_ops.supported_isas()
+    return levels or [pytest.param(None, marks=pytest.mark.skip(reason="the CPU kernels don't load here"))]
+
+
+@pytest.fixture(params=_cpu_isas())
+def cpu_isa(request):
+    """Each CPU kernel level this machine can run (kernels/cpu/isa.h: portable, avx2, avx512bf16,
+    amx; the lower ones run on any machine that has a higher one), lowest first: every CPU
+    kernel in this process runs at it during the test."""
+    from nanoserve.kernels import cpu_ops
+
+    previous = cpu_ops.set_isa(request.param)
+    yield request.param
+    cpu_ops.set_isa(previous)

@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from nanoserve.layers.attention import AttentionMetadata
 
-# CPU without AMX (or NANOSERVE_CPU_AMX=0): prompt rows are multiplied in oneDNN GEMMs of exactly
-# this many rows (see AttentionMetadata.prefill_row_tile). With AMX, kernels/cpu/gemm.cpp takes
-# every row and nothing is padded. Measured on a 2,048-token prefill step of SmolLM2 (2 cores,
+# CPU layers whose weights our GEMM can't take (fp32, K not a multiple of 32, or
+# NANOSERVE_CPU_GEMM=onednn): prompt rows are multiplied in oneDNN GEMMs of exactly this many rows
+# (see AttentionMetadata.prefill_row_tile). Otherwise kernels/cpu/gemm*.cpp takes every row at
+# any ISA level and nothing is padded. Measured on a 2,048-token prefill step of SmolLM2 (2 cores,
 # AMX): the step's GEMMs took 3.1 / 2.5 / 2.05 / 1.96 s per 4 steps with tiles of 128 / 256 /
 # 512 / 1,024 rows; 512 keeps most of that and pads a short prompt to at most 512 rows.
 PREFILL_ROW_TILE = 512

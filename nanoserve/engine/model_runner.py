@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve import kernels
+from nanoserve.kernels import cpu_ops
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.cpu_threads import threads_per_rank
@@ -26,7 +27,7 @@ from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_decode import FusedDecode
-from nanoserve.layers.cpu_prepack import prepack_amx_weights, prepack_linear_weights
+from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model
@@ -53,10 +54,12 @@ class ModelRunner(KVCacheAllocation):
         self.model = build_model(model_config, self.dtype, self.device, model_dir,
                                  config.max_model_len or model_config.max_position_embeddings)
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
-        # through gemm.cpp, whose rows are invariant to M without padding.
+        # through kernels/cpu/gemm*.cpp, whose rows are invariant to M without padding.
         self.pad_prompt_rows = False
         if self.device.type == "cpu":
-            packed, slots = prepack_amx_weights(self.model)
+            if self.rank == 0:
+                logger.info(cpu_ops.describe_isa())
+            packed, slots = prepack_gemm_weights(self.model)
             self.pad_prompt_rows = packed < slots
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -105,8 +108,8 @@ class ModelRunner(KVCacheAllocation):
 
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence], block_offset: int = 0) -> ModelInput:
-        """Decodes of generated tokens first (one row each), then prompt chunks. On CPU without
-        the AMX GEMM the prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
+        """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
+        layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
         AttentionMetadata.prefill_row_tile). `block_offset`: where the scheduler's blocks start
         in the pool (pipeline parallelism gives each virtual engine its own share)."""
         block_size = self.block_size

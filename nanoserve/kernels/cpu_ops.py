@@ -24,8 +24,8 @@ from nanoserve.kernels.choice import kernel_choice
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
-            for name in ("ops.cpp", "gemm.cpp", "attention_amx.cpp", "decode_layers.cpp")]
-_HEADERS = [Path(__file__).with_name("cpu") / "simd.h"]  # part of the build's cache key
+            for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h")]  # in the cache key
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
@@ -45,8 +45,10 @@ _SIGNATURES = {
     "ns_rms_norm": [_I32, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
     "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
-    "ns_gemm_bf16_amx": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
-    "ns_amx_available": [],
+    "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
+    "ns_isa_supported": [_I32],
+    "ns_set_isa": [_I32],
+    "ns_current_isa": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
                                 ctypes.c_float],
     "ns_prefill_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
@@ -110,11 +112,82 @@ def library() -> ctypes.CDLL | None:
             function = getattr(lib, name)
             function.argtypes = argtypes
             function.restype = ctypes.c_int
+        _set_level(lib, _chosen_isa(lib))
         _library = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         _load_error = str(error)
         logger.warning("CPU kernels unavailable, using the torch references: %s", error)
     return _library
+
+
+# ---- ISA levels (kernels/cpu/isa.h) ----------------------------------------------------------
+# Lowest first; the index is the level's number in isa.h.
+ISA_LEVELS = ("portable", "avx2", "avx512bf16", "amx")
+ISA_DESCRIPTIONS = {
+    "portable": "plain C++",
+    "avx2": "AVX2 + FMA, fp32 accumulation of bf16",
+    "avx512bf16": "AVX-512 with AVX512_BF16 (vdpbf16ps)",
+    "amx": "AMX-BF16 tiles",
+}
+
+
+def _chosen_isa(lib: ctypes.CDLL) -> str:
+    """NANOSERVE_CPU_ISA when set (it must name a level this CPU runs), else the best one here."""
+    supported = [name for level, name in enumerate(ISA_LEVELS) if lib.ns_isa_supported(level)]
+    forced = os.environ.get("NANOSERVE_CPU_ISA", "").strip().lower()
+    if not forced:
+        return supported[-1]
+    if forced not in ISA_LEVELS:
+        raise IsaError(f"NANOSERVE_CPU_ISA must be one of {', '.join(ISA_LEVELS)}, got {forced!r}")
+    if forced not in supported:
+        raise IsaError(f"NANOSERVE_CPU_ISA={forced}: this CPU can't run that level "
+                       f"(it runs {', '.join(supported)})")
+    return forced
+
+
+class IsaError(ValueError):
+    """NANOSERVE_CPU_ISA names no level, or one this CPU can't run."""
+
+
+def _set_level(lib: ctypes.CDLL, name: str) -> None:
+    if lib.ns_set_isa(ISA_LEVELS.index(name)) != 0:
+        raise IsaError(f"this CPU can't run the {name} kernels")
+
+
+def supported_isas() -> list[str]:
+    """The levels this machine can run, lowest first ([] when the kernels don't load): tests run
+    each of them."""
+    lib = library()
+    return [] if lib is None else [name for level, name in enumerate(ISA_LEVELS) if lib.ns_isa_supported(level)]
+
+
+def isa() -> str | None:
+    """The level every CPU kernel runs at in this process; None when the kernels don't load."""
+    lib = library()
+    return None if lib is None else ISA_LEVELS[lib.ns_current_isa()]
+
+
+def set_isa(name: str) -> str:
+    """Run every CPU kernel at this level from now on (tests, benchmarks); returns the previous
+    one. One packing of the weights serves every level, so models need not be rebuilt."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"the CPU kernels are not loaded: {_load_error}")
+    if name not in ISA_LEVELS:
+        raise IsaError(f"unknown ISA level {name!r}; one of {', '.join(ISA_LEVELS)}")
+    previous = isa()
+    _set_level(lib, name)
+    return previous
+
+
+def describe_isa() -> str:
+    """For the startup log line: the level chosen and why it is that one."""
+    chosen = isa()
+    if chosen is None:
+        return f"CPU kernels unavailable ({_load_error}): torch's own"
+    forced = os.environ.get("NANOSERVE_CPU_ISA")
+    how = "NANOSERVE_CPU_ISA" if forced else "best this CPU runs"
+    return f"CPU kernels: {chosen} ({ISA_DESCRIPTIONS[chosen]}; {how}; this CPU runs {', '.join(supported_isas())})"
 
 
 def load_error() -> str | None:
@@ -291,54 +364,55 @@ def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
 
 
 def _amx_attention() -> bool:
-    """The AMX decode attention kernel, unless NANOSERVE_CPU_AMX=0 (then ops.cpp's AVX-512 one)."""
-    return os.environ.get("NANOSERVE_CPU_AMX", "1") != "0"
+    """attention_amx.cpp's kernels: at the AMX level only (below it ops.cpp's, by level)."""
+    return _library.ns_current_isa() == ISA_LEVELS.index("amx")
 
 
-# ---- row-invariant bf16 GEMM on AMX (kernels/cpu/gemm.cpp) ----------------------------------
-AMX_TILE_K = 32  # K must be a multiple of this
-AMX_TILE_N = 16  # and N of this
+# ---- row-invariant bf16 GEMM at every ISA level (kernels/cpu/gemm.cpp, gemm_levels.cpp) -----
+GEMM_TILE_K = 32  # K must be a multiple of this (AMX's tile depth; one packing serves all levels)
+GEMM_TILE_N = 16  # and N of this
 
 
-def amx_gemm_available() -> bool:
-    return available() and bool(_library.ns_amx_available())
+def gemm_available() -> bool:
+    return available()
 
 
-def pack_amx_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 [N, K] weight in the layout gemm.cpp reads: per block of 16 output columns, its K/32
-    tiles of [16 k-pairs][16 columns][2] (N padded with zero columns to a multiple of 16). None
-    when this CPU, dtype or shape can't take it."""
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 [N, K] weight in the layout every level of the GEMM reads: per block of 16 output
+    columns, its K/2 k-pairs of [16 columns][2] (N padded with zero columns to a multiple of 16;
+    grouped here by AMX's tiles of 16 k-pairs, the same bytes). None when the kernels, dtype or
+    shape can't take it."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     n, k = weight.shape
-    if n == 0 or k == 0 or k % AMX_TILE_K or not amx_gemm_available():
+    if n == 0 or k == 0 or k % GEMM_TILE_K or not gemm_available():
         return None
-    padded = -(-n // AMX_TILE_N) * AMX_TILE_N
+    padded = -(-n // GEMM_TILE_N) * GEMM_TILE_N
     weight = weight.detach()
     if padded != n:
         weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-    blocks = weight.reshape(padded // AMX_TILE_N, AMX_TILE_N, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
+    blocks = weight.reshape(padded // GEMM_TILE_N, GEMM_TILE_N, k // GEMM_TILE_K, GEMM_TILE_K // 2, 2)
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def gemm_amx(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int | None = None) -> torch.Tensor | None:
-    """x [M, K] @ weight.T (+ bias) from pack_amx_weight's packing of a weight with n rows (all of
-    the packed columns by default); each row's bits are the same whatever M is. None when x
-    can't be taken (then use F.linear)."""
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) from pack_gemm_weight's packing of a weight with n rows (all
+    of the packed columns by default), at the current ISA level; each row's bits are the same
+    whatever M is. None when x can't be taken (then use F.linear)."""
     if x.dim() != 2 or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) < x.shape[1]:
         return None
     m, k = x.shape
-    padded = packed.shape[0] * AMX_TILE_N
+    padded = packed.shape[0] * GEMM_TILE_N
     n = padded if n is None else n
-    if k != packed.shape[1] * AMX_TILE_K or not 0 < n <= padded:
+    if k != packed.shape[1] * GEMM_TILE_K or not 0 < n <= padded:
         return None
     if bias is not None:
         if bias.dtype != torch.bfloat16 or bias.shape != (n,):
             return None
         bias = torch.nn.functional.pad(bias, (0, padded - n)) if padded != n else bias.contiguous()
     out = x.new_empty((m, padded))
-    code = _library.ns_gemm_bf16_amx(out.data_ptr(), padded, x.data_ptr(), x.stride(0), packed.data_ptr(),
-                                     bias.data_ptr() if bias is not None else None, m, padded, k)
+    code = _library.ns_gemm_bf16(out.data_ptr(), padded, x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                 bias.data_ptr() if bias is not None else None, m, padded, k)
     if code != 0:
         return None
     return out if padded == n else out[:, :n]

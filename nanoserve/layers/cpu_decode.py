@@ -34,7 +34,7 @@ class FusedDecode:
 
         # Exactly Llama's layers (not a family's subclass), no sliding window (decode_layers.cpp
         # attends to every key).
-        if world_size != 1 or type(model) is not LlamaForCausalLM or not cpu_ops.amx_gemm_available():
+        if world_size != 1 or type(model) is not LlamaForCausalLM or not cpu_ops.gemm_available():
             return None
         if any(layer.self_attn.attn.sliding_window for layer in model.model.layers):
             return None
@@ -45,17 +45,17 @@ class FusedDecode:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.amx_weight is None or lin.weight.dtype != torch.bfloat16 or lin.weight.shape[0] % 16
+            if any(lin.gemm_weight is None or lin.weight.dtype != torch.bfloat16 or lin.weight.shape[0] % 16
                    for lin in linears):
                 return None
             if any(lin.bias is not None for lin in linears):  # Qwen2's QKV bias: the modules
                 return None
             if attn.attn.key_cache is None or attn.attn.key_cache.shape[1] != 16:
                 return None
-            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.amx_weight.data_ptr(),
-                         attn.o_proj.amx_weight.data_ptr(),
-                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.amx_weight.data_ptr(),
-                         mlp.down_proj.amx_weight.data_ptr(), attn.attn.key_cache.data_ptr(),
+            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.gemm_weight.data_ptr(),
+                         attn.o_proj.gemm_weight.data_ptr(),
+                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.gemm_weight.data_ptr(),
+                         mlp.down_proj.gemm_weight.data_ptr(), attn.attn.key_cache.data_ptr(),
                          attn.attn.value_cache.data_ptr()])
         return cls(model, torch.tensor(rows, dtype=torch.int64), config)
 

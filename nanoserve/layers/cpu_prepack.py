@@ -1,8 +1,10 @@
-"""CPU only: bf16 weights packed once at load instead of on every call. With AMX, in the layout of
-our own GEMM (kernels/cpu/gemm.cpp; prepack_amx_weights). Otherwise in oneDNN's blocked layout
-(prepack_linear_weights): about 10-15% off a decode step's GEMM time at batch 64 on AVX-512 BF16
-machines, through the (private, stable since torch 2.1) ops that inductor's CPU freezing uses; if
-they are missing, nothing is packed and F.linear runs as before."""
+"""CPU only: bf16 weights packed once at load instead of on every call. In the layout of our own
+GEMM (kernels/cpu/gemm.cpp and gemm_levels.cpp, one packing for every ISA level;
+prepack_gemm_weights) wherever it takes the shape (K a multiple of 32). Otherwise (or with
+NANOSERVE_CPU_GEMM=onednn, for A/B measurements) in oneDNN's blocked layout
+(prepack_linear_weights), through the (private, stable since torch 2.1) ops that inductor's CPU
+freezing uses; if they are missing, nothing is packed and F.linear runs as before. oneDNN's
+rows are not invariant to the batch: prompt rows are then padded (model_input.PREFILL_ROW_TILE)."""
 from __future__ import annotations
 
 import logging
@@ -27,21 +29,21 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
 
 
-def prepack_amx_weights(model: nn.Module) -> tuple[int, int]:
-    """Give every module with an `amx_weight` slot (the linear layers, the LM head) its AMX
-    packing (kernels/cpu/gemm.cpp), which then multiplies all of its rows. Returns (packed, slots)
+def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
+    """Give every module with a `gemm_weight` slot (the linear layers, the LM head) its packing
+    for kernels/cpu/gemm*.cpp, which then multiplies all of its rows. Returns (packed, slots)
     over the layers that prompt rows pass through (not the LM head, which sees sampled rows
     only): those are row-invariant without padding only when every one is packed."""
     packed = slots = 0
-    enabled = os.environ.get("NANOSERVE_CPU_AMX", "1") != "0"  # 0: oneDNN with padded prompt rows
+    enabled = os.environ.get("NANOSERVE_CPU_GEMM", "nanoserve") != "onednn"
     for module in model.modules():
-        if not hasattr(module, "amx_weight"):
+        if not hasattr(module, "gemm_weight"):
             continue
         if enabled:
-            module.amx_weight = cpu_ops.pack_amx_weight(module.weight)
+            module.gemm_weight = cpu_ops.pack_gemm_weight(module.weight)
         if not getattr(module, "sees_sampled_rows_only", False):
             slots += 1
-            packed += module.amx_weight is not None
+            packed += module.gemm_weight is not None
     return packed, slots
 
 
@@ -55,7 +57,7 @@ def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed_weight") or weight is None or weight.dim() != 2:
             continue
-        if getattr(module, "amx_weight", None) is not None:  # multiplied by gemm.cpp instead
+        if getattr(module, "gemm_weight", None) is not None:  # multiplied by gemm.cpp instead
             continue
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             continue

@@ -38,17 +38,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each sequence; shards gathered to rank 0 for sampling."""
 
-    sees_sampled_rows_only = True  # see layers/cpu_prepack.prepack_amx_weights
+    sees_sampled_rows_only = True  # see layers/cpu_prepack.prepack_gemm_weights
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
         super().__init__(vocab_size, hidden_size, dtype)
         if bias:
             raise ValueError("LM head bias is not supported")
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
-        self.amx_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
+        self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = cpu_ops.gemm_amx(hidden, self.amx_weight, None, self.weight.shape[0]) if self.amx_weight is not None else None
+        logits = cpu_ops.gemm(hidden, self.gemm_weight, None, self.weight.shape[0]) if self.gemm_weight is not None else None
         if logits is None and self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
         elif logits is None:

@@ -50,7 +50,7 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
-        self.amx_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
+        self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -61,9 +61,9 @@ class LinearBase(nn.Module):
         param.data.copy_(_read(loaded, None))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
-        if self.amx_weight is not None:
-            # CPU with AMX: one GEMM over all rows, each row's bits independent of M (gemm.cpp).
-            out = cpu_ops.gemm_amx(x, self.amx_weight, bias, self.weight.shape[0])
+        if self.gemm_weight is not None:
+            # CPU: one GEMM over all rows, each row's bits independent of M (kernels/cpu/gemm*.cpp).
+            out = cpu_ops.gemm(x, self.gemm_weight, bias, self.weight.shape[0])
             if out is not None:
                 return out
         if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:

@@ -172,26 +172,26 @@ def test_plain_greedy_path_same_cold_cached_chunked(dtype, model_dir, prompts):
     assert run(build(model_dir, dtype, caching=False, budget=299), prompt, PLAIN_GREEDY)[0] == cold_tokens
 
 
-@pytest.mark.parametrize("amx", ["1", "0"])
-def test_prompt_rows_padded_only_without_the_amx_gemm(amx, model_dir, prompts, vocab_size, monkeypatch):
-    """With the AMX GEMM (kernels/cpu/gemm.cpp) prompt rows are not padded; with oneDNN
-    (NANOSERVE_CPU_AMX=0, or a CPU without AMX) they are padded to PREFILL_ROW_TILE. Either way a
-    cached or chunked prompt gives the cold run's bits."""
+@pytest.mark.parametrize("gemm", ["nanoserve", "onednn"])
+def test_prompt_rows_padded_only_without_our_gemm(gemm, model_dir, prompts, vocab_size, monkeypatch, cpu_isa):
+    """With our GEMM (kernels/cpu/gemm*.cpp, at every ISA level) prompt rows are not padded; with
+    oneDNN's (NANOSERVE_CPU_GEMM=onednn, or weights ours can't take) they are padded to
+    PREFILL_ROW_TILE. Either way a cached or chunked prompt gives the cold run's bits."""
     from nanoserve.kernels import cpu_ops
 
-    if amx == "1" and not cpu_ops.amx_gemm_available():
-        pytest.skip("this CPU has no AMX")
-    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    if not cpu_ops.gemm_available():
+        pytest.skip("the CPU kernels don't load here")
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", gemm)
     cold_llm = build(model_dir, "bfloat16", caching=False)
     runner = cold_llm.llm_engine.runner
-    assert runner.pad_prompt_rows == (amx == "0")
+    assert runner.pad_prompt_rows == (gemm == "onednn")
     prompt = prompts["mid"]
     expected = run(cold_llm, prompt)
     llm = build(model_dir, "bfloat16", caching=True, budget=37)
     run(llm, donor_of(prompt, SHARED_PREFIX["mid"], vocab_size))
     result = run(llm, prompt)
     assert result[2] > 0
-    assert_same(result, expected, f"cached {result[2]} tokens, chunks of 37, NANOSERVE_CPU_AMX={amx}")
+    assert_same(result, expected, f"cached {result[2]} tokens, chunks of 37, {gemm} GEMM at {cpu_isa}")
 
 
 # ---- SmolLM2, the issue's report -----------------------------------------------------------
@@ -241,14 +241,14 @@ def smollm2_shaped_dir(tmp_path_factory):
                               num_kv_heads=3, intermediate_size=1536, num_layers=2)
 
 
-def test_decode_rows_do_not_depend_on_the_batch(smollm2_shaped_dir, prompts, vocab_size):
-    """With the AMX GEMM every op of a CPU step is row-invariant, decode rows included: a prompt
-    answered alone and answered among other requests that come and go gives the same tokens and
-    the same logprob bits."""
+def test_decode_rows_do_not_depend_on_the_batch(smollm2_shaped_dir, prompts, vocab_size, cpu_isa):
+    """With our GEMM every op of a CPU step is row-invariant at every ISA level, decode rows
+    included: a prompt answered alone and answered among other requests that come and go gives
+    the same tokens and the same logprob bits."""
     from nanoserve.kernels import cpu_ops
 
-    if not cpu_ops.amx_gemm_available():
-        pytest.skip("this CPU has no AMX: decode rows are one oneDNN GEMM of the batch's size")
+    if not cpu_ops.gemm_available():
+        pytest.skip("the CPU kernels don't load here: decode rows are one oneDNN GEMM of the batch's size")
     llm = build(smollm2_shaped_dir, "bfloat16", caching=False)
     alone = {name: run(llm, prompt) for name, prompt in prompts.items()}
     rng = random.Random(7)

@@ -1,14 +1,17 @@
-"""kernels/cpu/gemm.cpp: the AMX bf16 GEMM that multiplies every row of a CPU step.
+"""kernels/cpu/gemm.cpp and gemm_levels.cpp: the bf16 GEMM that multiplies every row of a CPU
+step, at every ISA level this machine runs (the cpu_isa fixture: AMX, AVX-512 BF16, AVX2,
+portable; one weight packing for all).
 
 Oracle: the same product in float64, rounded once to bf16. The property the engine relies on
-(prompt rows are no longer padded to fixed-size GEMMs) is tested bit for bit: a row's output is
-the same whatever M is, wherever the row sits and whatever rows share its call."""
+(prompt rows are not padded to fixed-size GEMMs, decode rows don't depend on the batch) is
+tested bit for bit at each level: a row's output is the same whatever M is, wherever the row
+sits, whatever rows share its call and however many threads run it."""
 import pytest
 import torch
 
 from nanoserve.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.amx_gemm_available(), reason="this CPU has no AMX (or no compiler)")
+pytestmark = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here (no compiler)")
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (64, 48), (32, 16), (96, 80)]
 
@@ -30,12 +33,12 @@ def _oracle(x, w, bias=None):
 
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float64_product(k, n, with_bias):
+def test_matches_float64_product(k, n, with_bias, cpu_isa):
     w, x, bias = _weights(n, k)
-    packed = cpu_ops.pack_amx_weight(w)
+    packed = cpu_ops.pack_gemm_weight(w)
     b = bias if with_bias else None
-    for m in (1, 7, 16, 33, 300):
-        out = cpu_ops.gemm_amx(x[:m], packed, b)
+    for m in (1, 2, 3, 7, 16, 33, 300):
+        out = cpu_ops.gemm(x[:m], packed, b)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         expected = _oracle(x[:m], w, b)
         # fp32 accumulation then one bf16 rounding: within a bf16 step of the exact value,
@@ -45,53 +48,97 @@ def test_matches_float64_product(k, n, with_bias):
 
 
 @pytest.mark.parametrize("k,n", SHAPES)
-def test_rows_do_not_depend_on_their_neighbours(k, n):
+def test_rows_do_not_depend_on_their_neighbours(k, n, cpu_isa):
     w, x, _ = _weights(n, k, seed=1)
-    packed = cpu_ops.pack_amx_weight(w)
-    full = cpu_ops.gemm_amx(x, packed, None)
-    for start, m in [(0, 1), (0, 15), (0, 17), (5, 32), (37, 90), (100, 200), (299, 1), (64, 64)]:
-        part = cpu_ops.gemm_amx(x[start:start + m], packed, None)
+    packed = cpu_ops.pack_gemm_weight(w)
+    full = cpu_ops.gemm(x, packed, None)
+    for start, m in [(0, 1), (0, 2), (3, 3), (0, 15), (0, 17), (5, 32), (37, 90), (100, 200), (299, 1), (64, 64)]:
+        part = cpu_ops.gemm(x[start:start + m], packed, None)
         assert torch.equal(part, full[start:start + m]), (start, m)
     # Other rows in the same call, in another order, change nothing either.
     mixed = torch.cat([x[200:230], x[3:4], torch.randn(50, k).to(torch.bfloat16)])
-    out = cpu_ops.gemm_amx(mixed, packed, None)
+    out = cpu_ops.gemm(mixed, packed, None)
     assert torch.equal(out[:30], full[200:230]) and torch.equal(out[30], full[3])
 
 
-def test_strided_rows_and_threads_give_the_same_bits():
+def test_strided_rows_and_threads_give_the_same_bits(cpu_isa):
     w, x, _ = _weights(960, 576, seed=2)
-    packed = cpu_ops.pack_amx_weight(w)
+    packed = cpu_ops.pack_gemm_weight(w)
     wide = torch.zeros(300, 1000, dtype=torch.bfloat16)
     wide[:, 100:676] = x
     strided = wide[:, 100:676]
     assert strided.stride(0) == 1000
-    reference = cpu_ops.gemm_amx(x, packed, None)
-    assert torch.equal(cpu_ops.gemm_amx(strided, packed, None), reference)
+    reference = cpu_ops.gemm(x, packed, None)
+    assert torch.equal(cpu_ops.gemm(strided, packed, None), reference)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = cpu_ops.gemm_amx(x, packed, None)
+        single = cpu_ops.gemm(x, packed, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, reference)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_columns_not_a_multiple_of_16_are_padded_and_cut(with_bias):
+def test_columns_not_a_multiple_of_16_are_padded_and_cut(with_bias, cpu_isa):
     w, x, bias = _weights(1001, 64, seed=3)
-    packed = cpu_ops.pack_amx_weight(w)
+    packed = cpu_ops.pack_gemm_weight(w)
     b = bias if with_bias else None
-    out = cpu_ops.gemm_amx(x, packed, b, n=1001)
+    out = cpu_ops.gemm(x, packed, b, n=1001)
     assert out.shape == (300, 1001)
     expected = _oracle(x, w, b)
     assert ((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-2).all()
-    assert torch.equal(cpu_ops.gemm_amx(x[7:9], packed, b, n=1001), out[7:9])
+    assert torch.equal(cpu_ops.gemm(x[7:9], packed, b, n=1001), out[7:9])
 
 
-def test_shapes_it_does_not_take():
-    assert cpu_ops.pack_amx_weight(torch.zeros(48, 40, dtype=torch.bfloat16)) is None  # K % 32
-    assert cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.float32)) is None
-    packed = cpu_ops.pack_amx_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
-    assert cpu_ops.gemm_amx(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None  # K mismatch
-    assert cpu_ops.gemm_amx(torch.zeros(3, 64, dtype=torch.float32), packed, None) is None
-    assert cpu_ops.gemm_amx(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 48)
+def test_shapes_it_does_not_take(cpu_isa):
+    assert cpu_ops.pack_gemm_weight(torch.zeros(48, 40, dtype=torch.bfloat16)) is None  # K % 32
+    assert cpu_ops.pack_gemm_weight(torch.zeros(48, 64, dtype=torch.float32)) is None
+    packed = cpu_ops.pack_gemm_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    assert cpu_ops.gemm(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None  # K mismatch
+    assert cpu_ops.gemm(torch.zeros(3, 64, dtype=torch.float32), packed, None) is None
+    assert cpu_ops.gemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 48)
+
+
+def test_every_level_agrees_with_the_others_to_rounding():
+    """One packing, several summation orders: the levels' results differ by accumulation
+    rounding only (each is checked against float64 above; here against each other, on a
+    long K where a wrong k-pair order or a dropped pair would show)."""
+    w, x, bias = _weights(320, 3072, seed=4)
+    packed = cpu_ops.pack_gemm_weight(w)
+    previous = cpu_ops.isa()
+    try:
+        outs = {}
+        for level in cpu_ops.supported_isas():
+            cpu_ops.set_isa(level)
+            outs[level] = cpu_ops.gemm(x[:40], packed, bias).double()
+    finally:
+        cpu_ops.set_isa(previous)
+    expected = _oracle(x[:40], w, bias)
+    for level, out in outs.items():
+        assert ((out - expected).abs() <= expected.abs() * 2 ** -7 + 2e-3 * 3072 ** 0.5).all(), level
+    assert len(outs) >= 2, "every x86-64 machine runs at least the portable and one other level"
+
+
+def test_forced_level_is_used_and_a_wrong_one_refused(tmp_path):
+    """NANOSERVE_CPU_ISA picks the level at load (a new process); a name that is no level, or a
+    level this CPU can't run, is a clear error."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from nanoserve.kernels import cpu_ops; print(cpu_ops.isa())"
+    for level in cpu_ops.supported_isas():
+        env = {**os.environ, "NANOSERVE_CPU_ISA": level}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == level
+    env = {**os.environ, "NANOSERVE_CPU_ISA": "sse9"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode != 0 and "NANOSERVE_CPU_ISA must be one of portable, avx2, avx512bf16, amx" in result.stderr
+    missing = [level for level in cpu_ops.ISA_LEVELS if level not in cpu_ops.supported_isas()]
+    if missing:
+        env = {**os.environ, "NANOSERVE_CPU_ISA": missing[0]}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert result.returncode != 0 and "this CPU can't run that level" in result.stderr
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        cpu_ops.set_isa("sse9")

@@ -81,7 +81,7 @@ MIXED = [
 @pytest.mark.parametrize("heads", HEAD_SHAPES, ids=HEAD_IDS)
 @pytest.mark.parametrize("q_lens,context_lens", MIXED)
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_paged_attention_matches_reference(dtype, q_lens, context_lens, heads):
+def test_paged_attention_matches_reference(dtype, q_lens, context_lens, heads, cpu_isa):
     num_heads, num_kv_heads, head_dim = heads
     batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=head_dim, dtype=dtype, seed=len(q_lens) + head_dim)
@@ -122,7 +122,7 @@ def test_paged_attention_declines_what_it_does_not_support():
 # ---- paged attention: a row's bits depend on that row alone --------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_row_same_bits_alone_as_inside_a_longer_span(dtype):
+def test_row_same_bits_alone_as_inside_a_longer_span(dtype, cpu_isa):
     """Each row of a 45-row span (3 row tiles of 16 in the kernel) computed as a decode of its own
     (q_len 1, seq_len = its position + 1), and the span's tail computed as a shorter chunk.
 
@@ -146,7 +146,7 @@ def test_row_same_bits_alone_as_inside_a_longer_span(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_rows_independent_of_the_rest_of_the_batch(dtype):
+def test_rows_independent_of_the_rest_of_the_batch(dtype, cpu_isa):
     """Sequence 1's rows: alone, and among others of different lengths in other orders."""
     q_lens, context_lens = [5, 20, 1, 1, 64], [100, 13, 40, 250, 0]
     batch = paged_batch(q_lens, context_lens, dtype=dtype, seed=12)
@@ -191,16 +191,15 @@ def test_rows_of_one_sequence_do_not_read_another_sequences_blocks():
 
 
 # ---- batches of decodes: the engine's only use of this kernel ------------------------------
-# In bf16 they take the AMX decode kernel (kernels/cpu/attention_amx.cpp) where the CPU has AMX
-# and head_dim is 64 or 128, else ops.cpp's two-pass AVX-512 one (NANOSERVE_CPU_AMX=0 forces it).
+# In bf16, at each ISA level this machine runs (the cpu_isa fixture): AMX's decode kernel
+# (kernels/cpu/attention_amx.cpp, head_dim 64 or 128), ops.cpp's two-pass AVX-512 BF16 one, or
+# its plain loops (AVX2 and portable levels).
 
 DECODE_LENS = [1, 15, 16, 17, 200, 333]  # context + the new token: on and around block edges
 
 
 @pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (16, 1, 64)], ids=HEAD_IDS + ["gqa4-d64", "mqa16-d64"])
-@pytest.mark.parametrize("amx", ["1", "0"])
-def test_decodes_match_the_oracle(heads, amx, monkeypatch):
-    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+def test_decodes_match_the_oracle(heads, cpu_isa):
     num_heads, num_kv_heads, head_dim = heads
     batch = paged_batch([1] * len(DECODE_LENS), [n - 1 for n in DECODE_LENS], num_heads=num_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
@@ -210,10 +209,8 @@ def test_decodes_match_the_oracle(heads, amx, monkeypatch):
     close(out, paged_attention_reference(*batch.args()), REFERENCE_TOL)
 
 
-@pytest.mark.parametrize("amx", ["1", "0"])
-def test_decode_rows_independent_of_the_batch_and_threads(amx, monkeypatch):
+def test_decode_rows_independent_of_the_batch_and_threads(cpu_isa):
     """A decode row's bits alone, among other decodes in other orders, and on one thread."""
-    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
     lens = [40, 3, 250, 17, 64, 1]
     batch = paged_batch([1] * len(lens), [n - 1 for n in lens], dtype=torch.bfloat16, seed=21)
 
@@ -286,7 +283,7 @@ SPLITS = {
 
 @pytest.mark.parametrize("prompt_len", sorted(SPLITS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_prompt_rows_same_bits_however_split(dtype, prompt_len):
+def test_prompt_rows_same_bits_however_split(dtype, prompt_len, cpu_isa):
     batch = prompt_pool(prompt_len, dtype, seed=prompt_len)
     _, whole = cpu_attention_chunk(batch, 0, prompt_len)
     close(whole, paged_attention_reference(*batch.args()), REFERENCE_TOL)
@@ -349,12 +346,10 @@ def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, con
 
 
 @pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (8, 8, 64)], ids=HEAD_IDS + ["gqa4-d64", "mha-d64"])
-@pytest.mark.parametrize("amx", ["1", "0"])
-def test_prompt_rows_match_the_oracle(heads, amx, monkeypatch):
+def test_prompt_rows_match_the_oracle(heads, cpu_isa):
     """bf16 prompt rows (fresh, behind a cached prefix, single rows, past 16-row tiles) next to
-    decodes, on AMX tiles (kernels/cpu/attention_amx.cpp) or, with NANOSERVE_CPU_AMX=0 or
-    head_dim 32, through SDPA: against the float64 definition."""
-    monkeypatch.setenv("NANOSERVE_CPU_AMX", amx)
+    decodes, at each ISA level: on AMX tiles (kernels/cpu/attention_amx.cpp) or, below AMX or
+    with head_dim 32, through SDPA: against the float64 definition."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, context_lens = [1, 1, 37, 1, 16, 100, 5], [20, 70, 0, 3, 33, 150, 0]
     batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -406,7 +401,7 @@ def assert_bf16_near_exact(actual: torch.Tensor, expected: torch.Tensor, max_fra
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 576), (33, 1536), (2, 3, 4096)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_fused_add_rms_norm_matches_reference(dtype, shape):
+def test_fused_add_rms_norm_matches_reference(dtype, shape, cpu_isa):
     x, residual, weight = norm_inputs(shape, dtype, seed=shape[-1])
     x_before, residual_before = x.clone(), residual.clone()
     out, new_residual = cpu_ops.rms_norm(x, residual, weight, 1e-5)
@@ -422,7 +417,7 @@ def test_fused_add_rms_norm_matches_reference(dtype, shape):
 
 @pytest.mark.parametrize("shape", [(1, 64), (7, 576), (5, 100)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_rms_norm_without_residual_matches_reference(dtype, shape):
+def test_rms_norm_without_residual_matches_reference(dtype, shape, cpu_isa):
     x, _, weight = norm_inputs(shape, dtype, seed=7)
     out, new_residual = cpu_ops.rms_norm(x, None, weight, 1e-6)
     assert new_residual is None
@@ -433,7 +428,7 @@ def test_rms_norm_without_residual_matches_reference(dtype, shape):
         assert_bf16_near_exact(out, expected, max_fraction=0.01)
 
 
-def test_rms_norm_rows_independent_of_row_count():
+def test_rms_norm_rows_independent_of_row_count(cpu_isa):
     x, residual, weight = norm_inputs((64, 576), torch.bfloat16, seed=3)
     full, _ = cpu_ops.rms_norm(x, residual, weight, 1e-5)
     for rows in (1, 5, 17):
@@ -454,7 +449,7 @@ def test_rms_norm_zero_rows_and_unsupported():
 
 @pytest.mark.parametrize("shape", [(1, 2 * 64), (9, 2 * 1536), (2, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_silu_and_mul_matches_reference(dtype, shape):
+def test_silu_and_mul_matches_reference(dtype, shape, cpu_isa):
     generator = torch.Generator().manual_seed(shape[-1])
     gate_up = (torch.randn(shape, generator=generator) * 4).to(dtype)
     gate_up[..., :4] = torch.tensor([0.0, -30.0, 30.0, 80.0]).to(dtype)  # silu(0) = 0, tails
@@ -468,7 +463,7 @@ def test_silu_and_mul_matches_reference(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_silu_and_mul_saturated_negative_gate_as_reference(dtype):
+def test_silu_and_mul_saturated_negative_gate_as_reference(dtype, cpu_isa):
     gate_up = torch.tensor([[-88.0, -90.0, -200.0, -1e4, 1.0, 1.0, 1.0, 1.0]]).to(dtype)
     out = cpu_ops.silu_and_mul(gate_up)
     expected = silu_and_mul_reference(gate_up)
@@ -490,7 +485,7 @@ def test_silu_and_mul_unsupported_shapes():
 # ---- argmax ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_argmax_matches_torch_on_random_rows(dtype):
+def test_argmax_matches_torch_on_random_rows(dtype, cpu_isa):
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(37, 49152, generator=generator) * 5).to(dtype)
     assert torch.equal(cpu_ops.argmax_rows(logits), logits.float().argmax(dim=-1))
@@ -498,7 +493,7 @@ def test_argmax_matches_torch_on_random_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_argmax_ties_pick_the_first_index(dtype):
+def test_argmax_ties_pick_the_first_index(dtype, cpu_isa):
     rows = torch.full((6, 300), -3.0)
     rows[0, [5, 17, 299]] = 2.0  # exact ties
     rows[1, :] = 1.0  # every element ties
@@ -513,7 +508,7 @@ def test_argmax_ties_pick_the_first_index(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_argmax_nan_and_infinity_as_torch(dtype):
+def test_argmax_nan_and_infinity_as_torch(dtype, cpu_isa):
     rows = torch.randn(4, 100)
     rows[0, 30] = float("nan")
     rows[1, [7, 60]] = float("nan")

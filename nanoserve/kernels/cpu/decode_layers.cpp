@@ -3,7 +3,7 @@
 // kernels/cpu_ops.py), so every value comes out with the same bits; what goes away is the
 // Python between them (~270 module and ctypes calls a step, several ms at batch 1).
 //
-// Per layer (Llama family; bf16; AMX GEMMs; one new row per sequence):
+// Per layer (Llama family; bf16; gemm at the current ISA level; one new row per sequence):
 //   normed, residual = rms_norm(x (+ residual))      input_layernorm
 //   qkv = normed @ Wqkv^T; rotary on q, k and k, v into the pool
 //   attn = decode attention of q over the pool;  o = attn @ Wo^T
@@ -14,7 +14,7 @@
 extern "C" {
 int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const void* residual, const void* weight,
                 int64_t rows, int64_t hidden, float eps);
-int ns_gemm_bf16_amx(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed, const void* bias,
+int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed, const void* bias,
                      int64_t M, int64_t N, int64_t K);
 int ns_rotary_store(int dtype, void* qkv, int64_t row_stride, int64_t num_tokens, int num_heads, int num_kv_heads,
                     int head_dim, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
@@ -63,7 +63,7 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
             ns_rms_norm(kBf16, normed, residual[1 - current], x, residual[current], at(w[0]), rows, hidden, eps);
             current = 1 - current;
         }
-        if (ns_gemm_bf16_amx(qkv, qkv_n, normed, hidden, at(w[1]), nullptr, rows, qkv_n, hidden))
+        if (ns_gemm_bf16(qkv, qkv_n, normed, hidden, at(w[1]), nullptr, rows, qkv_n, hidden))
             return 0;
         void* key_cache = at(w[6]);
         void* value_cache = at(w[7]);
@@ -75,15 +75,15 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
             ns_paged_attention(kBf16, attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads, block_size,
                                head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
                                scale, 16);
-        if (ns_gemm_bf16_amx(o, hidden, attn, q_size, at(w[2]), nullptr, rows, hidden, q_size)) return 0;
+        if (ns_gemm_bf16(o, hidden, attn, q_size, at(w[2]), nullptr, rows, hidden, q_size)) return 0;
         // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
         const void* previous = current < 0 ? x : residual[current];
         const int next = current < 0 ? 0 : 1 - current;
         ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[3]), rows, hidden, eps);
         current = next;
-        if (ns_gemm_bf16_amx(gate_up, 2 * inter, normed, hidden, at(w[4]), nullptr, rows, 2 * inter, hidden)) return 0;
+        if (ns_gemm_bf16(gate_up, 2 * inter, normed, hidden, at(w[4]), nullptr, rows, 2 * inter, hidden)) return 0;
         ns_silu_and_mul(kBf16, act, gate_up, rows, inter);
-        if (ns_gemm_bf16_amx(x, hidden, act, inter, at(w[5]), nullptr, rows, hidden, inter)) return 0;
+        if (ns_gemm_bf16(x, hidden, act, inter, at(w[5]), nullptr, rows, hidden, inter)) return 0;
     }
     return current + 1;
 }

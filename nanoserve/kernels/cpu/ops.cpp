@@ -20,26 +20,19 @@
 #include <omp.h>
 #include <vector>
 
-// Hand-vectorized paths for AVX-512 with BF16 (Cooper Lake, Sapphire Rapids and later), chosen
-// at run time; the plain loops below them serve every other CPU and float32.
+// Hand-vectorized paths for AVX-512 with BF16 (Zen 4/5, Cooper Lake, Sapphire Rapids and later),
+// taken at that ISA level and above (isa.h); the plain loops below them serve the AVX2 and
+// portable levels (compiled for this machine, vectorized by the compiler) and float32.
+#include "bf16.h"
+#include "isa.h"
 #include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16
 
 namespace {
 
-inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float out;
-    std::memcpy(&out, &bits, sizeof(out));
-    return out;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch; branch-free
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof(bits));
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
-}
+using ns_bf16::from_float;
+using ns_bf16::to_float;
+inline float bf16_to_float(uint16_t v) { return to_float(v); }
+inline uint16_t float_to_bf16(float f) { return from_float(f); }
 
 struct F32 {
     using T = float;
@@ -129,10 +122,8 @@ inline bool attention_worth_threads(const std::vector<int32_t>& items, const int
 
 // ---- AVX-512 BF16 fast paths -------------------------------------------------------------
 
-bool has_avx512_bf16() {
-    static const bool supported = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-    return supported;
-}
+// At the AVX-512 BF16 level and above (isa.h; cpu_ops sets a level only where the CPU has it).
+bool use_avx512_bf16() { return ns_isa::current() >= ns_isa::kAvx512Bf16; }
 
 NS_AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -529,7 +520,7 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
             }
     }
     if constexpr (std::is_same_v<T, uint16_t>) {
-        if (BS == 16 && D % 32 == 0 && D <= 256 && has_avx512_bf16() && all_decodes) {
+        if (BS == 16 && D % 32 == 0 && D <= 256 && use_avx512_bf16() && all_decodes) {
             // Every sequence has one new row: decodes.
             auto decode = D == 64 ? decode_attention_bf16_block16<2>
                         : D == 128 ? decode_attention_bf16_block16<4> : decode_attention_bf16_block16<0>;
@@ -537,7 +528,7 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
                    block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
             return;
         }
-        if (BS == 16 && D % 32 == 0 && D <= 256 && has_avx512_bf16()) {
+        if (BS == 16 && D % 32 == 0 && D <= 256 && use_avx512_bf16()) {
             paged_attention_bf16_block16(out, query, q_stride_token, q_stride_head, key_cache, value_cache,
                                          num_kv_heads, D, block_table, block_table_stride, cu_seqlens_q,
                                          seq_lens, num_heads, scale, items, rows_per_item);
@@ -686,7 +677,7 @@ void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t col
     for (int64_t r = 0; r < rows; ++r) {
         const typename S::T* xr = x + r * row_stride;
         if constexpr (std::is_same_v<S, BF16>) {
-            if (has_avx512_bf16() && argmax_row_bf16(out + r, xr, cols)) continue;
+            if (use_avx512_bf16() && argmax_row_bf16(out + r, xr, cols)) continue;
         }
         float best = -INFINITY;
         int64_t best_index = 0;
@@ -778,7 +769,7 @@ int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const v
         rms_norm<F32>(static_cast<float*>(out), static_cast<float*>(new_residual),
                       static_cast<const float*>(x), static_cast<const float*>(residual),
                       static_cast<const float*>(weight), rows, hidden, eps);
-    else if (dtype == 1 && has_avx512_bf16() && hidden % 16 == 0)
+    else if (dtype == 1 && use_avx512_bf16() && hidden % 16 == 0)
         rms_norm_bf16(static_cast<uint16_t*>(out), static_cast<uint16_t*>(new_residual),
                       static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(residual),
                       static_cast<const uint16_t*>(weight), rows, hidden, eps);
@@ -794,7 +785,7 @@ int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const v
 int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter) {
     if (dtype == 0)
         silu_and_mul<F32>(static_cast<float*>(out), static_cast<const float*>(gate_up), rows, inter);
-    else if (dtype == 1 && has_avx512_bf16())
+    else if (dtype == 1 && use_avx512_bf16())
         silu_and_mul_bf16(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows, inter);
     else if (dtype == 1)
         silu_and_mul<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(gate_up), rows, inter);

@@ -1,0 +1,289 @@
+// The bf16 GEMM of every CPU step at each ISA level below AMX, and the entry point that picks the
+// level: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), fp32 accumulation, one bf16 rounding.
+//
+// All levels read the weights in the one layout packed at load (cpu_ops.pack_gemm_weight): per
+// block of 16 output columns, K/2 k-pairs of [16 columns][2 k] (64 bytes each), one after the
+// other. That is AMX's tile layout (gemm.cpp) and also what one VDPBF16PS takes: a 64-byte load
+// is one k-pair of 16 columns. So the levels differ in their inner loop only:
+//   AVX-512 BF16  acc[16 cols] = vdpbf16ps(acc, broadcast(x[k], x[k + 1]), w[k-pair])
+//   AVX2 + FMA    the pair widened to fp32: acc = fma(w[k], x[k], acc); acc = fma(w[k+1], x[k+1], acc)
+//   portable      the AVX2 level's order in plain C++
+// Row invariance, as on AMX: every output element is one accumulator that runs over the k-pairs
+// in order from zero, whatever M is, whichever rows share the call and however many rows and
+// column blocks a register block holds (those choose which elements are computed side by side,
+// never the order inside one). So prompt rows need no padding, and a decode row gives the same
+// bits in a batch of 1 or 64.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+
+#include "bf16.h"
+#include "isa.h"
+
+#define NS_GEMM_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+#define NS_GEMM_AVX2 __attribute__((target("avx2,fma")))
+
+extern "C" int ns_gemm_bf16_amx(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed,
+                                const void* bias, int64_t M, int64_t N, int64_t K);
+extern "C" int ns_amx_available();
+
+namespace {
+
+constexpr int kCols = 16;  // columns of a packed block
+// Same thresholds as gemm.cpp: below them one thread; a lone row still uses both cores to pull
+// the weights from memory.
+constexpr int64_t kParallelMacs = int64_t(1) << 22;
+constexpr int64_t kParallelWeights = int64_t(1) << 18;
+constexpr int64_t kRowChunk = 64;                       // rows of x that pass over a group of weights
+constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;  // packed weights kept in L2 meanwhile
+
+// One register block: R rows of x against C column blocks.
+struct Block {
+    uint16_t* out;
+    int64_t ldo;
+    const uint16_t* x;
+    int64_t ldx;
+    const uint16_t* w;  // the first column block's packed weights; the next ones follow
+    int64_t k_pairs;
+    const uint16_t* bias;  // at the first column, or null
+};
+
+inline int32_t pair_at(const uint16_t* row, int64_t k_pair) {
+    int32_t pair;
+    std::memcpy(&pair, row + 2 * k_pair, sizeof(pair));
+    return pair;
+}
+
+// Rounds R x (C * 16) fp32 sums (+ bias) to bf16 rows of out.
+template <int R, int C>
+inline void store_sums(const Block& b, const float (&sums)[R][C * kCols]) {
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < C * kCols; ++j) {
+            const float bias = b.bias != nullptr ? ns_bf16::to_float(b.bias[j]) : 0.0f;
+            b.out[r * b.ldo + j] = ns_bf16::from_float(sums[r][j] + bias);
+        }
+}
+
+// ---- AVX-512 BF16 ---------------------------------------------------------------------------
+
+template <int R, int C>
+NS_GEMM_AVX512 void block_avx512(const Block& b) {
+    const int64_t stride = b.k_pairs * 2 * kCols;  // elements between two column blocks
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t kp = 0; kp < b.k_pairs; ++kp) {
+        __m512i w[C];
+        for (int c = 0; c < C; ++c)
+            w[c] = _mm512_loadu_si512(b.w + c * stride + kp * 2 * kCols);
+        for (int r = 0; r < R; ++r) {
+            const __m512i a = _mm512_set1_epi32(pair_at(b.x + r * b.ldx, kp));
+            for (int c = 0; c < C; ++c)
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(w[c]));
+        }
+    }
+    alignas(64) float sums[R][C * kCols];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(&sums[r][c * kCols], acc[r][c]);
+    store_sums<R, C>(b, sums);
+}
+
+// ---- AVX2 + FMA -----------------------------------------------------------------------------
+
+template <int R, int C>
+NS_GEMM_AVX2 void block_avx2(const Block& b) {
+    const int64_t stride = b.k_pairs * 2 * kCols;
+    const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    __m256 acc[R][C][2];  // columns 0-7 and 8-15 of each block
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    for (int64_t kp = 0; kp < b.k_pairs; ++kp) {
+        __m256 even[C][2], odd[C][2];  // w[k] and w[k + 1] of 8 columns, as fp32
+        for (int c = 0; c < C; ++c)
+            for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(b.w + c * stride + kp * 2 * kCols + h * kCols));
+                even[c][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                odd[c][h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            }
+        for (int r = 0; r < R; ++r) {
+            const __m256i a = _mm256_set1_epi32(pair_at(b.x + r * b.ldx, kp));
+            const __m256 a_even = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+            const __m256 a_odd = _mm256_castsi256_ps(_mm256_and_si256(a, high));
+            for (int c = 0; c < C; ++c)
+                for (int h = 0; h < 2; ++h)
+                    acc[r][c][h] = _mm256_fmadd_ps(odd[c][h], a_odd, _mm256_fmadd_ps(even[c][h], a_even, acc[r][c][h]));
+        }
+    }
+    alignas(32) float sums[R][C * kCols];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            for (int h = 0; h < 2; ++h) _mm256_store_ps(&sums[r][c * kCols + h * 8], acc[r][c][h]);
+    store_sums<R, C>(b, sums);
+}
+
+// ---- portable -------------------------------------------------------------------------------
+
+template <int R, int C>
+void block_portable(const Block& b) {
+    const int64_t stride = b.k_pairs * 2 * kCols;
+    float sums[R][C * kCols] = {};
+    for (int64_t kp = 0; kp < b.k_pairs; ++kp)
+        for (int r = 0; r < R; ++r) {
+            const float a0 = ns_bf16::to_float(b.x[r * b.ldx + 2 * kp]);
+            const float a1 = ns_bf16::to_float(b.x[r * b.ldx + 2 * kp + 1]);
+            for (int c = 0; c < C; ++c) {
+                const uint16_t* w = b.w + c * stride + kp * 2 * kCols;
+                for (int j = 0; j < kCols; ++j) {
+                    float s = sums[r][c * kCols + j];
+                    s = s + ns_bf16::to_float(w[2 * j]) * a0;  // the AVX2 level's order, unfused
+                    s = s + ns_bf16::to_float(w[2 * j + 1]) * a1;
+                    sums[r][c * kCols + j] = s;
+                }
+            }
+        }
+    store_sums<R, C>(b, sums);
+}
+
+// ---- the loop nest, shared by the three levels ---------------------------------------------
+
+using BlockFn = void (*)(const Block&);
+
+// kernels[r - 1][c - 1]: the register block of r rows and c column blocks, r <= kMaxR, c <= kMaxC.
+template <int kMaxR, int kMaxC>
+struct Kernels {
+    BlockFn fn[kMaxR][kMaxC];
+};
+
+template <template <int, int> class K, int R, int C, int kMaxR, int kMaxC>
+constexpr void fill(Kernels<kMaxR, kMaxC>& table) {
+    table.fn[R - 1][C - 1] = &K<R, C>::run;
+    if constexpr (C < kMaxC) fill<K, R, C + 1, kMaxR, kMaxC>(table);
+    else if constexpr (R < kMaxR) fill<K, R + 1, 1, kMaxR, kMaxC>(table);
+}
+
+template <int R, int C> struct Avx512 { static void run(const Block& b) { block_avx512<R, C>(b); } };
+template <int R, int C> struct Avx2 { static void run(const Block& b) { block_avx2<R, C>(b); } };
+template <int R, int C> struct Portable { static void run(const Block& b) { block_portable<R, C>(b); } };
+
+template <template <int, int> class K, int kMaxR, int kMaxC>
+Kernels<kMaxR, kMaxC> make_kernels() {
+    Kernels<kMaxR, kMaxC> table{};
+    fill<K, 1, 1, kMaxR, kMaxC>(table);
+    return table;
+}
+
+// Register blocks per level, by measurement on a Zen 5 EPYC (2 cores): at few rows every column
+// block is its own weight stream from memory, so a lone row takes several; at many rows the
+// blocks are sized for the register file (AVX-512: 8 x 3 = 24 of 32 zmm; AVX2: 2 x 2 x 2 = 8 of
+// 16 ymm, the widened weights take the rest).
+struct Shape {
+    int rows, cols;
+};
+
+template <int kMaxR, int kMaxC>
+void gemm(const Kernels<kMaxR, kMaxC>& kernels, Shape shape, uint16_t* out, int64_t ldo, const uint16_t* x,
+          int64_t ldx, const uint16_t* packed, const uint16_t* bias, int64_t M, int64_t N, int64_t K) {
+    const int64_t k_pairs = K / 2;
+    const int64_t col_blocks = N / kCols;
+    const int64_t units = (col_blocks + shape.cols - 1) / shape.cols;  // units of shape.cols blocks
+#pragma omp parallel if (M * N * K >= kParallelMacs || N * K >= kParallelWeights)
+    {
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = units * thread / threads * shape.cols;
+        const int64_t last = std::min(col_blocks, units * (thread + 1) / threads * shape.cols);
+        const int64_t group = std::max<int64_t>(shape.cols, kWeightGroupBytes / (kCols * K * 2) / shape.cols * shape.cols);
+        for (int64_t group_start = first; group_start < last; group_start += group) {
+            const int64_t group_end = std::min(group_start + group, last);
+            for (int64_t chunk = 0; chunk < M; chunk += kRowChunk) {
+                const int64_t chunk_end = std::min(chunk + kRowChunk, M);
+                for (int64_t cb = group_start; cb < group_end; cb += shape.cols) {
+                    const int cols = static_cast<int>(std::min<int64_t>(shape.cols, group_end - cb));
+                    for (int64_t row = chunk; row < chunk_end; row += shape.rows) {
+                        const int rows = static_cast<int>(std::min<int64_t>(shape.rows, chunk_end - row));
+                        const Block b{out + row * ldo + cb * kCols, ldo, x + row * ldx, ldx,
+                                      packed + cb * K * kCols, k_pairs, bias != nullptr ? bias + cb * kCols : nullptr};
+                        kernels.fn[rows - 1][cols - 1](b);
+                    }
+                }
+            }
+        }
+    }
+}
+
+const Kernels<8, 4>& avx512_kernels() {
+    static const Kernels<8, 4> table = make_kernels<Avx512, 8, 4>();
+    return table;
+}
+
+const Kernels<2, 4>& avx2_kernels() {
+    static const Kernels<2, 4> table = make_kernels<Avx2, 2, 4>();
+    return table;
+}
+
+const Kernels<4, 2>& portable_kernels() {
+    static const Kernels<4, 2> table = make_kernels<Portable, 4, 2>();
+    return table;
+}
+
+bool cpu_has(int level) {
+    switch (level) {
+        case ns_isa::kPortable:
+            return true;
+        case ns_isa::kAvx2:
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case ns_isa::kAvx512Bf16:
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   __builtin_cpu_supports("avx512bf16");
+        case ns_isa::kAmx:
+            return ns_amx_available() != 0;
+        default:
+            return false;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this CPU (and OS) can run the kernels of ISA level `level` (isa.h), else 0.
+int ns_isa_supported(int level) { return cpu_has(level) ? 1 : 0; }
+
+// Sets the level every kernel runs at; 1 (and nothing changes) when this CPU can't run it.
+int ns_set_isa(int level) {
+    if (!cpu_has(level)) return 1;
+    ns_isa::level.store(level);
+    return 0;
+}
+
+int ns_current_isa() { return ns_isa::current(); }
+
+// The GEMM at the current level, on weights from cpu_ops.pack_gemm_weight. 0 done; 2 a shape it
+// does not take (K a multiple of 32 and N of 16, as AMX needs, so that one packing serves all).
+int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed, const void* bias,
+                 int64_t M, int64_t N, int64_t K) {
+    if (K % 32 != 0 || N % kCols != 0 || M < 0) return 2;
+    if (M == 0) return 0;
+    auto* o = static_cast<uint16_t*>(out);
+    const auto* a = static_cast<const uint16_t*>(x);
+    const auto* w = static_cast<const uint16_t*>(packed);
+    const auto* b = static_cast<const uint16_t*>(bias);
+    switch (ns_isa::current()) {
+        case ns_isa::kAmx:
+            return ns_gemm_bf16_amx(out, ldo, x, ldx, packed, bias, M, N, K);
+        case ns_isa::kAvx512Bf16:
+            gemm(avx512_kernels(), M <= 2 ? Shape{static_cast<int>(M), 4} : Shape{8, 3}, o, ldo, a, ldx, w, b, M, N, K);
+            return 0;
+        case ns_isa::kAvx2:
+            gemm(avx2_kernels(), M == 1 ? Shape{1, 4} : Shape{2, 2}, o, ldo, a, ldx, w, b, M, N, K);
+            return 0;
+        default:
+            gemm(portable_kernels(), Shape{4, 2}, o, ldo, a, ldx, w, b, M, N, K);
+            return 0;
+    }
+}
+
+}  // extern "C"
