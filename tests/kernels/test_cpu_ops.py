@@ -297,7 +297,7 @@ def test_prompt_rows_same_bits_however_split(dtype, prompt_len, cpu_isa):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-def test_prompt_rows_same_bits_with_decodes_another_prompt_and_padding(dtype):
+def test_prompt_rows_same_bits_with_decodes_another_prompt_and_padding(dtype, cpu_isa):
     """A chunk of the 300-token prompt behind a 200-token cached prefix, stepped with three
     decodes of other sequences, another prompt's chunk and the engine's padding rows."""
     batch = prompt_pool(300, dtype, seed=21)
@@ -327,7 +327,7 @@ def test_prompt_rows_same_bits_with_decodes_another_prompt_and_padding(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("q_len, context", [(120, 0), (300, 0), (40, 200)])
-def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, context):
+def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, context, cpu_isa):
     """Spans of the same shape go through one batched SDPA call; each row must come out as it
     does when its span is the only one in the step."""
     batch = paged_batch([q_len] * 3, [context] * 3, dtype=dtype, seed=q_len + context)

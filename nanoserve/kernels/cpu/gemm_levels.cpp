@@ -84,10 +84,19 @@ NS_GEMM_AVX512 void block_avx512(const Block& b) {
                 acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(w[c]));
         }
     }
-    alignas(64) float sums[R][C * kCols];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) _mm512_store_ps(&sums[r][c * kCols], acc[r][c]);
-    store_sums<R, C>(b, sums);
+    // (+ bias) rounded to bf16 as store_sums does (VCVTNEPS2BF16 rounds to nearest even too).
+    for (int c = 0; c < C; ++c) {
+        __m512 bias = _mm512_setzero_ps();
+        if (b.bias != nullptr) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.bias + c * kCols));
+            bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 v = b.bias != nullptr ? _mm512_add_ps(acc[r][c], bias) : acc[r][c];
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.out + r * b.ldo + c * kCols),
+                                reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+        }
+    }
 }
 
 // ---- AVX2 + FMA -----------------------------------------------------------------------------
