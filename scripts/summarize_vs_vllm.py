@@ -13,10 +13,12 @@ from pathlib import Path
 OFFLINE = re.compile(r"^(nanoserve|vllm)\b.*?: ([\d.]+) output tokens/s \((\d+) tokens in ([\d.]+) s")
 SERVED = re.compile(r"^(nanoserve|vllm) c=(\d+) n=(\d+) (.*)$")
 STARTUP = re.compile(r"^(nanoserve|vllm) startup_s=(\d+)")
+BATCH1 = re.compile(r"^(nanoserve|llama\.cpp) (\S+): ([\d.]+) ms/token")
 
 
 def parse(lines: list[str]) -> dict:
-    result: dict = {"header": [], "offline": {}, "served": {"nanoserve": [], "vllm": []}, "startup_s": {}}
+    result: dict = {"header": [], "offline": {}, "served": {"nanoserve": [], "vllm": []}, "startup_s": {},
+                    "batch1_ms_per_token": {}}
     workload = None
     for line in lines:
         line = line.strip()
@@ -28,6 +30,8 @@ def parse(lines: list[str]) -> dict:
         elif match := OFFLINE.match(line):
             result["offline"][workload][match[1]] = {"output_tokens_per_s": float(match[2]),
                                                      "output_tokens": int(match[3]), "elapsed_s": float(match[4])}
+        elif match := BATCH1.match(line):
+            result["batch1_ms_per_token"][f"{match[1]} {match[2]}"] = float(match[3])
         elif match := STARTUP.match(line):
             result["startup_s"][match[1]] = int(match[2])
         elif match := SERVED.match(line):
@@ -58,6 +62,15 @@ def summary(result: dict) -> str:
     if result["startup_s"]:
         rows.append(f"| startup to /health | {result['startup_s'].get('nanoserve', '?')} s | "
                     f"{result['startup_s'].get('vllm', '?')} s | |")
+    batch1 = result["batch1_ms_per_token"]
+    if batch1:
+        rows += ["", "Batch-1 decode, 16-token prompt, 256 greedy tokens (`../shared/bench/batch1.sh`, median of 3):", "",
+                 "| engine, weights | ms/token |", "| --- | --- |"]
+        rows += [f"| {name} | {ms:.2f} |" for name, ms in batch1.items()]
+        ours = next((ms for name, ms in batch1.items() if name.startswith("nanoserve")), None)
+        theirs = batch1.get("llama.cpp smollm2-bf16.gguf")
+        if ours and theirs:
+            rows += ["", f"nanoserve bf16 / llama.cpp BF16 GGUF: {theirs / ours:.2f}x the speed"]
     return "\n".join(rows) + "\n"
 
 
