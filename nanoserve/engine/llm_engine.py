@@ -163,7 +163,6 @@ class LLMEngine(OutputProcessing):
         self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
                                      config.scheduling_policy, self.host_pool)
                            for manager in self.block_managers]
-        self.block_manager, self.scheduler = self.block_managers[0], self.schedulers[0]
         self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
         self._next_virtual_engine = 0
         self.requests: dict[str, Request] = {}
@@ -182,7 +181,7 @@ class LLMEngine(OutputProcessing):
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
-        if not hasattr(self, "block_manager"):
+        if not hasattr(self, "schedulers"):
             # Rank 0 may be blocked in a rendezvous or collective that will never complete.
             logger.error("%s during startup; exiting", reason)
             self.workers.kill()
@@ -416,8 +415,9 @@ class LLMEngine(OutputProcessing):
             self._fail_compiled_grammars()
         if self.runner.pipeline is not None:
             return self._pipeline_step()
-        scheduled = self.scheduler.schedule()
-        swaps = self.scheduler.take_swap_plan()
+        (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine
+        scheduled = scheduler.schedule()
+        swaps = scheduler.take_swap_plan()
         if swaps:  # before the forward pass that may overwrite the freed blocks
             self.runner.swap(swaps)
         if not scheduled:
@@ -459,7 +459,8 @@ class LLMEngine(OutputProcessing):
         scheduled = self.schedulers[virtual_engine].schedule()
         if scheduled:
             started = time.time()
-            offset = virtual_engine * self.block_manager.num_blocks
+            # The shares of the device pool lie one after another, in virtual engine order.
+            offset = sum(manager.num_blocks for manager in self.block_managers[:virtual_engine])
             model_input = self.runner.prepare(scheduled, block_offset=offset)
             # Built now (nothing it reads changes while in flight): a plain greedy step only
             # needs the last stage's argmax, not its logits (a constrained one needs them).
@@ -505,7 +506,8 @@ class LLMEngine(OutputProcessing):
                 request.metrics.first_scheduled_time = now
                 request.metrics.num_cached_tokens = seq.num_cached_tokens
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.register_full_blocks(seq)
+            # Its own virtual engine's table: block ids are only meaningful in their own share.
+            self.block_managers[seq.virtual_engine].register_full_blocks(seq)
         if result is not None:
             if result.prompt_logprobs is not None:
                 self._append_prompt_logprobs(model_input.prompt_logprob_seqs, result.prompt_logprobs)

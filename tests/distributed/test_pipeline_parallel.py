@@ -2,6 +2,7 @@
 tokens; each rank holds only its stage's weights and KV; two micro-batches are in flight at once."""
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -163,6 +164,62 @@ def test_pp2_chunked_prefill_and_preemption_equal_pp1(tied_llama_dir):
             stats = llm.llm_engine.stats()
     assert results[1] == results[0]
     assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
+
+
+def shared_prefix_waves() -> list[list[list[int]]]:
+    """Waves of prompts that share a 100-token prefix (six full 16-token blocks and a part),
+    each with its own tail of full blocks. A wave's requests alternate between the two virtual
+    engines (each goes to the one with fewer unfinished). The second wave sends every prompt of
+    the first to the other virtual engine, so what one of them cached is asked of the other;
+    the third mixes both, with one new prompt twice (once on each)."""
+    rng = random.Random(26)
+    prefix = [rng.randrange(3, 300) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(3, 300) for _ in range(rng.randint(20, 50))] for _ in range(6)]
+    order = [[0, 1, 2, 3], [1, 0, 3, 2, 4], [3, 4, 1, 5, 5, 0, 2]]
+    return [[prompts[i] for i in wave] for wave in order]
+
+
+def run_waves(model_dir, waves, **engine_args):
+    """Each wave in one generate call: per request (token ids, each sampled token's logprob);
+    and the tokens each virtual engine found in its prefix cache. In bfloat16, where the CPU
+    path promises a row the same bits whatever its batch and however its prompt was split."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    with LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=256, cpu_threads=1, **engine_args) as llm:
+        results = []
+        for wave in waves:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+            results.append([(c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+                            for c in (o.outputs[0] for o in outputs)])
+        return results, [m.prefix_cache_hits for m in llm.llm_engine.block_managers]
+
+
+@pytest.fixture(scope="module")
+def cold_pp1_waves(tied_llama_dir):
+    """The waves at pp=1 with prefix caching off, per tensor-parallel size: the oracle for pp=2
+    at the same size (tp=2 reduces a row's partial sums in another order than tp=1, and in
+    bfloat16 a greedy choice of this random model flips with it)."""
+    by_tp_size = {}
+
+    def waves_at(tensor_parallel_size: int):
+        if tensor_parallel_size not in by_tp_size:
+            by_tp_size[tensor_parallel_size] = run_waves(
+                tied_llama_dir, shared_prefix_waves(), tensor_parallel_size=tensor_parallel_size,
+                enable_prefix_caching=False)[0]
+        return by_tp_size[tensor_parallel_size]
+    return waves_at
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["pp2", "tp2-pp2"])
+def test_pp2_prefix_cache_shared_across_waves_equals_pp1_uncached(tied_llama_dir, cold_pp1_waves,
+                                                                  tensor_parallel_size):
+    """Issue 26: each virtual engine indexes its own finished blocks, under its own block ids.
+    Registered in another virtual engine's table, a later request there with the same prefix
+    reads whatever that engine's pool holds at those ids: another sequence's KV. The stages
+    hand over exact floats and the prefix cache changes no bit: the same tokens and logprobs."""
+    out, hits = run_waves(tied_llama_dir, shared_prefix_waves(), tensor_parallel_size=tensor_parallel_size,
+                          pipeline_parallel_size=2)
+    assert out == cold_pp1_waves(tensor_parallel_size)
+    assert len(hits) == 2 and all(h >= 6 * 16 for h in hits), hits  # both reused cached blocks
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")

@@ -60,9 +60,9 @@ def test_preemption_small_pool_same_outputs(tiny_llama_dir, llm):
     small = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=80, max_num_batched_tokens=256)
     assert generate_ids(small, prompts) == reference
     engine = small.llm_engine
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_used_blocks == 0
-    assert sorted(engine.block_manager.free_blocks) == list(range(80))
+    assert engine.schedulers[0].num_preemptions > 0
+    assert engine.block_managers[0].num_used_blocks == 0
+    assert sorted(engine.block_managers[0].free_blocks) == list(range(80))
 
 
 def test_prefix_cache_computes_only_new_tokens(tiny_llama_dir, hf_model):
@@ -73,10 +73,10 @@ def test_prefix_cache_computes_only_new_tokens(tiny_llama_dir, hf_model):
     second = prefix + [9, 10, 11, 12, 13]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
-    hits_before = llm.llm_engine.block_manager.prefix_cache_hits
+    hits_before = llm.llm_engine.block_managers[0].prefix_cache_hits
     out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
     assert out.num_cached_tokens == 256
-    assert llm.llm_engine.block_manager.prefix_cache_hits - hits_before == 256
+    assert llm.llm_engine.block_managers[0].prefix_cache_hits - hits_before == 256
     assert out.outputs[0].token_ids == hf_greedy(hf_model, second, 8)
     # Without prefix caching: nothing cached, same tokens.
     plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
@@ -97,11 +97,11 @@ def test_abort_frees_blocks(llm):
     engine.add_request("b", [6] * 30, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.block_manager.num_used_blocks > 0
+    assert engine.block_managers[0].num_used_blocks > 0
     engine.abort_request("a")
     engine.abort_request(["b"])
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_used_blocks == 0
+    assert engine.block_managers[0].num_used_blocks == 0
 
 
 def _finish_order(engine) -> list[str]:

@@ -141,7 +141,7 @@ def test_partly_cached_same_as_cold(dtype, model_dir, prompts, cold, vocab_size)
 def test_chunked_prefill_same_as_cold(dtype, budget, model_dir, prompts, cold):
     expected = cold(dtype)
     llm = build(model_dir, dtype, caching=False, budget=budget)
-    assert llm.llm_engine.scheduler.max_num_batched_tokens == budget
+    assert llm.llm_engine.schedulers[0].max_num_batched_tokens == budget
     for name, prompt in prompts.items():
         assert_same(run(llm, prompt), expected[name], f"{name} prompt in chunks of {budget} tokens")
 

@@ -19,7 +19,7 @@ def test_prompt_logprobs_survive_chunking_preemption_and_n(tiny_llama_dir):
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=2, n=n)
               for n in (1, 2, 1)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.schedulers[0].num_preemptions > 0
     model = load_hf(tiny_llama_dir)
     for prompt, output in zip(prompts, outputs):
         with torch.inference_mode():

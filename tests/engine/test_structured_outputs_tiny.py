@@ -82,7 +82,7 @@ def test_preemption_by_recompute_and_swap_keeps_matchers_in_step(tiny_llama_dir,
         extra = {"preemption_mode": "swap", "num_swap_blocks": 256} if mode == "swap" else {}
         small = LLM(model=str(tiny_llama_dir), **SMALL, **extra)
         assert run(small, prompts, params) == reference, mode
-        assert small.llm_engine.scheduler.num_preemptions > 0, mode
+        assert small.llm_engine.schedulers[0].num_preemptions > 0, mode
         assert_nothing_leaked(small)
 
 
@@ -113,7 +113,7 @@ def test_a_compiling_grammar_holds_back_only_its_request(roomy, prompts):
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
-            waiting = [s.request_id for s in engine.scheduler.waiting]
+            waiting = [s.request_id for s in engine.schedulers[0].waiting]
             assert waiting == ["constrained"]  # never scheduled while its grammar compiles
     finally:
         gate.set()

@@ -29,8 +29,8 @@ def generate(llm: LLM, prompts, params=GREEDY):
 
 def assert_nothing_leaked(llm: LLM) -> None:
     engine = llm.llm_engine
-    assert engine.block_manager.num_used_blocks == 0
-    assert sorted(engine.block_manager.free_blocks) == list(range(engine.block_manager.num_blocks))
+    assert engine.block_managers[0].num_used_blocks == 0
+    assert sorted(engine.block_managers[0].free_blocks) == list(range(engine.block_managers[0].num_blocks))
     if engine.host_pool is not None:
         assert engine.host_pool.num_used_blocks == 0
         assert sorted(engine.host_pool.free_blocks) == list(range(engine.host_pool.num_blocks))
@@ -56,7 +56,7 @@ def swap_llm(tiny_llama_dir):
 
 def test_swap_gives_the_roomy_pool_and_recompute_tokens(tiny_llama_dir, prompts, roomy, swap_llm):
     reference = generate(roomy, prompts)
-    assert roomy.llm_engine.scheduler.num_preemptions == 0
+    assert roomy.llm_engine.schedulers[0].num_preemptions == 0
     assert generate(swap_llm, prompts) == reference
     stats = swap_llm.llm_engine.stats()
     assert stats.num_swap_outs_total > 0
@@ -65,7 +65,7 @@ def test_swap_gives_the_roomy_pool_and_recompute_tokens(tiny_llama_dir, prompts,
     assert_nothing_leaked(swap_llm)
     recompute = LLM(model=str(tiny_llama_dir), **SMALL)
     assert generate(recompute, prompts) == reference
-    assert recompute.llm_engine.scheduler.num_preemptions > 0
+    assert recompute.llm_engine.schedulers[0].num_preemptions > 0
     assert recompute.llm_engine.stats().num_swap_outs_total == 0
 
 
@@ -108,10 +108,10 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(prompts, swap_llm):
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abort-{i}", {"prompt_token_ids": prompt}, GREEDY)
     for _ in range(500):
-        if engine.scheduler.swapped:
+        if engine.schedulers[0].swapped:
             break
         engine.step()
-    swapped = engine.scheduler.swapped[0]
+    swapped = engine.schedulers[0].swapped[0]
     assert swapped.status is SequenceStatus.SWAPPED and swapped.host_block_table
     used = engine.host_pool.num_used_blocks
     held = len(swapped.host_block_table)
@@ -119,7 +119,7 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(prompts, swap_llm):
     assert stats.num_swapped >= 1 and stats.cpu_cache_usage == used / engine.host_pool.num_blocks
     engine.abort_request(swapped.request_id)
     assert engine.host_pool.num_used_blocks == used - held
-    assert swapped not in engine.scheduler.swapped and swapped.is_finished and not swapped.host_block_table
+    assert swapped not in engine.schedulers[0].swapped and swapped.is_finished and not swapped.host_block_table
     engine.abort_request([f"abort-{i}" for i in range(len(prompts))])
     assert_nothing_leaked(swap_llm)
 

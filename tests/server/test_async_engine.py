@@ -195,7 +195,7 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     # step, two steps whose chunks are those writes, then the abort.
     assert spy.aborts[0][1] <= steps_at_close + 4, (spy.aborts, steps_at_close, spy.durations)
     wait_until(lambda: spy.finished == spy.started, timeout=10, what="the last step")
-    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.requests and not engine.schedulers[0].running and not engine.schedulers[0].waiting
     assert engine.generation_tokens_total < 200  # really stopped, not run to the end
     steps = spy.started
     time.sleep(0.2)

@@ -87,7 +87,7 @@ def test_prompt_logprobs_across_chunks_and_with_a_cached_prefix(chunked_server, 
     assert again["choices"][0]["prompt_logprobs"] == first["choices"][0]["prompt_logprobs"]
     assert again["choices"][0]["text"] == plain["choices"][0]["text"] == first["choices"][0]["text"]
     engine = chunked_server.engine
-    assert engine.block_manager.prefix_cache_hits > 0  # the plain request did hit the cache
+    assert engine.block_managers[0].prefix_cache_hits > 0  # the plain request did hit the cache
 
 
 def test_prompt_logprobs_through_the_openai_client(tiny_server, oracle):

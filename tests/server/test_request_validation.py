@@ -157,9 +157,9 @@ def test_step_failure_fails_only_its_requests(serve, faulty_engine):
     assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2], events
     assert not served.server.engine.is_dead
     assert_healthy(port)
-    assert not faulty_engine.requests and not faulty_engine.scheduler.running
+    assert not faulty_engine.requests and not faulty_engine.schedulers[0].running
     # The fault freed the failed requests' blocks: the pool is whole again.
-    assert faulty_engine.block_manager.num_used_blocks == 0
+    assert faulty_engine.block_managers[0].num_used_blocks == 0
 
 
 def test_offline_llm_gets_the_same_validation(tiny_llama_dir):
