@@ -100,8 +100,11 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """`messages` is one conversation (a list of {"role", "content"}) or a list of them."""
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """`messages` is one conversation (a list of {"role", "content"}) or a list of them.
+        `tools` (OpenAI's function tools) reach the template as `tools`, as in vLLM; the output
+        is the model's text (the server's tool parsers read calls out of it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.llm_engine.tokenizer
         prompts = []
@@ -109,7 +112,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
-                **(chat_template_kwargs or {}))
+                **{**(chat_template_kwargs or {}), "tools": tools})
             # The template already carries BOS where the model wants it.
             prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

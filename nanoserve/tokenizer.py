@@ -175,7 +175,7 @@ class Tokenizer:
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
                 "add_generation_prompt and continue_final_message cannot both be true")
-        messages = [_flatten_content(message) for message in messages]
+        messages = [_decode_tool_arguments(_flatten_content(message)) for message in messages]
         # A marker after the last message's text shows where that text ends once rendered, so the
         # template's end-of-turn tokens after it can be cut off. It ends in a space: if the template
         # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
@@ -219,6 +219,26 @@ def _flatten_content(message: dict) -> dict:
                                         "only text parts are supported")
         message["content"] = "\n".join(texts)
     return message
+
+
+def _decode_tool_arguments(message: dict) -> dict:
+    """An assistant message's tool calls with their `arguments` JSON text read into objects, as
+    vLLM hands them to templates: the families' templates write them with `tojson`, which would
+    quote a string a second time."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    decoded = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                arguments = json.loads(function["arguments"] or "{}")
+            except ValueError:
+                raise ChatTemplateError("a tool call's arguments are not valid JSON") from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        decoded.append(call)
+    return {**message, "tool_calls": decoded}
 
 
 def _raise_exception(message: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.server.app import OpenAIApp, http_error_response
-from nanoserve.server.args import ServerOptions
+from nanoserve.server.args import ChatFeatures, ServerOptions
 from nanoserve.server.http_server import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
@@ -50,6 +50,7 @@ async def start_server(engine, options: ServerOptions,
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     config = engine.config
+    chat = ChatFeatures.from_options(options)
     response_cache = None
     if options.response_cache_size > 0:
         response_cache = ResponseCache(int(options.response_cache_size * 2 ** 20),
@@ -78,7 +79,8 @@ async def start_server(engine, options: ServerOptions,
         truncation_side=getattr(engine.tokenizer, "truncation_side", "right"),
         on_admission_rejected=metrics.on_admission_rejected,
         request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None,
-        response_cache=response_cache)
+        response_cache=response_cache, chat_template=chat.chat_template,
+        auto_tool_parser=chat.auto_tool_parser, reasoning_parser=chat.reasoning_parser)
     app = OpenAIApp(ctx, metrics, api_key=options.api_key,
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint,

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 
 from nanoserve.server.http_types import HttpLimits
+from nanoserve.server.reasoning_parsers import REASONING_PARSERS, ReasoningParser
+from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -34,6 +36,10 @@ class ServerOptions:
     max_preprocess_in_flight: int = 64
     response_cache_size: float = 0.0  # MiB of finished responses kept for repeats; 0: off
     response_cache_ttl: float = 3600.0  # seconds a cached response stays valid
+    chat_template: str | None = None  # a file, or the template itself; None: the model's
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (with tool_call_parser)
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # a name in reasoning_parsers.REASONING_PARSERS
     limits: HttpLimits = field(default_factory=HttpLimits)
 
 
@@ -47,6 +53,7 @@ def _default(cls: type, name: str):
 # (flag, owner, field, type, help); positive numbers unless the type is bool or optional.
 _OPTIONAL = ("max_waiting_requests", "max_log_len")  # None (the default) or >= 0
 _NON_NEGATIVE = ("response_cache_size",)  # 0 turns the feature off
+_TEXT = ("chat_template", "tool_call_parser", "reasoning_parser")  # None (the default) or text
 _FLAGS: list[tuple[str, type, str, type, str]] = [
     ("--max-waiting-requests", ServerOptions, "max_waiting_requests", int,
      "answer 503 while this many requests wait for the engine"),
@@ -79,6 +86,17 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "without running the model; LRU by bytes; 0 turns the cache off"),
     ("--response-cache-ttl", ServerOptions, "response_cache_ttl", float,
      "seconds a cached response may answer repeats"),
+    ("--chat-template", ServerOptions, "chat_template", str,
+     "the chat template to render messages with, instead of the model's: a Jinja file, or the "
+     "template itself"),
+    ("--enable-auto-tool-choice", ServerOptions, "enable_auto_tool_choice", bool,
+     "let the model decide to call tools (tool_choice \"auto\", the default with tools); needs "
+     "--tool-call-parser"),
+    ("--tool-call-parser", ServerOptions, "tool_call_parser", str,
+     f"how the model writes tool calls: {', '.join(TOOL_PARSERS)}"),
+    ("--reasoning-parser", ServerOptions, "reasoning_parser", str,
+     "return the model's thinking as reasoning_content: "
+     f"{', '.join(REASONING_PARSERS)}"),
     ("--timeout-keep-alive", HttpLimits, "keep_alive_timeout", float,
      "seconds an idle keep-alive connection stays open"),
     ("--request-read-timeout", HttpLimits, "request_read_timeout", float,
@@ -125,7 +143,9 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     values: dict[type, dict] = {ServerOptions: {}, HttpLimits: {}}
     for flag, owner, name, kind, _ in _FLAGS:
         value = get(owner, name)
-        if name in _OPTIONAL:
+        if name in _TEXT:
+            pass
+        elif name in _OPTIONAL:
             if value is not None and value < 0:
                 raise ValueError(f"{flag} must be >= 0, got {value}")
         elif name in _NON_NEGATIVE:
@@ -136,6 +156,48 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         values[owner][name] = value
     api_key = getattr(args, "api_key", None) or os.environ.get("NANOSERVE_API_KEY") or \
         os.environ.get("VLLM_API_KEY") or None
-    return ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
-                         log_level=get(ServerOptions, "log_level"),
-                         limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
+    options = ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
+                            log_level=get(ServerOptions, "log_level"),
+                            limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
+    ChatFeatures.from_options(options)  # a bad parser name or template file stops the start
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFeatures:
+    """What the chat flags turn into: the template text, the parser classes and objects."""
+    chat_template: str | None
+    auto_tool_parser: type[ToolParser] | None  # set only with --enable-auto-tool-choice
+    reasoning_parser: ReasoningParser | None
+
+    @classmethod
+    def from_options(cls, options: ServerOptions) -> "ChatFeatures":
+        """Raises ValueError (the CLI's one-line error) for a flag that cannot work."""
+        tool_parser = _named(TOOL_PARSERS, options.tool_call_parser, "--tool-call-parser")
+        if options.enable_auto_tool_choice and tool_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        reasoning = _named(REASONING_PARSERS, options.reasoning_parser, "--reasoning-parser")
+        return cls(read_chat_template(options.chat_template),
+                   tool_parser if options.enable_auto_tool_choice else None,
+                   reasoning() if reasoning is not None else None)
+
+
+def _named(table: dict, name: str | None, flag: str):
+    if name is None:
+        return None
+    if name not in table:
+        raise ValueError(f"{flag} must be one of {', '.join(table)}, got {name!r}")
+    return table[name]
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """vLLM's --chat-template: a path to a file, else the template itself when it looks like
+    Jinja; anything else is a missing file."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if any(marker in value for marker in ("{{", "{%", "\n")):
+        return value
+    raise ValueError(f"--chat-template: no such file: {value}")

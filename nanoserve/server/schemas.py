@@ -99,6 +99,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    # Tool calling (server/tools.py checks them): a list of {"type": "function", "function":
+    # {...}}; "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}.
+    tools: Any = None
+    tool_choice: Any = None  # None: "auto" with tools, else "none" (as vLLM)
+    parallel_tool_calls: bool | None = True
 
 
 class TokenizeRequest(msgspec.Struct):
@@ -204,16 +209,42 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None = None
-    tool_calls: list[Any] = []
+    tool_calls: list[ToolCall] = []
     reasoning_content: str | None = None
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A call's first delta has id, type, name and arguments ""; later ones argument text."""
+    index: int
+    function: DeltaFunctionCall
+    id: str | None = None
+    type: str | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = []
 
 
 class ChatChoice(msgspec.Struct):

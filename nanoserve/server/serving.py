@@ -20,11 +20,13 @@ from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
+from nanoserve.server.reasoning_parsers import ReasoningParser
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
 from nanoserve.server.schemas import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
                                       SamplingFields, Usage)
 from nanoserve.server.structured_outputs import structured_outputs_params
+from nanoserve.server.tool_parsers import ToolParser
 
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -110,6 +112,9 @@ class ServingContext:
     on_admission_rejected: Callable[[str], None] | None = None  # metrics: a 503 for a full queue
     request_logger: RequestLogger | None = None  # --enable-log-requests
     response_cache: ResponseCache | None = None  # --response-cache-size
+    chat_template: str | None = None  # --chat-template: instead of the model's
+    auto_tool_parser: type[ToolParser] | None = None  # --enable-auto-tool-choice's parser
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     created: int = 0
 
     def __post_init__(self) -> None:

@@ -1,0 +1,101 @@
+"""One chat choice's text read as the response shows it, when the server has a reasoning parser
+or the request uses tools: the reasoning first (`reasoning_content`), then the rest read by the
+tool-call parser (`content` and `tool_calls`). Streamed and non-streamed responses go through the
+same object, so a stream's pieces add up to the non-streamed message."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoserve.server.reasoning_parsers import ReasoningParser
+from nanoserve.server.schemas import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                                      ToolCall)
+from nanoserve.server.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOutputReader:
+    """What reads the choices of one request: the server's reasoning parser, the request's tool
+    parser (None: no tool calls read), and at most how many calls (parallel_tool_calls=false: 1)."""
+    reasoning_parser: ReasoningParser | None
+    tool_parser: ToolParser | None
+    tool_mode: str = "none"
+    max_calls: int | None = None
+
+    def new_choice(self) -> "ChoiceOutput":
+        return ChoiceOutput(self)
+
+    def finish_reason(self, called_tools: bool, engine_reason: str | None) -> str | None:
+        """vLLM's: "tool_calls" when auto found calls, or "required" ended normally; a named
+        function ends as the engine ended it (as OpenAI answers a forced function)."""
+        if self.tool_mode == "auto" and called_tools:
+            return "tool_calls"
+        if self.tool_mode == "required" and called_tools and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason
+
+
+class ChoiceOutput:
+    def __init__(self, reader: ChatOutputReader) -> None:
+        self.reader = reader
+        self.text = ""
+        self.reasoning = ""
+        self._rest_seen = 0  # characters of the non-reasoning text handed to the tool stream
+        self.tool_stream = (ToolCallStream(reader.tool_parser, reader.max_calls)
+                            if reader.tool_parser is not None else None)
+        self.content = ""
+
+    def feed(self, delta: str, final: bool) -> ChoiceDelta:
+        self.text += delta
+        if self.reader.reasoning_parser is not None:
+            reasoning, rest = self.reader.reasoning_parser.split(self.text, final)
+        else:
+            reasoning, rest = "", self.text
+        result = ChoiceDelta(reasoning[len(self.reasoning):])
+        self.reasoning = reasoning
+        new_rest = rest[self._rest_seen:]
+        self._rest_seen = len(rest)
+        if self.tool_stream is None:
+            result.content = new_rest
+        else:
+            result.content, result.tool_calls = self.tool_stream.feed(new_rest, final)
+        self.content += result.content
+        return result
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        if self.tool_stream is None:
+            return []
+        return [ToolCall(call.id, FunctionCall(call.name, call.arguments))
+                for call in self.tool_stream.calls]
+
+    def message_fields(self) -> tuple[str | None, str | None]:
+        """(content, reasoning_content) of the whole message: empty parts beside calls or
+        reasoning are null."""
+        content: str | None = self.content
+        if not content and (self.tool_calls or self.reasoning):
+            content = None
+        return content, (self.reasoning or None) if self.reader.reasoning_parser else None
+
+
+def delta_messages(delta: ChoiceDelta) -> list[DeltaMessage]:
+    """The chunks one step's delta makes: reasoning and content together, then one chunk per
+    tool-call piece (a call's first piece names it, the next ones carry argument text)."""
+    messages = []
+    if delta.reasoning or delta.content:
+        messages.append(DeltaMessage(content=delta.content or None,
+                                     reasoning_content=delta.reasoning or None))
+    for piece in delta.tool_calls:
+        if piece.id is not None:
+            call = DeltaToolCall(piece.index, DeltaFunctionCall(piece.name, piece.arguments),
+                                 piece.id, "function")
+        else:
+            call = DeltaToolCall(piece.index, DeltaFunctionCall(arguments=piece.arguments))
+        messages.append(DeltaMessage(tool_calls=[call]))
+    return messages

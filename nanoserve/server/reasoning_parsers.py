@@ -1,0 +1,54 @@
+"""Reasoning parsers (vLLM's --reasoning-parser): the thinking part of a model's output goes to
+`reasoning_content`, the rest to `content`. `split(text, final)` is called again as the text grows
+and both parts only grow, so a stream sends their differences."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from nanoserve.server.tool_parsers.json_scan import held_back
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+
+class ReasoningParser:
+    name: ClassVar[str]
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of the output so far."""
+        raise NotImplementedError
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1: the template opens `<think>` in the prompt, so the output is reasoning until
+    `</think>` (an output without it is all reasoning); a `<think>` the model writes itself is
+    dropped."""
+    name = "deepseek_r1"
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        start = 0
+        if text.startswith(THINK_START):
+            start = len(THINK_START)
+        elif not final and THINK_START.startswith(text):
+            return "", ""
+        end = text.find(THINK_END, start)
+        if end >= 0:
+            return text[start:end], text[end + len(THINK_END):]
+        if final:
+            return text[start:], ""
+        return text[start:len(text) - held_back(text[start:], THINK_END)], ""
+
+
+class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
+    """Qwen3 writes `<think>...</think>` itself; with enable_thinking=false its template closes
+    an empty block in the prompt and the output, starting without `<think>`, is all content."""
+    name = "qwen3"
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        if text.startswith(THINK_START) or (not final and THINK_START.startswith(text)):
+            return super().split(text, final)
+        return "", text
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
