@@ -8,6 +8,7 @@ must take a given shape, a regex constrains it, so no test depends on what it ha
 from __future__ import annotations
 
 import json
+import shutil
 from typing import Literal
 
 import jsonschema
@@ -49,10 +50,23 @@ class GetWeather(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
+def tool_model_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny model with a longer context: its 400-token vocabulary spends ~1.2 characters a
+    token, and a template with tools renders 600-1300 tokens (random weights and RoPE do not
+    care how long the context is)."""
+    path = tmp_path_factory.mktemp("tiny-llama-long") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tool_model_dir, tmp_path_factory):
     template = tmp_path_factory.mktemp("templates") / "qwen_style.jinja"
     template.write_text(QWEN_STYLE)
-    handle = ServerHandle(tiny_llama_dir, chat_template=str(template), enable_auto_tool_choice=True,
+    handle = ServerHandle(tool_model_dir, chat_template=str(template), enable_auto_tool_choice=True,
                           tool_call_parser="hermes", reasoning_parser="qwen3",
                           trust_request_chat_template=True)
     yield handle
@@ -71,7 +85,7 @@ def test_required_gives_calls_that_fit_the_schemas(server, tiny_server):
     for handle in (server, tiny_server):  # the default server needs no flags for "required"
         result = handle.client().chat.completions.create(
             model=handle.engine.served_model_name, messages=ASK, tools=TOOLS,
-            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=100)
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=200)
         choice = result.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert choice.message.content is None
@@ -96,7 +110,7 @@ def test_named_function_is_the_one_called(server):
 def test_stream_assembles_the_same_calls(server, tool_choice):
     client = server.client()
     kwargs = dict(model=server.engine.served_model_name, messages=ASK, tools=TOOLS,
-                  tool_choice=tool_choice, temperature=0, max_tokens=100)
+                  tool_choice=tool_choice, temperature=0, max_tokens=200)
     whole = client.chat.completions.create(**kwargs).choices[0]
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     pieces: dict[int, list[str]] = {}
@@ -133,7 +147,7 @@ def test_auto_reads_hermes_calls_and_plain_text(server):
     """The regex makes the model write a Qwen-style call; "auto" must find it, streamed too."""
     client = server.client()
     kwargs = dict(model=server.engine.served_model_name, messages=ASK, tools=TOOLS,
-                  temperature=0, max_tokens=100,
+                  temperature=0, max_tokens=200,
                   extra_body={"structured_outputs": {"regex": "Let me check\\.\n" + HERMES_CALL}})
     choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -251,10 +265,10 @@ def test_smollm2_required_and_named(smollm2_dir, tmp_path):
         handle.close()
 
 
-def test_offline_chat_renders_tools_as_the_server(server, tiny_llama_dir):
+def test_offline_chat_renders_tools_as_the_server(server, tool_model_dir):
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64)
+    llm = LLM(model=str(tool_model_dir), num_kv_blocks=128)
     try:
         output = llm.chat(CONVERSATION, SamplingParams(max_tokens=1, temperature=0),
                           chat_template=QWEN_STYLE, tools=TOOLS,
