@@ -200,7 +200,9 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
                 finish_reason = choice.finish_reason
                 messages = [DeltaMessage(content=choice.text)]
                 if reader is not None:
-                    output = outputs.setdefault(choice.index, reader.new_choice())
+                    output = outputs.get(choice.index)
+                    if output is None:
+                        output = outputs[choice.index] = reader.new_choice()
                     messages = delta_messages(output.feed(choice.text, finish_reason is not None))
                     if finish_reason is not None:
                         finish_reason = reader.finish_reason(bool(output.tool_calls),
