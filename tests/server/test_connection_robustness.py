@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -64,13 +65,38 @@ def abort_count(handle) -> float:
 @pytest.mark.parametrize("close,version", [(True, "1.1"), (False, "1.1"), (True, "1.0")])
 def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, close, version):
     port = strict_server.port
+    engine, async_engine = strict_server.engine, strict_server.server.engine
     before = scrape_metrics(port)
     aborted = abort_count(strict_server)
-    sock = connect(port)
-    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
-                               close=close, version=version))
-    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 10, "the request")
-    sock.close()
+    # From its second step on, the engine's step waits (on the step thread; the event loop stays
+    # free) until the server has asked to abort the request: it can't finish before its client
+    # leaves, however fast steps are here.
+    abort_asked = threading.Event()
+    real_step, real_abort = engine.step, async_engine.abort
+    steps = 0
+
+    def held_step():
+        nonlocal steps
+        outputs = real_step()
+        steps += 1
+        if steps > 1:
+            abort_asked.wait(30)  # a bound only so that a broken test can't hang the suite
+        return outputs
+
+    def abort(request_id):
+        real_abort(request_id)
+        abort_asked.set()
+    engine.step, async_engine.abort = held_step, abort
+    try:
+        sock = connect(port)
+        sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
+                                   close=close, version=version))
+        wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 10, "the request")
+        sock.close()
+        assert abort_asked.wait(10), "the server did not abort the request of a client that left"
+    finally:
+        abort_asked.set()
+        engine.step, async_engine.abort = real_step, real_abort
     wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 10, "the abort")
     assert abort_count(strict_server) == aborted + 1
     generated = scrape_metrics(port)["vllm:generation_tokens_total"] - \
