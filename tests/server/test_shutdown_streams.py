@@ -34,7 +34,10 @@ def open_stream(port: int, max_tokens: int):
 
 def test_sigterm_ends_open_streams_with_an_error_event(long_context_llama_dir):
     server = ServerProcess("--model", str(long_context_llama_dir), "--dtype", "float32",
-                           "--num-kv-blocks", "1024", "--shutdown-grace-period", "4")
+                           "--num-kv-blocks", "1024", "--shutdown-grace-period", "1")
+    # A step of this model costs at least ~1 ms (Python and the sampler, whatever the kernels),
+    # so a 4,000-token stream outlasts the 1 s grace period by 4x or more, while the 10-token one
+    # ends within it with as wide a margin. (At 4 s of grace, a Zen 5 EPYC finished 4,000 tokens.)
     try:
         port = int(server.url.rsplit(":", 1)[1])
         long_streams = [open_stream(port, 4000) for _ in range(2)]
