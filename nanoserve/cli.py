@@ -92,10 +92,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from nanoserve.engine.llm_engine import resolve_model_dir
 
         return run_node(config, str(resolve_model_dir(config.model)))
-    from nanoserve.server.api_server import run
-    from nanoserve.server.args import options_from_args
+    from nanoserve.server.shutdown_signals import ShutdownSignals
 
-    return run(config, options_from_args(args))
+    # Before torch is imported, and so before any worker rank exists: from here on a Ctrl-C or
+    # SIGTERM at any moment is a graceful stop (exit 0), never a KeyboardInterrupt.
+    signals = ShutdownSignals()
+    try:
+        from nanoserve.server.api_server import run
+        from nanoserve.server.args import options_from_args
+
+        return run(config, options_from_args(args), signals)
+    finally:
+        signals.restore()
 
 
 def cmd_import_model(args: argparse.Namespace) -> int:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import threading
+from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -87,37 +89,79 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
                     tp_size, pp_size, partition)
 
 
+_groups: set[WorkerGroup] = set()  # the groups this process started whose ranks are not all reaped yet
+
+
+def kill_every_rank() -> None:
+    """SIGKILL every rank this process started and wait until they are gone: for a forced exit
+    (a signal handler on the main thread), even while a group is still starting its ranks."""
+    for group in list(_groups):
+        group.kill()
+
+
 class WorkerGroup:
-    """This host's ranks other than rank 0, as child processes, watched by a thread."""
+    """This host's ranks other than rank 0, as child processes, started and reaped by one thread."""
 
     def __init__(self, config: EngineConfig, topology: Topology, model_dir: str, skip_rank_zero: bool = True):
         from nanoserve.distributed.worker import worker_main
 
         context = multiprocessing.get_context("spawn")
+        ranks = [rank for rank in topology.local_ranks if not (rank == 0 and skip_rank_zero)]
+        to_start = [context.Process(target=worker_main, args=(config, topology, rank, model_dir),
+                                    name=f"nanoserve-rank{rank}", daemon=True) for rank in ranks]
         self.processes: list[multiprocessing.Process] = []
         self.failure: str | None = None
         self._on_failure = []
         self._stopping = False
-        for rank in topology.local_ranks:
-            if rank == 0 and skip_rank_zero:
-                continue
-            process = context.Process(target=worker_main, args=(config, topology, rank, model_dir),
-                                      name=f"nanoserve-rank{rank}", daemon=True)
-            process.start()
-            self.processes.append(process)
-        self._watchdog = threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True)
+        self._lock = threading.Lock()  # kill() from another thread while the ranks are being started
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        # Started now, not by the first spawn: starting the tracker unblocks SIGINT (see _start).
+        resource_tracker.ensure_running()
+        self._watchdog = threading.Thread(target=self._watch, args=(to_start,), name="nanoserve-tp-watchdog",
+                                          daemon=True)
+        _groups.add(self)
         self._watchdog.start()
+        self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def on_failure(self, callback) -> None:
         self._on_failure.append(callback)
         if self.failure is not None:
             callback(self.failure)
 
-    def _watch(self) -> None:
-        """The only place that reaps the ranks (two threads joining one process race for its
-        exit code). A rank that exits non-zero while we are not stopping is a failure."""
+    def _start(self, to_start: list[multiprocessing.Process]) -> None:
+        """On the watchdog thread, which outlives the ranks: a rank's PR_SET_PDEATHSIG (worker.py)
+        fires when the thread that started it ends, not the process, and the thread that builds
+        the engine may end first (the server's step thread does, before rank 0 broadcasts STOP).
+        With SIGINT blocked in this thread, so the ranks start with it blocked (a signal mask
+        survives fork and exec): a Ctrl-C to the whole process group while a rank's interpreter
+        starts and imports torch cannot kill it; worker_main then ignores SIGINT and unblocks it,
+        as multiprocessing's resource tracker does (bpo-33613). Rank 0 decides when ranks stop."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        for process in to_start:
+            with self._lock:
+                if self._stopping:
+                    return
+                process.start()
+                self.processes.append(process)
+
+    def _watch(self, to_start: list[multiprocessing.Process]) -> None:
+        """Start the ranks, then reap them: the only place that does (two threads joining one
+        process race for its exit code). A rank that exits non-zero while we are not stopping is
+        a failure."""
         from multiprocessing.connection import wait
 
+        try:
+            self._start(to_start)
+        except BaseException as error:  # __init__ raises it; the ranks already started are killed
+            self._start_error = error
+            self._stopping = True
+            for process in self.processes:
+                process.kill()
+        finally:
+            self._started.set()
         sentinels = {p.sentinel: p for p in self.processes}
         while sentinels:
             for ready in wait(list(sentinels)):
@@ -129,6 +173,7 @@ class WorkerGroup:
                 logger.error(self.failure)
                 for callback in list(self._on_failure):
                     callback(self.failure)
+        _groups.discard(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every rank has exited and been reaped; True if they have."""
@@ -142,20 +187,26 @@ class WorkerGroup:
             self.kill()
 
     def kill(self) -> None:
-        self._stopping = True
-        for process in self.processes:
+        """SIGKILL the ranks and wait until they are gone. From any thread: the watchdog's own (a
+        failure callback), or another while the watchdog is still starting ranks."""
+        from multiprocessing.connection import wait
+
+        with self._lock:
+            self._stopping = True
+            processes = list(self.processes)
+        for process in processes:
             if process.exitcode is None:
                 try:
                     process.kill()
                 except (OSError, ValueError):  # already reaped
                     pass
-        self.wait()  # SIGKILL cannot be ignored: the watchdog reaps them all
+        wait([p.sentinel for p in processes])  # SIGKILL cannot be ignored: each exits
+        if threading.current_thread() is not self._watchdog:
+            self.wait()  # the watchdog reaps them all
 
 
 def run_node(config: EngineConfig, model_dir: str) -> int:
     """A host with --node-rank > 0: run its ranks until rank 0 stops them (or one fails)."""
-    import signal
-
     topology = check_topology(config, ModelConfig.from_dir(model_dir))
     group = WorkerGroup(config, topology, model_dir, skip_rank_zero=False)
     failed = threading.Event()

@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so no rank outlives the server."""
+    """Linux: get SIGKILL when the parent dies, so no rank outlives the server. (Strictly, when
+    the parent thread that started us ends: WorkerGroup's watchdog, which outlives the ranks.)"""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -30,8 +31,10 @@ def _die_with_parent() -> None:
 
 def worker_main(config, topology, rank: int, model_dir: str) -> None:
     _die_with_parent()
-    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
+    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop. WorkerGroup
+    # started us with SIGINT blocked (see there); ignore it before unblocking it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
     try:
         device = init_rank(topology, rank)

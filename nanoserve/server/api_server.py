@@ -17,6 +17,7 @@ from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache
 from nanoserve.server.serving import ServingContext, load_generation_defaults
+from nanoserve.server.shutdown_signals import ShutdownSignals
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -97,26 +98,25 @@ def configure_logging(level: str) -> None:
     logging.getLogger("nanoserve").setLevel(numeric)
 
 
-async def serve(engine_config, options: ServerOptions) -> int:
+async def serve(engine_config, options: ServerOptions, signals: ShutdownSignals) -> int:
+    """Build the engine, serve until a signal (or a dead rank), shut down. `signals` owns SIGINT
+    and SIGTERM from before the engine (and its worker ranks) exists: a signal at any moment ends
+    in the same graceful path, the ranks stopped and joined by `engine.shutdown()`."""
     from nanoserve.engine.llm_engine import LLMEngine
 
     loop = asyncio.get_running_loop()
-    step_executor = new_step_executor()
-    engine = await loop.run_in_executor(step_executor, LLMEngine, engine_config)
-    server = await start_server(engine, options, step_executor)
-    print(f"listening on {server.url}", flush=True)
-    logger.info("serving %s on %s", engine.served_model_name, server.url)
     stop = asyncio.Event()
-    signals_seen = 0
+    server: RunningServer | None = None
 
-    def on_signal(signum: int) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
-        if signals_seen == 1:
-            logger.info("%s: shutting down (grace period %.0f s)", signal.Signals(signum).name,
-                        options.shutdown_grace_period)
+    def on_signal(signum: int, count: int) -> None:
+        name = signal.Signals(signum).name
+        if count == 1:
+            if server is None:
+                logger.info("%s during start-up: stopping without serving (again to stop at once)", name)
+            else:
+                logger.info("%s: shutting down (grace period %.0f s)", name, options.shutdown_grace_period)
             stop.set()
-        else:  # a second signal: do not wait for in-flight requests
+        elif server is not None:  # do not wait for in-flight requests
             logger.info("second signal: aborting in-flight requests")
             for connection in list(server.http.connections):
                 connection.abort()
@@ -132,25 +132,45 @@ async def serve(engine_config, options: ServerOptions) -> int:
             stop.set()
         loop.call_soon_threadsafe(fail)
 
-    engine.add_failure_callback(on_engine_failure)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
+    signals.listen(loop, on_signal)
     try:
-        await stop.wait()
-        grace = options.shutdown_grace_period if exit_code == 0 else min(options.shutdown_grace_period, 5.0)
-        await server.shutdown(grace)
+        if stop.is_set():  # a signal while the server's modules were imported: no rank exists yet
+            return 0
+        step_executor = new_step_executor()
+        engine = await loop.run_in_executor(step_executor, LLMEngine, engine_config)
+        try:
+            if stop.is_set():  # a signal during start-up: stop the ranks without serving
+                step_executor.shutdown(wait=True)
+            else:
+                server = await start_server(engine, options, step_executor)
+                signals.serving = True
+                print(f"listening on {server.url}", flush=True)
+                logger.info("serving %s on %s", engine.served_model_name, server.url)
+                engine.add_failure_callback(on_engine_failure)
+                await stop.wait()
+                grace = options.shutdown_grace_period if exit_code == 0 else min(options.shutdown_grace_period, 5.0)
+                await server.shutdown(grace)
+                signals.serving = False  # a signal now: the ranks may be stuck, kill them
+        finally:
+            engine.shutdown()  # stops and joins the tensor- / pipeline-parallel worker ranks
     finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        engine.shutdown()  # stops tensor-parallel worker ranks
+        signals.stop_listening()
     logger.info("shutdown complete")
     return exit_code
 
 
-def run(engine_config, options: ServerOptions) -> int:
+def run(engine_config, options: ServerOptions, signals: ShutdownSignals | None = None) -> int:
+    """Serve until a signal. `signals`: installed by the caller as early as it can (`cmd_serve`
+    does so before importing this module); made here otherwise."""
     configure_logging(options.log_level)
+    own_signals = signals is None
+    signals = ShutdownSignals() if own_signals else signals
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(serve(engine_config, options))
-    return uvloop.run(serve(engine_config, options))
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover
+            return asyncio.run(serve(engine_config, options, signals))
+        return uvloop.run(serve(engine_config, options, signals))
+    finally:
+        if own_signals:
+            signals.restore()

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,25 +16,62 @@ from pathlib import Path
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.distributed.launcher import free_port
 from tests.engine.test_engine_tiny import random_prompts
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 180) -> None:
+    def __init__(self, *args: str, timeout: float = 180, wait_listening: bool = True, **popen) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        self.log: list[str] = []  # the lines read so far
+        self._lines: queue.Queue[str | None] = queue.Queue()  # None: end of output
+        threading.Thread(target=self._read, daemon=True).start()  # no pipe fills up, no read hangs
+        if wait_listening:
+            self.url = self.read_until("listening on ", timeout).split()[-1]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def read_until(self, text: str, timeout: float = 180) -> str:
+        """Read the server's output (stdout and log) up to the first line that contains `text`;
+        returns that line."""
         deadline = time.monotonic() + timeout
-        self.log: list[str] = []
         while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("server exited before listening:\n" + "".join(self.log))
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"no {text!r} within {timeout} s:\n" + "".join(self.log)) from None
+            if line is None:
+                raise RuntimeError(f"server exited before {text!r}:\n" + "".join(self.log))
             self.log.append(line)
-            if line.startswith("listening on "):
-                self.url = line.split()[-1]
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("".join(self.log))
+            if text in line:
+                return line
+
+    def exit(self, timeout: float) -> tuple[int, str]:
+        """Wait for the server to exit: its exit code and all its output (the end of it comes
+        once every process that shares its stdout, the ranks too, has gone)."""
+        code = self.proc.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("the server's output did not end:\n" + "".join(self.log)) from None
+            if line is None:
+                return code, "".join(self.log)
+            self.log.append(line)
+
+    def wait_for_workers(self, timeout: float = 120) -> list[int]:
+        """Poll until the server has started its worker ranks (a state, not a delay)."""
+        deadline = time.monotonic() + timeout
+        while not (workers := self.children()):
+            assert self.proc.poll() is None, "server exited before starting its ranks"
+            assert time.monotonic() < deadline, "no worker rank started"
+            time.sleep(0.01)
+        return workers
 
     def completion(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         body = json.dumps({"model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens,
@@ -52,8 +91,19 @@ class ServerProcess:
         """Child processes of any of the server's threads, except multiprocessing's resource tracker."""
         pids = []
         for children in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
-            pids += [int(p) for p in children.read_text().split()]
-        return [p for p in pids if "resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+            try:
+                pids += [int(p) for p in children.read_text().split()]
+            except FileNotFoundError:  # a thread that just ended
+                pass
+        workers = []
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except FileNotFoundError:  # a child that just ended
+                continue
+            if "resource_tracker" not in cmdline:
+                workers.append(pid)
+        return workers
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -162,6 +212,74 @@ def test_ctrl_c_stops_every_rank(tiny_llama_dir):
     workers = server.children()
     assert workers
     server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(timeout=60) == 0
+    code, output = server.exit(timeout=60)
+    assert code == 0, output[-3000:]
     alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in workers if pid_alive(pid)]
     assert not alive  # stopped and joined, not left to die
+    assert "parallel worker" not in output, output  # told to stop, not killed ("... died (exit code -9)")
+
+
+def test_ctrl_c_to_the_process_group_while_ranks_start(tiny_llama_dir):
+    """A terminal's Ctrl-C reaches every process of the group, the ranks too, at the moment the
+    first rank exists (its interpreter starting, torch importing): rank 0 still stops them all and
+    exits 0. The outcome may not depend on where start-up is when the signal lands."""
+    server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
+                           "--num-kv-blocks", "64", wait_listening=False, start_new_session=True)
+    try:
+        workers = server.wait_for_workers()
+        os.killpg(server.proc.pid, signal.SIGINT)
+        code, output = server.exit(timeout=120)
+        assert code == 0, output[-3000:]
+        assert not [pid for pid in workers if pid_alive(pid)]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def rendezvous_waiting_server(model_dir, port: int) -> tuple[ServerProcess, list[int], list[str]]:
+    """Node 0 of two (--tp 4 --nnodes 2: ranks 0 and 1 here), which cannot finish starting until
+    node 1 joins the rendezvous: a start-up that is certainly still under way."""
+    common = ["--model", str(model_dir), "--dtype", "float32", "--tp", "4", "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--master-port", str(port), "--num-kv-blocks", "64"]
+    server = ServerProcess(*common, "--node-rank", "0", wait_listening=False)
+    return server, server.wait_for_workers(), common
+
+
+def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir):
+    """SIGINT while rank 0 waits at the rendezvous: it is taken as a stop, start-up completes once
+    the other node joins, and then every rank of both nodes is stopped and joined; exit 0, and the
+    server never listens."""
+    server, workers, common = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    node1 = None
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        server.read_until("SIGINT during start-up: stopping without serving", timeout=60)
+        node1 = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", *common, "--node-rank", "1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        code, output = server.exit(timeout=120)
+        assert code == 0, output[-3000:]
+        assert "listening on" not in output
+        assert not [pid for pid in workers if pid_alive(pid)]
+        node1_output, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, node1_output[-3000:]  # rank 0 stopped node 1's ranks too
+    finally:
+        for process in (server.proc, node1):
+            if process is not None and process.poll() is None:
+                process.kill()
+
+
+def test_second_ctrl_c_during_start_up_kills_every_rank(tiny_llama_dir):
+    """A start-up that cannot finish (the other node never comes): the first SIGINT waits for it,
+    the second kills this node's ranks, reaps them and exits 130 at once."""
+    server, workers, _ = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        server.read_until("SIGINT during start-up: stopping without serving", timeout=60)
+        server.proc.send_signal(signal.SIGINT)
+        code, output = server.exit(timeout=60)
+        assert code == 130, output[-3000:]
+        assert "killing the worker ranks" in output
+        assert not [pid for pid in workers if pid_alive(pid)]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
