@@ -1,9 +1,8 @@
 """Paged attention on the CPU: decode rows through the C++ kernels (kernels/cpu/attention_amx.cpp
-at the AMX level, else ops.cpp), which read K/V where they lie in the pool; prompt rows on AMX
-tiles too (attention_amx.cpp's prefill kernel, 2-3x torch's flash SDPA there), at the AVX-512
-BF16 level through ops.cpp's span kernel over the pool (1.5-3x SDPA on a Zen 5 EPYC), else
-through torch's flash SDPA (the AVX2 and portable levels, fp32, head_dims those kernels don't
-take).
+at the AMX level, else ops.cpp), which read K/V where they lie in the pool; prompt rows through
+attention_amx.cpp's prefill kernel, on AMX tiles (2-3x torch's flash SDPA there) or at the AVX-512
+BF16 level with VDPBF16PS (2-4x SDPA on a Zen 5 EPYC), else through torch's flash SDPA (the AVX2
+and portable levels, fp32, head_dim other than 64 / 128).
 
 Every prompt row gives the same bits however its prompt was split (fresh, behind a cached
 prefix, across chunked-prefill steps). The AMX kernel does so by construction (each row's sums
@@ -128,12 +127,10 @@ def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q
         args = (query[:n], key_cache, value_cache, block_table[:n], cu_seqlens_q[: n + 1], seq_lens[:n], scale)
         if not cpu_ops.available() or cpu_ops.paged_attention(*args, out=out[:n]) is None:
             out[:n] = paged_attention_reference(*args, 1, None)
-    # On AMX: every prompt row in one call (kernels/cpu/attention_amx.cpp); at the AVX-512 BF16
-    # level, ops.cpp's span kernel over the pool; else torch's SDPA below.
-    on_tiles = bool(spans) and cpu_ops.available() and (
-        cpu_ops.prefill_attention_amx(query, key_cache, value_cache, block_table, spans, scale, out)
-        or cpu_ops.prefill_attention_spans(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                           scale, n, out))
+    # At the AMX and AVX-512 BF16 levels: every prompt row in one call (kernels/cpu/attention_amx.cpp);
+    # else torch's SDPA below.
+    on_tiles = cpu_ops.available() and cpu_ops.prefill_attention(query, key_cache, value_cache, block_table,
+                                                                  spans, scale, out)
     groups: dict[tuple[int, int], list[PrefillSpan]] = {}
     for span in [] if on_tiles else spans:  # fresh prompts of one length go together
         groups.setdefault((span.seq_len, span.q_len), []).append(span)

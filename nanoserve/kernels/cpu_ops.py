@@ -51,7 +51,7 @@ _SIGNATURES = {
     "ns_current_isa": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
                                 ctypes.c_float],
-    "ns_prefill_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
+    "ns_prefill_attention": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
                                  ctypes.c_float],
     "ns_decode_layers": [_P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, ctypes.c_float, ctypes.c_float,
                          _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32],
@@ -261,41 +261,6 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     return out
 
 
-def prefill_attention_spans(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                            first_seq: int, out) -> bool:
-    """Prompt rows of sequences first_seq.. (their rows follow each other from
-    cu_seqlens_q[first_seq] on, their K/V already in the pool) with ops.cpp's AVX-512 BF16 span
-    kernel, into the same rows of `out` (contiguous, shaped as query). Taken at the avx512bf16
-    level only: there it is 1.5-3x the SDPA path on a Zen 5 EPYC (128 to 1,900-row prompts);
-    below it torch's SDPA is faster. Each row's bits depend on that row alone (its keys in
-    order, online softmax by block), however its prompt is split. False when not taken."""
-    if _library.ns_current_isa() != ISA_LEVELS.index("avx512bf16"):
-        return False
-    if _dtype_code(query, key_cache, value_cache) != _DTYPES[torch.bfloat16] or query.stride(2) != 1:
-        return False
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    if block_size != 16 or head_dim % 32 or head_dim > 256 or not out.is_contiguous():
-        return False
-    if not (_head_major(key_cache) and _head_major(value_cache)):
-        return False
-    if block_table.dtype != torch.int32 or cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        return False
-    num_seqs = seq_lens.shape[0] - first_seq
-    if num_seqs <= 0:
-        return True
-    start = int(cu_seqlens_q[first_seq])
-    cu = (cu_seqlens_q[first_seq:] - start).contiguous()
-    table = block_table[first_seq:].contiguous()
-    lens = seq_lens[first_seq:].contiguous()
-    q = query[start:]
-    _library.ns_paged_attention(
-        _DTYPES[torch.bfloat16], out[start:].data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
-        key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, block_size, head_dim, table.data_ptr(),
-        table.stride(0), cu.data_ptr(), lens.data_ptr(), num_seqs, num_heads, float(scale), _ROWS_PER_ITEM, 1)
-    return True
-
-
 def rms_norm(x, residual, weight, eps):
     """(normed, new_residual) as fused_add_rms_norm_reference (new_residual None without a
     residual); None when unsupported."""
@@ -362,12 +327,13 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
     return True
 
 
-def prefill_attention_amx(query, key_cache, value_cache, block_table, spans, scale, out) -> bool:
-    """Attention of prompt rows on AMX tiles (kernels/cpu/attention_amx.cpp): spans as
-    cpu_attention.PrefillSpan (their K/V already in the pool), into the rows of `out` (a
+def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, out) -> bool:
+    """Attention of prompt rows (kernels/cpu/attention_amx.cpp): on AMX tiles at the AMX level,
+    with VDPBF16PS at the AVX-512 BF16 level (there 2-4x torch's flash SDPA on a Zen 5 EPYC).
+    Spans as cpu_attention.PrefillSpan (their K/V already in the pool), into the rows of `out` (a
     contiguous tensor shaped as query) that the spans cover. Each row's bits depend on that row
     alone, however its prompt is split. False when not taken (then use the SDPA path)."""
-    if not spans or not _amx_attention() or _dtype_code(query, key_cache, value_cache) != _DTYPES[torch.bfloat16]:
+    if not spans or _dtype_code(query, key_cache, value_cache) != _DTYPES[torch.bfloat16]:
         return False
     if query.stride(2) != 1 or not out.is_contiguous() or key_cache.shape[1] != 16:
         return False
@@ -377,7 +343,7 @@ def prefill_attention_amx(query, key_cache, value_cache, block_table, spans, sca
         return False
     table = torch.tensor([(s.seq_index, s.row_start, s.q_len, s.seq_len) for s in spans], dtype=torch.int32)
     _, num_heads, head_dim = query.shape
-    return _library.ns_prefill_attention_amx(
+    return _library.ns_prefill_attention(
         out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), key_cache.shape[2], head_dim, block_table.data_ptr(), block_table.stride(0),
         table.data_ptr(), len(spans), num_heads, float(scale)) == 0

@@ -11,7 +11,8 @@
 // Every row's arithmetic depends on its own sequence and KV head alone: the same bits whatever
 // else is in the batch and whatever the thread count.
 //
-// Prompt rows (prefill_attention_amx) work the same way per tile of 16 query rows of one head:
+// Prompt rows (prefill_attention) work the same way per tile of 16 query rows of one head, on
+// tiles at the AMX level or with VDPBF16PS at the AVX-512 BF16 level (same packing, same steps):
 //   S[16 rows][16 keys] = Q . K^T  (K^T pair-interleaved, built once per sequence and KV head)
 //   P = softmax over each row's own keys (0..its position), O += P . V
 // A row's scores, max, exps and sum run over its own keys only, in key order; the blocks a tile
@@ -26,6 +27,7 @@
 #include <omp.h>
 #include <vector>
 
+#include "isa.h"
 #include "simd.h"
 
 #define NS_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -48,6 +50,8 @@ struct alignas(64) AttnTileConfig {
 
 // Tiles 0-3: S^T (pass 1, tile 0) and O's four 16-column blocks (pass 2); 4: P (16 heads x 16
 // keys); 5: one V column block (8 key pairs x 16 columns); 6: K (16 keys x 32 dims); 7: Q^T.
+NS_AMX_ATTN void release_tiles() { _tile_release(); }
+
 NS_AMX_ATTN void configure_attention_tiles() {
     AttnTileConfig config{};
     config.palette_id = 1;
@@ -64,7 +68,7 @@ using ns_simd::exp2x16;
 
 // Indexes for _mm512_permutex2var_epi16 that interleave two rows of 32 bf16 (a, b) into
 // (a[j], b[j]) pairs: `lo` for j < 16, `hi` for the others.
-NS_AMX_ATTN inline void pair_indexes(__m512i* lo, __m512i* hi) {
+NS_AVX512_BF16 inline void pair_indexes(__m512i* lo, __m512i* hi) {
     alignas(64) uint16_t lo_index[32], hi_index[32];
     for (int j = 0; j < 16; ++j) {
         lo_index[2 * j] = static_cast<uint16_t>(j);
@@ -79,7 +83,7 @@ NS_AMX_ATTN inline void pair_indexes(__m512i* lo, __m512i* hi) {
 // One block's V (rows of head_dim bf16, `valid` of them real) as the P . V tiles take it, for its
 // 32-dim chunks [0, chunks) of vb: out[column block][8 key pairs][32]. Keys past the end are zero
 // rows: their P is 0, but 0 x NaN is NaN.
-NS_AMX_ATTN inline void pair_value_rows(uint16_t* out, const uint16_t* vb, int head_dim, int valid, int chunks,
+NS_AVX512_BF16 inline void pair_value_rows(uint16_t* out, const uint16_t* vb, int head_dim, int valid, int chunks,
                                         __m512i lo_idx, __m512i hi_idx) {
     for (int t = 0; t < 8; ++t)
         for (int c = 0; c < chunks; ++c) {
@@ -123,7 +127,7 @@ NS_AMX_ATTN void multiply_probs_values(float* obuf, const uint16_t* probs, int p
 }
 
 // dst[0, head_dim) = row / sum, rounded to bf16.
-NS_AMX_ATTN inline void store_normalized(uint16_t* dst, const float* row, float sum, int head_dim) {
+NS_AVX512_BF16 inline void store_normalized(uint16_t* dst, const float* row, float sum, int head_dim) {
     const __m512 inv = _mm512_set1_ps(1.0f / sum);
     for (int c = 0; c < head_dim; c += 16)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
@@ -251,7 +255,7 @@ struct Span {  // one prompt's rows in this step, as cpu_attention.PrefillSpan
 // K^T and V of one sequence and KV head in the tiles' layouts, for all its blocks:
 // kt[block][chunk]: [16 dim pairs][16 keys] words; vv[block][column block]: [8 key pairs][16 columns][2].
 template <int D>
-NS_AMX_ATTN void pack_keys_values(uint32_t* kt, uint16_t* vv, const uint16_t* key_cache, const uint16_t* value_cache,
+NS_AVX512_BF16 void pack_keys_values(uint32_t* kt, uint16_t* vv, const uint16_t* key_cache, const uint16_t* value_cache,
                                   const int32_t* table, int num_kv_heads, int h, int seq_len, __m512i lo_idx,
                                   __m512i hi_idx) {
     constexpr int kChunks = D / 32;
@@ -275,8 +279,94 @@ NS_AMX_ATTN void pack_keys_values(uint32_t* kt, uint16_t* vv, const uint16_t* ke
     }
 }
 
+// Pass 1 of a 16-row tile of one head: raw scores S[r][b * 16 + key] = Q[r] . K[key] for every
+// block b < num_blocks, rows [0, rows) of q (stride q_stride elements; with tiles, q holds 16
+// rows, zero past `rows`).
 template <int D>
-NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
+NS_AMX_ATTN void tile_scores_amx(float* scores, int padded, const uint16_t* q, int64_t q_stride, int /*rows*/,
+                                 const uint32_t* kt, int num_blocks) {
+    constexpr int kChunks = D / 32;
+    for (int b = 0; b < num_blocks; ++b) {
+        _tile_zero(0);
+        for (int c = 0; c < kChunks; ++c) {
+            _tile_loadd(7, q + 32 * c, q_stride * 2);
+            _tile_loadd(6, kt + (static_cast<int64_t>(b) * kChunks + c) * 256, 64);
+            _tile_dpbf16ps(0, 7, 6);
+        }
+        _tile_stored(0, scores + b * kBlock, padded * 4);
+    }
+}
+
+// The same with VDPBF16PS, eight rows at a time sharing each K^T load: a score is one
+// accumulator over the dim pairs in order, whichever rows share the pass.
+template <int D, int R>
+NS_AVX512_BF16 void row_scores_dpbf16(float* scores, int padded, const uint16_t* q, int64_t q_stride,
+                                      const uint32_t* kt, int num_blocks) {
+    for (int b = 0; b < num_blocks; ++b) {
+        const uint32_t* ktb = kt + static_cast<int64_t>(b) * (D / 2) * kBlock;
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int p = 0; p < D / 2; ++p) {
+            const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(ktb + p * kBlock));
+            for (int r = 0; r < R; ++r) {
+                int32_t pair;
+                std::memcpy(&pair, q + r * q_stride + 2 * p, sizeof(pair));
+                acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), k);
+            }
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * padded + b * kBlock, acc[r]);
+    }
+}
+
+template <int D>
+NS_AVX512_BF16 void tile_scores_dpbf16(float* scores, int padded, const uint16_t* q, int64_t q_stride, int rows,
+                                       const uint32_t* kt, int num_blocks) {
+    int r = 0;
+    for (; r + 8 <= rows; r += 8) row_scores_dpbf16<D, 8>(scores + r * padded, padded, q + r * q_stride, q_stride, kt, num_blocks);
+    for (; r + 4 <= rows; r += 4) row_scores_dpbf16<D, 4>(scores + r * padded, padded, q + r * q_stride, q_stride, kt, num_blocks);
+    for (; r < rows; ++r) row_scores_dpbf16<D, 1>(scores + r * padded, padded, q + r * q_stride, q_stride, kt, num_blocks);
+}
+
+// Pass 2 with VDPBF16PS: O[r][D] = P[r] . V over every block's key pairs in order, four rows and
+// four 16-column blocks at a time sharing the V and P loads.
+template <int D, int R>
+NS_AVX512_BF16 void row_values_dpbf16(float* obuf, const uint16_t* probs, int padded, const uint16_t* vv, int num_blocks) {
+    constexpr int kColBlocks = D / 16;
+    for (int quarter = 0; quarter < kColBlocks; quarter += 4) {
+        __m512 acc[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+        for (int b = 0; b < num_blocks; ++b) {
+            const uint16_t* vb = vv + (static_cast<int64_t>(b) * kColBlocks + quarter) * 256;
+            for (int t = 0; t < kBlock / 2; ++t) {
+                __m512bh v[4];
+                for (int c = 0; c < 4; ++c) v[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vb + c * 256 + 32 * t));
+                for (int r = 0; r < R; ++r) {
+                    int32_t pair;
+                    std::memcpy(&pair, probs + r * padded + b * kBlock + 2 * t, sizeof(pair));
+                    const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+                    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(obuf + r * D + (quarter + c) * 16, acc[r][c]);
+    }
+}
+
+template <int D>
+NS_AVX512_BF16 void tile_values_dpbf16(float* obuf, const uint16_t* probs, int padded, const uint16_t* vv,
+                                       int num_blocks, int rows) {
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) row_values_dpbf16<D, 4>(obuf + r * D, probs + r * padded, padded, vv, num_blocks);
+    for (; r < rows; ++r) row_values_dpbf16<D, 1>(obuf + r * D, probs + r * padded, padded, vv, num_blocks);
+}
+
+// Prompt rows of every span on AMX tiles (kTiles) or with VDPBF16PS: K^T and V packed once per
+// (span, KV head), then per (span, head, 16-row tile) the scores of every block the tile sees,
+// each row's softmax over its own keys, and O = P . V.
+template <int D, bool kTiles>
+NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
                                        const uint16_t* key_cache, const uint16_t* value_cache, int num_kv_heads,
                                        const int32_t* block_table, int64_t block_table_stride, const Span* spans,
                                        int num_spans, int num_heads, float scale) {
@@ -320,7 +410,7 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
             pack_keys_values<D>(kt, vv, key_cache, value_cache, block_table + static_cast<int64_t>(span.seq) * block_table_stride,
                                 num_kv_heads, h, span.seq_len, lo_idx, hi_idx);
         }
-        configure_attention_tiles();
+        if constexpr (kTiles) configure_attention_tiles();
         std::vector<float> scores;     // [16 rows][padded keys]
         std::vector<uint16_t> probs;   // [16 rows][padded keys] bf16
         alignas(64) uint16_t qbuf[kRows * D];  // a short last tile's rows, zero-padded
@@ -345,23 +435,16 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
             const uint16_t* vv = reinterpret_cast<const uint16_t*>(kt + static_cast<int64_t>(all_blocks) * kChunks * 256);
             const uint16_t* q = query + static_cast<int64_t>(span.row_start + first) * q_stride_token +
                                 static_cast<int64_t>(head) * q_stride_head;
-            int64_t q_stride_bytes = q_stride_token * 2;
-            if (rows < kRows) {
+            int64_t q_stride = q_stride_token;
+            if (kTiles && rows < kRows) {  // a tile load reads 16 rows
                 std::memset(qbuf, 0, sizeof(qbuf));
                 for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * q_stride_token, D * 2);
                 q = qbuf;
-                q_stride_bytes = D * 2;
+                q_stride = D;
             }
             // Pass 1: S for every block the tile can see.
-            for (int b = 0; b < num_blocks; ++b) {
-                _tile_zero(0);
-                for (int c = 0; c < kChunks; ++c) {
-                    _tile_loadd(7, q + 32 * c, q_stride_bytes);
-                    _tile_loadd(6, kt + (static_cast<int64_t>(b) * kChunks + c) * 256, 64);
-                    _tile_dpbf16ps(0, 7, 6);
-                }
-                _tile_stored(0, scores.data() + b * kBlock, padded * 4);
-            }
+            if constexpr (kTiles) tile_scores_amx<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
+            else tile_scores_dpbf16<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
             // Softmax of each row over its own keys 0..position; later keys get P = 0.
             for (int r = 0; r < kRows; ++r) {
                 const float* sr = scores.data() + static_cast<int64_t>(r) * padded;
@@ -391,12 +474,13 @@ NS_AMX_ATTN void prefill_attention_amx(uint16_t* out, const uint16_t* query, int
                 if (own_blocks < num_blocks) std::memset(pr + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 2);
             }
             // Pass 2: O = P . V.
-            multiply_probs_values<D>(obuf, probs.data(), padded, vv, num_blocks);
+            if constexpr (kTiles) multiply_probs_values<D>(obuf, probs.data(), padded, vv, num_blocks);
+            else tile_values_dpbf16<D>(obuf, probs.data(), padded, vv, num_blocks, rows);
             for (int r = 0; r < rows; ++r)
                 store_normalized(out + (static_cast<int64_t>(span.row_start + first + r) * num_heads + head) * D,
                                  obuf + r * D, row_sum[r], D);
         }
-        _tile_release();
+        if constexpr (kTiles) release_tiles();
     }
 }
 
@@ -423,17 +507,22 @@ int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token
 }
 // Prompt rows: spans [num_spans][4] = (sequence index into block_table, first row in query/out,
 // rows, seq_len with these rows); their K/V already in the pool. Rows outside the spans are left
-// alone. 0 done; 1 not taken here.
-int ns_prefill_attention_amx(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
-                             const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
-                             const int32_t* block_table, int64_t block_table_stride, const int32_t* spans,
-                             int num_spans, int num_heads, float scale) {
-    if (!ns_amx_available() || num_kv_heads <= 0 || num_heads % num_kv_heads)
+// alone. At the AMX level on tiles, at the AVX-512 BF16 level with VDPBF16PS (each its own
+// summation order, fixed whatever the tile's other rows). 0 done; 1 not taken here (a lower
+// level, head_dim not 64 or 128).
+int ns_prefill_attention(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
+                         const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
+                         const int32_t* block_table, int64_t block_table_stride, const int32_t* spans,
+                         int num_spans, int num_heads, float scale) {
+    const int level = ns_isa::current();
+    if (level < ns_isa::kAvx512Bf16 || num_kv_heads <= 0 || num_heads % num_kv_heads)
         return 1;
+    const bool tiles = level == ns_isa::kAmx && ns_amx_available();
     const Span* span_list = reinterpret_cast<const Span*>(spans);
     for (int i = 0; i < num_spans; ++i)
         if (span_list[i].q_len <= 0 || span_list[i].seq_len < span_list[i].q_len) return 1;
-    auto run = head_dim == 64 ? prefill_attention_amx<64> : head_dim == 128 ? prefill_attention_amx<128> : nullptr;
+    auto run = head_dim == 64 ? (tiles ? prefill_attention<64, true> : prefill_attention<64, false>)
+             : head_dim == 128 ? (tiles ? prefill_attention<128, true> : prefill_attention<128, false>) : nullptr;
     if (run == nullptr) return 1;
     run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query), q_stride_token, q_stride_head,
         static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), num_kv_heads,
