@@ -41,7 +41,7 @@ _I64 = ctypes.c_int64
 _I32 = ctypes.c_int
 _SIGNATURES = {
     "ns_paged_attention": [_I32, _P, _P, _I64, _I64, _P, _P, _I32, _I32, _I32, _P, _I64, _P, _P, _I32,
-                           _I32, ctypes.c_float, _I32, _I32],
+                           _I32, ctypes.c_float, _I32],
     "ns_rms_norm": [_I32, _P, _P, _P, _P, _P, _I64, _I64, ctypes.c_float],
     "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
@@ -257,7 +257,7 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
         code, out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
         key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, block_size, head_dim,
         block_table.data_ptr(), block_table.stride(0), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
-        num_seqs, num_heads, float(scale), _ROWS_PER_ITEM, 0)
+        num_seqs, num_heads, float(scale), _ROWS_PER_ITEM)
     return out
 
 

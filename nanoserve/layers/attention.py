@@ -26,7 +26,8 @@ class AttentionMetadata:
     # CPU: nonzero (the CPU attention path). Where the linear layers use oneDNN, prompt rows are
     # padded to a multiple of this and multiplied in tiles of exactly this many rows, so that a
     # prompt row's GEMM results never depend on what else is in the step (oneDNN picks kernels,
-    # and summation orders, by M); the AMX GEMM (kernels/cpu/gemm.cpp) needs neither. 0: CUDA.
+    # and summation orders, by M); our GEMM (kernels/cpu/gemm*.cpp, every ISA level) needs
+    # neither. 0: CUDA.
     prefill_row_tile: int = 0
     spans: list[PrefillSpan] | None = field(default=None)  # host-side; built on first use
 

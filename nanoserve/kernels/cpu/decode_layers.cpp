@@ -26,8 +26,7 @@ int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token
 int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
                        const void* key_cache, const void* value_cache, int num_kv_heads, int block_size, int head_dim,
                        const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
-                       const int32_t* seq_lens, int num_seqs, int num_heads, float scale, int rows_per_item,
-                       int prompt_rows);
+                       const int32_t* seq_lens, int num_seqs, int num_heads, float scale, int rows_per_item);
 int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter);
 
 // layers: num_layers x 8 addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
@@ -75,7 +74,7 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
                                                       seq_lens, seqs, num_heads, scale))
             ns_paged_attention(kBf16, attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads, block_size,
                                head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
-                               scale, 16, 0);
+                               scale, 16);
         if (ns_gemm_bf16(o, hidden, attn, q_size, at(w[2]), nullptr, rows, hidden, q_size)) return 0;
         // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
         const void* previous = current < 0 ? x : residual[current];

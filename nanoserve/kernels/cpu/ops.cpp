@@ -501,14 +501,12 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
                      const typename S::T* value_cache, int num_kv_heads, int block_size,
                      int head_dim, const int32_t* block_table, int64_t block_table_stride,
                      const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
-                     int num_heads, float scale, int rows_per_item, bool prompt_rows) {
+                     int num_heads, float scale, int rows_per_item) {
     using T = typename S::T;
     const int group = num_heads / num_kv_heads;
     const int D = head_dim;
     const int BS = block_size;
-    // Prompt rows never take the decode kernel, even a batch of one-row chunks: a prompt row's
-    // bits must not depend on how many rows its chunk has.
-    bool all_decodes = !prompt_rows;
+    bool all_decodes = true;
     for (int s = 0; s < num_seqs; ++s) all_decodes = all_decodes && cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1;
     // Work items: (sequence, KV head, first query row); a row tile shares each K/V block load.
     std::vector<int32_t> items;
@@ -747,19 +745,19 @@ int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride
                        int num_kv_heads, int block_size, int head_dim, const int32_t* block_table,
                        int64_t block_table_stride, const int32_t* cu_seqlens_q,
                        const int32_t* seq_lens, int num_seqs, int num_heads, float scale,
-                       int rows_per_item, int prompt_rows) {
+                       int rows_per_item) {
     if (dtype == 0)
         paged_attention<F32>(static_cast<float*>(out), static_cast<const float*>(query), q_stride_token,
                              q_stride_head, static_cast<const float*>(key_cache),
                              static_cast<const float*>(value_cache), num_kv_heads, block_size, head_dim,
                              block_table, block_table_stride, cu_seqlens_q, seq_lens, num_seqs,
-                             num_heads, scale, rows_per_item, prompt_rows != 0);
+                             num_heads, scale, rows_per_item);
     else if (dtype == 1)
         paged_attention<BF16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query),
                               q_stride_token, q_stride_head, static_cast<const uint16_t*>(key_cache),
                               static_cast<const uint16_t*>(value_cache), num_kv_heads, block_size,
                               head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens,
-                              num_seqs, num_heads, scale, rows_per_item, prompt_rows != 0);
+                              num_seqs, num_heads, scale, rows_per_item);
     else
         return 1;
     return 0;
