@@ -109,9 +109,10 @@ class ModelRunner(KVCacheAllocation):
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence], block_offset: int = 0) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
-        layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded to a whole number of PREFILL_ROW_TILE tiles (see
-        AttentionMetadata.prefill_row_tile). `block_offset`: where the scheduler's blocks start
-        in the pool (pipeline parallelism gives each virtual engine its own share)."""
+        layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded
+        to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
+        `block_offset`: where the scheduler's blocks start in the pool (pipeline parallelism gives
+        each virtual engine its own share)."""
         block_size = self.block_size
         decodes: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []

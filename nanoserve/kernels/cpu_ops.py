@@ -131,9 +131,13 @@ ISA_DESCRIPTIONS = {
 }
 
 
+def _supported(lib: ctypes.CDLL) -> list[str]:
+    return [name for level, name in enumerate(ISA_LEVELS) if lib.ns_isa_supported(level)]
+
+
 def _chosen_isa(lib: ctypes.CDLL) -> str:
     """NANOSERVE_CPU_ISA when set (it must name a level this CPU runs), else the best one here."""
-    supported = [name for level, name in enumerate(ISA_LEVELS) if lib.ns_isa_supported(level)]
+    supported = _supported(lib)
     forced = os.environ.get("NANOSERVE_CPU_ISA", "").strip().lower()
     if not forced:
         return supported[-1]
@@ -158,7 +162,7 @@ def supported_isas() -> list[str]:
     """The levels this machine can run, lowest first ([] when the kernels don't load): tests run
     each of them."""
     lib = library()
-    return [] if lib is None else [name for level, name in enumerate(ISA_LEVELS) if lib.ns_isa_supported(level)]
+    return [] if lib is None else _supported(lib)
 
 
 def isa() -> str | None:

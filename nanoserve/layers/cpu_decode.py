@@ -3,9 +3,9 @@
 The modules' path (models/llama.py) calls ~9 kernels a layer through Python; at batch 1 the
 Python around them is several ms of a ~25 ms step. For steps of decodes only, on one rank, in
 bf16, with every linear layer on our GEMM (at any ISA level), `FusedDecode.run` calls the same
-kernels in the same order with the same inputs from C++, so its hidden states have the same bits as the
-modules' (tests/engine/test_cpu_decode.py checks that), and everything else (embedding, final
-norm, LM head, sampling) stays where it was. Any other step, model or machine takes the modules.
+kernels in the same order with the same inputs from C++, so its hidden states have the same bits
+as the modules' (tests/engine/test_cpu_decode.py checks that), and everything else (embedding,
+final norm, LM head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
 from __future__ import annotations
 

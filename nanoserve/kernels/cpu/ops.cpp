@@ -29,11 +29,6 @@
 
 namespace {
 
-using ns_bf16::from_float;
-using ns_bf16::to_float;
-inline float bf16_to_float(uint16_t v) { return to_float(v); }
-inline uint16_t float_to_bf16(float f) { return from_float(f); }
-
 struct F32 {
     using T = float;
     static inline float load(const float* p, int64_t i) { return p[i]; }
@@ -43,9 +38,9 @@ struct F32 {
 
 struct BF16 {
     using T = uint16_t;
-    static inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
-    static inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
-    static inline float round(float v) { return bf16_to_float(float_to_bf16(v)); }
+    static inline float load(const uint16_t* p, int64_t i) { return ns_bf16::to_float(p[i]); }
+    static inline void store(uint16_t* p, int64_t i, float v) { p[i] = ns_bf16::from_float(v); }
+    static inline float round(float v) { return ns_bf16::to_float(ns_bf16::from_float(v)); }
 };
 
 // 2^x, relative error ~1e-7; 2^0 is exactly 1; below -126 it stays at 2^-126, from 128 up it is
@@ -453,7 +448,7 @@ NS_AVX512_BF16 bool argmax_row_bf16(int64_t* out, const uint16_t* xr, int64_t co
     if (nan) return false;
     float top = _mm512_reduce_max_ps(best);
     for (int64_t i = whole; i < cols; ++i) {
-        const float v = bf16_to_float(xr[i]);
+        const float v = ns_bf16::to_float(xr[i]);
         if (v != v) return false;
         top = v > top ? v : top;
     }
@@ -466,7 +461,7 @@ NS_AVX512_BF16 bool argmax_row_bf16(int64_t* out, const uint16_t* xr, int64_t co
         }
     }
     for (int64_t i = whole; i < cols; ++i)
-        if (bf16_to_float(xr[i]) == top) {
+        if (ns_bf16::to_float(xr[i]) == top) {
             *out = i;
             return true;
         }
@@ -487,10 +482,10 @@ NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, in
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), to_bf16x16(_mm512_mul_ps(silu, load_bf16x16(up + i))));
         }
         for (; i < inter; ++i) {  // tail: same arithmetic, one lane at a time
-            const __m512 g = _mm512_set1_ps(bf16_to_float(gate[i]));
+            const __m512 g = _mm512_set1_ps(ns_bf16::to_float(gate[i]));
             const __m512 e = exp2x16(_mm512_mul_ps(g, _mm512_set1_ps(-kLog2E)));
             const float silu = _mm512_cvtss_f32(round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
-            o[i] = float_to_bf16(silu * bf16_to_float(up[i]));
+            o[i] = ns_bf16::from_float(silu * ns_bf16::to_float(up[i]));
         }
     }
 }
