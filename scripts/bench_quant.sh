@@ -1,0 +1,53 @@
+#!/bin/bash
+# Quantized GGUF serving (issue 28) against llama.cpp and against nanoserve's own bf16, in one run
+# on this machine, each engine in a process of its own, one after the other. Run on an idle
+# machine from the project root after `make install` and ../shared/bench/setup-llamacpp.sh (which
+# writes the default model as Q4_1, Q8_0 and BF16 GGUF files). Writes $OUT/run.txt.
+#   scripts/bench_quant.sh                                   batch1, offline and perplexity
+#   PARTS="batch1" OUT=benchmarks/quant/amd-epyc-zen5 scripts/bench_quant.sh
+# batch1: 16-token prompt, 256 greedy tokens, ms/token (../shared/bench/batch1.sh): llama.cpp on
+#   the three files, nanoserve on its bf16 import and on the Q4_1 and Q8_0 files as they are.
+# offline: LLM.generate 64 x (128 in, 128 out) output tokens/s, nanoserve bf16 vs the Q4_1 file.
+# ppl: scripts/perplexity.py on benchmarks/quant/perplexity_text.txt (the same ids for both).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/quant}
+PARTS=${PARTS:-"batch1 offline ppl"}
+BENCH=${BENCH:-../shared/bench}
+LV=${LLAMACPP_VENV:-$HOME/.cache/llamacpp/venv}
+G=$(dirname "$LV")/gguf
+PY=.venv/bin/python
+MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf_import import ensure_default_model; print(ensure_default_model())' 2>/dev/null)}
+mkdir -p "$OUT"
+RUN="$OUT/run.txt"
+{
+  echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
+  echo "# torch $($PY -c 'import torch; print(torch.__version__)'), nanoserve $(git rev-parse --short HEAD)"
+  echo "# $($PY -c 'from nanoserve.kernels import cpu_ops; print(cpu_ops.describe_isa())' 2>/dev/null)"
+} > "$RUN"
+offline() {  # model label
+  $PY -m nanoserve.bench.throughput --model "$1" --num-prompts 64 --input-len 128 --output-len 128 \
+    --no-transformers 2>/dev/null | grep '^nanoserve' | sed "s/^nanoserve/nanoserve $2/"
+}
+for part in $PARTS; do
+  case $part in
+    batch1) echo "## batch1" | tee -a "$RUN"
+            "$BENCH/batch1.sh" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf" 2>/dev/null \
+              | grep -E '^(nanoserve|llama.cpp)' | tee -a "$RUN" ;;
+    offline) echo "## offline 64 128 128" | tee -a "$RUN"
+             offline "$MODEL_DIR" bf16 | tee -a "$RUN"
+             offline "$G/smollm2-q4_1.gguf" q4_1 | tee -a "$RUN"
+             offline "$G/smollm2-q8_0.gguf" q8_0 | tee -a "$RUN" ;;
+    ppl) echo "## perplexity" | tee -a "$RUN"
+         IDS=$(mktemp)
+         $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$IDS" 2>/dev/null
+         for m in "$MODEL_DIR" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
+           $PY scripts/perplexity.py nanoserve "$m" "$IDS" 2>/dev/null | tail -n 1 | tee -a "$RUN"
+         done
+         for m in "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
+           "$LV/bin/python" scripts/perplexity.py llamacpp "$m" "$IDS" 2>/dev/null | tail -n 1 | tee -a "$RUN"
+         done
+         rm -f "$IDS" ;;
+  esac
+done
+$PY scripts/summarize_quant.py "$RUN" | tee "$OUT/summary.md"

@@ -1,0 +1,73 @@
+"""The table of scripts/bench_quant.sh's run.txt, with issue 28's targets checked.
+
+    .venv/bin/python scripts/summarize_quant.py benchmarks/quant/<cpu>/run.txt
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+
+def parse(lines: list[str]) -> tuple[dict, dict, dict]:
+    batch1, offline, ppl = {}, {}, {}
+    for line in lines:
+        if match := re.match(r"^(nanoserve|llama\.cpp) (\S+): ([\d.]+) ms/token", line):
+            batch1[(match[1], match[2].lower())] = float(match[3])
+        elif match := re.match(r"^nanoserve (\w+) \(tp=1\): ([\d.]+) output tokens/s", line):
+            offline[match[1]] = float(match[2])
+        elif line.startswith("{"):
+            row = json.loads(line)
+            ppl[(row["engine"], row["model"].lower())] = row["ppl"]
+    return batch1, offline, ppl
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def table(batch1: dict, offline: dict, ppl: dict) -> list[str]:
+    out = ["| measure | nanoserve | peer | ratio | target |", "|---|---|---|---|---|"]
+    for name in ("q4_1", "q8_0"):
+        ours = batch1.get(("nanoserve", f"smollm2-{name}.gguf"))
+        peer = batch1.get(("llama.cpp", f"smollm2-{name}.gguf"))
+        if ours and peer:
+            out.append(f"| batch-1 ms/token, {name.upper()} file | {ours:.2f} | llama.cpp {peer:.2f} | "
+                       f"{peer / ours:.2f}x | no slower: {verdict(ours <= peer)} |")
+    bf16 = batch1.get(("nanoserve", "smollm2-135m-instruct"))
+    if bf16:
+        out.append(f"| batch-1 ms/token, bf16 import | {bf16:.2f} | llama.cpp BF16 "
+                   f"{batch1.get(('llama.cpp', 'smollm2-bf16.gguf'), float('nan')):.2f} | | |")
+    if "bf16" in offline:
+        for name in ("q4_1", "q8_0"):
+            if name in offline:
+                ratio = offline[name] / offline["bf16"]
+                target = f"at least 1.3x: {verdict(ratio >= 1.3)}" if name == "q4_1" else ""
+                out.append(f"| offline 64x(128,128) tok/s, {name.upper()} | {offline[name]:.1f} | "
+                           f"nanoserve bf16 {offline['bf16']:.1f} | {ratio:.2f}x | {target} |")
+    base = ppl.get(("nanoserve", "smollm2-135m-instruct"))
+    for name in ("q8_0", "q4_1"):
+        ours = ppl.get(("nanoserve", f"smollm2-{name}.gguf"))
+        peer = ppl.get(("llamacpp", f"smollm2-{name}.gguf"))
+        if ours is None:
+            continue
+        if name == "q8_0" and base:
+            target = f"within 1% of bf16 ({base:.4f}): {verdict(abs(ours / base - 1) <= 0.01)}"
+        elif peer:
+            target = f"within llama.cpp's: {verdict(ours <= peer)}"
+        else:
+            target = ""
+        out.append(f"| perplexity, {name.upper()} | {ours:.4f} | llama.cpp {peer if peer else float('nan'):.4f} | "
+                   f"{ours / base if base else float('nan'):.4f}x bf16 | {target} |")
+    return out
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        lines = f.read().splitlines()
+    header = [line for line in lines if line.startswith("# ")]
+    print("\n".join(header + [""] + table(*parse(lines))))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
