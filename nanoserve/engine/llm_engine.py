@@ -20,7 +20,8 @@ from nanoserve.distributed import set_parallel_state
 from nanoserve.distributed.launcher import WorkerGroup, check_topology, init_rank
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.output_processor import OutputProcessing
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.request import Request, stop_string_holdback
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -87,22 +88,6 @@ class InFlightStep:
     sampling: object = None  # its SamplingBatch, built at launch
 
 
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    finished: bool = False
-    prompt_counted: bool = False
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # DELTA: characters of text held back until no stop string can start in them (a stop
-    # string is cut from the text, so what went out must never be part of one).
-    holdback: int = 0
-
-
 def resolve_model_dir(model: str | None) -> Path:
     if model is None:
         from nanoserve.models.gguf_import import ensure_default_model
@@ -116,7 +101,7 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-class LLMEngine(OutputProcessing):
+class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
@@ -171,9 +156,7 @@ class LLMEngine(OutputProcessing):
         self.max_prompt_chars = self._max_prompt_chars()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self.prompt_tokens_total = 0
-        self.prompt_tokens_cached_total = 0
-        self.generation_tokens_total = 0
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         # Structured outputs: made on the first constrained request.
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
@@ -271,11 +254,8 @@ class LLMEngine(OutputProcessing):
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        holdback = 0
-        if params.stop and not params.include_stop_str_in_output:
-            holdback = max(len(stop) for stop in params.stop) - 1
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
-                                            output_kind=output_kind, holdback=holdback)
+                                            output_kind=output_kind, holdback=stop_string_holdback(params))
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
         virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
@@ -375,7 +355,7 @@ class LLMEngine(OutputProcessing):
                     seq.finish_reason = seq.finish_reason or "abort"
             request.finished = True
             request.metrics.finished_time = time.time()
-            aborted.append(self._make_output(request, RequestOutputKind.CUMULATIVE))
+            aborted.append(self.output_processor.make_output(request, RequestOutputKind.CUMULATIVE))
         return aborted
 
     def reset_prefix_cache(self) -> bool:
@@ -384,6 +364,10 @@ class LLMEngine(OutputProcessing):
         for manager in self.block_managers:
             manager.reset_prefix_cache()
         return True
+
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.output_processor.generation_tokens_total
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or any(self.in_flight)
@@ -398,9 +382,9 @@ class LLMEngine(OutputProcessing):
             num_preemptions_total=sum(x.num_preemptions for x in schedulers),
             prefix_cache_queries_total=sum(m.prefix_cache_queries for m in managers),
             prefix_cache_hits_total=sum(m.prefix_cache_hits for m in managers),
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
+            prompt_tokens_total=self.output_processor.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
+            prompt_tokens_cached_total=self.output_processor.prompt_tokens_cached_total,
             block_size=self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),
@@ -496,44 +480,18 @@ class LLMEngine(OutputProcessing):
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
             result = self.runner.sample(logits, sampling, model_input)
-        progressed: dict[str, Request] = {}
         for item in scheduled:
             seq = item.seq
             if seq.is_finished:  # aborted while in flight
                 continue
-            request = self.requests[seq.request_id]
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.metrics.num_cached_tokens = seq.num_cached_tokens
+            self.requests[seq.request_id].record_scheduled(seq, now)
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.
             self.block_managers[seq.virtual_engine].register_full_blocks(seq)
-        if result is not None:
-            if result.prompt_logprobs is not None:
-                self._append_prompt_logprobs(model_input.prompt_logprob_seqs, result.prompt_logprobs)
-            token_ids = result.token_ids.tolist()
-            logprob_rows = self._logprob_rows(result)
-            for row, seq in enumerate(model_input.sampling_seqs):
-                if seq.is_finished:  # aborted while in flight
-                    continue
-                request = self.requests[seq.request_id]
-                if not request.prompt_counted:
-                    request.prompt_counted = True
-                    self.prompt_tokens_total += seq.num_prompt_tokens
-                    self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
-                self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None)
-                progressed[seq.request_id] = request
-        finished_at = time.time()
-        outputs = []
-        for request in progressed.values():
-            metrics = request.metrics
-            metrics.first_token_time = metrics.first_token_time or finished_at
-            metrics.last_token_time = finished_at
-            if all(s.is_finished for s in request.seqs):
-                request.finished = True
-                metrics.finished_time = finished_at
-                del self.requests[request.request_id]
-            output = self._make_output(request)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        processed = self.output_processor.process(self.requests, model_input.sampling_seqs, result,
+                                                  model_input.prompt_logprob_seqs)
+        for seq in processed.finished_seqs:  # freed by the scheduler that holds them
+            self.schedulers[seq.virtual_engine].remove(seq)
+        for request in processed.finished_requests:
+            del self.requests[request.request_id]
+        return processed.outputs
