@@ -22,14 +22,16 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.request import Request, stop_string_holdback
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.model_input import ModelInput
+from nanoserve.engine.pipeline_stage import LaunchedStep
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
-from nanoserve.layers.sampler import SamplerOutput
+from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
@@ -81,11 +83,11 @@ class EngineStats:
 @dataclass(slots=True)
 class InFlightStep:
     """A pipelined step launched and not yet sampled (one per virtual engine at most)."""
-    scheduled: list
-    model_input: object  # ModelInput
-    launched: object  # engine/pipeline_stage.LaunchedStep
+    scheduler_output: SchedulerOutput
+    model_input: ModelInput
+    launched: LaunchedStep
     started: float
-    sampling: object = None  # its SamplingBatch, built at launch
+    sampling: SamplingBatch | None = None  # built at launch
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -146,8 +148,8 @@ class LLMEngine:
         self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
                                for _ in range(num_virtual_engines)]
         self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                     config.scheduling_policy, self.host_pool)
-                           for manager in self.block_managers]
+                                     config.scheduling_policy, self.host_pool, virtual_engine)
+                           for virtual_engine, manager in enumerate(self.block_managers)]
         self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
         self._next_virtual_engine = 0
         self.requests: dict[str, Request] = {}
@@ -366,6 +368,11 @@ class LLMEngine:
         return True
 
     @property
+    def device(self) -> torch.device:
+        """Where the model runs (rank 0's device)."""
+        return self.runner.device
+
+    @property
     def generation_tokens_total(self) -> int:
         return self.output_processor.generation_tokens_total
 
@@ -400,22 +407,21 @@ class LLMEngine:
         if self.runner.pipeline is not None:
             return self._pipeline_step()
         (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine
-        scheduled = scheduler.schedule()
-        swaps = scheduler.take_swap_plan()
-        if swaps:  # before the forward pass that may overwrite the freed blocks
-            self.runner.swap(swaps)
-        if not scheduled:
+        scheduler_output = scheduler.schedule()
+        if scheduler_output.swap_plan:  # before the forward pass that may overwrite the freed blocks
+            self.runner.swap(scheduler_output.swap_plan)
+        if not scheduler_output.scheduled_seqs:
             if self._compiling:  # only grammars to wait for: not a busy loop
                 concurrent.futures.wait(list(self._compiling.values()), timeout=0.1,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         try:
-            return self._run_step(scheduled)
+            return self._run_step(scheduler_output)
         except Exception as error:
             # With other ranks the step's collectives may be half done: only a restart recovers.
             if self.dead_reason is not None or self.workers is not None or _is_device_fault(error):
                 raise
-            request_ids = list(dict.fromkeys(item.seq.request_id for item in scheduled))
+            request_ids = scheduler_output.request_ids
             logger.exception("a step failed; failing its %d request(s), the engine goes on",
                              len(request_ids))
             outputs = self.abort_request(request_ids)
@@ -435,33 +441,34 @@ class LLMEngine:
             received = self.runner.pipeline.wait(in_flight.launched)
             if in_flight.launched.tokens_only:
                 result = SamplerOutput(received, None, None, None)
-                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, None, in_flight.started,
-                                            result=result)
+                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, None,
+                                            in_flight.started, result=result)
             else:
-                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, received,
+                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, received,
                                             in_flight.started, sampling=in_flight.sampling)
-        scheduled = self.schedulers[virtual_engine].schedule()
-        if scheduled:
+        scheduler_output = self.schedulers[virtual_engine].schedule()
+        if scheduler_output.scheduled_seqs:  # (no swap plan: swapping is off with pipelines)
             started = time.time()
             # The shares of the device pool lie one after another, in virtual engine order.
             offset = sum(manager.num_blocks for manager in self.block_managers[:virtual_engine])
-            model_input = self.runner.prepare(scheduled, block_offset=offset)
+            model_input = self.runner.prepare(scheduler_output.scheduled_seqs, block_offset=offset)
             # Built now (nothing it reads changes while in flight): a plain greedy step only
             # needs the last stage's argmax, not its logits (a constrained one needs them).
             sampling = self._sampling_batch(model_input)
             tokens_only = (sampling is not None and sampling.plain_greedy
                            and not model_input.prompt_logprob_seqs)
             launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
-            self.in_flight[virtual_engine] = InFlightStep(scheduled, model_input, launched, started, sampling)
+            self.in_flight[virtual_engine] = InFlightStep(scheduler_output, model_input, launched, started,
+                                                          sampling)
         return outputs
 
-    def _run_step(self, scheduled) -> list[RequestOutput]:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         now = time.time()
-        model_input = self.runner.prepare(scheduled)
+        model_input = self.runner.prepare(scheduler_output.scheduled_seqs)
         logits = self.runner.forward(model_input)
-        return self._finish_step(scheduled, model_input, logits, now)
+        return self._finish_step(scheduler_output, model_input, logits, now)
 
-    def _sampling_batch(self, model_input):
+    def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
         only advance when this step's tokens are appended, so it may be built at launch."""
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
@@ -470,7 +477,8 @@ class LLMEngine:
             self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
         return sampling
 
-    def _finish_step(self, scheduled, model_input, logits, now: float, sampling=None,
+    def _finish_step(self, scheduler_output: SchedulerOutput, model_input: ModelInput,
+                     logits: torch.Tensor | None, now: float, sampling: SamplingBatch | None = None,
                      result: SamplerOutput | None = None) -> list[RequestOutput]:
         """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
         parallelism a request may have been aborted while its step was in flight: its sequences
@@ -480,7 +488,7 @@ class LLMEngine:
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
             result = self.runner.sample(logits, sampling, model_input)
-        for item in scheduled:
+        for item in scheduler_output.scheduled_seqs:
             seq = item.seq
             if seq.is_finished:  # aborted while in flight
                 continue
