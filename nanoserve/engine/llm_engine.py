@@ -112,12 +112,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
-        max_len = self.model_config.max_position_embeddings
-        if config.max_model_len is not None:
-            if config.max_model_len > max_len:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings {max_len}")
-            max_len = config.max_model_len
+        max_len = self._requested_max_model_len()
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)
@@ -132,26 +127,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)
         if self.workers is not None:
             self.workers.on_failure(self._on_worker_failure)
-        # Pipeline parallelism: one scheduler per "virtual engine" (vLLM V0), each with its own
-        # share of the pool, so that as many independent batches as stages can be in flight.
-        num_virtual_engines = config.pipeline_parallel_size
-        blocks_each = self.runner.num_kv_blocks // num_virtual_engines
-        if blocks_each < 1:
-            raise ValueError("the KV cache holds fewer blocks than pipeline stages; raise --kv-cache-memory")
-        capacity = blocks_each * config.block_size
-        if capacity < max_len:
-            logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
-            max_len = capacity
-        self.max_model_len = max_len
-        self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
-                          if config.preemption_mode == "swap" else None)
-        self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
-                               for _ in range(num_virtual_engines)]
-        self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                     config.scheduling_policy, self.host_pool, virtual_engine)
-                           for virtual_engine, manager in enumerate(self.block_managers)]
-        self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
-        self._next_virtual_engine = 0
+        self.max_model_len = self._make_virtual_engines(max_len)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
@@ -163,6 +139,41 @@ class LLMEngine:
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
         self._structured_output_lock = threading.Lock()
+
+    def _requested_max_model_len(self) -> int:
+        """--max-model-len, or the model's own limit; never past the model's positions."""
+        max_len = self.model_config.max_position_embeddings
+        requested = self.config.max_model_len
+        if requested is not None:
+            if requested > max_len:
+                raise ValueError(f"max_model_len {requested} exceeds the model's "
+                                 f"max_position_embeddings {max_len}")
+            max_len = requested
+        return max_len
+
+    def _make_virtual_engines(self, max_len: int) -> int:
+        """Pipeline parallelism: one scheduler per "virtual engine" (vLLM V0), each with its own
+        share of the pool, so that as many independent batches as stages can be in flight.
+        Returns max_len, lowered to what one share holds."""
+        config = self.config
+        num_virtual_engines = config.pipeline_parallel_size
+        blocks_each = self.runner.num_kv_blocks // num_virtual_engines
+        if blocks_each < 1:
+            raise ValueError("the KV cache holds fewer blocks than pipeline stages; raise --kv-cache-memory")
+        capacity = blocks_each * config.block_size
+        if capacity < max_len:
+            logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            max_len = capacity
+        self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
+                          if config.preemption_mode == "swap" else None)
+        self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
+                               for _ in range(num_virtual_engines)]
+        self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                     config.scheduling_policy, self.host_pool, virtual_engine)
+                           for virtual_engine, manager in enumerate(self.block_managers)]
+        self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
+        self._next_virtual_engine = 0
+        return max_len
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
@@ -214,47 +225,13 @@ class LLMEngine:
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
             raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
         prompt_text, token_ids = self._tokenize(prompt)
-        params = sampling_params
-        num_prompt = len(token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-            raise InvalidRequestError("prompt token ids must be integers", "prompt")
-        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
-            if not 0 <= bad < vocab:
-                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
-        params = self._check_params(params, vocab)
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
-                "input_tokens")
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(  # vLLM blames the input too
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", "input_tokens")
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise InvalidRequestError(
-                f"min_tokens must be <= {self.max_model_len - num_prompt} (the context left after "
-                f"{num_prompt} prompt tokens), got {params.min_tokens}")
+        self._check_prompt_tokens(token_ids)
+        params = self._check_params(sampling_params, self.model_config.vocab_size)
+        self._check_lengths(len(token_ids), params)
         grammar = self.prepare_structured_output(params)
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise grammar.exception()
-        arrival = next(self._arrivals)
-        seqs = []
-        for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), num_prompt, params,
-                           priority, arrival)
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-            if grammar is not None:  # one matcher per sequence, one compiled grammar per request
-                seq.grammar = SequenceGrammar(grammar)
-            seqs.append(seq)
-        if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
-            seqs[0].prompt_logprobs = [None]
+        seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
                                             output_kind=output_kind, holdback=stop_string_holdback(params))
@@ -264,6 +241,53 @@ class LLMEngine:
         for seq in seqs:
             seq.virtual_engine = virtual_engine
             self.schedulers[virtual_engine].add(seq)
+
+    def _check_prompt_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        vocab = self.model_config.vocab_size
+        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
+            if not 0 <= bad < vocab:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+        """The prompt and what it may generate fit in the context (vLLM's messages)."""
+        max_len = self.max_model_len
+        if num_prompt >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
+                "input_tokens")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise InvalidRequestError(  # vLLM blames the input too
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {num_prompt} input tokens "
+                f"({params.max_tokens} > {max_len} - {num_prompt}).", "input_tokens")
+        if params.max_tokens is None and params.min_tokens > max_len - num_prompt:
+            raise InvalidRequestError(
+                f"min_tokens must be <= {max_len - num_prompt} (the context left after "
+                f"{num_prompt} prompt tokens), got {params.min_tokens}")
+
+    def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                        priority: int, grammar: concurrent.futures.Future | None) -> list[Sequence]:
+        """The request's n sequences, each with its detokenizer, seeded generator and grammar
+        matcher; the first scores the prompt when prompt logprobs are asked for."""
+        arrival = next(self._arrivals)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), len(token_ids), params,
+                           priority, arrival)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if grammar is not None:  # one matcher per sequence, one compiled grammar per request
+                seq.grammar = SequenceGrammar(grammar)
+            seqs.append(seq)
+        if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
+            seqs[0].prompt_logprobs = [None]
+        return seqs
 
     def prepare_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
         """Start compiling a constrained request's grammar (or find it in the cache); None for
