@@ -114,3 +114,18 @@ def test_waiting_order_follows_the_policy():
         for order, (name, priority) in enumerate((("x", 1), ("y", 1), ("z", -1))):
             scheduler.add(Sequence(order, name, 0, [1] * 3, 3, SamplingParams(), priority, order))
         assert [seq.request_id for seq in scheduler.waiting] == expected
+
+
+def test_scheduler_output_names_its_virtual_engine_and_requests():
+    """One typed hand-off: the scheduled sequences with their token counts, the swap plan (empty
+    without swapping) and the virtual engine whose share of the pool the block ids index."""
+    scheduler = Scheduler(BlockManager(8, 4), 8, 64, virtual_engine=1)
+    a = Sequence(0, "a", 0, [1] * 5, 5, SamplingParams(), 0, 0)
+    b = Sequence(1, "b", 0, [2] * 3, 3, SamplingParams(), 0, 1)
+    a2 = Sequence(2, "a", 1, [1] * 5, 5, SamplingParams(), 0, 0)
+    for seq in (a, b, a2):
+        scheduler.add(seq)
+    output = scheduler.schedule()
+    assert output.virtual_engine == 1 and not output.swap_plan
+    assert [(s.seq, s.num_new_tokens) for s in output.scheduled_seqs] == [(a, 5), (a2, 5), (b, 3)]
+    assert output.total_num_scheduled_tokens == 13 and output.request_ids == ["a", "b"]
