@@ -62,6 +62,10 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens generated so far: all n outputs together, and the longest one (whatever the
+    # output kind: a DELTA output's token_ids hold only the new ones).
+    num_generation_tokens: int = 0
+    max_num_generation_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nanoserve.engine.llm_engine import StepError
+from nanoserve.engine.llm_engine import LLMEngine, StepError
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.errors import InvalidRequestError
 from nanoserve.outputs import RequestOutput, RequestOutputKind
@@ -70,8 +70,7 @@ class RequestStream:
     larger delta next time instead of a growing queue."""
 
     __slots__ = ("request_id", "arrival_time", "latest", "error", "finished", "event",
-                 "first_token_time", "last_token_time", "num_generated", "params", "output_kind",
-                 "output_lengths")
+                 "first_token_time", "last_token_time", "num_generated", "params", "output_kind")
 
     def __init__(self, request_id: str, arrival_time: float,
                  params: SamplingParams | None = None,
@@ -80,14 +79,13 @@ class RequestStream:
         self.arrival_time = arrival_time
         self.params = params
         self.output_kind = output_kind
-        self.output_lengths: dict[int, int] = {}  # output index -> tokens generated so far
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
         self.finished = False
         self.event = asyncio.Event()
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
-        self.num_generated = 0
+        self.num_generated = 0  # tokens generated (all outputs) when the last output came
 
     def put(self, output: RequestOutput) -> None:
         if self.latest is not None and self.output_kind is RequestOutputKind.DELTA:
@@ -147,20 +145,14 @@ def new_step_executor() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
 
-def _runs_on_accelerator(engine) -> bool:
-    runner = getattr(engine, "runner", None)
-    device = getattr(engine, "device", None) or getattr(runner, "device", None)
-    return getattr(device, "type", "cpu") != "cpu"
-
-
 class AsyncLLMEngine:
-    def __init__(self, engine, observer: Observer | None = None,
+    def __init__(self, engine: LLMEngine, observer: Observer | None = None,
                  overlap_streaming: bool | None = None,
                  step_executor: concurrent.futures.ThreadPoolExecutor | None = None,
                  log_stats: bool = False) -> None:
         self.engine = engine
         if overlap_streaming is None:
-            overlap_streaming = _runs_on_accelerator(engine)
+            overlap_streaming = engine.device.type != "cpu"
         # On an accelerator the handlers' work (JSON, socket writes) overlaps the next step. On
         # a CPU the forward pass already uses every core, and overlapping work slows it more
         # than running that work between steps costs (measured: ~5% of served throughput).
@@ -236,10 +228,9 @@ class AsyncLLMEngine:
         """A constrained request waits here, off the step loop, while its grammar compiles on
         the compiler's thread; a bad schema, regex or grammar raises InvalidRequestError
         before the engine sees the request."""
-        prepare = getattr(self.engine, "prepare_structured_output", None)
-        if prepare is None or params.structured_outputs is None:
+        if params.structured_outputs is None:
             return
-        future = prepare(params)
+        future = self.engine.prepare_structured_output(params)
         if future is not None:
             # Shielded: a client that goes away must not cancel a compile that other requests
             # with the same grammar share (through the cache).
@@ -340,14 +331,7 @@ class AsyncLLMEngine:
             stream = self.streams.get(output.request_id)
             if stream is None:
                 continue  # aborted while the step ran
-            lengths = stream.output_lengths
-            if stream.output_kind is RequestOutputKind.DELTA:
-                for choice in output.outputs:
-                    lengths[choice.index] = lengths.get(choice.index, 0) + len(choice.token_ids)
-            else:
-                for choice in output.outputs:
-                    lengths[choice.index] = len(choice.token_ids)
-            num_generated = sum(lengths.values())
+            num_generated = output.metrics.num_generation_tokens  # whatever the output kind
             if num_generated > stream.num_generated:
                 step_tokens += num_generated - stream.num_generated
                 if stream.first_token_time is None:
@@ -380,14 +364,10 @@ class AsyncLLMEngine:
                 reason, e2e, 0, 0, 0, 0, n, params.max_tokens if params else None, 0, e2e,
                 0.0, 0.0, 0.0, 0.0))
             return
-        if stream.output_kind is RequestOutputKind.DELTA:  # the output is the last delta only
-            lengths = list(stream.output_lengths.values()) or [0]
-        else:
-            lengths = [len(c.token_ids) for c in output.outputs] or [0]
         num_prompt = len(output.prompt_token_ids)
         max_tokens = params.max_tokens if params is not None else None
         if max_tokens is None:
-            max_tokens = getattr(self.engine, "max_model_len", num_prompt) - num_prompt
+            max_tokens = self.engine.max_model_len - num_prompt
         metrics = output.metrics
         scheduled = metrics.first_scheduled_time if metrics else None
         first = metrics.first_token_time if metrics else None
@@ -396,9 +376,11 @@ class AsyncLLMEngine:
         prefill = (first - scheduled) if first is not None and scheduled is not None else 0.0
         decode = (last - first) if last is not None and first is not None else 0.0
         inference = (last - scheduled) if last is not None and scheduled is not None else 0.0
-        generated = max(lengths)
+        # The engine's counts: a DELTA output's token ids are the last delta's only.
+        total = metrics.num_generation_tokens if metrics else 0
+        generated = metrics.max_num_generation_tokens if metrics else 0
         self.observer.on_finished(FinishedRequestStats(
-            reason, e2e, num_prompt, output.num_cached_tokens, sum(lengths), generated, n,
+            reason, e2e, num_prompt, output.num_cached_tokens, total, generated, n,
             max_tokens, metrics.num_preemptions if metrics else 0, max(queued, 0.0),
             max(prefill, 0.0), max(decode, 0.0), max(inference, 0.0),
             decode / (generated - 1) if generated > 1 else 0.0))

@@ -20,15 +20,18 @@ from nanoserve.distributed import set_parallel_state
 from nanoserve.distributed.launcher import WorkerGroup, check_topology, init_rank
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.output_processor import OutputProcessing
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.request import Request, stop_string_holdback
+from nanoserve.engine.model_input import ModelInput
+from nanoserve.engine.pipeline_stage import LaunchedStep
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
-from nanoserve.layers.sampler import SamplerOutput
+from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
@@ -80,27 +83,11 @@ class EngineStats:
 @dataclass(slots=True)
 class InFlightStep:
     """A pipelined step launched and not yet sampled (one per virtual engine at most)."""
-    scheduled: list
-    model_input: object  # ModelInput
-    launched: object  # engine/pipeline_stage.LaunchedStep
+    scheduler_output: SchedulerOutput
+    model_input: ModelInput
+    launched: LaunchedStep
     started: float
-    sampling: object = None  # its SamplingBatch, built at launch
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    finished: bool = False
-    prompt_counted: bool = False
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # DELTA: characters of text held back until no stop string can start in them (a stop
-    # string is cut from the text, so what went out must never be part of one).
-    holdback: int = 0
+    sampling: SamplingBatch | None = None  # built at launch
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -116,7 +103,7 @@ def resolve_model_dir(model: str | None) -> Path:
     return path
 
 
-class LLMEngine(OutputProcessing):
+class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
@@ -125,12 +112,7 @@ class LLMEngine(OutputProcessing):
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
-        max_len = self.model_config.max_position_embeddings
-        if config.max_model_len is not None:
-            if config.max_model_len > max_len:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                                 f"max_position_embeddings {max_len}")
-            max_len = config.max_model_len
+        max_len = self._requested_max_model_len()
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)
@@ -145,8 +127,35 @@ class LLMEngine(OutputProcessing):
         self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)
         if self.workers is not None:
             self.workers.on_failure(self._on_worker_failure)
-        # Pipeline parallelism: one scheduler per "virtual engine" (vLLM V0), each with its own
-        # share of the pool, so that as many independent batches as stages can be in flight.
+        self.max_model_len = self._make_virtual_engines(max_len)
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self.max_prompt_chars = self._max_prompt_chars()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # Structured outputs: made on the first constrained request.
+        self.structured_output: StructuredOutputManager | None = None
+        self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
+        self._structured_output_lock = threading.Lock()
+
+    def _requested_max_model_len(self) -> int:
+        """--max-model-len, or the model's own limit; never past the model's positions."""
+        max_len = self.model_config.max_position_embeddings
+        requested = self.config.max_model_len
+        if requested is not None:
+            if requested > max_len:
+                raise ValueError(f"max_model_len {requested} exceeds the model's "
+                                 f"max_position_embeddings {max_len}")
+            max_len = requested
+        return max_len
+
+    def _make_virtual_engines(self, max_len: int) -> int:
+        """Pipeline parallelism: one scheduler per "virtual engine" (vLLM V0), each with its own
+        share of the pool, so that as many independent batches as stages can be in flight.
+        Returns max_len, lowered to what one share holds."""
+        config = self.config
         num_virtual_engines = config.pipeline_parallel_size
         blocks_each = self.runner.num_kv_blocks // num_virtual_engines
         if blocks_each < 1:
@@ -155,29 +164,16 @@ class LLMEngine(OutputProcessing):
         if capacity < max_len:
             logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
             max_len = capacity
-        self.max_model_len = max_len
         self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
                           if config.preemption_mode == "swap" else None)
         self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
                                for _ in range(num_virtual_engines)]
         self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                     config.scheduling_policy, self.host_pool)
-                           for manager in self.block_managers]
+                                     config.scheduling_policy, self.host_pool, virtual_engine)
+                           for virtual_engine, manager in enumerate(self.block_managers)]
         self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
         self._next_virtual_engine = 0
-        self.requests: dict[str, Request] = {}
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
-        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
-        self.max_prompt_chars = self._max_prompt_chars()
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
-        self.prompt_tokens_total = 0
-        self.prompt_tokens_cached_total = 0
-        self.generation_tokens_total = 0
-        # Structured outputs: made on the first constrained request.
-        self.structured_output: StructuredOutputManager | None = None
-        self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
-        self._structured_output_lock = threading.Lock()
+        return max_len
 
     # ---- life cycle -----------------------------------------------------------------------
     def _fail_during_startup(self, reason: str) -> None:
@@ -229,38 +225,59 @@ class LLMEngine(OutputProcessing):
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
             raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
         prompt_text, token_ids = self._tokenize(prompt)
-        params = sampling_params
-        num_prompt = len(token_ids)
-        if num_prompt == 0:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-            raise InvalidRequestError("prompt token ids must be integers", "prompt")
-        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
-            if not 0 <= bad < vocab:
-                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
-        params = self._check_params(params, vocab)
-        if num_prompt >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
-                "input_tokens")
-        if params.max_tokens is not None and num_prompt + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(  # vLLM blames the input too
-                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt}).", "input_tokens")
-        if params.max_tokens is None and params.min_tokens > self.max_model_len - num_prompt:
-            raise InvalidRequestError(
-                f"min_tokens must be <= {self.max_model_len - num_prompt} (the context left after "
-                f"{num_prompt} prompt tokens), got {params.min_tokens}")
+        self._check_prompt_tokens(token_ids)
+        params = self._check_params(sampling_params, self.model_config.vocab_size)
+        self._check_lengths(len(token_ids), params)
         grammar = self.prepare_structured_output(params)
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise grammar.exception()
+        seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
+        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
+                                            output_kind=output_kind, holdback=stop_string_holdback(params))
+        if grammar is not None and not grammar.done():
+            self._compiling[request_id] = grammar
+        virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
+        for seq in seqs:
+            seq.virtual_engine = virtual_engine
+            self.schedulers[virtual_engine].add(seq)
+
+    def _check_prompt_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        vocab = self.model_config.vocab_size
+        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
+            if not 0 <= bad < vocab:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+        """The prompt and what it may generate fit in the context (vLLM's messages)."""
+        max_len = self.max_model_len
+        if num_prompt >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
+                "input_tokens")
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise InvalidRequestError(  # vLLM blames the input too
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {num_prompt} input tokens "
+                f"({params.max_tokens} > {max_len} - {num_prompt}).", "input_tokens")
+        if params.max_tokens is None and params.min_tokens > max_len - num_prompt:
+            raise InvalidRequestError(
+                f"min_tokens must be <= {max_len - num_prompt} (the context left after "
+                f"{num_prompt} prompt tokens), got {params.min_tokens}")
+
+    def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                        priority: int, grammar: concurrent.futures.Future | None) -> list[Sequence]:
+        """The request's n sequences, each with its detokenizer, seeded generator and grammar
+        matcher; the first scores the prompt when prompt logprobs are asked for."""
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), num_prompt, params,
+            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), len(token_ids), params,
                            priority, arrival)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
@@ -270,18 +287,7 @@ class LLMEngine(OutputProcessing):
             seqs.append(seq)
         if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
-        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        holdback = 0
-        if params.stop and not params.include_stop_str_in_output:
-            holdback = max(len(stop) for stop in params.stop) - 1
-        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
-                                            output_kind=output_kind, holdback=holdback)
-        if grammar is not None and not grammar.done():
-            self._compiling[request_id] = grammar
-        virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
-        for seq in seqs:
-            seq.virtual_engine = virtual_engine
-            self.schedulers[virtual_engine].add(seq)
+        return seqs
 
     def prepare_structured_output(self, params: SamplingParams) -> concurrent.futures.Future | None:
         """Start compiling a constrained request's grammar (or find it in the cache); None for
@@ -375,7 +381,7 @@ class LLMEngine(OutputProcessing):
                     seq.finish_reason = seq.finish_reason or "abort"
             request.finished = True
             request.metrics.finished_time = time.time()
-            aborted.append(self._make_output(request, RequestOutputKind.CUMULATIVE))
+            aborted.append(self.output_processor.make_output(request, RequestOutputKind.CUMULATIVE))
         return aborted
 
     def reset_prefix_cache(self) -> bool:
@@ -384,6 +390,15 @@ class LLMEngine(OutputProcessing):
         for manager in self.block_managers:
             manager.reset_prefix_cache()
         return True
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (rank 0's device)."""
+        return self.runner.device
+
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.output_processor.generation_tokens_total
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or any(self.in_flight)
@@ -398,9 +413,9 @@ class LLMEngine(OutputProcessing):
             num_preemptions_total=sum(x.num_preemptions for x in schedulers),
             prefix_cache_queries_total=sum(m.prefix_cache_queries for m in managers),
             prefix_cache_hits_total=sum(m.prefix_cache_hits for m in managers),
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            prompt_tokens_cached_total=self.prompt_tokens_cached_total,
+            prompt_tokens_total=self.output_processor.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
+            prompt_tokens_cached_total=self.output_processor.prompt_tokens_cached_total,
             block_size=self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),
@@ -416,22 +431,21 @@ class LLMEngine(OutputProcessing):
         if self.runner.pipeline is not None:
             return self._pipeline_step()
         (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine
-        scheduled = scheduler.schedule()
-        swaps = scheduler.take_swap_plan()
-        if swaps:  # before the forward pass that may overwrite the freed blocks
-            self.runner.swap(swaps)
-        if not scheduled:
+        scheduler_output = scheduler.schedule()
+        if scheduler_output.swap_plan:  # before the forward pass that may overwrite the freed blocks
+            self.runner.swap(scheduler_output.swap_plan)
+        if not scheduler_output.scheduled_seqs:
             if self._compiling:  # only grammars to wait for: not a busy loop
                 concurrent.futures.wait(list(self._compiling.values()), timeout=0.1,
                                         return_when=concurrent.futures.FIRST_COMPLETED)
             return []
         try:
-            return self._run_step(scheduled)
+            return self._run_step(scheduler_output)
         except Exception as error:
             # With other ranks the step's collectives may be half done: only a restart recovers.
             if self.dead_reason is not None or self.workers is not None or _is_device_fault(error):
                 raise
-            request_ids = list(dict.fromkeys(item.seq.request_id for item in scheduled))
+            request_ids = scheduler_output.request_ids
             logger.exception("a step failed; failing its %d request(s), the engine goes on",
                              len(request_ids))
             outputs = self.abort_request(request_ids)
@@ -451,33 +465,34 @@ class LLMEngine(OutputProcessing):
             received = self.runner.pipeline.wait(in_flight.launched)
             if in_flight.launched.tokens_only:
                 result = SamplerOutput(received, None, None, None)
-                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, None, in_flight.started,
-                                            result=result)
+                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, None,
+                                            in_flight.started, result=result)
             else:
-                outputs = self._finish_step(in_flight.scheduled, in_flight.model_input, received,
+                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, received,
                                             in_flight.started, sampling=in_flight.sampling)
-        scheduled = self.schedulers[virtual_engine].schedule()
-        if scheduled:
+        scheduler_output = self.schedulers[virtual_engine].schedule()
+        if scheduler_output.scheduled_seqs:  # (no swap plan: swapping is off with pipelines)
             started = time.time()
             # The shares of the device pool lie one after another, in virtual engine order.
             offset = sum(manager.num_blocks for manager in self.block_managers[:virtual_engine])
-            model_input = self.runner.prepare(scheduled, block_offset=offset)
+            model_input = self.runner.prepare(scheduler_output.scheduled_seqs, block_offset=offset)
             # Built now (nothing it reads changes while in flight): a plain greedy step only
             # needs the last stage's argmax, not its logits (a constrained one needs them).
             sampling = self._sampling_batch(model_input)
             tokens_only = (sampling is not None and sampling.plain_greedy
                            and not model_input.prompt_logprob_seqs)
             launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
-            self.in_flight[virtual_engine] = InFlightStep(scheduled, model_input, launched, started, sampling)
+            self.in_flight[virtual_engine] = InFlightStep(scheduler_output, model_input, launched, started,
+                                                          sampling)
         return outputs
 
-    def _run_step(self, scheduled) -> list[RequestOutput]:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         now = time.time()
-        model_input = self.runner.prepare(scheduled)
+        model_input = self.runner.prepare(scheduler_output.scheduled_seqs)
         logits = self.runner.forward(model_input)
-        return self._finish_step(scheduled, model_input, logits, now)
+        return self._finish_step(scheduler_output, model_input, logits, now)
 
-    def _sampling_batch(self, model_input):
+    def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
         only advance when this step's tokens are appended, so it may be built at launch."""
         sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
@@ -486,7 +501,8 @@ class LLMEngine(OutputProcessing):
             self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
         return sampling
 
-    def _finish_step(self, scheduled, model_input, logits, now: float, sampling=None,
+    def _finish_step(self, scheduler_output: SchedulerOutput, model_input: ModelInput,
+                     logits: torch.Tensor | None, now: float, sampling: SamplingBatch | None = None,
                      result: SamplerOutput | None = None) -> list[RequestOutput]:
         """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
         parallelism a request may have been aborted while its step was in flight: its sequences
@@ -496,44 +512,18 @@ class LLMEngine(OutputProcessing):
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
             result = self.runner.sample(logits, sampling, model_input)
-        progressed: dict[str, Request] = {}
-        for item in scheduled:
+        for item in scheduler_output.scheduled_seqs:
             seq = item.seq
             if seq.is_finished:  # aborted while in flight
                 continue
-            request = self.requests[seq.request_id]
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-                request.metrics.num_cached_tokens = seq.num_cached_tokens
+            self.requests[seq.request_id].record_scheduled(seq, now)
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.
             self.block_managers[seq.virtual_engine].register_full_blocks(seq)
-        if result is not None:
-            if result.prompt_logprobs is not None:
-                self._append_prompt_logprobs(model_input.prompt_logprob_seqs, result.prompt_logprobs)
-            token_ids = result.token_ids.tolist()
-            logprob_rows = self._logprob_rows(result)
-            for row, seq in enumerate(model_input.sampling_seqs):
-                if seq.is_finished:  # aborted while in flight
-                    continue
-                request = self.requests[seq.request_id]
-                if not request.prompt_counted:
-                    request.prompt_counted = True
-                    self.prompt_tokens_total += seq.num_prompt_tokens
-                    self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
-                self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None)
-                progressed[seq.request_id] = request
-        finished_at = time.time()
-        outputs = []
-        for request in progressed.values():
-            metrics = request.metrics
-            metrics.first_token_time = metrics.first_token_time or finished_at
-            metrics.last_token_time = finished_at
-            if all(s.is_finished for s in request.seqs):
-                request.finished = True
-                metrics.finished_time = finished_at
-                del self.requests[request.request_id]
-            output = self._make_output(request)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        processed = self.output_processor.process(self.requests, model_input.sampling_seqs, result,
+                                                  model_input.prompt_logprob_seqs)
+        for seq in processed.finished_seqs:  # freed by the scheduler that holds them
+            self.schedulers[seq.virtual_engine].remove(seq)
+        for request in processed.finished_requests:
+            del self.requests[request.request_id]
+        return processed.outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from nanoserve.engine.model_input import (CMD_STOP, CMD_SWAP, HEADER_SIZE, Model
                                           pack_swap, payload_size, prefill_row_tile, unpack_step, unpack_swap)
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
+from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_decode import FusedDecode
@@ -113,81 +115,49 @@ class ModelRunner(KVCacheAllocation):
         to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
         `block_offset`: where the scheduler's blocks start in the pool (pipeline parallelism gives
         each virtual engine its own share)."""
-        block_size = self.block_size
         decodes: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []
         for item in scheduled:  # a decode computes one generated token; prompt rows never count as one
             is_decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
             (decodes if is_decode else prompts).append(item)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens_q = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sampling_seqs = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_logprob_seqs = []
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        block_rows: list[list[int]] = []  # padded with block 0, never read past seq_lens
+        rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
         for item in decodes + prompts:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new_tokens
-            if seq.needs_prompt_logprobs:  # rows whose next token is a prompt token not yet scored
-                assert start < len(seq.prompt_logprobs), "prompt rows skipped without logits"
-                first = max(start, len(seq.prompt_logprobs) - 1)
-                last = min(end, seq.num_prompt_tokens - 1)
-                if last > first:
-                    row = len(input_ids) + first - start
-                    prompt_rows.extend(range(row, row + last - first))
-                    prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
-                    prompt_logprob_seqs.append((seq, last - first))
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
-            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + item.num_new_tokens)
-            seq_lens.append(end)
-            block_rows.append(table + [0] * (max_blocks - len(table)))
-            if item.completes_prompt:
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-                sampling_seqs.append(seq)
+            rows.add(item, block_offset, self.block_size)
         graphs = self.decode_graphs
-        if (graphs is not None and not prompts and len(logits_indices) == len(decodes)
-                and graphs.fits(len(decodes), max_blocks)):
-            size = graphs.load(input_ids, positions, slot_mapping, seq_lens, block_rows)
+        if (graphs is not None and not prompts and len(rows.logits_indices) == len(decodes)
+                and graphs.fits(len(decodes), rows.max_blocks)):
+            size = graphs.load(rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
+                               rows.block_rows)
             graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
             return ModelInput(input_ids=graph_ids, positions=graph_positions, metadata=graph_metadata,
                               logits_indices=graphs.row_indices[: len(decodes)],
-                              sampling_seqs=sampling_seqs, graph_size=size)
+                              sampling_seqs=rows.sampling_seqs, graph_size=size)
         tile = prefill_row_tile(self.device)
-        num_prompt_rows = len(input_ids) - len(decodes)
-        if tile and self.pad_prompt_rows and num_prompt_rows % tile:
-            padding = tile - num_prompt_rows % tile
-            input_ids.extend([0] * padding)
-            positions.extend([0] * padding)
-            slot_mapping.extend([-1] * padding)
+        if tile and self.pad_prompt_rows:
+            rows.pad_prompt_rows(len(decodes), tile)
+        return self._eager_input(rows, len(decodes), max(s.num_new_tokens for s in scheduled), tile)
+
+    def _eager_input(self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int) -> ModelInput:
+        """The step's host rows as device tensors (an eager step, not a captured graph)."""
         to_device = self._to_device
         metadata = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, torch.long),
-            block_table=to_device(block_rows, torch.int32),
-            cu_seqlens_q=to_device(cu_seqlens_q, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            max_seqlen_q=max(s.num_new_tokens for s in scheduled),
-            max_seqlen_k=max(seq_lens),
-            num_decode_seqs=len(decodes),
+            slot_mapping=to_device(rows.slot_mapping, torch.long),
+            block_table=to_device(rows.block_rows, torch.int32),
+            cu_seqlens_q=to_device(rows.cu_seqlens_q, torch.int32),
+            seq_lens=to_device(rows.seq_lens, torch.int32),
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max(rows.seq_lens),
+            num_decode_seqs=num_decodes,
             prefill_row_tile=tile)
         model_input = ModelInput(
-            input_ids=to_device(input_ids, torch.long),
-            positions=to_device(positions, torch.long),
+            input_ids=to_device(rows.input_ids, torch.long),
+            positions=to_device(rows.positions, torch.long),
             metadata=metadata,
-            logits_indices=to_device(logits_indices + prompt_rows, torch.long),
-            sampling_seqs=sampling_seqs)
-        if prompt_logprob_seqs:
-            model_input.prompt_logprob_seqs = prompt_logprob_seqs
-            model_input.prompt_logprob_targets = to_device(prompt_targets, torch.long)
+            logits_indices=to_device(rows.logits_indices + rows.prompt_rows, torch.long),
+            sampling_seqs=rows.sampling_seqs)
+        if rows.prompt_logprob_seqs:
+            model_input.prompt_logprob_seqs = rows.prompt_logprob_seqs
+            model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
         return model_input
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -284,3 +254,61 @@ class ModelRunner(KVCacheAllocation):
             if self.pipeline is not None:
                 self.pipeline.drain()
             broadcast_stop(self.device)
+
+
+@dataclass(slots=True)
+class _HostRows:
+    """One step's per-row and per-sequence lists, built on the host before they go to the
+    device (or into the decode graphs' buffers)."""
+    max_blocks: int  # the widest block table: every row of block_rows is padded to it
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_rows: list[list[int]] = field(default_factory=list)  # padded with block 0, never read past seq_lens
+    logits_indices: list[int] = field(default_factory=list)
+    sampling_seqs: list[Sequence] = field(default_factory=list)
+    # Prompt logprobs: the rows scored, each one's next prompt token, (sequence, its row count).
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
+
+    def add(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
+        """One sequence's rows: its tokens from num_computed_tokens on, num_new_tokens of them."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        if seq.needs_prompt_logprobs:
+            self._add_prompt_logprob_rows(seq, start, end)
+        self.input_ids.extend(seq.token_ids[start:end])
+        self.positions.extend(range(start, end))
+        table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
+        self.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + item.num_new_tokens)
+        self.seq_lens.append(end)
+        self.block_rows.append(table + [0] * (self.max_blocks - len(table)))
+        if item.completes_prompt:
+            self.logits_indices.append(self.cu_seqlens_q[-1] - 1)
+            self.sampling_seqs.append(seq)
+
+    def _add_prompt_logprob_rows(self, seq: Sequence, start: int, end: int) -> None:
+        """Rows whose next token is a prompt token not yet scored (called before the
+        sequence's own rows are appended)."""
+        assert start < len(seq.prompt_logprobs), "prompt rows skipped without logits"
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        last = min(end, seq.num_prompt_tokens - 1)
+        if last > first:
+            row = len(self.input_ids) + first - start
+            self.prompt_rows.extend(range(row, row + last - first))
+            self.prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
+            self.prompt_logprob_seqs.append((seq, last - first))
+
+    def pad_prompt_rows(self, num_decodes: int, tile: int) -> None:
+        """Prompt rows up to a whole number of `tile`-row tiles (slot -1: nothing is stored)."""
+        num_prompt_rows = len(self.input_ids) - num_decodes
+        if num_prompt_rows % tile:
+            padding = tile - num_prompt_rows % tile
+            self.input_ids.extend([0] * padding)
+            self.positions.extend([0] * padding)
+            self.slot_mapping.extend([-1] * padding)

@@ -2,26 +2,127 @@
 entries, stop checks (ids, EOS, grammar, length, stop strings), incremental detokenizing, and
 RequestOutputs as the request asked for them (cumulative, deltas, or the final one only).
 
-A part of LLMEngine, kept in its own file: the methods read the engine's tokenizer, schedulers,
-eos_token_ids, max_model_len and generation_tokens_total."""
+As vLLM v1's `OutputProcessor`, an object with its own state (the tokenizer's token texts, the
+token totals) that touches only the requests and sequences it is handed: `process` returns the
+sequences that finished, and the engine frees them in their own virtual engine's scheduler.
+The stop checks are plain functions (`check_stop`, `check_stop_strings`)."""
 from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
+import time
+from dataclasses import dataclass, field
 
+from nanoserve.engine.request import Request
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
-
-if TYPE_CHECKING:
-    from nanoserve.engine.llm_engine import Request
+from nanoserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# Per sampled row: (rank of the sampled token, [sampled id, top ids...], [their logprobs]).
+LogprobRow = tuple[int, list[int], list[float]]
 
-class OutputProcessing:
-    def _logprob_rows(self, result) -> list[tuple[int, list[int], list[float]]] | None:
-        """Per sampled row: (rank of the sampled token, [sampled id, top ids...], [their logprobs])."""
+
+def check_stop(seq: Sequence, token: int, eos_token_ids: set[int],
+               max_model_len: int) -> tuple[str | None, int | None]:
+    """Why `token`, just appended, ends `seq`, by id: (finish reason, stop reason) or
+    (None, None). Stop strings are checked on the text afterwards (`check_stop_strings`)."""
+    params = seq.params
+    num_out = seq.num_output_tokens
+    if num_out >= params.min_tokens:
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in eos_token_ids:
+            return "stop", None
+    if seq.grammar is not None and seq.grammar.is_terminated:
+        return "stop", None  # the grammar is complete (it took a stop token)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len
+    if num_out >= max_tokens or seq.num_tokens >= max_model_len:
+        return "length", None
+    return None, None
+
+
+def check_stop_strings(seq: Sequence, delta_len: int) -> tuple[str | None, str | None]:
+    """The earliest stop string in the text the last `delta_len` characters could complete:
+    ("stop", it), with the text cut at it (kept when the request says so); else (None, None)."""
+    params = seq.params
+    longest = max(len(s) for s in params.stop)
+    search_from = max(0, len(seq.text) - delta_len - longest + 1)
+    best = None
+    for stop in params.stop:
+        index = seq.text.find(stop, search_from)
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    if best is None:
+        return None, None
+    index, stop = best
+    seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+    return "stop", stop
+
+
+@dataclass(slots=True)
+class ProcessedStep:
+    """What one step's tokens did: the sequences that finished (to be freed by their
+    scheduler), the requests whose every sequence finished (to leave the engine's table), and
+    the outputs to hand back."""
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    finished_requests: list[Request] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        # Totals since start (the engine's stats).
+        self.prompt_tokens_total = 0
+        self.prompt_tokens_cached_total = 0
+        self.generation_tokens_total = 0
+
+    def process(self, requests: dict[str, Request], sampling_seqs: list[Sequence],
+                result: SamplerOutput | None,
+                prompt_logprob_seqs: list[tuple[Sequence, int]]) -> ProcessedStep:
+        """Append one step's sampled tokens (row i is `sampling_seqs[i]`) and its prompt
+        logprobs. A sequence finished before (aborted while its step was in flight under
+        pipeline parallelism) is skipped."""
+        step = ProcessedStep()
+        if result is None:
+            return step
+        if result.prompt_logprobs is not None:
+            self._append_prompt_logprobs(prompt_logprob_seqs, result.prompt_logprobs)
+        token_ids = result.token_ids.tolist()
+        logprob_rows = self._logprob_rows(result)
+        progressed: dict[str, Request] = {}
+        for row, seq in enumerate(sampling_seqs):
+            if seq.is_finished:  # aborted while in flight
+                continue
+            request = requests[seq.request_id]
+            self._count_prompt(request, seq)
+            if self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None):
+                step.finished_seqs.append(seq)
+            progressed[seq.request_id] = request
+        now = time.time()
+        for request in progressed.values():
+            request.record_tokens(now)
+            if request.finished:
+                step.finished_requests.append(request)
+            output = self.make_output(request)
+            if output is not None:
+                step.outputs.append(output)
+        return step
+
+    def _count_prompt(self, request: Request, seq: Sequence) -> None:
+        if not request.prompt_counted:
+            request.prompt_counted = True
+            self.prompt_tokens_total += seq.num_prompt_tokens
+            self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
+
+    # ---- logprobs ---------------------------------------------------------------------------
+    @staticmethod
+    def _logprob_rows(result: SamplerOutput) -> list[LogprobRow] | None:
         if result.logprobs is None:
             return None
         return list(zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist()))
@@ -42,7 +143,7 @@ class OutputProcessing:
             entry.setdefault(ids[position], Logprob(values[position], position, text(ids[position])))
         return entry
 
-    def _append_prompt_logprobs(self, seqs: list[tuple[Sequence, int]], tensors) -> None:
+    def _append_prompt_logprobs(self, seqs: list[tuple[Sequence, int]], tensors: LogprobsTensors) -> None:
         values, ids, ranks = tensors.logprobs.tolist(), tensors.token_ids.tolist(), tensors.ranks.tolist()
         row = 0
         for seq, num_rows in seqs:
@@ -51,7 +152,9 @@ class OutputProcessing:
                                                                seq.params.prompt_logprobs))
             row += num_rows
 
-    def _append_token(self, seq: Sequence, token: int, logprob_row) -> None:
+    # ---- one token ----------------------------------------------------------------------------
+    def _append_token(self, seq: Sequence, token: int, logprob_row: LogprobRow | None) -> bool:
+        """Append `token` to `seq`, with its text and logprobs; True when it finished `seq`."""
         if seq.grammar is not None and not seq.grammar.accept(token):
             # The grammar allowed nothing it could take (min_tokens or a logit bias had masked
             # its stop tokens): end the output where the grammar ended it.
@@ -59,9 +162,8 @@ class OutputProcessing:
                            seq.request_id, token)
             seq.text += seq.detokenizer.flush()
             seq.finish_reason = "stop"
-            self.schedulers[seq.virtual_engine].remove(seq)
             seq.status = SequenceStatus.FINISHED
-            return
+            return True
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
         params = seq.params
@@ -69,47 +171,23 @@ class OutputProcessing:
             rank, ids, values = logprob_row
             seq.cumulative_logprob += values[0]
             seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
-        num_out = seq.num_output_tokens
-        reason = stop_reason = None
-        if num_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif not params.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        if reason is None and seq.grammar is not None and seq.grammar.is_terminated:
-            reason = "stop"  # the grammar is complete (it took a stop token)
-        if reason is None and (num_out >= max_tokens or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        reason, stop_reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
         delta = seq.detokenizer.step([token])
         if reason is not None:
             delta += seq.detokenizer.flush()  # text held back for an unfinished character
         seq.text += delta
-        if params.stop and delta and num_out >= params.min_tokens:
-            stop_reason_text, stop = self._check_stop_strings(seq, len(delta))
+        if params.stop and delta and seq.num_output_tokens >= params.min_tokens:
+            stop_reason_text, stop = check_stop_strings(seq, len(delta))
             if stop_reason_text is not None:
                 reason, stop_reason = stop_reason_text, stop
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.schedulers[seq.virtual_engine].remove(seq)
-            seq.status = SequenceStatus.FINISHED
+        if reason is None:
+            return False
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.status = SequenceStatus.FINISHED
+        return True
 
-    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> tuple[str | None, str | None]:
-        params = seq.params
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(seq.text) - delta_len - longest + 1)
-        best = None
-        for stop in params.stop:
-            index = seq.text.find(stop, search_from)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
-            return None, None
-        index, stop = best
-        seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
-        return "stop", stop
-
-    def _make_output(self, request: Request, kind: RequestOutputKind | None = None) -> RequestOutput | None:
+    # ---- outputs ------------------------------------------------------------------------------
+    def make_output(self, request: Request, kind: RequestOutputKind | None = None) -> RequestOutput | None:
         """The request's output of its kind; None when there is nothing to send (FINAL_ONLY
         before the end, DELTA with nothing new)."""
         kind = request.output_kind if kind is None else kind
@@ -118,47 +196,48 @@ class OutputProcessing:
         with_logprobs = request.params.logprobs is not None
         if kind is RequestOutputKind.DELTA:
             outputs = [output for seq in request.seqs
-                       if (output := self._delta(seq, request.holdback, with_logprobs)) is not None]
+                       if (output := _delta(seq, request.holdback, with_logprobs)) is not None]
             if not outputs and not request.finished:
                 return None
         else:
-            outputs = [
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.text,
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-                    logprobs=list(seq.logprobs) if with_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason)
-                for seq in request.seqs
-            ]
+            outputs = [_cumulative(seq, with_logprobs) for seq in request.seqs]
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
-        request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
+        request.update_counts()
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.metrics, request.metrics.num_cached_tokens,
                              prompt_logprobs)
 
-    @staticmethod
-    def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
-        """What of one sequence is new since its last delta (None: nothing). Until it finishes,
-        the last `holdback` characters stay back: a stop string may still begin in them."""
-        if seq.finish_sent:
-            return None
-        finished = seq.finish_reason is not None
-        num_output = seq.num_output_tokens
-        text_end = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - holdback)
-        if not finished and num_output == seq.num_tokens_sent and text_end == seq.num_chars_sent:
-            return None
-        sent = seq.num_tokens_sent
-        output = CompletionOutput(
-            index=seq.index,
-            text=seq.text[seq.num_chars_sent:text_end],
-            token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
-            cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-            logprobs=seq.logprobs[sent:] if with_logprobs else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason)
-        seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
-        return output
+
+def _cumulative(seq: Sequence, with_logprobs: bool) -> CompletionOutput:
+    return CompletionOutput(
+        index=seq.index,
+        text=seq.text,
+        token_ids=seq.output_token_ids,
+        cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+        logprobs=list(seq.logprobs) if with_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason)
+
+
+def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
+    """What of one sequence is new since its last delta (None: nothing). Until it finishes,
+    the last `holdback` characters stay back: a stop string may still begin in them."""
+    if seq.finish_sent:
+        return None
+    finished = seq.finish_reason is not None
+    num_output = seq.num_output_tokens
+    text_end = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - holdback)
+    if not finished and num_output == seq.num_tokens_sent and text_end == seq.num_chars_sent:
+        return None
+    sent = seq.num_tokens_sent
+    output = CompletionOutput(
+        index=seq.index,
+        text=seq.text[seq.num_chars_sent:text_end],
+        token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
+        cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
+        logprobs=seq.logprobs[sent:] if with_logprobs else None,
+        finish_reason=seq.finish_reason,
+        stop_reason=seq.stop_reason)
+    seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
+    return output

@@ -10,11 +10,14 @@ urgent, as vLLM's priority scheduler) is preempted: recomputed later, or with pr
 step that preempted swaps nothing in and admits nothing, and no waiting sequence is admitted
 while any is swapped out. A waiting sequence whose grammar is still compiling (structured
 outputs) is passed over until it is ready.
+
+`schedule()` returns one `SchedulerOutput` (vLLM's name): the sequences and how many tokens each
+computes, the block copies to make before the forward pass, and which virtual engine planned it.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +35,26 @@ class ScheduledSequence:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. `swap_plan`: the copies the model runner makes before the forward pass
+    (blocks freed by a swap-out this step may be overwritten by it). `virtual_engine`: the
+    scheduler that made it (pipeline parallelism; else 0), whose share of the pool its block
+    ids index."""
+    scheduled_seqs: list[ScheduledSequence] = field(default_factory=list)
+    swap_plan: SwapPlan = field(default_factory=SwapPlan)
+    virtual_engine: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled_seqs)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The requests with a sequence in the step, each once, in order."""
+        return list(dict.fromkeys(item.seq.request_id for item in self.scheduled_seqs))
+
+
 def _arrival_key(seq: Sequence) -> tuple[int, int]:
     return (seq.arrival_order, seq.index)
 
@@ -42,8 +65,9 @@ def _priority_key(seq: Sequence) -> tuple[int, int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", host_pool: HostBlockPool | None = None):
-        """`host_pool`: preempt by swapping into it (None: by recompute)."""
+                 policy: str = "fcfs", host_pool: HostBlockPool | None = None, virtual_engine: int = 0):
+        """`host_pool`: preempt by swapping into it (None: by recompute). `virtual_engine`: which
+        share of the pool `block_manager` hands out (pipeline parallelism)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
@@ -55,7 +79,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # kept sorted by sort_key
         self.swapped: list[Sequence] = []  # kept sorted by sort_key
         self.host_pool = host_pool
-        self.swap_plan = SwapPlan()  # copies owed before the next forward pass
+        self.virtual_engine = virtual_engine
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -82,25 +106,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def take_swap_plan(self) -> SwapPlan:
-        """The block copies the scheduled step needs first (the model runner makes them)."""
-        plan, self.swap_plan = self.swap_plan, SwapPlan()
-        return plan
-
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, plan: SwapPlan) -> None:
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         num_blocks = len(seq.block_table)
         if self.host_pool is not None and num_blocks and self.host_pool.can_allocate(num_blocks):
-            self._swap_out(seq)
+            self._swap_out(seq, plan)
             return
         self.block_manager.free(seq)
         self.add(seq)
 
-    def _swap_out(self, seq: Sequence) -> None:
+    def _swap_out(self, seq: Sequence, plan: SwapPlan) -> None:
         seq.host_block_table = self.host_pool.allocate(len(seq.block_table))
-        self.swap_plan.swap_out.extend(zip(seq.block_table, seq.host_block_table))
+        plan.swap_out.extend(zip(seq.block_table, seq.host_block_table))
         num_computed = seq.num_computed_tokens
         self.block_manager.free(seq)  # cached blocks stay findable; the copy is made first
         seq.num_computed_tokens = num_computed
@@ -108,17 +127,32 @@ class Scheduler:
         bisect.insort(self.swapped, seq, key=self.sort_key)
         self.num_swap_outs += 1
 
-    def _swap_in(self, seq: Sequence, num_new: int) -> None:
+    def _swap_in(self, seq: Sequence, num_new: int, plan: SwapPlan) -> None:
         """Fresh device blocks for everything the sequence held and its next chunk; its full
         blocks are hashed and registered again after the step, as newly computed ones."""
         self.block_manager.allocate(seq, num_new)
-        self.swap_plan.swap_in.extend(zip(seq.host_block_table, seq.block_table))
+        plan.swap_in.extend(zip(seq.host_block_table, seq.block_table))
         self.host_pool.free(seq.host_block_table)
         seq.host_block_table = []
 
-    def schedule(self) -> list[ScheduledSequence]:
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput(virtual_engine=self.virtual_engine)
+        budget, preempted = self._schedule_running(output, self.max_num_batched_tokens)
+        # Swapped and new work come in only when nothing had to be preempted this step.
+        if not preempted:
+            budget = self._schedule_swapped(output, budget)
+            if not self.swapped:
+                self._schedule_waiting(output, budget)
+        return output
+
+    def _start_running(self, seq: Sequence, num_new: int, output: SchedulerOutput) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self.sort_key)
+        output.scheduled_seqs.append(ScheduledSequence(seq, num_new))
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Running sequences' next tokens, preempting from the back of the queue when blocks run
+        out. Returns the budget left and whether anything was preempted."""
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -128,27 +162,33 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, output.swap_plan)
                 preempted = True
                 if victim is seq:
                     break
             else:
                 self.block_manager.allocate(seq, num_new)
-                scheduled.append(ScheduledSequence(seq, num_new))
+                output.scheduled_seqs.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
-        # Swapped and new work come in only when nothing had to be preempted this step.
-        while not preempted and self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+        return budget, preempted
+
+    def _schedule_swapped(self, output: SchedulerOutput, budget: int) -> int:
+        """Swapped-out sequences back in, in order, while their blocks fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
                 break
             self.swapped.pop(0)
-            self._swap_in(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=self.sort_key)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            self._swap_in(seq, num_new, output.swap_plan)
+            self._start_running(seq, num_new, output)
             budget -= num_new
-        while not preempted and not self.swapped and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Waiting sequences admitted in order (prefix-cache hits matched first) while the
+        budget, the sequence cap and the pool allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = next((s for s in self.waiting if s.is_schedulable), None)
             if seq is None:  # every waiting sequence's grammar is still compiling
                 break
@@ -156,7 +196,7 @@ class Scheduler:
                 self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
-                if not self.running and not scheduled:
+                if not self.running and not output.scheduled_seqs:
                     # Even an empty pool can't hold this sequence's next chunk: shrink the chunk.
                     num_new = self._largest_chunk(seq, num_new)
                     if num_new == 0:
@@ -166,11 +206,8 @@ class Scheduler:
                     break
             self.waiting.remove(seq)
             self.block_manager.allocate(seq, num_new)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=self.sort_key)
-            scheduled.append(ScheduledSequence(seq, num_new))
+            self._start_running(seq, num_new, output)
             budget -= num_new
-        return scheduled
 
     def _largest_chunk(self, seq: Sequence, num_new: int) -> int:
         free_tokens = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size

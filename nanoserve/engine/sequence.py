@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -41,7 +43,7 @@ class Sequence:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    detokenizer: object | None = None  # IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     # DELTA outputs: how much of the output already went out
     num_tokens_sent: int = 0
@@ -50,7 +52,7 @@ class Sequence:
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
-    grammar: object | None = None
+    grammar: SequenceGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
+from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ChatFeatures, ServerOptions
 from nanoserve.server.http_server import HttpServer
@@ -46,7 +47,7 @@ class RunningServer:
         self.preprocessor.shutdown()
 
 
-async def start_server(engine, options: ServerOptions,
+async def start_server(engine: LLMEngine, options: ServerOptions,
                        step_executor: ThreadPoolExecutor | None = None) -> RunningServer:
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
@@ -71,13 +72,13 @@ async def start_server(engine, options: ServerOptions,
         engine=async_engine, tokenizer=engine.tokenizer,
         served_model_name=engine.served_model_name, model_path=engine.model_path,
         max_model_len=engine.max_model_len,
-        generation_defaults=load_generation_defaults(getattr(engine, "model_dir", None)),
+        generation_defaults=load_generation_defaults(engine.model_dir),
         preprocessor=preprocessor, max_prompt_chars=engine.max_prompt_chars,
         max_n_sequences=engine.config.max_n_sequences,
         max_waiting_requests=options.max_waiting_requests,
         trust_request_chat_template=options.trust_request_chat_template,
         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
-        truncation_side=getattr(engine.tokenizer, "truncation_side", "right"),
+        truncation_side=engine.tokenizer.truncation_side,
         on_admission_rejected=metrics.on_admission_rejected,
         request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None,
         response_cache=response_cache, chat_template=chat.chat_template,
@@ -102,8 +103,6 @@ async def serve(engine_config, options: ServerOptions, signals: ShutdownSignals)
     """Build the engine, serve until a signal (or a dead rank), shut down. `signals` owns SIGINT
     and SIGTERM from before the engine (and its worker ranks) exists: a signal at any moment ends
     in the same graceful path, the ranks stopped and joined by `engine.shutdown()`."""
-    from nanoserve.engine.llm_engine import LLMEngine
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     server: RunningServer | None = None

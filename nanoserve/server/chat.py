@@ -6,16 +6,19 @@ from __future__ import annotations
 import time
 from typing import AsyncGenerator
 
+from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput, delta_messages
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
 from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.schemas import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                       ChatCompletionStreamResponse, ChatMessage, ChatStreamChoice,
-                                      DeltaMessage)
-from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                      encode_json, fold, response_id, sse, sse_error)
+                                      DeltaMessage, Usage)
+from nanoserve.server.serving import (ChoiceProgress, ServingContext, bad_request, encode_json,
+                                      fold, response_id, sse)
+from nanoserve.server.streaming import stream_response, usage_options
 from nanoserve.server.tools import ToolUse, check_tool_messages, check_tool_use
 
 
@@ -126,6 +129,13 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         ctx.abort_unfinished(streams)
         raise
     ctx.store_response(cache_key, [final])
+    return _response(ctx, request, base_id, created, prompt, final, role, reader)
+
+
+def _response(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
+              prompt: TokensPrompt, final: RequestOutput, role: str,
+              reader: ChatOutputReader | None) -> Response:
+    """The whole answer as one chat.completion body."""
     echo = _echo_text(request, role)
     as_token_ids = bool(request.return_tokens_as_token_ids)
     choices = []
@@ -150,87 +160,93 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         prompt_token_ids=prompt_ids if request.return_token_ids else None)))
 
 
-async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
-                  prompt: TokensPrompt, stream, role: str, cache_key: bytes | None,
-                  reader: ChatOutputReader | None) -> AsyncGenerator[bytes, None]:
-    model = ctx.served_model_name
-    options = request.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    prompt_ids = prompt.prompt_token_ids
-    prompt_tokens = len(prompt_ids)
-    top = request.top_logprobs or 0
-    as_token_ids = bool(request.return_tokens_as_token_ids)
-    shows_tokens = bool(request.logprobs or request.return_token_ids)
-    echo = _echo_text(request, role)
-    progress: dict[int, ChoiceProgress] = {}  # per choice index
-    outputs: dict[int, ChoiceOutput] = {}  # per choice index, with a reader
-    cached_tokens = 0
-    first_chunk = True
+class _ChatChunks:
+    """A streamed chat completion's chunks, output by output: each choice opens with a role
+    chunk (and the echoed message) once its first token came; with a reader the text goes out
+    as content, reasoning and tool-call deltas."""
 
-    def chunk(choice: ChatStreamChoice, state: ChoiceProgress) -> bytes:
-        nonlocal first_chunk
-        usage = state.usage(prompt_tokens) if continuous_usage else None
-        ids = prompt_ids if first_chunk and request.return_token_ids else None
-        first_chunk = False
-        return sse(ChatCompletionStreamResponse(base_id, "chat.completion.chunk", created, model,
-                                                [choice], usage, ids))
-    final = None  # the whole answer, for the response cache
-    try:
-        async for output in stream:
-            cached_tokens = output.num_cached_tokens
-            events = []
-            for choice in output.outputs:
-                state = progress.get(choice.index)
-                if state is None:
-                    if not choice.token_ids and choice.finish_reason is None:
-                        continue  # the role chunk waits for the first token
-                    state = progress[choice.index] = ChoiceProgress()
-                    events.append(chunk(ChatStreamChoice(
-                        choice.index, DeltaMessage(role=role, content="")), state))
-                    if echo:
-                        events.append(chunk(ChatStreamChoice(
-                            choice.index, DeltaMessage(content=echo)), state))
-                if not state.take(choice, shows_tokens):
-                    continue
-                logprobs = None
-                if request.logprobs and choice.token_ids:
-                    logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], top,
-                                             ctx.tokenizer, as_token_ids)
-                finish_reason = choice.finish_reason
-                messages = [DeltaMessage(content=choice.text)]
-                if reader is not None:
-                    output = outputs.get(choice.index)
-                    if output is None:
-                        output = outputs[choice.index] = reader.new_choice()
-                    messages = delta_messages(output.feed(choice.text, finish_reason is not None))
-                    if finish_reason is not None:
-                        finish_reason = reader.finish_reason(bool(output.tool_calls),
-                                                             finish_reason)
-                    if not messages:  # all of it held back (maybe the start of a marker)
-                        if finish_reason is None and not (shows_tokens and choice.token_ids):
-                            continue
-                        messages = [DeltaMessage(content="")]
-                for message in messages[:-1]:
-                    events.append(chunk(ChatStreamChoice(choice.index, message), state))
-                events.append(chunk(ChatStreamChoice(
-                    choice.index, messages[-1], logprobs, finish_reason, choice.stop_reason,
-                    list(choice.token_ids) if request.return_token_ids else None), state))
-            if cache_key is not None:
-                final = fold(final, output)
-            if events:
-                yield b"".join(events)
-        ctx.store_response(cache_key, [final])
-        if include_usage:
-            completion_tokens = sum(p.num_tokens for p in progress.values())
-            yield sse(ChatCompletionStreamResponse(
-                base_id, "chat.completion.chunk", created, model, [],
-                ctx.usage(prompt_tokens, completion_tokens, cached_tokens)))
-        yield DONE
-    except Exception as error:  # after the 200 went out: report in-band, then end the stream
-        yield sse_error(error) + DONE
-    finally:
-        ctx.abort_unfinished([stream])
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, base_id: str,
+                 created: int, prompt: TokensPrompt, role: str, reader: ChatOutputReader | None,
+                 continuous_usage: bool) -> None:
+        self.ctx, self.request, self.reader, self.role = ctx, request, reader, role
+        self.base_id, self.created, self.model = base_id, created, ctx.served_model_name
+        self.prompt_ids = prompt.prompt_token_ids
+        self.continuous_usage = continuous_usage
+        self.as_token_ids = bool(request.return_tokens_as_token_ids)
+        self.shows_tokens = bool(request.logprobs or request.return_token_ids)
+        self.echo = _echo_text(request, role)
+        self.progress: dict[int, ChoiceProgress] = {}  # per choice index
+        self.outputs: dict[int, ChoiceOutput] = {}  # per choice index, with a reader
+        self.first_chunk = True
+
+    def _chunk(self, choice: ChatStreamChoice, state: ChoiceProgress) -> bytes:
+        usage = state.usage(len(self.prompt_ids)) if self.continuous_usage else None
+        ids = self.prompt_ids if self.first_chunk and self.request.return_token_ids else None
+        self.first_chunk = False
+        return sse(ChatCompletionStreamResponse(self.base_id, "chat.completion.chunk", self.created,
+                                                self.model, [choice], usage, ids))
+
+    def events(self, _: int, output: RequestOutput) -> list[bytes]:
+        events: list[bytes] = []
+        for choice in output.outputs:
+            state = self.progress.get(choice.index)
+            if state is None:
+                if not choice.token_ids and choice.finish_reason is None:
+                    continue  # the role chunk waits for the first token
+                state = self.progress[choice.index] = ChoiceProgress()
+                events.append(self._chunk(ChatStreamChoice(
+                    choice.index, DeltaMessage(role=self.role, content="")), state))
+                if self.echo:
+                    events.append(self._chunk(ChatStreamChoice(
+                        choice.index, DeltaMessage(content=self.echo)), state))
+            if state.take(choice, self.shows_tokens):
+                self._choice_events(choice, state, events)
+        return events
+
+    def _choice_events(self, choice: CompletionOutput, state: ChoiceProgress,
+                       events: list[bytes]) -> None:
+        request = self.request
+        finish_reason = choice.finish_reason
+        messages = [DeltaMessage(content=choice.text)]
+        if self.reader is not None:
+            messages, finish_reason = self._read(choice)
+            if not messages:  # all of it held back (maybe the start of a marker)
+                if finish_reason is None and not (self.shows_tokens and choice.token_ids):
+                    return
+                messages = [DeltaMessage(content="")]
+        logprobs = None
+        if request.logprobs and choice.token_ids:
+            logprobs = chat_logprobs(choice.token_ids, choice.logprobs or [], request.top_logprobs or 0,
+                                     self.ctx.tokenizer, self.as_token_ids)
+        for message in messages[:-1]:
+            events.append(self._chunk(ChatStreamChoice(choice.index, message), state))
+        events.append(self._chunk(ChatStreamChoice(
+            choice.index, messages[-1], logprobs, finish_reason, choice.stop_reason,
+            list(choice.token_ids) if request.return_token_ids else None), state))
+
+    def _read(self, choice: CompletionOutput) -> tuple[list[DeltaMessage], str | None]:
+        """The reader's deltas for the choice's new text, and its finish reason."""
+        output = self.outputs.get(choice.index)
+        if output is None:
+            output = self.outputs[choice.index] = self.reader.new_choice()
+        finish_reason = choice.finish_reason
+        messages = delta_messages(output.feed(choice.text, finish_reason is not None))
+        if finish_reason is not None:
+            finish_reason = self.reader.finish_reason(bool(output.tool_calls), finish_reason)
+        return messages, finish_reason
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse(ChatCompletionStreamResponse(self.base_id, "chat.completion.chunk", self.created,
+                                                self.model, [], usage))
+
+
+def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, created: int,
+            prompt: TokensPrompt, stream: RequestStream, role: str, cache_key: bytes | None,
+            reader: ChatOutputReader | None) -> AsyncGenerator[bytes, None]:
+    include_usage, continuous_usage = usage_options(request)
+    chunks = _ChatChunks(ctx, request, base_id, created, prompt, role, reader, continuous_usage)
+    return stream_response(ctx, [stream], cache_key, len(prompt.prompt_token_ids), include_usage,
+                           chunks.progress, chunks.events, chunks.usage_chunk)
 
 
 def _output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | None:

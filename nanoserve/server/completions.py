@@ -1,51 +1,19 @@
 """POST /v1/completions, streamed and not."""
 from __future__ import annotations
 
-import asyncio
 import time
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
+from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                      CompletionStreamChoice, CompletionStreamResponse)
-from nanoserve.server.serving import (DONE, ChoiceProgress, ServingContext, bad_request,
-                                      encode_json, fold, response_id, sse, sse_error)
-
-
-async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, output) from several request streams, as they arrive."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream) -> None:
-        try:
-            async for output in stream:
-                queue.put_nowait((index, output, None))
-        except BaseException as error:  # delivered to the reader, which re-raises it
-            queue.put_nowait((index, None, error))
-            return
-        queue.put_nowait((index, None, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            index, output, error = await queue.get()
-            if error is not None:
-                raise error
-            if output is None:
-                remaining -= 1
-                continue
-            yield index, output
-    finally:
-        for task in tasks:
-            task.cancel()
+                                      CompletionStreamChoice, CompletionStreamResponse, Usage)
+from nanoserve.server.serving import (ChoiceProgress, ServingContext, bad_request, encode_json,
+                                      fold, response_id, sse)
+from nanoserve.server.streaming import merge_streams, stream_response, usage_options
 
 
 def _is_token_list(value: Any) -> bool:
@@ -94,6 +62,45 @@ def _prompt_entries(output, prompt_ids: list[int]) -> list:
     return output.prompt_logprobs or [None] * len(prompt_ids)
 
 
+def _with_prompt(ctx: ServingContext, request: CompletionRequest, prompt: TokensPrompt,
+                 output: RequestOutput, echo_only: bool, text: str, ids: list[int],
+                 entries: list) -> tuple[str, list[int], list]:
+    """echo: the prompt's text, ids and logprob entries before the output's (instead of them
+    when only the prompt was asked for)."""
+    prompt_ids = prompt.prompt_token_ids
+    prompt_text = _prompt_text(ctx, request, prompt)
+    prompt_entries = _prompt_entries(output, prompt_ids)
+    if echo_only:
+        return prompt_text, prompt_ids, prompt_entries
+    return prompt_text + text, prompt_ids + ids, prompt_entries + entries
+
+
+def _choices(ctx: ServingContext, request: CompletionRequest, prompts: list[TokensPrompt],
+             finals: list[RequestOutput], echo_only: bool) -> tuple[list[CompletionChoice], int]:
+    """The response's choices, n per prompt, and the tokens they generated."""
+    choices = []
+    completion_tokens = 0
+    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
+        prompt_ids = prompt.prompt_token_ids
+        for output in final.outputs:
+            text, token_ids, entries = output.text, output.token_ids, output.logprobs or []
+            if request.echo:
+                text, token_ids, entries = _with_prompt(ctx, request, prompt, final, echo_only,
+                                                        text, token_ids, entries)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = completion_logprobs(token_ids, entries, request.logprobs, ctx.tokenizer,
+                                               as_token_ids=bool(request.return_tokens_as_token_ids))
+            completion_tokens += len(output.token_ids)
+            choices.append(CompletionChoice(
+                index=prompt_index * request.n + output.index, text=text, logprobs=logprobs,
+                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                token_ids=list(output.token_ids) if request.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+                prompt_token_ids=prompt_ids if request.return_token_ids else None))
+    return choices, completion_tokens
+
+
 async def create_completion(ctx: ServingContext, request: CompletionRequest):
     ctx.check_model(request.model)
     if request.suffix is not None:
@@ -125,31 +132,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
         ctx.abort_unfinished(streams)
         raise
     ctx.store_response(cache_key, finals)
-    choices = []
-    completion_tokens = 0
-    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
-        prompt_ids = prompt.prompt_token_ids
-        for output in final.outputs:
-            token_ids, entries, text = output.token_ids, output.logprobs or [], output.text
-            if request.echo:
-                prompt_text = _prompt_text(ctx, request, prompt)
-                prompt_entries = _prompt_entries(final, prompt_ids)
-                if echo_only:
-                    token_ids, entries, text = prompt_ids, prompt_entries, prompt_text
-                else:
-                    token_ids, entries = prompt_ids + token_ids, prompt_entries + entries
-                    text = prompt_text + text
-            logprobs = None
-            if request.logprobs is not None:
-                logprobs = completion_logprobs(token_ids, entries, request.logprobs, ctx.tokenizer,
-                                               as_token_ids=bool(request.return_tokens_as_token_ids))
-            completion_tokens += len(output.token_ids)
-            choices.append(CompletionChoice(
-                index=prompt_index * request.n + output.index, text=text, logprobs=logprobs,
-                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                token_ids=list(output.token_ids) if request.return_token_ids else None,
-                prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
-                prompt_token_ids=prompt_ids if request.return_token_ids else None))
+    choices, completion_tokens = _choices(ctx, request, prompts, finals, echo_only)
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
     body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
@@ -157,68 +140,67 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     return Response(200, encode_json(body))
 
 
-async def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                  prompts: list[TokensPrompt], streams, echo_only: bool,
-                  cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
-    model = ctx.served_model_name
-    n = request.n
-    options = request.stream_options
-    include_usage = bool(options and options.include_usage)
-    continuous_usage = bool(include_usage and options.continuous_usage_stats)
-    as_token_ids = bool(request.return_tokens_as_token_ids)
-    shows_tokens = request.logprobs is not None or bool(request.return_token_ids)
-    progress: dict[int, ChoiceProgress] = {}  # per choice index
-    cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
-    finals: list = [None] * len(streams)  # the whole answers, for the response cache
-    try:
-        async for prompt_index, output in merge_streams(streams):
-            cached[prompt_index] = output.num_cached_tokens
-            prompt = prompts[prompt_index]
-            prompt_ids = prompt.prompt_token_ids
-            events = []
-            for choice in output.outputs:
-                index = prompt_index * n + choice.index
-                state = progress.get(index)
-                if state is None:
-                    state = progress[index] = ChoiceProgress()
-                first = not state.started
-                if not state.take(choice, shows_tokens) and not (first and request.echo):
-                    continue
-                text, ids, entries = choice.text, choice.token_ids, choice.logprobs or []
-                if request.echo and first:  # the prompt leads the first chunk
-                    prompt_text = _prompt_text(ctx, request, prompt)
-                    prompt_entries = _prompt_entries(output, prompt_ids)
-                    if echo_only:
-                        text, ids, entries = prompt_text, prompt_ids, prompt_entries
-                    else:
-                        text, ids, entries = prompt_text + text, prompt_ids + ids, prompt_entries + entries
-                logprobs = None
-                if request.logprobs is not None:
-                    logprobs = completion_logprobs(ids, entries, request.logprobs, ctx.tokenizer,
-                                                   state.chars_sent, as_token_ids)
-                state.started = True
-                state.chars_sent += len(text)
-                send_prompt_ids = first and bool(request.echo or request.return_token_ids)
-                events.append(sse(CompletionStreamResponse(
-                    base_id, "text_completion", created, model,
-                    [CompletionStreamChoice(
-                        index, text, logprobs, choice.finish_reason, choice.stop_reason,
-                        prompt_ids if send_prompt_ids else None,
-                        list(choice.token_ids) if request.return_token_ids else None)],
-                    state.usage(len(prompt_ids)) if continuous_usage else None)))
-            if cache_key is not None:
-                finals[prompt_index] = fold(finals[prompt_index], output)
-            if events:
-                yield b"".join(events)
-        ctx.store_response(cache_key, finals)
-        if include_usage:
-            completion_tokens = sum(p.num_tokens for p in progress.values())
-            prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
-            usage = ctx.usage(prompt_tokens, completion_tokens, sum(cached.values()))
-            yield sse(CompletionStreamResponse(base_id, "text_completion", created, model, [],
-                                               usage))
-        yield DONE
-    except Exception as error:  # after the 200 went out: report in-band, then end the stream
-        yield sse_error(error) + DONE
-    finally:
-        ctx.abort_unfinished(streams)
+class _CompletionChunks:
+    """A streamed completion's chunks, output by output. The first chunk of each choice
+    carries the echoed prompt (and its ids when asked for)."""
+
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
+                 prompts: list[TokensPrompt], echo_only: bool, continuous_usage: bool) -> None:
+        self.ctx, self.request, self.prompts = ctx, request, prompts
+        self.base_id, self.created, self.model = base_id, created, ctx.served_model_name
+        self.echo_only, self.continuous_usage = echo_only, continuous_usage
+        self.as_token_ids = bool(request.return_tokens_as_token_ids)
+        self.shows_tokens = request.logprobs is not None or bool(request.return_token_ids)
+        self.progress: dict[int, ChoiceProgress] = {}  # per choice index
+
+    def events(self, prompt_index: int, output: RequestOutput) -> list[bytes]:
+        events = []
+        for choice in output.outputs:
+            event = self._choice_event(prompt_index, output, choice)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _choice_event(self, prompt_index: int, output: RequestOutput,
+                      choice: CompletionOutput) -> bytes | None:
+        request = self.request
+        index = prompt_index * request.n + choice.index
+        state = self.progress.get(index)
+        if state is None:
+            state = self.progress[index] = ChoiceProgress()
+        first = not state.started
+        if not state.take(choice, self.shows_tokens) and not (first and request.echo):
+            return None
+        prompt_ids = self.prompts[prompt_index].prompt_token_ids
+        text, ids, entries = choice.text, choice.token_ids, choice.logprobs or []
+        if request.echo and first:  # the prompt leads the first chunk
+            text, ids, entries = _with_prompt(self.ctx, request, self.prompts[prompt_index], output,
+                                              self.echo_only, text, ids, entries)
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = completion_logprobs(ids, entries, request.logprobs, self.ctx.tokenizer,
+                                           state.chars_sent, self.as_token_ids)
+        state.started = True
+        state.chars_sent += len(text)
+        send_prompt_ids = first and bool(request.echo or request.return_token_ids)
+        return sse(CompletionStreamResponse(
+            self.base_id, "text_completion", self.created, self.model,
+            [CompletionStreamChoice(
+                index, text, logprobs, choice.finish_reason, choice.stop_reason,
+                prompt_ids if send_prompt_ids else None,
+                list(choice.token_ids) if request.return_token_ids else None)],
+            state.usage(len(prompt_ids)) if self.continuous_usage else None))
+
+    def usage_chunk(self, usage: Usage) -> bytes:
+        return sse(CompletionStreamResponse(self.base_id, "text_completion", self.created, self.model,
+                                            [], usage))
+
+
+def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
+            prompts: list[TokensPrompt], streams: list[RequestStream], echo_only: bool,
+            cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
+    include_usage, continuous_usage = usage_options(request)
+    chunks = _CompletionChunks(ctx, request, base_id, created, prompts, echo_only, continuous_usage)
+    prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
+    return stream_response(ctx, streams, cache_key, prompt_tokens, include_usage, chunks.progress,
+                           chunks.events, chunks.usage_chunk)

@@ -32,8 +32,12 @@ class EngineStatsCollector:
         stats = self.stats
         if stats is None:
             return
+        yield from self._scheduler_gauges(stats)
+        yield from self._cache_metrics(stats)
+        yield from self._engine_counters(stats)
+
+    def _scheduler_gauges(self, stats: EngineStats) -> Iterator[Metric]:
         family = self._family
-        cached = stats.prompt_tokens_cached_total
         yield family("gauge", "vllm:num_requests_running",
                      "Number of requests in model execution batches.", stats.num_running)
         yield family("gauge", "vllm:num_requests_waiting",
@@ -51,6 +55,9 @@ class EngineStatsCollector:
                      "engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 "
                      "means sleep level 2.",
                      {"awake": 1, "weights_offloaded": 0, "discard_all": 0}, "sleep_state")
+
+    def _cache_metrics(self, stats: EngineStats) -> Iterator[Metric]:
+        family = self._family
         yield family("gauge", "vllm:kv_cache_usage_perc",
                      "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)
         yield family("gauge", "vllm:cpu_cache_usage_perc",
@@ -71,6 +78,10 @@ class EngineStatsCollector:
                      "Multi-modal cache queries, in terms of number of queried items.", 0)
         yield family("counter", "vllm:mm_cache_hits",
                      "Multi-modal cache hits, in terms of number of cached items.", 0)
+
+    def _engine_counters(self, stats: EngineStats) -> Iterator[Metric]:
+        family = self._family
+        cached = stats.prompt_tokens_cached_total
         yield family("counter", "vllm:num_preemptions",
                      "Cumulative number of preemption from the engine.",
                      stats.num_preemptions_total)

@@ -92,23 +92,40 @@ class ServerMetrics:
         self.engine_stats = EngineStatsCollector(model_name)
         self.registry.register(self.engine_stats)
         self.registry.register(ResponseCacheCollector(model_name, response_cache))
-        labels = {"model_name": model_name, "engine": "0"}
+        self._labels = {"model_name": model_name, "engine": "0"}
         tokens = token_buckets(max_model_len)
-
-        def histogram(name: str, documentation: str, buckets) -> Histogram:
-            return Histogram("vllm:" + name, documentation, list(labels), buckets=buckets,
-                             registry=self.registry).labels(**labels)
-
-        def counter(name: str, documentation: str, label: str, values, **fixed) -> dict:
-            family = Counter("vllm:" + name, documentation, [*fixed, label],
-                             registry=self.registry)
-            return {value: family.labels(**fixed, **{label: value}) for value in values}
-
+        counter = self._counter
         self.finished = counter("request_success", "Count of successfully processed requests.",
-                                "finished_reason", FINISH_REASONS, **labels)
+                                "finished_reason", FINISH_REASONS, **self._labels)
         self.admission_rejections = counter(
             "admission_rejections", "Number of admission attempts rejected by a queue limit, by "
             "reason.", "reason", ADMISSION_REASONS, model_name=model_name)
+        self._make_token_histograms(tokens)
+        self._make_latency_histograms()
+        histogram = self._histogram
+        self.num_preemptions = histogram(
+            "request_num_preemptions", "Histogram of the number of times a request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.prefill_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+        info = {key: str(value) for key, value in (cache_config or {}).items()}
+        info["engine"] = "0"
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
+              registry=self.registry).labels(**info).set(1)
+
+    def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
+        labels = self._labels
+        return Histogram("vllm:" + name, documentation, list(labels), buckets=buckets,
+                         registry=self.registry).labels(**labels)
+
+    def _counter(self, name: str, documentation: str, label: str, values, **fixed) -> dict:
+        family = Counter("vllm:" + name, documentation, [*fixed, label], registry=self.registry)
+        return {value: family.labels(**fixed, **{label: value}) for value in values}
+
+    def _make_token_histograms(self, tokens: list[float]) -> None:
+        """Per-request and per-step token counts, and the request's parameters."""
+        histogram = self._histogram
         self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.generation_tokens = histogram(
             "request_generation_tokens", "Number of generation tokens processed.", tokens)
@@ -122,6 +139,10 @@ class ServerMetrics:
                                   REQUEST_PARAMS_N_BUCKETS)
         self.params_max_tokens = histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens)
+
+    def _make_latency_histograms(self) -> None:
+        """Per-request phases (vLLM's: queued, prefill, decode) and token latencies."""
+        histogram = self._histogram
         self.ttft = histogram("time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds",
@@ -142,16 +163,6 @@ class ServerMetrics:
         self.decode_time = histogram("request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.",
                                      REQUEST_LATENCY_BUCKETS)
-        self.num_preemptions = histogram(
-            "request_num_preemptions", "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS)
-        self.prefill_kv_computed = histogram(
-            "request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
-        info = {key: str(value) for key, value in (cache_config or {}).items()}
-        info["engine"] = "0"
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
-              registry=self.registry).labels(**info).set(1)
 
     # ---- Observer ----
     def on_first_token(self, request_id: str, seconds_since_arrival: float) -> None:

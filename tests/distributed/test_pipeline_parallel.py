@@ -41,8 +41,10 @@ def run(model_dir, prompts, trace: bool = False, sampled: bool = False, **engine
 
             def traced_step():
                 outputs = step()
-                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduled},
-                               f.launched.tokens_only) for f in engine.in_flight if f is not None])
+                in_flight = [f for f in engine.in_flight if f is not None]
+                assert all(f.scheduler_output.virtual_engine == f.launched.virtual_engine for f in in_flight)
+                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduler_output.scheduled_seqs},
+                               f.launched.tokens_only) for f in in_flight])
                 return outputs
             engine.step = traced_step
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)

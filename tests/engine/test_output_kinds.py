@@ -97,3 +97,20 @@ def test_prompt_forms_are_one_typed_prompt(tiny_llama_dir, engine):
         finals.update((o.request_id, o) for o in engine.step())
     assert len({tuple(finals[f"form-{i}"].outputs[0].token_ids) for i in range(3)}) == 1
     assert [finals[f"form-{i}"].prompt for i in range(3)] == [None, None, "its text"]
+
+
+def test_metrics_count_the_tokens_the_deltas_carry(engine):
+    """Each output's metrics say how many tokens were generated so far, all outputs together
+    and the longest one, whatever the output kind (the server reads them, not the deltas)."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, n=2, ignore_eos=True)
+    engine.add_request("counted", {"prompt_token_ids": PROMPT}, params, output_kind=RequestOutputKind.DELTA)
+    seen: dict[int, int] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for choice in output.outputs:
+                seen[choice.index] = seen.get(choice.index, 0) + len(choice.token_ids)
+            assert output.metrics.num_generation_tokens == sum(seen.values())
+            assert output.metrics.max_num_generation_tokens == max(seen.values())
+            steps += 1
+    assert steps > 1 and seen == {0: 12, 1: 12}

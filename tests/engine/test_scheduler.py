@@ -37,7 +37,7 @@ def test_every_request_finishes_within_budgets(requests, num_blocks, budget, max
                            SamplingParams(max_tokens=max_tokens), priority, i)
             seqs.append(seq)
             scheduler.add(seq)
-        scheduled = scheduler.schedule()
+        scheduled = scheduler.schedule().scheduled_seqs
         assert sum(s.num_new_tokens for s in scheduled) <= budget
         assert len(scheduler.running) <= max_seqs
         assert len({id(s.seq) for s in scheduled}) == len(scheduled)
@@ -72,7 +72,7 @@ def test_preempts_latest_arrival_first():
     for seq in (a, b):
         seq.num_computed_tokens = 8
         seq.token_ids.append(3)
-    scheduled = scheduler.schedule()  # both need a third block: b (later arrival) is preempted
+    scheduled = scheduler.schedule().scheduled_seqs  # both need a third block: b (later arrival) is preempted
     assert [s.seq for s in scheduled] == [a]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1
@@ -99,12 +99,12 @@ def test_priority_policy_preempts_the_least_urgent():
     """vLLM's priority scheduler: the victim is the running request with the largest
     (priority, arrival), here the earlier arrival because its priority value is higher."""
     scheduler, a, b = fill_and_grow("priority", (2, 0))
-    scheduled = scheduler.schedule()
+    scheduled = scheduler.schedule().scheduled_seqs
     assert [s.seq for s in scheduled] == [b]
     assert a.status is SequenceStatus.WAITING and a.num_computed_tokens == 0
     # With fcfs the same requests are ordered by arrival alone: the later one (b) gives way.
     scheduler, a, b = fill_and_grow("fcfs", (0, 0))
-    scheduled = scheduler.schedule()
+    scheduled = scheduler.schedule().scheduled_seqs
     assert [s.seq for s in scheduled] == [a] and b.status is SequenceStatus.WAITING
 
 
@@ -114,3 +114,18 @@ def test_waiting_order_follows_the_policy():
         for order, (name, priority) in enumerate((("x", 1), ("y", 1), ("z", -1))):
             scheduler.add(Sequence(order, name, 0, [1] * 3, 3, SamplingParams(), priority, order))
         assert [seq.request_id for seq in scheduler.waiting] == expected
+
+
+def test_scheduler_output_names_its_virtual_engine_and_requests():
+    """One typed hand-off: the scheduled sequences with their token counts, the swap plan (empty
+    without swapping) and the virtual engine whose share of the pool the block ids index."""
+    scheduler = Scheduler(BlockManager(8, 4), 8, 64, virtual_engine=1)
+    a = Sequence(0, "a", 0, [1] * 5, 5, SamplingParams(), 0, 0)
+    b = Sequence(1, "b", 0, [2] * 3, 3, SamplingParams(), 0, 1)
+    a2 = Sequence(2, "a", 1, [1] * 5, 5, SamplingParams(), 0, 0)
+    for seq in (a, b, a2):
+        scheduler.add(seq)
+    output = scheduler.schedule()
+    assert output.virtual_engine == 1 and not output.swap_plan
+    assert [(s.seq, s.num_new_tokens) for s in output.scheduled_seqs] == [(a, 5), (a2, 5), (b, 3)]
+    assert output.total_num_scheduled_tokens == 13 and output.request_ids == ["a", "b"]

@@ -44,8 +44,8 @@ def test_swapped_blocks_keep_their_tokens(requests, num_blocks, num_host_blocks,
             seqs.append(seq)
             scheduler.add(seq)
         waiting_before = set(scheduler.waiting)
-        scheduled = scheduler.schedule()
-        plan = scheduler.take_swap_plan()
+        output = scheduler.schedule()
+        scheduled, plan = output.scheduled_seqs, output.swap_plan
         assert not (plan.swap_out and plan.swap_in), "a step that preempted swapped something in"
         if any(item.seq in waiting_before for item in scheduled):
             assert not scheduler.swapped, "a waiting sequence was admitted before a swapped one"
@@ -82,18 +82,20 @@ def _fill_and_grow(host_blocks: int):
 def test_swaps_out_the_latest_arrival_and_back_in_before_new_work():
     scheduler, a, b = _fill_and_grow(host_blocks=4)
     b_blocks = list(b.block_table)
-    scheduled = scheduler.schedule()
-    assert [s.seq for s in scheduled] == [a]
+    output = scheduler.schedule()
+    assert [s.seq for s in output.scheduled_seqs] == [a]
     assert b.status is SequenceStatus.SWAPPED and b.num_computed_tokens == 8 and not b.block_table
-    assert scheduler.take_swap_plan().swap_out == list(zip(b_blocks, [0, 1]))
+    assert output.swap_plan.swap_out == list(zip(b_blocks, [0, 1])) and not output.swap_plan.swap_in
     assert scheduler.num_preemptions == scheduler.num_swap_outs == 1
     c = Sequence(2, "c", 0, [5] * 3, 3, SamplingParams(), 0, 2)
     scheduler.add(c)
     a.num_computed_tokens = 9
     scheduler.remove(a)  # a finishes: room for b, which comes back before c is admitted
-    scheduled = scheduler.schedule()
-    assert [(s.seq, s.num_new_tokens) for s in scheduled] == [(b, 1), (c, 3)]
-    plan = scheduler.take_swap_plan()
+    output = scheduler.schedule()
+    assert [(s.seq, s.num_new_tokens) for s in output.scheduled_seqs] == [(b, 1), (c, 3)]
+    assert output.total_num_scheduled_tokens == 4
+    plan = output.swap_plan
+    assert not plan.swap_out
     assert [host for host, _ in plan.swap_in] == [0, 1] and [d for _, d in plan.swap_in] == b.block_table[:2]
     assert len(b.block_table) == 3 and scheduler.host_pool.num_used_blocks == 0
     assert b.num_computed_tokens == 8 and c.num_computed_tokens == 0
@@ -101,21 +103,20 @@ def test_swaps_out_the_latest_arrival_and_back_in_before_new_work():
 
 def test_no_admission_while_a_sequence_is_swapped_out():
     scheduler, a, b = _fill_and_grow(host_blocks=4)
-    scheduler.schedule()  # b swapped out
-    scheduler.take_swap_plan()
+    assert scheduler.schedule().swap_plan.swap_out  # b swapped out
     c = Sequence(2, "c", 0, [5] * 3, 3, SamplingParams(), 0, 2)
     scheduler.add(c)
     a.num_computed_tokens = 9
     a.token_ids.append(3)
     # a (3 blocks) keeps running; b needs 3 blocks and only 1 is free: b stays out, so c
     # (1 block, which would fit) is not admitted either.
-    assert [s.seq for s in scheduler.schedule()] == [a]
+    assert [s.seq for s in scheduler.schedule().scheduled_seqs] == [a]
     assert b.status is SequenceStatus.SWAPPED and c.status is SequenceStatus.WAITING
 
 
 def test_full_host_pool_recomputes():
     scheduler, a, b = _fill_and_grow(host_blocks=1)  # b holds 2 blocks: no room
-    scheduled = scheduler.schedule()
-    assert [s.seq for s in scheduled] == [a]
+    output = scheduler.schedule()
+    assert [s.seq for s in output.scheduled_seqs] == [a]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
-    assert not scheduler.take_swap_plan() and scheduler.num_swap_outs == 0
+    assert not output.swap_plan and scheduler.num_swap_outs == 0
