@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.pipeline import layer_partition, partition_override
+from nanoserve import envs
+from nanoserve.distributed.pipeline import layer_partition
 from nanoserve.distributed.rank import Topology, init_rank, resolve_device_type  # noqa: F401 (re-exported)
 from nanoserve.models.config import ModelConfig
 
@@ -39,7 +40,8 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     pp_size = config.pipeline_parallel_size
     partition = ()
     if pp_size > 1:
-        partition = tuple(layer_partition(model_config.num_hidden_layers, pp_size, partition_override()))
+        partition = tuple(layer_partition(model_config.num_hidden_layers, pp_size,
+                                          config.pp_layer_partition or envs.pp_layer_partition()))
     heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
     if heads % world:
         raise ValueError(f"--tensor-parallel-size {world} does not divide the model's {heads} attention heads")

@@ -8,18 +8,18 @@ rows are not invariant to the batch: prompt rows are then padded (model_input.PR
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from nanoserve import envs
 from nanoserve.kernels import cpu_ops
 
 logger = logging.getLogger(__name__)
 
 
 def _ops_available() -> bool:
-    if os.environ.get("NANOSERVE_CPU_PREPACK", "1") == "0":
+    if not envs.cpu_prepack():
         return False
     return (hasattr(torch.ops, "mkldnn") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available())
@@ -35,7 +35,7 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     over the layers that prompt rows pass through (not the LM head, which sees sampled rows
     only): those are row-invariant without padding only when every one is packed."""
     packed = slots = 0
-    enabled = os.environ.get("NANOSERVE_CPU_GEMM", "nanoserve") != "onednn"
+    enabled = envs.cpu_gemm() != "onednn"
     for module in model.modules():
         if not hasattr(module, "gemm_weight"):
             continue
