@@ -7,23 +7,12 @@ columns, so a rank holds about 1/N of the weights.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels import cpu_ops
-from nanoserve.layers.cpu_prepack import packed_linear
-
-
-@dataclass(frozen=True, slots=True)
-class RowTiling:
-    """Rows [0, num_free_rows) are multiplied in one GEMM; the rest, a whole number of tiles,
-    tile by tile (see AttentionMetadata.prefill_row_tile)."""
-    num_free_rows: int
-    tile: int
+from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
 
 
 def _read(loaded, index) -> torch.Tensor:
@@ -61,32 +50,8 @@ class LinearBase(nn.Module):
         param.data.copy_(_read(loaded, None))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
-        if self.gemm_weight is not None:
-            # CPU: one GEMM over all rows, each row's bits independent of M (kernels/cpu/gemm*.cpp).
-            out = cpu_ops.gemm(x, self.gemm_weight, bias, self.weight.shape[0])
-            if out is not None:
-                return out
-        if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:
-            return self._matmul(x, bias)
-        # Rows past num_free_rows come in whole tiles; each tile is its own GEMM of exactly
-        # `tile` rows, written in place, so a row's result never depends on its neighbours.
-        out = x.new_empty((x.shape[0], self.weight.shape[0]))
-        free = rows.num_free_rows
-        if free:
-            out[:free] = self._matmul(x[:free], bias)
-        weight_t = self.weight.t()
-        for start in range(free, x.shape[0], rows.tile):
-            end = start + rows.tile
-            if bias is None:
-                torch.mm(x[start:end], weight_t, out=out[start:end])
-            else:
-                torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
-        return out
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        # The kernel (our CPU GEMM, oneDNN, cuBLAS) is kernels/gemm.py's choice.
+        return unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
 
 
 class ColumnParallelLinear(LinearBase):
