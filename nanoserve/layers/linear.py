@@ -15,6 +15,26 @@ from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
 
 
+def divide(size: int, tp_size: int, what: str) -> int:
+    """Each rank's share of `size` (`what`: "the model's {} attention heads"); a clear error when
+    the ranks can't split it evenly. The engine asks before it starts any rank."""
+    if size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide {what.format(size)}")
+    return size // tp_size
+
+
+def qkv_heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on each rank. KV heads are split when there are at least as many
+    as ranks, otherwise each is replicated on tp_size / num_kv_heads ranks (GQA)."""
+    heads = divide(num_heads, tp_size, "the model's {} attention heads")
+    if num_kv_heads >= tp_size:
+        return heads, divide(num_kv_heads, tp_size, "the model's {} KV heads")
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor parallel size {tp_size} is not a multiple of the model's {num_kv_heads} "
+                         "KV heads (needed to replicate them)")
+    return heads, 1
+
+
 def _read(loaded, index) -> torch.Tensor:
     """`loaded` is a tensor or a safetensors slice; both support basic indexing."""
     return loaded[index] if index is not None else loaded[:]
@@ -58,10 +78,8 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_world_size()
-        if output_size % tp_size:
-            raise ValueError(f"output size {output_size} is not divisible by tensor parallel size {tp_size}")
-        super().__init__(input_size, output_size // tp_size, bias, dtype)
+        super().__init__(input_size, divide(output_size, get_tp_world_size(), "a layer's {} output features"),
+                         bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         rows = param.shape[0]
@@ -76,6 +94,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
         self.output_sizes = output_sizes
+        for size in output_sizes:  # each part splits on its own (the MLP's gate and up)
+            divide(size, get_tp_world_size(), "the model's {} MLP features")
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -97,16 +117,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, dtype: torch.dtype):
         tp_size = get_tp_world_size()
-        if num_heads % tp_size:
-            raise ValueError(f"{num_heads} attention heads are not divisible by tensor parallel size {tp_size}")
-        if num_kv_heads >= tp_size and num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tensor parallel size {tp_size}")
-        if num_kv_heads < tp_size and tp_size % num_kv_heads:
-            raise ValueError(
-                f"tensor parallel size {tp_size} is not a multiple of the {num_kv_heads} KV heads")
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_heads, self.num_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp_size)
         self.total_num_kv_heads = num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias, dtype)
@@ -132,10 +144,8 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_world_size()
-        if input_size % tp_size:
-            raise ValueError(f"input size {input_size} is not divisible by tensor parallel size {tp_size}")
-        super().__init__(input_size // tp_size, output_size, bias, dtype)
+        super().__init__(divide(input_size, get_tp_world_size(), "a layer's {} input features"), output_size,
+                         bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction
