@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
+from nanoserve import envs
 from nanoserve.config import EngineConfig
 from nanoserve.server.args import add_server_args
 
@@ -20,7 +20,7 @@ _FLAG_TYPES = {"str": str, "int": int, "float": float}
 
 
 def _env_default(name: str, kind: type):
-    value = os.environ.get(name)
+    value = envs.flag_default(name)
     try:
         return kind(value) if value else None
     except ValueError:
@@ -88,8 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config.node_rank > 0:
         # Another host of a multi-node tensor-parallel group: ranks only, no HTTP server.
-        from nanoserve.distributed.launcher import run_node
         from nanoserve.engine.llm_engine import resolve_model_dir
+        from nanoserve.engine.worker import run_node
 
         return run_node(config, str(resolve_model_dir(config.model)))
     from nanoserve.server.shutdown_signals import ShutdownSignals
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    envs.set_openmp_spin_default()  # before anything imports torch (and libgomp)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv.insert(0, "serve")  # `nanoserve --model PATH` serves, as `vllm serve` does
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return args.handler(args)
     except (CliError, FileNotFoundError, ValueError) as error:
-        if os.environ.get("NANOSERVE_DEBUG"):
+        if envs.debug():
             raise
         print(f"nanoserve: error: {error}", file=sys.stderr)
         return 2

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -82,8 +80,14 @@ class EngineConfig:
     # ranks = tensor_parallel_size x pipeline_parallel_size.
     pipeline_parallel_size: int = arg(
         1, "number of pipeline stages (the decoder layers split evenly, or as "
-           "$NANOSERVE_PP_LAYER_PARTITION says, e.g. '10,14'); ranks = tp x pp",
+           "--pp-layer-partition says); ranks = tp x pp",
         flags=("--pipeline-parallel-size", "--pp", "-pp"))
+    # Decoder layers per stage, as vLLM's VLLM_PP_LAYER_PARTITION. None: what
+    # $NANOSERVE_PP_LAYER_PARTITION (or vLLM's name) says, else an even split (the remainder to
+    # the stages before the last). The flag wins over the variable, as every flag here does.
+    pp_layer_partition: str | None = arg(
+        None, "decoder layers per pipeline stage, comma-separated, e.g. '10,14' (default: "
+              "$NANOSERVE_PP_LAYER_PARTITION, else an even split)")
     # Distributed rendezvous (multi-node); None = single host.
     nnodes: int = arg(1, "machines the tp x pp ranks span")
     node_rank: int = arg(0, "this machine's rank among --nnodes")
@@ -146,7 +150,3 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
-
-
-def nanoserve_home() -> Path:
-    return Path(os.environ.get("NANOSERVE_HOME", Path.home() / ".cache" / "nanoserve"))

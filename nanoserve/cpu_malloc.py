@@ -14,7 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from nanoserve import envs
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get("NANOSERVE_KEEP_CPU_MEMORY", "1") == "0":
-        return False
-    if any(name.startswith("MALLOC_") and name.endswith("_") for name in os.environ):
+    if not envs.keep_cpu_memory():
         return False
     name = ctypes.util.find_library("c")
     try:

@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from nanoserve import envs
+
+# As nanoserve's entry points do, before the fixtures import torch (and libgomp): suites running
+# side by side on shared cores must not spin-wait on each other (nanoserve/envs.py says why).
+envs.set_openmp_spin_default()
+
 pytest_plugins = ["tests.fixtures_models"]
 
 

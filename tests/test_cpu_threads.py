@@ -59,17 +59,43 @@ def test_threads_per_rank():
     assert threads_per_rank(None, 64) == 1
 
 
-def _spincount_after_import(env: dict) -> str:
+def _spincount_after(code: str, env: dict) -> str:
+    """What `code` prints, then GOMP_SPINCOUNT after it, in a fresh interpreter."""
     import subprocess
     import sys
 
-    code = "import nanoserve, os; print(os.environ.get('GOMP_SPINCOUNT', '-'))"
+    code += "\nimport os\nprint(os.environ.get('GOMP_SPINCOUNT', '-'))"
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           check=True).stdout.strip()
 
 
-def test_openmp_spin_is_short_unless_the_user_chose():
-    assert _spincount_after_import({}) == "10000"
-    assert _spincount_after_import({"GOMP_SPINCOUNT": "300000"}) == "300000"
-    assert _spincount_after_import({"OMP_WAIT_POLICY": "ACTIVE"}) == "-"
+# The CLI's entry (`nanoserve --help` parses nothing else) and the library's (`from nanoserve
+# import LLM`): each sets the spin before torch loads; a bare `import nanoserve` does not.
+CLI_ENTRY = """
+import contextlib, io
+from nanoserve.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass"""
+LIBRARY_ENTRY = "from nanoserve import LLM"
+
+
+@pytest.mark.parametrize("entry", [CLI_ENTRY, LIBRARY_ENTRY], ids=["cli", "LLM"])
+def test_openmp_spin_is_short_unless_the_user_chose(entry):
+    assert _spincount_after(entry, {}) == "10000"
+    assert _spincount_after(entry, {"GOMP_SPINCOUNT": "300000"}) == "300000"
+    assert _spincount_after(entry, {"OMP_WAIT_POLICY": "ACTIVE"}) == "-"
+    assert _spincount_after("import nanoserve", {}) == "-"
+
+
+def test_openmp_spin_is_set_before_torch_loads():
+    import torch  # noqa: F401 (loads libgomp in this process)
+
+    from nanoserve import envs
+
+    code = "from nanoserve import envs\nimport nanoserve.cli\nprint(envs.set_openmp_spin_default())"
+    assert _spincount_after(code, {}).splitlines() == ["True", "10000"]
+    assert envs.set_openmp_spin_default() is False  # this process has torch: too late here

@@ -115,3 +115,43 @@ def test_type_checking_imports_count():
              "nanoserve.engine.llm_engine": {"nanoserve.engine.request"}}
     assert graph["nanoserve.engine.request"] == {"nanoserve.engine.llm_engine"}
     assert find_cycle(graph) is not None
+
+
+def _every_import(path: Path, package: str | None = None) -> set[str]:
+    """Every module a file names in an import statement, TYPE_CHECKING ones and lazy ones too
+    (relative imports resolved against the file's package, by default where it lies)."""
+    if package is None:
+        package = ".".join(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts[:-1])
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_distributed_never_imports_the_engine_or_the_models():
+    """distributed/ knows process groups and launching; the engine hands the launcher its
+    worker entry point (engine/worker.py), not the other way round."""
+    higher = ("nanoserve.engine", "nanoserve.models")
+    arrows = sorted(f"{path.relative_to(PACKAGE_DIR.parent)} imports {name}"
+                    for path in (PACKAGE_DIR / "distributed").rglob("*.py")
+                    for name in _every_import(path)
+                    if any(name == top or name.startswith(top + ".") for top in higher))
+    assert arrows == []
+
+
+def test_every_import_sees_lazy_and_type_checking_imports(tmp_path):
+    sample = PACKAGE_DIR / "engine" / "worker.py"  # imports the launcher at module level
+    assert "nanoserve.distributed.launcher" in _every_import(sample)
+    source = tmp_path / "probe.py"  # as if in nanoserve/distributed/
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine import worker\n"
+                      "def f():\n    import nanoserve.models.llama\n")
+    found = _every_import(source, "nanoserve.distributed")
+    assert {"nanoserve.engine.worker", "nanoserve.models.llama"} <= found

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from nanoserve import envs
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
 from nanoserve.kernels.rmsnorm import (
@@ -368,10 +368,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         DEVICE, CHECK_DTYPES, BENCH_DTYPE = torch.device("cpu"), (torch.float16,), torch.float16
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first (lazy) triton.jit
+        envs.set_triton_interpret_default()  # before the first (lazy) triton.jit
     import triton
 
-    out_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/gpu")
+    out_dir = Path(args.out or envs.bench_out_dir() or "benchmarks/gpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     timer = Timer(args.time_per_measurement)
     copy_gbps = measure_copy_bandwidth((64 << 20) if args.smoke else (2 << 30))

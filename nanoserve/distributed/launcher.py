@@ -1,6 +1,8 @@
 """Starting the tensor- and pipeline-parallel ranks: checks before anything loads, rendezvous, worker processes.
 
-Rank 0 lives in the serving (or offline) process and spawns this host's other ranks. With
+Rank 0 lives in the serving (or offline) process and spawns this host's other ranks, each running
+the target the engine hands over (engine/worker.run_worker); this package knows process groups
+and processes, not models. With
 --nnodes > 1, the other hosts run `nanoserve serve --nnodes N --node-rank K ...`, which starts
 only that host's ranks; all join through torch.distributed's TCP rendezvous at
 --master-addr:--master-port.
@@ -15,14 +17,13 @@ import socket
 import sys
 import threading
 from multiprocessing import resource_tracker
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.pipeline import layer_partition, partition_override
-from nanoserve.distributed.rank import Topology, init_rank, resolve_device_type  # noqa: F401 (re-exported)
-from nanoserve.models.config import ModelConfig
+from nanoserve.distributed.rank import Topology, rank_main, resolve_device_type
 
 logger = logging.getLogger(__name__)
 
@@ -33,25 +34,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
-    """Every mistake here is one clear ValueError, raised before any weight is read."""
-    world = config.tensor_parallel_size
+def check_topology(config: EngineConfig, layer_partition: tuple = ()) -> Topology:
+    """The ranks, their backend and rendezvous; every mistake here is one clear ValueError, raised
+    before any rank starts. `layer_partition`: each pipeline stage's [start, end) decoder layers
+    (the engine's plan, engine/worker.py, which also checks the model splits across the ranks)."""
     pp_size = config.pipeline_parallel_size
-    partition = ()
-    if pp_size > 1:
-        partition = tuple(layer_partition(model_config.num_hidden_layers, pp_size, partition_override()))
-    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
-    if heads % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide the model's {heads} attention heads")
-    if kv_heads >= world and kv_heads % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide the model's {kv_heads} KV heads")
-    if kv_heads < world and world % kv_heads:
-        raise ValueError(f"--tensor-parallel-size {world} is not a multiple of the model's {kv_heads} KV heads "
-                         "(needed to replicate them)")
-    if model_config.intermediate_size % world:
-        raise ValueError(f"--tensor-parallel-size {world} does not divide the MLP size "
-                         f"{model_config.intermediate_size}")
-    tp_size, world = world, world * pp_size
+    tp_size = config.tensor_parallel_size
+    world = tp_size * pp_size
     if config.nnodes < 1 or world % config.nnodes:
         raise ValueError(f"--nnodes {config.nnodes} must divide the {world} ranks (tensor x pipeline parallel size)")
     if not 0 <= config.node_rank < config.nnodes:
@@ -86,7 +75,7 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
     return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads,
-                    tp_size, pp_size, partition)
+                    tp_size, pp_size, tuple(layer_partition))
 
 
 _groups: set[WorkerGroup] = set()  # the groups this process started whose ranks are not all reaped yet
@@ -100,14 +89,15 @@ def kill_every_rank() -> None:
 
 
 class WorkerGroup:
-    """This host's ranks other than rank 0, as child processes, started and reaped by one thread."""
+    """This host's ranks other than rank 0, as child processes, started and reaped by one thread.
+    Each joins the process group, then runs `target(device, *args)` (rank.rank_main); `target` is
+    a module-level function (spawn pickles it by name)."""
 
-    def __init__(self, config: EngineConfig, topology: Topology, model_dir: str, skip_rank_zero: bool = True):
-        from nanoserve.distributed.worker import worker_main
-
+    def __init__(self, topology: Topology, target: Callable[..., None], args: tuple = (),
+                 skip_rank_zero: bool = True):
         context = multiprocessing.get_context("spawn")
         ranks = [rank for rank in topology.local_ranks if not (rank == 0 and skip_rank_zero)]
-        to_start = [context.Process(target=worker_main, args=(config, topology, rank, model_dir),
+        to_start = [context.Process(target=rank_main, args=(target, args, topology, rank),
                                     name=f"nanoserve-rank{rank}", daemon=True) for rank in ranks]
         self.processes: list[multiprocessing.Process] = []
         self.failure: str | None = None
@@ -132,12 +122,12 @@ class WorkerGroup:
             callback(self.failure)
 
     def _start(self, to_start: list[multiprocessing.Process]) -> None:
-        """On the watchdog thread, which outlives the ranks: a rank's PR_SET_PDEATHSIG (worker.py)
+        """On the watchdog thread, which outlives the ranks: a rank's PR_SET_PDEATHSIG (rank.py)
         fires when the thread that started it ends, not the process, and the thread that builds
         the engine may end first (the server's step thread does, before rank 0 broadcasts STOP).
         With SIGINT blocked in this thread, so the ranks start with it blocked (a signal mask
         survives fork and exec): a Ctrl-C to the whole process group while a rank's interpreter
-        starts and imports torch cannot kill it; worker_main then ignores SIGINT and unblocks it,
+        starts and imports torch cannot kill it; rank_main then ignores SIGINT and unblocks it,
         as multiprocessing's resource tracker does (bpo-33613). Rank 0 decides when ranks stop."""
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         for process in to_start:
@@ -205,10 +195,10 @@ class WorkerGroup:
             self.wait()  # the watchdog reaps them all
 
 
-def run_node(config: EngineConfig, model_dir: str) -> int:
-    """A host with --node-rank > 0: run its ranks until rank 0 stops them (or one fails)."""
-    topology = check_topology(config, ModelConfig.from_dir(model_dir))
-    group = WorkerGroup(config, topology, model_dir, skip_rank_zero=False)
+def run_ranks(topology: Topology, target: Callable[..., None], args: tuple = ()) -> int:
+    """A host with --node-rank > 0: run all of its ranks until rank 0 stops them (or one fails);
+    the exit code."""
+    group = WorkerGroup(topology, target, args, skip_rank_zero=False)
     failed = threading.Event()
     group.on_failure(lambda reason: failed.set())
 
@@ -218,11 +208,12 @@ def run_node(config: EngineConfig, model_dir: str) -> int:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    print(f"nanoserve: node {config.node_rank}/{config.nnodes} running ranks "
+    nnodes = topology.world_size // topology.ranks_per_node
+    print(f"nanoserve: node {topology.node_rank}/{nnodes} running ranks "
           f"{list(topology.local_ranks)}, rendezvous {topology.init_method}", flush=True)
     group.wait()
     codes = {p.name: p.exitcode for p in group.processes}
     if any(code != 0 for code in codes.values()):
-        print(f"nanoserve: node {config.node_rank}: rank exit codes {codes}", file=sys.stderr, flush=True)
+        print(f"nanoserve: node {topology.node_rank}: rank exit codes {codes}", file=sys.stderr, flush=True)
         return 1
     return 0

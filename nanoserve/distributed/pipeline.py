@@ -13,7 +13,6 @@ at once never match the wrong receive.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -22,12 +21,11 @@ from torch import nn
 
 from nanoserve.distributed import parallel_state
 
-PARTITION_ENV = "NANOSERVE_PP_LAYER_PARTITION"  # e.g. "10,14": layers per stage, as vLLM's VLLM_PP_LAYER_PARTITION
-
 
 def layer_partition(num_layers: int, pp_size: int, override: str | None = None) -> list[tuple[int, int]]:
     """Each stage's [start, end) layers. Even by default; a remainder goes to the stages before the
-    last (which also holds the LM head), as vLLM does. `override`: layers per stage, comma-separated."""
+    last (which also holds the LM head), as vLLM does. `override`: layers per stage, comma-separated
+    (EngineConfig.pp_layer_partition or $NANOSERVE_PP_LAYER_PARTITION)."""
     if pp_size < 1:
         raise ValueError(f"--pipeline-parallel-size must be >= 1, got {pp_size}")
     if pp_size > num_layers:
@@ -37,9 +35,9 @@ def layer_partition(num_layers: int, pp_size: int, override: str | None = None) 
         try:
             sizes = [int(part) for part in override.split(",")]
         except ValueError:
-            raise ValueError(f"{PARTITION_ENV}={override!r}: expected comma-separated layer counts") from None
+            raise ValueError(f"pipeline layer partition {override!r}: expected comma-separated layer counts") from None
         if len(sizes) != pp_size or min(sizes) < 1 or sum(sizes) != num_layers:
-            raise ValueError(f"{PARTITION_ENV}={override!r} must give {pp_size} positive layer counts "
+            raise ValueError(f"pipeline layer partition {override!r} must give {pp_size} positive layer counts "
                              f"adding up to the model's {num_layers} layers")
     else:
         sizes = [num_layers // pp_size] * pp_size
@@ -50,10 +48,6 @@ def layer_partition(num_layers: int, pp_size: int, override: str | None = None) 
         bounds.append((start, start + size))
         start += size
     return bounds
-
-
-def partition_override() -> str | None:
-    return os.environ.get(PARTITION_ENV) or os.environ.get("VLLM_PP_LAYER_PARTITION") or None
 
 
 class PPMissingLayer(nn.Identity):

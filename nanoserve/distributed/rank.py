@@ -1,9 +1,15 @@
-"""One rank's place in the tensor x pipeline layout (Topology), its device, and joining the
-process group (init_rank): what both the launcher and a worker rank need."""
+"""One rank's place in the tensor x pipeline layout (Topology), its device, joining the process
+group (init_rank), and the main function of a rank's process (rank_main): what both the launcher
+and a worker rank need."""
 from __future__ import annotations
 
+import ctypes
+import logging
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -11,6 +17,8 @@ import torch.distributed as dist
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import set_parallel_state
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -61,3 +69,34 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
     set_parallel_state(rank, topology.world_size, topology.tp_size, topology.pp_size, tp_group,
                        topology.layer_partition)
     return device
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent dies, so no rank outlives the server. (Strictly, when
+    the parent thread that started us ends: WorkerGroup's watchdog, which outlives the ranks.)"""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def rank_main(target: Callable[..., None], args: tuple, topology: Topology, rank: int) -> None:
+    """A worker process (launcher.WorkerGroup starts it): join the process group as `rank`, then
+    `target(device, *args)` (the engine's worker entry, engine/worker.run_worker) until it
+    returns. A failure exits non-zero; the watchdog on rank 0 reports the exit code."""
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; rank 0 decides when workers stop. WorkerGroup
+    # started us with SIGINT blocked (see there); ignore it before unblocking it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    logging.basicConfig(level=logging.WARNING, format=f"rank{rank} %(levelname)s %(message)s")
+    try:
+        target(init_rank(topology, rank), *args)
+    except Exception as error:
+        logger.error("worker rank %d failed: %s", rank, error)
+        sys.exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import set_parallel_state
-from nanoserve.distributed.launcher import WorkerGroup, check_topology, init_rank
+from nanoserve.distributed.launcher import WorkerGroup
+from nanoserve.distributed.rank import init_rank
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import OutputProcessor
@@ -29,6 +30,7 @@ from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
+from nanoserve.engine.worker import plan_topology, start_workers
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
@@ -115,13 +117,13 @@ class LLMEngine:
         max_len = self._requested_max_model_len()
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
-        self.topology = check_topology(config, self.model_config)
+        self.topology = plan_topology(config, self.model_config)
         self.workers: WorkerGroup | None = None
         self.dead_reason: str | None = None
         self._failure_callbacks: list = []
         device = None
         if self.topology.world_size > 1:
-            self.workers = WorkerGroup(config, self.topology, str(self.model_dir))
+            self.workers = start_workers(config, self.topology, str(self.model_dir))
             self.workers.on_failure(self._fail_during_startup)
             device = init_rank(self.topology, 0)
         self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)

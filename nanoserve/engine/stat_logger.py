@@ -11,30 +11,19 @@ The KV cache is named "GPU KV cache" on every device, as vLLM's CPU backend name
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from nanoserve import envs
 from nanoserve.engine.llm_engine import EngineStats
 
 logger = logging.getLogger("nanoserve.stats")
-
-LOG_STATS_INTERVAL = 10.0  # seconds; vLLM's default, overridden by $VLLM_LOG_STATS_INTERVAL
-
-
-def log_stats_interval() -> float:
-    """vLLM's VLLM_LOG_STATS_INTERVAL: a positive number of seconds, else the default."""
-    try:
-        value = float(os.environ.get("VLLM_LOG_STATS_INTERVAL", LOG_STATS_INTERVAL))
-    except ValueError:
-        return LOG_STATS_INTERVAL
-    return value if value > 0 else LOG_STATS_INTERVAL
 
 
 class LoggingStatLogger:
     def __init__(self, stats: EngineStats, engine_index: int = 0,
                  now: float | None = None) -> None:
         self.engine_index = engine_index
-        self.interval = log_stats_interval()
+        self.interval = envs.log_stats_interval()  # VLLM_LOG_STATS_INTERVAL
         self._mark(stats, time.monotonic() if now is None else now)
         self.last_prompt_throughput = 0.0
         self.last_generation_throughput = 0.0

@@ -1,5 +1,8 @@
-"""Kernel dispatch, in one place: CUDA tensors run the Triton kernels, CPU tensors the torch
-references. ``NANOSERVE_KERNELS=triton`` forces Triton (with ``TRITON_INTERPRET=1`` on a CPU);
+"""Kernel dispatch, in one place: CUDA tensors run the Triton kernels, CPU tensors our C++
+kernels (kernels/cpu/, through cpu_ops.py) where they take the call and the torch references
+otherwise. Layers and models never ask which device they are on: they call the ops here (and the
+linear layers' GEMM in kernels/gemm.py). ``NANOSERVE_KERNELS=triton`` forces Triton (with
+``TRITON_INTERPRET=1`` on a CPU);
 ``NANOSERVE_KERNELS=reference`` forces the references. The variable is read once, at the first
 dispatch (kernels/choice.py; ``reset_kernel_choice()`` makes the next dispatch read it again).
 
@@ -7,12 +10,16 @@ Importing this package never imports Triton; the first Triton launch does (see t
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.choice import kernel_choice, reset_kernel_choice
+from nanoserve.kernels.cpu_attention import PrefillSpan, paged_attention_cpu
+from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
 from nanoserve.kernels.rmsnorm import (
     fused_add_rms_norm_reference,
@@ -23,6 +30,7 @@ from nanoserve.kernels.rmsnorm import (
 from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton, build_cos_sin_cache
 from nanoserve.kernels.token_bitmask import (apply_token_bitmask_cpu, apply_token_bitmask_reference,
                                              apply_token_bitmask_triton)
+
 
 def use_triton(tensor: torch.Tensor) -> bool:
     choice = kernel_choice()
@@ -57,6 +65,66 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
                                      seq_lens, scale, max_seqlen_q, max_seqlen_k,
                                      sliding_window=sliding_window, softcap=softcap)
+
+
+def paged_attention_step(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
+                         max_seqlen_q: int, max_seqlen_k: int, num_decode_seqs: int,
+                         prefill_spans: Callable[[], list[PrefillSpan]], sliding_window=None,
+                         softcap=None) -> torch.Tensor:
+    """Attention of an engine step's rows over the cache (their K/V already stored): the first
+    num_decode_seqs sequences are decodes, one row each; prompt rows follow; rows past the last
+    prompt row are padding (CPU: see AttentionMetadata.prefill_row_tile) and come back zero.
+    ``prefill_spans()``: the prompt rows as host-side spans, asked for on a CPU only (where
+    reading the lengths back costs no sync). On a CPU: the C++ kernels, whose rows' bits do not
+    depend on the batch (cpu_attention.py; torch's SDPA in position-fixed tiles for what they
+    don't take, the torch reference for a sliding window or a softcap)."""
+    if use_triton(query):
+        return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                      scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
+                                      softcap=softcap)
+    if not query.is_cuda:
+        return paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                   scale, num_decode_seqs, prefill_spans(), max_seqlen_q, max_seqlen_k,
+                                   sliding_window=sliding_window, softcap=softcap)
+    return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
+                                     scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
+                                     softcap=softcap)
+
+
+def rotary_and_store_kvcache(qkv, num_heads: int, num_kv_heads: int, head_dim: int, positions,
+                             cos_sin_cache, key_cache, value_cache, slot_mapping) -> torch.Tensor:
+    """The fused QKV projection's rows [tokens, (heads + 2 * kv_heads) * head_dim]: rotary on the
+    q and k heads, k and v written to the cache at slot_mapping (-1: skipped). Returns q as
+    [tokens, heads, head_dim], rotated. On a CPU one C++ pass over the rows, in place; elsewhere
+    (or when it can't take them) apply_rotary then store_kvcache."""
+    tokens = qkv.shape[0]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    if not qkv.is_cuda and cpu_ops.available() and cpu_ops.rotary_store(
+            qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, key_cache, value_cache,
+            slot_mapping):
+        return qkv[:, :q_size].view(tokens, num_heads, head_dim)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(tokens, num_heads, head_dim)
+    k = k.reshape(tokens, num_kv_heads, head_dim)
+    apply_rotary(q, k, positions, cos_sin_cache)
+    store_kvcache(k, v.reshape(tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    return q
+
+
+def fused_decode_layers_available() -> bool:
+    """Whether kernels/cpu/decode_layers.cpp (every decoder layer of a decode step in one call,
+    layers/cpu_decode.py) can run in this process."""
+    return cpu_ops.gemm_available()
+
+
+def fused_decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads,
+                        head_dim, eps, scale, positions, cos_sin_cache, metadata) -> int:
+    """kernels/cpu/decode_layers.cpp over every layer: the index of the residual among the
+    buffers, 0 when it can't run here (then the modules run the step)."""
+    if not cpu_ops.available():
+        return 0
+    return cpu_ops.decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
+                                 num_kv_heads, head_dim, eps, scale, positions, cos_sin_cache, metadata)
 
 
 def rms_norm(x, weight, eps):
@@ -122,15 +190,21 @@ def apply_rotary(query, key, positions, cos_sin_cache) -> None:
 
 
 __all__ = [
+    "RowTiling",
     "apply_rotary",
     "apply_token_bitmask",
     "build_cos_sin_cache",
     "fused_add_rms_norm",
+    "fused_decode_layers",
+    "fused_decode_layers_available",
     "greedy_argmax",
     "silu_and_mul",
     "paged_attention",
+    "paged_attention_step",
     "reset_kernel_choice",
     "rms_norm",
+    "rotary_and_store_kvcache",
     "store_kvcache",
+    "unquantized_gemm",
     "use_triton",
 ]

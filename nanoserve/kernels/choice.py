@@ -7,9 +7,9 @@ forces the torch references. Code that changes the variable in a running process
 """
 from __future__ import annotations
 
-import os
+from nanoserve import envs
 
-CHOICES = ("auto", "triton", "reference")
+CHOICES = envs.KERNEL_CHOICES
 
 _choice: str | None = None
 
@@ -18,10 +18,7 @@ def kernel_choice() -> str:
     """The cached choice; the first call reads (and checks) the environment."""
     global _choice
     if _choice is None:
-        value = os.environ.get("NANOSERVE_KERNELS", "auto")
-        if value not in CHOICES:
-            raise ValueError(f"NANOSERVE_KERNELS must be one of {CHOICES}, got {value!r}")
-        _choice = value
+        _choice = envs.kernels()
     return _choice
 
 

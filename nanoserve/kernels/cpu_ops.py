@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve import envs
 from nanoserve.kernels.choice import kernel_choice
 
 logger = logging.getLogger(__name__)
@@ -71,15 +72,13 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    from nanoserve.config import nanoserve_home
-
     sources = b"".join(source.read_bytes() for source in _SOURCES + _HEADERS)
     key = hashlib.sha256(sources + " ".join(_FLAGS).encode() + _cpu_signature().encode())
-    return nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
+    return envs.nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
 
 
 def _build(target: Path) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = envs.cxx() or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) found")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +137,7 @@ def _supported(lib: ctypes.CDLL) -> list[str]:
 def _chosen_isa(lib: ctypes.CDLL) -> str:
     """NANOSERVE_CPU_ISA when set (it must name a level this CPU runs), else the best one here."""
     supported = _supported(lib)
-    forced = os.environ.get("NANOSERVE_CPU_ISA", "").strip().lower()
+    forced = envs.cpu_isa()
     if not forced:
         return supported[-1]
     if forced not in ISA_LEVELS:
@@ -189,7 +188,7 @@ def describe_isa() -> str:
     chosen = isa()
     if chosen is None:
         return f"CPU kernels unavailable ({_load_error}): torch's own"
-    forced = os.environ.get("NANOSERVE_CPU_ISA")
+    forced = envs.cpu_isa()
     how = "NANOSERVE_CPU_ISA" if forced else "best this CPU runs"
     return f"CPU kernels: {chosen} ({ISA_DESCRIPTIONS[chosen]}; {how}; this CPU runs {', '.join(supported_isas())})"
 

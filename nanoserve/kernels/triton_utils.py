@@ -20,11 +20,12 @@ decorator would fix that choice at the first ``import nanoserve`` rather than th
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable
 
 import torch
+
+from nanoserve import envs
 
 _lock = threading.Lock()
 
@@ -75,7 +76,7 @@ def check_triton_device(*tensors: torch.Tensor) -> torch.device:
     for t in tensors[1:]:
         if t.device != device:
             raise ValueError(f"tensors on different devices: {device} and {t.device}")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not envs.triton_interpret():
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {device}); on a CPU set TRITON_INTERPRET=1 "
             "before the first Triton kernel runs, or use NANOSERVE_KERNELS=reference")

@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanoserve.kernels import paged_attention, store_kvcache, use_triton
-from nanoserve.kernels.attention import paged_attention_reference
-from nanoserve.kernels.cpu_attention import PrefillSpan, paged_attention_cpu, prefill_spans
-from nanoserve.layers.linear import RowTiling
+from nanoserve.kernels import RowTiling, paged_attention_step, rotary_and_store_kvcache, store_kvcache
+from nanoserve.kernels.cpu_attention import PrefillSpan, prefill_spans
 
 
 @dataclass(slots=True)
@@ -23,11 +21,11 @@ class AttentionMetadata:
     # The first num_decode_seqs sequences are decodes of generated tokens, one row each, at
     # rows 0..num_decode_seqs; prompt rows follow; rows past cu_seqlens_q[-1] are padding.
     num_decode_seqs: int = 0
-    # CPU: nonzero (the CPU attention path). Where the linear layers use oneDNN, prompt rows are
-    # padded to a multiple of this and multiplied in tiles of exactly this many rows, so that a
-    # prompt row's GEMM results never depend on what else is in the step (oneDNN picks kernels,
-    # and summation orders, by M); our GEMM (kernels/cpu/gemm*.cpp, every ISA level) needs
-    # neither. 0: CUDA.
+    # CPU: nonzero. Where the linear layers use oneDNN, prompt rows are padded to a multiple of
+    # this and multiplied in tiles of exactly this many rows, so that a prompt row's GEMM results
+    # never depend on what else is in the step (oneDNN picks kernels, and summation orders, by
+    # M); our GEMM (kernels/cpu/gemm*.cpp, every ISA level) needs neither. 0: CUDA. Attention
+    # (kernels.paged_attention_step) returns zeros for the padding rows.
     prefill_row_tile: int = 0
     spans: list[PrefillSpan] | None = field(default=None)  # host-side; built on first use
 
@@ -53,8 +51,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         # Both None for Llama. A window W: a query sees its last W positions only; a softcap c:
-        # scores c * tanh(scores / c) (Gemma 2). The C++ CPU kernels do neither, so on CPU such
-        # a layer runs the torch reference.
+        # scores c * tanh(scores / c) (Gemma 2).
         self.sliding_window = sliding_window
         self.softcap = softcap
         # Set by the model runner once the pool is allocated: [num_blocks, block_size, kv_heads, head_dim].
@@ -68,28 +65,18 @@ class PagedAttention(nn.Module):
         store_kvcache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
         return self.attend(q, metadata)
 
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    metadata: AttentionMetadata) -> torch.Tensor:
+        """qkv: the fused QKV projection's rows [T, (H + 2 * KVH) * D] → [T, H, D]: rotary on q
+        and k and the cache write in one kernel where there is one (kernels/__init__.py), then
+        attention."""
+        q = rotary_and_store_kvcache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions,
+                                     cos_sin_cache, self.key_cache, self.value_cache, metadata.slot_mapping)
+        return self.attend(q, metadata)
+
     def attend(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Attention of q over what the cache holds (this step's K/V already stored)."""
-        if not use_triton(q) and metadata.prefill_row_tile:
-            if self.sliding_window or self.softcap:
-                return self._attend_reference(q, metadata)
-            return paged_attention_cpu(
-                q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
-                metadata.seq_lens, self.scale, metadata.num_decode_seqs, metadata.prefill_spans())
-        return paged_attention(
+        return paged_attention_step(
             q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
             metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k,
-            self.sliding_window, self.softcap)
-
-    def _attend_reference(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """CPU, a windowed or capped layer: the torch reference over the real rows; the prompt
-        rows' padding (see AttentionMetadata.prefill_row_tile) comes back zero."""
-        spans = metadata.prefill_spans()
-        real = spans[-1].row_start + spans[-1].q_len if spans else metadata.num_decode_seqs
-        out = paged_attention_reference(
-            q[:real], self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
-            metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k,
-            sliding_window=self.sliding_window, softcap=self.softcap)
-        if real == q.shape[0]:
-            return out
-        return torch.cat([out, out.new_zeros((q.shape[0] - real, *out.shape[1:]))])
+            metadata.num_decode_seqs, metadata.prefill_spans, self.sliding_window, self.softcap)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 
 
 class FusedDecode:
@@ -34,7 +34,7 @@ class FusedDecode:
 
         # Exactly Llama's layers (not a family's subclass), no sliding window (decode_layers.cpp
         # attends to every key).
-        if world_size != 1 or type(model) is not LlamaForCausalLM or not cpu_ops.gemm_available():
+        if world_size != 1 or type(model) is not LlamaForCausalLM or not fused_decode_layers_available():
             return None
         if any(layer.self_attn.attn.sliding_window for layer in model.model.layers):
             return None
@@ -62,8 +62,7 @@ class FusedDecode:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:
         """The final-normed hidden states of a step of decodes only, or None (then use the model)."""
         rows = input_ids.shape[0]
-        if (rows == 0 or metadata.num_decode_seqs != rows or metadata.seq_lens.shape[0] != rows
-                or not cpu_ops.available()):
+        if rows == 0 or metadata.num_decode_seqs != rows or metadata.seq_lens.shape[0] != rows:
             return None
         if not (positions.dtype == torch.long and metadata.slot_mapping.dtype == torch.long
                 and metadata.block_table.is_contiguous() and metadata.block_table.dtype == torch.int32):
@@ -78,7 +77,7 @@ class FusedDecode:
                    new(rows, self.inter)]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
-        which = cpu_ops.decode_layers(
+        which = fused_decode_layers(
             self.layer_table, addresses, rows, self.hidden, self.qkv_n, self.inter, self.num_heads,
             self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata)
         if which == 0:

@@ -6,8 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
-from nanoserve.kernels import cpu_ops
-from nanoserve.layers.cpu_prepack import packed_linear
+from nanoserve.kernels.gemm import unquantized_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -48,11 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = cpu_ops.gemm(hidden, self.gemm_weight, None, self.weight.shape[0]) if self.gemm_weight is not None else None
-        if logits is None and self.packed_weight is not None:
-            logits = packed_linear(hidden, self.packed_weight, None)
-        elif logits is None:
-            logits = F.linear(hidden, self.weight)
+        logits = unquantized_gemm(hidden, self.weight, None, self.gemm_weight, self.packed_weight)
         if self.tp_size == 1:
             return logits
         gathered = gather_to_first(logits.contiguous(), dim=-1)

@@ -7,23 +7,32 @@ columns, so a rank holds about 1/N of the weights.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels import cpu_ops
-from nanoserve.layers.cpu_prepack import packed_linear
+from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
 
 
-@dataclass(frozen=True, slots=True)
-class RowTiling:
-    """Rows [0, num_free_rows) are multiplied in one GEMM; the rest, a whole number of tiles,
-    tile by tile (see AttentionMetadata.prefill_row_tile)."""
-    num_free_rows: int
-    tile: int
+def divide(size: int, tp_size: int, what: str) -> int:
+    """Each rank's share of `size` (`what`: "the model's {} attention heads"); a clear error when
+    the ranks can't split it evenly. The engine asks before it starts any rank."""
+    if size % tp_size:
+        raise ValueError(f"tensor parallel size {tp_size} does not divide {what.format(size)}")
+    return size // tp_size
+
+
+def qkv_heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on each rank. KV heads are split when there are at least as many
+    as ranks, otherwise each is replicated on tp_size / num_kv_heads ranks (GQA)."""
+    heads = divide(num_heads, tp_size, "the model's {} attention heads")
+    if num_kv_heads >= tp_size:
+        return heads, divide(num_kv_heads, tp_size, "the model's {} KV heads")
+    if tp_size % num_kv_heads:
+        raise ValueError(f"tensor parallel size {tp_size} is not a multiple of the model's {num_kv_heads} "
+                         "KV heads (needed to replicate them)")
+    return heads, 1
 
 
 def _read(loaded, index) -> torch.Tensor:
@@ -61,42 +70,16 @@ class LinearBase(nn.Module):
         param.data.copy_(_read(loaded, None))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
-        if self.gemm_weight is not None:
-            # CPU: one GEMM over all rows, each row's bits independent of M (kernels/cpu/gemm*.cpp).
-            out = cpu_ops.gemm(x, self.gemm_weight, bias, self.weight.shape[0])
-            if out is not None:
-                return out
-        if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:
-            return self._matmul(x, bias)
-        # Rows past num_free_rows come in whole tiles; each tile is its own GEMM of exactly
-        # `tile` rows, written in place, so a row's result never depends on its neighbours.
-        out = x.new_empty((x.shape[0], self.weight.shape[0]))
-        free = rows.num_free_rows
-        if free:
-            out[:free] = self._matmul(x[:free], bias)
-        weight_t = self.weight.t()
-        for start in range(free, x.shape[0], rows.tile):
-            end = start + rows.tile
-            if bias is None:
-                torch.mm(x[start:end], weight_t, out=out[start:end])
-            else:
-                torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
-        return out
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, bias)
-        return F.linear(x, self.weight, bias)
+        # The kernel (our CPU GEMM, oneDNN, cuBLAS) is kernels/gemm.py's choice.
+        return unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
 
 
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_world_size()
-        if output_size % tp_size:
-            raise ValueError(f"output size {output_size} is not divisible by tensor parallel size {tp_size}")
-        super().__init__(input_size, output_size // tp_size, bias, dtype)
+        super().__init__(input_size, divide(output_size, get_tp_world_size(), "a layer's {} output features"),
+                         bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         rows = param.shape[0]
@@ -111,6 +94,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
         self.output_sizes = output_sizes
+        for size in output_sizes:  # each part splits on its own (the MLP's gate and up)
+            divide(size, get_tp_world_size(), "the model's {} MLP features")
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -132,16 +117,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, dtype: torch.dtype):
         tp_size = get_tp_world_size()
-        if num_heads % tp_size:
-            raise ValueError(f"{num_heads} attention heads are not divisible by tensor parallel size {tp_size}")
-        if num_kv_heads >= tp_size and num_kv_heads % tp_size:
-            raise ValueError(f"{num_kv_heads} KV heads are not divisible by tensor parallel size {tp_size}")
-        if num_kv_heads < tp_size and tp_size % num_kv_heads:
-            raise ValueError(
-                f"tensor parallel size {tp_size} is not a multiple of the {num_kv_heads} KV heads")
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.num_heads, self.num_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp_size)
         self.total_num_kv_heads = num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias, dtype)
@@ -167,10 +144,8 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        tp_size = get_tp_world_size()
-        if input_size % tp_size:
-            raise ValueError(f"input size {input_size} is not divisible by tensor parallel size {tp_size}")
-        super().__init__(input_size // tp_size, output_size, bias, dtype)
+        super().__init__(divide(input_size, get_tp_world_size(), "a layer's {} input features"), output_size,
+                         bias, dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction

@@ -25,7 +25,7 @@ from pathlib import Path
 import gguf
 from safetensors.torch import save_file
 
-from nanoserve.config import nanoserve_home
+from nanoserve.envs import nanoserve_home
 from nanoserve.models.gguf_reader import (GGUFImportError, llama_config, llama_state_dict,
                                           read_metadata)
 from nanoserve.models.gguf_tokenizer import build_tokenizer

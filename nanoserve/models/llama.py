@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nanoserve.distributed.pipeline import is_first_stage, is_last_stage, make_layers, stage_module
-from nanoserve.kernels import apply_rotary, build_cos_sin_cache, cpu_ops, silu_and_mul
+from nanoserve.kernels import build_cos_sin_cache, silu_and_mul
 from nanoserve.layers.attention import AttentionMetadata, PagedAttention
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RowTiling
@@ -32,22 +32,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
-        qkv = self.qkv_proj(hidden, rows)
-        if metadata.prefill_row_tile and cpu_ops.available() and cpu_ops.rotary_store(
-                qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, cos_sin_cache,
-                self.attn.key_cache, self.attn.value_cache, metadata.slot_mapping):
-            # CPU: rotary and the KV-cache write in one pass over the fused QKV rows.
-            out = self.attn.attend(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim), metadata)
-            return self.o_proj(out.reshape(num_tokens, self.q_size), rows)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        apply_rotary(q, k, positions, cos_sin_cache)
-        out = self.attn(q, k, v, metadata)
-        return self.o_proj(out.reshape(num_tokens, self.q_size), rows)
+        out = self.attn.forward_qkv(self.qkv_proj(hidden, rows), positions, cos_sin_cache, metadata)
+        return self.o_proj(out.reshape(hidden.shape[0], self.q_size), rows)
 
 
 class LlamaMLP(nn.Module):

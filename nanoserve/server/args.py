@@ -9,6 +9,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from nanoserve import envs
 from nanoserve.server.http_types import HttpLimits
 from nanoserve.server.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
@@ -154,8 +155,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         elif kind is not bool and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
         values[owner][name] = value
-    api_key = getattr(args, "api_key", None) or os.environ.get("NANOSERVE_API_KEY") or \
-        os.environ.get("VLLM_API_KEY") or None
+    api_key = getattr(args, "api_key", None) or envs.api_key()
     options = ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
                             log_level=get(ServerOptions, "log_level"),
                             limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.distributed.pipeline import PARTITION_ENV, layer_partition
+from nanoserve.distributed.pipeline import layer_partition
 from tests.conftest import write_random_llama
 from tests.engine.test_engine_tiny import random_prompts
 
@@ -110,11 +110,15 @@ def test_pp2_and_tp3_pp2_on_smollm2_equal_pp1(smollm2_dir):
     assert len(rank_bytes) == 6 and all(b < 0.25 * full_bytes for b in rank_bytes)
 
 
-def test_uneven_partition_from_the_environment(tied_llama_dir, prompts, monkeypatch):
-    monkeypatch.setenv(PARTITION_ENV, "1,3")
+def test_uneven_partition_from_the_environment_or_the_config(tied_llama_dir, prompts, monkeypatch):
+    monkeypatch.setenv("NANOSERVE_PP_LAYER_PARTITION", "1,3")
     ref, (full_bytes,), _, _ = run(tied_llama_dir, prompts[:2])
     out, (first, last), _, _ = run(tied_llama_dir, prompts[:2], pipeline_parallel_size=2)
     assert out == ref and first < last
+    # The config field (--pp-layer-partition) wins over the variable.
+    out, (first, last), _, _ = run(tied_llama_dir, prompts[:2], pipeline_parallel_size=2,
+                                   pp_layer_partition="3,1")
+    assert out == ref and first > last
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,6 +11,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.distributed.launcher import free_port
+from nanoserve.layers.linear import divide, qkv_heads_per_rank
 from tests.conftest import write_random_llama
 from tests.engine.test_engine_tiny import random_prompts
 
@@ -66,12 +67,24 @@ def test_bad_tp_is_a_clear_error_before_loading(tiny_llama_dir, tp, message):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=tp)
 
 
+def test_the_linear_layers_split_checks():
+    """The checks the engine asks before starting any rank are the linear layers' own."""
+    assert qkv_heads_per_rank(32, 8, 4) == (8, 2)
+    assert qkv_heads_per_rank(32, 2, 4) == (8, 1)  # each KV head on two ranks
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide the model's 6 KV heads"):
+        qkv_heads_per_rank(8, 6, 4)
+    with pytest.raises(ValueError, match="not a multiple of the model's 3 KV heads"):
+        qkv_heads_per_rank(12, 3, 4)
+    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide the model's 10 MLP features"):
+        divide(10, 4, "the model's {} MLP features")
+
+
 def test_cli_bad_tp_one_line(tiny_llama_dir):
     result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(tiny_llama_dir),
                              "--tp", "3", "hello"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "nanoserve: error: --tensor-parallel-size 3 does not divide the model's 4 attention heads"]
+        "nanoserve: error: tensor parallel size 3 does not divide the model's 4 attention heads"]
 
 
 def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.layers.cpu_prepack import _ops_available, prepack_linear_weights
+from nanoserve.kernels.gemm import onednn_available
+from nanoserve.layers.cpu_prepack import prepack_linear_weights
 from nanoserve.layers.linear import ColumnParallelLinear
 from nanoserve.layers.embedding import ParallelLMHead
 
 
-@pytest.mark.skipif(not _ops_available(), reason="this torch build lacks the oneDNN linear ops")
+@pytest.mark.skipif(not onednn_available(), reason="this torch build lacks the oneDNN linear ops")
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_linear_equals_f_linear(rows):
     torch.manual_seed(0)

@@ -1,0 +1,104 @@
+"""The linear layers' unquantized GEMM (vLLM's name: ``unquantized_gemm``): which kernel multiplies
+the activations by a weight is chosen here, not in the layers. The layers hold the weight and the
+packings made of it at load (layers/cpu_prepack.py); the first one that takes the call wins:
+
+- ``gemm_weight`` (CPU, bf16): our GEMM (kernels/cpu/gemm*.cpp), every row in one call, each
+  row's bits independent of the number of rows;
+- ``packed_weight`` (CPU): oneDNN on its blocked layout; prompt rows then go in tiles of a fixed
+  row count (``RowTiling``), since oneDNN's summation order depends on M;
+- otherwise ``F.linear`` (cuBLAS on CUDA).
+
+The packings are made here too (``gemm_packing``, ``onednn_packing``), each None where its kernel
+can't take the weight: the layers keep what they are given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve import envs
+from nanoserve.kernels import cpu_ops
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RowTiling:
+    """Rows [0, num_free_rows) are multiplied in one GEMM; the rest, a whole number of tiles,
+    tile by tile (see AttentionMetadata.prefill_row_tile)."""
+    num_free_rows: int
+    tile: int
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) on oneDNN's prepacked weight (the private, stable since torch 2.1,
+    op that inductor's CPU freezing uses)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+def gemm_packing(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight in our GEMM's layout (kernels/cpu/gemm*.cpp, one packing for every ISA level):
+    bf16 on a CPU, K a multiple of 32, the kernels loaded, and not NANOSERVE_CPU_GEMM=onednn."""
+    if envs.cpu_gemm() == "onednn":
+        return None
+    return cpu_ops.pack_gemm_weight(weight)
+
+
+def onednn_available() -> bool:
+    """oneDNN's prepacked linear ops are in this torch build (and NANOSERVE_CPU_PREPACK allows them)."""
+    if not envs.cpu_prepack():
+        return False
+    return (hasattr(torch.ops, "mkldnn") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available())
+
+
+def onednn_packing(weight: torch.Tensor, batch_size_hint: int = 64) -> torch.Tensor | None:
+    """A bf16 CPU weight [N, K] in oneDNN's blocked layout, for onednn_linear; None when oneDNN
+    can't take it (another device or dtype, a shape or build it refuses)."""
+    if not onednn_available() or weight.dim() != 2:
+        return None
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+        onednn_linear(torch.zeros(1, weight.shape[1], dtype=weight.dtype), packed, None)  # a probe
+    except RuntimeError as error:
+        logger.info("not prepacking a [%d, %d] weight for oneDNN: %s", *weight.shape, error)
+        return None
+    return packed
+
+
+def _one_gemm(x, weight, bias, packed_weight) -> torch.Tensor:
+    if packed_weight is not None:
+        return onednn_linear(x, packed_weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     gemm_weight: torch.Tensor | None = None, packed_weight: torch.Tensor | None = None,
+                     rows: RowTiling | None = None) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) for a weight [N, K] and its packings (None: not packed)."""
+    if gemm_weight is not None:
+        out = cpu_ops.gemm(x, gemm_weight, bias, weight.shape[0])
+        if out is not None:
+            return out
+    if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:
+        return _one_gemm(x, weight, bias, packed_weight)
+    # Rows past num_free_rows come in whole tiles; each tile is its own GEMM of exactly `tile`
+    # rows, written in place, so a row's result never depends on its neighbours.
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    free = rows.num_free_rows
+    if free:
+        out[:free] = _one_gemm(x[:free], weight, bias, packed_weight)
+    weight_t = weight.t()
+    for start in range(free, x.shape[0], rows.tile):
+        end = start + rows.tile
+        if bias is None:
+            torch.mm(x[start:end], weight_t, out=out[start:end])
+        else:
+            torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
+    return out
