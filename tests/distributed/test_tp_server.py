@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.distributed.launcher import free_port
+from tests.distributed.ports import rendezvous_port
 from tests.engine.test_engine_tiny import random_prompts
 
 
@@ -249,7 +249,7 @@ def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir)
     """SIGINT while rank 0 waits at the rendezvous: it is taken as a stop, start-up completes once
     the other node joins, and then every rank of both nodes is stopped and joined; exit 0, and the
     server never listens."""
-    server, workers, common = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    server, workers, common = rendezvous_waiting_server(tiny_llama_dir, rendezvous_port())
     node1 = None
     try:
         server.proc.send_signal(signal.SIGINT)
@@ -271,7 +271,7 @@ def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir)
 def test_second_ctrl_c_during_start_up_kills_every_rank(tiny_llama_dir):
     """A start-up that cannot finish (the other node never comes): the first SIGINT waits for it,
     the second kills this node's ranks, reaps them and exits 130 at once."""
-    server, workers, _ = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    server, workers, _ = rendezvous_waiting_server(tiny_llama_dir, rendezvous_port())
     try:
         server.proc.send_signal(signal.SIGINT)
         server.read_until("SIGINT during start-up: stopping without serving", timeout=60)
