@@ -79,6 +79,17 @@ def pool_drains(handle: ServerHandle) -> None:
 @pytest.fixture(scope="module")
 def trusting_server(tiny_llama_dir):
     handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64},
+                          trust_request_chat_template=True)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture(scope="module")
+def impatient_server(tiny_llama_dir):
+    """Trusts request templates and gives each 1 s to prepare: only for hostile templates, whose
+    answer is a 400 however slow this machine is (a benign template here could miss 1 s on a
+    loaded machine)."""
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64},
                           trust_request_chat_template=True, preprocess_timeout=1.0)
     yield handle
     handle.close()
@@ -131,15 +142,16 @@ HOSTILE_TEMPLATES = {
 
 
 @pytest.mark.parametrize("name", list(HOSTILE_TEMPLATES))
-def test_hostile_trusted_template_is_bounded(trusting_server, name, monkeypatch):
-    render = Spy(monkeypatch, trusting_server.server.app.ctx.tokenizer, "apply_chat_template")
+def test_hostile_trusted_template_is_bounded(impatient_server, name, monkeypatch):
+    server = impatient_server
+    render = Spy(monkeypatch, server.server.app.ctx.tokenizer, "apply_chat_template")
     body = {"messages": MESSAGES, "max_tokens": 2, "chat_template": HOSTILE_TEMPLATES[name]}
-    status, _, raw = post(trusting_server.port, CHAT, body)
+    status, _, raw = post(server.port, CHAT, body)
     assert status == 400, raw[:300]
     assert json.loads(raw)["error"]["type"] == "BadRequestError"
+    pool_drains(server)  # the render itself stopped (its deadline), not only the wait for it
     assert len(render.threads) == 1 and render.off_the_loop()
-    pool_drains(trusting_server)  # the render itself stopped (its deadline), not only the wait
-    assert http_request(trusting_server.port, "GET", "/health")[0] == 200
+    assert http_request(server.port, "GET", "/health")[0] == 200
 
 
 def test_large_prompt_tokenizes_off_the_loop(smollm2_dir, monkeypatch):
