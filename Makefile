@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   serve the default model (SmolLM2-135M-Instruct) on http://127.0.0.1:8000
-#   make test    run the test suite
+#   make test    run the test suite (hypothesis draws from a fixed, printed seed: tests/conftest.py;
+#                ARGS=--hypothesis-profile=explore draws fresh cases)
 # Both create .venv on first use. TORCH_SPEC is installed first so that pip never swaps in a
 # multi-GB CUDA build on a CPU machine; on a GPU machine set TORCH_SPEC= to keep your own torch.
 PYTHON ?= python3

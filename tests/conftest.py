@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from nanoserve import envs
 
@@ -14,6 +16,45 @@ from nanoserve import envs
 envs.set_openmp_spin_default()
 
 pytest_plugins = ["tests.fixtures_models"]
+
+# Hypothesis draws its cases from one fixed seed unless asked otherwise, in CI and in `make test`
+# alike: two runs draw the same cases, and a failure in a log is reproduced by running the same
+# test again (the seed is printed at the end of every run). No example database either: a run
+# does not depend on what an earlier run on this machine stored. Wall-clock health checks are
+# off (a shared, loaded machine is slow by luck, and the tests set deadline=None already).
+# To explore new cases locally: `pytest --hypothesis-profile=explore` draws a fresh seed (printed,
+# so `--hypothesis-seed=N` replays it) and keeps the example database; `--hypothesis-seed=N`
+# alone runs any other fixed seed.
+HYPOTHESIS_SEED = 0
+_NO_CLOCK = {"deadline": None, "print_blob": True, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("ci", database=None, **_NO_CLOCK)
+settings.register_profile("explore", **_NO_CLOCK)
+settings.load_profile("ci")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Runs before hypothesis' own pytest_configure, which installs the seed we choose here."""
+    if config.getoption("hypothesis_seed", None) is None:
+        explore = config.getoption("hypothesis_profile", None) == "explore"
+        seed = random.SystemRandom().randrange(2**32) if explore else HYPOTHESIS_SEED
+        config.option.hypothesis_seed = str(seed)
+
+
+def _hypothesis_line(config: pytest.Config) -> str:
+    profile = config.getoption("hypothesis_profile", None) or "ci"
+    seed = config.getoption("hypothesis_seed", None)
+    return (f"hypothesis: profile {profile!r}, seed {seed} (reproduce with "
+            f"--hypothesis-profile={profile} --hypothesis-seed={seed})")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return _hypothesis_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Also at the end: `make test` runs with -q, which hides the header."""
+    terminalreporter.write_line(_hypothesis_line(config))
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -245,7 +246,11 @@ def test_healthcheck_script():
     finally:
         server.shutdown()
         server.server_close()
-    closed = run(script + [f"http://127.0.0.1:{port}/health"])
+    # A port bound here but not listening refuses connections, and while this socket holds it no
+    # other process (a second test run beside this one) can start listening on it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as refusing:
+        refusing.bind(("127.0.0.1", 0))
+        closed = run(script + [f"http://127.0.0.1:{refusing.getsockname()[1]}/health"])
     assert closed.returncode == 1 and "unhealthy" in closed.stderr
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.distributed.launcher import free_port
 from nanoserve.layers.linear import divide, qkv_heads_per_rank
 from tests.conftest import write_random_llama
+from tests.distributed.ports import rendezvous_port
 from tests.engine.test_engine_tiny import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -91,7 +91,7 @@ def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
     """Rank 0 (node 0, offline API) and rank 1 (node 1, `nanoserve serve --node-rank 1`) as two
     separate launches joining through the standard rendezvous."""
     ref, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128)
-    port = free_port()
+    port = rendezvous_port()
     common = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", *common, "--node-rank", "1",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.distributed.launcher import free_port
+from tests.distributed.ports import rendezvous_port
 from tests.engine.test_engine_tiny import random_prompts
 
 
@@ -160,7 +160,8 @@ def test_tp3_smollm2_server_matches_tp1(smollm2_dir):
 
 
 def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = False) -> None:
-    """Kill every worker rank while a stream is open. The server must exit non-zero within 30 s,
+    """Kill every worker rank while a stream is open. The server must exit non-zero on its own
+    (it reaps its ranks and learns of the death at once; the wait's bound is only a hang bound),
     the stream either breaks or ends with an error event and [DONE], no worker is left, and (with
     check_health) /health answers 503 in between, or the server is already gone."""
     workers = server.children()
@@ -173,7 +174,6 @@ def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = 
     assert response.readline().startswith(b"data: {")
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
     rest = b""
     try:
         rest = response.read()
@@ -189,8 +189,7 @@ def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = 
         except OSError:  # already gone
             pass
         assert health in (503, None), health
-    assert server.proc.wait(timeout=30) != 0
-    assert time.monotonic() - killed_at < 30
+    assert server.proc.wait(timeout=120) != 0
     if rest:  # a stream that did not just break ends with an error event and [DONE]
         assert b'"error"' in rest and rest.rstrip().endswith(b"data: [DONE]")
     assert not any(pid_alive(pid) for pid in workers)
@@ -249,7 +248,7 @@ def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir)
     """SIGINT while rank 0 waits at the rendezvous: it is taken as a stop, start-up completes once
     the other node joins, and then every rank of both nodes is stopped and joined; exit 0, and the
     server never listens."""
-    server, workers, common = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    server, workers, common = rendezvous_waiting_server(tiny_llama_dir, rendezvous_port())
     node1 = None
     try:
         server.proc.send_signal(signal.SIGINT)
@@ -271,7 +270,7 @@ def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir)
 def test_second_ctrl_c_during_start_up_kills_every_rank(tiny_llama_dir):
     """A start-up that cannot finish (the other node never comes): the first SIGINT waits for it,
     the second kills this node's ranks, reaps them and exits 130 at once."""
-    server, workers, _ = rendezvous_waiting_server(tiny_llama_dir, free_port())
+    server, workers, _ = rendezvous_waiting_server(tiny_llama_dir, rendezvous_port())
     try:
         server.proc.send_signal(signal.SIGINT)
         server.read_until("SIGINT during start-up: stopping without serving", timeout=60)

@@ -1,12 +1,15 @@
 """Helpers for the server tests: a real server on a background thread with its own event loop,
-and a tiny raw-socket HTTP client."""
+a tiny raw-socket HTTP client, and a spy on the real engine's step that can hold one."""
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from nanoserve.engine.llm_engine import LLMEngine
 
 try:
     import uvloop
@@ -137,3 +140,72 @@ def scrape_metrics(port: int) -> dict[str, float]:
         samples[key] = float(value)
         samples.setdefault(key.split("{", 1)[0], float(value))
     return samples
+
+
+class StepSpy:
+    """Wraps the real engine's `step`: counts calls, records each call's thread and wall time, and
+    lets a test wait for the next step to begin. The real step does all the work."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.real_step = engine.step
+        self.started = 0
+        self.finished = 0
+        self.durations: list[float] = []
+        self.thread_ids: set[int] = set()
+        self.aborts: list[tuple[str, int]] = []  # (request id, steps started when aborted)
+        self.cond = threading.Condition()
+        # hold_next_step(): the next step, once its real work is done, waits for release() before
+        # it returns, so a test can act while a step is certainly still running.
+        self.hold_requested = False
+        self.released_through = 0  # steps up to this number may return
+        real_abort = engine.abort_request
+
+        def abort_request(request_id):
+            self.aborts.append((request_id, self.started))
+            return real_abort(request_id)
+        self.engine = engine
+        engine.step = self
+        engine.abort_request = abort_request
+
+    def restore(self) -> None:
+        """Put the engine's own methods back (for an engine that outlives the test)."""
+        del self.engine.step, self.engine.abort_request
+
+    def __call__(self):
+        with self.cond:  # one critical section: the step that begins is the one held
+            self.started += 1
+            number = self.started
+            held, self.hold_requested = self.hold_requested, False
+            self.thread_ids.add(threading.get_ident())
+            self.cond.notify_all()
+        start = time.perf_counter()
+        try:
+            return self.real_step()
+        finally:
+            self.durations.append(time.perf_counter() - start)
+            if held:  # (the bound only keeps a broken test from hanging the suite)
+                with self.cond:
+                    self.cond.wait_for(lambda: self.released_through >= number, 60)
+            with self.cond:
+                self.finished += 1
+                self.cond.notify_all()
+
+    def wait_for_next_step(self, timeout: float = 30.0, seen: int | None = None) -> int:
+        """Block until a step begins after this call (or after step `seen`); returns its number."""
+        with self.cond:
+            seen = self.started if seen is None else seen
+            assert self.cond.wait_for(lambda: self.started > seen, timeout), "no step began"
+            return seen + 1
+
+    def hold_next_step(self) -> int:
+        """The next step to begin stays running until release(); returns the steps begun so far
+        (pass it to wait_for_next_step as `seen`)."""
+        with self.cond:
+            self.hold_requested = True
+            return self.started
+
+    def release(self, step: int) -> None:
+        """Let step number `step` (and any before it) return."""
+        with self.cond:
+            self.released_through = max(self.released_through, step)
+            self.cond.notify_all()

@@ -20,7 +20,8 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
 from tests.conftest import write_random_llama
-from tests.server.server_helpers import LoopThread, connect, http_request, read_response
+from tests.server.server_helpers import (LoopThread, StepSpy, connect, http_request,
+                                         read_response)
 
 
 @pytest.fixture(scope="module")
@@ -66,70 +67,6 @@ def build_engine(model_dir, **engine_kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
 
 
-class StepSpy:
-    """Wraps the real engine's `step`: counts calls, records each call's thread and wall time, and
-    lets a test wait for the next step to begin. The real step does all the work."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.real_step = engine.step
-        self.started = 0
-        self.finished = 0
-        self.durations: list[float] = []
-        self.thread_ids: set[int] = set()
-        self.aborts: list[tuple[str, int]] = []  # (request id, steps started when aborted)
-        self.cond = threading.Condition()
-        # hold_next_step(): the next step, once its real work is done, waits for release() before
-        # it returns, so a test can act while a step is certainly still running.
-        self.hold_requested = False
-        self.released_through = 0  # steps up to this number may return
-        real_abort = engine.abort_request
-
-        def abort_request(request_id):
-            self.aborts.append((request_id, self.started))
-            real_abort(request_id)
-        engine.step = self
-        engine.abort_request = abort_request
-
-    def __call__(self):
-        with self.cond:  # one critical section: the step that begins is the one held
-            self.started += 1
-            number = self.started
-            held, self.hold_requested = self.hold_requested, False
-            self.thread_ids.add(threading.get_ident())
-            self.cond.notify_all()
-        start = time.perf_counter()
-        try:
-            return self.real_step()
-        finally:
-            self.durations.append(time.perf_counter() - start)
-            if held:  # (the bound only keeps a broken test from hanging the suite)
-                with self.cond:
-                    self.cond.wait_for(lambda: self.released_through >= number, 60)
-            with self.cond:
-                self.finished += 1
-                self.cond.notify_all()
-
-    def wait_for_next_step(self, timeout: float = 30.0, seen: int | None = None) -> int:
-        """Block until a step begins after this call (or after step `seen`); returns its number."""
-        with self.cond:
-            seen = self.started if seen is None else seen
-            assert self.cond.wait_for(lambda: self.started > seen, timeout), "no step began"
-            return seen + 1
-
-    def hold_next_step(self) -> int:
-        """The next step to begin stays running until release(); returns the steps begun so far
-        (pass it to wait_for_next_step as `seen`)."""
-        with self.cond:
-            self.hold_requested = True
-            return self.started
-
-    def release(self, step: int) -> None:
-        """Let step number `step` (and any before it) return."""
-        with self.cond:
-            self.released_through = max(self.released_through, step)
-            self.cond.notify_all()
-
-
 def post(port, path, body, timeout=60.0):
     return http_request(port, "POST", path, json.dumps(body), timeout=timeout)
 
@@ -143,11 +80,22 @@ def sse_events(body: bytes) -> list:
     return events
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "") -> None:
+def wait_until(condition, timeout: float = 60.0, what: str = "") -> None:
+    """Poll a state; the timeout only keeps a broken build from hanging the suite."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def assert_no_step_while_idle(served: Served, spy: StepSpy, round_trips: int = 20) -> None:
+    """An idle engine is not stepped: over many turns of the event loop (each /health answered
+    is several), not one step begins. A count of loop turns, not a sleep: a loaded machine that
+    gave the loop no turn during a sleep would let a busy-stepping engine pass."""
+    steps = spy.started
+    for _ in range(round_trips):
+        assert http_request(served.port, "GET", "/health", timeout=60)[0] == 200
+    assert spy.started == steps
 
 
 def test_loop_answers_while_steps_run(serve, slow_llama_dir):
@@ -192,9 +140,7 @@ def test_loop_answers_while_steps_run(serve, slow_llama_dir):
     assert len(spy.thread_ids) == 1
     assert spy.thread_ids.isdisjoint({served.loop_thread.thread.ident,
                                       threading.main_thread().ident})
-    steps = spy.started
-    time.sleep(0.3)
-    assert spy.started == steps  # idle: no stepping without work
+    assert_no_step_while_idle(served, spy)
 
 
 def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
@@ -211,42 +157,46 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
         data += sock.recv(4096)
     steps_at_close = spy.started
     sock.close()
-    wait_until(lambda: spy.aborts, timeout=10, what="the abort")
+    wait_until(lambda: spy.aborts, what="the abort")
     assert len(spy.aborts) == 1
     # An EOF may be a half-close (a client still reading), so the server learns of the close
     # from its writes: the first one after it draws a reset, the next one fails. So: the running
     # step, two steps whose chunks are those writes, then the abort.
     assert spy.aborts[0][1] <= steps_at_close + 4, (spy.aborts, steps_at_close, spy.durations)
-    wait_until(lambda: spy.finished == spy.started, timeout=10, what="the last step")
+    wait_until(lambda: spy.finished == spy.started, what="the last step")
     assert not engine.requests and not engine.schedulers[0].running and not engine.schedulers[0].waiting
     assert engine.generation_tokens_total < 200  # really stopped, not run to the end
-    steps = spy.started
-    time.sleep(0.2)
-    assert spy.started == steps
+    assert_no_step_while_idle(served, spy)
 
 
 def test_waiting_limit_gives_503(serve, tiny_llama_dir):
     engine = build_engine(tiny_llama_dir, max_num_seqs=1)  # one runs, the rest queue in the engine
+    spy = StepSpy(engine)
     served = serve(engine, max_waiting_requests=2)
     results = {}
-    # The first request runs long, so two others stay queued behind it while the test probes.
     lengths = {0: 400, 1: 50, 2: 50}
 
     def run(name):
         results[name] = post(served.port, "/v1/completions", {
             "prompt": "x", "max_tokens": lengths[name], "ignore_eos": True, "temperature": 0})
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    # The first request's first step stays running while the test probes, so the two others
+    # certainly wait behind it, however fast its 400 tokens would otherwise be.
+    held = spy.hold_next_step()
     threads[0].start()
-    wait_until(lambda: served.server.engine.stats.num_running == 1, what="the first request")
-    for thread in threads[1:]:
-        thread.start()
-    wait_until(lambda: served.server.engine.stats.num_waiting >= 2, what="two waiting requests")
-    status, headers, reply = post(served.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    step = spy.wait_for_next_step(seen=held)
+    try:
+        for thread in threads[1:]:
+            thread.start()
+        wait_until(lambda: served.server.engine.num_waiting >= 2, what="two waiting requests")
+        status, headers, reply = post(served.port, "/v1/completions",
+                                      {"prompt": "x", "max_tokens": 2})
+    finally:
+        spy.release(step)
     assert status == 503 and json.loads(reply)["error"]["code"] == 503
     assert headers.get("retry-after") == "1"
-    assert engine.generation_tokens_total < 400  # decided while the first one still ran
     for thread in threads:
-        thread.join(60)
+        thread.join(120)
     for i, length in lengths.items():  # the others were not disturbed
         status, _, reply = results[i]
         assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == length

@@ -43,6 +43,19 @@ def open_stream(port: int, max_tokens: int):
     return sock, data
 
 
+def wait_refused(port: int) -> None:
+    """Connect until the server refuses: its listener is closed (a state, polled; the bound only
+    keeps a server that never closes it from hanging the suite)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            connect(port, timeout=30).close()
+        except ConnectionRefusedError:
+            return
+        assert time.monotonic() < deadline, "the server kept accepting connections"
+        time.sleep(0.01)
+
+
 def read_all(sock) -> bytes:
     data = b""
     while True:
@@ -62,9 +75,7 @@ def test_graceful_shutdown_lets_streams_finish(tiny_llama_dir, signum):
     try:
         sock, head = open_stream(port, 300)
         process.send_signal(signum)
-        time.sleep(0.3)
-        with pytest.raises(ConnectionRefusedError):
-            connect(port, timeout=2)
+        wait_refused(port)  # no new connections, while the open stream goes on to its end
         body = head + read_all(sock)
         assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         usage = [json.loads(line[6:]) for line in body.decode("utf-8", "replace").split("\r\n")
@@ -78,17 +89,17 @@ def test_graceful_shutdown_lets_streams_finish(tiny_llama_dir, signum):
 
 
 def test_grace_period_expiry_aborts_and_exits_zero(tiny_llama_dir):
-    process, port = start(tiny_llama_dir, "--shutdown-grace-period", "0.2")
+    # A grace period far shorter than the 480 steps the stream needs (however fast they are, the
+    # grace period is over after one poll of the server's connections, ~20 ms).
+    process, port = start(tiny_llama_dir, "--shutdown-grace-period", "0.001")
     try:
         sock, head = open_stream(port, 480)
-        started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         body = head + read_all(sock)
         # Cut short by the shutdown, with word of it: an error event, then [DONE] (issue 15).
         assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert b"shutting down" in body and body.count(b'"text_completion"') < 480
-        assert process.wait(30) == 0
-        assert time.monotonic() - started < 10
+        assert process.wait(60) == 0
     finally:
         if process.poll() is None:
             process.kill()

@@ -91,13 +91,13 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, c
         sock = connect(port)
         sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
                                    close=close, version=version))
-        wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 10, "the request")
+        wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 60, "the request")
         sock.close()
-        assert abort_asked.wait(10), "the server did not abort the request of a client that left"
+        assert abort_asked.wait(60), "the server did not abort the request of a client that left"
     finally:
         abort_asked.set()
         engine.step, async_engine.abort = real_step, real_abort
-    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 10, "the abort")
+    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 60, "the abort")
     assert abort_count(strict_server) == aborted + 1
     generated = scrape_metrics(port)["vllm:generation_tokens_total"] - \
         before["vllm:generation_tokens_total"]
@@ -117,14 +117,14 @@ def test_half_closed_client_is_answered(strict_server, close, stream):
         assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
     else:
         assert json.loads(body)["usage"]["completion_tokens"] == 40
-    assert is_closed(sock, timeout=5)  # no more requests can come: the server closes
+    assert is_closed(sock, timeout=60)  # no more requests can come: the server closes
     sock.close()
 
 
 def test_reader_that_never_reads_is_cut_off(strict_server):
     server = strict_server.server
     port = strict_server.port
-    wait_for(lambda: not server.http.connections, 10, "idle connections to close")
+    wait_for(lambda: not server.http.connections, 60, "idle connections to close")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
     sock.settimeout(10)
@@ -132,7 +132,7 @@ def test_reader_that_never_reads_is_cut_off(strict_server):
     # Over 10 MB of SSE (16 choices x 400 tokens x top-20 logprobs), past every buffer.
     sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "n": 16,
                                 "logprobs": 20, "stream": True}))
-    wait_for(lambda: server.http.connections, 10, "the connection")
+    wait_for(lambda: server.http.connections, 60, "the connection")
     # write_timeout is 1 s: the server gives up on this reader and drops the connection.
     wait_for(lambda: not server.http.connections, 30, "the server to drop a non-reading client")
     wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 30, "the request")
@@ -154,7 +154,7 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     body = json.dumps({"prompt": "x" * (2 * MB + 500 * 1024), "max_tokens": 1}).encode()
     holder = connect(port)
     holder.sendall(request_bytes(body)[: len(body) // 2])  # 2.5 MB declared, half sent
-    wait_for(lambda: server.http.state.buffered_body_bytes >= len(body), 10, "the reservation")
+    wait_for(lambda: server.http.state.buffered_body_bytes >= len(body), 60, "the reservation")
     # A second 2.5 MB body would hold 5 MB at once, over the 4 MB budget: 503 before its body.
     other = connect(port)
     other.sendall(request_bytes(body)[:200])
@@ -179,9 +179,9 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     status, _, raw = final_response(holder)
     assert status == 400 and b"maximum context length" in raw  # 2.5 MB of text: too long
     holder.close()
-    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 10, "the budget to be released")
+    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 60, "the budget to be released")
     again = connect(port)
     again.sendall(request_bytes(body))
     assert final_response(again)[0] == 400  # admitted (and answered), no longer 503
     again.close()
-    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 10, "the budget to be released")
+    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 60, "the budget to be released")

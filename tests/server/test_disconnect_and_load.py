@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import connect, http_request, scrape_metrics
+from tests.server.server_helpers import StepSpy, connect, http_request, scrape_metrics
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,8 @@ def small_kv_server(tiny_llama_dir):
     handle.close()
 
 
-def _wait_idle(port: int, idle_usage: float, timeout: float = 10.0) -> dict[str, float]:
+def _wait_idle(port: int, idle_usage: float, timeout: float = 60.0) -> dict[str, float]:
+    """Poll the metrics until the server is idle (the timeout is only a hang bound)."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape_metrics(port)
@@ -38,27 +39,38 @@ def _send(sock, body: dict) -> None:
 
 
 def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
-    port = small_kv_server.port
+    port, engine = small_kv_server.port, small_kv_server.engine
     idle = scrape_metrics(port)
     idle_usage = idle["vllm:kv_cache_usage_perc"]
-    aborted_before = idle['vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
-                          % small_kv_server.engine.served_model_name]
-    sock = connect(port)
-    _send(sock, {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
-                 "stream": True})
-    received = b""
-    while received.count(b"data: ") < 2:  # two chunks
-        received += sock.recv(4096)
-    busy = scrape_metrics(port)
-    assert busy["vllm:num_requests_running"] == 1
-    assert busy["vllm:kv_cache_usage_perc"] > idle_usage
-    sock.close()
-    metrics = _wait_idle(port, idle_usage)
     key = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}' % (
-        small_kv_server.engine.served_model_name)
-    assert metrics[key] == aborted_before + 1
-    # the engine really dropped it: it generated far fewer than the 480 tokens asked for
-    assert metrics["vllm:generation_tokens_total"] - idle["vllm:generation_tokens_total"] < 470
+        engine.served_model_name)
+    spy = StepSpy(engine)
+    try:
+        sock = connect(port)
+        _send(sock, {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
+                     "stream": True})
+        received = b""
+        while received.count(b"data: ") < 2:  # two chunks
+            received += sock.recv(4096)
+        # A step stays running while the test looks and closes: the request is certainly
+        # mid-stream, however fast its 480 tokens would otherwise come.
+        step = spy.wait_for_next_step(seen=spy.hold_next_step())
+        try:
+            busy = scrape_metrics(port)
+            tokens_at_close = engine.generation_tokens_total
+            sock.close()
+        finally:
+            spy.release(step)
+        assert busy["vllm:num_requests_running"] == 1
+        assert busy["vllm:kv_cache_usage_perc"] > idle_usage
+        metrics = _wait_idle(port, idle_usage)
+    finally:
+        spy.restore()
+    assert metrics[key] == idle[key] + 1 and len(spy.aborts) == 1
+    # The engine really dropped it, within a few steps of the close (the server learns of a
+    # close from its writes: the held step, two more whose chunks are those writes, the abort).
+    assert spy.aborts[0][1] <= step + 4, (spy.aborts, step)
+    assert engine.generation_tokens_total - tokens_at_close <= 4
 
 
 def test_non_streamed_disconnect_aborts(small_kv_server):
@@ -66,7 +78,7 @@ def test_non_streamed_disconnect_aborts(small_kv_server):
     idle_usage = scrape_metrics(port)["vllm:kv_cache_usage_perc"]
     sock = connect(port)
     _send(sock, {"prompt": "hello", "max_tokens": 480, "ignore_eos": True})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a hang bound
     while scrape_metrics(port)["vllm:num_requests_running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import StepSpy
 
 INTERVAL = 0.3  # $VLLM_LOG_STATS_INTERVAL for these tests (vLLM's default is 10 s)
 STATS_LINE = re.compile(
@@ -43,6 +44,33 @@ def short_interval(monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", str(INTERVAL))
 
 
+def busy_line_while_held(handle: ServerHandle, busy_line):
+    """Steps one at a time until the stats snapshot shows two running and two waiting, then lets
+    one more step run and holds the next: the first stats line after that step has its tokens and
+    that state, however fast 480 tokens go here (no race between the interval and the requests)."""
+    spy = StepSpy(handle.engine)
+    stats = handle.server.engine  # the async engine: its snapshot is what the line prints
+    try:
+        step = spy.wait_for_next_step(seen=spy.hold_next_step())
+        for _ in range(480):  # each request has 480 tokens to go: the state comes before that
+            if (stats.stats.num_running, stats.stats.num_waiting) == (2, 2):
+                break
+            held = spy.hold_next_step()
+            spy.release(step)
+            step = spy.wait_for_next_step(seen=held)
+        else:
+            raise AssertionError("the engine never ran two requests with two waiting")
+        held = spy.hold_next_step()
+        spy.release(step)  # its tokens are in the snapshot before the next step begins
+        step = spy.wait_for_next_step(seen=held)
+        try:
+            return wait_for(busy_line)
+        finally:
+            spy.release(step)
+    finally:
+        spy.restore()
+
+
 def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interval, caplog):
     caplog.set_level(logging.DEBUG, logger="nanoserve.stats")
     handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 128, "max_num_seqs": 2})
@@ -62,7 +90,8 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
                     return record, values
             return None
 
-        record, (_, generation, _, _, kv_usage, hit_rate) = wait_for(busy_line)
+        record, (_, generation, _, _, kv_usage, hit_rate) = busy_line_while_held(
+            handle, busy_line)
         assert record.levelno == logging.INFO and generation > 0
         assert 0 < kv_usage <= 100 and 0 <= hit_rate <= 100
         for stream in streams:

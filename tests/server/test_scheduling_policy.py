@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import StepSpy
 
 
 def test_fcfs_refuses_a_priority_with_vllms_400(tiny_server):
@@ -61,12 +62,19 @@ def test_priority_policy_serves_the_lowest_value_first(tiny_llama_dir):
 
         async_engine = handle.server.engine
         threads = []
-        for name, priority in (("late-low", 5), ("zero", 0), ("urgent", -3), ("low", 5)):
-            thread = threading.Thread(target=send, args=(name, priority))
-            thread.start()
-            threads.append(thread)
-            # each one is queued before the next is sent: arrival order is known
-            wait_until(lambda: async_engine.stats.num_waiting == len(threads))
+        # A step stays running while the others are sent, so the blocker certainly still holds
+        # the slot when they queue, however fast its 480 tokens would otherwise go.
+        spy = StepSpy(handle.engine)
+        step = spy.wait_for_next_step(seen=spy.hold_next_step())
+        try:
+            for name, priority in (("late-low", 5), ("zero", 0), ("urgent", -3), ("low", 5)):
+                thread = threading.Thread(target=send, args=(name, priority))
+                thread.start()
+                threads.append(thread)
+                # each one is queued before the next is sent: arrival order is known
+                wait_until(lambda: async_engine.num_waiting == len(threads))
+        finally:
+            spy.release(step)
         blocker.close()  # the disconnect aborts it: the slot frees
         for thread in threads:
             thread.join(120)

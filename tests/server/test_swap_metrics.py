@@ -3,7 +3,7 @@ vllm:cpu_cache_usage_perc (vLLM V0's gauges) follow swapped requests, and return
 completions are the same as a roomy pool's."""
 from __future__ import annotations
 
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from nanoserve import LLM, SamplingParams
@@ -12,6 +12,26 @@ from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import scrape_metrics
 
 NUM_SWAP_BLOCKS = 256
+
+
+class HoldWhileSwapped:
+    """Wraps the real engine's step: after the first step that leaves a request swapped out, the
+    next step waits (before its work) until released, so the server's gauges certainly show the
+    swapped state while the test scrapes them, however briefly swaps last here."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.real_step = engine, engine.step
+        self.swapped_seen = False
+        self.holding, self.released = threading.Event(), threading.Event()
+        engine.step = self
+
+    def __call__(self):
+        if self.swapped_seen and not self.released.is_set():
+            self.holding.set()
+            self.released.wait(120)  # (a bound that only keeps a broken test from hanging)
+        outputs = self.real_step()
+        self.swapped_seen = self.swapped_seen or self.engine.stats().num_swapped > 0
+        return outputs
 
 
 def test_swap_gauges_on_a_real_server(tiny_llama_dir):
@@ -34,16 +54,16 @@ def test_swap_gauges_on_a_real_server(tiny_llama_dir):
                                               extra_body={"ignore_eos": True, "return_token_ids": True})
             return reply.choices[0].token_ids
 
+        hold = HoldWhileSwapped(handle.engine)
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(complete, p) for p in prompts]
-            seen_swapped = seen_usage = 0.0
-            deadline = time.monotonic() + 120
-            while not all(f.done() for f in futures) and time.monotonic() < deadline:
+            try:
+                assert hold.holding.wait(120), "no request was ever swapped out"
                 samples = scrape_metrics(handle.port)
-                seen_swapped = max(seen_swapped, samples["vllm:num_requests_swapped"])
-                seen_usage = max(seen_usage, samples["vllm:cpu_cache_usage_perc"])
-                if seen_swapped and seen_usage:
-                    break
+            finally:
+                hold.released.set()
+            seen_swapped = samples["vllm:num_requests_swapped"]
+            seen_usage = samples["vllm:cpu_cache_usage_perc"]
             results = [f.result(timeout=120) for f in futures]
         assert results == reference
         assert seen_swapped >= 1 and 0 < seen_usage <= 1
