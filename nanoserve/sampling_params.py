@@ -150,8 +150,12 @@ class SamplingParams:
                       f"must be -1 or an integer in [0, {INT32_MAX}]")
         if self.seed is not None:
             # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
+            # The bound it broke is named as pydantic names it (vLLM's test_long_seed reads it).
+            broken = "greater_than_equal" if is_int(self.seed) and self.seed < INT64_MIN \
+                else "less_than_equal"
             check_int("seed", INT64_MIN, INT64_MAX,
-                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit)")
+                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit; "
+                      f"{broken})")
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams")
