@@ -55,8 +55,11 @@ def _is_token_list(value: Any) -> bool:
 
 async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
     """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
-    as the request asks (a truncated prompt keeps no text: echo shows its tokens' text)."""
+    as the request asks (a truncated prompt keeps no text: echo shows its tokens' text). The
+    number of prompts is checked before any is tokenized; texts are tokenized in slices."""
     prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        ctx.check_num_sequences(request.n, len(prompt))  # before walking the list
     if isinstance(prompt, str):
         texts: list = [prompt]
     elif _is_token_list(prompt) and prompt:
@@ -67,12 +70,17 @@ async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> 
     else:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
                           "list of token-id lists (non-empty)", "prompt")
+    ctx.check_num_sequences(request.n, len(texts))
     side = ctx.truncation_side_of(request)
+    strings = [item for item in texts if isinstance(item, str)]
+    if len(strings) == 1:
+        encoded = iter([await ctx.encode(strings[0], request.add_special_tokens, side)])
+    else:
+        encoded = iter(await ctx.encode_many(strings, request.add_special_tokens, side))
     result = []
     for item in texts:
         if isinstance(item, str):
-            ids = await ctx.encode(item, request.add_special_tokens, side)
-            text = item
+            ids, text = next(encoded), item
         else:
             ids, text = list(item), None
         ids, cut = ctx.truncate(ids, request)
@@ -101,14 +109,15 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     ctx.check_fields(request, "logprobs", request.logprobs)
-    prompts = await normalize_prompts(ctx, request)
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
     echo_only = bool(request.echo) and max_tokens == 0  # vLLM: return the prompt, generate 1
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
+    # Every check of the request before its prompts are tokenized, the costly part.
     params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
                                  prompt_logprobs)
+    prompts = await normalize_prompts(ctx, request)
     base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, prompts, params)
