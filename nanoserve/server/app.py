@@ -313,7 +313,8 @@ class OpenAIApp:
         ctx = self.ctx
         ctx.check_model(body.model)
         vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
-        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in body.tokens):
+        if body.tokens and (min(body.tokens) < 0 or  # min / max: no Python loop on the event loop
+                            (vocab_size is not None and max(body.tokens) >= vocab_size)):
             raise bad_request("token ids must be in the vocabulary", "tokens")
         text = await ctx.off_loop(len(body.tokens), ctx.tokenizer.decode, body.tokens)
         return Response(200, encode_json(DetokenizeResponse(text)))

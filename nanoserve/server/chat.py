@@ -26,6 +26,9 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
                              tools: list[dict] | None = None) -> TokensPrompt:
     if not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    if len(messages) > ctx.max_model_len:  # every template gives each message a token or more
+        raise bad_request(f"messages may hold at most {ctx.max_model_len} messages (the context "
+                          f"length, in tokens), got {len(messages)}", "messages")
     for message in messages:
         if not isinstance(message.get("role"), str):
             raise bad_request("each message needs a string 'role'", "messages")

@@ -261,3 +261,13 @@ def test_a_prompt_list_is_tokenized_in_slices_others_wait_at_most_one(one_seq_se
     assert status == 200 and len(body["choices"]) == 100, body
     slices = [call for call in watched.calls if call[0] == "slice"]
     assert len(slices) == 7 and all(size <= 64 * 1024 for _, size, _ in slices)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_more_messages_than_the_context_has_tokens_is_a_400(tiny_server, watched_tiny, route):
+    limit = tiny_server.engine.max_model_len
+    messages = [{"role": "user", "content": "hi"}] * (limit + 1)
+    status, body = post(tiny_server.port, route, {"messages": messages, "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "messages", body
+    assert str(limit) in body["error"]["message"]
+    assert watched_tiny.calls == []  # refused before rendering and tokenizing
