@@ -53,24 +53,35 @@ def _is_token_list(value: Any) -> bool:
                                            for t in value)
 
 
+def _prompt_items(ctx: ServingContext, request: CompletionRequest) -> list:
+    """The prompt as a list of strings and token-id lists. Every count is checked before the
+    lists are walked (the number of prompts against n x prompts; a token list longer than the
+    context, when nothing truncates it), so a huge list costs no more than its decoding."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    bad = bad_request("prompt must be a string, a list of strings, a list of token ids or a "
+                      "list of token-id lists (non-empty)", "prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad
+    items = [prompt] if isinstance(prompt[0], int) else prompt
+    ctx.check_num_sequences(request.n, len(items))
+    for item in items:
+        if isinstance(item, list):
+            if request.truncate_prompt_tokens is None:
+                ctx.check_prompt_tokens(len(item))
+            if not item or not _is_token_list(item):
+                raise bad
+        elif not isinstance(item, str):
+            raise bad
+    return items
+
+
 async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
     """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
     as the request asks (a truncated prompt keeps no text: echo shows its tokens' text). The
     number of prompts is checked before any is tokenized; texts are tokenized in slices."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        ctx.check_num_sequences(request.n, len(prompt))  # before walking the list
-    if isinstance(prompt, str):
-        texts: list = [prompt]
-    elif _is_token_list(prompt) and prompt:
-        texts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (_is_token_list(p) and p) for p in prompt):
-        texts = prompt
-    else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
-                          "list of token-id lists (non-empty)", "prompt")
-    ctx.check_num_sequences(request.n, len(texts))
+    texts = _prompt_items(ctx, request)
     side = ctx.truncation_side_of(request)
     strings = [item for item in texts if isinstance(item, str)]
     if len(strings) == 1:

@@ -183,6 +183,15 @@ class ServingContext:
             start = end
         return result
 
+    def check_prompt_tokens(self, num_tokens: int) -> None:
+        """The engine's (and vLLM's) refusal of a prompt that fills the context, found here
+        before the prompt is walked, hashed for the response cache or queued for the engine."""
+        if num_tokens >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {num_tokens} input tokens. Please reduce the length of the "
+                "input messages.", "input_tokens")
+
     def check_num_sequences(self, n: int, num_prompts: int) -> None:
         """n x prompts, the outputs one request asks for: checked before any prompt is
         tokenized, and again when the request is submitted."""

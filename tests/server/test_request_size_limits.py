@@ -271,3 +271,28 @@ def test_more_messages_than_the_context_has_tokens_is_a_400(tiny_server, watched
     assert status == 400 and body["error"]["param"] == "messages", body
     assert str(limit) in body["error"]["message"]
     assert watched_tiny.calls == []  # refused before rendering and tokenizing
+
+
+def test_a_token_prompt_past_the_context_never_reaches_the_step_loop(one_seq_server):
+    """Refused by its length before its ids are walked: the engine's add_request, which runs
+    between two steps, never sees it."""
+    engine, limit = one_seq_server.engine, one_seq_server.engine.max_model_len
+    seen: list[str] = []
+    real_add = engine.add_request
+
+    def add_request(request_id, *args, **kwargs):
+        seen.append(request_id)
+        return real_add(request_id, *args, **kwargs)
+    engine.add_request = add_request
+    try:
+        for prompt in ([7] * 1_000_000, [[7] * 3, [7] * (limit + 1)]):
+            status, body = post(one_seq_server.port, "/v1/completions",
+                                {"prompt": prompt, "max_tokens": 2})
+            assert status == 400 and body["error"]["param"] == "input_tokens", body
+            assert f"maximum context length is {limit} tokens" in body["error"]["message"]
+        assert seen == []
+        status, _ = post(one_seq_server.port, "/v1/completions",  # truncation makes it fit
+                         {"prompt": [7] * 1000, "max_tokens": 2, "truncate_prompt_tokens": 10})
+        assert status == 200 and len(seen) == 1
+    finally:
+        engine.add_request = real_add
