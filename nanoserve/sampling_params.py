@@ -18,7 +18,7 @@ INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, insid
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
-MAX_LOGIT_BIAS = 300  # as OpenAI
+MAX_LOGIT_BIAS = 1024  # OpenAI allows 300
 MAX_CHOICES = 1024
 MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema's text, a regex, an EBNF grammar, the choices
 

@@ -15,9 +15,11 @@ import threading
 
 import pytest
 
+from nanoserve.errors import InvalidRequestError
 from nanoserve.sampling_params import (MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS,
                                        MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                       MAX_STOP_TOKEN_IDS)
+                                       MAX_STOP_TOKEN_IDS, SamplingParams,
+                                       StructuredOutputsParams)
 from nanoserve.server.tools import MAX_TOOLS
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import connect, http_request, read_response
@@ -156,11 +158,29 @@ def test_lists_at_their_limit_are_served(tiny_server):
         "prompt": "hello", "max_tokens": 3, "ignore_eos": True,
         "stop": [f"never-{i}-" + "x" * 50 for i in range(MAX_STOP_STRINGS)],
         "stop_token_ids": [vocab - 1] * MAX_STOP_TOKEN_IDS,
-        "logit_bias": {str(i): 0.0 for i in range(MAX_LOGIT_BIAS)}})
+        "logit_bias": {str(i): 0.0 for i in range(min(vocab, MAX_LOGIT_BIAS))}})
     assert status == 200, body
     status, body = post(tiny_server.port, "/v1/completions", {
         "prompt": "hello", "max_tokens": 8, "guided_choice": choices(MAX_CHOICES)})
     assert status == 200 and body["choices"][0]["text"] in choices(MAX_CHOICES), body
+
+
+def test_sampling_params_hold_the_same_bounds():
+    """The offline LLM's requests too: at each limit accepted, one past it refused by name."""
+    SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS,
+                   logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)})
+    SamplingParams(stop="x" * MAX_STOP_STRING_CHARS)
+    for fields, name in (({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+                         ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+                         ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+                         ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}},
+                          "logit_bias")):
+        with pytest.raises(InvalidRequestError) as caught:
+            SamplingParams(**fields)
+        assert caught.value.param == name
+    StructuredOutputsParams(choice=choices(MAX_CHOICES))
+    with pytest.raises(InvalidRequestError, match=str(MAX_CHOICES)):
+        StructuredOutputsParams(choice=choices(MAX_CHOICES + 1))
 
 
 @pytest.fixture
