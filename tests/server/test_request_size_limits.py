@@ -139,6 +139,13 @@ def test_too_many_tools_is_a_400_naming_the_limit(tiny_server):
         "tool_choice": "required"})
     assert status == 400 and body["error"]["param"] == "tools"
     assert str(MAX_TOOLS) in body["error"]["message"]
+    # one tool whose schema, turned into the "required" grammar, is too large to compile
+    big = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}
+    status, body = post(tiny_server.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "tools": [big],
+        "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tools"
+    assert str(MAX_GRAMMAR_CHARS) in body["error"]["message"], body
 
 
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"])])
