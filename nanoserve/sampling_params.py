@@ -11,6 +11,17 @@ from nanoserve.errors import InvalidRequestError
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, inside every index type
 
+# The lists one request may carry. Each costs work per step (every stop string is searched for
+# after each new token; the logit biases and stop ids are applied to every row of the request)
+# or per compile (choices and schemas, on the one grammar thread), so their size is bounded,
+# far above what a request needs (OpenAI allows 4 stop strings; vLLM's default is 4 too).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # OpenAI allows 300
+MAX_CHOICES = 1024
+MAX_GRAMMAR_CHARS = 256 * 1024  # a JSON schema's text, a regex, an EBNF grammar, the choices
+
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
@@ -31,6 +42,9 @@ class StructuredOutputsParams:
         if len(kinds) != 1:
             raise InvalidRequestError(f"{self.field} must set exactly one of json, regex, choice, "
                                       f"grammar or json_object, got {kinds or 'none'}", self.field)
+        if isinstance(self.choice, (list, tuple)) and len(self.choice) > MAX_CHOICES:
+            raise InvalidRequestError(f"{self.field} choice may hold at most {MAX_CHOICES} "
+                                      f"strings, got {len(self.choice)}", self.field)
         if self.choice is not None and (
                 not isinstance(self.choice, (list, tuple)) or not self.choice
                 or any(not isinstance(c, str) for c in self.choice)):
@@ -42,6 +56,10 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise InvalidRequestError(f"{self.field} json must be a JSON schema (an object or its text)",
                                       self.field)
+        size = len(self.key[1])
+        if size > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"{self.field} is too large to compile: {size} characters "
+                                      f"(at most {MAX_GRAMMAR_CHARS})", self.field)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -86,6 +104,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self._check_sizes()
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -97,7 +116,23 @@ class SamplingParams:
             self.top_k = 0
         self._validate()
 
+    def _check_sizes(self) -> None:
+        """The lists' sizes first: everything after walks them."""
+        for name, limit, what in (("stop", MAX_STOP_STRINGS, "strings"),
+                                  ("stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids"),
+                                  ("logit_bias", MAX_LOGIT_BIAS, "entries")):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple, dict)) and len(value) > limit:
+                raise InvalidRequestError(f"{name} may hold at most {limit} {what}, got "
+                                          f"{len(value)}", name)
+        for stop in self.stop if isinstance(self.stop, (list, tuple)) else [self.stop]:
+            if isinstance(stop, str) and len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} "
+                                          f"characters long, got one of {len(stop)}", "stop")
+
     def _validate(self) -> None:
+        self._check_sizes()
+
         def fail(name: str, message: str) -> None:
             raise InvalidRequestError(f"{name} {message}, got {getattr(self, name)!r}", name)
 
@@ -150,8 +185,12 @@ class SamplingParams:
                       f"must be -1 or an integer in [0, {INT32_MAX}]")
         if self.seed is not None:
             # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
+            # The bound it broke is named as pydantic names it (vLLM's test_long_seed reads it).
+            broken = "greater_than_equal" if is_int(self.seed) and self.seed < INT64_MIN \
+                else "less_than_equal"
             check_int("seed", INT64_MIN, INT64_MAX,
-                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit)")
+                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit; "
+                      f"{broken})")
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "must be a StructuredOutputsParams")

@@ -110,6 +110,18 @@ class Tokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
+    def encode_each(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text (the same ids), with the GIL released while each one
+        tokenizes, short ones too: one encode_batch call per text, since a batch of several
+        would tokenize on a thread per core, beside the engine's step."""
+        result = []
+        for text in texts:
+            ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            if add_special_tokens and self._prepend_bos:
+                ids.insert(0, self.bos_token_id)
+            result.append(ids)
+        return result
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

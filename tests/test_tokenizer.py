@@ -167,3 +167,11 @@ def test_add_bos_token_and_eos_lists(smollm2_dir: Path, tmp_path: Path):
     assert ids[0] == 1 and ids[1] != 1
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert reference("hi there")["input_ids"] == ids
+
+
+def test_encode_each_gives_encodes_ids(tokenizer: Tokenizer):
+    """The prompt-list path (one GIL-free encode_batch call per text) gives what `encode` gives,
+    short texts and long ones, with and without special tokens."""
+    texts = ["hello", "", "The quick brown fox jumps. " * 400, "é\n\t<|im_end|> x"]
+    for special in (True, False):
+        assert tokenizer.encode_each(texts, special) == [tokenizer.encode(t, special) for t in texts]

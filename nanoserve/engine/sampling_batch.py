@@ -37,6 +37,39 @@ def _token_matrix(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def _logit_bias(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int]) -> torch.Tensor | None:
+    """[rows, vocab] additive biases: each request's logit_bias, and -inf on its stop and EOS
+    tokens until min_tokens are out. The entries are gathered by list extends (no Python work
+    per entry) and written by two index_put_ calls for the whole batch: one tensor store per
+    entry cost ~6 ms a step for a 300-entry logit_bias."""
+    rows, cols, values, blocked_rows, blocked_cols = [], [], [], [], []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.logit_bias:
+            rows += [row] * len(p.logit_bias)
+            cols += p.logit_bias.keys()
+            values += p.logit_bias.values()
+        if seq.num_output_tokens < p.min_tokens:
+            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+            blocked_rows += [row] * len(blocked)
+            blocked_cols += blocked
+    if not rows and not blocked_rows:
+        return None
+    logit_bias = torch.zeros(len(seqs), vocab_size)
+    for index_rows, index_cols, value in ((rows, cols, values), (blocked_rows, blocked_cols, None)):
+        if not index_rows:
+            continue
+        row_ids = torch.tensor(index_rows, dtype=torch.long)
+        col_ids = torch.tensor(index_cols, dtype=torch.long)
+        keep = (col_ids >= 0) & (col_ids < vocab_size)  # the engine refused others; kept safe
+        if value is None:
+            logit_bias[row_ids[keep], col_ids[keep]] = float("-inf")
+        else:
+            biases = torch.tensor(value, dtype=torch.float32)[keep]
+            logit_bias.index_put_((row_ids[keep], col_ids[keep]), biases, accumulate=True)
+    return logit_bias
+
+
 def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size: int,
                          eos_token_ids: set[int], default_generator: torch.Generator) -> SamplingBatch | None:
     if not seqs:
@@ -58,21 +91,7 @@ def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size:
         prompt_mask = _to_device(_token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0,
                                  device)
 
-    logit_bias = None
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        blocked = []
-        if seq.num_output_tokens < p.min_tokens:
-            blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
-        if p.logit_bias or blocked:
-            if logit_bias is None:
-                logit_bias = torch.zeros(len(seqs), vocab_size)
-            for token, bias in (p.logit_bias or {}).items():
-                if 0 <= int(token) < vocab_size:
-                    logit_bias[row, int(token)] += float(bias)
-            for token in blocked:
-                if 0 <= token < vocab_size:
-                    logit_bias[row, token] = float("-inf")
+    logit_bias = _logit_bias(seqs, vocab_size, eos_token_ids)
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
     return SamplingBatch(
         temperature=_column(temperature, torch.float32, device),

@@ -57,11 +57,16 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
     if options.response_cache_size > 0:
         response_cache = ResponseCache(int(options.response_cache_size * 2 ** 20),
                                        options.response_cache_ttl)
+    num_blocks = sum(m.num_blocks for m in engine.block_managers)
+    kv_cache_size_tokens = num_blocks * config.block_size
     metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, {
         "block_size": config.block_size, "cache_dtype": "auto",
         "enable_prefix_caching": config.enable_prefix_caching,
         "gpu_memory_utilization": config.gpu_memory_utilization,
-        "num_gpu_blocks": sum(m.num_blocks for m in engine.block_managers), "num_cpu_blocks": None},
+        "num_gpu_blocks": num_blocks, "num_cpu_blocks": None,
+        # vLLM 0.32's labels: the KV pool in tokens, and how many max_model_len requests fit it
+        "kv_cache_size_tokens": kv_cache_size_tokens,
+        "kv_cache_max_concurrency": kv_cache_size_tokens / engine.max_model_len},
         response_cache)
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
                                   log_stats=not config.disable_log_stats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from typing import AsyncIterator, Awaitable, Callable
 from urllib.parse import unquote
 
@@ -61,9 +62,23 @@ def decode_body(request: HttpRequest, struct: type):
         param = None
         if "at `$." in message:
             param = message.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
-        raise bad_request(message, param) from None
+        raise bad_request(_worded_limit(message), param) from None
     except msgspec.DecodeError as error:
         raise bad_request(f"The request body is not valid JSON: {error}") from None
+
+
+_TOO_LONG = re.compile(r"Expected `(array|object|str)` of length <= (\d+) - at `\$\.(.+)`")
+_UNITS = {"array": "items", "object": "entries", "str": "characters"}
+
+
+def _worded_limit(message: str) -> str:
+    """msgspec's message for a bounded field that is too long, as a sentence naming the field
+    and its limit (README: Robustness and limits); any other message as it is."""
+    match = _TOO_LONG.fullmatch(message)
+    if match is None:
+        return message
+    kind, limit, path = match.groups()
+    return f"`{path}` is too long: it may hold at most {limit} {_UNITS[kind]}."
 
 
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
@@ -298,7 +313,8 @@ class OpenAIApp:
         ctx = self.ctx
         ctx.check_model(body.model)
         vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
-        if any(t < 0 or (vocab_size is not None and t >= vocab_size) for t in body.tokens):
+        if body.tokens and (min(body.tokens) < 0 or  # min / max: no Python loop on the event loop
+                            (vocab_size is not None and max(body.tokens) >= vocab_size)):
             raise bad_request("token ids must be in the vocabulary", "tokens")
         text = await ctx.off_loop(len(body.tokens), ctx.tokenizer.decode, body.tokens)
         return Response(200, encode_json(DetokenizeResponse(text)))

@@ -29,6 +29,9 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
                              tools: list[dict] | None = None) -> TokensPrompt:
     if not messages:
         raise bad_request("messages must be a non-empty list", "messages")
+    if len(messages) > ctx.max_model_len:  # every template gives each message a token or more
+        raise bad_request(f"messages may hold at most {ctx.max_model_len} messages (the context "
+                          f"length, in tokens), got {len(messages)}", "messages")
     for message in messages:
         if not isinstance(message.get("role"), str):
             raise bad_request("each message needs a string 'role'", "messages")
@@ -94,6 +97,15 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     ctx.check_fields(request, "top_logprobs", request.top_logprobs)
     tool_use = check_tool_use(request.tools, request.tool_choice, request.parallel_tool_calls,
                               ctx.auto_tool_parser is not None)
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo:
+        prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
+    # Every check of the request before its prompt is rendered and tokenized, the costly part.
+    params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
+    reader = _output_reader(ctx, tool_use)
+    _constrain_for_tools(params, tool_use, reader)
     prompt = await render_chat_prompt(
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
         request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
@@ -103,14 +115,6 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         prompt.prompt = None
     if not prompt.prompt_token_ids:
         raise bad_request("the prompt is empty", "messages")
-    max_tokens = request.max_completion_tokens or request.max_tokens
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    prompt_logprobs = request.prompt_logprobs
-    if prompt_logprobs is None and request.echo:
-        prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
-    params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-    reader = _output_reader(ctx, tool_use)
-    _constrain_for_tools(params, tool_use, reader)
     base_id = response_id("chatcmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, [prompt], params)

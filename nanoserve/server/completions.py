@@ -21,26 +21,45 @@ def _is_token_list(value: Any) -> bool:
                                            for t in value)
 
 
-async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
-    """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
-    as the request asks (a truncated prompt keeps no text: echo shows its tokens' text)."""
+def _prompt_items(ctx: ServingContext, request: CompletionRequest) -> list:
+    """The prompt as a list of strings and token-id lists. Every count is checked before the
+    lists are walked (the number of prompts against n x prompts; a token list longer than the
+    context, when nothing truncates it), so a huge list costs no more than its decoding."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        texts: list = [prompt]
-    elif _is_token_list(prompt) and prompt:
-        texts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (_is_token_list(p) and p) for p in prompt):
-        texts = prompt
-    else:
-        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a "
-                          "list of token-id lists (non-empty)", "prompt")
+        return [prompt]
+    bad = bad_request("prompt must be a string, a list of strings, a list of token ids or a "
+                      "list of token-id lists (non-empty)", "prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad
+    items = [prompt] if isinstance(prompt[0], int) else prompt
+    ctx.check_num_sequences(request.n, len(items))
+    for item in items:
+        if isinstance(item, list):
+            if request.truncate_prompt_tokens is None:
+                ctx.check_prompt_tokens(len(item))
+            if not item or not _is_token_list(item):
+                raise bad
+        elif not isinstance(item, str):
+            raise bad
+    return items
+
+
+async def normalize_prompts(ctx: ServingContext, request: CompletionRequest) -> list[TokensPrompt]:
+    """str | list[str] | list[int] | list[list[int]] → engine prompts with token ids, truncated
+    as the request asks (a truncated prompt keeps no text: echo shows its tokens' text). The
+    number of prompts is checked before any is tokenized; texts are tokenized in slices."""
+    texts = _prompt_items(ctx, request)
     side = ctx.truncation_side_of(request)
+    strings = [item for item in texts if isinstance(item, str)]
+    if len(strings) == 1:
+        encoded = iter([await ctx.encode(strings[0], request.add_special_tokens, side)])
+    else:
+        encoded = iter(await ctx.encode_many(strings, request.add_special_tokens, side))
     result = []
     for item in texts:
         if isinstance(item, str):
-            ids = await ctx.encode(item, request.add_special_tokens, side)
-            text = item
+            ids, text = next(encoded), item
         else:
             ids, text = list(item), None
         ids, cut = ctx.truncate(ids, request)
@@ -108,14 +127,15 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     ctx.check_fields(request, "logprobs", request.logprobs)
-    prompts = await normalize_prompts(ctx, request)
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
     echo_only = bool(request.echo) and max_tokens == 0  # vLLM: return the prompt, generate 1
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
+    # Every check of the request before its prompts are tokenized, the costly part.
     params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
                                  prompt_logprobs)
+    prompts = await normalize_prompts(ctx, request)
     base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, prompts, params)

@@ -11,7 +11,7 @@ disconnect. A client that half-closes after a complete request is still answered
 
 Timers: the time to read one request (408; it waits while reading is paused for pipelining), the
 keep-alive idle time (not restarted by bytes that start no request), and, after an EOF, a probe
-that tells a half-closed client from a gone one.
+that tells a half-closed client from a gone one (for a request that sent `Expect: 100-continue`).
 """
 from __future__ import annotations
 
@@ -89,14 +89,16 @@ class HttpConnection(asyncio.Protocol):
     def _probe_peer(self) -> None:
         """After an EOF only a write tells a half-closed client (waiting for its answer) from a
         gone one: a gone client's kernel answers with a reset and the next write fails, which
-        ends the connection and so aborts the request. An interim `100 Continue` is a write
-        every HTTP/1.1 client accepts before a response; sent until the response starts."""
+        ends the connection and so aborts the request. The probe is an interim `100 Continue`,
+        sent until the response starts, and only to a request that asked for one (`Expect:
+        100-continue`). Without it nothing is written before the answer: a streamed answer's
+        first write finds a gone client, a whole one is computed and then fails to send."""
         self.probe_timer = None
         if self.lost or self.transport is None or self.transport.is_closing():
             return
         request = self.current_request
         if self.task is not None and not self.writer.head_sent and request is not None \
-                and request.http_version == "1.1":
+                and request.expects_continue:
             self.writer.write_continue()
         if self.task is not None or self.pending:
             self.probe_timer = self.loop.call_later(PEER_PROBE_INTERVAL, self._probe_peer)

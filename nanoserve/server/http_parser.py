@@ -36,7 +36,8 @@ class PartialRequest:
     body: list[bytes] = field(default_factory=list)
     body_bytes: int = 0
     header_bytes: int = 0
-    expect_continue: bool = False
+    expect_continue: bool = False  # a `100 Continue` is owed before the body comes
+    asked_continue: bool = False  # the request sent `Expect: 100-continue` (kept once answered)
     headers_done: bool = False
     reserved: int = 0  # body bytes counted against the server-wide budget
 
@@ -107,7 +108,7 @@ class RequestParser:
                     self._fail(413, "Request body too large.")
                 self._reserve_body_bytes(int(value))
             elif name == "expect" and value.strip().lower() == "100-continue":
-                partial.expect_continue = True
+                partial.expect_continue = partial.asked_continue = True
         if partial.expect_continue:
             self.events.continue_wanted()
 
@@ -136,6 +137,7 @@ class RequestParser:
             body=b"".join(partial.body),
             keep_alive=self.parser.should_keep_alive(),
             reserved_bytes=partial.reserved,
+            expects_continue=partial.asked_continue,
         ))
 
     # ---- limits ----

@@ -28,6 +28,7 @@ class HttpRequest:
     body: bytes
     keep_alive: bool = True
     reserved_bytes: int = 0  # this body's share of the server-wide body budget
+    expects_continue: bool = False  # sent `Expect: 100-continue`: interim 100s are welcome
 
     def header(self, name: str) -> str | None:
         """The value of a header (name lower-case); repeated headers are joined by ', '."""

@@ -30,9 +30,13 @@ class Preprocessor:
         """For work that can stop itself (template rendering): time.monotonic() to stop by."""
         return time.monotonic() + self.timeout
 
-    async def run(self, size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run(self, size: int, fn: Callable[..., Any], *args: Any,
+                  prepare_by: float | None = None, **kwargs: Any) -> Any:
+        """`prepare_by` (time.monotonic()): for a job that is one of several of one request,
+        the time the whole request must be prepared by (`deadline()` taken before the first)."""
         if size < SMALL_INPUT:
             return fn(*args, **kwargs)
+        timeout = self.timeout if prepare_by is None else prepare_by - time.monotonic()
         if self.in_flight >= self.max_in_flight:
             raise APIError(503, f"The server is busy preparing {self.in_flight} large inputs. "
                                 "Retry later.", headers=[("retry-after", "1")])
@@ -41,7 +45,7 @@ class Preprocessor:
         future = loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
         future.add_done_callback(self._job_done)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout)
+            return await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.0))
         except TimeoutError:
             raise APIError(400, f"The input took longer than {self.timeout:g} s to prepare "
                                 "(tokenize or render); send a shorter one.") from None

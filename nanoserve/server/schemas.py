@@ -5,9 +5,12 @@ defaults follow vLLM's OpenAI server.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+
+from nanoserve.sampling_params import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS,
+                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
 
 class APIError(Exception):
@@ -30,6 +33,15 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 
 
 # ---- requests ------------------------------------------------------------------------------
+# Bounded lists (sampling_params.py says why): the decoder refuses a longer one, before any other
+# work on the request; app.py words its message.
+StopString = Annotated[str, msgspec.Meta(max_length=MAX_STOP_STRING_CHARS)]
+StopStrings = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
+LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+Choices = Annotated[list[str], msgspec.Meta(max_length=MAX_CHOICES)]
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
@@ -47,14 +59,14 @@ class SamplingFields(msgspec.Struct):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -71,10 +83,13 @@ class SamplingFields(msgspec.Struct):
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None  # a schema object or its JSON text
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # accepted; xgrammar is the one backend
     guided_whitespace_pattern: str | None = None  # accepted and ignored
+    # vLLM's, not supported here: a 400 naming them when not empty (not silently ignored)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields):

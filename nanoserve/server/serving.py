@@ -65,6 +65,9 @@ def error_body(error: APIError) -> bytes:
 
 
 TOO_DEEP = "The request body is nested too deeply."
+# Characters of a prompt list tokenized in one job: another request's large input waits behind at
+# most one such slice on the preprocessing pool (a single longer prompt is a slice of its own).
+PROMPT_SLICE_CHARS = 64 * 1024
 
 
 def to_api_error(error: BaseException) -> APIError | None:
@@ -139,10 +142,9 @@ class ServingContext:
         """Run fn on the preprocessing pool when the input is large, so the loop stays free."""
         return await self.preprocessor.run(size, fn, *args, **kwargs)
 
-    async def encode(self, text: str, add_special_tokens: bool,
-                     truncation_side: str | None = None) -> list[int]:
+    def _fit(self, text: str, truncation_side: str | None) -> str:
         """With a truncation side, text longer than any context is first cut (by characters,
-        from that side); the tokens are truncated later."""
+        from that side); the tokens are truncated later. Without one it is a 400."""
         if len(text) > self.max_prompt_chars and truncation_side is not None:
             cut = self.max_prompt_chars
             text = text[-cut:] if truncation_side == "left" else text[:cut]
@@ -152,8 +154,50 @@ class ServingContext:
                 f"your request has {len(text)} characters of input, more than any "
                 f"{self.max_model_len} tokens can hold. Please reduce the length of the input "
                 "messages.", "input_tokens")
+        return text
+
+    async def encode(self, text: str, add_special_tokens: bool,
+                     truncation_side: str | None = None) -> list[int]:
+        text = self._fit(text, truncation_side)
         return await self.off_loop(len(text), self.tokenizer.encode, text,
                                    add_special_tokens=add_special_tokens)
+
+    async def encode_many(self, texts: list[str], add_special_tokens: bool,
+                          truncation_side: str | None = None) -> list[list[int]]:
+        """The prompts of one request, each checked for length before any is tokenized, then
+        tokenized in slices of about PROMPT_SLICE_CHARS characters, one slice at a time: the
+        pool serves other requests' inputs between two slices, and the loop is never held
+        for more than a slice below SMALL_INPUT characters."""
+        texts = [self._fit(text, truncation_side) for text in texts]
+        prepare_by = self.preprocessor.deadline()
+        result: list[list[int]] = []
+        start = 0
+        while start < len(texts):
+            end, size = start + 1, len(texts[start])
+            while end < len(texts) and size + len(texts[end]) <= PROMPT_SLICE_CHARS:
+                size += len(texts[end])
+                end += 1
+            result += await self.preprocessor.run(size, self.tokenizer.encode_each,
+                                                  texts[start:end], add_special_tokens,
+                                                  prepare_by=prepare_by)
+            start = end
+        return result
+
+    def check_prompt_tokens(self, num_tokens: int) -> None:
+        """The engine's (and vLLM's) refusal of a prompt that fills the context, found here
+        before the prompt is walked, hashed for the response cache or queued for the engine."""
+        if num_tokens >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {num_tokens} input tokens. Please reduce the length of the "
+                "input messages.", "input_tokens")
+
+    def check_num_sequences(self, n: int, num_prompts: int) -> None:
+        """n x prompts, the outputs one request asks for: checked before any prompt is
+        tokenized, and again when the request is submitted."""
+        if n * num_prompts > self.max_n_sequences:
+            raise bad_request(f"n x prompts must be <= {self.max_n_sequences} per request, got "
+                              f"{n} x {num_prompts}", "n")
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
         details = PromptTokensDetails(cached_tokens) if self.enable_prompt_tokens_details else None
@@ -161,7 +205,11 @@ class ServingContext:
 
     def check_fields(self, request: SamplingFields, logprobs_name: str,
                      logprobs: int | None) -> None:
-        """vLLM's request-level checks of logprobs, prompt_logprobs and truncation."""
+        """vLLM's request-level checks of logprobs, prompt_logprobs and truncation; vLLM's
+        fields that nanoserve does not apply are refused, not ignored."""
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(request, name):
+                raise bad_request(f"`{name}` is not supported by this server", name)
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is not None:
             if request.stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
@@ -245,9 +293,7 @@ class ServingContext:
     async def submit(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
                      priority: int) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
-        if params.n * len(prompts) > self.max_n_sequences:
-            raise bad_request(f"n x prompts must be <= {self.max_n_sequences} per request, got "
-                              f"{params.n} x {len(prompts)}", "n")
+        self.check_num_sequences(params.n, len(prompts))
         self.check_capacity()
         streams: list[RequestStream] = []
         try:

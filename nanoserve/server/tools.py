@@ -17,6 +17,7 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
                     '--tool-call-parser to be set')
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+MAX_TOOLS = 128  # as OpenAI: each tool goes into the prompt and into the "required" grammar
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -102,6 +103,8 @@ def _check_schema(schema: Any, where: str) -> None:
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise _bad("`tools` must be a list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"`tools` may hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":

@@ -159,3 +159,25 @@ def test_whole_vocabulary_logprobs_leave_the_callers_params_alone(tiny_llama_dir
     assert all(len(step) == vocab for step in output.outputs[0].logprobs)
     copy = params.clone()
     assert copy == params and copy is not params
+
+
+def test_logit_bias_tensor_matches_entry_by_entry():
+    """The batch's bias rows (two index_put_ calls) against the rule written out entry by
+    entry: biases added, stop and EOS tokens -inf while min_tokens holds them back."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine.sampling_batch import _logit_bias
+
+    vocab, eos, inf = 50, 5, float("inf")
+
+    def seq(num_output_tokens: int = 0, **params):
+        return SimpleNamespace(params=SamplingParams(**params), num_output_tokens=num_output_tokens)
+    seqs = [seq(logit_bias={3: 1.5, 7: -2.0, 49: 100.0}), seq(),
+            seq(1, logit_bias={3: 0.5, 4: 0.25}, stop_token_ids=[3, 9], min_tokens=2),
+            seq(2, stop_token_ids=[9], min_tokens=2, ignore_eos=True)]
+    expected = torch.zeros(len(seqs), vocab)
+    expected[0, 3], expected[0, 7], expected[0, 49] = 1.5, -2.0, 100.0
+    expected[2, 4] = 0.25
+    expected[2, 3] = expected[2, 9] = expected[2, eos] = -inf
+    assert torch.equal(_logit_bias(seqs, vocab, {eos}), expected)
+    assert _logit_bias([seqs[1], seqs[3]], vocab, {eos}) is None

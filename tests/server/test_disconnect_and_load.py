@@ -32,10 +32,10 @@ def _wait_idle(port: int, idle_usage: float, timeout: float = 60.0) -> dict[str,
         time.sleep(0.05)
 
 
-def _send(sock, body: dict) -> None:
+def _send(sock, body: dict, extra_headers: bytes = b"") -> None:
     payload = json.dumps(body).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+                 b"Content-Length: %d\r\n%b\r\n%b" % (len(payload), extra_headers, payload))
 
 
 def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
@@ -74,16 +74,20 @@ def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
 
 
 def test_non_streamed_disconnect_aborts(small_kv_server):
+    """The client asked for `100 Continue`, so the server may probe it with more of them after
+    its EOF, and tell that it is gone (without the header nothing may be written before the
+    answer: test_connection_robustness.py)."""
     port = small_kv_server.port
     idle_usage = scrape_metrics(port)["vllm:kv_cache_usage_perc"]
     sock = connect(port)
-    _send(sock, {"prompt": "hello", "max_tokens": 480, "ignore_eos": True})
+    _send(sock, {"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
+          b"Expect: 100-continue\r\n")
     deadline = time.monotonic() + 60  # a hang bound
     while scrape_metrics(port)["vllm:num_requests_running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     sock.close()
-    _wait_idle(port, idle_usage)
+    _wait_idle(port, idle_usage)  # that it was aborted, not finished: test_connection_robustness
 
 
 def test_64_concurrent_streams(tiny_server):

@@ -587,6 +587,22 @@ async def test_half_closed_client_is_answered_then_closed():
     client.send(get("/wait"))
     await client.until(lambda: routes.started == ["/wait"], "the handler")
     assert client.connection.eof_received() is True  # keep the socket open to answer
+    client.clock.advance(0.5)
+    client.clock.advance(0.5)
+    assert client.transport.written == b""  # no `100 Continue` it did not ask for
+    routes.release.set()
+    await client.settled()
+    assert client.transport.take() == reply("200 OK", b"waited")
+    assert client.closed
+
+
+@run_async
+async def test_half_closed_client_that_asked_for_100_is_probed_with_it():
+    client, routes = connect()
+    client.send(get("/wait", "Expect: 100-continue\r\n"))
+    await client.until(lambda: routes.started == ["/wait"], "the handler")
+    assert client.transport.take() == CONTINUE  # the answer to its Expect
+    assert client.connection.eof_received() is True
     assert client.transport.take() == CONTINUE  # the probe that tells a gone client apart
     client.clock.advance(0.5)
     assert client.transport.take() == CONTINUE

@@ -103,3 +103,14 @@ def test_counters_move_by_what_the_requests_did(two_servers):
         family = name[:-len("_total")]
         assert [s.value for s in other_after[family].samples] == \
             [s.value for s in other_before[family].samples]
+
+
+def test_cache_config_info_carries_the_kv_pool_in_tokens(two_servers):
+    """vLLM 0.32's labels, which its test_metrics_exist reads: the KV pool in tokens (here 128
+    blocks of 16) and how many requests of max_model_len it holds."""
+    handle = two_servers[0]
+    (info,) = scrape(handle.port)["vllm:cache_config_info"].samples
+    engine = handle.engine
+    assert info.labels["num_gpu_blocks"] == "128" and info.labels["block_size"] == "16"
+    assert int(info.labels["kv_cache_size_tokens"]) == 128 * 16
+    assert float(info.labels["kv_cache_max_concurrency"]) == 128 * 16 / engine.max_model_len

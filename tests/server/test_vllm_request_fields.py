@@ -74,6 +74,18 @@ def test_seed_outside_signed_64_bit_names_the_bound(tiny_server):
         assert bound in error["message"] and error["param"] == "seed"
 
 
+def test_long_seed_as_vllm_tests_it(tiny_server):
+    """vLLM's test_long_seed: a chat request with a seed just past int64 is a 400 whose message
+    names the broken bound the way pydantic does."""
+    client = tiny_server.client()
+    for seed, word in ((-(2 ** 63) - 1, "greater_than_equal"), (INT64_MAX + 1, "less_than_equal")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=tiny_server.engine.served_model_name, temperature=0, seed=seed,
+                messages=[{"role": "system", "content": "You are a helpful assistant."}])
+        assert word in caught.value.message
+
+
 # ---- truncation -------------------------------------------------------------------------
 @pytest.mark.parametrize("side,expected", [("right", PROMPT_IDS[:4]), ("left", PROMPT_IDS[-4:]),
                                            (None, PROMPT_IDS[:4])])  # the tokenizer's side: right
