@@ -30,6 +30,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gguf_model import check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
@@ -109,11 +110,24 @@ def resolve_model_dir(model: str | None) -> Path:
 
         return ensure_default_model()
     path = Path(model).expanduser()
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return gguf_file
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is not a directory; nanoserve loads Hugging Face-layout directories "
-            "(config.json, *.safetensors, tokenizer.json) and never downloads from a hub")
+            f"model {model!r} is neither a directory nor a GGUF file; nanoserve loads Hugging "
+            "Face-layout directories (config.json, *.safetensors, tokenizer.json) and GGUF files, "
+            "and never downloads from a hub")
     return path
+
+
+def load_tokenizer(tokenizer: str | None, model_path: Path) -> Tokenizer:
+    """`--tokenizer` when given; else the model's: a GGUF file's metadata or the directory's files."""
+    if tokenizer is not None:
+        return Tokenizer.from_pretrained(tokenizer)
+    if find_gguf_file(model_path) is not None:
+        return gguf_tokenizer(model_path)
+    return Tokenizer.from_pretrained(model_path)
 
 
 class LLMEngine(OutputProcessing):
@@ -123,8 +137,9 @@ class LLMEngine(OutputProcessing):
         self.model_path = str(config.model or self.model_dir)
         # vLLM names a model by its --model argument; the default model by its own name.
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
+        check_quantization(config.quantization, self.model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.model_dir)
         max_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
             if config.max_model_len > max_len:

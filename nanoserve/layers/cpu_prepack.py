@@ -13,7 +13,7 @@ import os
 import torch
 from torch import nn
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels import cpu_ops, quant
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,25 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if not hasattr(module, "gemm_weight"):
             continue
-        if enabled:
-            module.gemm_weight = cpu_ops.pack_gemm_weight(module.weight)
+        quantized = _quant_weights(module)
+        if quantized:  # a GGUF layer: kernels/quant.py's own packing, never the bf16 one
+            for weight in quantized:
+                quant.pack_for_cpu(weight)
+            is_packed = all(weight.packed is not None for weight in quantized)
+        else:
+            if enabled:
+                module.gemm_weight = cpu_ops.pack_gemm_weight(module.weight)
+            is_packed = module.gemm_weight is not None
         if not getattr(module, "sees_sampled_rows_only", False):
             slots += 1
-            packed += module.gemm_weight is not None
+            packed += is_packed
     return packed, slots
+
+
+def _quant_weights(module: nn.Module) -> list[quant.QuantWeight]:
+    if getattr(module, "quant_weight", None) is not None:
+        return [module.quant_weight]
+    return list(getattr(module, "quant_parts", None) or [])
 
 
 def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
@@ -57,8 +70,8 @@ def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed_weight") or weight is None or weight.dim() != 2:
             continue
-        if getattr(module, "gemm_weight", None) is not None:  # multiplied by gemm.cpp instead
-            continue
+        if getattr(module, "gemm_weight", None) is not None or _quant_weights(module):
+            continue  # multiplied by gemm.cpp or kernels/quant.py instead
         if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
             continue
         try:

@@ -7,6 +7,7 @@ from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.quant import QuantWeight, quant_gemm
 from nanoserve.layers.cpu_prepack import packed_linear
 
 
@@ -46,9 +47,19 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("LM head bias is not supported")
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
+        # A GGUF model's head in its quantization blocks (this rank's vocabulary rows; the tied
+        # embedding's, Q8_0 in the default model), multiplied by kernels/quant.py.
+        self.quant_weight: QuantWeight | None = None
+        self.quant_parts: list[QuantWeight] | None = None  # never set: one tensor, one type
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = cpu_ops.gemm(hidden, self.gemm_weight, None, self.weight.shape[0]) if self.gemm_weight is not None else None
+        if self.quant_weight is not None:
+            logits = quant_gemm(hidden, self.quant_weight, None)
+            if logits.shape[-1] < self.shard_size:  # the last rank's padding rows: zero logits
+                logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
+        else:
+            logits = (cpu_ops.gemm(hidden, self.gemm_weight, None, self.weight.shape[0])
+                      if self.gemm_weight is not None else None)
         if logits is None and self.packed_weight is not None:
             logits = packed_linear(hidden, self.packed_weight, None)
         elif logits is None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.quant import QuantWeight, quant_gemm
 from nanoserve.layers.cpu_prepack import packed_linear
 
 
@@ -51,6 +52,12 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
+        # A GGUF model's layer (models/gguf_weights.py): the weight in its quantization blocks,
+        # multiplied by kernels/quant.py; `weight` is then on the meta device. A fused layer whose
+        # parts come in different block types (Q4_K_M's Q4_K q/k beside a Q6_K v) has one per
+        # run of output rows in `quant_parts` instead.
+        self.quant_weight: QuantWeight | None = None
+        self.quant_parts: list[QuantWeight] | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -61,6 +68,8 @@ class LinearBase(nn.Module):
         param.data.copy_(_read(loaded, None))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
+        if self.quant_weight is not None or self.quant_parts is not None:
+            return self._quant_matmul(x, bias, rows)
         if self.gemm_weight is not None:
             # CPU: one GEMM over all rows, each row's bits independent of M (kernels/cpu/gemm*.cpp).
             out = cpu_ops.gemm(x, self.gemm_weight, bias, self.weight.shape[0])
@@ -83,10 +92,35 @@ class LinearBase(nn.Module):
                 torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
         return out
 
+    def _quant_matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None) -> torch.Tensor:
+        parts = [self.quant_weight] if self.quant_weight is not None else self.quant_parts
+        # The CPU kernels (w.packed set) sum each output in one order whatever the rows; the
+        # torch reference may not, and then multiplies prompt rows tile by tile as above.
+        if (all(part.packed is not None for part in parts) or rows is None or rows.tile == 0
+                or x.shape[0] <= rows.num_free_rows):
+            return _quant_gemm_parts(x, parts, bias)
+        out = x.new_empty((x.shape[0], self.weight.shape[0]))
+        free = rows.num_free_rows
+        if free:
+            out[:free] = _quant_gemm_parts(x[:free], parts, bias)
+        for start in range(free, x.shape[0], rows.tile):
+            out[start : start + rows.tile] = _quant_gemm_parts(x[start : start + rows.tile], parts, bias)
+        return out
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
+
+
+def _quant_gemm_parts(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    if len(parts) == 1:
+        return quant_gemm(x, parts[0], bias)
+    outs, start = [], 0
+    for part in parts:
+        outs.append(quant_gemm(x, part, None if bias is None else bias[start : start + part.n]))
+        start += part.n
+    return torch.cat(outs, dim=-1)
 
 
 class ColumnParallelLinear(LinearBase):
