@@ -30,7 +30,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import check_quantization, find_gguf_file, gguf_tokenizer
+from nanoserve.models.gguf_model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
@@ -149,6 +149,8 @@ class LLMEngine(OutputProcessing):
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = check_topology(config, self.model_config)
+        if find_gguf_file(self.model_dir) is not None:
+            check_gguf_file(self.model_dir, config.tensor_parallel_size)
         self.workers: WorkerGroup | None = None
         self.dead_reason: str | None = None
         self._failure_callbacks: list = []

@@ -35,30 +35,57 @@ def find_gguf_file(path: Path) -> Path | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, frozenset[str]]:
-    """(metadata, tensor names); cached per file version, the engine asks for it several times."""
+def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tuple]]:
+    """(metadata, {tensor name: (ggml type, GGUF shape)}); cached per file version, the engine
+    asks for it several times."""
     import gguf
 
     try:
         reader = gguf.GGUFReader(gguf_file)
     except Exception as error:  # the reader raises assorted types on a corrupt file
         raise GGUFImportError(f"cannot read {gguf_file} as GGUF: {error}") from error
-    return read_metadata(reader), frozenset(tensor.name for tensor in reader.tensors)
+    tensors = {tensor.name: (tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors}
+    return read_metadata(reader), tensors
 
 
-def gguf_metadata(gguf_file: Path) -> tuple[dict, frozenset[str]]:
+def gguf_metadata(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
     stat = Path(gguf_file).stat()
     return _read(Path(gguf_file), stat.st_size, stat.st_mtime)
 
 
+# Row-parallel layers (their input features split across tensor-parallel ranks).
+_ROW_PARALLEL = (".attn_output.weight", ".ffn_down.weight")
+
+
+def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
+    """Before any rank loads: every tensor's type is one we multiply (or a float type), and a
+    row-parallel layer's inputs split into whole quantization blocks (ValueError, one line)."""
+    from nanoserve.kernels import quant
+
+    _, tensors = gguf_metadata(gguf_file)
+    for name, (ggml_type, shape) in tensors.items():
+        if ggml_type.name in ("F32", "F16", "BF16"):
+            continue
+        try:
+            qtype = quant.qtype_name(ggml_type)
+        except ValueError as error:
+            raise ValueError(f"{Path(gguf_file).name}: {name}: {error}") from None
+        block = quant.GGUF_QTYPES[qtype][0]
+        k = shape[0]
+        if name.endswith(_ROW_PARALLEL) and (k % tensor_parallel_size or (k // tensor_parallel_size) % block):
+            raise ValueError(
+                f"{name} ({qtype.upper()}, blocks of {block} values) cannot split its {k} input features "
+                f"across tensor parallel size {tensor_parallel_size} on whole blocks")
+
+
 def gguf_hf_config(gguf_file: Path) -> dict:
     """The Hugging Face config.json a Llama-architecture GGUF file implies."""
-    metadata, tensor_names = gguf_metadata(gguf_file)
+    metadata, tensors = gguf_metadata(gguf_file)
     architecture = metadata.get("general.architecture")
     if architecture != "llama":
         raise GGUFImportError(
             f"{Path(gguf_file).name}: architecture {architecture!r} is not supported (only 'llama')")
-    return llama_config(metadata, set(tensor_names))
+    return llama_config(metadata, set(tensors))
 
 
 def gguf_tokenizer(gguf_file: Path):
