@@ -115,7 +115,7 @@ def resolve_model_dir(model: str | None) -> Path:
         return gguf_file
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is neither a directory nor a GGUF file; nanoserve loads Hugging "
+            f"model {model!r} is not a directory or a GGUF file; nanoserve loads Hugging "
             "Face-layout directories (config.json, *.safetensors, tokenizer.json) and GGUF files, "
             "and never downloads from a hub")
     return path

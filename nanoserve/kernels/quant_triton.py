@@ -156,10 +156,14 @@ def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def gguf_gemm_reference(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
-    """The torch oracle with gguf_gemm's arithmetic: the weight dequantized (bit-exact, as the
-    kernel's), fp32 products and sums, rounded once to x's dtype."""
-    from nanoserve.kernels.quant import dequantize
+    """The torch oracle with gguf_gemm's arithmetic: the weight dequantized by the gguf package
+    (its own definition of the formats; kernels/quant.py imports this module, so not through
+    quant.dequantize), fp32 products and sums, rounded once to x's dtype."""
+    import gguf
+    import numpy as np
 
-    weight = dequantize(w.raw, w.qtype, w.k).to(x.device)
+    ggml_type = getattr(gguf.GGMLQuantizationType, w.qtype.upper())
+    values = gguf.quants.dequantize(w.raw.cpu().numpy(), ggml_type)
+    weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(w.n, w.k)).to(x.device)
     out = F.linear(x.float(), weight, None if bias is None else bias.float())
     return out.to(x.dtype)
