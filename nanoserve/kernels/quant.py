@@ -211,6 +211,11 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def cpu_format_code(qtype: str) -> int:
+    """The format number kernels/cpu/gemm_quant.cpp (and decode_layers.cpp) know qtype by."""
+    return list(_FORMATS).index(qtype)
+
+
 def pack_for_cpu(w: QuantWeight) -> None:
     """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise)."""
     from nanoserve.kernels import cpu_ops
@@ -230,7 +235,7 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
     if w.packed is not None:
         from nanoserve.kernels import cpu_ops
 
-        out = cpu_ops.gemm_quant(x, w.packed, list(_FORMATS).index(w.qtype), w.n, w.k, bias)
+        out = cpu_ops.gemm_quant(x, w.packed, cpu_format_code(w.qtype), w.n, w.k, bias)
         if out is not None:
             return out
     return reference_gemm(x, w, bias)
