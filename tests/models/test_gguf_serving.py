@@ -111,38 +111,68 @@ def test_greedy_equals_the_reference_path(gguf_file, monkeypatch):
     assert np.allclose(logprobs, ref_logprobs, atol=0.05)
 
 
-@torch.inference_mode()
-def test_logprobs_match_transformers_on_the_dequantized_weights(gguf_file):
-    """transformers' Llama on the file's weights dequantized by the gguf package (float32): the
-    engine's greedy tokens teacher-forced through it get about the engine's logprobs."""
+class _ReferenceQuantLinear(torch.nn.Module):
+    """A transformers Linear replaced by the file's blocks through quant.reference_gemm."""
+
+    def __init__(self, weight: quant.QuantWeight):
+        super().__init__()
+        self.quant_weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = quant.reference_gemm(x.reshape(-1, x.shape[-1]).float(), self.quant_weight, None)
+        return rows.reshape(*x.shape[:-1], self.quant_weight.n).to(x.dtype)
+
+
+def _transformers_on_the_file(gguf_file):
+    """transformers' Llama (float32) with the file's norms and embedding dequantized by the gguf
+    package and every linear layer (the tied head too) multiplying the file's blocks (Q/K rows
+    un-permuted) through quant.reference_gemm: the model and GEMM arithmetic nanoserve promises."""
     from transformers import LlamaForCausalLM
 
-    hf_dir = gguf_file.parent / "hf"
-    model = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    names = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
     from nanoserve.models.gguf_reader import hf_tensor_name
 
-    state = {}
+    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    modules = dict(model.named_modules())
     for tensor in gguf.GGUFReader(gguf_file).tensors:
+        name = hf_tensor_name(tensor.name)
         shape = tuple(reversed([int(d) for d in tensor.shape]))
-        values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                                           dtype=np.float32).reshape(shape))
-        name = names.get(tensor.name) or hf_tensor_name(tensor.name)
-        if name.endswith("q_proj.weight"):
-            values = unpermute_rotary_rows(values, 4)
-        elif name.endswith("k_proj.weight"):
-            values = unpermute_rotary_rows(values, 2)
-        state[name] = values
-    model.load_state_dict(state, strict=False)
-    model.lm_head.weight = model.model.embed_tokens.weight
+        if tensor.tensor_type.name == "F32" or name == "model.embed_tokens.weight":
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            modules[name.removesuffix(".weight")].weight.data.copy_(torch.from_numpy(values.reshape(shape)))
+        if tensor.tensor_type.name == "F32":
+            continue
+        raw = torch.from_numpy(np.array(tensor.data))
+        heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
+        if heads is not None:
+            raw = unpermute_rotary_rows(raw, heads)
+        weight = quant.QuantWeight(quant.qtype_name(tensor.tensor_type), shape[0], shape[1], raw)
+        owner, _, attribute = name.removesuffix(".weight").rpartition(".")
+        if name == "model.embed_tokens.weight":
+            owner, attribute = "", "lm_head"  # tied: the head multiplies the embedding's blocks
+        setattr(modules[owner], attribute, _ReferenceQuantLinear(weight))
+    return model
+
+
+@torch.inference_mode()
+def test_logprobs_match_transformers_on_the_files_blocks(gguf_file):
+    """The engine's greedy tokens, teacher-forced through transformers' Llama multiplying the
+    same blocks with the same GEMM arithmetic: the engine's logprobs, nearly all to float32
+    rounding; a few move by more where an activation lands on the other side of an int8
+    rounding step (attention and norms round differently from transformers'); each token is the
+    argmax up to that."""
+    model = _transformers_on_the_file(gguf_file)
     llm = build(gguf_file, dtype="float32")
     tokens, logprobs = greedy(llm)
+    differences = []
     for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
         prompt_ids = llm.get_tokenizer().encode(prompt)
-        ids = torch.tensor([prompt_ids + generated])
-        log_softmax = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-        theirs = [log_softmax[len(prompt_ids) - 1 + i, token].item() for i, token in enumerate(generated)]
-        assert np.allclose(ours, theirs, atol=0.1), (prompt, ours, theirs)
+        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
+        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
+        theirs = [row[token].item() for row, token in zip(rows, generated)]
+        differences += [abs(a - b) for a, b in zip(ours, theirs)]
+        assert all(row.max().item() - value < 0.1 for row, value in zip(rows, theirs)), prompt
+    assert max(differences) < 0.1, differences
+    assert np.mean(np.array(differences) < 1e-3) >= 0.9, differences
 
 
 def test_unsupported_type_is_a_one_line_error(tmp_path):
