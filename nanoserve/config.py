@@ -22,9 +22,15 @@ class EngineConfig:
     """Every engine default, written once; `nanoserve serve / generate` build their engine flags
     from these fields (nanoserve.cli.add_engine_args), `LLM(**kwargs)` takes the same names."""
     model: str | None = arg(
-        None, "Hugging Face-layout model directory (default: SmolLM2-135M-Instruct, imported once)")
+        None, "Hugging Face-layout model directory, or a GGUF file (or a directory holding one) "
+              "served with its quantized weights as they are (default: SmolLM2-135M-Instruct, "
+              "imported once into bf16)")
     served_model_name: str | None = arg(None, "model name reported by the API")
-    tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
+    tokenizer: str | None = arg(
+        None, "tokenizer directory (default: the model's; for a GGUF file, its metadata's)")
+    # vLLM's --quantization; "gguf" is implied by a GGUF model file, which is its only use here.
+    quantization: str | None = arg(
+        None, "weight quantization: gguf (implied by a GGUF --model; no other value is supported)")
     dtype: str = arg("auto", "weights and activations dtype", choices=DTYPES)
     device: str = arg("auto", "auto, cpu or cuda")  # "auto": cuda when available, else cpu
     # None: the model's max_position_embeddings

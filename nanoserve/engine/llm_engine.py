@@ -35,6 +35,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gguf_model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
@@ -98,11 +99,24 @@ def resolve_model_dir(model: str | None) -> Path:
 
         return ensure_default_model()
     path = Path(model).expanduser()
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return gguf_file
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is not a directory; nanoserve loads Hugging Face-layout directories "
-            "(config.json, *.safetensors, tokenizer.json) and never downloads from a hub")
+            f"model {model!r} is not a directory or a GGUF file; nanoserve loads Hugging "
+            "Face-layout directories (config.json, *.safetensors, tokenizer.json) and GGUF files, "
+            "and never downloads from a hub")
     return path
+
+
+def load_tokenizer(tokenizer: str | None, model_path: Path) -> Tokenizer:
+    """`--tokenizer` when given; else the model's: a GGUF file's metadata or the directory's files."""
+    if tokenizer is not None:
+        return Tokenizer.from_pretrained(tokenizer)
+    if find_gguf_file(model_path) is not None:
+        return gguf_tokenizer(model_path)
+    return Tokenizer.from_pretrained(model_path)
 
 
 class LLMEngine:
@@ -112,12 +126,15 @@ class LLMEngine:
         self.model_path = str(config.model or self.model_dir)
         # vLLM names a model by its --model argument; the default model by its own name.
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
+        check_quantization(config.quantization, self.model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer, self.model_dir)
         max_len = self._requested_max_model_len()
         torch.manual_seed(config.seed)
         check_pipeline_support(self.model_config, config.pipeline_parallel_size)
         self.topology = plan_topology(config, self.model_config)
+        if find_gguf_file(self.model_dir) is not None:
+            check_gguf_file(self.model_dir, config.tensor_parallel_size)
         self.workers: WorkerGroup | None = None
         self.dead_reason: str | None = None
         self._failure_callbacks: list = []

@@ -32,7 +32,7 @@ from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.registry import build_model
+from nanoserve.models.registry import build_model, model_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ModelRunner(KVCacheAllocation):
             packed, slots = prepack_gemm_weights(self.model)
             self.pad_prompt_rows = packed < slots
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = model_weight_bytes(self.model)
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0
         self.broadcast_steps = 0

@@ -25,7 +25,8 @@ from nanoserve.kernels.choice import kernel_choice
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
-            for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp")]
+            for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp",
+                          "gemm_quant.cpp")]
 _HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h")]  # in the cache key
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "ns_silu_and_mul": [_I32, _P, _P, _I64, _I64],
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
     "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
+    "ns_gemm_quant": [_I32, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64],
     "ns_isa_supported": [_I32],
     "ns_set_isa": [_I32],
     "ns_current_isa": [],
@@ -418,5 +420,30 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
     code = _library.ns_gemm_bf16(out.data_ptr(), padded, x.data_ptr(), x.stride(0), packed.data_ptr(),
                                  bias.data_ptr() if bias is not None else None, m, padded, k)
     if code != 0:
+        return None
+    return out if padded == n else out[:, :n]
+
+
+# ---- GEMMs on GGUF block-format weights (kernels/cpu/gemm_quant.cpp; kernels/quant.py) --------
+
+def gemm_quant(x: torch.Tensor, packed: torch.Tensor, format_code: int, n: int, k: int,
+               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] (bf16 or fp32) @ w^T (+ bias) -> [M, n] in x.dtype, w packed by
+    quant.pack_weight; format_code indexes quant._FORMATS. None when x or bias can't be taken
+    (then use quant.reference_gemm, which gives the same bits)."""
+    code = _dtype_code(x)
+    if code is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k or x.stride(0) < k:
+        return None
+    padded = packed.shape[0] * GEMM_TILE_N
+    if packed.dim() != 3 or packed.shape[1] != k // 32 or not 0 < n <= padded:
+        return None
+    if bias is not None:
+        if bias.dtype != x.dtype or bias.shape != (n,) or not bias.is_cpu:
+            return None
+        bias = torch.nn.functional.pad(bias, (0, padded - n)) if padded != n else bias.contiguous()
+    m = x.shape[0]
+    out = x.new_empty((m, padded))
+    if _library.ns_gemm_quant(format_code, out.data_ptr(), padded, x.data_ptr(), x.stride(0), code,
+                              packed.data_ptr(), bias.data_ptr() if bias is not None else None, m, padded, k) != 0:
         return None
     return out if padded == n else out[:, :n]

@@ -13,15 +13,15 @@ can't take the weight: the layers keep what they are given.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve import envs
 from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.quant import QuantWeight, quant_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -101,4 +101,32 @@ def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             torch.mm(x[start:end], weight_t, out=out[start:end])
         else:
             torch.addmm(bias, x[start:end], weight_t, out=out[start:end])
+    return out
+
+
+def _quant_parts(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None) -> torch.Tensor:
+    if len(parts) == 1:
+        return quant_gemm(x, parts[0], bias)
+    outs, start = [], 0
+    for part in parts:
+        outs.append(quant_gemm(x, part, None if bias is None else bias[start:start + part.n]))
+        start += part.n
+    return torch.cat(outs, dim=-1)
+
+
+def quantized_gemm(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None = None,
+                   rows: RowTiling | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) for a weight kept in GGUF blocks, as one or several parts stacked
+    along the output (a QKV whose parts have different formats). The CPU kernels (a part's
+    `packed` set) sum each output in one order whatever M; the torch reference may not, and
+    then multiplies prompt rows tile by tile, as unquantized_gemm does for oneDNN."""
+    if (all(part.packed is not None for part in parts) or rows is None or rows.tile == 0
+            or x.shape[0] <= rows.num_free_rows):
+        return _quant_parts(x, parts, bias)
+    out = x.new_empty((x.shape[0], sum(part.n for part in parts)))
+    free = rows.num_free_rows
+    if free:
+        out[:free] = _quant_parts(x[:free], parts, bias)
+    for start in range(free, x.shape[0], rows.tile):
+        out[start:start + rows.tile] = _quant_parts(x[start:start + rows.tile], parts, bias)
     return out

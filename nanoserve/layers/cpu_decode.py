@@ -3,7 +3,8 @@
 The modules' path (models/llama.py) calls ~9 kernels a layer through Python; at batch 1 the
 Python around them is several ms of a ~25 ms step. For steps of decodes only, on one rank, in
 bf16, with every linear layer on our GEMM (at any ISA level), `FusedDecode.run` calls the same
-kernels in the same order with the same inputs from C++, so its hidden states have the same bits
+kernels in the same order with the same inputs from C++ (linear layers in bf16 or in GGUF
+blocks, kernels/quant.py), so its hidden states have the same bits
 as the modules' (tests/engine/test_cpu_decode.py checks that), and everything else (embedding,
 final norm, LM head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
@@ -12,13 +13,43 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
+from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available, quant
+
+
+_MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
+_LINEAR_ENTRIES = 1 + 3 * _MAX_PARTS
+
+
+def _linear_entry(linear: nn.Module) -> list[int] | None:
+    """A linear layer as decode_layers.cpp reads it: the number of parts, then (format, packed
+    weights' address, output columns) of each (format -1: bf16 on cpu_ops.pack_gemm_weight's
+    packing; else a GGUF block format, kernels/quant.py), padded to _MAX_PARTS; None when the
+    layer can't go (a bias, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
+    if getattr(linear, "bias", None) is not None:  # Qwen2's QKV bias: the modules
+        return None
+    quantized = getattr(linear, "quant_weight", None)
+    parts = [quantized] if quantized is not None else getattr(linear, "quant_parts", None)
+    if parts:
+        # (`weight` is a meta tensor of the layer's shape then; the parts must tile its rows.)
+        n, k = linear.weight.shape
+        if len(parts) > _MAX_PARTS or any(p.packed is None or p.n % 16 or p.k != k for p in parts):
+            return None
+        if sum(p.n for p in parts) != n:
+            return None
+        entry = [len(parts)]
+        for part in parts:
+            entry += [quant.cpu_format_code(part.qtype), part.packed.data_ptr(), part.n]
+    else:
+        if linear.gemm_weight is None or linear.weight.dtype != torch.bfloat16 or linear.weight.shape[0] % 16:
+            return None
+        entry = [1, -1, linear.gemm_weight.data_ptr(), linear.weight.shape[0]]
+    return entry + [0] * (_LINEAR_ENTRIES - len(entry))
 
 
 class FusedDecode:
     def __init__(self, model: nn.Module, layer_table: torch.Tensor, config) -> None:
         self.model = model
-        self.layer_table = layer_table  # [layers, 8] int64 addresses (kept alive by the model)
+        self.layer_table = layer_table  # [layers, 4 + 4 * _LINEAR_ENTRIES] (addresses kept alive by the model)
         self.hidden = config.hidden_size
         attn = model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -44,19 +75,14 @@ class FusedDecode:
         rows = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(lin.gemm_weight is None or lin.weight.dtype != torch.bfloat16 or lin.weight.shape[0] % 16
-                   for lin in linears):
-                return None
-            if any(lin.bias is not None for lin in linears):  # Qwen2's QKV bias: the modules
+            linears = [_linear_entry(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(entry is None for entry in linears):
                 return None
             if attn.attn.key_cache is None or attn.attn.key_cache.shape[1] != 16:
                 return None
-            rows.append([layer.input_layernorm.weight.data_ptr(), attn.qkv_proj.gemm_weight.data_ptr(),
-                         attn.o_proj.gemm_weight.data_ptr(),
-                         layer.post_attention_layernorm.weight.data_ptr(), mlp.gate_up_proj.gemm_weight.data_ptr(),
-                         mlp.down_proj.gemm_weight.data_ptr(), attn.attn.key_cache.data_ptr(),
-                         attn.attn.value_cache.data_ptr()])
+            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                         attn.attn.key_cache.data_ptr(), attn.attn.value_cache.data_ptr(),
+                         *(value for entry in linears for value in entry)])
         return cls(model, torch.tensor(rows, dtype=torch.int64), config)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:

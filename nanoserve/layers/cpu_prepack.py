@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from nanoserve.kernels import quant
 from nanoserve.kernels.gemm import gemm_packing, onednn_packing
 
 
@@ -22,11 +23,24 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if not hasattr(module, "gemm_weight"):
             continue
-        module.gemm_weight = gemm_packing(module.weight)
+        quantized = _quant_weights(module)
+        if quantized:  # a GGUF layer: kernels/quant.py's own packing, never the bf16 one
+            for weight in quantized:
+                quant.pack_for_cpu(weight)
+            is_packed = all(weight.packed is not None for weight in quantized)
+        else:
+            module.gemm_weight = gemm_packing(module.weight)
+            is_packed = module.gemm_weight is not None
         if not getattr(module, "sees_sampled_rows_only", False):
             slots += 1
-            packed += module.gemm_weight is not None
+            packed += is_packed
     return packed, slots
+
+
+def _quant_weights(module: nn.Module) -> list[quant.QuantWeight]:
+    if getattr(module, "quant_weight", None) is not None:
+        return [module.quant_weight]
+    return list(getattr(module, "quant_parts", None) or [])
 
 
 def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
@@ -37,8 +51,8 @@ def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed_weight") or weight is None:
             continue
-        if getattr(module, "gemm_weight", None) is not None:  # multiplied by gemm.cpp instead
-            continue
+        if getattr(module, "gemm_weight", None) is not None or _quant_weights(module):
+            continue  # multiplied by gemm.cpp or kernels/quant.py instead
         module.packed_weight = onednn_packing(weight, batch_size_hint)
         count += module.packed_weight is not None
     return count

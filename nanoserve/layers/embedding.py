@@ -7,6 +7,7 @@ from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
 from nanoserve.kernels.gemm import unquantized_gemm
+from nanoserve.kernels.quant import QuantWeight, quant_gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -45,9 +46,18 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError("LM head bias is not supported")
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
+        # A GGUF model's head in its quantization blocks (this rank's vocabulary rows; the tied
+        # embedding's, Q8_0 in the default model), multiplied by kernels/quant.py.
+        self.quant_weight: QuantWeight | None = None
+        self.quant_parts: list[QuantWeight] | None = None  # never set: one tensor, one type
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = unquantized_gemm(hidden, self.weight, None, self.gemm_weight, self.packed_weight)
+        if self.quant_weight is not None:
+            logits = quant_gemm(hidden, self.quant_weight, None)
+            if logits.shape[-1] < self.shard_size:  # the last rank's padding rows: zero logits
+                logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
+        else:
+            logits = unquantized_gemm(hidden, self.weight, None, self.gemm_weight, self.packed_weight)
         if self.tp_size == 1:
             return logits
         gathered = gather_to_first(logits.contiguous(), dim=-1)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
+from nanoserve.kernels.gemm import RowTiling, quantized_gemm, unquantized_gemm
+from nanoserve.kernels.quant import QuantWeight
 
 
 def divide(size: int, tp_size: int, what: str) -> int:
@@ -60,6 +61,12 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
+        # A GGUF model's layer (models/gguf_weights.py): the weight in its quantization blocks,
+        # multiplied by kernels/quant.py; `weight` is then on the meta device. A fused layer whose
+        # parts come in different block types (Q4_K_M's Q4_K q/k beside a Q6_K v) has one per
+        # run of output rows in `quant_parts` instead.
+        self.quant_weight: QuantWeight | None = None
+        self.quant_parts: list[QuantWeight] | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -70,8 +77,13 @@ class LinearBase(nn.Module):
         param.data.copy_(_read(loaded, None))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
-        # The kernel (our CPU GEMM, oneDNN, cuBLAS) is kernels/gemm.py's choice.
+        # The kernel (our CPU GEMMs, oneDNN, cuBLAS; for GGUF blocks kernels/quant.py's) is
+        # kernels/gemm.py's choice.
+        if self.quant_weight is not None or self.quant_parts is not None:
+            parts = [self.quant_weight] if self.quant_weight is not None else self.quant_parts
+            return quantized_gemm(x, parts, bias, rows)
         return unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
+
 
 
 class ColumnParallelLinear(LinearBase):

@@ -56,10 +56,21 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
+        config.json it implies; models/gguf_model.py)."""
+        from nanoserve.models.gguf_model import find_gguf_file, gguf_hf_config
+
+        gguf_file = find_gguf_file(Path(model_dir))
+        if gguf_file is not None:
+            return cls.from_hf_config(gguf_hf_config(gguf_file), model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
-        raw = json.loads(path.read_text())
+        return cls.from_hf_config(json.loads(path.read_text()), model_dir)
+
+    @classmethod
+    def from_hf_config(cls, raw: dict, model_dir: str | Path) -> "ModelConfig":
+        """`raw`: config.json's content; `model_dir` names the model in errors."""
         architectures = raw.get("architectures") or []
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if architecture is None:

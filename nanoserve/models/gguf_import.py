@@ -65,11 +65,34 @@ def ensure_default_model(progress: bool = True) -> Path:
         if target.exists():
             # Not produced by a finished import (those are complete by construction): rebuild it.
             shutil.rmtree(target)
+        if default_gguf_path().is_file():  # kept by ensure_default_gguf: no second download
+            import_gguf(default_gguf_path(), target)
+            return target
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.download-", dir=target.parent) as tmp:
             gguf_path = download_default_gguf(Path(tmp), progress=progress)
             if progress:
                 print(f"nanoserve: importing {gguf_path.name} into {target}", file=sys.stderr)
             import_gguf(gguf_path, target)
+    return target
+
+
+def default_gguf_path() -> Path:
+    return nanoserve_home() / "models" / Path(DEFAULT_GGUF_MEMBER).name
+
+
+def ensure_default_gguf(progress: bool = True) -> Path:
+    """The default model's GGUF file as published (Q4_1 blocks, a Q8_0 embedding), downloaded once
+    and kept beside the imported directory: `nanoserve serve --model` on it serves the quantized
+    weights as they are (`nanoserve import-model --gguf` prints its path)."""
+    target = default_gguf_path()
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if target.is_file():  # another process downloaded it while we waited
+            return target
+        with tempfile.TemporaryDirectory(prefix=f".{target.name}.download-", dir=target.parent) as tmp:
+            os.replace(download_default_gguf(Path(tmp), progress=progress), target)  # atomic
     return target
 
 

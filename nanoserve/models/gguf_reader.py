@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 
-class GGUFImportError(RuntimeError):
-    """The GGUF file cannot be turned into a model directory (unsupported, corrupt, download failed)."""
+class GGUFImportError(RuntimeError, ValueError):
+    """The GGUF file cannot be turned into a model directory or served (unsupported, corrupt,
+    download failed). A ValueError too: the CLI reports it as one line, as other bad input."""
 
 
 def read_metadata(reader: gguf.GGUFReader) -> dict:

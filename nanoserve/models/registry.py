@@ -7,6 +7,8 @@ import torch
 
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gguf_model import find_gguf_file
+from nanoserve.models.gguf_weights import load_gguf_weights
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
@@ -46,5 +48,19 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
             attention = layer.self_attn.attn
             if attention.sliding_window is not None and attention.sliding_window >= max_model_len:
                 attention.sliding_window = None
-    load_weights(model, model_dir)
+    gguf_file = find_gguf_file(model_dir)
+    if gguf_file is not None:
+        load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
+    else:
+        load_weights(model, model_dir)
     return model.eval()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the weights take: parameters (not the meta placeholders of quantized layers) plus
+    the quantized layers' blocks."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    for module in model.modules():
+        weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or [])]
+        total += sum(w.raw.numel() for w in weights if w is not None)
+    return total

@@ -7,11 +7,14 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels.quant import QuantWeight
 from nanoserve.layers.cpu_decode import FusedDecode
 from tests.conftest import write_random_llama
+from tests.kernels.test_quant import random_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_ops.gemm_available(),
                                 reason="the fused decode path needs the CPU kernels (no compiler here)")
@@ -78,3 +81,100 @@ def test_fused_decode_not_built_where_it_does_not_apply(tmp_path, monkeypatch):
     assert LLM(model=str(model_dir), dtype="float32", device="cpu").llm_engine.runner.fused_decode is None
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", "onednn")  # oneDNN GEMMs: no packed weights
     assert LLM(model=str(model_dir), dtype="bfloat16", device="cpu").llm_engine.runner.fused_decode is None
+
+
+# ---- linear layers in GGUF blocks (kernels/quant.py, kernels/cpu/gemm_quant.cpp) -------------
+
+def _quant_weight(qtype: str, n: int, k: int, seed: int) -> QuantWeight:
+    weight = QuantWeight(qtype, n, k, random_blocks(qtype, n, k, seed=seed))
+    quant.pack_for_cpu(weight)
+    assert weight.packed is not None
+    return weight
+
+
+def _quantize_layers(model) -> None:
+    """Every linear layer of every decoder layer in GGUF blocks: a Q4_K_M-like mix where the
+    shapes take 256-element blocks (QKV in three parts, Q4_K q and k beside a Q6_K v), the 32-element
+    formats elsewhere."""
+    seed = 0
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        hidden, inter = attn.qkv_proj.weight.shape[1], mlp.down_proj.weight.shape[1]
+        k_quants = hidden % 256 == 0 and inter % 256 == 0
+        seed += 1
+        if k_quants:
+            attn.qkv_proj.quant_parts = [_quant_weight(qtype, n, hidden, seed + i) for i, (qtype, n) in enumerate(
+                [("q4_k", attn.q_size), ("q4_k", attn.kv_size), ("q6_k", attn.kv_size)])]
+        else:
+            attn.qkv_proj.quant_weight = _quant_weight("q4_0", attn.q_size + 2 * attn.kv_size, hidden, seed)
+        attn.o_proj.quant_weight = _quant_weight("q8_0", hidden, attn.q_size, seed + 3)
+        mlp.gate_up_proj.quant_weight = _quant_weight("q4_1", 2 * inter, hidden, seed + 4)
+        mlp.down_proj.quant_weight = _quant_weight("q6_k" if k_quants else "q8_0", hidden, inter, seed + 5)
+
+
+def _linear_by_calls(linear, x):
+    parts = [linear.quant_weight] if getattr(linear, "quant_weight", None) is not None else linear.quant_parts
+    return torch.cat([quant.quant_gemm(x, part, None) for part in parts], dim=-1)
+
+
+def _layers_by_calls(model, input_ids, positions, metadata):
+    """The step's final-normed hidden states through the per-layer kernel calls in the modules'
+    order (models/llama.py's CPU path), the linear layers through quant.quant_gemm."""
+    hidden, residual = model.model.embed_tokens(input_ids), None
+    rows = hidden.shape[0]
+    for layer in model.model.layers:
+        attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
+        if residual is None:
+            residual, hidden = hidden, cpu_ops.rms_norm(hidden, None, layer.input_layernorm.weight, eps)[0]
+        else:
+            hidden, residual = cpu_ops.rms_norm(hidden, residual, layer.input_layernorm.weight, eps)
+        qkv = _linear_by_calls(attn.qkv_proj, hidden)
+        cache = attn.attn
+        assert cpu_ops.rotary_store(qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, positions,
+                                    model.cos_sin_cache, cache.key_cache, cache.value_cache, metadata.slot_mapping)
+        query = qkv[:, :attn.q_size].view(rows, attn.num_heads, attn.head_dim)
+        out = cpu_ops.paged_attention(query, cache.key_cache, cache.value_cache, metadata.block_table,
+                                      metadata.cu_seqlens_q, metadata.seq_lens, cache.scale)
+        o = _linear_by_calls(attn.o_proj, out.reshape(rows, attn.q_size))
+        hidden, residual = cpu_ops.rms_norm(o, residual, layer.post_attention_layernorm.weight, eps)
+        hidden = _linear_by_calls(mlp.down_proj, cpu_ops.silu_and_mul(_linear_by_calls(mlp.gate_up_proj, hidden)))
+    return model.model.norm(hidden, residual)[0]
+
+
+def test_fused_decode_on_quantized_layers_gives_the_calls_bits(model_dir, cpu_isa):
+    """Each fused step (real engine metadata, batches of 1 to 5 decodes) against the same step
+    through the per-layer calls from the same KV-cache state: hidden states and the cache writes
+    bit for bit."""
+    llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
+    runner = llm.llm_engine.runner
+    model = runner.model
+    _quantize_layers(model)
+    fused = FusedDecode.build(model, 1)
+    assert fused is not None
+    caches = [layer.self_attn.attn for layer in model.model.layers]
+    checked = []
+
+    def run(input_ids, positions, metadata):
+        before = [(c.key_cache.clone(), c.value_cache.clone()) for c in caches]
+        hidden = FusedDecode.run(fused, input_ids, positions, metadata)
+        if hidden is None:
+            return None
+        after = [(c.key_cache.clone(), c.value_cache.clone()) for c in caches]
+        for c, (key, value) in zip(caches, before):
+            c.key_cache.copy_(key)
+            c.value_cache.copy_(value)
+        expected = _layers_by_calls(model, input_ids, positions, metadata)
+        same_cache = all(torch.equal(c.key_cache, k) and torch.equal(c.value_cache, v)
+                         for c, (k, v) in zip(caches, after))
+        checked.append((input_ids.shape[0], torch.equal(hidden, expected) and same_cache))
+        return hidden
+
+    fused.run = run
+    runner.fused_decode = fused
+    rng = random.Random(4)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]} for n in (5, 40, 17, 70, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 6, 10, 8, 4)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(checked) >= 8 and max(rows for rows, _ in checked) >= 3, checked
+    assert all(ok for _, ok in checked), checked

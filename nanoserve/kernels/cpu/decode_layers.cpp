@@ -3,7 +3,8 @@
 // kernels/cpu_ops.py), so every value comes out with the same bits; what goes away is the
 // Python between them (~270 module and ctypes calls a step, several ms at batch 1).
 //
-// Per layer (Llama family; bf16; gemm at the current ISA level; one new row per sequence):
+// Per layer (Llama family; bf16 activations; each linear layer's weights bf16 or in GGUF blocks,
+// multiplied at the current ISA level; one new row per sequence):
 //   normed, residual = rms_norm(x (+ residual))      input_layernorm
 //   qkv = normed @ Wqkv^T; rotary on q, k and k, v into the pool
 //   attn = decode attention of q over the pool;  o = attn @ Wo^T
@@ -28,10 +29,41 @@ int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride
                        const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
                        const int32_t* seq_lens, int num_seqs, int num_heads, float scale, int rows_per_item);
 int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter);
+int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed,
+                  const void* bias, int64_t M, int64_t N, int64_t K);
+}
 
-// layers: num_layers x 8 addresses: input norm weight, packed Wqkv, packed Wo, post-attention norm
-// weight, packed Wgate_up, packed Wdown, key pool, value pool (no biases: layers/cpu_decode.py
-// leaves models with any to the modules).
+namespace {
+
+constexpr int kMaxParts = 3;                          // a linear layer's runs of output columns
+constexpr int kLinearEntries = 1 + 3 * kMaxParts;     // count, then (format, weights, n) a part
+constexpr int kLayerEntries = 4 + 4 * kLinearEntries; // 4 addresses, then Wqkv, Wo, Wgate_up, Wdown
+
+// out[rows, ldo] = x @ W^T over W's parts side by side, each as the modules multiply it: format
+// -1 the bf16 GEMM on cpu_ops.pack_gemm_weight's packing, else a GGUF format on
+// quant.pack_weight's (kernels/cpu/gemm_quant.cpp). False when a GEMM refused its shapes.
+bool linear(const int64_t* entry, void* out, int64_t ldo, const void* x, int64_t ldx, int64_t rows, int64_t k) {
+    int64_t column = 0;
+    for (int part = 0; part < entry[0]; ++part) {
+        const int format = static_cast<int>(entry[1 + 3 * part]);
+        const auto* weights = reinterpret_cast<const void*>(entry[2 + 3 * part]);
+        const int64_t n = entry[3 + 3 * part];
+        void* o = static_cast<uint16_t*>(out) + column;
+        const int code = format < 0 ? ns_gemm_bf16(o, ldo, x, ldx, weights, nullptr, rows, n, k)
+                                    : ns_gemm_quant(format, o, ldo, x, ldx, 1, weights, nullptr, rows, n, k);
+        if (code != 0) return false;
+        column += n;
+    }
+    return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+// layers: num_layers x kLayerEntries int64: the addresses of the input norm weight, the
+// post-attention norm weight, the key pool and the value pool, then Wqkv, Wo, Wgate_up and Wdown
+// as linear() reads them (no biases: layers/cpu_decode.py leaves models with any to the modules).
 // buffers: 9 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
 // layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
 // [heads * head_dim], gate_up [2 * inter], act [inter].
@@ -56,17 +88,17 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     const int seqs = static_cast<int>(rows);
     int current = -1;  // which residual buffer holds the residual; -1: x itself (layer 0)
     for (int layer = 0; layer < num_layers; ++layer) {
-        const int64_t* w = layers + 8 * static_cast<int64_t>(layer);
+        const int64_t* w = layers + kLayerEntries * static_cast<int64_t>(layer);
+        const int64_t* linears = w + 4;
         if (current < 0) {
             ns_rms_norm(kBf16, normed, nullptr, x, nullptr, at(w[0]), rows, hidden, eps);
         } else {
             ns_rms_norm(kBf16, normed, residual[1 - current], x, residual[current], at(w[0]), rows, hidden, eps);
             current = 1 - current;
         }
-        if (ns_gemm_bf16(qkv, qkv_n, normed, hidden, at(w[1]), nullptr, rows, qkv_n, hidden))
-            return 0;
-        void* key_cache = at(w[6]);
-        void* value_cache = at(w[7]);
+        if (!linear(linears, qkv, qkv_n, normed, hidden, rows, hidden)) return 0;
+        void* key_cache = at(w[2]);
+        void* value_cache = at(w[3]);
         ns_rotary_store(kBf16, qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos_sin, cos_sin_stride,
                         key_cache, value_cache, block_size, slots);
         if (!amx_attention || ns_decode_attention_amx(attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads,
@@ -75,15 +107,15 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
             ns_paged_attention(kBf16, attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads, block_size,
                                head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
                                scale, 16);
-        if (ns_gemm_bf16(o, hidden, attn, q_size, at(w[2]), nullptr, rows, hidden, q_size)) return 0;
+        if (!linear(linears + kLinearEntries, o, hidden, attn, q_size, rows, q_size)) return 0;
         // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
         const void* previous = current < 0 ? x : residual[current];
         const int next = current < 0 ? 0 : 1 - current;
-        ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[3]), rows, hidden, eps);
+        ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[1]), rows, hidden, eps);
         current = next;
-        if (ns_gemm_bf16(gate_up, 2 * inter, normed, hidden, at(w[4]), nullptr, rows, 2 * inter, hidden)) return 0;
+        if (!linear(linears + 2 * kLinearEntries, gate_up, 2 * inter, normed, hidden, rows, hidden)) return 0;
         ns_silu_and_mul(kBf16, act, gate_up, rows, inter);
-        if (ns_gemm_bf16(x, hidden, act, inter, at(w[5]), nullptr, rows, hidden, inter)) return 0;
+        if (!linear(linears + 3 * kLinearEntries, x, hidden, act, inter, rows, inter)) return 0;
     }
     return current + 1;
 }

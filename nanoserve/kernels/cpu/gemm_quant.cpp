@@ -1,0 +1,465 @@
+// GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), as llama.cpp does
+// them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized per block of 32 to
+// int8 and one fp32 scale, and each block's product an exact integer dot product.
+//
+// The arithmetic (kernels/quant.py's reference_gemm writes the same in torch): per output element,
+// the blocks in order from k = 0; per scale group (32 elements, 16 for Q6_K) the integer
+// i = sum (u - offset) * q, then
+//     acc = acc + (scale * dx) * float(i);   acc = acc + min * sx     (Q4_1, Q4_K)
+// with sx = dx * float(sum of the block's q); then acc + bias rounded once. The integer part is
+// exact at every level (VNNI vpdpbusd, AVX2 vpmaddubsw, plain C++) and the fp32 operations are
+// the same ones in the same order, so every level gives the same bits as the reference, whatever
+// M is and whichever rows share the call.
+//
+// Weights are packed at load (quant.py pack_weight): per group of 16 output columns and block of
+// 32 elements, the quants as one vpdpbusd step reads them (64 bytes: 16 columns x 4 elements;
+// eight steps a block, 4-bit formats holding step j in the low nibbles and j + 4 in the high
+// ones), then fp32 scales [groups in the block][16], then fp32 mins [16].
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+#include <vector>
+
+#include "bf16.h"
+#include "isa.h"
+
+#define NS_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")))
+#define NS_QAVX2 __attribute__((target("avx2,fma")))
+
+namespace {
+
+constexpr int kCols = 16;
+constexpr int kBlock = 32;
+constexpr int64_t kParallelMacs = int64_t(1) << 22;
+constexpr int64_t kParallelWeights = int64_t(1) << 18;
+constexpr int64_t kRowChunk = 64;
+constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
+
+// Format codes: the order of quant.py's _FORMATS.
+enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+
+template <int F>
+struct Traits {
+    static constexpr bool nibbles = F == kQ4_0 || F == kQ4_1 || F == kQ4_K;
+    static constexpr int group = F == kQ6_K ? 16 : 32;  // elements per scale
+    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
+    static constexpr bool has_min = F == kQ4_1 || F == kQ4_K;
+    static constexpr int quant_bytes = nibbles ? 256 : 512;
+    static constexpr int scale_bytes = 4 * kCols * (kBlock / group);
+    static constexpr int bytes = quant_bytes + scale_bytes + (has_min ? 4 * kCols : 0);
+};
+
+// The activations, quantized once per call: per row and block of 32, int8 q, dx, sx and the
+// offset corrections offset * (sum of q) of each scale group (two per block: halves for Q6_K, the
+// whole block then zero for the others).
+struct Activations {
+    const int8_t* q;
+    const float* dx;
+    const float* sx;
+    const int32_t* corr;
+    int64_t k;   // q's row stride
+    int64_t nb;  // blocks a row
+};
+
+// One register block: R rows against C groups of 16 columns.
+struct Block {
+    float* sums;  // [R][C * 16]
+    const Activations* a;
+    int64_t row;
+    const uint8_t* w;  // first group's packed blocks
+    int64_t group_stride;
+};
+
+inline float load_x(const void* x, int dtype, int64_t index) {
+    return dtype == 1 ? ns_bf16::to_float(static_cast<const uint16_t*>(x)[index]) : static_cast<const float*>(x)[index];
+}
+
+// A block's 32 values of x as fp32 (exact for bf16).
+NS_VNNI inline void load_block_avx512(const void* x, int dtype, int64_t at, __m512& v0, __m512& v1) {
+    if (dtype == 1) {
+        const auto* p = static_cast<const uint16_t*>(x) + at;
+        v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+        v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16));
+    } else {
+        v0 = _mm512_loadu_ps(static_cast<const float*>(x) + at);
+        v1 = _mm512_loadu_ps(static_cast<const float*>(x) + at + 16);
+    }
+}
+
+// quantize_row's arithmetic on AVX-512 (vcvtps2dq rounds to nearest even, as nearbyint does).
+NS_VNNI void quantize_row_avx512(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
+                                 int8_t* q, float* dx, float* sx, int32_t* corr) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+        __m512 v0, v1;
+        load_block_avx512(x, dtype, row * ldx + b * kBlock, v0, v1);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        const float d = amax / 127.0f;
+        const __m512 inverse = _mm512_set1_ps(amax >= 0x1p-100f ? 1.0f / d : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum0 = _mm512_reduce_add_epi32(q0), sum1 = _mm512_reduce_add_epi32(q1);
+        dx[b] = d;
+        sx[b] = d * static_cast<float>(sum0 + sum1);
+        corr[2 * b] = offset * (halves ? sum0 : sum0 + sum1);
+        corr[2 * b + 1] = halves ? offset * sum1 : 0;
+    }
+}
+
+// dx = amax / 127, q = nearest-even(x * (1 / dx)), as quant.py's quantize_activations.
+void quantize_row(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
+                  int8_t* q, float* dx, float* sx, int32_t* corr) {
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+        float v[kBlock];
+        float amax = 0.0f;
+        for (int i = 0; i < kBlock; ++i) {
+            v[i] = load_x(x, dtype, row * ldx + b * kBlock + i);
+            amax = std::max(amax, std::fabs(v[i]));
+        }
+        const float d = amax / 127.0f;
+        const float inverse = amax >= 0x1p-100f ? 1.0f / d : 0.0f;
+        int32_t sum[2] = {0, 0};
+        for (int i = 0; i < kBlock; ++i) {
+            const int32_t value = static_cast<int32_t>(std::nearbyint(v[i] * inverse));
+            q[b * kBlock + i] = static_cast<int8_t>(value);
+            sum[i / 16] += value;
+        }
+        dx[b] = d;
+        sx[b] = d * static_cast<float>(sum[0] + sum[1]);
+        corr[2 * b] = offset * (halves ? sum[0] : sum[0] + sum[1]);
+        corr[2 * b + 1] = halves ? offset * sum[1] : 0;
+    }
+}
+
+// ---- AVX-512 VNNI (the avx512bf16 and amx levels) --------------------------------------------
+
+template <int F, int C>
+NS_VNNI inline void load_weights(__m512i (&w)[C][8], const uint8_t* base, int64_t stride, int64_t b) {
+    for (int c = 0; c < C; ++c) {
+        const uint8_t* p = base + c * stride + b * Traits<F>::bytes;
+        if constexpr (Traits<F>::nibbles) {
+            const __m512i low = _mm512_set1_epi8(0x0F);
+            for (int j = 0; j < 4; ++j) {
+                const __m512i v = _mm512_loadu_si512(p + 64 * j);
+                w[c][j] = _mm512_and_si512(v, low);
+                w[c][j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        } else {
+            for (int j = 0; j < 8; ++j) w[c][j] = _mm512_loadu_si512(p + 64 * j);
+        }
+    }
+}
+
+template <int F, int R, int C>
+NS_VNNI void block_vnni(const Block& blk) {
+    using T = Traits<F>;
+    const Activations& a = *blk.a;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < a.nb; ++b) {
+        __m512i w[C][8];
+        load_weights<F, C>(w, blk.w, blk.group_stride, b);
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = blk.row + r;
+            const int8_t* q = a.q + row * a.k + b * kBlock;
+            constexpr int kGroups = kBlock / T::group;
+            // Each group's integer starts at -offset * (its sum of q): no subtraction after.
+            __m512i dot[C][kGroups];
+            for (int g = 0; g < kGroups; ++g) {
+                const __m512i start = T::offset != 0 ? _mm512_set1_epi32(-a.corr[(row * a.nb + b) * 2 + g])
+                                                     : _mm512_setzero_si512();
+                for (int c = 0; c < C; ++c) dot[c][g] = start;
+            }
+            for (int j = 0; j < 8; ++j) {
+                const __m512i xq = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
+                for (int c = 0; c < C; ++c)
+                    dot[c][j * kGroups / 8] = _mm512_dpbusd_epi32(dot[c][j * kGroups / 8], w[c][j], xq);
+            }
+            const __m512 dx = _mm512_set1_ps(a.dx[row * a.nb + b]);
+            for (int c = 0; c < C; ++c) {
+                const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+                for (int g = 0; g < kGroups; ++g) {
+                    const __m512i i = dot[c][g];
+                    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols);
+                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(i)));
+                }
+                if constexpr (T::has_min) {
+                    const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes + T::scale_bytes));
+                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(mins, _mm512_set1_ps(a.sx[row * a.nb + b])));
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(blk.sums + r * C * kCols + c * kCols, acc[r][c]);
+}
+
+// ---- AVX2 (vpmaddubsw; Q8_0's signed weights by llama.cpp's sign trick) -----------------------
+
+template <int F>
+NS_QAVX2 inline __m256i dot_step_avx2(__m256i w, __m256i xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (F == kQ8_0) {  // u = q + 128: back to signed, |q| into the unsigned operand
+        const __m256i signed_w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+        return _mm256_madd_epi16(
+            _mm256_maddubs_epi16(_mm256_sign_epi8(signed_w, signed_w), _mm256_sign_epi8(xq, signed_w)), ones);
+    } else {  // u <= 63: no pair of products saturates int16
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
+    }
+}
+
+template <int F, int R, int C>
+NS_QAVX2 void block_avx2(const Block& blk) {
+    using T = Traits<F>;
+    constexpr int kGroups = kBlock / T::group;
+    const Activations& a = *blk.a;
+    __m256 acc[R][C][2];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a.nb; ++b) {
+        for (int r = 0; r < R; ++r) {
+            const int64_t row = blk.row + r;
+            const int8_t* q = a.q + row * a.k + b * kBlock;
+            const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
+            for (int c = 0; c < C; ++c) {
+                const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+                for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+                    __m256i dot[kGroups];
+                    for (int g = 0; g < kGroups; ++g) dot[g] = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; ++j) {
+                        __m256i w;
+                        if constexpr (T::nibbles) {
+                            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (j & 3) + 32 * h));
+                            w = j < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                        } else {
+                            w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+                        }
+                        int32_t quad;
+                        std::memcpy(&quad, q + 4 * j, sizeof(quad));
+                        const int g = j * kGroups / 8;
+                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w, _mm256_set1_epi32(quad)));
+                    }
+                    for (int g = 0; g < kGroups; ++g) {
+                        __m256i i = dot[g];
+                        if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
+                            i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
+                        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols + 8 * h);
+                        acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
+                    }
+                    if constexpr (T::has_min) {
+                        const __m256 mins = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes + T::scale_bytes) + 8 * h);
+                        acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(mins, _mm256_set1_ps(a.sx[row * a.nb + b])));
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            for (int h = 0; h < 2; ++h) _mm256_storeu_ps(blk.sums + r * C * kCols + c * kCols + 8 * h, acc[r][c][h]);
+}
+
+// ---- portable -------------------------------------------------------------------------------
+
+template <int F>
+inline int unpack(const uint8_t* quants, int k, int col) {  // element k of a block, one column
+    const int step = k / 4, lane = col * 4 + k % 4;
+    if constexpr (Traits<F>::nibbles) return step < 4 ? quants[64 * step + lane] & 0x0F : quants[64 * (step - 4) + lane] >> 4;
+    return quants[64 * step + lane];
+}
+
+template <int F, int R, int C>
+void block_portable(const Block& blk) {
+    using T = Traits<F>;
+    const Activations& a = *blk.a;
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+            for (int col = 0; col < kCols; ++col) {
+                const int64_t row = blk.row + r;
+                float acc = 0.0f;
+                for (int64_t b = 0; b < a.nb; ++b) {
+                    const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+                    const int8_t* q = a.q + row * a.k + b * kBlock;
+                    const float dx = a.dx[row * a.nb + b];
+                    for (int g = 0; g < kBlock / T::group; ++g) {
+                        int32_t i = 0;
+                        for (int e = g * T::group; e < (g + 1) * T::group; ++e) i += unpack<F>(p, e, col) * q[e];
+                        i -= a.corr[(row * a.nb + b) * 2 + g];
+                        float scale;
+                        std::memcpy(&scale, p + T::quant_bytes + 4 * (g * kCols + col), sizeof(scale));
+                        acc = acc + (scale * dx) * static_cast<float>(i);
+                    }
+                    if constexpr (T::has_min) {
+                        float mins;
+                        std::memcpy(&mins, p + T::quant_bytes + T::scale_bytes + 4 * col, sizeof(mins));
+                        acc = acc + mins * a.sx[row * a.nb + b];
+                    }
+                }
+                blk.sums[r * C * kCols + c * kCols + col] = acc;
+            }
+}
+
+// ---- the loop nest, shared by the levels ------------------------------------------------------
+
+using BlockFn = void (*)(const Block&);
+constexpr int kMaxR = 4, kMaxC = 4;
+
+struct Kernels {
+    BlockFn fn[kMaxR][kMaxC];
+};
+
+template <int F, int R, int C> struct Vnni { static void run(const Block& b) { block_vnni<F, R, C>(b); } };
+template <int F, int R, int C> struct Avx2 { static void run(const Block& b) { block_avx2<F, R, C>(b); } };
+template <int F, int R, int C> struct Portable { static void run(const Block& b) { block_portable<F, R, C>(b); } };
+
+template <template <int, int, int> class K, int F, int R, int C>
+void fill(Kernels& table) {
+    table.fn[R - 1][C - 1] = &K<F, R, C>::run;
+    if constexpr (C < kMaxC) fill<K, F, R, C + 1>(table);
+    else if constexpr (R < kMaxR) fill<K, F, R + 1, 1>(table);
+}
+
+template <template <int, int, int> class K>
+struct LevelKernels {
+    Kernels formats[5];
+    LevelKernels() {
+        fill<K, kQ8_0, 1, 1>(formats[kQ8_0]);
+        fill<K, kQ4_0, 1, 1>(formats[kQ4_0]);
+        fill<K, kQ4_1, 1, 1>(formats[kQ4_1]);
+        fill<K, kQ4_K, 1, 1>(formats[kQ4_K]);
+        fill<K, kQ6_K, 1, 1>(formats[kQ6_K]);
+    }
+};
+
+struct Shape {
+    int rows, cols;
+};
+
+struct Call {
+    void* out;
+    int64_t ldo;
+    int dtype;  // of x, bias and out: 0 fp32, 1 bf16
+    const uint8_t* packed;
+    const void* bias;
+    int64_t M, N;
+    int block_bytes;
+};
+
+// Adds the bias and writes rows x cols of out from sums [rows][cols].
+void store(const Call& call, const float* sums, int64_t row, int rows, int64_t col, int cols) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < cols; ++j) {
+            float v = sums[r * cols + j];
+            if (call.bias != nullptr) v = v + load_x(call.bias, call.dtype, col + j);
+            const int64_t at = (row + r) * call.ldo + col + j;
+            if (call.dtype == 1) static_cast<uint16_t*>(call.out)[at] = ns_bf16::from_float(v);
+            else static_cast<float*>(call.out)[at] = v;
+        }
+}
+
+void run(const Kernels& kernels, Shape shape, const Call& call, const Activations& a) {
+    const int64_t col_groups = call.N / kCols;
+    const int64_t group_stride = a.nb * call.block_bytes;
+    const int64_t units = (col_groups + shape.cols - 1) / shape.cols;
+#pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
+    {
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = units * thread / threads * shape.cols;
+        const int64_t last = std::min(col_groups, units * (thread + 1) / threads * shape.cols);
+        const int64_t group = std::max<int64_t>(shape.cols, kWeightGroupBytes / std::max<int64_t>(1, group_stride) / shape.cols * shape.cols);
+        alignas(64) float sums[kMaxR * kMaxC * kCols];
+        for (int64_t group_start = first; group_start < last; group_start += group) {
+            const int64_t group_end = std::min(group_start + group, last);
+            for (int64_t chunk = 0; chunk < call.M; chunk += kRowChunk) {
+                const int64_t chunk_end = std::min(chunk + kRowChunk, call.M);
+                for (int64_t cg = group_start; cg < group_end; cg += shape.cols) {
+                    const int cols = static_cast<int>(std::min<int64_t>(shape.cols, group_end - cg));
+                    for (int64_t row = chunk; row < chunk_end; row += shape.rows) {
+                        const int rows = static_cast<int>(std::min<int64_t>(shape.rows, chunk_end - row));
+                        const Block b{sums, &a, row, call.packed + cg * group_stride, group_stride};
+                        kernels.fn[rows - 1][cols - 1](b);
+                        store(call, sums, row, rows, cg * kCols, cols * kCols);
+                    }
+                }
+            }
+        }
+    }
+}
+
+bool vnni_level(int level) {
+    static const bool has_vnni = __builtin_cpu_supports("avx512vnni");
+    return level >= ns_isa::kAvx512Bf16 && has_vnni;
+}
+
+const Kernels& level_kernels(int level, int format) {
+    static const LevelKernels<Vnni> vnni;
+    static const LevelKernels<Avx2> avx2;
+    static const LevelKernels<Portable> portable;
+    if (vnni_level(level)) return vnni.formats[format];
+    if (level >= ns_isa::kAvx2) return avx2.formats[format];
+    return portable.formats[format];
+}
+
+int block_bytes(int format) {
+    switch (format) {
+        case kQ8_0: return Traits<kQ8_0>::bytes;
+        case kQ4_0: return Traits<kQ4_0>::bytes;
+        case kQ4_1: return Traits<kQ4_1>::bytes;
+        case kQ4_K: return Traits<kQ4_K>::bytes;
+        default: return Traits<kQ6_K>::bytes;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ w^T (+ bias [N]), x, bias and out of
+// one dtype (0 fp32, 1 bf16), w packed by quant.py's pack_weight (N a multiple of 16 there).
+// 0 done; 2 a shape, dtype or format it does not take.
+int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed,
+                  const void* bias, int64_t M, int64_t N, int64_t K) {
+    if (format < 0 || format > kQ6_K || (dtype != 0 && dtype != 1) || K % 256 != 0 && (format == kQ4_K || format == kQ6_K))
+        return 2;
+    if (K % kBlock != 0 || N % kCols != 0 || M < 0) return 2;
+    if (M == 0) return 0;
+    const int64_t nb = K / kBlock;
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> dx, sx;
+    thread_local std::vector<int32_t> corr;
+    q.resize(M * K);
+    dx.resize(M * nb);
+    sx.resize(M * nb);
+    corr.resize(M * nb * 2);
+    const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
+    // This thread's buffers, by pointer: inside the parallel loop the names would be each
+    // worker's own thread_local vectors.
+    const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
+    const bool vnni = vnni_level(ns_isa::current());
+#pragma omp parallel for if (M * K >= (int64_t(1) << 16))
+    for (int64_t row = 0; row < M; ++row)
+        (vnni ? quantize_row_avx512 : quantize_row)(x, dtype, row, ldx, K, offset, format == kQ6_K,
+                                                    const_cast<int8_t*>(a.q) + row * K,
+                                                    const_cast<float*>(a.dx) + row * nb,
+                                                    const_cast<float*>(a.sx) + row * nb,
+                                                    const_cast<int32_t*>(a.corr) + row * nb * 2);
+    const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
+    const int level = ns_isa::current();
+    Shape shape{1, 1};
+    // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
+    // 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse, bounds
+    // it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight streams going.
+    if (level >= ns_isa::kAvx512Bf16) shape = M == 1 ? Shape{1, 4} : Shape{4, 2};
+    else if (level >= ns_isa::kAvx2) shape = M == 1 ? Shape{1, 2} : Shape{2, 2};
+    run(level_kernels(level, format), shape, call, a);
+    return 0;
+}
+
+}  // extern "C"

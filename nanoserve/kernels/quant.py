@@ -1,0 +1,241 @@
+"""Linear layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+
+How the CPU kernel (kernels/cpu/gemm_quant.cpp) multiplies, as llama.cpp does: each row of the
+activations is quantized per block of 32 to int8 with one fp32 scale, the weights stay integers
+with their per-block scales, and each block's product is an exact integer dot product (VNNI,
+AVX2 maddubs or plain C++) folded into an fp32 sum. `reference_gemm` is that arithmetic written
+in torch, operation for operation, so the kernel's output equals it bit for bit at every ISA
+level; `dequantize` is the format itself, bit-exact with the `gguf` package's own.
+
+Every format is seen through the same components: unsigned integers `u` per element, an integer
+`offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q4_K, an fp32 `min` per
+32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation gguf's
+dequantize does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# name -> (elements per block, bytes per block), as stored in a GGUF file.
+GGUF_QTYPES: dict[str, tuple[int, int]] = {
+    "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q6_k": (256, 210),
+}
+
+# name -> (4-bit weights, elements per scale, integer offset, has a min); the kernel's format code
+# is the index in this dict.
+_FORMATS: dict[str, tuple[bool, int, int, bool]] = {
+    "q8_0": (False, 32, 128, False), "q4_0": (True, 32, 8, False), "q4_1": (True, 32, 0, True),
+    "q4_k": (True, 32, 0, True), "q6_k": (False, 16, 32, False),
+}
+_COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
+_BLOCK = 32  # activation elements sharing one int8 scale
+
+
+def qtype_name(ggml_type) -> str:
+    """gguf.GGMLQuantizationType -> our name ("q8_0", ...); ValueError for any other type."""
+    name = getattr(ggml_type, "name", str(ggml_type)).lower()
+    if name not in GGUF_QTYPES:
+        raise ValueError(f"GGUF tensor type {name.upper()} is not supported for linear layers; "
+                         f"supported: {', '.join(t.upper() for t in GGUF_QTYPES)}")
+    return name
+
+
+@dataclass
+class QuantWeight:
+    """One linear layer's weight in a GGUF block format."""
+    qtype: str
+    n: int
+    k: int
+    raw: torch.Tensor                    # uint8 [n, row_bytes]: GGUF bytes, rows in output order
+    packed: torch.Tensor | None = None   # the CPU kernel's own layout (pack_for_cpu)
+
+
+def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
+    if qtype not in GGUF_QTYPES:
+        qtype_name(qtype)
+    elements, nbytes = GGUF_QTYPES[qtype]
+    if k % elements:
+        raise ValueError(f"{qtype}: k={k} is not a multiple of its block of {elements}")
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // elements * nbytes:
+        raise ValueError(f"{qtype}: raw must be uint8 [n, {k // elements * nbytes}], got {raw.dtype} "
+                         f"{list(raw.shape)}")
+    return elements, nbytes
+
+
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """Two bytes per value at the end -> float32 from fp16."""
+    return raw.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, span: int) -> torch.Tensor:
+    """[..., span] bytes -> [..., 2 * span]: low nibbles are elements 0..span-1, high ones the next."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _components(raw: torch.Tensor, qtype: str, k: int):
+    """(u uint8 [n, k], offset, scale fp32 [n, k / G], min fp32 [n, k / 32] or None)."""
+    elements, nbytes = _check(raw, qtype, k)
+    n = raw.shape[0]
+    blocks = raw.reshape(n, k // elements, nbytes)
+    if qtype == "q8_0":
+        u = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return u.reshape(n, k), 128, _half(blocks[..., :2]).reshape(n, -1), None
+    if qtype in ("q4_0", "q4_1"):
+        start = 2 if qtype == "q4_0" else 4
+        u = _nibbles(blocks[..., start:], 16).reshape(n, k)
+        scale = _half(blocks[..., :2]).reshape(n, -1)
+        if qtype == "q4_0":
+            return u, 8, scale, None
+        return u, 0, scale, _half(blocks[..., 2:4]).reshape(n, -1)
+    if qtype == "q4_k":
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])   # [n, nb, 1]
+        sc, mins = _q4_k_scale_min(blocks[..., 4:16])                   # [n, nb, 8] each
+        u = _nibbles(blocks[..., 16:].reshape(n, -1, 4, 32), 32).reshape(n, k)
+        scale = (d * sc.float()).reshape(n, -1)
+        return u, 0, scale, (-(dmin * mins.float())).reshape(n, -1)
+    # q6_k: ql [128], qh [64], scales int8 [16], d fp16
+    ql, qh = blocks[..., :128], blocks[..., 128:192]
+    low = _nibbles(ql.reshape(n, -1, 2, 64), 64)                        # [n, nb, 2, 128]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+    high = ((qh.reshape(n, -1, 2, 1, 32) >> shifts) & 3).reshape(n, -1, 2, 128)
+    u = (low | (high << 4)).reshape(n, k)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = _half(blocks[..., 208:210])
+    return u, 32, (d * scales).reshape(n, -1), None
+
+
+def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's twelve bytes -> eight 6-bit scales and eight 6-bit mins (llama.cpp's get_scale_min_k4)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mins
+
+
+def dequantize(raw: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """GGUF rows uint8 [n, row_bytes] -> float32 [n, k], bit-exact with gguf.quants.dequantize."""
+    u, offset, scale, mins = _components(raw, qtype, k)
+    group = k // scale.shape[1]
+    values = scale.repeat_interleave(group, dim=1) * (u.to(torch.int16) - offset).float()
+    if mins is not None:
+        values = values + mins.repeat_interleave(_BLOCK, dim=1)
+    return values
+
+
+# ---- activations, as the kernel quantizes them ----------------------------------------------
+
+def quantize_activations(x: torch.Tensor):
+    """Each row per block of 32: (q int8 [m, k], dx fp32 [m, k/32], sums int32 [m, k/16]).
+    dx = amax / 127, q = round-half-even(x * (1 / dx)) (0 where the block is ~0), as the kernel."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // _BLOCK, _BLOCK)
+    amax = blocks.abs().amax(dim=-1)
+    dx = amax / 127.0
+    inverse = torch.where(amax >= 2.0 ** -100, 1.0 / torch.where(dx > 0, dx, torch.ones_like(dx)),
+                          torch.zeros_like(dx))
+    q = torch.round(blocks * inverse.unsqueeze(-1)).to(torch.int8)
+    sums = q.reshape(m, -1, 16).to(torch.int32).sum(dim=-1, dtype=torch.int32)
+    return q.reshape(m, k), dx, sums
+
+
+def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] @ dequantize(w)^T (+ bias) as the CPU kernel computes it, in x.dtype.
+
+    Per output element, blocks in order from k = 0: with i the exact integer dot product of a
+    scale group (u - offset against the int8 activations),
+        acc = acc + (scale * dx) * float(i);  acc = acc + min * (dx * float(sum of the block's q))
+    then acc + bias rounded once to x.dtype. The kernel does the same fp32 operations in the same
+    order, so it equals this bit for bit; against the exact product of x and dequantize(w) the
+    difference is the activations' int8 rounding (relative ~1/254 per block, averaging out).
+    """
+    u, offset, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    q, dx, sums = quantize_activations(x.cpu())
+    m, n, k = x.shape[0], w.n, w.k
+    group = k // scale.shape[1]
+    out = torch.empty(m, n, dtype=torch.float32)
+    step = max(1, (1 << 24) // max(1, m * (k // group)))  # columns at a time (bounds memory)
+    for start in range(0, n, step):
+        cols = slice(start, min(n, start + step))
+        acc = torch.zeros(m, cols.stop - start)
+        # exact integer dots of every scale group, as float64 (all well below 2^53)
+        dots = torch.einsum("mgc,ngc->mng", q.reshape(m, -1, group).double(),
+                            u[cols].reshape(-1, k // group, group).double())
+        dots = dots - offset * sums.reshape(m, -1, group // 16).sum(-1).double().unsqueeze(1)
+        dots = dots.float()
+        for g in range(k // group):
+            b = g * group // _BLOCK
+            acc = acc + (scale[cols, g].unsqueeze(0) * dx[:, b].unsqueeze(1)) * dots[:, :, g]
+            if mins is not None:
+                block_sum = dx[:, b] * sums[:, 2 * b:2 * b + 2].sum(-1).float()
+                acc = acc + mins[cols, b].unsqueeze(0) * block_sum.unsqueeze(1)
+        out[:, cols] = acc
+    if bias is not None:
+        out = out + bias.cpu().float()
+    return out.to(x.dtype).to(x.device)
+
+
+# ---- the CPU kernel's layout -----------------------------------------------------------------
+
+def packed_layout(qtype: str) -> tuple[int, int, int]:
+    """Bytes of one packed block of 16 columns x 32 elements: (quants, scales, mins)."""
+    nibbles, group, _, has_min = _FORMATS[qtype]
+    return (256 if nibbles else 512), 4 * _COLS * (_BLOCK // group), (4 * _COLS if has_min else 0)
+
+
+def pack_weight(w: QuantWeight) -> torch.Tensor:
+    """uint8 [ceil(n / 16), k / 32, block bytes]: per group of 16 output columns and block of 32
+    elements, the quants as one VNNI step reads them (64 bytes = 16 columns x 4 consecutive
+    elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
+    j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
+    nibbles, group, _, has_min = _FORMATS[w.qtype]
+    u, _, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    groups, nb = -(-w.n // _COLS), w.k // _BLOCK
+    pad = groups * _COLS - w.n
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad, w.k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        mins = None if mins is None else torch.cat([mins, mins.new_zeros(pad, mins.shape[1])])
+    # [groups, 16 cols, nb, 8 steps, 4] -> [groups, nb, 8 steps, 16 cols, 4]
+    steps = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+    if nibbles:
+        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
+    parts = [steps.reshape(groups, nb, -1)]
+    per_block = _BLOCK // group
+    parts.append(scale.reshape(groups, _COLS, nb, per_block).permute(0, 2, 3, 1).contiguous()
+                 .view(torch.uint8).reshape(groups, nb, -1))
+    if has_min:
+        parts.append(mins.reshape(groups, _COLS, nb).permute(0, 2, 1).contiguous()
+                     .view(torch.uint8).reshape(groups, nb, -1))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def cpu_format_code(qtype: str) -> int:
+    """The format number kernels/cpu/gemm_quant.cpp (and decode_layers.cpp) know qtype by."""
+    return list(_FORMATS).index(qtype)
+
+
+def pack_for_cpu(w: QuantWeight) -> None:
+    """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise)."""
+    from nanoserve.kernels import cpu_ops
+
+    if w.raw.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
+        return
+    w.packed = pack_weight(w)
+
+
+def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
+    dequantize-GEMM, CPU through the C++ kernel when w is packed, else reference_gemm."""
+    if x.device.type == "cuda":
+        from nanoserve.kernels.quant_triton import gguf_gemm
+
+        return gguf_gemm(x, w, bias)
+    if w.packed is not None:
+        from nanoserve.kernels import cpu_ops
+
+        out = cpu_ops.gemm_quant(x, w.packed, cpu_format_code(w.qtype), w.n, w.k, bias)
+        if out is not None:
+            return out
+    return reference_gemm(x, w, bias)

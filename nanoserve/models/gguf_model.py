@@ -1,0 +1,113 @@
+"""Serving a GGUF file as it is (vLLM's `--model FILE.gguf`): which path is one, the config and
+tokenizer its metadata implies, and the `--quantization` it goes with. The weights are loaded by
+models/gguf_weights.py, linear layers keeping their quantization blocks."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def find_gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` stands for: `path` itself when it is one, or the single *.gguf file of a
+    directory without a config.json (a Hugging Face directory wins); None otherwise."""
+    path = Path(path)
+    if path.is_file():
+        return path if _is_gguf(path) else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(file for file in path.glob("*.gguf") if file.is_file())
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
+                         "name one with --model")
+    return files[0] if files else None
+
+
+@functools.lru_cache(maxsize=4)
+def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tuple]]:
+    """(metadata, {tensor name: (ggml type, GGUF shape)}); cached per file version, the engine
+    asks for it several times."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+    except Exception as error:  # the reader raises assorted types on a corrupt file
+        raise GGUFImportError(f"cannot read {gguf_file} as GGUF: {error}") from error
+    tensors = {tensor.name: (tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors}
+    return read_metadata(reader), tensors
+
+
+def gguf_metadata(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
+    stat = Path(gguf_file).stat()
+    return _read(Path(gguf_file), stat.st_size, stat.st_mtime)
+
+
+# Row-parallel layers (their input features split across tensor-parallel ranks).
+_ROW_PARALLEL = (".attn_output.weight", ".ffn_down.weight")
+
+
+def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
+    """Before any rank loads: every tensor's type is one we multiply (or a float type), and a
+    row-parallel layer's inputs split into whole quantization blocks (ValueError, one line)."""
+    from nanoserve.kernels import quant
+
+    _, tensors = gguf_metadata(gguf_file)
+    for name, (ggml_type, shape) in tensors.items():
+        if ggml_type.name in ("F32", "F16", "BF16"):
+            continue
+        try:
+            qtype = quant.qtype_name(ggml_type)
+        except ValueError as error:
+            raise ValueError(f"{Path(gguf_file).name}: {name}: {error}") from None
+        block = quant.GGUF_QTYPES[qtype][0]
+        k = shape[0]
+        if name.endswith(_ROW_PARALLEL) and (k % tensor_parallel_size or (k // tensor_parallel_size) % block):
+            raise ValueError(
+                f"{name} ({qtype.upper()}, blocks of {block} values) cannot split its {k} input features "
+                f"across tensor parallel size {tensor_parallel_size} on whole blocks")
+
+
+def gguf_hf_config(gguf_file: Path) -> dict:
+    """The Hugging Face config.json a Llama-architecture GGUF file implies."""
+    metadata, tensors = gguf_metadata(gguf_file)
+    architecture = metadata.get("general.architecture")
+    if architecture != "llama":
+        raise GGUFImportError(
+            f"{Path(gguf_file).name}: architecture {architecture!r} is not supported (only 'llama')")
+    return llama_config(metadata, set(tensors))
+
+
+def gguf_tokenizer(gguf_file: Path):
+    """The tokenizer and chat template stored in the file's metadata (models/gguf_tokenizer.py)."""
+    from nanoserve.models.gguf_tokenizer import build_tokenizer
+    from nanoserve.tokenizer import Tokenizer
+
+    metadata, _ = gguf_metadata(gguf_file)
+    config = gguf_hf_config(gguf_file)
+    backend, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
+    eos = config.get("eos_token_id")
+    return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=[] if eos is None else [eos],
+                     chat_template=tokenizer_config.get("chat_template"))
+
+
+def check_quantization(quantization: str | None, model: Path) -> None:
+    """`--quantization`: "gguf" is implied by a GGUF model and means nothing for any other."""
+    is_gguf = find_gguf_file(model) is not None
+    if quantization is None or (is_gguf and quantization == "gguf"):
+        return
+    if is_gguf:
+        raise ValueError(f"--quantization {quantization} does not apply to the GGUF file {model} "
+                         "(its quantization is gguf; leave the flag out or pass gguf)")
+    raise ValueError(f"--quantization {quantization} is not supported for {model}: only gguf, "
+                     "which needs a .gguf model file")

@@ -1,0 +1,196 @@
+"""A GGUF file's tensors into a model built from the config its metadata implies.
+
+Linear layers (and the LM head) keep the file's quantization blocks as they are in
+`quant_weight` (kernels/quant.py multiplies them); their bf16 `weight` then lives on the meta
+device and takes no memory. Every other tensor (norms, the token embedding, linear weights stored
+as F32 / F16 / BF16) is dequantized into its parameter in the activation dtype. Shards follow the
+bf16 loaders (layers/linear.py's weight_loader, run on the raw block rows): column-parallel layers
+take whole rows, row-parallel layers whole blocks of each row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
+from nanoserve.kernels import quant
+from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.linear import LinearBase, RowParallelLinear
+from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+@dataclass
+class _StagedLinear:
+    """One layer's parts as they arrive (a fused layer takes several tensors)."""
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # qtype -> uint8 [n, row bytes]
+    row_qtype: list[str | None] = field(default_factory=list)  # per output row of this rank
+    float_parts: int = 0
+
+
+def _qtype(tensor) -> str | None:
+    """None for a float tensor; else its kernels/quant.py name (ValueError for unsupported ones,
+    naming it and listing the supported)."""
+    if tensor.tensor_type.name in _FLOAT_TYPES:
+        return None
+    try:
+        return quant.qtype_name(tensor.tensor_type)
+    except ValueError as error:
+        raise ValueError(f"{tensor.name}: {error}") from None
+
+
+def _raw_rows(tensor) -> torch.Tensor:
+    """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (a copy off the memory map)."""
+    return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+
+
+def _dense(tensor, qtype: str | None, rows: slice | None = None) -> torch.Tensor:
+    """float32, torch's shape (GGUF lists dims fastest first); `rows`: only these rows."""
+    import gguf
+
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    data = tensor.data if rows is None else tensor.data[rows]
+    if qtype is None:
+        values = gguf.quants.dequantize(np.asarray(data), tensor.tensor_type)
+        return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1, *shape[1:]))
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+    return quant.dequantize(raw, qtype, shape[-1])
+
+
+def _rotary_heads(name: str, config) -> int | None:
+    if name.endswith("q_proj.weight"):
+        return config.num_attention_heads
+    if name.endswith("k_proj.weight"):
+        return config.num_key_value_heads
+    return None
+
+
+def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_file)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    missing = missing_prefixes(model)
+    tied = bool(model.config.tie_word_embeddings)
+    staged: dict[str, _StagedLinear] = {}
+    loaded: set[str] = set()
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        targets = [name]
+        if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
+            targets.append("lm_head.weight")  # the tied head multiplies the embedding's blocks
+        for target in targets:
+            if is_missing_parameter(target, missing):
+                continue
+            shard_id = None
+            for fragment, (fused, shard) in packed.items():
+                if f".{fragment}." in target:
+                    target, shard_id = target.replace(f".{fragment}.", f".{fused}."), shard
+                    break
+            if target not in params:
+                raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
+            module = modules[target.rsplit(".", 1)[0]]
+            _load_tensor(model, module, params[target], tensor, shard_id, staged.setdefault(target, _StagedLinear()))
+            loaded.add(target)
+    shared = {id(param) for param in params.values() if sum(other is param for other in params.values()) > 1}
+    for target, parts in staged.items():
+        if parts.buffers:
+            _finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
+    expected = set(params) - ({"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set())
+    absent = sorted(expected - loaded)
+    if absent:
+        raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
+
+
+def _load_tensor(model, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: _StagedLinear) -> None:
+    qtype = _qtype(tensor)
+    name = hf_tensor_name(tensor.name)
+    heads = _rotary_heads(name, model.config)
+    quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
+    if qtype is not None and quantized_module:
+        if parts.float_parts:
+            raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
+        raw = _raw_rows(tensor)
+        if heads is not None:
+            raw = unpermute_rotary_rows(raw, heads)
+        _stage_quantized(module, tensor, raw, qtype, shard_id, parts)
+        return
+    if parts.buffers and quantized_module:
+        raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
+    parts.float_parts += 1
+    if isinstance(module, ParallelLMHead) or type(module).__name__ == "VocabParallelEmbedding":
+        values = _dense(tensor, qtype, slice(module.vocab_start, module.vocab_end))
+        param.data[: values.shape[0]].copy_(values)
+        return
+    values = _dense(tensor, qtype)
+    if heads is not None:
+        values = unpermute_rotary_rows(values, heads)
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        param.data.copy_(values.reshape(param.shape))
+    else:
+        loader(param, values, shard_id)
+
+
+def _stage_quantized(module: nn.Module, tensor, raw: torch.Tensor, qtype: str, shard_id,
+                     parts: _StagedLinear) -> None:
+    """This rank's rows (or, row-parallel, whole blocks of each row) of one part into the layer's
+    buffer for `qtype`, through the layer's own weight_loader."""
+    block, block_bytes = quant.GGUF_QTYPES[qtype]
+    k = int(tensor.shape[0])
+    if raw.shape[1] != k // block * block_bytes or k % block:
+        raise GGUFImportError(f"{tensor.name}: {raw.shape[1]} bytes a row do not hold {k} {qtype.upper()} values")
+    if isinstance(module, ParallelLMHead):
+        rows = raw[module.vocab_start : module.vocab_end]
+        parts.buffers[qtype] = rows
+        parts.row_qtype = [qtype] * rows.shape[0]
+        return
+    n_local, k_local = module.weight.shape
+    if k_local % block:
+        raise ValueError(f"{tensor.name}: {qtype.upper()} blocks of {block} values cannot split its {k} "
+                         f"input features into {k // k_local} shards of {k_local}")
+    if not parts.row_qtype:
+        parts.row_qtype = [None] * n_local
+    buffer = parts.buffers.get(qtype)
+    if buffer is None:
+        buffer = parts.buffers[qtype] = torch.zeros(n_local, k_local // block * block_bytes, dtype=torch.uint8)
+    module.weight_loader(buffer, raw, shard_id)
+    if isinstance(module, RowParallelLinear):
+        written = range(n_local)
+    else:  # the same loader on a column of marks says which rows this part filled
+        marks = torch.zeros(n_local, 1, dtype=torch.uint8)
+        module.weight_loader(marks, torch.ones(raw.shape[0], 1, dtype=torch.uint8), shard_id)
+        written = marks[:, 0].nonzero()[:, 0].tolist()
+    for row in written:
+        parts.row_qtype[row] = qtype
+
+
+def _finish_quantized(module: nn.Module, target: str, parts: _StagedLinear, shared: bool) -> None:
+    """The layer's QuantWeight (or, when its fused parts differ in type, one per run of rows in
+    output order: `quant_parts`); its bf16 weight goes to the meta device unless shared (a tied
+    embedding)."""
+    if any(qtype is None for qtype in parts.row_qtype):
+        raise GGUFImportError(f"{target}: the GGUF file lacks some of this layer's parts")
+    device = module.weight.device
+    k_local = module.weight.shape[1]
+    weights, start = [], 0
+    labels = parts.row_qtype
+    for end in range(1, len(labels) + 1):
+        if end == len(labels) or labels[end] != labels[start]:
+            raw = parts.buffers[labels[start]][start:end].contiguous().to(device)
+            weights.append(quant.QuantWeight(labels[start], end - start, k_local, raw))
+            start = end
+    if len(weights) == 1:
+        module.quant_weight = weights[0]
+    else:
+        module.quant_parts = weights
+    if not shared:
+        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
+                                     requires_grad=False)

@@ -1,0 +1,134 @@
+"""Small quantized GGUF files for the tests: a random Llama checkpoint written by transformers'
+own classes (tests/conftest.write_random_llama), turned into a GGUF file as llama.cpp's converter
+lays one out (Q/K rows permuted for its rotary, tokenizer and chat template in the metadata), with
+its linear layers quantized by the `gguf` package where it can quantize the type (Q8_0, Q4_0,
+Q4_1, Q5_0) and as random blocks of sane scale where it cannot (Q4_K, Q6_K: `gguf.quants`
+dequantizes them but has no quantizer)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import write_random_llama
+
+T = gguf.GGMLQuantizationType
+# A mix like llama.cpp's Q4_K_M: Q6_K for V and the down projection, Q4_K elsewhere.
+PRESETS = {
+    "q8_0": {},
+    "q4_0": {},
+    "q4_1": {},
+    "q5_0": {},  # not supported by nanoserve's kernels: the unsupported-type error
+    "q4_k_m": {"v_proj": "q6_k", "down_proj": "q6_k"},
+}
+DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, module = name.removesuffix(".weight").split(".", 3)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+
+
+def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    rows, columns = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def _random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks whose values are about N(0, 2 / sqrt(k)) in size."""
+    target = 2.0 / np.sqrt(k)
+    block_bytes = 144 if qtype == "q4_k" else 210
+    raw = rng.integers(0, 256, size=(rows, k // 256, block_bytes), dtype=np.uint8)
+    if qtype == "q4_k":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+        scales = rng.uniform(0.5, 1.5, size=(rows, k // 256, 2)) * [target / (32 * 8), target / (32 * 16)]
+        raw[..., 0:4] = scales.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 4)
+    else:  # 128 + 64 bytes of 6-bit values, 16 int8 scales, d (f16) last
+        d = rng.uniform(0.5, 1.5, size=(rows, k // 256, 1)) * target / (64 * 32)
+        raw[..., 208:210] = d.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 2)
+    return raw.reshape(rows, -1)
+
+
+def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
+    values = weight.float().numpy()
+    if qtype in ("q4_k", "q6_k"):
+        return _random_k_blocks(*values.shape, qtype, rng), getattr(T, qtype.upper())
+    ggml_type = getattr(T, qtype.upper())
+    return gguf.quants.quantize(values, ggml_type), ggml_type
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tokenizer["model"]["vocab"])
+    for added in tokenizer["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {added["content"] for added in tokenizer["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if token in specials else 1 for token in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[tokenizer_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
+    writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tokenizer_config["chat_template"])
+
+
+def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = True, seed: int = 0,
+                         embedding: str = "q8_0", **shape) -> Path:
+    """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf)."""
+    shape = {**DEFAULT_SHAPE, **shape}
+    hf_dir = write_random_llama(out_dir / "hf", tie=tie, seed=seed, **shape)
+    config = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    _add_tokenizer(writer, hf_dir)
+    rng = np.random.default_rng(seed)
+    overrides = PRESETS[preset]
+    default = "q4_k" if preset == "q4_k_m" else preset
+    for name, weight in weights.items():
+        if name.endswith("norm.weight"):
+            writer.add_tensor(_gguf_name(name), weight.float().numpy())
+            continue
+        if name.endswith("q_proj.weight"):
+            weight = _llama_cpp_permute(weight, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weight = _llama_cpp_permute(weight, config["num_key_value_heads"])
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            qtype = embedding
+        else:
+            qtype = next((q for fragment, q in overrides.items() if f".{fragment}." in name), default)
+        data, ggml_type = _tensor_bytes(name, weight, qtype, rng)
+        writer.add_tensor(_gguf_name(name), data, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,127 @@
+"""kernels/quant.py and kernels/cpu/gemm_quant.cpp: GGUF block-format weights.
+
+Oracles: the `gguf` package's own dequantize (bit for bit, on random blocks of every type), and
+quant.reference_gemm, the kernel's arithmetic written in torch: the C++ GEMM equals it bit for bit
+at every ISA level this machine runs (cpu_isa fixture), and reference_gemm itself is checked
+against the float64 product of x and the dequantized weights."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight
+
+QTYPES = list(GGUF_QTYPES)
+# where each type keeps its fp16 scales (byte offsets inside a block)
+_SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here")
+
+
+def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes in GGUF rows, with sane fp16 scales (random quants, signs and sub-scales)."""
+    elements, nbytes = GGUF_QTYPES[qtype]
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // elements, nbytes), generator=generator, dtype=torch.uint8)
+    for offset in _SCALE_FIELDS[qtype]:
+        scales = (torch.rand(n, k // elements, generator=generator) * 0.02 + 1e-4).to(torch.float16)
+        if offset == 2:  # q4_1's min may be negative
+            scales = scales * torch.where(torch.rand(scales.shape, generator=generator) < 0.5, -1, 1).half() * 8
+        raw[..., offset:offset + 2] = scales.unsqueeze(-1).view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def _weight(qtype, n, k, seed=0):
+    return QuantWeight(qtype, n, k, random_blocks(qtype, n, k, seed))
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequantize_is_bit_exact_with_gguf(qtype):
+    k = 512
+    raw = random_blocks(qtype, 24, k, seed=1)
+    ours = quant.dequantize(raw, qtype, k)
+    theirs = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype.upper()])
+    assert ours.dtype == torch.float32 and ours.shape == (24, k)
+    assert np.array_equal(ours.numpy().view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+
+
+def test_unsupported_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match="Q5_K .*supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
+        quant.qtype_name(gguf.GGMLQuantizationType.Q5_K)
+    assert quant.qtype_name(gguf.GGMLQuantizationType.Q4_K) == "q4_k"
+    with pytest.raises(ValueError, match="multiple of its block"):
+        quant.dequantize(torch.zeros(2, 144, dtype=torch.uint8), "q4_k", 128)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reference_is_close_to_the_dequantized_product(qtype, dtype):
+    n, k = 40, 512
+    w = _weight(qtype, n, k, seed=2)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    out = quant.reference_gemm(x, w, bias)
+    assert out.dtype == dtype and out.shape == (5, n)
+    dense = quant.dequantize(w.raw, qtype, k).double()
+    exact = x.double() @ dense.t() + bias.double()
+    # int8 activations: each block's error is at most half a step (amax / 254) per element
+    magnitude = x.double().abs() @ dense.abs().t()
+    error = (out.double() - exact).abs()
+    assert (error <= magnitude / 254 + exact.abs() * 2 ** -7 + 1e-3).all()
+    assert error.mean() < 0.02 * magnitude.mean()
+
+
+def _kernel(x, w, bias=None):
+    out = cpu_ops.gemm_quant(x, w.packed, list(quant._FORMATS).index(w.qtype), w.n, w.k, bias)
+    assert out is not None
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
+    n, k = 72, 768  # n not a multiple of 16: padded columns cut
+    w = _weight(qtype, n, k, seed=4)
+    quant.pack_for_cpu(w)
+    assert w.packed is not None
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(67, k, generator=generator).to(dtype)
+    x[3, 64:96] = 0  # an all-zero block
+    bias = torch.randn(n, generator=generator).to(dtype)
+    for m in (1, 2, 5, 67):
+        for b in (None, bias):
+            out = quant.quant_gemm(x[:m], w, b)
+            assert out.dtype == dtype and out.shape == (m, n)
+            assert torch.equal(out, quant.reference_gemm(x[:m], w, b)), (m, b is None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q6_k"])
+def test_rows_do_not_depend_on_the_batch(qtype, cpu_isa):
+    w = _weight(qtype, 576, 1536, seed=6)
+    quant.pack_for_cpu(w)
+    x = torch.randn(64, 1536, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    full = _kernel(x, w)
+    for start, m in [(0, 1), (5, 1), (63, 1), (0, 3), (10, 17), (1, 63)]:
+        assert torch.equal(_kernel(x[start:start + m], w), full[start:start + m]), (start, m)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_kernel(x, w), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_strided_rows_and_what_it_refuses():
+    w = _weight("q4_0", 32, 256, seed=8)
+    quant.pack_for_cpu(w)
+    wide = torch.randn(9, 300).to(torch.bfloat16)
+    strided = wide[:, 10:266]
+    assert torch.equal(_kernel(strided, w), _kernel(strided.contiguous(), w))
+    code = list(quant._FORMATS).index("q4_0")
+    assert cpu_ops.gemm_quant(torch.zeros(2, 128, dtype=torch.bfloat16), w.packed, code, 32, 256, None) is None
+    assert cpu_ops.gemm_quant(torch.zeros(2, 256, dtype=torch.float16), w.packed, code, 32, 256, None) is None
+    assert _kernel(torch.zeros(0, 256, dtype=torch.bfloat16), w).shape == (0, 32)

