@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
 
 # CPU layers whose weights our GEMM can't take (fp32, K not a multiple of 32, or
@@ -31,13 +32,13 @@ class ModelInput:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampling_seqs: list  # the Sequences that sample this step, in logits_indices order
+    sampling_seqs: list[Sequence]  # the sequences that sample this step, in logits_indices order
     # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
     # (its first len(logits_indices) rows are real). 0: an eager step.
     graph_size: int = 0
     # Prompt logprobs, only for sequences that ask: their prompt rows follow the sampling rows in
     # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
-    prompt_logprob_seqs: list = field(default_factory=list)
+    prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_logprob_targets: torch.Tensor | None = None
 
 

@@ -31,7 +31,7 @@ class LaunchedStep:
     virtual_engine: int
     tokens_only: bool = False
     result: torch.Tensor | None = None
-    receive: object = None  # the irecv's Work
+    receive: dist.Work | None = None  # the posted irecv
 
 
 class PipelineStage:
