@@ -111,6 +111,44 @@ NS_VNNI void quantize_row_avx512(const void* x, int dtype, int64_t row, int64_t 
     }
 }
 
+// The same on AVX2 (vcvtps2dq rounds to nearest even too).
+NS_QAVX2 void quantize_row_avx2(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
+                                int8_t* q, float* dx, float* sx, int32_t* corr) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+        __m256 v[4];
+        const int64_t at = row * ldx + b * kBlock;
+        for (int i = 0; i < 4; ++i) {
+            if (dtype == 1) {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+            } else {
+                v[i] = _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * i);
+            }
+        }
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(amax >= 0x1p-100f ? 1.0f / d : 0.0f);
+        int32_t sum[2] = {0, 0};
+        alignas(32) int32_t values[kBlock];
+        for (int i = 0; i < 4; ++i)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(values + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)));
+        for (int i = 0; i < kBlock; ++i) {
+            q[b * kBlock + i] = static_cast<int8_t>(values[i]);
+            sum[i / 16] += values[i];
+        }
+        dx[b] = d;
+        sx[b] = d * static_cast<float>(sum[0] + sum[1]);
+        corr[2 * b] = offset * (halves ? sum[0] : sum[0] + sum[1]);
+        corr[2 * b + 1] = halves ? offset * sum[1] : 0;
+    }
+}
+
 // dx = amax / 127, q = nearest-even(x * (1 / dx)), as quant.py's quantize_activations.
 void quantize_row(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
                   int8_t* q, float* dx, float* sx, int32_t* corr) {
@@ -442,16 +480,16 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     // This thread's buffers, by pointer: inside the parallel loop the names would be each
     // worker's own thread_local vectors.
     const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
-    const bool vnni = vnni_level(ns_isa::current());
+    const int level = ns_isa::current();
+    const auto quantize = vnni_level(level) ? quantize_row_avx512 : level >= ns_isa::kAvx2 ? quantize_row_avx2 : quantize_row;
 #pragma omp parallel for if (M * K >= (int64_t(1) << 16))
     for (int64_t row = 0; row < M; ++row)
-        (vnni ? quantize_row_avx512 : quantize_row)(x, dtype, row, ldx, K, offset, format == kQ6_K,
+        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K,
                                                     const_cast<int8_t*>(a.q) + row * K,
                                                     const_cast<float*>(a.dx) + row * nb,
                                                     const_cast<float*>(a.sx) + row * nb,
                                                     const_cast<int32_t*>(a.corr) + row * nb * 2);
     const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
-    const int level = ns_isa::current();
     Shape shape{1, 1};
     // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
     // 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse, bounds
