@@ -405,12 +405,13 @@ void store(const Call& call, const float* sums, int64_t row, int rows, int64_t c
 void run(const Kernels& kernels, Shape shape, const Call& call, const Activations& a) {
     const int64_t col_groups = call.N / kCols;
     const int64_t group_stride = a.nb * call.block_bytes;
-    const int64_t units = (col_groups + shape.cols - 1) / shape.cols;
 #pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
     {
+        // Threads split the groups evenly (SmolLM2's 36 groups of 576 columns: 18 each, where
+        // units of 4 would give 16 and 20); a thread's last register block may be narrower.
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t first = units * thread / threads * shape.cols;
-        const int64_t last = std::min(col_groups, units * (thread + 1) / threads * shape.cols);
+        const int64_t first = col_groups * thread / threads;
+        const int64_t last = col_groups * (thread + 1) / threads;
         const int64_t group = std::max<int64_t>(shape.cols, kWeightGroupBytes / std::max<int64_t>(1, group_stride) / shape.cols * shape.cols);
         alignas(64) float sums[kMaxR * kMaxC * kCols];
         for (int64_t group_start = first; group_start < last; group_start += group) {
