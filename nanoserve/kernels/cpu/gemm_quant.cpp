@@ -252,6 +252,21 @@ NS_QAVX2 inline __m256i dot_step_avx2(__m256i w, __m256i xq) {
     }
 }
 
+template <int F>
+NS_QAVX2 inline void load_weights_avx2(__m256i (&w)[8], const uint8_t* p, int h) {
+    if constexpr (Traits<F>::nibbles) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+            w[j] = _mm256_and_si256(v, low);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+    } else {
+        for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+    }
+}
+
+// Each block's weights are loaded (and unpacked) once per 8 columns, then pass every row.
 template <int F, int R, int C>
 NS_QAVX2 void block_avx2(const Block& blk) {
     using T = Traits<F>;
@@ -260,35 +275,29 @@ NS_QAVX2 void block_avx2(const Block& blk) {
     __m256 acc[R][C][2];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.nb; ++b) {
-        for (int r = 0; r < R; ++r) {
-            const int64_t row = blk.row + r;
-            const int8_t* q = a.q + row * a.k + b * kBlock;
-            const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
-            for (int c = 0; c < C; ++c) {
-                const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
-                for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+            for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+                __m256i w[8];
+                load_weights_avx2<F>(w, p, h);
+                const __m256 scale0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + 8 * h);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = blk.row + r;
+                    const int8_t* q = a.q + row * a.k + b * kBlock;
                     __m256i dot[kGroups];
                     for (int g = 0; g < kGroups; ++g) dot[g] = _mm256_setzero_si256();
                     for (int j = 0; j < 8; ++j) {
-                        __m256i w;
-                        if constexpr (T::nibbles) {
-                            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (j & 3) + 32 * h));
-                            w = j < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                        } else {
-                            w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-                        }
-                        int32_t quad;
-                        std::memcpy(&quad, q + 4 * j, sizeof(quad));
+                        const __m256i xq = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
                         const int g = j * kGroups / 8;
-                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w, _mm256_set1_epi32(quad)));
+                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w[j], xq));
                     }
+                    const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
                     for (int g = 0; g < kGroups; ++g) {
                         __m256i i = dot[g];
                         if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
                             i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
-                        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols + 8 * h);
+                        const __m256 scale = g == 0 ? scale0 : _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + kCols + 8 * h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
                     }
                     if constexpr (T::has_min) {
