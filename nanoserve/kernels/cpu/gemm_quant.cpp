@@ -489,16 +489,17 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
     // This thread's buffers, by pointer: inside the parallel loop the names would be each
     // worker's own thread_local vectors.
-    const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
+    int8_t* const q_rows = q.data();
+    float* const dx_rows = dx.data();
+    float* const sx_rows = sx.data();
+    int32_t* const corr_rows = corr.data();
     const int level = ns_isa::current();
     const auto quantize = vnni_level(level) ? quantize_row_avx512 : level >= ns_isa::kAvx2 ? quantize_row_avx2 : quantize_row;
 #pragma omp parallel for if (M * K >= (int64_t(1) << 16))
     for (int64_t row = 0; row < M; ++row)
-        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K,
-                                                    const_cast<int8_t*>(a.q) + row * K,
-                                                    const_cast<float*>(a.dx) + row * nb,
-                                                    const_cast<float*>(a.sx) + row * nb,
-                                                    const_cast<int32_t*>(a.corr) + row * nb * 2);
+        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K, q_rows + row * K, dx_rows + row * nb,
+                 sx_rows + row * nb, corr_rows + row * nb * 2);
+    const Activations a{q_rows, dx_rows, sx_rows, corr_rows, K, nb};
     const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
     Shape shape{1, 1};
     // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
