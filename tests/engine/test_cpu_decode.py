@@ -178,3 +178,19 @@ def test_fused_decode_on_quantized_layers_gives_the_calls_bits(model_dir, cpu_is
     llm.generate(prompts, params, use_tqdm=False)
     assert len(checked) >= 8 and max(rows for rows, _ in checked) >= 3, checked
     assert all(ok for _, ok in checked), checked
+
+
+@pytest.mark.parametrize("preset", ["q4_1", "q4_k_m"])
+def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cpu_isa):
+    """A GGUF model served as it is (its layers' quant_weight / quant_parts): the fused steps
+    and the modules' path give the same tokens and logprobs."""
+    gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving (models/gguf_weights.py) not here")
+    shape = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+    path = gguf_models.write_quantized_gguf(tmp_path, preset, seed=3, **shape)
+    llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
+    assert llm.llm_engine.runner.fused_decode is not None
+    fused, calls = generate(llm, fused=True)
+    modules, _ = generate(llm, fused=False)
+    assert sum(calls) >= 10 and not all(calls)
+    for index, (a, b) in enumerate(zip(fused, modules)):
+        assert a == b, f"request {index} differs"

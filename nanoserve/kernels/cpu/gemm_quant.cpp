@@ -111,6 +111,44 @@ NS_VNNI void quantize_row_avx512(const void* x, int dtype, int64_t row, int64_t 
     }
 }
 
+// The same on AVX2 (vcvtps2dq rounds to nearest even too).
+NS_QAVX2 void quantize_row_avx2(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
+                                int8_t* q, float* dx, float* sx, int32_t* corr) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+        __m256 v[4];
+        const int64_t at = row * ldx + b * kBlock;
+        for (int i = 0; i < 4; ++i) {
+            if (dtype == 1) {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+            } else {
+                v[i] = _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * i);
+            }
+        }
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        const __m256 inverse = _mm256_set1_ps(amax >= 0x1p-100f ? 1.0f / d : 0.0f);
+        int32_t sum[2] = {0, 0};
+        alignas(32) int32_t values[kBlock];
+        for (int i = 0; i < 4; ++i)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(values + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)));
+        for (int i = 0; i < kBlock; ++i) {
+            q[b * kBlock + i] = static_cast<int8_t>(values[i]);
+            sum[i / 16] += values[i];
+        }
+        dx[b] = d;
+        sx[b] = d * static_cast<float>(sum[0] + sum[1]);
+        corr[2 * b] = offset * (halves ? sum[0] : sum[0] + sum[1]);
+        corr[2 * b + 1] = halves ? offset * sum[1] : 0;
+    }
+}
+
 // dx = amax / 127, q = nearest-even(x * (1 / dx)), as quant.py's quantize_activations.
 void quantize_row(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
                   int8_t* q, float* dx, float* sx, int32_t* corr) {
@@ -214,6 +252,21 @@ NS_QAVX2 inline __m256i dot_step_avx2(__m256i w, __m256i xq) {
     }
 }
 
+template <int F>
+NS_QAVX2 inline void load_weights_avx2(__m256i (&w)[8], const uint8_t* p, int h) {
+    if constexpr (Traits<F>::nibbles) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+            w[j] = _mm256_and_si256(v, low);
+            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+    } else {
+        for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+    }
+}
+
+// Each block's weights are loaded (and unpacked) once per 8 columns, then pass every row.
 template <int F, int R, int C>
 NS_QAVX2 void block_avx2(const Block& blk) {
     using T = Traits<F>;
@@ -222,35 +275,29 @@ NS_QAVX2 void block_avx2(const Block& blk) {
     __m256 acc[R][C][2];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.nb; ++b) {
-        for (int r = 0; r < R; ++r) {
-            const int64_t row = blk.row + r;
-            const int8_t* q = a.q + row * a.k + b * kBlock;
-            const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
-            for (int c = 0; c < C; ++c) {
-                const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
-                for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+        for (int c = 0; c < C; ++c) {
+            const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+            for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
+                __m256i w[8];
+                load_weights_avx2<F>(w, p, h);
+                const __m256 scale0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + 8 * h);
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = blk.row + r;
+                    const int8_t* q = a.q + row * a.k + b * kBlock;
                     __m256i dot[kGroups];
                     for (int g = 0; g < kGroups; ++g) dot[g] = _mm256_setzero_si256();
                     for (int j = 0; j < 8; ++j) {
-                        __m256i w;
-                        if constexpr (T::nibbles) {
-                            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * (j & 3) + 32 * h));
-                            w = j < 4 ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                        } else {
-                            w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-                        }
-                        int32_t quad;
-                        std::memcpy(&quad, q + 4 * j, sizeof(quad));
+                        const __m256i xq = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
                         const int g = j * kGroups / 8;
-                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w, _mm256_set1_epi32(quad)));
+                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w[j], xq));
                     }
+                    const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
                     for (int g = 0; g < kGroups; ++g) {
                         __m256i i = dot[g];
                         if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
                             i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
-                        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols + 8 * h);
+                        const __m256 scale = g == 0 ? scale0 : _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + kCols + 8 * h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
                     }
                     if constexpr (T::has_min) {
@@ -367,12 +414,13 @@ void store(const Call& call, const float* sums, int64_t row, int rows, int64_t c
 void run(const Kernels& kernels, Shape shape, const Call& call, const Activations& a) {
     const int64_t col_groups = call.N / kCols;
     const int64_t group_stride = a.nb * call.block_bytes;
-    const int64_t units = (col_groups + shape.cols - 1) / shape.cols;
 #pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
     {
+        // Threads split the groups evenly (SmolLM2's 36 groups of 576 columns: 18 each, where
+        // units of 4 would give 16 and 20); a thread's last register block may be narrower.
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t first = units * thread / threads * shape.cols;
-        const int64_t last = std::min(col_groups, units * (thread + 1) / threads * shape.cols);
+        const int64_t first = col_groups * thread / threads;
+        const int64_t last = col_groups * (thread + 1) / threads;
         const int64_t group = std::max<int64_t>(shape.cols, kWeightGroupBytes / std::max<int64_t>(1, group_stride) / shape.cols * shape.cols);
         alignas(64) float sums[kMaxR * kMaxC * kCols];
         for (int64_t group_start = first; group_start < last; group_start += group) {
@@ -441,17 +489,18 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
     // This thread's buffers, by pointer: inside the parallel loop the names would be each
     // worker's own thread_local vectors.
-    const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
-    const bool vnni = vnni_level(ns_isa::current());
+    int8_t* const q_rows = q.data();
+    float* const dx_rows = dx.data();
+    float* const sx_rows = sx.data();
+    int32_t* const corr_rows = corr.data();
+    const int level = ns_isa::current();
+    const auto quantize = vnni_level(level) ? quantize_row_avx512 : level >= ns_isa::kAvx2 ? quantize_row_avx2 : quantize_row;
 #pragma omp parallel for if (M * K >= (int64_t(1) << 16))
     for (int64_t row = 0; row < M; ++row)
-        (vnni ? quantize_row_avx512 : quantize_row)(x, dtype, row, ldx, K, offset, format == kQ6_K,
-                                                    const_cast<int8_t*>(a.q) + row * K,
-                                                    const_cast<float*>(a.dx) + row * nb,
-                                                    const_cast<float*>(a.sx) + row * nb,
-                                                    const_cast<int32_t*>(a.corr) + row * nb * 2);
+        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K, q_rows + row * K, dx_rows + row * nb,
+                 sx_rows + row * nb, corr_rows + row * nb * 2);
+    const Activations a{q_rows, dx_rows, sx_rows, corr_rows, K, nb};
     const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
-    const int level = ns_isa::current();
     Shape shape{1, 1};
     // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
     // 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse, bounds
