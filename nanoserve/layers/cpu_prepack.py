@@ -37,6 +37,10 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     packed = slots = 0
     enabled = os.environ.get("NANOSERVE_CPU_GEMM", "nanoserve") != "onednn"
     for module in model.modules():
+        if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
+            slots += 1
+            packed += bool(enabled and module.prepack_gemm())
+            continue
         if not hasattr(module, "gemm_weight"):
             continue
         if enabled:

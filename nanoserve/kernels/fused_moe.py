@@ -1,0 +1,146 @@
+"""Mixture-of-experts: the router's top-k and the experts as one operation (vLLM's fused_moe).
+
+The experts' weights are stacked: w13 [experts, 2 * inter, hidden] (gate rows then up rows, as
+one SiLU x mul input) and w2 [experts, hidden, inter]. Three implementations of `fused_experts`
+with one signature:
+
+- `fused_experts_reference`: a loop over experts, each taking the tokens that picked it (as
+  transformers does); the oracle.
+- `fused_experts_grouped`: the (token, slot) rows sorted by expert (`moe_align`, as vLLM's
+  moe_align_block_size without the padding), one GEMM per expert over its rows for gate/up, SiLU x
+  mul, one for down, and the top-k results summed per token in slot order in fp32. On CPU in bf16
+  each GEMM is kernels/cpu/gemm*.cpp on weights packed once (`pack_expert_weights`), whose rows
+  are invariant to M, and the sum is elementwise: a token's bits do not depend on its batch.
+
+Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on other ranks; those
+slots contribute nothing here (their rank adds them in the all-reduce).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import cpu_ops, silu_and_mul
+from nanoserve.kernels.choice import kernel_choice
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top_k largest (torch.topk, as transformers),
+    renormalised to sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's
+    norm_topk_prob says). Returns (weights fp32 [tokens, k], expert ids int64)."""
+    if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
+        raise ValueError(f"router logits [tokens, experts] with top_k in 1..experts, got "
+                         f"{tuple(router_logits.shape)} and top_k {top_k}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flattened (token, slot) rows sorted by expert, stably (a token's rows keep their
+    order): `sorted_rows` [tokens * k] indexes topk_ids.reshape(-1); expert e's rows are
+    sorted_rows[offsets[e] : offsets[e + 1]] (offsets [experts + 1]). Rows of id -1 (experts
+    on other ranks) sort first, before offsets[0]."""
+    flat = topk_ids.reshape(-1)
+    sorted_rows = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1)
+    return sorted_rows, torch.cumsum(counts, 0)
+
+
+def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
+                         f"got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    experts, two_inter, size = w13.shape
+    if size != hidden.shape[1] or w2.shape != (experts, size, two_inter // 2) or two_inter % 2:
+        raise ValueError(f"expert weights do not fit hidden size {hidden.shape[1]}: w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [tokens, k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)} for {hidden.shape[0]} tokens")
+
+
+def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """The oracle: expert by expert, the tokens that picked it, weighted and added in fp32."""
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[token], w13[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None])
+    return out.to(hidden.dtype)
+
+
+def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
+    """Each expert's [N, K] matrix in kernels/cpu/gemm.cpp's packing, stacked (expert e's at
+    [e]); None when the GEMM can't take them (not bf16 on CPU, K not a multiple of 32)."""
+    packed = [cpu_ops.pack_gemm_weight(weights[e]) for e in range(weights.shape[0])]
+    if not packed or any(p is None for p in packed):
+        return None
+    return torch.stack(packed)
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        out = cpu_ops.gemm(x, packed, None, weight.shape[0])
+        if out is not None:
+            return out if out.is_contiguous() else out.contiguous()
+    return F.linear(x, weight)
+
+
+def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weight[t, j] * rows[t, j] in fp32, slot by slot: elementwise, so a token's sum is
+    the same whatever the number of tokens. expert_rows [tokens, k, hidden]."""
+    out = expert_rows[:, 0].float() * topk_weights[:, :1]
+    for slot in range(1, topk_weights.shape[1]):
+        out += expert_rows[:, slot].float() * topk_weights[:, slot : slot + 1]
+    return out.to(dtype)
+
+
+def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """Rows grouped by expert, one gate/up GEMM and one down GEMM per expert that has rows.
+    `packed`: (pack_expert_weights(w13), pack_expert_weights(w2)) or None."""
+    _check(hidden, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    if tokens == 0:
+        return hidden.new_zeros(hidden.shape)
+    packed13, packed2 = packed if packed is not None else (None, None)
+    sorted_rows, offsets = moe_align(topk_ids, w13.shape[0])
+    bounds = offsets.tolist()
+    sorted_tokens = sorted_rows // top_k
+    expert_rows = hidden.new_zeros((tokens * top_k, hidden.shape[1]))  # id -1 rows stay zero
+    for expert in range(w13.shape[0]):
+        start, end = bounds[expert], bounds[expert + 1]
+        if start == end:
+            continue
+        x = hidden[sorted_tokens[start:end]]
+        gate_up = _expert_linear(x, w13[expert], packed13[expert] if packed13 is not None else None)
+        act = silu_and_mul(gate_up)
+        expert_rows[sorted_rows[start:end]] = _expert_linear(
+            act, w2[expert], packed2[expert] if packed2 is not None else None)
+    return combine_topk(expert_rows.view(tokens, top_k, -1), topk_weights, hidden.dtype)
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """Dispatch (see kernels/__init__.py): the loop under NANOSERVE_KERNELS=reference, else the
+    grouped path (with the C++ GEMM on CPU, torch's on CUDA)."""
+    if kernel_choice() == "reference":
+        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed)
+
+
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
+              packed=None) -> torch.Tensor:
+    """Router top-k then the experts. `expert_map` [global experts]: local index or -1 (expert
+    parallelism); None: every expert is local. This rank's part of the output (the caller
+    all-reduces across tensor-parallel ranks)."""
+    topk_weights, topk_ids = fused_topk(router_logits, top_k, renormalize)
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids]
+    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed)
