@@ -11,6 +11,11 @@ with one signature:
   mul, one for down, and the top-k results summed per token in slot order in fp32. On CPU in bf16
   each GEMM is kernels/cpu/gemm*.cpp on weights packed once (`pack_expert_weights`), whose rows
   are invariant to M, and the sum is elementwise: a token's bits do not depend on its batch.
+- `fused_experts_triton`: the same grouping for CUDA, each expert's rows padded to whole blocks
+  (`moe_align_block_size`, every size fixed by the number of rows, experts and BLOCK_M, never
+  read back from the GPU, so a decode step can be captured in a CUDA graph), a block of rows
+  multiplying one expert's matrix: two launches of `_grouped_gemm_kernel` (gate/up from the
+  token rows, down from the SiLU x mul rows), then the same fp32 top-k sum.
 
 Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on other ranks; those
 slots contribute nothing here (their rank adds them in the all-reduce).
@@ -22,6 +27,9 @@ import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops, silu_and_mul
 from nanoserve.kernels.choice import kernel_choice
+from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
+
+tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +57,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return sorted_rows, torch.cumsum(counts, 0)
 
 
-def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
+def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
                          f"got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -64,7 +72,7 @@ def _check(hidden, w13, w2, topk_weights, topk_ids) -> None:
 
 def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
     """The oracle: expert by expert, the tokens that picked it, weighted and added in fp32."""
-    _check(hidden, w13, w2, topk_weights, topk_ids)
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(w13.shape[0]):
         token, slot = torch.where(topk_ids == expert)
@@ -105,7 +113,7 @@ def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: t
 def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
     """Rows grouped by expert, one gate/up GEMM and one down GEMM per expert that has rows.
     `packed`: (pack_expert_weights(w13), pack_expert_weights(w2)) or None."""
-    _check(hidden, w13, w2, topk_weights, topk_ids)
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return hidden.new_zeros(hidden.shape)
@@ -126,11 +134,99 @@ def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) 
     return combine_topk(expert_rows.view(tokens, top_k, -1), topk_weights, hidden.dtype)
 
 
+@lazy_jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sorted_rows_ptr, block_experts_ptr,
+    n, k, num_rows, a_rows_per_row,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # c[row] = a[row // a_rows_per_row] @ b[expert].T for the BLOCK_M sorted rows of this
+    # program's block (all of one expert) and BLOCK_N output columns. Padding rows (>= num_rows)
+    # and blocks past the last expert's (expert id num_experts) are skipped.
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < num_rows
+    a_rows = rows // a_rows_per_row
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = (k0 + depth) < k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + depth)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + depth)[:, None] * stride_bk,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_rows, block_experts): sorted_rows [max_rows] holds the flattened (token, slot) row
+    indices expert by expert, each expert's run padded to a multiple of block_m with the
+    sentinel tokens * k; block_experts [max_rows / block_m] the expert of each block
+    (num_experts past the end, and for rows of id -1, experts on other ranks). max_rows is
+    the bound rows + (experts + 1) * (block_m - 1), so no size depends on the routing."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_rows = flat.numel()
+    bucket = torch.where(flat < 0, num_experts, flat)  # remote experts: the last bucket
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank_in_bucket = torch.arange(num_rows, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_bucket]
+    max_rows = cdiv(num_rows + (num_experts + 1) * (block_m - 1), block_m) * block_m
+    sorted_rows = torch.full((max_rows,), num_rows, dtype=torch.int64, device=flat.device)
+    sorted_rows[(padded_ends - padded)[sorted_bucket] + rank_in_bucket] = order
+    block_starts = torch.arange(0, max_rows, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)  # num_experts (+1) past the end
+    return sorted_rows, torch.clamp(block_experts, max=num_experts)
+
+
+def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m) -> None:
+    num_experts, n, k = weights.shape
+    block_n, block_k = 64, 32
+    grid = (block_experts.shape[0], cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, weights, out, sorted_rows, block_experts, n, k, out.shape[0], a_rows_per_row,
+        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), num_experts,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+
+
+def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    check_triton_device(hidden, w13, w2, topk_weights, topk_ids)
+    if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("hidden and the expert weights must be contiguous in their last dimension")
+    tokens, top_k = topk_ids.shape
+    block_m = 16  # tl.dot needs >= 16 rows; decode batches are small
+    sorted_rows, block_experts = moe_align_block_size(topk_ids, w13.shape[0], block_m)
+    gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    _launch(hidden, w13, gate_up, sorted_rows, block_experts, top_k, block_m)
+    act = silu_and_mul(gate_up)
+    expert_rows = torch.zeros((tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
+    return combine_topk(expert_rows.view(tokens, top_k, -1), topk_weights, hidden.dtype)
+
+
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
-    """Dispatch (see kernels/__init__.py): the loop under NANOSERVE_KERNELS=reference, else the
-    grouped path (with the C++ GEMM on CPU, torch's on CUDA)."""
-    if kernel_choice() == "reference":
+    """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
+    loop under NANOSERVE_KERNELS=reference, the grouped path with the C++ GEMM on CPU."""
+    choice = kernel_choice()
+    if choice == "reference":
         return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
+    if choice == "triton" or hidden.is_cuda:
+        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids)
     return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed)
 
 

@@ -1,15 +1,17 @@
 """The fused MoE path (kernels/fused_moe.py) against its oracle, the loop over experts: the
 router's top-k, the grouping of rows by expert, the grouped GEMMs in fp32 and (through
 kernels/cpu/gemm*.cpp) bf16, with tokens that share an expert and experts that get no token,
-top-2 and top-8 of 8; the expert-parallel and intermediate-split shards summing to the whole."""
+top-2 and top-8 of 8; the expert-parallel and intermediate-split shards summing to the whole;
+the Triton kernel (the interpreter on a CPU) against the same oracle."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nanoserve.kernels import cpu_ops
-from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_moe, fused_topk,
-                                         moe_align, pack_expert_weights)
+from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_experts_triton,
+                                         fused_moe, fused_topk, moe_align, moe_align_block_size,
+                                         pack_expert_weights)
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
 
@@ -125,3 +127,30 @@ def test_bf16_through_the_cpu_gemm_is_close_to_the_loop_and_row_invariant(top_k)
 def test_pack_expert_weights_refuses_what_the_gemm_cannot_take():
     assert pack_expert_weights(torch.zeros(2, 16, 48, dtype=torch.bfloat16)) is None  # K not a multiple of 32
     assert pack_expert_weights(torch.zeros(2, 16, 64)) is None  # fp32
+
+
+def test_moe_align_block_size_pads_each_expert_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2]])
+    sorted_rows, block_experts = moe_align_block_size(ids, 3, 4)
+    pad = 6
+    assert sorted_rows.tolist()[:12] == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    # expert 0, expert 2 (expert 1 has no block), remote rows, then unused blocks (3: skipped)
+    assert block_experts.tolist()[:3] == [0, 2, 3] and set(block_experts.tolist()[3:]) <= {3}
+    assert sorted_rows.shape[0] == 4 * block_experts.shape[0] >= 6 + 4 * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 21), (8, 5)])
+def test_triton_equals_the_loop(dtype, top_k, tokens):
+    """Under the Triton interpreter on a CPU (no bf16 there), natively on CUDA."""
+    from tests.kernels.utils import DEVICE
+
+    w13, w2 = (w.to(DEVICE, dtype) for w in expert_weights())
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
+    weights, ids = (t.to(DEVICE) for t in crowded_routing(tokens, top_k))
+    remote = ids.clone()
+    remote[0, -1] = -1  # an expert on another rank
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+    for routing in (ids, remote):
+        expected = fused_experts_reference(hidden, w13, w2, weights, routing)
+        torch.testing.assert_close(fused_experts_triton(hidden, w13, w2, weights, routing), expected, **tol)
