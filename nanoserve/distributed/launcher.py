@@ -51,6 +51,8 @@ def check_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     if model_config.intermediate_size % world:
         raise ValueError(f"--tensor-parallel-size {world} does not divide the MLP size "
                          f"{model_config.intermediate_size}")
+    if model_config.moe is not None:
+        model_config.moe.check_tensor_parallel(world, config.enable_expert_parallel)
     tp_size, world = world, world * pp_size
     if config.nnodes < 1 or world % config.nnodes:
         raise ValueError(f"--nnodes {config.nnodes} must divide the {world} ranks (tensor x pipeline parallel size)")

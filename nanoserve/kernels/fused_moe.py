@@ -209,7 +209,9 @@ def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -
     if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("hidden and the expert weights must be contiguous in their last dimension")
     tokens, top_k = topk_ids.shape
-    block_m = 16  # tl.dot needs >= 16 rows; decode batches are small
+    # tl.dot needs >= 16 rows. Few rows per expert (decode): 16, little padding; many
+    # (prefill): 64, each expert's matrix tile read once for more rows.
+    block_m = 16 if tokens * top_k <= 32 * w13.shape[0] else 64
     sorted_rows, block_experts = moe_align_block_size(topk_ids, w13.shape[0], block_m)
     gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, gate_up, sorted_rows, block_experts, top_k, block_m)

@@ -32,6 +32,18 @@ class MoEConfig:
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
 
+    def check_tensor_parallel(self, tp_size: int, expert_parallel: bool) -> None:
+        """One clear ValueError, before any weight is read, for a split layers/fused_moe.py can't make."""
+        if expert_parallel and tp_size > 1 and self.num_experts % tp_size:
+            raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp_size} does not divide the "
+                             f"model's {self.num_experts} experts")
+        if not expert_parallel and self.intermediate_size % tp_size:
+            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the experts' intermediate size "
+                             f"{self.intermediate_size} (--enable-expert-parallel places whole experts instead)")
+        if self.shared_expert_intermediate_size % tp_size:
+            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the shared expert's size "
+                             f"{self.shared_expert_intermediate_size}")
+
     def is_sparse(self, layer_index: int) -> bool:
         return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0
 

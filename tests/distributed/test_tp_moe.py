@@ -91,3 +91,24 @@ def test_enable_expert_parallel_flag():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--enable-expert-parallel", "--tp", "2"])).enable_expert_parallel
     assert not engine_config_from_args(parser.parse_args([])).enable_expert_parallel
+
+
+@pytest.mark.parametrize("family,edit,args,message", [
+    ("mixtral", {"num_local_experts": 6}, ["--tp", "4", "--enable-expert-parallel"],
+     "--enable-expert-parallel: --tensor-parallel-size 4 does not divide the model's 6 experts"),
+    ("qwen2_moe", {"moe_intermediate_size": 30}, ["--tp", "4"],
+     "--tensor-parallel-size 4 does not divide the experts' intermediate size 30 (--enable-expert-parallel "
+     "places whole experts instead)"),
+])
+def test_cli_bad_moe_split_is_one_line(family, edit, args, message, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model_dir = write_moe_checkpoint(tmp_path / family, family)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, **edit}))
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(model_dir), *args, "hi"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]

@@ -140,7 +140,7 @@ def test_moe_align_block_size_pads_each_expert_to_whole_blocks():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 21), (8, 5)])
+@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 21), (8, 5), (2, 150)])  # 150: blocks of 64 rows
 def test_triton_equals_the_loop(dtype, top_k, tokens):
     """Under the Triton interpreter on a CPU (no bf16 there), natively on CUDA."""
     from tests.kernels.utils import DEVICE
