@@ -32,6 +32,15 @@ def test_tp2_both_layouts_equal_tp1_and_split_weights(family, prompts, tmp_path)
             assert rank_total <= 0.6 * full_bytes, (expert_parallel, rank_total, full_bytes)
 
 
+def test_olmoe_tp4_norms_over_replicated_kv_heads(prompts, tmp_path):
+    """2 KV heads on 4 ranks: each k slice lives on two ranks, and OLMoE's k norm (over all KV
+    heads) must count it once."""
+    model_dir = write_moe_checkpoint(tmp_path / "olmoe", "olmoe")
+    expected, _ = greedy_ids(model_dir, prompts, num_kv_blocks=32)
+    out, _ = greedy_ids(model_dir, prompts, num_kv_blocks=32, tensor_parallel_size=4)
+    assert out == expected
+
+
 def test_expert_parallel_needs_experts_divisible_by_ranks(tmp_path):
     from nanoserve.distributed import set_parallel_state
     from nanoserve.layers.fused_moe import FusedMoE

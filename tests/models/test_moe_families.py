@@ -109,3 +109,26 @@ def test_bad_moe_config_is_one_line(tmp_path):
     with pytest.raises(ValueError, match="num_experts_per_tok in 1..num_experts") as error:
         ModelConfig.from_dir(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_reference_kernels_run_the_loop_over_experts(tmp_path, monkeypatch):
+    """NANOSERVE_KERNELS=reference: every kernel, the experts too, on the torch references."""
+    import nanoserve.kernels as kernels
+    import nanoserve.kernels.fused_moe as fused_moe
+
+    model_dir = write_moe_checkpoint(tmp_path / "olmoe", "olmoe")
+    prompts = random_prompts(2, 300, seed=14, min_len=5, max_len=20)
+    expected = [hf_greedy(load_hf(model_dir), prompt, NUM_TOKENS) for prompt in prompts]
+    calls = []
+    real = fused_moe.fused_experts_reference
+    monkeypatch.setattr(fused_moe, "fused_experts_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fused_moe, "fused_experts_grouped", None)  # must not be reached
+    monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    kernels.reset_kernel_choice()
+    try:
+        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=32)
+        assert generate_ids(llm, prompts) == expected
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        kernels.reset_kernel_choice()
+    assert calls
