@@ -61,11 +61,22 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_gemm
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int, int | None]) -> None:
-        """`shard_id`: (global expert index, 0 gate / 1 up / None down). Experts of other ranks
-        are skipped; with the intermediate dimension split, this rank's rows (gate, up) or
-        columns (down)."""
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
+        """`shard_id`: (global expert index, 0 gate / 1 up / None down), or (None, None) for all
+        experts in one tensor (transformers 5's own layout: gate_up_proj [experts, 2 * inter,
+        hidden], down_proj [experts, hidden, inter]). Experts of other ranks are skipped; with
+        the intermediate dimension split, this rank's rows (gate, up) or columns (down)."""
         expert, part = shard_id
+        if expert is None:
+            for local in range(self.num_local_experts):
+                one = loaded[self.first_expert + local : self.first_expert + local + 1][0]
+                if param is self.w2_weight:
+                    self.weight_loader(param, one, (self.first_expert + local, None))
+                else:
+                    total = one.shape[0] // 2  # every rank's gate rows, then every rank's up rows
+                    self.weight_loader(param, one[:total], (self.first_expert + local, 0))
+                    self.weight_loader(param, one[total:], (self.first_expert + local, 1))
+            return
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
@@ -89,15 +100,21 @@ class FusedMoE(nn.Module):
 
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_NAME = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # transformers 5's layout
 
 
-def expert_weight_target(name: str) -> tuple[str, tuple[int, int | None]] | None:
-    """A checkpoint's per-expert tensor name -> (our stacked parameter's name, the shard id its
+def expert_weight_target(name: str) -> tuple[str, tuple[int | None, int | None]] | None:
+    """A checkpoint's expert tensor name -> (our stacked parameter's name, the shard id its
     weight_loader takes); None for any other name. `...experts.3.w1.weight` ->
-    (`...experts.w13_weight`, (3, 0))."""
+    (`...experts.w13_weight`, (3, 0)); `...experts.gate_up_proj` -> (`...experts.w13_weight`,
+    (None, None))."""
     match = _EXPERT_NAME.match(name)
-    if match is None:
-        return None
-    prefix, expert, part = match.groups()
-    param, index = EXPERT_PARTS[part]
-    return f"{prefix}.{param}", (int(expert), index)
+    if match is not None:
+        prefix, expert, part = match.groups()
+        param, index = EXPERT_PARTS[part]
+        return f"{prefix}.{param}", (int(expert), index)
+    match = _STACKED_NAME.match(name)
+    if match is not None:
+        prefix, part = match.groups()
+        return f"{prefix}.{'w13_weight' if part == 'gate_up_proj' else 'w2_weight'}", (None, None)
+    return None

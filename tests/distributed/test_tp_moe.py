@@ -121,3 +121,29 @@ def test_cli_bad_moe_split_is_one_line(family, edit, args, message, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]
+
+
+def test_stacked_expert_tensors_load_as_per_expert_ones(prompts, tmp_path):
+    """transformers 5's own layout (experts.gate_up_proj [experts, 2 * inter, hidden],
+    experts.down_proj [experts, hidden, inter]) gives the per-expert checkpoint's tokens, at
+    tp=1 and in both tp=2 layouts."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    expected, _ = greedy_ids(model_dir, prompts, num_kv_blocks=32)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    stacked = {name: t for name, t in tensors.items() if ".experts." not in name}
+    for layer in {re.sub(r"\.experts\..*", "", name) for name in tensors if ".experts." in name}:
+        part = lambda e, p: tensors[f"{layer}.experts.{e}.{p}.weight"]  # noqa: E731
+        stacked[f"{layer}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([part(e, "gate_proj"), part(e, "up_proj")]) for e in range(8)])
+        stacked[f"{layer}.experts.down_proj"] = torch.stack([part(e, "down_proj") for e in range(8)])
+    save_file(stacked, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert greedy_ids(model_dir, prompts, num_kv_blocks=32)[0] == expected
+    for expert_parallel in (False, True):
+        out, _ = greedy_ids(model_dir, prompts, num_kv_blocks=32, tensor_parallel_size=2,
+                            enable_expert_parallel=expert_parallel)
+        assert out == expected, expert_parallel
