@@ -53,13 +53,14 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 for old, new in renames.items():
                     name_in_model = name_in_model.replace(old, new)
                 target, shard_id = name_in_model, None
-                expert = expert_weight_target(name_in_model)  # one expert's tensor of a stacked parameter
+                expert = expert_weight_target(name_in_model)  # MoE: into the experts' stacked parameters
                 if expert is not None:
                     target, shard_id = expert
-                for fragment, (fused, shard) in packed.items() if expert is None else ():
-                    if f".{fragment}." in name_in_model:
-                        target, shard_id = name_in_model.replace(f".{fragment}.", f".{fused}."), shard
-                        break
+                else:
+                    for fragment, (fused, shard) in packed.items():
+                        if f".{fragment}." in name_in_model:
+                            target, shard_id = name_in_model.replace(f".{fragment}.", f".{fused}."), shard
+                            break
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
