@@ -30,6 +30,7 @@ from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
+BLOCK_N, BLOCK_K = 64, 32  # the grouped GEMM's output columns and depth per step (BLOCK_M: by rows)
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +194,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
 def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m) -> None:
     num_experts, n, k = weights.shape
-    block_n, block_k = 64, 32
-    grid = (block_experts.shape[0], cdiv(n, block_n))
+    grid = (block_experts.shape[0], cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
         a, weights, out, sorted_rows, block_experts, n, k, out.shape[0], a_rows_per_row,
         a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), num_experts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
 
 
