@@ -112,27 +112,28 @@ def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: t
 
 
 def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
-    """Rows grouped by expert, one gate/up GEMM and one down GEMM per expert that has rows.
-    `packed`: (pack_expert_weights(w13), pack_expert_weights(w2)) or None."""
+    """Rows grouped by expert: one gather of every local row in expert order, one gate/up GEMM
+    and one down GEMM per expert that has rows (each on a contiguous run of the gathered rows),
+    SiLU x mul and the scatter back once for all. `packed`: (pack_expert_weights(w13),
+    pack_expert_weights(w2)) or None."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    if tokens == 0:
-        return hidden.new_zeros(hidden.shape)
-    packed13, packed2 = packed if packed is not None else (None, None)
+    expert_rows = hidden.new_zeros((tokens * top_k, hidden.shape[1]))  # rows of remote experts stay zero
     sorted_rows, offsets = moe_align(topk_ids, w13.shape[0])
     bounds = offsets.tolist()
-    sorted_tokens = sorted_rows // top_k
-    expert_rows = hidden.new_zeros((tokens * top_k, hidden.shape[1]))  # id -1 rows stay zero
-    for expert in range(w13.shape[0]):
-        start, end = bounds[expert], bounds[expert + 1]
-        if start == end:
-            continue
-        x = hidden[sorted_tokens[start:end]]
-        gate_up = _expert_linear(x, w13[expert], packed13[expert] if packed13 is not None else None)
-        act = silu_and_mul(gate_up)
-        expert_rows[sorted_rows[start:end]] = _expert_linear(
-            act, w2[expert], packed2[expert] if packed2 is not None else None)
-    return combine_topk(expert_rows.view(tokens, top_k, -1), topk_weights, hidden.dtype)
+    local_rows = sorted_rows[bounds[0]:]
+    spans = [(e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0]) for e in range(w13.shape[0])
+             if bounds[e + 1] > bounds[e]]
+    if not spans:
+        return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+    packed13, packed2 = packed if packed is not None else (None, None)
+    x = hidden[local_rows // top_k]
+    gate_up = torch.cat([_expert_linear(x[start:end], w13[e], packed13[e] if packed13 is not None else None)
+                         for e, start, end in spans])
+    act = silu_and_mul(gate_up)
+    expert_rows[local_rows] = torch.cat([_expert_linear(act[start:end], w2[e], packed2[e] if packed2 is not None
+                                                        else None) for e, start, end in spans])
+    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 
 @lazy_jit
@@ -218,7 +219,7 @@ def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -
     act = silu_and_mul(gate_up)
     expert_rows = torch.zeros((tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
-    return combine_topk(expert_rows.view(tokens, top_k, -1), topk_weights, hidden.dtype)
+    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:

@@ -154,3 +154,11 @@ def test_triton_equals_the_loop(dtype, top_k, tokens):
     for routing in (ids, remote):
         expected = fused_experts_reference(hidden, w13, w2, weights, routing)
         torch.testing.assert_close(fused_experts_triton(hidden, w13, w2, weights, routing), expected, **tol)
+
+
+def test_no_tokens_and_no_local_rows():
+    w13, w2 = expert_weights()
+    empty = fused_experts_grouped(torch.zeros(0, HIDDEN), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert empty.shape == (0, HIDDEN)
+    remote_only = fused_experts_grouped(torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1))
+    assert torch.equal(remote_only, torch.zeros(3, HIDDEN))
