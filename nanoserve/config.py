@@ -82,6 +82,11 @@ class EngineConfig:
                "runs eagerly)")
     tensor_parallel_size: int = arg(1, "number of tensor-parallel ranks",
                                     flags=("--tensor-parallel-size", "--tp", "-tp"))
+    # MoE models: each rank holds whole experts (vLLM's --enable-expert-parallel) instead of a
+    # slice of every expert's intermediate dimension; dense models ignore it.
+    enable_expert_parallel: bool = arg(
+        False, "MoE models with --tensor-parallel-size > 1: place whole experts on ranks instead of "
+               "splitting every expert across them")
     # Decoder layers split into this many contiguous stages (vLLM's --pipeline-parallel-size);
     # ranks = tensor_parallel_size x pipeline_parallel_size.
     pipeline_parallel_size: int = arg(

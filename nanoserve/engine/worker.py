@@ -37,6 +37,8 @@ def plan_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     pipeline stage's layers (EngineConfig.pp_layer_partition, else $NANOSERVE_PP_LAYER_PARTITION,
     else even)."""
     check_tensor_parallel_support(model_config, config.tensor_parallel_size)
+    if model_config.moe is not None:  # experts split by their MLP features, or placed whole (EP)
+        model_config.moe.check_tensor_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
     partition = ()
     if config.pipeline_parallel_size > 1:
         spec = config.pp_layer_partition or envs.pp_layer_partition()

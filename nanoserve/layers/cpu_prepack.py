@@ -21,6 +21,10 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     only): those are row-invariant without padding only when every one is packed."""
     packed = slots = 0
     for module in model.modules():
+        if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
+            slots += 1
+            packed += bool(enabled and module.prepack_gemm())
+            continue
         if not hasattr(module, "gemm_weight"):
             continue
         quantized = _quant_weights(module)

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 _DTYPE_NAMES = {
@@ -16,6 +18,51 @@ _DTYPE_NAMES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
 }
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # each expert's (moe_intermediate_size, else intermediate_size)
+    renormalize: bool  # the top-k weights rescaled to sum to 1 (norm_topk_prob; Mixtral always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    decoder_sparse_step: int = 1  # Qwen-MoE: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
+
+    def check_tensor_parallel(self, tp_size: int, expert_parallel: bool) -> None:
+        """One clear ValueError, before any weight is read, for a split layers/fused_moe.py can't make."""
+        if expert_parallel and tp_size > 1 and self.num_experts % tp_size:
+            raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp_size} does not divide the "
+                             f"model's {self.num_experts} experts")
+        if not expert_parallel and self.intermediate_size % tp_size:
+            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the experts' intermediate size "
+                             f"{self.intermediate_size} (--enable-expert-parallel places whole experts instead)")
+        if self.shared_expert_intermediate_size % tp_size:
+            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the shared expert's size "
+                             f"{self.shared_expert_intermediate_size}")
+
+    def is_sparse(self, layer_index: int) -> bool:
+        return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_raw(cls, raw: dict, architecture: str) -> "MoEConfig | None":
+        if architecture not in MOE_ARCHITECTURES:
+            return None
+        num_experts = raw.get("num_local_experts") or raw.get("num_experts")
+        top_k = raw.get("num_experts_per_tok")
+        if not num_experts or not top_k or not 0 < top_k <= num_experts:
+            raise ValueError(f"{architecture}: config.json needs num_experts (or num_local_experts) and "
+                             f"num_experts_per_tok in 1..num_experts, got {num_experts} and {top_k}")
+        return cls(num_experts=int(num_experts), top_k=int(top_k),
+                   intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+                   renormalize=architecture == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob", False)),
+                   shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=list(raw.get("mlp_only_layers") or []),
+                   clip_qkv=raw.get("clip_qkv"))
 
 
 @dataclass(slots=True)
@@ -47,6 +94,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2
     final_logit_softcapping: float | None = None  # Gemma 2
     rope_local_base_freq: float | None = None  # Gemma 3: rope theta of the sliding layers
+    moe: MoEConfig | None = None  # mixture-of-experts families
+    # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
+    enable_expert_parallel: bool = False
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
@@ -114,7 +164,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", architecture == "Qwen2ForCausalLM")),
+            attention_bias=bool(raw.get("attention_bias", raw.get(  # Qwen2-MoE names it qkv_bias
+                "qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -126,6 +177,7 @@ class ModelConfig:
             attn_logit_softcapping=raw.get("attn_logit_softcapping"),
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             rope_local_base_freq=float(rope_local) if rope_local is not None else None,
+            moe=MoEConfig.from_raw(raw, architecture),
         )
 
     def resolve_dtype(self, requested: str) -> torch.dtype:
@@ -147,7 +199,7 @@ def _layer_types(raw: dict, architecture: str, num_layers: int, sliding_window: 
     if architecture == "Gemma3ForCausalLM":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         first = raw.get("max_window_layers", num_layers)
         return [SLIDING if sliding_window and i >= first else FULL for i in range(num_layers)]
     return [SLIDING if sliding_window else FULL] * num_layers

@@ -38,13 +38,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, intermediate_size: int | None = None):
+        """`intermediate_size`: config.intermediate_size unless given (Qwen2-MoE's shared expert)."""
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, config.mlp_bias, dtype)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, config.mlp_bias, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor, rows: RowTiling | None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, rows)), rows)
@@ -56,9 +57,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_index: int = 0):
         super().__init__()
         self.self_attn = self.attention_class(config, dtype, layer_index)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = self.build_mlp(config, dtype, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def build_mlp(self, config: ModelConfig, dtype: torch.dtype, layer_index: int) -> nn.Module:
+        """The feed-forward block, called as mlp(hidden, row_tiling) (models/mixtral.py: experts)."""
+        return LlamaMLP(config, dtype)
 
     def forward(self, hidden, residual, positions, cos_sin_cache, metadata):
         if residual is None:

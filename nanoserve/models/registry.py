@@ -1,6 +1,7 @@
 """Architecture name → model class, and building a model with its weights."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -11,8 +12,11 @@ from nanoserve.models.gguf_model import find_gguf_file
 from nanoserve.models.gguf_weights import load_gguf_weights
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.mixtral import MixtralForCausalLM
+from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
+from nanoserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from nanoserve.models.weights import load_weights
 
 MODEL_CLASSES = {
@@ -23,6 +27,10 @@ MODEL_CLASSES = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
@@ -36,11 +44,13 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path,
-                max_model_len: int | None = None) -> torch.nn.Module:
+                max_model_len: int | None = None, enable_expert_parallel: bool = False) -> torch.nn.Module:
     """`max_model_len`: no sequence is longer. A sliding window at least that long never leaves
     a key out, so such layers drop it and keep the fast kernels (the CPU's C++ attention and
     fused decode step; Mistral's 4,096-token window when serving up to 4,096 tokens)."""
     model_class = MODEL_CLASSES[config.architecture]
+    if enable_expert_parallel:  # MoE layers place whole experts on ranks (layers/fused_moe.py)
+        config = dataclasses.replace(config, enable_expert_parallel=True)
     with torch.device(device):
         model = model_class(config, dtype)
     if max_model_len is not None:

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
+from nanoserve.layers.fused_moe import expert_weight_target
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -29,6 +30,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    renames = getattr(model, "checkpoint_renames", {})  # checkpoint fragment -> ours (Mixtral)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     # Pipeline parallelism: tensors of other stages' modules are skipped. A last stage without the
     # embedding loads a tied LM head from the embedding's tensor.
@@ -48,11 +50,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     continue
                 else:
                     name_in_model = name
+                for old, new in renames.items():
+                    name_in_model = name_in_model.replace(old, new)
                 target, shard_id = name_in_model, None
-                for fragment, (fused, shard) in packed.items():
-                    if f".{fragment}." in name:
-                        target, shard_id = name.replace(f".{fragment}.", f".{fused}."), shard
-                        break
+                expert = expert_weight_target(name_in_model)  # MoE: into the experts' stacked parameters
+                if expert is not None:
+                    target, shard_id = expert
+                else:
+                    for fragment, (fused, shard) in packed.items():
+                        if f".{fragment}." in name_in_model:
+                            target, shard_id = name_in_model.replace(f".{fragment}.", f".{fused}."), shard
+                            break
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoserve.kernels import attention, kv_cache, rmsnorm, rotary
+from nanoserve.kernels import attention, fused_moe, kv_cache, rmsnorm, rotary
 
 
 def _compile(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int = 2) -> str:
@@ -92,6 +92,14 @@ def _cases():
          "value_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
         dict(key_stride_dim=1, value_stride_dim=1, cache_stride_dim=1, BLOCK_SIZE=16,
              HEAD_DIM=128, TILE=1024), 4)
+    for dtype, block_m in ((torch.bfloat16, 16), (torch.bfloat16, 64), (torch.float32, 16)):  # decode, prefill
+        name = TYPE_NAMES[dtype]
+        cases[f"fused_moe grouped gemm {name} block_m={block_m}"] = lambda n=name, m=block_m, d=dtype: _compile(
+            fused_moe._grouped_gemm_kernel,
+            {"a_ptr": f"*{n}", "b_ptr": f"*{n}", "c_ptr": f"*{n}", "sorted_rows_ptr": "*i64",
+             "block_experts_ptr": "*i64"},
+            dict(BLOCK_M=m, BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K,
+                 DOT_PRECISION="ieee" if d == torch.float32 else "tf32"), 4)
     return cases
 
 

@@ -1,0 +1,245 @@
+"""Mixture-of-experts: the router's top-k and the experts as one operation (vLLM's fused_moe).
+
+The experts' weights are stacked: w13 [experts, 2 * inter, hidden] (gate rows then up rows, as
+one SiLU x mul input) and w2 [experts, hidden, inter]. Three implementations of `fused_experts`
+with one signature:
+
+- `fused_experts_reference`: a loop over experts, each taking the tokens that picked it (as
+  transformers does); the oracle.
+- `fused_experts_grouped`: the (token, slot) rows sorted by expert (`moe_align`, as vLLM's
+  moe_align_block_size without the padding), one GEMM per expert over its rows for gate/up, SiLU x
+  mul, one for down, and the top-k results summed per token in slot order in fp32. On CPU in bf16
+  each GEMM is kernels/cpu/gemm*.cpp on weights packed once (`pack_expert_weights`), whose rows
+  are invariant to M, and the sum is elementwise: a token's bits do not depend on its batch.
+- `fused_experts_triton`: the same grouping for CUDA, each expert's rows padded to whole blocks
+  (`moe_align_block_size`, every size fixed by the number of rows, experts and BLOCK_M, never
+  read back from the GPU, so a decode step can be captured in a CUDA graph), a block of rows
+  multiplying one expert's matrix: two launches of `_grouped_gemm_kernel` (gate/up from the
+  token rows, down from the SiLU x mul rows), then the same fp32 top-k sum.
+
+Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on other ranks; those
+slots contribute nothing here (their rank adds them in the all-reduce).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.kernels import cpu_ops, silu_and_mul
+from nanoserve.kernels.choice import kernel_choice
+from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
+
+tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
+BLOCK_N, BLOCK_K = 64, 32  # the grouped GEMM's output columns and depth per step (BLOCK_M: by rows)
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top_k largest (torch.topk, as transformers),
+    renormalised to sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's
+    norm_topk_prob says). Returns (weights fp32 [tokens, k], expert ids int64)."""
+    if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
+        raise ValueError(f"router logits [tokens, experts] with top_k in 1..experts, got "
+                         f"{tuple(router_logits.shape)} and top_k {top_k}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flattened (token, slot) rows sorted by expert, stably (a token's rows keep their
+    order): `sorted_rows` [tokens * k] indexes topk_ids.reshape(-1); expert e's rows are
+    sorted_rows[offsets[e] : offsets[e + 1]] (offsets [experts + 1]). Rows of id -1 (experts
+    on other ranks) sort first, before offsets[0]."""
+    flat = topk_ids.reshape(-1)
+    sorted_rows = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1)
+    return sorted_rows, torch.cumsum(counts, 0)
+
+
+def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
+                         f"got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    experts, two_inter, size = w13.shape
+    if size != hidden.shape[1] or w2.shape != (experts, size, two_inter // 2) or two_inter % 2:
+        raise ValueError(f"expert weights do not fit hidden size {hidden.shape[1]}: w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [tokens, k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)} for {hidden.shape[0]} tokens")
+
+
+def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """The oracle: expert by expert, the tokens that picked it, weighted and added in fp32."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        token, slot = torch.where(topk_ids == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(hidden[token], w13[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None])
+    return out.to(hidden.dtype)
+
+
+def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
+    """Each expert's [N, K] matrix in kernels/cpu/gemm.cpp's packing, stacked (expert e's at
+    [e]); None when the GEMM can't take them (not bf16 on CPU, K not a multiple of 32)."""
+    packed = [cpu_ops.pack_gemm_weight(weights[e]) for e in range(weights.shape[0])]
+    if not packed or any(p is None for p in packed):
+        return None
+    return torch.stack(packed)
+
+
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        out = cpu_ops.gemm(x, packed, None, weight.shape[0])
+        if out is not None:
+            return out if out.is_contiguous() else out.contiguous()
+    return F.linear(x, weight)
+
+
+def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weight[t, j] * rows[t, j] in fp32, slot by slot: elementwise, so a token's sum is
+    the same whatever the number of tokens. expert_rows [tokens, k, hidden]."""
+    out = expert_rows[:, 0].float() * topk_weights[:, :1]
+    for slot in range(1, topk_weights.shape[1]):
+        out += expert_rows[:, slot].float() * topk_weights[:, slot : slot + 1]
+    return out.to(dtype)
+
+
+def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """Rows grouped by expert: one gather of every local row in expert order, one gate/up GEMM
+    and one down GEMM per expert that has rows (each on a contiguous run of the gathered rows),
+    SiLU x mul and the scatter back once for all. `packed`: (pack_expert_weights(w13),
+    pack_expert_weights(w2)) or None."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    expert_rows = hidden.new_zeros((tokens * top_k, hidden.shape[1]))  # rows of remote experts stay zero
+    sorted_rows, offsets = moe_align(topk_ids, w13.shape[0])
+    bounds = offsets.tolist()
+    local_rows = sorted_rows[bounds[0]:]
+    spans = [(e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0]) for e in range(w13.shape[0])
+             if bounds[e + 1] > bounds[e]]
+    if not spans:
+        return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+    packed13, packed2 = packed if packed is not None else (None, None)
+    x = hidden[local_rows // top_k]
+    gate_up = torch.cat([_expert_linear(x[start:end], w13[e], packed13[e] if packed13 is not None else None)
+                         for e, start, end in spans])
+    act = silu_and_mul(gate_up)
+    expert_rows[local_rows] = torch.cat([_expert_linear(act[start:end], w2[e], packed2[e] if packed2 is not None
+                                                        else None) for e, start, end in spans])
+    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+
+
+@lazy_jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sorted_rows_ptr, block_experts_ptr,
+    n, k, num_rows, a_rows_per_row,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    num_experts,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # c[row] = a[row // a_rows_per_row] @ b[expert].T for the BLOCK_M sorted rows of this
+    # program's block (all of one expert) and BLOCK_N output columns. Padding rows (>= num_rows)
+    # and blocks past the last expert's (expert id num_experts) are skipped.
+    block = tl.program_id(0)
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert >= num_experts:
+        return
+    rows = tl.load(sorted_rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < num_rows
+    a_rows = rows // a_rows_per_row
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = (k0 + depth) < k
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + depth)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + depth)[:, None] * stride_bk,
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_rows, block_experts): sorted_rows [max_rows] holds the flattened (token, slot) row
+    indices expert by expert, each expert's run padded to a multiple of block_m with the
+    sentinel tokens * k; block_experts [max_rows / block_m] the expert of each block
+    (num_experts past the end, and for rows of id -1, experts on other ranks). max_rows is
+    the bound rows + (experts + 1) * (block_m - 1), so no size depends on the routing."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_rows = flat.numel()
+    bucket = torch.where(flat < 0, num_experts, flat)  # remote experts: the last bucket
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank_in_bucket = torch.arange(num_rows, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_bucket]
+    max_rows = cdiv(num_rows + (num_experts + 1) * (block_m - 1), block_m) * block_m
+    sorted_rows = torch.full((max_rows,), num_rows, dtype=torch.int64, device=flat.device)
+    sorted_rows[(padded_ends - padded)[sorted_bucket] + rank_in_bucket] = order
+    block_starts = torch.arange(0, max_rows, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)  # num_experts (+1) past the end
+    return sorted_rows, torch.clamp(block_experts, max=num_experts)
+
+
+def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m) -> None:
+    num_experts, n, k = weights.shape
+    grid = (block_experts.shape[0], cdiv(n, BLOCK_N))
+    _grouped_gemm_kernel[grid](
+        a, weights, out, sorted_rows, block_experts, n, k, out.shape[0], a_rows_per_row,
+        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), num_experts,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+
+
+def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton."""
+    check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    check_triton_device(hidden, w13, w2, topk_weights, topk_ids)
+    if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("hidden and the expert weights must be contiguous in their last dimension")
+    tokens, top_k = topk_ids.shape
+    # tl.dot needs >= 16 rows. Few rows per expert (decode): 16, little padding; many
+    # (prefill): 64, each expert's matrix tile read once for more rows.
+    block_m = 16 if tokens * top_k <= 32 * w13.shape[0] else 64
+    sorted_rows, block_experts = moe_align_block_size(topk_ids, w13.shape[0], block_m)
+    gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    _launch(hidden, w13, gate_up, sorted_rows, block_experts, top_k, block_m)
+    act = silu_and_mul(gate_up)
+    expert_rows = torch.zeros((tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
+    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+
+
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+    """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
+    loop under NANOSERVE_KERNELS=reference, the grouped path with the C++ GEMM on CPU."""
+    choice = kernel_choice()
+    if choice == "reference":
+        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
+    if choice == "triton" or hidden.is_cuda:
+        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids)
+    return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed)
+
+
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
+              packed=None) -> torch.Tensor:
+    """Router top-k then the experts. `expert_map` [global experts]: local index or -1 (expert
+    parallelism); None: every expert is local. This rank's part of the output (the caller
+    all-reduces across tensor-parallel ranks)."""
+    topk_weights, topk_ids = fused_topk(router_logits, top_k, renormalize)
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids]
+    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed)

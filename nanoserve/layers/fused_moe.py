@@ -1,0 +1,120 @@
+"""The sparse MoE block's layers: the router (a replicated linear) and the experts (FusedMoE),
+with tensor parallelism over each expert's intermediate dimension (vLLM's default) or, with
+--enable-expert-parallel, whole experts per rank. Either way each rank computes its part of
+every token's output and one all-reduce sums the parts."""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
+from nanoserve.kernels.fused_moe import fused_moe, pack_expert_weights
+from nanoserve.layers.linear import LinearBase, RowTiling
+
+# Checkpoint names of an expert's three matrices -> (our stacked parameter, part): Mixtral's
+# w1 / w3 / w2, and Qwen-MoE's / OLMoE's gate_proj / up_proj / down_proj.
+EXPERT_PARTS = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", None),
+                "gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole matrix on every rank (the router, Qwen2-MoE's shared-expert gate)."""
+
+    def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
+        return self.matmul(x, self.bias, rows)
+
+
+class FusedMoE(nn.Module):
+    """Every expert's gate/up and down matrices stacked ([experts, 2 * inter, hidden] and
+    [experts, hidden, inter]), loaded expert by expert from the checkpoint's per-expert tensors."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, expert_parallel: bool = False):
+        super().__init__()
+        tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.expert_parallel = expert_parallel and tp_size > 1
+        if self.expert_parallel:
+            if num_experts % tp_size:
+                raise ValueError(f"{num_experts} experts are not divisible by tensor parallel size {tp_size} "
+                                 f"(--enable-expert-parallel)")
+            local = num_experts // tp_size
+            self.first_expert, self.num_local_experts, self.inter = tp_rank * local, local, intermediate_size
+            expert_map = torch.full((num_experts,), -1, dtype=torch.long)
+            expert_map[self.first_expert : self.first_expert + local] = torch.arange(local)
+            self.register_buffer("expert_map", expert_map, persistent=False)
+        else:
+            if intermediate_size % tp_size:
+                raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by tensor "
+                                 f"parallel size {tp_size}")
+            self.first_expert, self.num_local_experts = 0, num_experts
+            self.inter = intermediate_size // tp_size
+            self.expert_map = None
+        self.tp_rank = tp_rank
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.inter, dtype=dtype),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_gemm
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
+        """`shard_id`: (global expert index, 0 gate / 1 up / None down), or (None, None) for all
+        experts in one tensor (transformers 5's own layout: gate_up_proj [experts, 2 * inter,
+        hidden], down_proj [experts, hidden, inter]). Experts of other ranks are skipped; with
+        the intermediate dimension split, this rank's rows (gate, up) or columns (down)."""
+        expert, part = shard_id
+        if expert is None:
+            for local in range(self.num_local_experts):
+                one = loaded[self.first_expert + local : self.first_expert + local + 1][0]
+                if param is self.w2_weight:
+                    self.weight_loader(param, one, (self.first_expert + local, None))
+                else:
+                    total = one.shape[0] // 2  # every rank's gate rows, then every rank's up rows
+                    self.weight_loader(param, one[:total], (self.first_expert + local, 0))
+                    self.weight_loader(param, one[total:], (self.first_expert + local, 1))
+            return
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        start = 0 if self.expert_parallel else self.tp_rank * self.inter
+        if part is None:
+            param.data[local].copy_(loaded[:, start : start + self.inter])
+        else:
+            param.data[local, part * self.inter : (part + 1) * self.inter].copy_(loaded[start : start + self.inter])
+
+    def prepack_gemm(self) -> bool:
+        """CPU, bf16: each expert's matrices in kernels/cpu/gemm.cpp's packing (called by
+        layers/cpu_prepack.prepack_gemm_weights). Whether both were packed."""
+        w13, w2 = pack_expert_weights(self.w13_weight), pack_expert_weights(self.w2_weight)
+        self.packed = (w13, w2) if w13 is not None and w2 is not None else None
+        return self.packed is not None
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
+                        self.expert_map, self.packed)
+        return all_reduce(out)
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_NAME = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")  # transformers 5's layout
+
+
+def expert_weight_target(name: str) -> tuple[str, tuple[int | None, int | None]] | None:
+    """A checkpoint's expert tensor name -> (our stacked parameter's name, the shard id its
+    weight_loader takes); None for any other name. `...experts.3.w1.weight` ->
+    (`...experts.w13_weight`, (3, 0)); `...experts.gate_up_proj` -> (`...experts.w13_weight`,
+    (None, None))."""
+    match = _EXPERT_NAME.match(name)
+    if match is not None:
+        prefix, expert, part = match.groups()
+        param, index = EXPERT_PARTS[part]
+        return f"{prefix}.{param}", (int(expert), index)
+    match = _STACKED_NAME.match(name)
+    if match is not None:
+        prefix, part = match.groups()
+        return f"{prefix}.{'w13_weight' if part == 'gate_up_proj' else 'w2_weight'}", (None, None)
+    return None

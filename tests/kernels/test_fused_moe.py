@@ -1,0 +1,164 @@
+"""The fused MoE path (kernels/fused_moe.py) against its oracle, the loop over experts: the
+router's top-k, the grouping of rows by expert, the grouped GEMMs in fp32 and (through
+kernels/cpu/gemm*.cpp) bf16, with tokens that share an expert and experts that get no token,
+top-2 and top-8 of 8; the expert-parallel and intermediate-split shards summing to the whole;
+the Triton kernel (the interpreter on a CPU) against the same oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_experts_triton,
+                                         fused_moe, fused_topk, moe_align, moe_align_block_size,
+                                         pack_expert_weights)
+
+HIDDEN, INTER, EXPERTS = 64, 32, 8
+
+
+def expert_weights(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER ** 0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+def crowded_routing(tokens: int, top_k: int, seed=1):
+    """Every token picks expert 3 (several tokens, one expert); experts 6 and 7 get no token
+    unless every expert is picked (top-8)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(EXPERTS - 3, generator=gen)[: top_k - 1] for _ in range(tokens)]) \
+        if top_k < EXPERTS else torch.stack([torch.randperm(EXPERTS, generator=gen) for _ in range(tokens)])
+    if top_k < EXPERTS:
+        ids = torch.where(ids >= 3, ids + 1, ids)  # 0..5 without 3
+        ids = torch.cat([torch.full((tokens, 1), 3), ids], dim=1)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    return weights, ids
+
+
+def test_fused_topk_is_softmax_top_k_with_optional_renormalisation():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 4.0, -1.0, 0.0]])
+    weights, ids = fused_topk(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, dim=-1)
+    assert ids.tolist() == [[1, 3], [0, 1]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    weights, _ = fused_topk(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    with pytest.raises(ValueError, match="top_k"):
+        fused_topk(logits, 5, renormalize=True)
+
+
+def test_moe_align_groups_rows_by_expert_stably_and_puts_remote_experts_first():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2]])
+    sorted_rows, offsets = moe_align(ids, 3)
+    assert sorted_rows.tolist() == [3, 1, 4, 0, 2, 5]  # -1; expert 0: rows 1, 4; expert 2: 0, 2, 5
+    assert offsets.tolist() == [1, 3, 3, 6]  # expert 1 has no row
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_grouped_equals_the_loop_in_fp32(top_k, tokens):
+    w13, w2 = expert_weights()
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = crowded_routing(tokens, top_k)
+    expected = fused_experts_reference(hidden, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_experts_grouped(hidden, w13, w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    assert expected.abs().max() > 0.1  # not trivially zero
+
+
+def test_unpicked_experts_and_remote_slots_contribute_nothing():
+    w13, w2 = expert_weights()
+    hidden = torch.randn(5, HIDDEN)
+    weights, ids = crowded_routing(5, 2)
+    # An unpicked expert's weights can be anything.
+    poisoned = w13.clone()
+    poisoned[7] = float("nan")
+    torch.testing.assert_close(fused_experts_grouped(hidden, poisoned, w2, weights, ids),
+                               fused_experts_reference(hidden, w13, w2, weights, ids))
+    # Slots of experts on another rank (-1) add nothing: only the first slot counts.
+    remote = ids.clone()
+    remote[:, 1] = -1
+    only_first = fused_experts_reference(hidden, w13, w2, weights[:, :1], ids[:, :1])
+    torch.testing.assert_close(fused_experts_grouped(hidden, w13, w2, weights, remote), only_first)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_expert_parallel_and_intermediate_split_shards_sum_to_the_whole(renormalize):
+    """What the two tensor-parallel layouts of layers/fused_moe.FusedMoE compute on 2 ranks,
+    summed as the all-reduce does."""
+    w13, w2 = expert_weights()
+    gen = torch.Generator().manual_seed(3)
+    hidden, logits = torch.randn(9, HIDDEN, generator=gen), torch.randn(9, EXPERTS, generator=gen)
+    whole = fused_moe(hidden, logits, w13, w2, 2, renormalize)
+    expert_parallel = torch.zeros_like(whole)
+    for rank in range(2):
+        local = slice(4 * rank, 4 * rank + 4)
+        expert_map = torch.full((EXPERTS,), -1)
+        expert_map[local] = torch.arange(4)
+        expert_parallel += fused_moe(hidden, logits, w13[local], w2[local], 2, renormalize, expert_map)
+    torch.testing.assert_close(expert_parallel, whole, atol=1e-5, rtol=1e-5)
+    split = torch.zeros_like(whole)
+    half = INTER // 2
+    for rank in range(2):
+        rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), INTER + torch.arange(rank * half, (rank + 1) * half)])
+        split += fused_moe(hidden, logits, w13[:, rows], w2[:, :, rank * half : (rank + 1) * half].contiguous(),
+                           2, renormalize)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_bf16_through_the_cpu_gemm_is_close_to_the_loop_and_row_invariant(top_k):
+    w13, w2 = expert_weights(torch.bfloat16)
+    packed = (pack_expert_weights(w13), pack_expert_weights(w2))
+    assert packed[0] is not None and packed[1] is not None
+    hidden = torch.randn(33, HIDDEN).to(torch.bfloat16)
+    weights, ids = crowded_routing(33, top_k)
+    batch = fused_experts_grouped(hidden, w13, w2, weights, ids, packed)
+    expected = fused_experts_reference(hidden, w13, w2, weights, ids)
+    torch.testing.assert_close(batch.float(), expected.float(), atol=3e-2, rtol=3e-2)
+    # A token's bits do not depend on the other tokens (the batch, chunking, the prefix cache).
+    for token in (0, 17, 32):
+        alone = fused_experts_grouped(hidden[token : token + 1], w13, w2, weights[token : token + 1],
+                                      ids[token : token + 1], packed)
+        assert torch.equal(alone[0], batch[token]), token
+
+
+def test_pack_expert_weights_refuses_what_the_gemm_cannot_take():
+    assert pack_expert_weights(torch.zeros(2, 16, 48, dtype=torch.bfloat16)) is None  # K not a multiple of 32
+    assert pack_expert_weights(torch.zeros(2, 16, 64)) is None  # fp32
+
+
+def test_moe_align_block_size_pads_each_expert_to_whole_blocks():
+    ids = torch.tensor([[2, 0], [2, -1], [0, 2]])
+    sorted_rows, block_experts = moe_align_block_size(ids, 3, 4)
+    pad = 6
+    assert sorted_rows.tolist()[:12] == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    # expert 0, expert 2 (expert 1 has no block), remote rows, then unused blocks (3: skipped)
+    assert block_experts.tolist()[:3] == [0, 2, 3] and set(block_experts.tolist()[3:]) <= {3}
+    assert sorted_rows.shape[0] == 4 * block_experts.shape[0] >= 6 + 4 * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 21), (8, 5), (2, 150)])  # 150: blocks of 64 rows
+def test_triton_equals_the_loop(dtype, top_k, tokens):
+    """Under the Triton interpreter on a CPU (no bf16 there), natively on CUDA."""
+    from tests.kernels.utils import DEVICE
+
+    w13, w2 = (w.to(DEVICE, dtype) for w in expert_weights())
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
+    weights, ids = (t.to(DEVICE) for t in crowded_routing(tokens, top_k))
+    remote = ids.clone()
+    remote[0, -1] = -1  # an expert on another rank
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-3, rtol=3e-3)
+    for routing in (ids, remote):
+        expected = fused_experts_reference(hidden, w13, w2, weights, routing)
+        torch.testing.assert_close(fused_experts_triton(hidden, w13, w2, weights, routing), expected, **tol)
+
+
+def test_no_tokens_and_no_local_rows():
+    w13, w2 = expert_weights()
+    empty = fused_experts_grouped(torch.zeros(0, HIDDEN), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert empty.shape == (0, HIDDEN)
+    remote_only = fused_experts_grouped(torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1))
+    assert torch.equal(remote_only, torch.zeros(3, HIDDEN))

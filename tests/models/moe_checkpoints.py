@@ -1,0 +1,59 @@
+"""Small random mixture-of-experts checkpoints in Hugging Face layout, written by transformers
+itself (per-expert tensors, as the released Mixtral / Qwen-MoE / OLMoE checkpoints hold them)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import build_tokenizer
+
+SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+             rms_norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=2)
+NUM_EXPERTS = 8
+EXPERT_INTER = 32  # a multiple of 32: bf16 experts go through kernels/cpu/gemm*.cpp
+# family -> top_k; Qwen3-MoE's 8 of 8 has every expert take every token.
+MOE_FAMILIES = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 8, "olmoe": 2}
+
+
+def moe_config(family: str, ids: dict, vocab: int):
+    import transformers as hf
+
+    top_k = MOE_FAMILIES[family]
+    if family == "mixtral":
+        return hf.MixtralConfig(**SHAPE, **ids, intermediate_size=EXPERT_INTER, num_local_experts=NUM_EXPERTS,
+                                num_experts_per_tok=top_k, head_dim=16), hf.MixtralForCausalLM
+    if family == "qwen2_moe":  # a shared expert; layer 1 dense (mlp_only_layers)
+        return hf.Qwen2MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=EXPERT_INTER,
+                                 shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS,
+                                 num_experts_per_tok=top_k, norm_topk_prob=False,
+                                 mlp_only_layers=[1]), hf.Qwen2MoeForCausalLM
+    if family == "qwen3_moe":
+        return hf.Qwen3MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=EXPERT_INTER,
+                                 num_experts=NUM_EXPERTS, num_experts_per_tok=top_k, norm_topk_prob=True,
+                                 head_dim=16), hf.Qwen3MoeForCausalLM
+    if family == "olmoe":
+        return hf.OlmoeConfig(**SHAPE, **ids, intermediate_size=EXPERT_INTER, num_experts=NUM_EXPERTS,
+                              num_experts_per_tok=top_k, norm_topk_prob=False), hf.OlmoeForCausalLM
+    raise ValueError(family)
+
+
+def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0) -> Path:
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out_dir)
+    specials = {t["content"]: t["id"] for t in json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]}
+    ids = dict(vocab_size=vocab, bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
+               pad_token_id=specials["<|endoftext|>"])
+    config, model_class = moe_config(family, ids, vocab)
+    torch.manual_seed(seed)
+    model = model_class(config).float()
+    # Large weights make greedy choices (and the router's) decisive; norms off 1.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 0.5 if "embed" in name else 2.0 / param.shape[-1] ** 0.5)
+            elif "norm" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
