@@ -106,8 +106,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
     params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-    reader = _output_reader(ctx, tool_use)
-    _constrain_for_tools(params, tool_use, reader)
+    reader = output_reader(ctx, tool_use)
+    constrain_for_tools(params, tool_use, reader)
     base_id = response_id("chatcmpl", request.request_id)
     created = int(time.time())
     cache_key, streams = ctx.cached_streams(base_id, [prompt], params)
@@ -233,7 +233,7 @@ async def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: 
         ctx.abort_unfinished([stream])
 
 
-def _output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | None:
+def output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | None:
     """None when the text goes out as it is (no tools to read, no reasoning parser)."""
     tool_parser = tool_use.parser(ctx.auto_tool_parser)
     if tool_parser is None and ctx.reasoning_parser is None:
@@ -242,7 +242,7 @@ def _output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader |
                             None if tool_use.parallel else 1)
 
 
-def _constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | None) -> None:
+def constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | None) -> None:
     """"required" and a named function hold by constrained decoding; a parser whose markers are
     special tokens needs them in the text."""
     constraint = tool_use.constraint()
