@@ -7,6 +7,7 @@ from typing import Any, AsyncGenerator, AsyncIterator
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
+from nanoserve.server.beam_completions import create_beam_completion
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
@@ -102,6 +103,10 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     ctx.check_fields(request, "logprobs", request.logprobs)
     prompts = await normalize_prompts(ctx, request)
+    if request.use_beam_search:
+        return await create_beam_completion(ctx, request, prompts)
+    if request.length_penalty != 1.0:
+        raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
     echo_only = bool(request.echo) and max_tokens == 0  # vLLM: return the prompt, generate 1
     prompt_logprobs = request.prompt_logprobs
