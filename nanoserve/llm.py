@@ -6,6 +6,7 @@ from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
@@ -97,6 +98,45 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: per prompt, the `beam_width` best sequences (nanoserve/
+        beam_search.py: transformers' beam search arithmetic). Each step sends every running beam
+        of every prompt as one request for one token; the prefix cache shares their blocks.
+        `text` is the whole sequence decoded (prompt and output), as vLLM's."""
+        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)):
+            prompts = [prompts]
+        tokenizer = self.llm_engine.tokenizer
+        searches = [BeamSearch(self._prompt_ids(prompt), params, self.llm_engine.eos_token_ids)
+                    for prompt in prompts]
+        while True:
+            work = [(search, tokens) for search in searches for tokens in search.pending()]
+            if not work:
+                break
+            step = SamplingParams(max_tokens=1, temperature=0, logprobs=searches[0].num_logprobs,
+                                  ignore_eos=True)
+            outputs = self.generate([TokensPrompt(tokens) for _, tokens in work], step, use_tqdm=False)
+            cursor = 0
+            for search in searches:
+                count = len(search.pending())
+                if count:
+                    search.advance([{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+                                    for out in outputs[cursor:cursor + count]])
+                    cursor += count
+        results = [search.output() for search in searches]
+        for result in results:
+            for beam in result.sequences:
+                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
+        return results
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, TokensPrompt):
+            return list(prompt.prompt_token_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        text = prompt.prompt if isinstance(prompt, TextPrompt) else \
+            prompt["prompt"] if isinstance(prompt, dict) else prompt
+        return self.llm_engine.tokenizer.encode(text)
 
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,

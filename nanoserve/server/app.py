@@ -15,6 +15,8 @@ import nanoserve
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
+from nanoserve.server.responses import create_response
+from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
 from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
 from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -129,6 +131,7 @@ class _ReleaseWhenDone:
 
 INVOCATION_TYPES = ("ChatCompletionRequest", "CompletionRequest")
 MODELS_PREFIX = "/v1/models/"
+RESPONSES_PREFIX = "/v1/responses/"
 
 
 class OpenAIApp:
@@ -140,6 +143,7 @@ class OpenAIApp:
         self.api_key = api_key
         self.server_load_tracking = server_load_tracking
         self.server_load = 0  # completion and chat requests in flight (with the tracking flag)
+        self.response_store = ResponseStore()  # /v1/responses' store and previous_response_id
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self.health},
             "/ping": {"GET": self.health, "POST": self.health},
@@ -149,6 +153,7 @@ class OpenAIApp:
             "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
+            "/v1/responses": {"POST": self.responses},
             "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
@@ -163,6 +168,8 @@ class OpenAIApp:
         methods = self.routes.get(path)
         if methods is None and path.startswith(MODELS_PREFIX) and len(path) > len(MODELS_PREFIX):
             methods = {"GET": self.model}
+        if methods is None and path.startswith(RESPONSES_PREFIX) and len(path) > len(RESPONSES_PREFIX):
+            methods = {"GET": self.stored_response, "DELETE": self.delete_response}
         return methods
 
     async def __call__(self, request: HttpRequest) -> Response | StreamingResponse:
@@ -266,6 +273,26 @@ class OpenAIApp:
     async def chat(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, ChatCompletionRequest))
         return await self._tracked(lambda: create_chat_completion(self.ctx, body))
+
+    async def responses(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, ResponsesRequest))
+        return await self._tracked(lambda: create_response(self.ctx, self.response_store, body))
+
+    def _stored_id(self, request: HttpRequest) -> str:
+        return unquote(request.path[len(RESPONSES_PREFIX):])
+
+    async def stored_response(self, request: HttpRequest) -> Response:
+        """GET /v1/responses/{id}: a stored response as it was returned, else 404."""
+        stored = self.response_store.get(self._stored_id(request))
+        if stored is None:
+            raise APIError(404, f"Response with id '{self._stored_id(request)}' not found.")
+        return Response(200, stored.body)
+
+    async def delete_response(self, request: HttpRequest) -> Response:
+        response_id = self._stored_id(request)
+        if not self.response_store.delete(response_id):
+            raise APIError(404, f"Response with id '{response_id}' not found.")
+        return Response(200, encode_json({"id": response_id, "object": "response", "deleted": True}))
 
     async def invocations(self, request: HttpRequest):
         """SageMaker's POST /invocations, as vLLM: a chat request when the body has `messages`,

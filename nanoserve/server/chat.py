@@ -104,8 +104,8 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         prompt_logprobs = request.top_logprobs  # as vLLM: echo also scores the prompt
     # Every check of the request before its prompt is rendered and tokenized, the costly part.
     params = ctx.sampling_params(request, max_tokens, logprobs, prompt_logprobs)
-    reader = _output_reader(ctx, tool_use)
-    _constrain_for_tools(params, tool_use, reader)
+    reader = output_reader(ctx, tool_use)
+    constrain_for_tools(params, tool_use, reader)
     prompt = await render_chat_prompt(
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
         request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
@@ -253,7 +253,7 @@ def _stream(ctx: ServingContext, request: ChatCompletionRequest, base_id: str, c
                            chunks.progress, chunks.events, chunks.usage_chunk)
 
 
-def _output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | None:
+def output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | None:
     """None when the text goes out as it is (no tools to read, no reasoning parser)."""
     tool_parser = tool_use.parser(ctx.auto_tool_parser)
     if tool_parser is None and ctx.reasoning_parser is None:
@@ -262,7 +262,7 @@ def _output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader |
                             None if tool_use.parallel else 1)
 
 
-def _constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | None) -> None:
+def constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | None) -> None:
     """"required" and a named function hold by constrained decoding; a parser whose markers are
     special tokens needs them in the text."""
     constraint = tool_use.constraint()

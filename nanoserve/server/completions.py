@@ -7,6 +7,7 @@ from typing import Any, AsyncGenerator
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.server.beam_completions import beam_params, create_beam_completion
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
@@ -127,6 +128,11 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
     ctx.check_fields(request, "logprobs", request.logprobs)
+    if request.use_beam_search:  # checked before any prompt is tokenized
+        params = beam_params(ctx, request)
+        return await create_beam_completion(ctx, request, await normalize_prompts(ctx, request), params)
+    if request.length_penalty != 1.0:
+        raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
     echo_only = bool(request.echo) and max_tokens == 0  # vLLM: return the prompt, generate 1
     prompt_logprobs = request.prompt_logprobs

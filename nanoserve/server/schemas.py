@@ -100,6 +100,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    use_beam_search: bool = False  # vLLM's: n beams, the n best sequences as the choices
+    length_penalty: float = 1.0  # with use_beam_search: score = logprob sum / length ** this
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -1,0 +1,208 @@
+"""POST /v1/responses through a real server with the official `openai` client: the answer equals
+the chat endpoint's for the same conversation (the oracle: same template, same greedy tokens),
+streams send the Responses event types in order and add up to the same text, a JSON schema in
+`text.format` holds, function tools give function_call items whose arguments fit their schema,
+stored responses continue with previous_response_id and are read back and deleted, and fields
+nanoserve does not serve are refused with a 400 naming them."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+
+from nanoserve.server.responses_input import ResponseStore
+from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import http_request
+from tests.server.tool_templates import QWEN_STYLE
+
+WEATHER_PARAMETERS = {"type": "object",
+                      "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                     "unit": {"type": "string", "enum": ["c", "f"]}},
+                      "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": WEATHER_PARAMETERS, "strict": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama-responses") / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096  # a template with tools renders ~1k tokens
+    (path / "config.json").write_text(json.dumps(config))
+    template = tmp_path_factory.mktemp("templates") / "qwen_style.jinja"
+    template.write_text(QWEN_STYLE)
+    handle = ServerHandle(path, chat_template=str(template), enable_auto_tool_choice=True,
+                          tool_call_parser="hermes")
+    yield handle
+    handle.close()
+
+
+def chat(server, messages, **kwargs):
+    return server.client().chat.completions.create(
+        model=server.engine.served_model_name, messages=messages, temperature=0, **kwargs)
+
+
+def respond(server, **kwargs):
+    return server.client().responses.create(model=server.engine.served_model_name, temperature=0,
+                                            **kwargs)
+
+
+def test_plain_answer_equals_the_chat_endpoints(server):
+    result = respond(server, input="Hello there", max_output_tokens=12)
+    oracle = chat(server, [{"role": "user", "content": "Hello there"}], max_tokens=12)
+    assert result.object == "response" and result.id.startswith("resp-")
+    assert result.output_text == oracle.choices[0].message.content
+    message = result.output[0]
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].type == "output_text"
+    assert result.usage.input_tokens == oracle.usage.prompt_tokens
+    assert result.usage.output_tokens == oracle.usage.completion_tokens
+    assert result.usage.total_tokens == result.usage.input_tokens + result.usage.output_tokens
+    if oracle.choices[0].finish_reason == "length":
+        assert result.status == "incomplete"
+        assert result.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert result.status == "completed"
+
+
+def test_instructions_and_message_items_are_the_conversation(server):
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": "Weather?"}]
+    result = respond(server, input=items, instructions="You are terse.", max_output_tokens=10)
+    oracle = chat(server, [{"role": "system", "content": "You are terse."},
+                           {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                           {"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "Weather?"}], max_tokens=10)
+    assert result.output_text == oracle.choices[0].message.content
+    assert result.usage.input_tokens == oracle.usage.prompt_tokens
+    assert result.instructions == "You are terse."
+
+
+def test_stream_sends_the_event_types_in_order(server):
+    whole = respond(server, input="Tell me a story", max_output_tokens=16)
+    events = list(respond(server, input="Tell me a story", max_output_tokens=16, stream=True))
+    kinds = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done",
+                          "response.completed" if whole.status == "completed" else "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == whole.usage.output_tokens
+    with server.client().responses.stream(model=server.engine.served_model_name, temperature=0,
+                                          input="Tell me a story", max_output_tokens=16) as stream:
+        assert stream.get_final_response().output_text == whole.output_text
+    item_id = events[2].item.id
+    assert all(event.item_id == item_id for event in events if event.type == "response.output_text.delta")
+
+
+def test_json_schema_format_constrains_as_the_chat_endpoints(server):
+    """The random model pads JSON with whitespace until max tokens, so the oracle is the chat
+    endpoint with the same schema as response_format: the same constrained greedy tokens. With
+    nothing but whitespace allowed after the value, the text is a JSON prefix of the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+              "required": ["city"], "additionalProperties": False}
+    result = respond(server, input="Pick a city", max_output_tokens=40,
+                     text={"format": {"type": "json_schema", "name": "city", "schema": schema,
+                                      "strict": True}})
+    oracle = chat(server, [{"role": "user", "content": "Pick a city"}], max_tokens=40,
+                  response_format={"type": "json_schema",
+                                   "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    assert result.output_text == oracle.choices[0].message.content
+    unconstrained = respond(server, input="Pick a city", max_output_tokens=40)
+    assert result.output_text != unconstrained.output_text
+    assert result.output_text.lstrip().startswith("{")
+    assert result.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_function_tools_give_function_call_items(server, tool_choice):
+    kwargs = dict(input="What is the weather in Paris?", tools=[WEATHER], tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_output_tokens=200)
+    result = respond(server, **kwargs)
+    calls = [item for item in result.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER_PARAMETERS)
+    events = list(respond(server, stream=True, **kwargs))
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments == done[0].arguments == calls[0].arguments
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert added[0].name == "get_weather"
+
+
+def test_function_call_output_continues_the_conversation(server):
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "unit": "c"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 C"}]
+    result = respond(server, input=items, tools=[WEATHER], max_output_tokens=10)
+    oracle = chat(server, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        max_tokens=10)
+    assert result.usage.input_tokens == oracle.usage.prompt_tokens
+
+
+def test_previous_response_id_continues_and_stored_responses_are_read_and_deleted(server):
+    first = respond(server, input="Hello", max_output_tokens=6)
+    second = respond(server, input="And then?", previous_response_id=first.id, max_output_tokens=6)
+    oracle = chat(server, [{"role": "user", "content": "Hello"},
+                           {"role": "assistant", "content": first.output_text},
+                           {"role": "user", "content": "And then?"}], max_tokens=6)
+    assert second.output_text == oracle.choices[0].message.content
+    assert second.usage.input_tokens == oracle.usage.prompt_tokens
+    assert second.previous_response_id == first.id
+    client = server.client()
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as error:
+        respond(server, input="x", previous_response_id=first.id)
+    assert error.value.body["param"] == "previous_response_id"
+    unstored = respond(server, input="Hello", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": []}, "input"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+])
+def test_unsupported_fields_are_refused_naming_them(server, body, param):
+    status, _, payload = http_request(server.port, "POST", "/v1/responses", json.dumps(body))
+    assert status == 400, payload
+    assert json.loads(payload)["error"]["param"] == param
+    assert respond(server, input="still serving", max_output_tokens=2).output_text is not None
+
+
+def test_store_is_bounded_and_expires():
+    now = [0.0]
+    store = ResponseStore(max_entries=2, ttl=10.0, clock=lambda: now[0])
+    for name in ("a", "b", "c"):
+        store.put(name, b"{}", [])
+    assert store.get("a") is None and store.get("b") is not None  # the oldest went first
+    now[0] = 10.5
+    assert store.get("b") is None and store.get("c") is None  # expired
