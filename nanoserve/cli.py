@@ -16,7 +16,7 @@ class CliError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-_FLAG_TYPES = {"str": str, "int": int, "float": float}
+_FLAG_TYPES = {"str": str, "int": int, "float": float, "str | dict": str}
 
 
 def _env_default(name: str, kind: type):

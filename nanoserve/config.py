@@ -99,6 +99,11 @@ class EngineConfig:
     pp_layer_partition: str | None = arg(
         None, "decoder layers per pipeline stage, comma-separated, e.g. '10,14' (default: "
               "$NANOSERVE_PP_LAYER_PARTITION, else an even split)")
+    # vLLM's --speculative-config: JSON text (or a dict through LLM(...)), read by
+    # spec_decode/config.py; None: no speculation.
+    speculative_config: str | dict | None = arg(
+        None, "speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'")
     # Distributed rendezvous (multi-node); None = single host.
     nnodes: int = arg(1, "machines the tp x pp ranks span")
     node_rank: int = arg(0, "this machine's rank among --nnodes")
@@ -150,9 +155,18 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.speculative is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.pipeline_parallel_size > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode 'swap' is not supported with pipeline parallelism "
                              "(use the default, recompute)")
+
+    @property
+    def speculative(self):
+        """speculative_config parsed (spec_decode/config.py's SpeculativeConfig), or None."""
+        from nanoserve.spec_decode.config import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -120,6 +120,17 @@ class BlockManager(BlockCounts):
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (speculative decoding: those allocated
+        for proposed tokens that were rejected). They were never registered: only blocks of
+        computed tokens are."""
+        keep = -(-seq.num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
     def _evict(self, block: int) -> None:
         key = self.block_hash[block]
         if key is not None:

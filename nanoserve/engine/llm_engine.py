@@ -39,6 +39,8 @@ from nanoserve.models.gguf_model import check_gguf_file, check_quantization, fin
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.metrics import SpecDecodingStats
+from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class EngineStats:
     num_swapped: int = 0  # requests with a sequence swapped out to the host pool
     num_swap_outs_total: int = 0  # sequences swapped out
     cpu_cache_usage: float = 0.0  # fraction of the host pool's blocks in use
+    spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
 
 
 @dataclass(slots=True)
@@ -154,6 +157,11 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # Speculative decoding (--speculative-config): n-gram proposals verified each step.
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                       spec.prompt_lookup_max) if spec is not None else None)
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
         # Structured outputs: made on the first constrained request.
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
@@ -439,7 +447,8 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),
             num_swap_outs_total=sum(x.num_swap_outs for x in schedulers),
-            cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0)
+            cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0,
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -450,6 +459,8 @@ class LLMEngine:
         if self.runner.pipeline is not None:
             return self._pipeline_step()
         (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine
+        if self.proposer is not None:
+            self._propose(scheduler.running)
         scheduler_output = scheduler.schedule()
         if scheduler_output.swap_plan:  # before the forward pass that may overwrite the freed blocks
             self.runner.swap(scheduler_output.swap_plan)
@@ -511,6 +522,38 @@ class LLMEngine:
         logits = self.runner.forward(model_input)
         return self._finish_step(scheduler_output, model_input, logits, now)
 
+    def _after_verification(self, seqs: list[Sequence], result: SamplerOutput | None) -> None:
+        """Verified sequences keep the KV of their kept proposals (every token but the one
+        emitted last is computed now), give back the blocks of rejected ones, and register
+        only blocks of kept tokens in the prefix cache."""
+        for seq, emitted in zip(seqs, result.spec if result is not None and result.spec else ()):
+            self.spec_stats.observe(len(seq.spec_token_ids), len(emitted) - 1)
+        for seq in seqs:
+            if not seq.is_finished:
+                seq.num_computed_tokens = seq.num_tokens - 1
+                manager = self.block_managers[seq.virtual_engine]
+                manager.trim(seq)
+                manager.register_full_blocks(seq)
+            seq.spec_token_ids = []
+
+    def _propose(self, running: list[Sequence]) -> None:
+        """Speculative decoding: the tokens each running decode proposes for this step (the
+        scheduler cuts them to its budget). None for a sequence whose next rows the sampler
+        would process differently from one position to the next (penalties counting the
+        proposals, a grammar, min_tokens still masking EOS), or that still scores its prompt."""
+        for seq in running:
+            params = seq.params
+            limit = min(params.max_tokens if params.max_tokens is not None else self.max_model_len,
+                        self.max_model_len) - seq.num_output_tokens - 1
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None
+                    or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
+                    or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
+                    or params.frequency_penalty or params.presence_penalty):
+                seq.spec_token_ids = []
+                continue
+            seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
         only advance when this step's tokens are appended, so it may be built at launch."""
@@ -530,17 +573,21 @@ class LLMEngine:
             if sampling is None:
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
-            result = self.runner.sample(logits, sampling, model_input)
+            result = self.runner.sample(logits, sampling, model_input, self.generator)
         for item in scheduler_output.scheduled_seqs:
             seq = item.seq
             if seq.is_finished:  # aborted while in flight
                 continue
             self.requests[seq.request_id].record_scheduled(seq, now)
+            if seq.spec_token_ids:  # how many of its tokens count is known once verified (below)
+                continue
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.
             self.block_managers[seq.virtual_engine].register_full_blocks(seq)
         processed = self.output_processor.process(self.requests, model_input.sampling_seqs, result,
-                                                  model_input.prompt_logprob_seqs)
+                                                  model_input.prompt_logprob_seqs, model_input.spec_seqs)
+        if model_input.spec_seqs:
+            self._after_verification(model_input.spec_seqs, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them
             self.schedulers[seq.virtual_engine].remove(seq)
         for request in processed.finished_requests:

@@ -40,6 +40,13 @@ class ModelInput:
     # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
     prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_logprob_targets: torch.Tensor | None = None
+    # Speculative decoding: sequences verifying proposed tokens, each with len(spec_token_ids) + 1
+    # rows of logits after the sampled rows (and before the prompt-logprob rows), in this order.
+    spec_seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_spec_rows(self) -> int:
+        return sum(len(seq.spec_token_ids) + 1 for seq in self.spec_seqs)
 
 
 # The last two slots, for pipeline parallelism: the step's virtual engine, and 1 when the last

@@ -33,6 +33,7 @@ from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_we
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model, model_weight_bytes
+from nanoserve.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +118,33 @@ class ModelRunner(KVCacheAllocation):
         `block_offset`: where the scheduler's blocks start in the pool (pipeline parallelism gives
         each virtual engine its own share)."""
         decodes: list[ScheduledSequence] = []
+        specs: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []
         for item in scheduled:  # a decode computes one generated token; prompt rows never count as one
             is_decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-            (decodes if is_decode else prompts).append(item)
+            (specs if item.seq.spec_token_ids else decodes if is_decode else prompts).append(item)
         rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
-        for item in decodes + prompts:
+        for item in decodes:
             rows.add(item, block_offset, self.block_size)
+        for item in specs:  # a verification's rows are decode rows, one query each (see add_spec)
+            rows.add_spec(item, block_offset, self.block_size)
+        for item in prompts:
+            rows.add(item, block_offset, self.block_size)
+        num_decode_rows = len(rows.input_ids)
         graphs = self.decode_graphs
         if (graphs is not None and not prompts and len(rows.logits_indices) == len(decodes)
-                and graphs.fits(len(decodes), rows.max_blocks)):
+                and graphs.fits(num_decode_rows, rows.max_blocks)):
             size = graphs.load(rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
                                rows.block_rows)
             graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
             return ModelInput(input_ids=graph_ids, positions=graph_positions, metadata=graph_metadata,
-                              logits_indices=graphs.row_indices[: len(decodes)],
-                              sampling_seqs=rows.sampling_seqs, graph_size=size)
+                              logits_indices=graphs.row_indices[:num_decode_rows],
+                              sampling_seqs=rows.sampling_seqs, graph_size=size, spec_seqs=rows.spec_seqs)
         tile = prefill_row_tile(self.device)
         if tile and self.pad_prompt_rows:
-            rows.pad_prompt_rows(len(decodes), tile)
-        return self._eager_input(rows, len(decodes), max(s.num_new_tokens for s in scheduled), tile)
+            rows.pad_prompt_rows(num_decode_rows, tile)
+        max_seqlen_q = max([1] + [s.num_new_tokens for s in prompts])
+        return self._eager_input(rows, num_decode_rows, max_seqlen_q, tile)
 
     def _eager_input(self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int) -> ModelInput:
         """The step's host rows as device tensors (an eager step, not a captured graph)."""
@@ -154,8 +162,8 @@ class ModelRunner(KVCacheAllocation):
             input_ids=to_device(rows.input_ids, torch.long),
             positions=to_device(rows.positions, torch.long),
             metadata=metadata,
-            logits_indices=to_device(rows.logits_indices + rows.prompt_rows, torch.long),
-            sampling_seqs=rows.sampling_seqs)
+            logits_indices=to_device(rows.logits_indices + rows.spec_rows + rows.prompt_rows, torch.long),
+            sampling_seqs=rows.sampling_seqs, spec_seqs=rows.spec_seqs)
         if rows.prompt_logprob_seqs:
             model_input.prompt_logprob_seqs = rows.prompt_logprob_seqs
             model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
@@ -189,23 +197,26 @@ class ModelRunner(KVCacheAllocation):
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None,
-               model_input: ModelInput) -> SamplerOutput | None:
+               model_input: ModelInput, generator: torch.Generator | None = None) -> SamplerOutput | None:
         """Sample the rows of the sequences that completed their prompt; score the prompt rows of
         those that asked for prompt logprobs (their logits follow the sampled rows)."""
         if logits is None:
             return None
-        prompt_logprobs = None
+        num_sampled, num_spec = len(model_input.sampling_seqs), model_input.num_spec_rows
+        prompt_logprobs = spec = None
         if model_input.prompt_logprob_seqs:
-            num_sampled = len(model_input.sampling_seqs)
-            prompt_logprobs = self._prompt_logprobs(logits[num_sampled:], model_input)
-            logits = logits[:num_sampled]
-        if sampling is None:  # no sequence completes its prompt this step
-            if prompt_logprobs is None:
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled + num_spec:], model_input)
+        if num_spec:
+            spec = verify(logits[num_sampled:num_sampled + num_spec], model_input.spec_seqs,
+                          sampling.default_generator if sampling is not None else generator)
+        logits = logits[:num_sampled]
+        if sampling is None:  # no sequence completes its prompt or decodes as usual this step
+            if prompt_logprobs is None and spec is None:
                 return None
             empty = torch.empty(0, dtype=torch.long, device=logits.device)
-            return SamplerOutput(empty, None, None, None, prompt_logprobs)
+            return SamplerOutput(empty, None, None, None, prompt_logprobs, spec)
         output = sample(logits, sampling)
-        output.prompt_logprobs = prompt_logprobs
+        output.prompt_logprobs, output.spec = prompt_logprobs, spec
         return output
 
     @staticmethod
@@ -274,6 +285,31 @@ class _HostRows:
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
     prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
+    # Speculative decoding: the verification rows (their logits follow the sampled rows) and
+    # the sequences they verify.
+    spec_rows: list[int] = field(default_factory=list)
+    spec_seqs: list[Sequence] = field(default_factory=list)
+
+    def add_spec(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
+        """A sequence's last token and its k proposed tokens as k + 1 decode rows: row j is one
+        query at position start + j that sees the keys up to it (its own seq_len), the earlier
+        rows' keys being stored in the same layer before attention reads them. Each row is
+        then computed exactly as a decode of that token would be (same kernels, same bits)."""
+        seq = item.seq
+        start = seq.num_computed_tokens
+        tokens = [seq.token_ids[start], *seq.spec_token_ids]
+        assert start == seq.num_tokens - 1 and len(tokens) == item.num_new_tokens
+        table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
+        padded = table + [0] * (self.max_blocks - len(table))
+        for position, token in enumerate(tokens, start):
+            self.input_ids.append(token)
+            self.positions.append(position)
+            self.slot_mapping.append(table[position // block_size] * block_size + position % block_size)
+            self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + 1)
+            self.seq_lens.append(position + 1)
+            self.block_rows.append(padded)
+            self.spec_rows.append(len(self.input_ids) - 1)
+        self.spec_seqs.append(seq)
 
     def add(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
         """One sequence's rows: its tokens from num_computed_tokens on, num_new_tokens of them."""

@@ -84,10 +84,12 @@ class OutputProcessor:
 
     def process(self, requests: dict[str, Request], sampling_seqs: list[Sequence],
                 result: SamplerOutput | None,
-                prompt_logprob_seqs: list[tuple[Sequence, int]]) -> ProcessedStep:
-        """Append one step's sampled tokens (row i is `sampling_seqs[i]`) and its prompt
-        logprobs. A sequence finished before (aborted while its step was in flight under
-        pipeline parallelism) is skipped."""
+                prompt_logprob_seqs: list[tuple[Sequence, int]],
+                spec_seqs: list[Sequence] = ()) -> ProcessedStep:
+        """Append one step's sampled tokens (row i is `sampling_seqs[i]`), its prompt logprobs,
+        and the tokens each verified sequence (`spec_seqs`, result.spec) emits, one at a time
+        with every stop check, as if decoded one per step. A sequence finished before (aborted
+        while its step was in flight under pipeline parallelism) is skipped."""
         step = ProcessedStep()
         if result is None:
             return step
@@ -104,6 +106,14 @@ class OutputProcessor:
             if self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None):
                 step.finished_seqs.append(seq)
             progressed[seq.request_id] = request
+        for seq, emitted in zip(spec_seqs, result.spec or ()):
+            if seq.is_finished:
+                continue
+            for token, logprob_row in emitted:
+                if self._append_token(seq, token, logprob_row):
+                    step.finished_seqs.append(seq)
+                    break
+            progressed[seq.request_id] = requests[seq.request_id]
         now = time.time()
         for request in progressed.values():
             request.record_tokens(now)

@@ -108,6 +108,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: SwapPlan) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids.clear()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         num_blocks = len(seq.block_table)
@@ -159,7 +160,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._num_new_running(seq, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, output.swap_plan)
@@ -171,6 +172,18 @@ class Scheduler:
                 output.scheduled_seqs.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
         return budget, preempted
+
+    def _num_new_running(self, seq: Sequence, budget: int) -> int:
+        """A running sequence's tokens this step: what it has not computed, and its proposed
+        tokens (speculative decoding) as far as the budget and the free blocks allow: a proposal
+        is cut, never the cause of a preemption."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+        if seq.spec_token_ids:
+            del seq.spec_token_ids[max(0, num_new - 1):]
+            if not self.block_manager.can_allocate(seq, num_new):
+                seq.spec_token_ids.clear()
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        return num_new
 
     def _schedule_swapped(self, output: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in order, while their blocks fit."""

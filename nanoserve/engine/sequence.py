@@ -51,6 +51,9 @@ class Sequence:
     finish_sent: bool = False
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
+    # Speculative decoding: the tokens proposed for this step (verified with the last one, then
+    # cleared); empty when the step decodes it as usual.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 

@@ -33,6 +33,7 @@ class LoggingStatLogger:
         self.prompt_tokens = stats.prompt_tokens_total
         self.generation_tokens = stats.generation_tokens_total
         self.preemptions = stats.num_preemptions_total
+        self.spec = stats.spec_decoding
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> None:
         """Log when an interval has passed since the last line (the offline loop calls this
@@ -48,6 +49,7 @@ class LoggingStatLogger:
         generation = ((stats.generation_tokens_total - self.generation_tokens) / elapsed
                       if elapsed > 0 else 0.0)
         preemptions = stats.num_preemptions_total - self.preemptions
+        previous_spec = self.spec
         self._mark(stats, now)
         idle = not any((prompt, generation, self.last_prompt_throughput,
                         self.last_generation_throughput))
@@ -64,3 +66,22 @@ class LoggingStatLogger:
         args += [stats.kv_cache_usage * 100, hit_rate * 100]
         (logger.debug if idle else logger.info)(
             f"Engine {self.engine_index:03d}: " + ", ".join(parts), *args)
+        if stats.spec_decoding is not None and not idle:
+            self._log_spec(stats.spec_decoding, previous_spec)
+
+    @staticmethod
+    def _log_spec(now, before) -> None:
+        """vLLM's SpecDecoding line over the interval: mean acceptance length, the drafted and
+        accepted tokens, the acceptance rate at each proposal position and overall."""
+        drafts = now.num_drafts - (before.num_drafts if before else 0)
+        if drafts == 0:
+            return
+        drafted = now.num_draft_tokens - (before.num_draft_tokens if before else 0)
+        accepted = now.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+        per_pos = [(count - (before.accepted_per_pos[i] if before else 0)) / drafts
+                   for i, count in enumerate(now.accepted_per_pos)]
+        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                    "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
+                    "rate: %.1f%%", 1 + accepted / drafts, accepted, drafted,
+                    ", ".join(f"{rate:.3f}" for rate in per_pos),
+                    100 * accepted / drafted if drafted else 0.0)

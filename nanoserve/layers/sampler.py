@@ -66,6 +66,9 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [S] rank of the sampled token (1 = best)
     # Logprobs of prompt tokens, for the sequences that asked (ModelInput.prompt_logprob_seqs).
     prompt_logprobs: LogprobsTensors | None = None
+    # Speculative decoding, per verified sequence (ModelInput.spec_seqs): the tokens it emits
+    # (its kept proposals, then one more), each with its logprob row when the request asked.
+    spec: list | None = None
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:

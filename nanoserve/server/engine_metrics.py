@@ -35,6 +35,22 @@ class EngineStatsCollector:
         yield from self._scheduler_gauges(stats)
         yield from self._cache_metrics(stats)
         yield from self._engine_counters(stats)
+        if stats.spec_decoding is not None:
+            yield from self._spec_decode_counters(stats.spec_decoding)
+
+    def _spec_decode_counters(self, spec) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (with --speculative-config)."""
+        family = self._family
+        yield family("counter", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                     spec.num_drafts)
+        yield family("counter", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                     spec.num_draft_tokens)
+        yield family("counter", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                     spec.num_accepted_tokens)
+        yield family("counter", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                     "Accepted tokens per draft position.",
+                     {str(position): count for position, count in enumerate(spec.accepted_per_pos)},
+                     "position")
 
     def _scheduler_gauges(self, stats: EngineStats) -> Iterator[Metric]:
         family = self._family

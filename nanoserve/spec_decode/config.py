@@ -1,0 +1,52 @@
+"""`--speculative-config` / `LLM(speculative_config=...)`, with vLLM's field names:
+'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'.
+As vLLM: when only one of prompt_lookup_min / _max is given the other takes its value, and with
+neither both are 5. A field nanoserve does not know, or a method it does not serve, is a
+ValueError naming it (the CLI prints it on one line)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)
+FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | None) -> "SpeculativeConfig | None":
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--speculative-config is not JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(value) - FIELDS)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown field(s) {unknown} (known: {sorted(FIELDS)})")
+        method = value.get("method") or ("draft_model" if value.get("model") else None)
+        if method not in METHODS:
+            raise ValueError(f"--speculative-config: method {method!r} is not supported (supported: "
+                             f"{list(METHODS)}; a draft model is not served yet)")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError("--speculative-config: num_speculative_tokens must be an integer from 1 to 16")
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        low, high = (5, 5) if low is None and high is None else (low if low is not None else high,
+                                                                 high if high is not None else low)
+        for name, number in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+                raise ValueError(f"--speculative-config: {name} must be a positive integer")
+        if low > high:
+            raise ValueError("--speculative-config: prompt_lookup_min must be <= prompt_lookup_max")
+        return cls(method, k, low, high)
