@@ -100,7 +100,8 @@ def test_expert_parallel_and_intermediate_split_shards_sum_to_the_whole(renormal
     split = torch.zeros_like(whole)
     half = INTER // 2
     for rank in range(2):
-        rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), INTER + torch.arange(rank * half, (rank + 1) * half)])
+        mine = torch.arange(rank * half, (rank + 1) * half)
+        rows = torch.cat([mine, INTER + mine])  # this rank's gate rows and up rows
         split += fused_moe(hidden, logits, w13[:, rows], w2[:, :, rank * half : (rank + 1) * half].contiguous(),
                            2, renormalize)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
@@ -158,7 +159,8 @@ def test_triton_equals_the_loop(dtype, top_k, tokens):
 
 def test_no_tokens_and_no_local_rows():
     w13, w2 = expert_weights()
-    empty = fused_experts_grouped(torch.zeros(0, HIDDEN), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    no_ids = torch.zeros(0, 2, dtype=torch.long)
+    empty = fused_experts_grouped(torch.zeros(0, HIDDEN), w13, w2, torch.zeros(0, 2), no_ids)
     assert empty.shape == (0, HIDDEN)
     remote_only = fused_experts_grouped(torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1))
     assert torch.equal(remote_only, torch.zeros(3, HIDDEN))
