@@ -59,8 +59,10 @@ def write_checkpoint(out_dir: Path, shape: dict, layers: int, seed: int = 0) -> 
     kv = shape["num_key_value_heads"] * hidden // heads
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors.update({p + "self_attn.q_proj.weight": weight(hidden, hidden), p + "self_attn.k_proj.weight": weight(kv, hidden),
-                        p + "self_attn.v_proj.weight": weight(kv, hidden), p + "self_attn.o_proj.weight": weight(hidden, hidden),
+        tensors.update({p + "self_attn.q_proj.weight": weight(hidden, hidden),
+                        p + "self_attn.k_proj.weight": weight(kv, hidden),
+                        p + "self_attn.v_proj.weight": weight(kv, hidden),
+                        p + "self_attn.o_proj.weight": weight(hidden, hidden),
                         p + "self_attn.q_norm.weight": ones(hidden), p + "self_attn.k_norm.weight": ones(kv),
                         p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
                         p + "mlp.gate.weight": weight(shape["num_experts"], hidden)})
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = write_checkpoint(args.model_dir / f"{args.layers}l", shape, args.layers)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, shape["vocab_size"], (args.num_prompts, args.input_len), generator=generator).tolist()
-    results = [run(model_dir, impl, prompts, args.output_len, args.dtype, args.device) for impl in ("fused", "reference")]
+    results = [run(model_dir, implementation, prompts, args.output_len, args.dtype, args.device)
+               for implementation in ("fused", "reference")]
     fused, reference = results
     same = sum(a == b for a, b in zip(fused.pop("tokens"), reference.pop("tokens")))
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -79,7 +79,8 @@ def test_expert_parallel_rank_loads_whole_experts_and_split_rank_loads_slices():
         set_parallel_state(0, 1)
     for layer in layers.values():
         for e in range(8):
-            for name, tensor in ((f"m.experts.{e}.gate_proj.weight", gate[e]), (f"m.experts.{e}.down_proj.weight", down[e])):
+            for name, tensor in ((f"m.experts.{e}.gate_proj.weight", gate[e]),
+                                 (f"m.experts.{e}.down_proj.weight", down[e])):
                 target, shard = expert_weight_target(name)
                 param = getattr(layer, target.rsplit(".", 1)[1])
                 param.weight_loader(param, tensor, shard)
