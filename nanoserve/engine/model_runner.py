@@ -128,9 +128,9 @@ class ModelRunner(KVCacheAllocation):
             rows.add(item, block_offset, self.block_size)
         for item in specs:  # a verification's rows are decode rows, one query each (see add_spec)
             rows.add_spec(item, block_offset, self.block_size)
+        num_decode_rows = len(rows.input_ids)
         for item in prompts:
             rows.add(item, block_offset, self.block_size)
-        num_decode_rows = len(rows.input_ids)
         graphs = self.decode_graphs
         if (graphs is not None and not prompts and len(rows.logits_indices) == len(decodes)
                 and graphs.fits(num_decode_rows, rows.max_blocks)):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops, silu_and_mul
+from nanoserve.kernels.gemm import gemm_packing
 from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
@@ -87,8 +88,9 @@ def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None
 
 def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
     """Each expert's [N, K] matrix in kernels/cpu/gemm.cpp's packing, stacked (expert e's at
-    [e]); None when the GEMM can't take them (not bf16 on CPU, K not a multiple of 32)."""
-    packed = [cpu_ops.pack_gemm_weight(weights[e]) for e in range(weights.shape[0])]
+    [e]); None when the GEMM can't take them (not bf16 on CPU, K not a multiple of 32, or
+    NANOSERVE_CPU_GEMM=onednn: kernels/gemm.gemm_packing decides)."""
+    packed = [gemm_packing(weights[e]) for e in range(weights.shape[0])]
     if not packed or any(p is None for p in packed):
         return None
     return torch.stack(packed)

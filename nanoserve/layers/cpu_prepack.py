@@ -23,7 +23,7 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
             slots += 1
-            packed += bool(enabled and module.prepack_gemm())
+            packed += bool(module.prepack_gemm())
             continue
         if not hasattr(module, "gemm_weight"):
             continue
