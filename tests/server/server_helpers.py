@@ -190,7 +190,7 @@ class StepSpy:
                 self.finished += 1
                 self.cond.notify_all()
 
-    def wait_for_next_step(self, timeout: float = 30.0, seen: int | None = None) -> int:
+    def wait_for_next_step(self, timeout: float = 60.0, seen: int | None = None) -> int:
         """Block until a step begins after this call (or after step `seen`); returns its number."""
         with self.cond:
             seen = self.started if seen is None else seen

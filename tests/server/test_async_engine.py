@@ -109,8 +109,17 @@ def test_loop_answers_while_steps_run(serve, slow_llama_dir):
     clients = [threading.Thread(target=lambda: results.append(post(served.port, "/v1/completions",
                                                                   body)))
                for _ in range(num_streams)]
+    # The first step is held until all 32 requests have reached the async engine, so they all
+    # run together, however the client threads are scheduled: none is done before the last
+    # one starts.
+    first = spy.hold_next_step()
     for thread in clients:
         thread.start()
+    first = spy.wait_for_next_step(seen=first)
+    try:
+        wait_until(lambda: len(served.server.engine.streams) == num_streams, what="all requests")
+    finally:
+        spy.release(first)
     # The whole batch is decoding: every step now runs all 32 sequences.
     wait_until(lambda: served.server.engine.stats.num_running == num_streams, what="full batch")
     probes = []  # (path, seconds, answered before the step it started in had finished)
@@ -155,8 +164,13 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     data = b""
     while data.count(b"data: ") < 2:
         data += sock.recv(4096)
-    steps_at_close = spy.started
-    sock.close()
+    # The close happens while a step is held: no step can slip in between counting and closing,
+    # however the threads of this process are scheduled.
+    steps_at_close = spy.wait_for_next_step(seen=spy.hold_next_step())
+    try:
+        sock.close()
+    finally:
+        spy.release(steps_at_close)
     wait_until(lambda: spy.aborts, what="the abort")
     assert len(spy.aborts) == 1
     # An EOF may be a half-close (a client still reading), so the server learns of the close
