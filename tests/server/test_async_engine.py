@@ -21,7 +21,7 @@ from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
 from tests.conftest import write_random_llama
 from tests.server.server_helpers import (LoopThread, StepSpy, connect, http_request,
-                                         read_response)
+                                         letter_bias, read_response)
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +157,17 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     spy = StepSpy(engine)
     served = serve(engine)
     sock = connect(served.port)
-    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True,
-                          "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
-    data = b""
-    while data.count(b"data: ") < 2:
-        data += sock.recv(4096)
-    # The close happens while a step is held: no step can slip in between counting and closing,
-    # however the threads of this process are scheduled.
-    steps_at_close = spy.wait_for_next_step(seen=spy.hold_next_step())
+    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                          "logit_bias": letter_bias(served.server.app.ctx.tokenizer)}).encode()
+    # The close happens while the second step is held: the request is mid-stream and no step
+    # slips in between counting and closing, however this process's threads are scheduled.
+    steps_at_close = spy.hold_second_step(lambda: sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)))
     try:
+        data = b""
+        while b"data: " not in data:  # the first step's event
+            data += sock.recv(4096)
         sock.close()
     finally:
         spy.release(steps_at_close)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import StepSpy, scrape_metrics
+from tests.server.server_helpers import StepSpy, letter_bias, scrape_metrics
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -95,10 +95,9 @@ def abort_count(server: ServerHandle) -> float:
 def test_stop_aborts_the_request_on_the_server(page, tiny_server):
     max_tokens = 400
     aborted_before = abort_count(tiny_server)
-    # Every token is the letter "a" (a logit bias), so the first token already shows as text.
-    letter = tiny_server.server.app.ctx.tokenizer.encode("a", add_special_tokens=False)
-    assert len(letter) == 1
-    extra = json.dumps({"ignore_eos": True, "logit_bias": {str(letter[0]): 100}})
+    # Every token is the letter "a", so the first token already shows as text.
+    extra = json.dumps({"ignore_eos": True,
+                        "logit_bias": letter_bias(tiny_server.server.app.ctx.tokenizer)})
     open_page(page, tiny_server, extra=extra, **{"max-tokens": str(max_tokens)})
     page.locator("#model", has_text=tiny_server.engine.served_model_name).wait_for()
     # Press Stop the moment the first text arrives.
@@ -110,13 +109,8 @@ def test_stop_aborts_the_request_on_the_server(page, tiny_server):
     try:
         # The first step's token goes out, then the second step stays running until the browser
         # has stopped: the browser's reaction time is no race against 400 tokens.
-        held = spy.hold_next_step()
-        page.fill("#prompt", "hello")
-        page.click("#send")
-        first = spy.wait_for_next_step(seen=held)
-        spy.hold_next_step()
-        spy.release(first)
-        second = spy.wait_for_next_step(seen=first)
+        second = spy.hold_second_step(lambda: (page.fill("#prompt", "hello"),
+                                               page.click("#send")))
         answer = page.locator(".msg.assistant").first
         try:
             answer.and_(page.locator("[data-done]")).wait_for()
