@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 
+from tests.conftest import write_random_llama
 from tests.server.server_helpers import LoopThread
 
 
@@ -53,3 +55,13 @@ def tiny_server(tiny_llama_dir):
     handle = ServerHandle(tiny_llama_dir)
     yield handle
     handle.close()
+
+
+@pytest.fixture(scope="session")
+def long_context_llama_dir(tmp_path_factory):
+    """The tiny random Llama with a 4096-token context, so one stream can outlast a grace period."""
+    path = write_random_llama(tmp_path_factory.mktemp("long-llama"))
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4096
+    (path / "config.json").write_text(json.dumps(config))
+    return path

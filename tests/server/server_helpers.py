@@ -190,7 +190,7 @@ class StepSpy:
                 self.finished += 1
                 self.cond.notify_all()
 
-    def wait_for_next_step(self, timeout: float = 30.0, seen: int | None = None) -> int:
+    def wait_for_next_step(self, timeout: float = 60.0, seen: int | None = None) -> int:
         """Block until a step begins after this call (or after step `seen`); returns its number."""
         with self.cond:
             seen = self.started if seen is None else seen
@@ -204,8 +204,28 @@ class StepSpy:
             self.hold_requested = True
             return self.started
 
+    def hold_second_step(self, start: Callable[[], Any]) -> int:
+        """Call start() (which sends a request to an idle engine) with the next step held; once
+        that first step's output is made, let it return (its event goes out) and hold the second
+        step instead. Returns the second step's number: release() it. Between the two, the
+        request is certainly mid-stream, however fast its remaining tokens would go."""
+        held = self.hold_next_step()
+        start()
+        first = self.wait_for_next_step(seen=held)
+        self.hold_next_step()  # the second step cannot begin before the first returns
+        self.release(first)
+        return self.wait_for_next_step(seen=first)
+
     def release(self, step: int) -> None:
         """Let step number `step` (and any before it) return."""
         with self.cond:
             self.released_through = max(self.released_through, step)
             self.cond.notify_all()
+
+
+def letter_bias(tokenizer, letter: str = "a") -> dict[str, float]:
+    """A logit bias under which every generated token is `letter`: each token is text, so each
+    step of a stream sends an event (a random model's token may decode to nothing yet)."""
+    ids = tokenizer.encode(letter, add_special_tokens=False)
+    assert len(ids) == 1, ids
+    return {str(ids[0]): 100.0}

@@ -21,7 +21,7 @@ from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
 from tests.conftest import write_random_llama
 from tests.server.server_helpers import (LoopThread, StepSpy, connect, http_request,
-                                         read_response)
+                                         letter_bias, read_response)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +109,17 @@ def test_loop_answers_while_steps_run(serve, slow_llama_dir):
     clients = [threading.Thread(target=lambda: results.append(post(served.port, "/v1/completions",
                                                                   body)))
                for _ in range(num_streams)]
+    # The first step is held until all 32 requests have reached the async engine, so they all
+    # run together, however the client threads are scheduled: none is done before the last
+    # one starts.
+    first = spy.hold_next_step()
     for thread in clients:
         thread.start()
+    first = spy.wait_for_next_step(seen=first)
+    try:
+        wait_until(lambda: len(served.server.engine.streams) == num_streams, what="all requests")
+    finally:
+        spy.release(first)
     # The whole batch is decoding: every step now runs all 32 sequences.
     wait_until(lambda: served.server.engine.stats.num_running == num_streams, what="full batch")
     probes = []  # (path, seconds, answered before the step it started in had finished)
@@ -148,15 +157,20 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     spy = StepSpy(engine)
     served = serve(engine)
     sock = connect(served.port)
-    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True,
-                          "stream": True}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
-    data = b""
-    while data.count(b"data: ") < 2:
-        data += sock.recv(4096)
-    steps_at_close = spy.started
-    sock.close()
+    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                          "logit_bias": letter_bias(served.server.app.ctx.tokenizer)}).encode()
+    # The close happens while the second step is held: the request is mid-stream and no step
+    # slips in between counting and closing, however this process's threads are scheduled.
+    steps_at_close = spy.hold_second_step(lambda: sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)))
+    try:
+        data = b""
+        while b"data: " not in data:  # the first step's event
+            data += sock.recv(4096)
+        sock.close()
+    finally:
+        spy.release(steps_at_close)
     wait_until(lambda: spy.aborts, what="the abort")
     assert len(spy.aborts) == 1
     # An EOF may be a half-close (a client still reading), so the server learns of the close

@@ -3,6 +3,7 @@ server with the tiny random model. The oracle for streamed text is the same requ
 non-streamed by the official client at temperature 0."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import scrape_metrics
+from tests.server.server_helpers import StepSpy, letter_bias, scrape_metrics
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -94,28 +95,39 @@ def abort_count(server: ServerHandle) -> float:
 def test_stop_aborts_the_request_on_the_server(page, tiny_server):
     max_tokens = 400
     aborted_before = abort_count(tiny_server)
-    generated_before = scrape_metrics(tiny_server.port)["vllm:generation_tokens_total"]
-    open_page(page, tiny_server, extra='{"ignore_eos": true}', **{"max-tokens": str(max_tokens)})
+    # Every token is the letter "a", so the first token already shows as text.
+    extra = json.dumps({"ignore_eos": True,
+                        "logit_bias": letter_bias(tiny_server.server.app.ctx.tokenizer)})
+    open_page(page, tiny_server, extra=extra, **{"max-tokens": str(max_tokens)})
     page.locator("#model", has_text=tiny_server.engine.served_model_name).wait_for()
-    # Press Stop the moment the first text arrives, long before 400 tokens can be done.
+    # Press Stop the moment the first text arrives.
     page.evaluate("""() => new MutationObserver((changes, observer) => {
         const answer = document.querySelector(".msg.assistant .content");
         if (answer && answer.textContent) { observer.disconnect(); document.getElementById("stop").click(); }
     }).observe(document.getElementById("messages"), {subtree: true, childList: true, characterData: true})""")
-    page.fill("#prompt", "hello")
-    page.click("#send")
-    answer = page.locator(".msg.assistant").first
-    answer.and_(page.locator("[data-done]")).wait_for()
-    assert answer.get_attribute("data-done") == "stopped"
-    assert "(stopped)" in answer.text_content()
-    assert page.is_enabled("#send") and page.is_disabled("#stop")
-    deadline = time.monotonic() + 30
-    while abort_count(tiny_server) != aborted_before + 1 or \
-            tiny_server.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the server did not abort the stopped request"
-        time.sleep(0.05)
-    generated = scrape_metrics(tiny_server.port)["vllm:generation_tokens_total"] - generated_before
-    assert generated < max_tokens - 50, generated
+    spy = StepSpy(tiny_server.engine)
+    try:
+        # The first step's token goes out, then the second step stays running until the browser
+        # has stopped: the browser's reaction time is no race against 400 tokens.
+        second = spy.hold_second_step(lambda: (page.fill("#prompt", "hello"),
+                                               page.click("#send")))
+        answer = page.locator(".msg.assistant").first
+        try:
+            answer.and_(page.locator("[data-done]")).wait_for()
+        finally:
+            spy.release(second)
+        assert answer.get_attribute("data-done") == "stopped"
+        assert "(stopped)" in answer.text_content()
+        assert page.is_enabled("#send") and page.is_disabled("#stop")
+        deadline = time.monotonic() + 60  # a hang bound
+        while abort_count(tiny_server) != aborted_before + 1 or \
+                tiny_server.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the server did not abort the stopped request"
+            time.sleep(0.05)
+    finally:
+        spy.restore()
+    # The server learns of the close from its writes: the held step, two more, then the abort.
+    assert len(spy.aborts) == 1 and spy.aborts[0][1] <= second + 4, (spy.aborts, second)
 
 
 def test_clear_empties_the_conversation(page, tiny_server):

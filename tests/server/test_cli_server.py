@@ -88,17 +88,17 @@ def test_graceful_shutdown_lets_streams_finish(tiny_llama_dir, signum):
             process.wait()
 
 
-def test_grace_period_expiry_aborts_and_exits_zero(tiny_llama_dir):
-    # A grace period far shorter than the 480 steps the stream needs (however fast they are, the
-    # grace period is over after one poll of the server's connections, ~20 ms).
-    process, port = start(tiny_llama_dir, "--shutdown-grace-period", "0.001")
+def test_grace_period_expiry_aborts_and_exits_zero(long_context_llama_dir):
+    # A grace period far shorter than the 4,000 steps the stream needs (at least ~1 ms each, and
+    # the grace period is over after one poll of the server's connections, ~20 ms).
+    process, port = start(long_context_llama_dir, "--shutdown-grace-period", "0.001")
     try:
-        sock, head = open_stream(port, 480)
+        sock, head = open_stream(port, 4000)
         process.send_signal(signal.SIGTERM)
         body = head + read_all(sock)
         # Cut short by the shutdown, with word of it: an error event, then [DONE] (issue 15).
         assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-        assert b"shutting down" in body and body.count(b'"text_completion"') < 480
+        assert b"shutting down" in body and body.count(b'"text_completion"') < 4000
         assert process.wait(60) == 0
     finally:
         if process.poll() is None:

@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import StepSpy, connect, http_request, scrape_metrics
+from tests.server.server_helpers import (StepSpy, connect, http_request, letter_bias,
+                                         scrape_metrics)
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +48,15 @@ def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
     spy = StepSpy(engine)
     try:
         sock = connect(port)
-        _send(sock, {"prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
-                     "stream": True})
-        received = b""
-        while received.count(b"data: ") < 2:  # two chunks
-            received += sock.recv(4096)
-        # A step stays running while the test looks and closes: the request is certainly
-        # mid-stream, however fast its 480 tokens would otherwise come.
-        step = spy.wait_for_next_step(seen=spy.hold_next_step())
+        # The second step stays running while the test reads, looks and closes: the request is
+        # certainly mid-stream, however fast its 480 tokens would otherwise come.
+        step = spy.hold_second_step(lambda: _send(sock, {
+            "prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
+            "stream": True, "logit_bias": letter_bias(small_kv_server.server.app.ctx.tokenizer)}))
         try:
+            received = b""
+            while b"data: " not in received:  # the first step's event
+                received += sock.recv(4096)
             busy = scrape_metrics(port)
             tokens_at_close = engine.generation_tokens_total
             sock.close()

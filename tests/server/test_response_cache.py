@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import connect, http_request, scrape_metrics
+from tests.server.server_helpers import (StepSpy, connect, http_request, letter_bias,
+                                         scrape_metrics)
 
 COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
@@ -275,20 +276,32 @@ def test_reset_prefix_cache_clears_both_caches(server):
 def test_aborted_request_is_not_stored(server):
     port = server.port
     payload = json.dumps({"prompt": "abort me", "max_tokens": 480, "temperature": 0,
-                          "ignore_eos": True, "stream": True}).encode()
+                          "ignore_eos": True, "stream": True,
+                          "logit_bias": letter_bias(server.server.app.ctx.tokenizer)}).encode()
     aborts = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}' % (
         server.engine.served_model_name)
 
     def stream_then_disconnect() -> None:
-        sock = connect(port)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-        received = b""
-        while b"data: " not in received:
-            chunk = sock.recv(65536)
-            assert chunk, f"the server closed the stream before its first event: {received!r}"
-            received += chunk
-        sock.close()
+        # The second step stays running until the client has read the first event and closed:
+        # the request is certainly unfinished when the server learns of the close, however fast
+        # its 480 tokens would otherwise go.
+        spy = StepSpy(server.engine)
+        try:
+            sock = connect(port)
+            second = spy.hold_second_step(lambda: sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload))
+            try:
+                received = b""
+                while b"data: " not in received:
+                    chunk = sock.recv(65536)
+                    assert chunk, f"the server closed the stream before its first event: {received!r}"
+                    received += chunk
+                sock.close()
+            finally:
+                spy.release(second)
+        finally:
+            spy.restore()
 
     for expected_queries in (1, 1):
         before = scrape_metrics(port)

@@ -6,21 +6,8 @@ from __future__ import annotations
 import json
 import signal
 
-import pytest
-
-from tests.conftest import write_random_llama
 from tests.distributed.test_tp_server import ServerProcess
 from tests.server.server_helpers import connect, read_response
-
-
-@pytest.fixture(scope="module")
-def long_context_llama_dir(tmp_path_factory):
-    """The tiny random Llama with a 4096-token context, so one stream can outlast a grace period."""
-    path = write_random_llama(tmp_path_factory.mktemp("long-llama"))
-    config = json.loads((path / "config.json").read_text())
-    config["max_position_embeddings"] = 4096
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def open_stream(port: int, max_tokens: int):
