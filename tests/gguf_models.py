@@ -92,8 +92,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 
 def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = True, seed: int = 0,
-                         embedding: str = "q8_0", **shape) -> Path:
-    """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf)."""
+                         embedding: str = "q8_0", head: str = "q6_k", **shape) -> Path:
+    """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf). `embedding`:
+    token_embd's type (the tied head's too); `head`: output.weight's when not tied."""
     shape = {**DEFAULT_SHAPE, **shape}
     hf_dir = write_random_llama(out_dir / "hf", tie=tie, seed=seed, **shape)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -121,8 +122,10 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
             weight = _llama_cpp_permute(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = _llama_cpp_permute(weight, config["num_key_value_heads"])
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name == "model.embed_tokens.weight":
             qtype = embedding
+        elif name == "lm_head.weight":
+            qtype = head
         else:
             qtype = next((q for fragment, q in overrides.items() if f".{fragment}." in name), default)
         data, ggml_type = _tensor_bytes(name, weight, qtype, rng)
