@@ -23,6 +23,7 @@ PRESETS = {
     "q4_0": {},
     "q4_1": {},
     "q5_0": {},  # not supported by nanoserve's kernels: the unsupported-type error
+    "f16": {},  # unquantized linear layers: dequantized into the bf16 / fp32 weights
     "q4_k_m": {"v_proj": "q6_k", "down_proj": "q6_k"},
 }
 DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)

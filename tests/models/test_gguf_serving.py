@@ -102,6 +102,19 @@ def test_mixed_block_types_in_one_fused_layer(tmp_path):
     assert [(w.qtype, w.n) for w in qkv.quant_parts] == [("q4_k", 256 + 128), ("q6_k", 128)]
 
 
+def test_float_linear_layers_are_plain_weights(tmp_path):
+    path = write_quantized_gguf(tmp_path, "f16", seed=3, embedding="f16")
+    reader = gguf.GGUFReader(path)
+    values = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
+    model = build(path, dtype="float32").llm_engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is None and qkv.quant_parts is None and model.lm_head.quant_weight is None
+    expected = torch.cat([unpermute_rotary_rows(values["blk.0.attn_q.weight"], 4),
+                          unpermute_rotary_rows(values["blk.0.attn_k.weight"], 2), values["blk.0.attn_v.weight"]])
+    assert torch.equal(qkv.weight, expected)
+    assert torch.equal(model.lm_head.weight, values["token_embd.weight"])
+
+
 def test_untied_head_keeps_its_own_blocks(tmp_path):
     path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3, tie=False, embedding="q4_k", head="q6_k")
     model = build(path).llm_engine.runner.model
