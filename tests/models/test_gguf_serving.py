@@ -63,6 +63,7 @@ def test_config_and_directory_from_metadata(q4_1_file):
     # A directory holding one GGUF file (and no config.json) stands for that file.
     assert find_gguf_file(q4_1_file.parent) == q4_1_file
     assert find_gguf_file(q4_1_file.parent / "hf") is None
+    assert build(q4_1_file.parent).llm_engine.model_dir == q4_1_file
 
 
 def test_tokenizer_and_chat_template_from_metadata(q4_1_file):
