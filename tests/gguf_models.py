@@ -136,3 +136,30 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def dequantized_transformers(gguf_file: Path):
+    """transformers' Llama (float32, CPU) holding the file's tensors dequantized by the gguf
+    package (Q/K rows un-permuted): the exact product of activations and dequantized weights,
+    the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
+    from transformers import LlamaForCausalLM
+
+    from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
+
+    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    config = model.config
+    state = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = torch.from_numpy(values.reshape(shape))
+        name = hf_tensor_name(tensor.name)
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+        state[name] = weight
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
