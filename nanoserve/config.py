@@ -31,7 +31,8 @@ class EngineConfig:
     # vLLM's --quantization; "gguf" is implied by a GGUF model file, which is its only use here.
     quantization: str | None = arg(
         None, "weight quantization: gguf (implied by a GGUF --model; no other value is supported)")
-    dtype: str = arg("auto", "weights and activations dtype", choices=DTYPES)
+    dtype: str = arg("auto", "weights and activations dtype (a GGUF model: the activations'; its "
+                             "quantized layers keep their blocks)", choices=DTYPES)
     device: str = arg("auto", "auto, cpu or cuda")  # "auto": cuda when available, else cpu
     # None: the model's max_position_embeddings
     max_model_len: int | None = arg(None, "context length (prompt + output)")

@@ -23,6 +23,7 @@ PRESETS = {
     "q4_0": {},
     "q4_1": {},
     "q5_0": {},  # not supported by nanoserve's kernels: the unsupported-type error
+    "f16": {},  # unquantized linear layers: dequantized into the bf16 / fp32 weights
     "q4_k_m": {"v_proj": "q6_k", "down_proj": "q6_k"},
 }
 DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
@@ -92,8 +93,9 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 
 def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = True, seed: int = 0,
-                         embedding: str = "q8_0", **shape) -> Path:
-    """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf)."""
+                         embedding: str = "q8_0", head: str = "q6_k", **shape) -> Path:
+    """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf). `embedding`:
+    token_embd's type (the tied head's too); `head`: output.weight's when not tied."""
     shape = {**DEFAULT_SHAPE, **shape}
     hf_dir = write_random_llama(out_dir / "hf", tie=tie, seed=seed, **shape)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -121,8 +123,10 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
             weight = _llama_cpp_permute(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = _llama_cpp_permute(weight, config["num_key_value_heads"])
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name == "model.embed_tokens.weight":
             qtype = embedding
+        elif name == "lm_head.weight":
+            qtype = head
         else:
             qtype = next((q for fragment, q in overrides.items() if f".{fragment}." in name), default)
         data, ggml_type = _tensor_bytes(name, weight, qtype, rng)
@@ -132,3 +136,30 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def dequantized_transformers(gguf_file: Path):
+    """transformers' Llama (float32, CPU) holding the file's tensors dequantized by the gguf
+    package (Q/K rows un-permuted): the exact product of activations and dequantized weights,
+    the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
+    from transformers import LlamaForCausalLM
+
+    from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
+
+    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    config = model.config
+    state = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weight = torch.from_numpy(values.reshape(shape))
+        name = hf_tensor_name(tensor.name)
+        if name.endswith("q_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+        state[name] = weight
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model

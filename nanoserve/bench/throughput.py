@@ -60,7 +60,14 @@ def run_nanoserve(model_dir: str, prompts, output_len: int, dtype: str, tp: int,
 def run_transformers(model_dir: str, prompts, output_len: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    from nanoserve.models.gguf_model import find_gguf_file
+
+    gguf_file = find_gguf_file(Path(model_dir))
+    if gguf_file is not None:  # transformers dequantizes a GGUF file itself
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name,
+                                                     dtype=getattr(torch, dtype)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     input_ids = torch.tensor(prompts)
     attention_mask = torch.ones_like(input_ids)
     with torch.inference_mode():
@@ -77,7 +84,8 @@ def run_transformers(model_dir: str, prompts, output_len: int, dtype: str) -> di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nanoserve bench throughput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model dir (default: the imported SmolLM2)")
+    parser.add_argument("--model", default=None,
+                        help="model dir or GGUF file (default: the imported SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)

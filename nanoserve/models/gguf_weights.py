@@ -18,7 +18,7 @@ from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
-from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, RowParallelLinear
 from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
 
@@ -71,6 +71,8 @@ def _rotary_heads(name: str, config) -> int | None:
 
 
 def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
+    """Each tensor to its parameter as models/weights.load_weights does (fused parts, pipeline
+    stages, the tied head), then each quantized layer's staged parts into its QuantWeight."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_file)
@@ -97,7 +99,8 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             if target not in params:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
-            _load_tensor(model, module, params[target], tensor, shard_id, staged.setdefault(target, _StagedLinear()))
+            _load_tensor(model.config, module, params[target], tensor, shard_id,
+                         staged.setdefault(target, _StagedLinear()))
             loaded.add(target)
     shared = {id(param) for param in params.values() if sum(other is param for other in params.values()) > 1}
     for target, parts in staged.items():
@@ -109,10 +112,12 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
 
 
-def _load_tensor(model, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: _StagedLinear) -> None:
+def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: _StagedLinear) -> None:
+    """A linear layer's (or the head's) quantized part is staged in `parts`; anything else is
+    dequantized into `param` (this rank's share of it)."""
     qtype = _qtype(tensor)
     name = hf_tensor_name(tensor.name)
-    heads = _rotary_heads(name, model.config)
+    heads = _rotary_heads(name, config)
     quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
     if qtype is not None and quantized_module:
         if parts.float_parts:
@@ -125,7 +130,7 @@ def _load_tensor(model, module: nn.Module, param: nn.Parameter, tensor, shard_id
     if parts.buffers and quantized_module:
         raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
     parts.float_parts += 1
-    if isinstance(module, ParallelLMHead) or type(module).__name__ == "VocabParallelEmbedding":
+    if isinstance(module, VocabParallelEmbedding):  # the LM head too: this rank's vocabulary rows
         values = _dense(tensor, qtype, slice(module.vocab_start, module.vocab_end))
         param.data[: values.shape[0]].copy_(values)
         return

@@ -28,8 +28,11 @@ NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+@pytest.fixture(scope="module", params=PRESETS + ["q4_k_m-untied"])
 def gguf_file(request, tmp_path_factory):
+    if request.param == "q4_k_m-untied":  # as llama.cpp's Q4_K_M: a Q4_K embedding, a Q6_K head
+        return write_quantized_gguf(tmp_path_factory.mktemp("untied"), "q4_k_m", seed=28, tie=False,
+                                    embedding="q4_k", head="q6_k")
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=28)
 
 
@@ -60,6 +63,7 @@ def test_config_and_directory_from_metadata(q4_1_file):
     # A directory holding one GGUF file (and no config.json) stands for that file.
     assert find_gguf_file(q4_1_file.parent) == q4_1_file
     assert find_gguf_file(q4_1_file.parent / "hf") is None
+    assert build(q4_1_file.parent).llm_engine.model_dir == q4_1_file
 
 
 def test_tokenizer_and_chat_template_from_metadata(q4_1_file):
@@ -97,6 +101,26 @@ def test_mixed_block_types_in_one_fused_layer(tmp_path):
     qkv = build(path).llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.quant_weight is None
     assert [(w.qtype, w.n) for w in qkv.quant_parts] == [("q4_k", 256 + 128), ("q6_k", 128)]
+
+
+def test_float_linear_layers_are_plain_weights(tmp_path):
+    path = write_quantized_gguf(tmp_path, "f16", seed=3, embedding="f16")
+    reader = gguf.GGUFReader(path)
+    values = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
+    model = build(path, dtype="float32").llm_engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is None and qkv.quant_parts is None and model.lm_head.quant_weight is None
+    expected = torch.cat([unpermute_rotary_rows(values["blk.0.attn_q.weight"], 4),
+                          unpermute_rotary_rows(values["blk.0.attn_k.weight"], 2), values["blk.0.attn_v.weight"]])
+    assert torch.equal(qkv.weight, expected)
+    assert torch.equal(model.lm_head.weight, values["token_embd.weight"])
+
+
+def test_untied_head_keeps_its_own_blocks(tmp_path):
+    path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3, tie=False, embedding="q4_k", head="q6_k")
+    model = build(path).llm_engine.runner.model
+    assert model.lm_head.quant_weight.qtype == "q6_k" and model.lm_head.weight.device.type == "meta"
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # Q4_K rows dequantized
 
 
 def test_greedy_equals_the_reference_path(gguf_file, monkeypatch):
@@ -148,6 +172,8 @@ def _transformers_on_the_file(gguf_file):
         weight = quant.QuantWeight(quant.qtype_name(tensor.tensor_type), shape[0], shape[1], raw)
         owner, _, attribute = name.removesuffix(".weight").rpartition(".")
         if name == "model.embed_tokens.weight":
+            if not model.config.tie_word_embeddings:
+                continue
             owner, attribute = "", "lm_head"  # tied: the head multiplies the embedding's blocks
         setattr(modules[owner], attribute, _ReferenceQuantLinear(weight))
     return model
