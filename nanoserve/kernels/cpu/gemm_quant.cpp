@@ -207,18 +207,28 @@ NS_VNNI void block_vnni(const Block& blk) {
             const int64_t row = blk.row + r;
             const int8_t* q = a.q + row * a.k + b * kBlock;
             constexpr int kGroups = kBlock / T::group;
-            // Each group's integer starts at -offset * (its sum of q): no subtraction after.
-            __m512i dot[C][kGroups];
+            // Each group's integer starts at -offset * (its sum of q): no subtraction after. Two
+            // chains of vpdpbusd a group (steps 0, 2, .. and 1, 3, ..), added at the end: half the
+            // dependent latency, and integer sums are exact in any order.
+            __m512i dot[C][kGroups], odd[C][kGroups];
             for (int g = 0; g < kGroups; ++g) {
                 const __m512i start = T::offset != 0 ? _mm512_set1_epi32(-a.corr[(row * a.nb + b) * 2 + g])
                                                      : _mm512_setzero_si512();
-                for (int c = 0; c < C; ++c) dot[c][g] = start;
+                for (int c = 0; c < C; ++c) {
+                    dot[c][g] = start;
+                    odd[c][g] = _mm512_setzero_si512();
+                }
             }
             for (int j = 0; j < 8; ++j) {
                 const __m512i xq = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
-                for (int c = 0; c < C; ++c)
-                    dot[c][j * kGroups / 8] = _mm512_dpbusd_epi32(dot[c][j * kGroups / 8], w[c][j], xq);
+                const int g = j * kGroups / 8;
+                for (int c = 0; c < C; ++c) {
+                    if (j % 2 == 0) dot[c][g] = _mm512_dpbusd_epi32(dot[c][g], w[c][j], xq);
+                    else odd[c][g] = _mm512_dpbusd_epi32(odd[c][g], w[c][j], xq);
+                }
             }
+            for (int c = 0; c < C; ++c)
+                for (int g = 0; g < kGroups; ++g) dot[c][g] = _mm512_add_epi32(dot[c][g], odd[c][g]);
             const __m512 dx = _mm512_set1_ps(a.dx[row * a.nb + b]);
             for (int c = 0; c < C; ++c) {
                 const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
