@@ -56,10 +56,10 @@ struct Traits {
 // offset corrections offset * (sum of q) of each scale group (two per block: halves for Q6_K, the
 // whole block then zero for the others).
 struct Activations {
-    const int8_t* q;
-    const float* dx;
-    const float* sx;
-    const int32_t* corr;
+    int8_t* q;
+    float* dx;
+    float* sx;
+    int32_t* corr;
     int64_t k;   // q's row stride
     int64_t nb;  // blocks a row
 };
@@ -421,11 +421,55 @@ void store(const Call& call, const float* sums, int64_t row, int rows, int64_t c
         }
 }
 
-void run(const Kernels& kernels, Shape shape, const Call& call, const Activations& a) {
+// store() on AVX-512: 16 columns at a time (vcvtneps2bf16 rounds to nearest even, as from_float).
+NS_VNNI void store_avx512(const Call& call, const float* sums, int64_t row, int rows, int64_t col, int cols) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < cols; j += kCols) {
+            __m512 v = _mm512_loadu_ps(sums + r * cols + j);
+            if (call.bias != nullptr) {
+                __m512 bias;
+                if (call.dtype == 1) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(call.bias) + col + j));
+                    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                } else {
+                    bias = _mm512_loadu_ps(static_cast<const float*>(call.bias) + col + j);
+                }
+                v = _mm512_add_ps(v, bias);
+            }
+            const int64_t at = (row + r) * call.ldo + col + j;
+            if (call.dtype == 1)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(call.out) + at),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+            else
+                _mm512_storeu_ps(static_cast<float*>(call.out) + at, v);
+        }
+}
+
+using StoreFn = void (*)(const Call&, const float*, int64_t, int, int64_t, int);
+using QuantizeFn = void (*)(const void*, int, int64_t, int64_t, int64_t, int, bool, int8_t*, float*, float*, int32_t*);
+
+// How one level runs: its register blocks, how it quantizes a row of x and stores sums.
+struct Level {
+    const Kernels* kernels;
+    QuantizeFn quantize;
+    StoreFn store;
+    Shape shape;
+};
+
+// Quantizes x's rows into `a` (the rows shared among the threads), then multiplies: one parallel
+// region for both.
+void run(const Level& level, const Call& call, const Activations& a, const void* x, int64_t ldx, int offset,
+         bool halves) {
+    const Kernels& kernels = *level.kernels;
+    const Shape shape = level.shape;
     const int64_t col_groups = call.N / kCols;
     const int64_t group_stride = a.nb * call.block_bytes;
 #pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
     {
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < call.M; ++row)
+            level.quantize(x, call.dtype, row, ldx, a.k, offset, halves, a.q + row * a.k, a.dx + row * a.nb,
+                           a.sx + row * a.nb, a.corr + row * a.nb * 2);
         // Threads split the groups evenly (SmolLM2's 36 groups of 576 columns: 18 each, where
         // units of 4 would give 16 and 20); a thread's last register block may be narrower.
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -443,7 +487,7 @@ void run(const Kernels& kernels, Shape shape, const Call& call, const Activation
                         const int rows = static_cast<int>(std::min<int64_t>(shape.rows, chunk_end - row));
                         const Block b{sums, &a, row, call.packed + cg * group_stride, group_stride};
                         kernels.fn[rows - 1][cols - 1](b);
-                        store(call, sums, row, rows, cg * kCols, cols * kCols);
+                        level.store(call, sums, row, rows, cg * kCols, cols * kCols);
                     }
                 }
             }
@@ -497,27 +541,19 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     sx.resize(M * nb);
     corr.resize(M * nb * 2);
     const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
-    // This thread's buffers, by pointer: inside the parallel loop the names would be each
+    // This thread's buffers, by pointer: inside the parallel region the names would be each
     // worker's own thread_local vectors.
-    int8_t* const q_rows = q.data();
-    float* const dx_rows = dx.data();
-    float* const sx_rows = sx.data();
-    int32_t* const corr_rows = corr.data();
-    const int level = ns_isa::current();
-    const auto quantize = vnni_level(level) ? quantize_row_avx512 : level >= ns_isa::kAvx2 ? quantize_row_avx2 : quantize_row;
-#pragma omp parallel for if (M * K >= (int64_t(1) << 16))
-    for (int64_t row = 0; row < M; ++row)
-        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K, q_rows + row * K, dx_rows + row * nb,
-                 sx_rows + row * nb, corr_rows + row * nb * 2);
-    const Activations a{q_rows, dx_rows, sx_rows, corr_rows, K, nb};
+    const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
     const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
-    Shape shape{1, 1};
-    // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
-    // 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse, bounds
-    // it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight streams going.
-    if (level >= ns_isa::kAvx512Bf16) shape = M == 1 ? Shape{1, 4} : Shape{4, 2};
-    else if (level >= ns_isa::kAvx2) shape = M == 1 ? Shape{1, 2} : Shape{2, 2};
-    run(level_kernels(level, format), shape, call, a);
+    // Register blocks by measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2,
+    // 6 x 2 and 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse,
+    // bounds it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight
+    // streams going.
+    const int isa = ns_isa::current();
+    Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
+    if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
+    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{2, 2}};
+    run(level, call, a, x, ldx, offset, format == kQ6_K);
     return 0;
 }
 
