@@ -36,6 +36,7 @@ constexpr int kBlock = 32;
 constexpr int64_t kParallelMacs = int64_t(1) << 22;
 constexpr int64_t kParallelWeights = int64_t(1) << 18;
 constexpr int64_t kRowChunk = 64;
+constexpr int64_t kParallelQuantize = int64_t(1) << 16;  // elements of x quantized by all threads
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
 // Format codes: the order of quant.py's _FORMATS.
@@ -456,20 +457,28 @@ struct Level {
     Shape shape;
 };
 
-// Quantizes x's rows into `a` (the rows shared among the threads), then multiplies: one parallel
-// region for both.
+// Quantizes x's rows into `a`, then multiplies. Many rows are quantized by all the threads in the
+// GEMM's own parallel region (one fork); a few by the calling thread first (no barrier to wait at:
+// decode's GEMMs are a few microseconds each).
 void run(const Level& level, const Call& call, const Activations& a, const void* x, int64_t ldx, int offset,
          bool halves) {
     const Kernels& kernels = *level.kernels;
     const Shape shape = level.shape;
     const int64_t col_groups = call.N / kCols;
     const int64_t group_stride = a.nb * call.block_bytes;
+    const bool few_rows = call.M * a.k < kParallelQuantize;
+    auto quantize = [&](int64_t row) {
+        level.quantize(x, call.dtype, row, ldx, a.k, offset, halves, a.q + row * a.k, a.dx + row * a.nb,
+                       a.sx + row * a.nb, a.corr + row * a.nb * 2);
+    };
+    if (few_rows)
+        for (int64_t row = 0; row < call.M; ++row) quantize(row);
 #pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
     {
+        if (!few_rows) {
 #pragma omp for schedule(static)
-        for (int64_t row = 0; row < call.M; ++row)
-            level.quantize(x, call.dtype, row, ldx, a.k, offset, halves, a.q + row * a.k, a.dx + row * a.nb,
-                           a.sx + row * a.nb, a.corr + row * a.nb * 2);
+            for (int64_t row = 0; row < call.M; ++row) quantize(row);
+        }
         // Threads split the groups evenly (SmolLM2's 36 groups of 576 columns: 18 each, where
         // units of 4 would give 16 and 20); a thread's last register block may be narrower.
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
