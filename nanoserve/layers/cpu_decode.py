@@ -1,12 +1,13 @@
 """A CPU decode step's decoder layers in one C++ call (kernels/cpu/decode_layers.cpp).
 
 The modules' path (models/llama.py) calls ~9 kernels a layer through Python; at batch 1 the
-Python around them is several ms of a ~25 ms step. For steps of decodes only, on one rank, in
-bf16, with every linear layer on our GEMM (at any ISA level), `FusedDecode.run` calls the same
-kernels in the same order with the same inputs from C++ (linear layers in bf16 or in GGUF
-blocks, kernels/quant.py), so its hidden states have the same bits
-as the modules' (tests/engine/test_cpu_decode.py checks that), and everything else (embedding,
-final norm, LM head, sampling) stays where it was. Any other step, model or machine takes the modules.
+Python around them is several ms of a ~25 ms step. For steps of decodes only, on one rank, with
+bf16 activations and every linear layer on one of our CPU GEMMs (bf16 weights packed for
+gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp through the layer's `quant_weight` /
+`quant_parts`; at any ISA level), `FusedDecode.run` calls the same kernels in the same order
+with the same inputs from C++, so its hidden states have the same bits as the modules'
+(tests/engine/test_cpu_decode.py checks that), and everything else (embedding, final norm, LM
+head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", ["q4_1", "q8_0", "q6_k"])
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_do_not_depend_on_the_batch(qtype, cpu_isa):
     w = _weight(qtype, 576, 1536, seed=6)
     quant.pack_for_cpu(w)

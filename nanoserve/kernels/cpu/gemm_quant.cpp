@@ -15,6 +15,12 @@
 // 32 elements, the quants as one vpdpbusd step reads them (64 bytes: 16 columns x 4 elements;
 // eight steps a block, 4-bit formats holding step j in the low nibbles and j + 4 in the high
 // ones), then fp32 scales [groups in the block][16], then fp32 mins [16].
+//
+// Measured on a 2-core Zen 5 EPYC (shared, so rough), SmolLM2's shapes against the bf16 GEMM at
+// the same level: a lone row 1.2-2x (fewer bytes to stream); 64 rows 1.1-1.2x on Q4_1 and
+// 1.2-1.35x on Q8_0, one thread. At many rows the fp32 fold of each block's integer (and Q4_1's
+// min term) is the cost: without it the integer part alone runs ~1.6x the bf16 GEMM. A fused
+// multiply-add would halve the fold but the torch reference could not reproduce its rounding.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +42,7 @@ constexpr int kBlock = 32;
 constexpr int64_t kParallelMacs = int64_t(1) << 22;
 constexpr int64_t kParallelWeights = int64_t(1) << 18;
 constexpr int64_t kRowChunk = 64;
+constexpr int64_t kParallelQuantize = int64_t(1) << 16;  // elements of x quantized by all threads
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
 // Format codes: the order of quant.py's _FORMATS.
@@ -56,10 +63,10 @@ struct Traits {
 // offset corrections offset * (sum of q) of each scale group (two per block: halves for Q6_K, the
 // whole block then zero for the others).
 struct Activations {
-    const int8_t* q;
-    const float* dx;
-    const float* sx;
-    const int32_t* corr;
+    int8_t* q;
+    float* dx;
+    float* sx;
+    int32_t* corr;
     int64_t k;   // q's row stride
     int64_t nb;  // blocks a row
 };
@@ -207,18 +214,28 @@ NS_VNNI void block_vnni(const Block& blk) {
             const int64_t row = blk.row + r;
             const int8_t* q = a.q + row * a.k + b * kBlock;
             constexpr int kGroups = kBlock / T::group;
-            // Each group's integer starts at -offset * (its sum of q): no subtraction after.
-            __m512i dot[C][kGroups];
+            // Each group's integer starts at -offset * (its sum of q): no subtraction after. Two
+            // chains of vpdpbusd a group (steps 0, 2, .. and 1, 3, ..), added at the end: half the
+            // dependent latency, and integer sums are exact in any order.
+            __m512i dot[C][kGroups], odd[C][kGroups];
             for (int g = 0; g < kGroups; ++g) {
                 const __m512i start = T::offset != 0 ? _mm512_set1_epi32(-a.corr[(row * a.nb + b) * 2 + g])
                                                      : _mm512_setzero_si512();
-                for (int c = 0; c < C; ++c) dot[c][g] = start;
+                for (int c = 0; c < C; ++c) {
+                    dot[c][g] = start;
+                    odd[c][g] = _mm512_setzero_si512();
+                }
             }
             for (int j = 0; j < 8; ++j) {
                 const __m512i xq = _mm512_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
-                for (int c = 0; c < C; ++c)
-                    dot[c][j * kGroups / 8] = _mm512_dpbusd_epi32(dot[c][j * kGroups / 8], w[c][j], xq);
+                const int g = j * kGroups / 8;
+                for (int c = 0; c < C; ++c) {
+                    if (j % 2 == 0) dot[c][g] = _mm512_dpbusd_epi32(dot[c][g], w[c][j], xq);
+                    else odd[c][g] = _mm512_dpbusd_epi32(odd[c][g], w[c][j], xq);
+                }
             }
+            for (int c = 0; c < C; ++c)
+                for (int g = 0; g < kGroups; ++g) dot[c][g] = _mm512_add_epi32(dot[c][g], odd[c][g]);
             const __m512 dx = _mm512_set1_ps(a.dx[row * a.nb + b]);
             for (int c = 0; c < C; ++c) {
                 const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
@@ -411,11 +428,63 @@ void store(const Call& call, const float* sums, int64_t row, int rows, int64_t c
         }
 }
 
-void run(const Kernels& kernels, Shape shape, const Call& call, const Activations& a) {
+// store() on AVX-512: 16 columns at a time (vcvtneps2bf16 rounds to nearest even, as from_float).
+NS_VNNI void store_avx512(const Call& call, const float* sums, int64_t row, int rows, int64_t col, int cols) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < cols; j += kCols) {
+            __m512 v = _mm512_loadu_ps(sums + r * cols + j);
+            if (call.bias != nullptr) {
+                __m512 bias;
+                if (call.dtype == 1) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(call.bias) + col + j));
+                    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                } else {
+                    bias = _mm512_loadu_ps(static_cast<const float*>(call.bias) + col + j);
+                }
+                v = _mm512_add_ps(v, bias);
+            }
+            const int64_t at = (row + r) * call.ldo + col + j;
+            if (call.dtype == 1)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(call.out) + at),
+                                    reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+            else
+                _mm512_storeu_ps(static_cast<float*>(call.out) + at, v);
+        }
+}
+
+using StoreFn = void (*)(const Call&, const float*, int64_t, int, int64_t, int);
+using QuantizeFn = void (*)(const void*, int, int64_t, int64_t, int64_t, int, bool, int8_t*, float*, float*, int32_t*);
+
+// How one level runs: its register blocks, how it quantizes a row of x and stores sums.
+struct Level {
+    const Kernels* kernels;
+    QuantizeFn quantize;
+    StoreFn store;
+    Shape shape;
+};
+
+// Quantizes x's rows into `a`, then multiplies. Many rows are quantized by all the threads in the
+// GEMM's own parallel region (one fork); a few by the calling thread first (no barrier to wait at:
+// decode's GEMMs are a few microseconds each).
+void run(const Level& level, const Call& call, const Activations& a, const void* x, int64_t ldx, int offset,
+         bool halves) {
+    const Kernels& kernels = *level.kernels;
+    const Shape shape = level.shape;
     const int64_t col_groups = call.N / kCols;
     const int64_t group_stride = a.nb * call.block_bytes;
+    const bool few_rows = call.M * a.k < kParallelQuantize;
+    auto quantize = [&](int64_t row) {
+        level.quantize(x, call.dtype, row, ldx, a.k, offset, halves, a.q + row * a.k, a.dx + row * a.nb,
+                       a.sx + row * a.nb, a.corr + row * a.nb * 2);
+    };
+    if (few_rows)
+        for (int64_t row = 0; row < call.M; ++row) quantize(row);
 #pragma omp parallel if (call.M * call.N * a.k >= kParallelMacs || call.N * a.k >= kParallelWeights)
     {
+        if (!few_rows) {
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < call.M; ++row) quantize(row);
+        }
         // Threads split the groups evenly (SmolLM2's 36 groups of 576 columns: 18 each, where
         // units of 4 would give 16 and 20); a thread's last register block may be narrower.
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -433,7 +502,7 @@ void run(const Kernels& kernels, Shape shape, const Call& call, const Activation
                         const int rows = static_cast<int>(std::min<int64_t>(shape.rows, chunk_end - row));
                         const Block b{sums, &a, row, call.packed + cg * group_stride, group_stride};
                         kernels.fn[rows - 1][cols - 1](b);
-                        store(call, sums, row, rows, cg * kCols, cols * kCols);
+                        level.store(call, sums, row, rows, cg * kCols, cols * kCols);
                     }
                 }
             }
@@ -487,27 +556,19 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     sx.resize(M * nb);
     corr.resize(M * nb * 2);
     const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
-    // This thread's buffers, by pointer: inside the parallel loop the names would be each
+    // This thread's buffers, by pointer: inside the parallel region the names would be each
     // worker's own thread_local vectors.
-    int8_t* const q_rows = q.data();
-    float* const dx_rows = dx.data();
-    float* const sx_rows = sx.data();
-    int32_t* const corr_rows = corr.data();
-    const int level = ns_isa::current();
-    const auto quantize = vnni_level(level) ? quantize_row_avx512 : level >= ns_isa::kAvx2 ? quantize_row_avx2 : quantize_row;
-#pragma omp parallel for if (M * K >= (int64_t(1) << 16))
-    for (int64_t row = 0; row < M; ++row)
-        quantize(x, dtype, row, ldx, K, offset, format == kQ6_K, q_rows + row * K, dx_rows + row * nb,
-                 sx_rows + row * nb, corr_rows + row * nb * 2);
-    const Activations a{q_rows, dx_rows, sx_rows, corr_rows, K, nb};
+    const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
     const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
-    Shape shape{1, 1};
-    // By measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2, 6 x 2 and
-    // 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse, bounds
-    // it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight streams going.
-    if (level >= ns_isa::kAvx512Bf16) shape = M == 1 ? Shape{1, 4} : Shape{4, 2};
-    else if (level >= ns_isa::kAvx2) shape = M == 1 ? Shape{1, 2} : Shape{2, 2};
-    run(level_kernels(level, format), shape, call, a);
+    // Register blocks by measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2,
+    // 6 x 2 and 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse,
+    // bounds it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight
+    // streams going.
+    const int isa = ns_isa::current();
+    Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
+    if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
+    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{2, 2}};
+    run(level, call, a, x, ldx, offset, format == kQ6_K);
     return 0;
 }
 
