@@ -8,6 +8,7 @@ import torch
 
 from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.outputs import Logprob
+from nanoserve.pooling import PoolingState
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer
 
@@ -54,6 +55,8 @@ class Sequence:
     # Speculative decoding: the tokens proposed for this step (verified with the last one, then
     # cleared); empty when the step decodes it as usual.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Pooling models: the embedding being pooled from its prompt's hidden states, chunk by chunk.
+    pooling: PoolingState | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 
