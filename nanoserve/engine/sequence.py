@@ -54,6 +54,9 @@ class Sequence:
     # Speculative decoding: the tokens proposed for this step (verified with the last one, then
     # cleared); empty when the step decodes it as usual.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A draft model's distributions for those tokens ([k, V], sampled requests only; None: the
+    # proposal is deterministic, n-gram lookup or a greedy draft).
+    spec_draft_probs: torch.Tensor | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 

@@ -32,7 +32,7 @@ def _filters(seq: Sequence, rows: int, device: torch.device) -> SimpleNamespace:
                            min_p=column(params.min_p, torch.float32, 0.0))
 
 
-def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """Processed rows: for greedy sequences the biased logits (only their argmax is read), else
     the probabilities the sampler would draw from."""
     params = seq.params
@@ -46,6 +46,14 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
+def _draft_rows(seq: Sequence) -> torch.Tensor | None:
+    """A draft model's q rows for the proposals kept by the scheduler (None: deterministic)."""
+    probs = seq.spec_draft_probs
+    if probs is None or seq.params.temperature == 0:
+        return None
+    return probs[:len(seq.spec_token_ids)].to(torch.float32)
+
+
 def verify(logits: torch.Tensor, seqs: list[Sequence],
            default_generator: torch.Generator | None) -> list[Emitted]:
     """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order."""
@@ -56,7 +64,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence],
         rows = logits[row:row + count].float()
         row += count
         spec = SpecSequence(list(seq.spec_token_ids), seq.params.temperature == 0, seq.generator)
-        tokens = rejection_sample(_target_probs(rows, seq), [spec], None, default_generator)[0]
+        tokens = rejection_sample(target_probs(rows, seq), [spec], _draft_rows(seq), default_generator)[0]
         logprobs: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
             emitted = torch.tensor(tokens, dtype=torch.long, device=rows.device)
