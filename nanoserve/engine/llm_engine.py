@@ -41,6 +41,7 @@ from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.metrics import SpecDecodingStats
 from nanoserve.spec_decode.draft import DraftProposer
+from nanoserve.spec_decode.grammar import constrain_proposal
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -546,31 +547,34 @@ class LLMEngine:
                 manager = self.block_managers[seq.virtual_engine]
                 manager.trim(seq)
                 manager.register_full_blocks(seq)
-            seq.spec_token_ids, seq.spec_draft_probs = [], None
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
 
     def _propose(self, running: list[Sequence]) -> None:
         """Speculative decoding: the tokens each running decode proposes for this step (the
         scheduler cuts them to its budget). None for a sequence whose next rows the sampler
         would process differently from one position to the next (penalties counting the
-        proposals, a grammar, min_tokens still masking EOS), or that still scores its prompt."""
+        proposals, min_tokens still masking EOS), or that still scores its prompt. A constrained
+        sequence's proposal is cut where its grammar refuses it (spec_decode/grammar.py)."""
         wanted = []
         for seq in running:
             params = seq.params
             limit = min(params.max_tokens if params.max_tokens is not None else self.max_model_len,
                         self.max_model_len) - seq.num_output_tokens - 1
             limit = min(limit, self.max_model_len - seq.num_tokens - 1, self.proposer.k)
-            seq.spec_token_ids, seq.spec_draft_probs = [], None
-            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
+            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1
                     or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
                     or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
                     or params.frequency_penalty or params.presence_penalty):
                 continue
             wanted.append((seq, limit))
-        if isinstance(self.proposer, DraftProposer):
-            self.proposer.propose(wanted, self.generator)
+        if isinstance(self.proposer, DraftProposer):  # (it walks the grammars itself)
+            self.proposer.propose(wanted, self.generator, self.model_config.vocab_size)
             return
         for seq, limit in wanted:
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+            if seq.grammar is not None and seq.spec_token_ids:
+                constrain_proposal(seq, self.model_config.vocab_size)
 
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers

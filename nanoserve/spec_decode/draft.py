@@ -22,6 +22,8 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
 from nanoserve.models.config import ModelConfig
+from nanoserve.kernels import apply_token_bitmask
+from nanoserve.spec_decode.grammar import bitmask_rows
 from nanoserve.spec_decode.verify import target_probs
 
 
@@ -65,10 +67,13 @@ class DraftProposer:
         return shadow
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Sequence, int]], generator: torch.Generator | None) -> None:
-        """Set `spec_token_ids` (and `spec_draft_probs` for sampled sequences) of each sequence,
-        at most `limit` tokens; a sequence whose shadow doesn't fit the draft's pool proposes
-        nothing this step."""
+    def propose(self, wanted: list[tuple[Sequence, int]], generator: torch.Generator | None,
+                vocab_size: int) -> None:
+        """Set `spec_token_ids` (and `spec_draft_probs` for sampled sequences, `spec_bitmask`
+        for constrained ones) of each sequence, at most `limit` tokens; a sequence whose shadow
+        doesn't fit the draft's pool proposes nothing this step. A constrained sequence's draft
+        picks under its grammar's mask at each position (the matcher walked along the proposal,
+        then rolled back), and stops where the grammar completes."""
         active: list[tuple[Sequence, Sequence, int]] = []
         for seq, limit in wanted:
             shadow = self._shadow(seq)
@@ -79,8 +84,13 @@ class DraftProposer:
             self.blocks.allocate(shadow, todo + limit)  # every position this step feeds, reserved now
             active.append((seq, shadow, limit))
             seq.spec_token_ids, seq.spec_draft_probs = [], ([] if seq.params.temperature != 0 else None)
+            if seq.grammar is not None:
+                seq.spec_bitmask = bitmask_rows(limit + 1, vocab_size)
+        stopped: set[int] = set()  # constrained sequences whose grammar completed
         for step in range(max((limit for _, _, limit in active), default=0)):
-            batch = [(seq, shadow) for seq, shadow, limit in active if step < limit]
+            batch = [(seq, shadow) for seq, shadow, limit in active if step < limit and seq.seq_id not in stopped]
+            if not batch:
+                break
             scheduled = [ScheduledSequence(shadow, shadow.num_tokens - shadow.num_computed_tokens)
                          for _, shadow in batch]
             model_input = self.runner.prepare(scheduled)
@@ -89,12 +99,28 @@ class DraftProposer:
             for (seq, shadow), item in zip(batch, scheduled):
                 shadow.num_computed_tokens += item.num_new_tokens
                 row = rows[id(shadow)]
-                token = self._pick(logits[row:row + 1], seq, generator)
+                draft_row = logits[row:row + 1].float()
+                if seq.grammar is not None:
+                    seq.grammar.matcher.fill_next_token_bitmask(seq.spec_bitmask, step)
+                    apply_token_bitmask(draft_row, seq.spec_bitmask[step:step + 1].to(draft_row.device),
+                                        torch.zeros(1, dtype=torch.long, device=draft_row.device))
+                token = self._pick(draft_row, seq, generator)
                 seq.spec_token_ids.append(token)
                 shadow.token_ids.append(token)
+                if seq.grammar is not None:
+                    seq.grammar.matcher.accept_token(token)  # allowed by the mask
+                    if seq.grammar.is_terminated:
+                        stopped.add(seq.seq_id)
         for seq, _, _ in active:
             if seq.spec_draft_probs is not None:
                 seq.spec_draft_probs = torch.cat(seq.spec_draft_probs) if seq.spec_draft_probs else None
+            if seq.grammar is not None:  # the row after the proposal, then the matcher back
+                count, matcher = len(seq.spec_token_ids), seq.grammar.matcher
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(seq.spec_bitmask, count)
+                if count:
+                    matcher.rollback(count)
+                seq.spec_bitmask = seq.spec_bitmask[:count + 1]
 
     @staticmethod
     def _pick(row: torch.Tensor, seq: Sequence, generator: torch.Generator | None) -> int:

@@ -211,3 +211,29 @@ def test_draft_model_config_errors(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2},
                      tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_structured_outputs_under_speculation_equal_plain(tiny_llama_dir, other_llama_dir, proposer):
+    """A repetitive grammar (so proposals happen) on the tiny model's vocabulary: greedy tokens
+    equal a plain constrained decode's, the text fits the grammar, and proposals were made."""
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    regex = "(a|b|c)(a|b|c| )*(x|y)"
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+    config = NGRAM if proposer == "ngram" else {"model": str(other_llama_dir), "num_speculative_tokens": 3}
+    plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
+    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, speculative_config=config)
+    prompts = repetitive_prompts(4, seed=12)
+    ours, theirs = run(spec, prompts, params), run(plain, prompts, params)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+    assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+    import re
+    for out in run(spec, prompts, sampled):
+        text = out.outputs[0].text
+        assert re.fullmatch(regex, text) or out.outputs[0].finish_reason == "length"
+        assert re.fullmatch("(a|b|c)(a|b|c| )*(x|y)?", text)
