@@ -170,13 +170,18 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.runner != "auto" and self.task != "auto" and (self.runner == "pooling") != (self.task in ("embed", "embedding")):
+        pooling_task = self.task in ("embed", "embedding")
+        if self.runner != "auto" and self.task != "auto" and (self.runner == "pooling") != pooling_task:
             raise ValueError(f"--runner {self.runner} and --task {self.task} disagree")
         if self.pooler_config is not None:
             from nanoserve.pooling import PoolerConfig
             PoolerConfig.parse(self.pooler_config)  # a bad one is one clear error here
-        if self.speculative is not None and self.pipeline_parallel_size > 1:
+        speculative = self.speculative
+        if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
+        if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model is not supported with tensor "
+                             "parallelism (n-gram speculation is)")
         if self.pipeline_parallel_size > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode 'swap' is not supported with pipeline parallelism "
                              "(use the default, recompute)")

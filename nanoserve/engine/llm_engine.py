@@ -42,6 +42,8 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.spec_decode.metrics import SpecDecodingStats
+from nanoserve.spec_decode.draft import DraftProposer
+from nanoserve.spec_decode.grammar import constrain_proposal
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -161,10 +163,9 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         # Speculative decoding (--speculative-config): n-gram proposals verified each step.
-        spec = config.speculative
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max) if spec is not None else None)
-        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
+        self.proposer = self._make_proposer(config.speculative)
+        self.spec_stats = (SpecDecodingStats(config.speculative.num_speculative_tokens)
+                           if self.proposer is not None else None)
         # Structured outputs: made on the first constrained request.
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
@@ -188,6 +189,16 @@ class LLMEngine:
     @property
     def is_pooling(self) -> bool:
         return self.pooler is not None
+
+    def _make_proposer(self, spec) -> NgramProposer | DraftProposer | None:
+        """--speculative-config's proposer: n-gram lookup, or a draft model on a KV pool of its
+        own holding as many tokens as the target's."""
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return DraftProposer(self.config, resolve_model_dir(spec.model), self.model_config, self.runner.num_kv_blocks,
+                             self.runner.device, spec.num_speculative_tokens)
 
     def _requested_max_model_len(self) -> int:
         """--max-model-len, or the model's own limit; never past the model's positions."""
@@ -458,6 +469,8 @@ class LLMEngine:
             if request is None:
                 continue
             for seq in request.seqs:
+                if isinstance(self.proposer, DraftProposer):
+                    self.proposer.drop(seq)
                 if not seq.is_finished:
                     self.schedulers[seq.virtual_engine].remove(seq)
                     seq.status = SequenceStatus.FINISHED
@@ -616,25 +629,34 @@ class LLMEngine:
                 manager = self.block_managers[seq.virtual_engine]
                 manager.trim(seq)
                 manager.register_full_blocks(seq)
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
 
     def _propose(self, running: list[Sequence]) -> None:
         """Speculative decoding: the tokens each running decode proposes for this step (the
         scheduler cuts them to its budget). None for a sequence whose next rows the sampler
         would process differently from one position to the next (penalties counting the
-        proposals, a grammar, min_tokens still masking EOS), or that still scores its prompt."""
+        proposals, min_tokens still masking EOS), or that still scores its prompt. A constrained
+        sequence's proposal is cut where its grammar refuses it (spec_decode/grammar.py)."""
+        wanted = []
         for seq in running:
             params = seq.params
             limit = min(params.max_tokens if params.max_tokens is not None else self.max_model_len,
                         self.max_model_len) - seq.num_output_tokens - 1
-            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1, self.proposer.k)
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
+            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1
                     or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
                     or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
                     or params.frequency_penalty or params.presence_penalty):
-                seq.spec_token_ids = []
                 continue
+            wanted.append((seq, limit))
+        if isinstance(self.proposer, DraftProposer):  # (it walks the grammars itself)
+            self.proposer.propose(wanted, self.generator, self.model_config.vocab_size)
+            return
+        for seq, limit in wanted:
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+            if seq.grammar is not None and seq.spec_token_ids:
+                constrain_proposal(seq, self.model_config.vocab_size)
 
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
@@ -672,6 +694,8 @@ class LLMEngine:
             self._after_verification(model_input.spec_seqs, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them
             self.schedulers[seq.virtual_engine].remove(seq)
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.drop(seq)
         for request in processed.finished_requests:
             del self.requests[request.request_id]
         return processed.outputs

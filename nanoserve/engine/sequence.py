@@ -57,6 +57,12 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     # Pooling models: the embedding being pooled from its prompt's hidden states, chunk by chunk.
     pooling: PoolingState | None = None
+    # A draft model's distributions for those tokens ([k, V], sampled requests only; None: the
+    # proposal is deterministic, n-gram lookup or a greedy draft).
+    spec_draft_probs: torch.Tensor | None = None
+    # A constrained sequence's verification rows' token bitmasks ([k + 1, words] int32; None:
+    # unconstrained), from its grammar walked along the proposal (spec_decode/grammar.py).
+    spec_bitmask: torch.Tensor | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 
