@@ -1,6 +1,8 @@
 """nanoserve: a small, fast LLM inference server."""
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput
+from nanoserve.beam_search import BeamSearchParams
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -22,5 +24,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput",
            "TextPrompt", "TokensPrompt", "__version__"]

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+RUNNERS = ("auto", "generate", "pooling")
+TASKS = ("auto", "generate", "embed", "embedding")
 
 
 def arg(default=None, help: str = "", **cli):
@@ -100,6 +102,18 @@ class EngineConfig:
     pp_layer_partition: str | None = arg(
         None, "decoder layers per pipeline stage, comma-separated, e.g. '10,14' (default: "
               "$NANOSERVE_PP_LAYER_PARTITION, else an even split)")
+    # vLLM's --runner / --task: "pooling" serves embeddings (/v1/embeddings, LLM.embed) instead of
+    # generating; "auto" picks pooling for a headless checkpoint (MistralModel, ...), else
+    # generate. --task embed (or embedding) is vLLM's older spelling of --runner pooling.
+    runner: str = arg("auto", "generate text, or pool hidden states into embeddings",
+                      choices=RUNNERS)
+    task: str = arg("auto", "vLLM's older flag: embed = --runner pooling, generate = --runner generate",
+                    choices=TASKS)
+    # --pooler-config: '{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}' over what the
+    # checkpoint's sentence-transformers files say (nanoserve/pooling.py).
+    pooler_config: str | dict | None = arg(
+        None, "pooling models: JSON overriding the checkpoint's pooling, e.g. "
+              "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'")
     # vLLM's --speculative-config: JSON text (or a dict through LLM(...)), read by
     # spec_decode/config.py; None: no speculation.
     speculative_config: str | dict | None = arg(
@@ -156,11 +170,31 @@ class EngineConfig:
         if self.pipeline_parallel_size < 1:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.speculative is not None and self.pipeline_parallel_size > 1:
+        pooling_task = self.task in ("embed", "embedding")
+        if self.runner != "auto" and self.task != "auto" and (self.runner == "pooling") != pooling_task:
+            raise ValueError(f"--runner {self.runner} and --task {self.task} disagree")
+        if self.pooler_config is not None:
+            from nanoserve.pooling import PoolerConfig
+            PoolerConfig.parse(self.pooler_config)  # a bad one is one clear error here
+        speculative = self.speculative
+        if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
+        if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model is not supported with tensor "
+                             "parallelism (n-gram speculation is)")
         if self.pipeline_parallel_size > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode 'swap' is not supported with pipeline parallelism "
                              "(use the default, recompute)")
+
+    def resolve_runner(self, headless_checkpoint: bool) -> str:
+        """"generate" or "pooling": the flags', else pooling for a headless checkpoint."""
+        if self.runner != "auto":
+            return self.runner
+        if self.task in ("embed", "embedding"):
+            return "pooling"
+        if self.task == "generate":
+            return "generate"
+        return "pooling" if headless_checkpoint else "generate"
 
     @property
     def speculative(self):

@@ -11,7 +11,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.inputs import TextPrompt, TokensPrompt
-from nanoserve.outputs import RequestOutput, RequestOutputKind
+from nanoserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 PROGRESS_BAR_MIN_PROMPTS = 8
@@ -50,14 +51,43 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return list(prompts)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` on a pooling model (--runner pooling / runner="pooling"): one
+        embedding per prompt (prompts as in generate), pooled and normalized as the checkpoint
+        says (nanoserve/pooling.py)."""
+        prompts = self._prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._counter))
+                self.llm_engine.add_request(request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(request_id)
+            outputs = self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
+                for o in outputs]
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """`prompts`: one prompt or a list of them, each a string, a list of token ids, a dict
         (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt."""
-        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

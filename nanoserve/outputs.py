@@ -80,6 +80,8 @@ class RequestOutput:
     # One entry per prompt token (the first is None) once the prompt is scored; None when the
     # request did not ask for prompt_logprobs.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Pooling models: the prompt's embedding (float32 values), in the final output.
+    embedding: list[float] | None = None
 
     def add(self, delta: "RequestOutput") -> None:
         """Fold a later DELTA output of the same request into this one (vLLM's
@@ -99,3 +101,21 @@ class RequestOutput:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's: what LLM.embed returns per prompt."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -211,7 +211,8 @@ class AsyncLLMEngine:
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival_time = time.time()
-        await self._compile_grammar(params)
+        if isinstance(params, SamplingParams):  # (a pooling request has no grammar)
+            await self._compile_grammar(params)
         stream = RequestStream(request_id, arrival_time, params, output_kind)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
@@ -357,7 +358,7 @@ class AsyncLLMEngine:
             return
         now = time.time() if now is None else now
         e2e = now - stream.arrival_time
-        params = stream.params
+        params = stream.params if isinstance(stream.params, SamplingParams) else None  # None: pooling
         n = params.n if params is not None else 1
         if output is None:  # never reached the engine
             self.observer.on_finished(FinishedRequestStats(

@@ -39,7 +39,11 @@ from nanoserve.models.gguf_model import check_gguf_file, check_quantization, fin
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.pooling import PoolerConfig, PoolingState
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.spec_decode.metrics import SpecDecodingStats
+from nanoserve.spec_decode.draft import DraftProposer
+from nanoserve.spec_decode.grammar import constrain_proposal
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -131,6 +135,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
         check_quantization(config.quantization, self.model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.pooler = self._pooler()  # None: the model generates
         self.tokenizer = load_tokenizer(config.tokenizer, self.model_dir)
         max_len = self._requested_max_model_len()
         torch.manual_seed(config.seed)
@@ -158,14 +163,42 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         # Speculative decoding (--speculative-config): n-gram proposals verified each step.
-        spec = config.speculative
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                       spec.prompt_lookup_max) if spec is not None else None)
-        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec is not None else None
+        self.proposer = self._make_proposer(config.speculative)
+        self.spec_stats = (SpecDecodingStats(config.speculative.num_speculative_tokens)
+                           if self.proposer is not None else None)
         # Structured outputs: made on the first constrained request.
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
         self._structured_output_lock = threading.Lock()
+
+    def _pooler(self) -> PoolerConfig | None:
+        """--runner pooling (or --task embed, or a headless checkpoint): how prompts become
+        embeddings; None for a generating model."""
+        config, model_config = self.config, self.model_config
+        if config.resolve_runner(model_config.headless) == "generate":
+            if model_config.headless:
+                raise ValueError(f"{model_config.architecture.removesuffix('ForCausalLM')}Model checkpoints have no "
+                                 "LM head: serve them with --runner pooling (or --task embed)")
+            return None
+        if config.speculative is not None:
+            raise ValueError("--speculative-config is for generating models, not --runner pooling")
+        if config.pipeline_parallel_size > 1:
+            raise ValueError("--runner pooling is not supported with pipeline parallelism")
+        return PoolerConfig.for_model(self.model_dir, config.pooler_config)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooler is not None
+
+    def _make_proposer(self, spec) -> NgramProposer | DraftProposer | None:
+        """--speculative-config's proposer: n-gram lookup, or a draft model on a KV pool of its
+        own holding as many tokens as the target's."""
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return DraftProposer(self.config, resolve_model_dir(spec.model), self.model_config, self.runner.num_kv_blocks,
+                             self.runner.device, spec.num_speculative_tokens)
 
     def _requested_max_model_len(self) -> int:
         """--max-model-len, or the model's own limit; never past the model's positions."""
@@ -193,7 +226,9 @@ class LLMEngine:
             max_len = capacity
         self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
                           if config.preemption_mode == "swap" else None)
-        self.block_managers = [BlockManager(blocks_each, config.block_size, config.enable_prefix_caching)
+        # Pooling reads every prompt row's hidden state: nothing may come from the prefix cache.
+        prefix_caching = config.enable_prefix_caching and self.pooler is None
+        self.block_managers = [BlockManager(blocks_each, config.block_size, prefix_caching)
                                for _ in range(num_virtual_engines)]
         self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
                                      config.scheduling_policy, self.host_pool, virtual_engine)
@@ -244,13 +279,18 @@ class LLMEngine:
         set_parallel_state(0, 1)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """A generating request (SamplingParams), or on a pooling model an embedding request
+        (PoolingParams): its prompt is run once and pooled, and its one output is the embedding."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
             raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        if isinstance(sampling_params, PoolingParams) or self.pooler is not None:
+            self._add_pooling_request(request_id, prompt, sampling_params, priority, arrival_time)
+            return
         prompt_text, token_ids = self._tokenize(prompt)
         self._check_prompt_tokens(token_ids)
         params = self._check_params(sampling_params, self.model_config.vocab_size)
@@ -268,6 +308,33 @@ class LLMEngine:
         for seq in seqs:
             seq.virtual_engine = virtual_engine
             self.schedulers[virtual_engine].add(seq)
+
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params, priority: int,
+                             arrival_time: float | None) -> None:
+        if self.pooler is None:
+            raise InvalidRequestError("This model generates text; it does not embed (start a pooling model, "
+                                      "--runner pooling, to embed).")
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("This model is served as a pooling model (--runner pooling): it embeds, "
+                                      "it does not generate text.")
+        try:
+            self.pooler.check_dimensions(params.dimensions, self.model_config.hidden_size)
+        except ValueError as error:
+            raise InvalidRequestError(str(error), "dimensions") from None
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt_tokens(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(token_ids)} tokens in the input for embedding generation. Please "
+                "reduce the length of the input.", "input_tokens")
+        placeholder = SamplingParams(max_tokens=1)  # what the scheduler and outputs read
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(token_ids), len(token_ids), placeholder,
+                       priority, next(self._arrivals))
+        seq.pooling = PoolingState(self.pooler, params)
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
+        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), placeholder, [seq], metrics)
+        self.schedulers[0].add(seq)
 
     def _check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -402,6 +469,8 @@ class LLMEngine:
             if request is None:
                 continue
             for seq in request.seqs:
+                if isinstance(self.proposer, DraftProposer):
+                    self.proposer.drop(seq)
                 if not seq.is_finished:
                     self.schedulers[seq.virtual_engine].remove(seq)
                     seq.status = SequenceStatus.FINISHED
@@ -519,8 +588,34 @@ class LLMEngine:
     def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         now = time.time()
         model_input = self.runner.prepare(scheduler_output.scheduled_seqs)
-        logits = self.runner.forward(model_input)
+        logits = self.runner.forward(model_input)  # a pooling model's: the hidden states
+        if self.pooler is not None:
+            return self._finish_pooling_step(scheduler_output, logits, now)
         return self._finish_step(scheduler_output, model_input, logits, now)
+
+    def _finish_pooling_step(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor,
+                             now: float) -> list[RequestOutput]:
+        """Each scheduled prompt chunk's rows (in schedule order: every row of a pooling step is
+        a prompt row) into its sequence's pooling; a prompt done is an embedding, its request
+        finished and its blocks freed."""
+        outputs, row = [], 0
+        for item in scheduler_output.scheduled_seqs:
+            seq, count = item.seq, item.num_new_tokens
+            request = self.requests[seq.request_id]
+            request.record_scheduled(seq, now)
+            seq.pooling.add(hidden[row:row + count])
+            row += count
+            seq.num_computed_tokens += count
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            self.output_processor.count_prompt(request, seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+            request.record_tokens(now)
+            self.schedulers[seq.virtual_engine].remove(seq)
+            del self.requests[seq.request_id]
+            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
+                                         request.metrics, embedding=seq.pooling.result().tolist()))
+        return outputs
 
     def _after_verification(self, seqs: list[Sequence], result: SamplerOutput | None) -> None:
         """Verified sequences keep the KV of their kept proposals (every token but the one
@@ -534,25 +629,34 @@ class LLMEngine:
                 manager = self.block_managers[seq.virtual_engine]
                 manager.trim(seq)
                 manager.register_full_blocks(seq)
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
 
     def _propose(self, running: list[Sequence]) -> None:
         """Speculative decoding: the tokens each running decode proposes for this step (the
         scheduler cuts them to its budget). None for a sequence whose next rows the sampler
         would process differently from one position to the next (penalties counting the
-        proposals, a grammar, min_tokens still masking EOS), or that still scores its prompt."""
+        proposals, min_tokens still masking EOS), or that still scores its prompt. A constrained
+        sequence's proposal is cut where its grammar refuses it (spec_decode/grammar.py)."""
+        wanted = []
         for seq in running:
             params = seq.params
             limit = min(params.max_tokens if params.max_tokens is not None else self.max_model_len,
                         self.max_model_len) - seq.num_output_tokens - 1
-            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1 or seq.grammar is not None
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1, self.proposer.k)
+            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
+            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1
                     or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
                     or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
                     or params.frequency_penalty or params.presence_penalty):
-                seq.spec_token_ids = []
                 continue
+            wanted.append((seq, limit))
+        if isinstance(self.proposer, DraftProposer):  # (it walks the grammars itself)
+            self.proposer.propose(wanted, self.generator, self.model_config.vocab_size)
+            return
+        for seq, limit in wanted:
             seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
+            if seq.grammar is not None and seq.spec_token_ids:
+                constrain_proposal(seq, self.model_config.vocab_size)
 
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
@@ -590,6 +694,8 @@ class LLMEngine:
             self._after_verification(model_input.spec_seqs, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them
             self.schedulers[seq.virtual_engine].remove(seq)
+            if isinstance(self.proposer, DraftProposer):
+                self.proposer.drop(seq)
         for request in processed.finished_requests:
             del self.requests[request.request_id]
         return processed.outputs

@@ -51,6 +51,9 @@ class ModelRunner(KVCacheAllocation):
             if self.world_size == 1:  # TP ranks are sized by init_rank
                 torch.set_num_threads(threads_per_rank(config.cpu_threads))
         self.dtype = model_config.resolve_dtype(config.dtype)
+        # A pooling model (--runner pooling): forward returns the final hidden states of every
+        # row, no logits (the engine pools them); it never decodes.
+        self.pooling = config.resolve_runner(model_config.headless) == "pooling"
         self.block_size = config.block_size
         self.memory_at_start = MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
         self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
@@ -77,10 +80,11 @@ class ModelRunner(KVCacheAllocation):
         self.swapper = self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
         # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
-        self.fused_decode = FusedDecode.build(self.model, self.world_size) if self.device.type == "cpu" else None
+        self.fused_decode = (FusedDecode.build(self.model, self.world_size)
+                             if self.device.type == "cpu" and not self.pooling else None)
         self.decode_graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureStats | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and not self.pooling:
             if self.world_size > 1:
                 logger.info("CUDA graphs are off with tensor or pipeline parallelism: every step runs eagerly")
             elif not kernels.graph_safe(self.device):
@@ -237,6 +241,8 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata)
         if hidden is None:
             hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+        if self.pooling:
+            return hidden
         if num_logits == 0:
             return None
         return self.model.compute_logits(hidden[model_input.logits_indices])

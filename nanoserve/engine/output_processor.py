@@ -102,7 +102,7 @@ class OutputProcessor:
             if seq.is_finished:  # aborted while in flight
                 continue
             request = requests[seq.request_id]
-            self._count_prompt(request, seq)
+            self.count_prompt(request, seq)
             if self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None):
                 step.finished_seqs.append(seq)
             progressed[seq.request_id] = request
@@ -124,7 +124,8 @@ class OutputProcessor:
                 step.outputs.append(output)
         return step
 
-    def _count_prompt(self, request: Request, seq: Sequence) -> None:
+    def count_prompt(self, request: Request, seq: Sequence) -> None:
+        """Its prompt tokens into the totals, once per request."""
         if not request.prompt_counted:
             request.prompt_counted = True
             self.prompt_tokens_total += seq.num_prompt_tokens

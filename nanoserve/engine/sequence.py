@@ -8,6 +8,7 @@ import torch
 
 from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.outputs import Logprob
+from nanoserve.pooling import PoolingState
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.tokenizer import IncrementalDetokenizer
 
@@ -54,6 +55,14 @@ class Sequence:
     # Speculative decoding: the tokens proposed for this step (verified with the last one, then
     # cleared); empty when the step decodes it as usual.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Pooling models: the embedding being pooled from its prompt's hidden states, chunk by chunk.
+    pooling: PoolingState | None = None
+    # A draft model's distributions for those tokens ([k, V], sampled requests only; None: the
+    # proposal is deterministic, n-gram lookup or a greedy draft).
+    spec_draft_probs: torch.Tensor | None = None
+    # A constrained sequence's verification rows' token bitmasks ([k + 1, words] int32; None:
+    # unconstrained), from its grammar walked along the proposal (spec_decode/grammar.py).
+    spec_bitmask: torch.Tensor | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 

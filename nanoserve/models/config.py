@@ -10,6 +10,10 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+# Decoder checkpoints without their LM head (e5-mistral's MistralModel, Llama/Qwen embedders):
+# tensors named without the "model." prefix; served as pooling models (--runner pooling).
+HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                          "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -94,6 +98,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2
     final_logit_softcapping: float | None = None  # Gemma 2
     rope_local_base_freq: float | None = None  # Gemma 3: rope theta of the sliding layers
+    # The checkpoint is a headless decoder (HEADLESS_ARCHITECTURES): no LM head, tensors without
+    # the "model." prefix. Such a model only embeds (--runner pooling).
+    headless: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts families
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
@@ -122,11 +129,14 @@ class ModelConfig:
     def from_hf_config(cls, raw: dict, model_dir: str | Path) -> "ModelConfig":
         """`raw`: config.json's content; `model_dir` names the model in errors."""
         architectures = raw.get("architectures") or []
+        headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
         architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None and headless is not None:
+            architecture = HEADLESS_ARCHITECTURES[headless]
         if architecture is None:
             named = ", ".join(architectures) if architectures else f"model_type {raw.get('model_type')!r}"
             raise ValueError(f"{model_dir}: unsupported architecture {named}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES))}")
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         rope_scaling = raw.get("rope_scaling")
@@ -178,6 +188,7 @@ class ModelConfig:
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             rope_local_base_freq=float(rope_local) if rope_local is not None else None,
             moe=MoEConfig.from_raw(raw, architecture),
+            headless=headless is not None and architecture == HEADLESS_ARCHITECTURES[headless],
         )
 
     def resolve_dtype(self, requested: str) -> torch.dtype:

@@ -29,6 +29,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
+    # without "model."; the LM head stays unloaded (a pooling model never computes logits).
+    headless = bool(getattr(model.config, "headless", False))
+    if headless:
+        params.pop("lm_head.weight", None)
     packed = getattr(model, "packed_modules", {})
     renames = getattr(model, "checkpoint_renames", {})  # checkpoint fragment -> ours (Mixtral)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -42,6 +47,9 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
+                tensor_name = name
+                if headless and not name.startswith("model."):
+                    name = "model." + name
                 if tied and name == "lm_head.weight":
                     continue
                 if tied_head_from_embedding and name == "model.embed_tokens.weight":
@@ -63,12 +71,12 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                             break
                 param = params.get(target)
                 if param is None:
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
+                    raise ValueError(f"{file.name}: unexpected tensor {tensor_name!r} for this architecture")
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
-                    param.data.copy_(f.get_tensor(name))
+                    param.data.copy_(f.get_tensor(tensor_name))
                 else:
-                    loader(param, f.get_slice(name), shard_id)
+                    loader(param, f.get_slice(tensor_name), shard_id)
                 loaded_names.add(target)
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
     absent = sorted(expected - loaded_names)

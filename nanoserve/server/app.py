@@ -15,6 +15,7 @@ import nanoserve
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
+from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
 from nanoserve.server.responses import create_response
 from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
 from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
@@ -154,6 +155,7 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/responses": {"POST": self.responses},
+            "/v1/embeddings": {"POST": self.embeddings},
             "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
@@ -273,6 +275,11 @@ class OpenAIApp:
     async def chat(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, ChatCompletionRequest))
         return await self._tracked(lambda: create_chat_completion(self.ctx, body))
+
+    async def embeddings(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, EmbeddingRequest))
+        is_pooling = self.ctx.engine.engine.is_pooling
+        return await self._tracked(lambda: create_embedding(self.ctx, body, is_pooling))
 
     async def responses(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, ResponsesRequest))

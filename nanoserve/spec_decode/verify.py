@@ -4,8 +4,9 @@ to a plain decode row: the logit bias, temperature, top-k / top-p / min-p. Logpr
 request asks for them, are the raw rows' (before that processing), as layers/sampler.py reports.
 
 Only sequences whose rows are the same function of the logits at every position are proposed
-for (engine: LLMEngine._propose): no penalties, no grammar, no min_tokens still to reach. So a
-greedy sequence's tokens are exactly a plain decode's.
+for (engine: LLMEngine._propose): no penalties, no min_tokens still to reach; a constrained
+sequence's rows each get its grammar's bitmask for that position (grammar.py). So a greedy
+sequence's tokens are exactly a plain decode's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.kernels import apply_token_bitmask
 from nanoserve.layers.sampler import apply_top_k_top_p_min_p, gather_logprobs
 from nanoserve.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 
@@ -32,7 +34,7 @@ def _filters(seq: Sequence, rows: int, device: torch.device) -> SimpleNamespace:
                            min_p=column(params.min_p, torch.float32, 0.0))
 
 
-def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
+def target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """Processed rows: for greedy sequences the biased logits (only their argmax is read), else
     the probabilities the sampler would draw from."""
     params = seq.params
@@ -46,6 +48,14 @@ def _target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
+def _draft_rows(seq: Sequence) -> torch.Tensor | None:
+    """A draft model's q rows for the proposals kept by the scheduler (None: deterministic)."""
+    probs = seq.spec_draft_probs
+    if probs is None or seq.params.temperature == 0:
+        return None
+    return probs[:len(seq.spec_token_ids)].to(torch.float32)
+
+
 def verify(logits: torch.Tensor, seqs: list[Sequence],
            default_generator: torch.Generator | None) -> list[Emitted]:
     """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order."""
@@ -55,8 +65,11 @@ def verify(logits: torch.Tensor, seqs: list[Sequence],
         count = len(seq.spec_token_ids) + 1
         rows = logits[row:row + count].float()
         row += count
+        if seq.spec_bitmask is not None:  # a constrained sequence: each row under its grammar state
+            apply_token_bitmask(rows, seq.spec_bitmask[:count].to(rows.device),
+                                torch.arange(count, device=rows.device))
         spec = SpecSequence(list(seq.spec_token_ids), seq.params.temperature == 0, seq.generator)
-        tokens = rejection_sample(_target_probs(rows, seq), [spec], None, default_generator)[0]
+        tokens = rejection_sample(target_probs(rows, seq), [spec], _draft_rows(seq), default_generator)[0]
         logprobs: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
             emitted = torch.tensor(tokens, dtype=torch.long, device=rows.device)

@@ -138,7 +138,6 @@ def test_nothing_to_look_up_proposes_nothing(fp32_pair):
 @pytest.mark.parametrize("config, message", [
     ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
-    ('{"model": "/some/draft", "num_speculative_tokens": 2}', "draft_model"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "speed": 9}', "speed"),
@@ -163,3 +162,78 @@ def test_tensor_parallel_verification_equals_one_rank(tiny_llama_dir):
              speculative_config=NGRAM) as spec:
         assert [o.outputs[0].token_ids for o in run(spec, prompts, params)] == expected
         assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory):
+    """A second random Llama with the same tokenizer: a draft that often disagrees."""
+    from tests.conftest import write_random_llama
+
+    return write_random_llama(tmp_path_factory.mktemp("draft-llama"), seed=7, num_layers=1)
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_greedy_equals_plain_decoding(tiny_llama_dir, other_llama_dir, draft):
+    draft_dir = tiny_llama_dir if draft == "same" else other_llama_dir
+    prompts = repetitive_prompts(6, seed=10)
+    params = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, logprobs=2)
+    plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
+    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
+               speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
+    for ours, theirs in zip(run(spec, prompts, params), run(plain, prompts, params)):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+    stats = spec.llm_engine.stats().spec_decoding
+    if draft == "same":  # the target itself proposes: every proposal is kept
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert not spec.llm_engine.proposer.shadows  # every finished sequence's draft blocks freed
+    assert spec.llm_engine.proposer.blocks.num_free_blocks == spec.llm_engine.proposer.blocks.num_blocks
+
+
+def test_draft_model_sampling_is_seeded_and_bounded(tiny_llama_dir, other_llama_dir):
+    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256,
+               speculative_config={"model": str(other_llama_dir), "num_speculative_tokens": 3})
+    prompts = repetitive_prompts(3, seed=11)
+    params = SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=5)
+    first = [o.outputs[0].token_ids for o in run(spec, prompts, params)]
+    assert first == [o.outputs[0].token_ids for o in run(spec, prompts, params)]
+    assert all(len(tokens) == 20 for tokens in first)
+    assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
+
+
+def test_draft_model_config_errors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="needs \"model\""):
+        EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2},
+                     tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_structured_outputs_under_speculation_equal_plain(tiny_llama_dir, other_llama_dir, proposer):
+    """A repetitive grammar (so proposals happen) on the tiny model's vocabulary: greedy tokens
+    equal a plain constrained decode's, the text fits the grammar, and proposals were made."""
+    from nanoserve.sampling_params import StructuredOutputsParams
+
+    regex = "(a|b|c)(a|b|c| )*(x|y)"
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
+    config = NGRAM if proposer == "ngram" else {"model": str(other_llama_dir), "num_speculative_tokens": 3}
+    plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
+    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, speculative_config=config)
+    prompts = repetitive_prompts(4, seed=12)
+    ours, theirs = run(spec, prompts, params), run(plain, prompts, params)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+    assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
+    sampled = SamplingParams(temperature=1.0, max_tokens=40, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex=regex))
+    import re
+    for out in run(spec, prompts, sampled):
+        text = out.outputs[0].text
+        assert re.fullmatch(regex, text) or out.outputs[0].finish_reason == "length"
+        assert re.fullmatch("(a|b|c)(a|b|c| )*(x|y)?", text)
