@@ -42,7 +42,9 @@ for part in $PARTS; do
          IDS=$(mktemp)
          $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$IDS" 2>/dev/null
          for m in "$MODEL_DIR" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
-           $PY scripts/perplexity.py nanoserve "$m" "$IDS" 2>/dev/null | tail -n 1 | tee -a "$RUN"
+           for dtype in bfloat16 float32; do  # llama.cpp's activations are fp32
+             $PY scripts/perplexity.py nanoserve "$m" "$IDS" $dtype 2>/dev/null | tail -n 1 | tee -a "$RUN"
+           done
          done
          for m in "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
            "$LV/bin/python" scripts/perplexity.py llamacpp "$m" "$IDS" 2>/dev/null | tail -n 1 | tee -a "$RUN"

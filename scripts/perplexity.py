@@ -5,7 +5,8 @@ scored token sees at least CTX/2 tokens of context), as llama.cpp's `perplexity`
 is added by either engine: both read exactly the ids written by `tokenize`.
 
     .venv/bin/python scripts/perplexity.py tokenize MODEL_DIR TEXT IDS.json
-    .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json          # a directory or a .gguf
+    .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json [DTYPE]  # a directory or a .gguf;
+                                                                             # DTYPE: activations (bfloat16)
     ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json
 
 Each scoring command prints one JSON line: {"engine", "model", "tokens_scored", "ppl"}. The
@@ -35,10 +36,10 @@ def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
     print(f"{len(ids)} tokens, {len(windows(ids))} windows of {CTX}", file=sys.stderr)
 
 
-def score_nanoserve(model: str, ids: list[int]) -> tuple[int, float]:
+def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16") -> tuple[int, float]:
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=CTX + 16)
+    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     total, count = 0.0, 0
     for window in windows(ids):
@@ -70,16 +71,20 @@ def score_llamacpp(path: str, ids: list[int]) -> tuple[int, float]:
 
 
 def main(argv: list[str]) -> None:
-    if not argv or {"tokenize": 4, "nanoserve": 3, "llamacpp": 3}.get(argv[0]) != len(argv):
+    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "llamacpp": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
     if argv[0] == "tokenize":
         tokenize(*argv[1:])
         return
     with open(argv[2]) as f:
         ids = json.load(f)
-    score = score_nanoserve if argv[0] == "nanoserve" else score_llamacpp
-    count, total = score(argv[1], ids)
-    print(json.dumps({"engine": argv[0], "model": argv[1].rstrip("/").rsplit("/", 1)[-1],
+    if argv[0] == "nanoserve":
+        dtype = argv[3] if len(argv) == 4 else "bfloat16"
+        count, total = score_nanoserve(argv[1], ids, dtype)
+    else:
+        dtype = "float32"  # llama.cpp computes activations in fp32
+        count, total = score_llamacpp(argv[1], ids)
+    print(json.dumps({"engine": argv[0], "model": argv[1].rstrip("/").rsplit("/", 1)[-1], "dtype": dtype,
                       "tokens_scored": count, "ppl": round(math.exp(total / count), 4)}))
 
 

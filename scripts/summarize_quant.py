@@ -18,7 +18,7 @@ def parse(lines: list[str]) -> tuple[dict, dict, dict]:
             offline[match[1]] = float(match[2])
         elif line.startswith("{"):
             row = json.loads(line)
-            ppl[(row["engine"], row["model"].lower())] = row["ppl"]
+            ppl[(row["engine"], row["model"].lower(), row.get("dtype", "bfloat16"))] = row["ppl"]
     return batch1, offline, ppl
 
 
@@ -45,20 +45,22 @@ def table(batch1: dict, offline: dict, ppl: dict) -> list[str]:
                 target = f"at least 1.3x: {verdict(ratio >= 1.3)}" if name == "q4_1" else ""
                 out.append(f"| offline 64x(128,128) tok/s, {name.upper()} | {offline[name]:.1f} | "
                            f"nanoserve bf16 {offline['bf16']:.1f} | {ratio:.2f}x | {target} |")
-    base = ppl.get(("nanoserve", "smollm2-135m-instruct"))
-    for name in ("q8_0", "q4_1"):
-        ours = ppl.get(("nanoserve", f"smollm2-{name}.gguf"))
-        peer = ppl.get(("llamacpp", f"smollm2-{name}.gguf"))
-        if ours is None:
-            continue
-        if name == "q8_0" and base:
-            target = f"within 1% of bf16 ({base:.4f}): {verdict(abs(ours / base - 1) <= 0.01)}"
-        elif peer:
-            target = f"within llama.cpp's: {verdict(ours <= peer)}"
-        else:
-            target = ""
-        out.append(f"| perplexity, {name.upper()} | {ours:.4f} | llama.cpp {peer if peer else float('nan'):.4f} | "
-                   f"{ours / base if base else float('nan'):.4f}x bf16 | {target} |")
+    for dtype in ("bfloat16", "float32"):
+        base = ppl.get(("nanoserve", "smollm2-135m-instruct", dtype))
+        for name in ("q8_0", "q4_1"):
+            ours = ppl.get(("nanoserve", f"smollm2-{name}.gguf", dtype))
+            peer = ppl.get(("llamacpp", f"smollm2-{name}.gguf", "float32"))
+            if ours is None:
+                continue
+            if name == "q8_0" and base:
+                target = f"within 1% of bf16 weights ({base:.4f}): {verdict(abs(ours / base - 1) <= 0.01)}"
+            elif peer:
+                target = f"within llama.cpp's: {verdict(ours <= peer)}"
+            else:
+                target = ""
+            out.append(f"| perplexity, {name.upper()}, {dtype} activations | {ours:.4f} | llama.cpp "
+                       f"{peer if peer else float('nan'):.4f} | {ours / base if base else float('nan'):.4f}x "
+                       f"bf16 weights | {target} |")
     return out
 
 
