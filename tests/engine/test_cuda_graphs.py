@@ -268,3 +268,29 @@ def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llama_dir):
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     assert graphs.num_steps > 0 and runner.graph_capture.seconds > 0
     assert graphed == eager
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype):
+    """A verification's k + 1 rows are decode rows, so a step of decodes and verifications goes
+    through the graphs' static buffers (on CUDA: replayed graphs of that many rows) and gives the
+    tokens of plain decoding."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(4)] * 3 for _ in range(3)]  # repeats: proposals
+    reference = generate(tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu"), prompts)
+    llm = tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu", speculative_config=ngram)
+    graphs = attach_static_graphs(llm)
+    runner = llm.llm_engine.runner
+    prepare = runner.prepare
+    verified_in_graphs = []
+
+    def recording_prepare(scheduled):
+        model_input = prepare(scheduled)
+        if model_input.graph_size and model_input.spec_seqs:
+            verified_in_graphs.append(model_input.num_spec_rows)
+        return model_input
+
+    runner.prepare = recording_prepare
+    assert generate(llm, prompts) == reference
+    assert verified_in_graphs and graphs.num_steps > 0
