@@ -9,29 +9,44 @@ only that host's ranks; all join through torch.distributed's TCP rendezvous at
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 from multiprocessing import resource_tracker
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.rank import Topology, rank_main, resolve_device_type
+from nanoserve.distributed.rank import Topology, keep_master_store, rank_main, resolve_device_type
 
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+# A single host's rendezvous without --master-port: rank 0's TCPStore, listening on a port the
+# OS picked when it was made and bound ever since (init_method -> store). Picking a free port by
+# binding 0 and closing it would leave a window in which another process (a second test suite,
+# another server) could take it before the rendezvous binds it.
+LOCAL_RENDEZVOUS = "tcp://127.0.0.1:0"
+
+
+def own_rendezvous(topology: Topology) -> Topology:
+    """The topology with a single host's automatic rendezvous made concrete: rank 0's store is
+    created here (in rank 0's process, before any other rank starts) and kept for init_rank;
+    the other ranks get its address. Any other topology is returned as it is."""
+    if topology.init_method != LOCAL_RENDEZVOUS or topology.world_size == 1:
+        return topology
+    store = dist.TCPStore("127.0.0.1", 0, topology.world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(minutes=10))
+    init_method = f"tcp://127.0.0.1:{store.port}"
+    keep_master_store(init_method, store)
+    return dataclasses.replace(topology, init_method=init_method, store_rendezvous=True)
 
 
 def check_topology(config: EngineConfig, layer_partition: tuple = ()) -> Topology:
@@ -73,7 +88,7 @@ def check_topology(config: EngineConfig, layer_partition: tuple = ()) -> Topolog
     elif config.master_addr and config.master_port:
         init_method = f"tcp://{config.master_addr}:{config.master_port}"
     else:
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = LOCAL_RENDEZVOUS  # made concrete by own_rendezvous when the ranks start
     return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads,
                     tp_size, pp_size, tuple(layer_partition))
 
@@ -95,6 +110,7 @@ class WorkerGroup:
 
     def __init__(self, topology: Topology, target: Callable[..., None], args: tuple = (),
                  skip_rank_zero: bool = True):
+        topology = self.topology = own_rendezvous(topology)  # rank 0 joins through self.topology
         context = multiprocessing.get_context("spawn")
         ranks = [rank for rank in topology.local_ranks if not (rank == 0 and skip_rank_zero)]
         to_start = [context.Process(target=rank_main, args=(target, args, topology, rank),

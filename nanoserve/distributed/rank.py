@@ -33,6 +33,9 @@ class Topology:
     tp_size: int = 1
     pp_size: int = 1
     layer_partition: tuple = ()  # each stage's [start, end) decoder layers when pp_size > 1
+    # The rendezvous is rank 0's own TCPStore (launcher.own_rendezvous): every rank passes a
+    # store to init_process_group (rank 0 the one it made, the others a client of it).
+    store_rendezvous: bool = False
 
     @property
     def local_ranks(self) -> range:
@@ -46,6 +49,14 @@ def resolve_device_type(config: EngineConfig) -> str:
     return config.device
 
 
+_master_stores: dict[str, dist.TCPStore] = {}
+
+
+def keep_master_store(init_method: str, store: dist.TCPStore) -> None:
+    """Rank 0's store for a rendezvous its process made (launcher.own_rendezvous)."""
+    _master_stores[init_method] = store
+
+
 def init_rank(topology: Topology, rank: int) -> torch.device:
     """Join the process group as `rank` and return this rank's device."""
     local_rank = rank - topology.node_rank * topology.ranks_per_node
@@ -57,8 +68,16 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
         torch.set_num_threads(threads_per_rank(topology.cpu_threads, topology.ranks_per_node))
     tp_group = None  # pp == 1: the whole world is the tensor-parallel group
     if topology.world_size > 1:
-        dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
-                                world_size=topology.world_size, timeout=timedelta(minutes=10))
+        timeout = timedelta(minutes=10)
+        if topology.store_rendezvous:
+            store = _master_stores.pop(topology.init_method) if rank == 0 else dist.TCPStore(
+                "127.0.0.1", int(topology.init_method.rsplit(":", 1)[1]), topology.world_size,
+                is_master=False, timeout=timeout)
+            dist.init_process_group(topology.backend, store=store, rank=rank,
+                                    world_size=topology.world_size, timeout=timeout)
+        else:
+            dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
+                                    world_size=topology.world_size, timeout=timeout)
         if topology.pp_size > 1 and topology.tp_size > 1:
             # Every rank creates every stage's group, in the same order (new_group is collective).
             for stage in range(topology.pp_size):

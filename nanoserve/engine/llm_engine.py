@@ -149,6 +149,7 @@ class LLMEngine:
         device = None
         if self.topology.world_size > 1:
             self.workers = start_workers(config, self.topology, str(self.model_dir))
+            self.topology = self.workers.topology  # with its rendezvous made concrete
             self.workers.on_failure(self._fail_during_startup)
             device = init_rank(self.topology, 0)
         self.runner = ModelRunner(config, self.model_config, self.model_dir, device=device)

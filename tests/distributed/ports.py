@@ -20,7 +20,7 @@ def _ephemeral_low() -> int:
 def rendezvous_port(host: str = "127.0.0.1") -> int:
     """A port that is free now and that no other process is handed by the kernel meanwhile.
 
-    A port from bind(0) (the launcher's free_port) is in the ephemeral range: between this check
+    A port from bind(0) that is closed again is in the ephemeral range: between this check
     and the rendezvous binding it, the kernel may give it to any process that binds port 0 or
     connects out, a second test run beside this one included. Below that range a port is only
     taken by a process that names it; a random one makes two runs beside each other pick the same

@@ -125,3 +125,19 @@ def test_tp2_cuda_equals_tp1(tiny_llama_dir, tiny_prompts):
     ref, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128, device="cuda")
     out, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128, device="cuda", tensor_parallel_size=2)
     assert out == ref
+
+
+def test_single_host_rendezvous_is_rank_zeros_bound_store(tiny_llama_dir):
+    """Without --master-port the rendezvous is a store rank 0 made on a port the OS picked and
+    has held bound since before the other ranks started (no pick-close-rebind window another
+    process could use): the engine's topology names that port, and nothing else can bind it."""
+    import socket
+
+    with LLM(model=str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        topology = llm.llm_engine.topology
+        assert topology.store_rendezvous and not topology.init_method.endswith(":0")
+        port = int(topology.init_method.rsplit(":", 1)[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            with pytest.raises(OSError):
+                probe.bind(("127.0.0.1", port))
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
