@@ -294,3 +294,27 @@ def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype
     runner.prepare = recording_prepare
     assert generate(llm, prompts) == reference
     assert verified_in_graphs and graphs.num_steps > 0
+
+
+@cuda_only
+def test_cuda_graphs_replay_speculative_verification(tiny_llama_dir):
+    """On CUDA the verification rows go through captured graphs (a bucket of decode rows) and
+    give the eager, non-speculative tokens (fp32: the graphs' padded GEMMs change only rounding)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(4)] * 3 for _ in range(5)]
+    options = dict(dtype="float32", device="cuda", num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=64)
+    plain = generate(LLM(model=str(tiny_llama_dir), enforce_eager=True, **options), prompts)
+    llm = LLM(model=str(tiny_llama_dir), speculative_config=ngram, **options)
+    runner = llm.llm_engine.runner
+    prepare, replayed = runner.prepare, []
+
+    def recording_prepare(scheduled):
+        model_input = prepare(scheduled)
+        if model_input.graph_size and model_input.spec_seqs:
+            replayed.append(model_input.graph_size)
+        return model_input
+
+    runner.prepare = recording_prepare
+    assert generate(llm, prompts) == plain
+    assert replayed and runner.decode_graphs.num_steps > 0
