@@ -13,7 +13,7 @@ from nanoserve.inputs import TokensPrompt
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.http_types import Response
 from nanoserve.server.schemas import CompletionChoice, CompletionRequest, CompletionResponse
-from nanoserve.server.serving import ServingContext, bad_request, encode_json, fold, response_id
+from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 
 REFUSED = (("stream", "streaming"), ("logprobs", "logprobs"), ("echo", "echo"),
            ("response_format", "structured outputs"), ("structured_outputs", "structured outputs"),
@@ -51,16 +51,7 @@ async def _search(ctx: ServingContext, base_id: str, prompt: TokensPrompt, param
         except InvalidRequestError as error:  # the server's --max-logprobs bounds the width
             raise bad_request(f"beam width {params.beam_width} needs {search.num_logprobs} "
                               f"logprobs a step: {error}", "n") from None
-        finals = []
-        try:
-            for stream in streams:
-                final = None
-                async for output in stream:
-                    final = fold(final, output)
-                finals.append(final)
-        except BaseException:
-            ctx.abort_unfinished(streams)
-            raise
+        finals = await ctx.final_outputs(streams)
         search.advance([{token: lp.logprob for token, lp in final.outputs[0].logprobs[0].items()}
                         for final in finals])
         step += 1

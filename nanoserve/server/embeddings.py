@@ -18,7 +18,7 @@ from nanoserve.outputs import RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.http_types import Response
 from nanoserve.server.schemas import APIError
-from nanoserve.server.serving import ServingContext, bad_request, encode_json, fold, response_id
+from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
 
@@ -105,15 +105,10 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest, is_po
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
             streams.append(await ctx.engine.add_request(request_id, prompt, params, request.priority,
                                                         RequestOutputKind.FINAL_ONLY))
-        finals = []
-        for stream in streams:
-            final = None
-            async for output in stream:
-                final = fold(final, output)
-            finals.append(final)
-    except BaseException:
+    except BaseException:  # all or none
         ctx.abort_unfinished(streams)
         raise
+    finals = await ctx.final_outputs(streams)
     data = [{"object": "embedding", "index": index, "embedding": _encode(final.embedding, request.encoding_format)}
             for index, final in enumerate(finals)]
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)

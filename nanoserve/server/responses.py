@@ -16,8 +16,7 @@ from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.responses_input import (ResponsesRequest, ResponseStore, as_chat_request,
                                               check_unsupported, input_messages)
 from nanoserve.server.schemas import APIError
-from nanoserve.server.serving import (ServingContext, encode_json, fold, random_id, response_id,
-                                      to_api_error)
+from nanoserve.server.serving import ServingContext, encode_json, random_id, response_id, to_api_error
 from nanoserve.server.tools import check_tool_use
 
 
@@ -140,13 +139,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
         writer = StreamWriter(ctx, shell, reader)
         return StreamingResponse(writer.run(stream, store if request.store is not False else None,
                                             conversation, prompt_tokens))
-    final = None
-    try:
-        async for output in stream:
-            final = fold(final, output)
-    except BaseException:
-        ctx.abort_unfinished([stream])
-        raise
+    final = (await ctx.final_outputs([stream]))[0]
     choice = final.outputs[0]
     items, reasoning = _output_items(reader, choice.text)
     status, reason = _status(choice.finish_reason)

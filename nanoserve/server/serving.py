@@ -339,6 +339,21 @@ class ServingContext:
         if key is not None and self.response_cache is not None:
             self.response_cache.put(key, finals)
 
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Each stream's outputs folded into its whole answer, in order; on any error (the
+        client gone, the engine dead) the unfinished ones are aborted first."""
+        finals = []
+        try:
+            for stream in streams:
+                final = None
+                async for output in stream:
+                    final = fold(final, output)
+                finals.append(final)
+        except BaseException:
+            self.abort_unfinished(streams)
+            raise
+        return finals
+
     def abort_unfinished(self, streams: list[RequestStream]) -> None:
         for stream in streams:
             if not stream.finished:
