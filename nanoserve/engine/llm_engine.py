@@ -43,7 +43,6 @@ from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.spec_decode.metrics import SpecDecodingStats
 from nanoserve.spec_decode.draft import DraftProposer
-from nanoserve.spec_decode.grammar import constrain_proposal
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -470,7 +469,7 @@ class LLMEngine:
             if request is None:
                 continue
             for seq in request.seqs:
-                if isinstance(self.proposer, DraftProposer):
+                if self.proposer is not None:
                     self.proposer.drop(seq)
                 if not seq.is_finished:
                     self.schedulers[seq.virtual_engine].remove(seq)
@@ -630,7 +629,7 @@ class LLMEngine:
                 manager = self.block_managers[seq.virtual_engine]
                 manager.trim(seq)
                 manager.register_full_blocks(seq)
-            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
+            seq.clear_proposal()
 
     def _propose(self, running: list[Sequence]) -> None:
         """Speculative decoding: the tokens each running decode proposes for this step (the
@@ -641,29 +640,28 @@ class LLMEngine:
         wanted = []
         for seq in running:
             params = seq.params
-            limit = min(params.max_tokens if params.max_tokens is not None else self.max_model_len,
-                        self.max_model_len) - seq.num_output_tokens - 1
-            limit = min(limit, self.max_model_len - seq.num_tokens - 1, self.proposer.k)
-            seq.spec_token_ids, seq.spec_draft_probs, seq.spec_bitmask = [], None, None
+            seq.clear_proposal()
+            # Room for the proposal and the token verification adds after it.
+            limit = min(self.proposer.k, self.max_model_len - seq.num_tokens - 1)
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
             if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1
                     or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
                     or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
                     or params.frequency_penalty or params.presence_penalty):
                 continue
             wanted.append((seq, limit))
-        if isinstance(self.proposer, DraftProposer):  # (it walks the grammars itself)
-            self.proposer.propose(wanted, self.generator, self.model_config.vocab_size)
-            return
-        for seq, limit in wanted:
-            seq.spec_token_ids = self.proposer.propose(seq.token_ids, limit)
-            if seq.grammar is not None and seq.spec_token_ids:
-                constrain_proposal(seq, self.model_config.vocab_size)
+        self.proposer.propose_for(wanted, self._rows_batch, self.model_config.vocab_size)
+
+    def _rows_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
+        """The sampler's batch for these rows (one per sequence given)."""
+        return build_sampling_batch(seqs, self.runner.device, self.model_config.vocab_size,
+                                    self.eos_token_ids, self.generator)
 
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
         only advance when this step's tokens are appended, so it may be built at launch."""
-        sampling = build_sampling_batch(model_input.sampling_seqs, self.runner.device,
-                                        self.model_config.vocab_size, self.eos_token_ids, self.generator)
+        sampling = self._rows_batch(model_input.sampling_seqs)
         if sampling is not None and self.structured_output is not None:
             self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
         return sampling
@@ -678,7 +676,9 @@ class LLMEngine:
             if sampling is None:
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
-            result = self.runner.sample(logits, sampling, model_input, self.generator)
+            # Verification rows: a sequence's k + 1 rows each processed as its plain decode row.
+            spec_rows = [seq for seq in model_input.spec_seqs for _ in range(len(seq.spec_token_ids) + 1)]
+            result = self.runner.sample(logits, sampling, model_input, self._rows_batch(spec_rows))
         for item in scheduler_output.scheduled_seqs:
             seq = item.seq
             if seq.is_finished:  # aborted while in flight
@@ -695,7 +695,7 @@ class LLMEngine:
             self._after_verification(model_input.spec_seqs, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them
             self.schedulers[seq.virtual_engine].remove(seq)
-            if isinstance(self.proposer, DraftProposer):
+            if self.proposer is not None:
                 self.proposer.drop(seq)
         for request in processed.finished_requests:
             del self.requests[request.request_id]

@@ -201,9 +201,11 @@ class ModelRunner(KVCacheAllocation):
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None,
-               model_input: ModelInput, generator: torch.Generator | None = None) -> SamplerOutput | None:
-        """Sample the rows of the sequences that completed their prompt; score the prompt rows of
-        those that asked for prompt logprobs (their logits follow the sampled rows)."""
+               model_input: ModelInput, spec_sampling: SamplingBatch | None = None) -> SamplerOutput | None:
+        """Sample the rows of the sequences that completed their prompt; verify the proposals of
+        those that speculate (their rows follow the sampled ones; `spec_sampling` is the sampler's
+        batch over those rows); score the prompt rows of those that asked for prompt logprobs
+        (their logits come last)."""
         if logits is None:
             return None
         num_sampled, num_spec = len(model_input.sampling_seqs), model_input.num_spec_rows
@@ -211,8 +213,7 @@ class ModelRunner(KVCacheAllocation):
         if model_input.prompt_logprob_seqs:
             prompt_logprobs = self._prompt_logprobs(logits[num_sampled + num_spec:], model_input)
         if num_spec:
-            spec = verify(logits[num_sampled:num_sampled + num_spec], model_input.spec_seqs,
-                          sampling.default_generator if sampling is not None else generator)
+            spec = verify(logits[num_sampled:num_sampled + num_spec], model_input.spec_seqs, spec_sampling)
         logits = logits[:num_sampled]
         if sampling is None:  # no sequence completes its prompt or decodes as usual this step
             if prompt_logprobs is None and spec is None:

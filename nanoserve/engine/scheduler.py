@@ -108,7 +108,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: SwapPlan) -> None:
         self.running.remove(seq)
-        seq.spec_token_ids.clear()
+        seq.clear_proposal()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         num_blocks = len(seq.block_table)
@@ -181,7 +181,7 @@ class Scheduler:
         if seq.spec_token_ids:
             del seq.spec_token_ids[max(0, num_new - 1):]
             if not self.block_manager.can_allocate(seq, num_new):
-                seq.spec_token_ids.clear()
+                seq.clear_proposal()
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         return num_new
 

@@ -66,6 +66,10 @@ class Sequence:
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 
+    def clear_proposal(self) -> None:
+        """Speculative decoding: no proposal (before a step proposes, after it verified)."""
+        self.spec_token_ids, self.spec_draft_probs, self.spec_bitmask = [], None, None
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

@@ -117,6 +117,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """float32 logits with the batch's logit biases (min_tokens masks included) and penalties:
+    what greedy rows take the argmax of."""
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    return apply_penalties(logits, batch)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution sampled rows draw from: processed logits over the temperature, then
+    top-k / top-p / min-p."""
+    temperature = batch.temperature.clamp(min=1e-6)[:, None]
+    return apply_top_k_top_p_min_p(logits / temperature, batch).softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """`logits` are the step's own: a constrained row's forbidden tokens are set to -inf in
     place before anything else (as vLLM, logprobs then see the constrained distribution)."""
@@ -126,16 +141,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return SamplerOutput(greedy_argmax(logits), None, None, None)
     logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
-    if batch.logit_bias is not None:
-        logits = logits + batch.logit_bias
-    logits = apply_penalties(logits, batch)
+    logits = processed_logits(logits, batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
-        temperature = batch.temperature.clamp(min=1e-6)[:, None]
-        filtered = apply_top_k_top_p_min_p(logits / temperature, batch)
-        probs = filtered.softmax(dim=-1)
+        probs = sampling_probs(logits, batch)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
         if unseeded:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -21,10 +22,10 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
-from nanoserve.models.config import ModelConfig
 from nanoserve.kernels import apply_token_bitmask
+from nanoserve.layers.sampler import SamplingBatch, processed_logits, sampling_probs
+from nanoserve.models.config import ModelConfig
 from nanoserve.spec_decode.grammar import bitmask_rows
-from nanoserve.spec_decode.verify import target_probs
 
 
 class DraftProposer:
@@ -67,8 +68,8 @@ class DraftProposer:
         return shadow
 
     @torch.inference_mode()
-    def propose(self, wanted: list[tuple[Sequence, int]], generator: torch.Generator | None,
-                vocab_size: int) -> None:
+    def propose_for(self, wanted: list[tuple[Sequence, int]],
+                    batch_for: Callable[[list[Sequence]], SamplingBatch], vocab_size: int) -> None:
         """Set `spec_token_ids` (and `spec_draft_probs` for sampled sequences, `spec_bitmask`
         for constrained ones) of each sequence, at most `limit` tokens; a sequence whose shadow
         doesn't fit the draft's pool proposes nothing this step. A constrained sequence's draft
@@ -95,16 +96,15 @@ class DraftProposer:
                          for _, shadow in batch]
             model_input = self.runner.prepare(scheduled)
             logits = self.runner.forward(model_input)  # one row per shadow (its last token's), in
-            rows = {id(s): row for row, s in enumerate(model_input.sampling_seqs)}  # the runner's order
-            for (seq, shadow), item in zip(batch, scheduled):
-                shadow.num_computed_tokens += item.num_new_tokens
-                row = rows[id(shadow)]
-                draft_row = logits[row:row + 1].float()
+            order = {id(s): row for row, s in enumerate(model_input.sampling_seqs)}  # the runner's order
+            seqs = [seq for seq, _ in batch]
+            for seq in seqs:  # constrained: the grammar's state after `step` proposed tokens
                 if seq.grammar is not None:
                     seq.grammar.matcher.fill_next_token_bitmask(seq.spec_bitmask, step)
-                    apply_token_bitmask(draft_row, seq.spec_bitmask[step:step + 1].to(draft_row.device),
-                                        torch.zeros(1, dtype=torch.long, device=draft_row.device))
-                token = self._pick(draft_row, seq, generator)
+            tokens = self._pick(logits[[order[id(shadow)] for _, shadow in batch]].float(), seqs, step,
+                                batch_for(seqs))
+            for (seq, shadow), item, token in zip(batch, scheduled, tokens):
+                shadow.num_computed_tokens += item.num_new_tokens
                 seq.spec_token_ids.append(token)
                 shadow.token_ids.append(token)
                 if seq.grammar is not None:
@@ -123,10 +123,22 @@ class DraftProposer:
                 seq.spec_bitmask = seq.spec_bitmask[:count + 1]
 
     @staticmethod
-    def _pick(row: torch.Tensor, seq: Sequence, generator: torch.Generator | None) -> int:
-        probs = target_probs(row.float(), seq)
-        if seq.params.temperature == 0:
-            return int(probs.argmax())
-        seq.spec_draft_probs.append(probs)
-        noise = torch.empty_like(probs).exponential_(generator=seq.generator or generator)
-        return int((probs / noise).argmax())
+    def _pick(logits: torch.Tensor, seqs: list[Sequence], step: int, batch: SamplingBatch) -> list[int]:
+        """Each row's draft token: the sampler's processing of the row (layers/sampler.py, under a
+        constrained sequence's bitmask), then the argmax for greedy requests, else a draw whose
+        distribution is kept as q."""
+        for row, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                apply_token_bitmask(logits, seq.spec_bitmask[step:step + 1].to(logits.device),
+                                    torch.tensor([row], device=logits.device))
+        processed = processed_logits(logits, batch)
+        probs = processed if batch.all_greedy else sampling_probs(processed, batch)
+        tokens = []
+        for row, seq in enumerate(seqs):
+            if seq.params.temperature == 0:
+                tokens.append(int(processed[row].argmax()))
+                continue
+            seq.spec_draft_probs.append(probs[row:row + 1])
+            noise = torch.empty_like(probs[row]).exponential_(generator=seq.generator or batch.default_generator)
+            tokens.append(int((probs[row] / noise).argmax()))
+        return tokens

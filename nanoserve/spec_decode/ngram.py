@@ -15,6 +15,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from nanoserve.engine.sequence import Sequence
+from nanoserve.spec_decode.grammar import constrain_proposal
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
@@ -43,3 +46,14 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the token after the most recent earlier occurrence
                 return tokens[start:start + limit].tolist()
         return []
+
+    def propose_for(self, wanted: list[tuple[Sequence, int]], batch_for=None, vocab_size: int = 0) -> None:
+        """The engine's call, as DraftProposer's: each sequence's proposal (at most its limit),
+        cut where a constrained sequence's grammar refuses it (spec_decode/grammar.py)."""
+        for seq, limit in wanted:
+            seq.spec_token_ids = self.propose(seq.token_ids, limit)
+            if seq.grammar is not None and seq.spec_token_ids:
+                constrain_proposal(seq, vocab_size)
+
+    def drop(self, seq: Sequence) -> None:
+        """Nothing is kept per sequence."""

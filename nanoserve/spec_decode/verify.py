@@ -1,7 +1,8 @@
 """One step's verification of proposed tokens: each sequence's k + 1 rows of target logits
-become the tokens it emits (rejection_sampler.py), with the same processing the sampler applies
-to a plain decode row: the logit bias, temperature, top-k / top-p / min-p. Logprobs, when the
-request asks for them, are the raw rows' (before that processing), as layers/sampler.py reports.
+become the tokens it emits (rejection_sampler.py), with the processing the sampler gives a plain
+decode row (its own functions, on a batch with one row per verification row): the logit bias,
+temperature, top-k / top-p / min-p. Logprobs, when the request asks for them, are the raw rows'
+(before that processing), as layers/sampler.py reports.
 
 Only sequences whose rows are the same function of the logits at every position are proposed
 for (engine: LLMEngine._propose): no penalties, no min_tokens still to reach; a constrained
@@ -10,42 +11,26 @@ sequence's tokens are exactly a plain decode's.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels import apply_token_bitmask
-from nanoserve.layers.sampler import apply_top_k_top_p_min_p, gather_logprobs
+from nanoserve.layers.sampler import SamplingBatch, gather_logprobs, processed_logits, sampling_probs
 from nanoserve.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 
 # Per emitted token: (token id, (rank, [id, top ids...], [logprobs]) or None).
 Emitted = list[tuple[int, tuple[int, list[int], list[float]] | None]]
 
 
-def _filters(seq: Sequence, rows: int, device: torch.device) -> SimpleNamespace:
-    """The sampler's per-row filter settings for `rows` rows of one sequence."""
-    params = seq.params
-
-    def column(value, dtype, off):
-        return None if value == off else torch.full((rows,), value, dtype=dtype, device=device)
-    return SimpleNamespace(top_k=column(params.top_k or 0, torch.long, 0),
-                           top_p=column(params.top_p, torch.float32, 1.0),
-                           min_p=column(params.min_p, torch.float32, 0.0))
-
-
-def target_probs(rows: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """Processed rows: for greedy sequences the biased logits (only their argmax is read), else
-    the probabilities the sampler would draw from."""
-    params = seq.params
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=rows.device)
-        values = torch.tensor(list(params.logit_bias.values()), dtype=rows.dtype, device=rows.device)
-        rows = rows.index_add(1, ids, values.expand(rows.shape[0], -1))
-    if params.temperature == 0:
-        return rows
-    filtered = apply_top_k_top_p_min_p(rows / params.temperature, _filters(seq, rows.shape[0], rows.device))
-    return filtered.softmax(dim=-1)
+def apply_bitmasks(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> None:
+    """In place: each constrained sequence's rows (counts[i] of them, in order) under its
+    grammar's per-position bitmask."""
+    row = 0
+    for seq, count in zip(seqs, counts):
+        if seq.spec_bitmask is not None:
+            apply_token_bitmask(logits, seq.spec_bitmask[:count].to(logits.device),
+                                torch.arange(row, row + count, device=logits.device))
+        row += count
 
 
 def _draft_rows(seq: Sequence) -> torch.Tensor | None:
@@ -56,24 +41,28 @@ def _draft_rows(seq: Sequence) -> torch.Tensor | None:
     return probs[:len(seq.spec_token_ids)].to(torch.float32)
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence],
-           default_generator: torch.Generator | None) -> list[Emitted]:
-    """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order."""
+def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> list[Emitted]:
+    """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order; `batch`: the sampler's
+    batch over the same rows (each sequence once per row), whose processing (layers/sampler.py's
+    processed_logits, sampling_probs) the rows get, as a plain decode row would."""
+    counts = [len(seq.spec_token_ids) + 1 for seq in seqs]
+    logits = logits.float()
+    apply_bitmasks(logits, seqs, counts)
+    raw = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
+    processed = processed_logits(logits, batch)
+    probs = processed if batch.all_greedy else sampling_probs(processed, batch)
     out: list[Emitted] = []
     row = 0
-    for seq in seqs:
-        count = len(seq.spec_token_ids) + 1
-        rows = logits[row:row + count].float()
-        row += count
-        if seq.spec_bitmask is not None:  # a constrained sequence: each row under its grammar state
-            apply_token_bitmask(rows, seq.spec_bitmask[:count].to(rows.device),
-                                torch.arange(count, device=rows.device))
-        spec = SpecSequence(list(seq.spec_token_ids), seq.params.temperature == 0, seq.generator)
-        tokens = rejection_sample(target_probs(rows, seq), [spec], _draft_rows(seq), default_generator)[0]
+    for seq, count in zip(seqs, counts):
+        greedy = seq.params.temperature == 0
+        target = (processed if greedy else probs)[row:row + count]  # greedy: only the argmax is read
+        spec = SpecSequence(list(seq.spec_token_ids), greedy, seq.generator)
+        tokens = rejection_sample(target, [spec], _draft_rows(seq), batch.default_generator)[0]
         logprobs: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
-            emitted = torch.tensor(tokens, dtype=torch.long, device=rows.device)
-            tensors = gather_logprobs(rows[:len(tokens)].log_softmax(dim=-1), emitted, seq.params.logprobs)
+            emitted = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+            tensors = gather_logprobs(raw[row:row + len(tokens)], emitted, seq.params.logprobs)
             logprobs = list(zip(tensors.ranks.tolist(), tensors.token_ids.tolist(), tensors.logprobs.tolist()))
         out.append(list(zip(tokens, logprobs)))
+        row += count
     return out
