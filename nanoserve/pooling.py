@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.json_flags import json_object_flag
 from nanoserve.pooling_params import PoolingParams
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -35,17 +36,7 @@ class PoolerConfig:
         """--pooler-config's JSON (or a dict): the fields it sets, checked."""
         if value is None:
             return {}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--pooler-config is not JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--pooler-config must be a JSON object")
-        unknown = set(value) - {"pooling_type", "normalize"}
-        if unknown:
-            raise ValueError(f"--pooler-config: unknown field(s) {sorted(unknown)} "
-                             "(known: pooling_type, normalize)")
+        value = json_object_flag(value, "--pooler-config", {"pooling_type", "normalize"})
         fields = dict(value)
         if "pooling_type" in fields:
             fields["pooling_type"] = str(fields["pooling_type"]).upper()

@@ -7,9 +7,10 @@ neither both are 5. A field nanoserve does not know, or a method it does not ser
 ValueError naming it (the CLI prints it on one line)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from nanoserve.json_flags import json_object_flag
 
 METHODS = ("ngram", "draft_model")
 FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
@@ -27,16 +28,7 @@ class SpeculativeConfig:
     def parse(cls, value: str | dict[str, Any] | None) -> "SpeculativeConfig | None":
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--speculative-config is not JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        unknown = sorted(set(value) - FIELDS)
-        if unknown:
-            raise ValueError(f"--speculative-config: unknown field(s) {unknown} (known: {sorted(FIELDS)})")
+        value = json_object_flag(value, "--speculative-config", FIELDS)
         method = value.get("method") or ("draft_model" if value.get("model") else None)
         if method not in METHODS:
             raise ValueError(f"--speculative-config: method {method!r} is not supported (supported: "
