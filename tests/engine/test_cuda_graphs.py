@@ -270,6 +270,21 @@ def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llama_dir):
     assert graphed == eager
 
 
+def record_verifications_in_graphs(runner) -> list[int]:
+    """A list the runner's prepare fills with the graph size of each step that verifies
+    proposals through the graphs' buffers."""
+    prepare, recorded = runner.prepare, []
+
+    def recording_prepare(scheduled):
+        model_input = prepare(scheduled)
+        if model_input.graph_size and model_input.spec_seqs:
+            recorded.append(model_input.graph_size)
+        return model_input
+
+    runner.prepare = recording_prepare
+    return recorded
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype):
     """A verification's k + 1 rows are decode rows, so a step of decodes and verifications goes
@@ -281,17 +296,7 @@ def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype
     reference = generate(tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu"), prompts)
     llm = tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu", speculative_config=ngram)
     graphs = attach_static_graphs(llm)
-    runner = llm.llm_engine.runner
-    prepare = runner.prepare
-    verified_in_graphs = []
-
-    def recording_prepare(scheduled):
-        model_input = prepare(scheduled)
-        if model_input.graph_size and model_input.spec_seqs:
-            verified_in_graphs.append(model_input.num_spec_rows)
-        return model_input
-
-    runner.prepare = recording_prepare
+    verified_in_graphs = record_verifications_in_graphs(llm.llm_engine.runner)
     assert generate(llm, prompts) == reference
     assert verified_in_graphs and graphs.num_steps > 0
 
@@ -307,14 +312,6 @@ def test_cuda_graphs_replay_speculative_verification(tiny_llama_dir):
     plain = generate(LLM(model=str(tiny_llama_dir), enforce_eager=True, **options), prompts)
     llm = LLM(model=str(tiny_llama_dir), speculative_config=ngram, **options)
     runner = llm.llm_engine.runner
-    prepare, replayed = runner.prepare, []
-
-    def recording_prepare(scheduled):
-        model_input = prepare(scheduled)
-        if model_input.graph_size and model_input.spec_seqs:
-            replayed.append(model_input.graph_size)
-        return model_input
-
-    runner.prepare = recording_prepare
+    replayed = record_verifications_in_graphs(runner)
     assert generate(llm, prompts) == plain
     assert replayed and runner.decode_graphs.num_steps > 0

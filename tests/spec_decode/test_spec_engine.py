@@ -30,6 +30,13 @@ def run(llm: LLM, prompts, params: SamplingParams):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def assert_same_tokens_and_logprobs(ours, theirs, tolerance: float) -> None:
+    assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+    for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=tolerance) for t in a)
+
+
 def pair(model_dir, **kwargs) -> tuple[LLM, LLM]:
     plain = LLM(model=str(model_dir), **kwargs)
     spec = LLM(model=str(model_dir), speculative_config=NGRAM, **kwargs)
@@ -46,10 +53,7 @@ def test_greedy_tokens_and_logprobs_are_identical(fp32_pair):
     prompts = repetitive_prompts(8, seed=1)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=3)
     for ours, theirs in zip(run(spec, prompts, params), run(plain, prompts, params)):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
+        assert_same_tokens_and_logprobs(ours, theirs, 1e-5)
     stats = spec.llm_engine.stats().spec_decoding
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
@@ -181,10 +185,7 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_llama_dir, other_llama_di
     spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
                speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
     for ours, theirs in zip(run(spec, prompts, params), run(plain, prompts, params)):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
+        assert_same_tokens_and_logprobs(ours, theirs, 1e-4)
     stats = spec.llm_engine.stats().spec_decoding
     if draft == "same":  # the target itself proposes: every proposal is kept
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
