@@ -61,20 +61,12 @@ def _inputs(request: EmbeddingRequest) -> list[str | list[int]]:
 
 async def _prompts(ctx: ServingContext, request: EmbeddingRequest,
                    items: list[str | list[int]]) -> list[TokensPrompt]:
-    limit = request.truncate_prompt_tokens
-    if limit is not None and limit < -1:
-        raise bad_request("truncate_prompt_tokens must be -1 (max_model_len) or >= 0", "truncate_prompt_tokens")
-    if request.truncation_side not in (None, "left", "right"):
-        raise bad_request("`truncation_side` must be either 'left' or 'right'.", "truncation_side")
-    side = ctx.truncation_side_of(request)
+    ctx.check_truncation(request, reserve=0)  # a pooling prompt may fill the context
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(await ctx.encode_many(texts, request.add_special_tokens, side)) if texts else iter(())
+    encoded = iter(await ctx.encode_many(texts, request.add_special_tokens, ctx.truncation_side_of(request)))
     prompts = []
     for item in items:
-        ids = next(encoded) if isinstance(item, str) else list(item)
-        if limit is not None:
-            keep = ctx.max_model_len if limit == -1 else limit
-            ids = ids[len(ids) - keep:] if (request.truncation_side or ctx.truncation_side) == "left" else ids[:keep]
+        ids, _ = ctx.truncate(next(encoded) if isinstance(item, str) else list(item), request, reserve=0)
         prompts.append(TokensPrompt(ids, item if isinstance(item, str) else None))
     return prompts
 

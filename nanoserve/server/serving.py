@@ -220,12 +220,19 @@ class ServingContext:
                                   "prompt_logprobs")
         if logprobs is not None and logprobs < -1:
             raise bad_request(f"`{logprobs_name}` must be a positive value or -1.", logprobs_name)
+        self.check_truncation(request)
+
+    def check_truncation(self, request, reserve: int = 1) -> None:
+        """vLLM's checks of truncate_prompt_tokens and truncation_side (any request carrying
+        them). `reserve`: the positions -1 leaves free (1 for the token to generate; 0 for a
+        pooling request)."""
         if request.truncation_side not in (None, "left", "right"):
             raise bad_request("`truncation_side` must be either 'left' or 'right'.",
                               "truncation_side")
         limit = request.truncate_prompt_tokens
         if limit is not None and limit < -1:
-            raise bad_request(f"truncate_prompt_tokens must be -1 (max_model_len - 1) or >= 0, "
+            whole = "max_model_len - 1" if reserve else "max_model_len"
+            raise bad_request(f"truncate_prompt_tokens must be -1 ({whole}) or >= 0, "
                               f"got {limit}", "truncate_prompt_tokens")
         if limit is not None and limit > self.max_model_len:
             raise bad_request(f"truncate_prompt_tokens={limit} cannot be greater than "
@@ -238,13 +245,14 @@ class ServingContext:
             return None
         return request.truncation_side or self.truncation_side
 
-    def truncate(self, token_ids: list[int], request: SamplingFields) -> tuple[list[int], bool]:
-        """truncate_prompt_tokens as vLLM: keep that many tokens (-1: max_model_len - 1), the
-        last ones with truncation_side "left". Returns the tokens and whether any were cut."""
+    def truncate(self, token_ids: list[int], request: SamplingFields,
+                 reserve: int = 1) -> tuple[list[int], bool]:
+        """truncate_prompt_tokens as vLLM: keep that many tokens (-1: max_model_len - reserve),
+        the last ones with truncation_side "left". Returns the tokens and whether any were cut."""
         limit = request.truncate_prompt_tokens
         if limit is None:
             return token_ids, False
-        keep = self.max_model_len - 1 if limit == -1 else limit
+        keep = self.max_model_len - reserve if limit == -1 else limit
         if keep >= len(token_ids):
             return token_ids, False
         if self.truncation_side_of(request) == "left":

@@ -88,3 +88,23 @@ def test_generating_model_and_pooling_model_refuse_each_others_routes(server, ti
     status, _, payload = http_request(server.port, "POST", "/v1/completions",
                                       json.dumps({"prompt": "hi", "max_tokens": 2}))
     assert status == 400 and "does not generate" in json.loads(payload)["error"]["message"]
+
+
+def test_truncate_prompt_tokens(server, offline):
+    ids = [5, 17, 42, 99, 7, 8]
+    def embed(**fields):
+        status, _, body = http_request(server.port, "POST", "/v1/embeddings", json.dumps({"input": ids, **fields}))
+        assert status == 200, body
+        return json.loads(body)
+    def expected(tokens):
+        return offline.embed([{"prompt_token_ids": tokens}], use_tqdm=False)[0].outputs.embedding
+    for side in ("right", "left"):  # more than the prompt: all of it
+        whole = embed(truncate_prompt_tokens=8, truncation_side=side)
+        assert whole["usage"]["prompt_tokens"] == 6 and close(whole["data"][0]["embedding"], expected(ids))
+    assert close(embed(truncate_prompt_tokens=-1)["data"][0]["embedding"], expected(ids))
+    assert close(embed(truncate_prompt_tokens=3)["data"][0]["embedding"], expected(ids[:3]))
+    left = embed(truncate_prompt_tokens=3, truncation_side="left")
+    assert left["usage"]["prompt_tokens"] == 3 and close(left["data"][0]["embedding"], expected(ids[3:]))
+    status, _, body = http_request(server.port, "POST", "/v1/embeddings",
+                                   json.dumps({"input": ids, "truncate_prompt_tokens": -2}))
+    assert status == 400 and json.loads(body)["error"]["param"] == "truncate_prompt_tokens"
