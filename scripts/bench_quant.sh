@@ -39,17 +39,26 @@ for part in $PARTS; do
              offline "$G/smollm2-q4_1.gguf" q4_1 | tee -a "$RUN"
              offline "$G/smollm2-q8_0.gguf" q8_0 | tee -a "$RUN" ;;
     ppl) echo "## perplexity" | tee -a "$RUN"
-         IDS=$(mktemp)
-         $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$IDS" 2>/dev/null
+         NLL=$(mktemp -d)
+         $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$NLL/ids" 2>/dev/null
          for m in "$MODEL_DIR" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
            for dtype in bfloat16 float32; do  # llama.cpp's activations are fp32
-             $PY scripts/perplexity.py nanoserve "$m" "$IDS" $dtype 2>/dev/null | tail -n 1 | tee -a "$RUN"
+             $PY scripts/perplexity.py nanoserve "$m" "$NLL/ids" $dtype --nll "$NLL/ns-$(basename "$m")-$dtype" \
+               2>/dev/null | tail -n 1 | tee -a "$RUN"
            done
          done
-         for m in "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
-           "$LV/bin/python" scripts/perplexity.py llamacpp "$m" "$IDS" 2>/dev/null | tail -n 1 | tee -a "$RUN"
+         for m in "$G/smollm2-bf16.gguf" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
+           "$LV/bin/python" scripts/perplexity.py llamacpp "$m" "$NLL/ids" --nll "$NLL/lc-$(basename "$m")" \
+             2>/dev/null | tail -n 1 | tee -a "$RUN"
          done
-         rm -f "$IDS" ;;
+         # paired ratios, token by token on the same ids, with a 95% interval over the windows
+         for pair in "ns-smollm2-q4_1.gguf-bfloat16 lc-smollm2-q4_1.gguf" "ns-smollm2-q4_1.gguf-float32 lc-smollm2-q4_1.gguf" \
+                     "ns-$(basename "$MODEL_DIR")-float32 lc-smollm2-bf16.gguf" \
+                     "ns-smollm2-q8_0.gguf-bfloat16 ns-$(basename "$MODEL_DIR")-bfloat16"; do
+           set -- $pair
+           $PY scripts/perplexity.py compare "$NLL/$1" "$NLL/$2" | tee -a "$RUN"
+         done
+         rm -rf "$NLL" ;;
   esac
 done
 $PY scripts/summarize_quant.py "$RUN" | tee "$OUT/summary.md"

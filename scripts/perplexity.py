@@ -5,12 +5,18 @@ scored token sees at least CTX/2 tokens of context), as llama.cpp's `perplexity`
 is added by either engine: both read exactly the ids written by `tokenize`.
 
     .venv/bin/python scripts/perplexity.py tokenize MODEL_DIR TEXT IDS.json
-    .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json [DTYPE]  # a directory or a .gguf;
-                                                                             # DTYPE: activations (bfloat16)
-    ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json
+    .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json [DTYPE] [--nll OUT.json]
+                                        # MODEL a directory or a .gguf; DTYPE: activations (bfloat16)
+    ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json [--nll OUT.json]
+    python3 scripts/perplexity.py compare OURS.json PEER.json
 
-Each scoring command prints one JSON line: {"engine", "model", "tokens_scored", "ppl"}. The
-llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv).
+Each scoring command prints one JSON line: {"engine", "model", "tokens_scored", "ppl"}, and with
+--nll writes every scored token's negative log-likelihood, window by window. `compare` pairs two
+such files token by token (the same ids were scored) and prints {"compare", "ppl_ratio", "low",
+"high"}: the ratio of the two perplexities and its 95% interval, from the spread of the windows'
+mean differences (16 windows; tokens within a window are not independent, windows nearly are).
+The llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv);
+`compare` only the standard library.
 """
 from __future__ import annotations
 
@@ -36,26 +42,26 @@ def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
     print(f"{len(ids)} tokens, {len(windows(ids))} windows of {CTX}", file=sys.stderr)
 
 
-def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16") -> tuple[int, float]:
+def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16") -> list[list[float]]:
+    """Each window's scored tokens' negative log-likelihoods."""
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    total, count = 0.0, 0
+    nll = []
     for window in windows(ids):
         output = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
-        for position in range(CTX // 2, CTX):
-            total -= output.prompt_logprobs[position][window[position]].logprob
-            count += 1
-    return count, total
+        nll.append([-output.prompt_logprobs[position][window[position]].logprob
+                    for position in range(CTX // 2, CTX)])
+    return nll
 
 
-def score_llamacpp(path: str, ids: list[int]) -> tuple[int, float]:
+def score_llamacpp(path: str, ids: list[int]) -> list[list[float]]:
     import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_ctx=CTX, n_batch=CTX, n_threads=2, logits_all=True, verbose=False)
-    total, count = 0.0, 0
+    nll = []
     for window in windows(ids):
         llm.reset()
         llm.eval(window)
@@ -65,26 +71,53 @@ def score_llamacpp(path: str, ids: list[int]) -> tuple[int, float]:
         top = rows.max(axis=1, keepdims=True)
         log_norm = (top[:, 0] + np.log(np.exp(rows - top).sum(axis=1)))
         targets = np.asarray(window[CTX // 2:CTX])
-        total += float((log_norm - rows[np.arange(len(targets)), targets]).sum())
-        count += len(targets)
-    return count, total
+        nll.append([float(v) for v in log_norm - rows[np.arange(len(targets)), targets]])
+    return nll
+
+
+def compare(ours_path: str, peer_path: str) -> dict:
+    """Paired ratio of two perplexities with a 95% interval over windows (see the module doc)."""
+    with open(ours_path) as f:
+        ours = json.load(f)
+    with open(peer_path) as f:
+        peer = json.load(f)
+    if [len(w) for w in ours["nll"]] != [len(w) for w in peer["nll"]]:
+        sys.exit("compare: the two files did not score the same windows")
+    diffs = [sum(a - b for a, b in zip(x, y)) / len(x) for x, y in zip(ours["nll"], peer["nll"])]
+    mean = sum(diffs) / len(diffs)
+    spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+    return {"compare": f"{ours['label']} / {peer['label']}", "ppl_ratio": round(math.exp(mean), 5),
+            "low": round(math.exp(mean - 1.96 * spread), 5), "high": round(math.exp(mean + 1.96 * spread), 5)}
 
 
 def main(argv: list[str]) -> None:
-    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "llamacpp": (3,)}.get(argv[0], ()):
+    nll_path = None
+    if "--nll" in argv[:-1]:
+        at = argv.index("--nll")
+        nll_path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "llamacpp": (3,),
+                                     "compare": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
     if argv[0] == "tokenize":
         tokenize(*argv[1:])
+        return
+    if argv[0] == "compare":
+        print(json.dumps(compare(argv[1], argv[2])))
         return
     with open(argv[2]) as f:
         ids = json.load(f)
     if argv[0] == "nanoserve":
         dtype = argv[3] if len(argv) == 4 else "bfloat16"
-        count, total = score_nanoserve(argv[1], ids, dtype)
+        nll = score_nanoserve(argv[1], ids, dtype)
     else:
         dtype = "float32"  # llama.cpp computes activations in fp32
-        count, total = score_llamacpp(argv[1], ids)
-    print(json.dumps({"engine": argv[0], "model": argv[1].rstrip("/").rsplit("/", 1)[-1], "dtype": dtype,
+        nll = score_llamacpp(argv[1], ids)
+    model = argv[1].rstrip("/").rsplit("/", 1)[-1]
+    count, total = sum(len(w) for w in nll), sum(sum(w) for w in nll)
+    if nll_path:
+        with open(nll_path, "w") as f:
+            json.dump({"label": f"{argv[0]} {model} {dtype}", "nll": nll}, f)
+    print(json.dumps({"engine": argv[0], "model": model, "dtype": dtype,
                       "tokens_scored": count, "ppl": round(math.exp(total / count), 4)}))
 
 

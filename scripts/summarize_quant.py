@@ -9,24 +9,26 @@ import re
 import sys
 
 
-def parse(lines: list[str]) -> tuple[dict, dict, dict]:
-    batch1, offline, ppl = {}, {}, {}
+def parse(lines: list[str]) -> tuple[dict, dict, dict, list[dict]]:
+    batch1, offline, ppl, paired = {}, {}, {}, []
     for line in lines:
         if match := re.match(r"^(nanoserve|llama\.cpp) (\S+): ([\d.]+) ms/token", line):
             batch1[(match[1], match[2].lower())] = float(match[3])
         elif match := re.match(r"^nanoserve (\w+) \(tp=1\): ([\d.]+) output tokens/s", line):
             offline[match[1]] = float(match[2])
+        elif line.startswith("{") and "compare" in line:
+            paired.append(json.loads(line))
         elif line.startswith("{"):
             row = json.loads(line)
             ppl[(row["engine"], row["model"].lower(), row.get("dtype", "bfloat16"))] = row["ppl"]
-    return batch1, offline, ppl
+    return batch1, offline, ppl, paired
 
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def table(batch1: dict, offline: dict, ppl: dict) -> list[str]:
+def table(batch1: dict, offline: dict, ppl: dict, paired: list[dict]) -> list[str]:
     out = ["| measure | nanoserve | peer | ratio | target |", "|---|---|---|---|---|"]
     for name in ("q4_1", "q8_0"):
         ours = batch1.get(("nanoserve", f"smollm2-{name}.gguf"))
@@ -61,6 +63,9 @@ def table(batch1: dict, offline: dict, ppl: dict) -> list[str]:
             out.append(f"| perplexity, {name.upper()}, {dtype} activations | {ours:.4f} | llama.cpp "
                        f"{peer if peer else float('nan'):.4f} | {ours / base if base else float('nan'):.4f}x "
                        f"bf16 weights | {target} |")
+    for row in paired:  # scripts/perplexity.py compare: the same tokens, window by window
+        out.append(f"| perplexity ratio {row['compare']} | {row['ppl_ratio']:.4f} | 95% interval "
+                   f"{row['low']:.4f}-{row['high']:.4f} | | |")
     return out
 
 
