@@ -8,11 +8,14 @@
 # batch1: 16-token prompt, 256 greedy tokens, ms/token (../shared/bench/batch1.sh): llama.cpp on
 #   the three files, nanoserve on its bf16 import and on the Q4_1 and Q8_0 files as they are.
 # offline: LLM.generate 64 x (128 in, 128 out) output tokens/s, nanoserve bf16 vs the Q4_1 file.
+# prefill: prompt-only work, nanoserve LLM.generate 64 x (128 in, 1 out) and llama.cpp one 512-token
+#   prompt (scripts/prefill_llamacpp.py), each on bf16 / Q4_1 / Q8_0: the gain each engine gets
+#   from a quantized file where the work is compute-bound.
 # ppl: scripts/perplexity.py on benchmarks/quant/perplexity_text.txt (the same ids for both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/quant}
-PARTS=${PARTS:-"batch1 offline ppl"}
+PARTS=${PARTS:-"batch1 offline prefill ppl"}
 BENCH=${BENCH:-../shared/bench}
 LV=${LLAMACPP_VENV:-$HOME/.cache/llamacpp/venv}
 G=$(dirname "$LV")/gguf
@@ -38,6 +41,14 @@ for part in $PARTS; do
              offline "$MODEL_DIR" bf16 | tee -a "$RUN"
              offline "$G/smollm2-q4_1.gguf" q4_1 | tee -a "$RUN"
              offline "$G/smollm2-q8_0.gguf" q8_0 | tee -a "$RUN" ;;
+    prefill) echo "## prefill" | tee -a "$RUN"  # compute-bound: what the formats' per-block work costs
+             for m in "$MODEL_DIR" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf"; do
+               $PY -m nanoserve.bench.throughput --model "$m" --num-prompts 64 --input-len 128 --output-len 1 \
+                 --no-transformers 2>/dev/null | grep '^nanoserve' | sed "s|^nanoserve|nanoserve prefill $(basename "$m")|" | tee -a "$RUN"
+             done
+             for m in "$G/smollm2-bf16.gguf" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf"; do
+               "$LV/bin/python" scripts/prefill_llamacpp.py "$m" 2>/dev/null | tee -a "$RUN"
+             done ;;
     ppl) echo "## perplexity" | tee -a "$RUN"
          NLL=$(mktemp -d)
          $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$NLL/ids" 2>/dev/null

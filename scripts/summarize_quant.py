@@ -9,10 +9,17 @@ import re
 import sys
 
 
-def parse(lines: list[str]) -> tuple[dict, dict, dict, list[dict]]:
-    batch1, offline, ppl, paired = {}, {}, {}, []
+PREFILL_INPUT_LEN = 128  # bench_quant.sh's prompt-only run: 64 prompts of 128 ids, one output each
+
+
+def parse(lines: list[str]) -> tuple[dict, dict, dict, list[dict], dict]:
+    batch1, offline, ppl, paired, prefill = {}, {}, {}, [], {}
     for line in lines:
-        if match := re.match(r"^(nanoserve|llama\.cpp) (\S+): ([\d.]+) ms/token", line):
+        if match := re.match(r"^nanoserve prefill (\S+) \(tp=1\): ([\d.]+) output tokens/s", line):
+            prefill[("nanoserve", match[1].lower())] = float(match[2]) * PREFILL_INPUT_LEN
+        elif match := re.match(r"^llama\.cpp prefill (\S+): ([\d.]+) tokens/s", line):
+            prefill[("llama.cpp", match[1].lower())] = float(match[2])
+        elif match := re.match(r"^(nanoserve|llama\.cpp) (\S+): ([\d.]+) ms/token", line):
             batch1[(match[1], match[2].lower())] = float(match[3])
         elif match := re.match(r"^nanoserve (\w+) \(tp=1\): ([\d.]+) output tokens/s", line):
             offline[match[1]] = float(match[2])
@@ -21,14 +28,14 @@ def parse(lines: list[str]) -> tuple[dict, dict, dict, list[dict]]:
         elif line.startswith("{"):
             row = json.loads(line)
             ppl[(row["engine"], row["model"].lower(), row.get("dtype", "bfloat16"))] = row["ppl"]
-    return batch1, offline, ppl, paired
+    return batch1, offline, ppl, paired, prefill
 
 
 def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def table(batch1: dict, offline: dict, ppl: dict, paired: list[dict]) -> list[str]:
+def table(batch1: dict, offline: dict, ppl: dict, paired: list[dict], prefill: dict) -> list[str]:
     out = ["| measure | nanoserve | peer | ratio | target |", "|---|---|---|---|---|"]
     for name in ("q4_1", "q8_0"):
         ours = batch1.get(("nanoserve", f"smollm2-{name}.gguf"))
@@ -47,6 +54,14 @@ def table(batch1: dict, offline: dict, ppl: dict, paired: list[dict]) -> list[st
                 target = f"at least 1.3x: {verdict(ratio >= 1.3)}" if name == "q4_1" else ""
                 out.append(f"| offline 64x(128,128) tok/s, {name.upper()} | {offline[name]:.1f} | "
                            f"nanoserve bf16 {offline['bf16']:.1f} | {ratio:.2f}x | {target} |")
+    bf16_files = {"nanoserve": "smollm2-135m-instruct", "llama.cpp": "smollm2-bf16.gguf"}
+    for engine, bf16_file in bf16_files.items():
+        base = prefill.get((engine, bf16_file))
+        for name in ("q4_1", "q8_0"):
+            ours = prefill.get((engine, f"smollm2-{name}.gguf"))
+            if base and ours:
+                out.append(f"| prompt tokens/s, {engine} {name.upper()} | {ours:.0f} | {engine} bf16 {base:.0f} | "
+                           f"{ours / base:.2f}x | |")
     for dtype in ("bfloat16", "float32"):
         base = ppl.get(("nanoserve", "smollm2-135m-instruct", dtype))
         for name in ("q8_0", "q4_1"):
