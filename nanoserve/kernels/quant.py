@@ -11,6 +11,10 @@ Every format is seen through the same components: unsigned integers `u` per elem
 `offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q4_K, an fp32 `min` per
 32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation gguf's
 dequantize does.
+
+Other checkpoint formats whose integers and scales fit those components (compressed-tensors' int8
+and 4-bit weights, models/compressed_tensors.py) bring them directly (`QuantWeight.components`):
+the same packing, kernel and reference then multiply them, with no GGUF bytes in between.
 """
 from __future__ import annotations
 
@@ -43,13 +47,37 @@ def qtype_name(ggml_type) -> str:
 
 
 @dataclass
+class QuantComponents:
+    """A weight as the kernel sees it, from a format other than GGUF's bytes: weight =
+    scale * (u - offset) (+ min), offset the one its kernel format (`QuantWeight.qtype`) implies."""
+    u: torch.Tensor                    # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4)
+    scale: torch.Tensor                # fp32 [n, k / 32]: one scale per block of 32 (repeated)
+    mins: torch.Tensor | None = None   # fp32 [n, k / 32] (the Q4_1 format only)
+
+
+@dataclass
 class QuantWeight:
-    """One linear layer's weight in a GGUF block format."""
+    """One linear layer's weight in a GGUF block format: the file's bytes (`raw`), or, for a
+    checkpoint of another format, `components` in the kernel format named by `qtype` (q8_0:
+    offset 128; q4_0: offset 8; q4_1: offset 0 and a min) and `raw` None."""
     qtype: str
     n: int
     k: int
-    raw: torch.Tensor                    # uint8 [n, row_bytes]: GGUF bytes, rows in output order
+    raw: torch.Tensor | None             # uint8 [n, row_bytes]: GGUF bytes, rows in output order
     packed: torch.Tensor | None = None   # the CPU kernel's own layout (pack_for_cpu)
+    components: QuantComponents | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight's own data takes (not its CPU packing)."""
+        if self.raw is not None:
+            return self.raw.numel()
+        parts = self.components
+        return sum(t.numel() * t.element_size() for t in (parts.u, parts.scale, parts.mins) if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        return (self.raw if self.raw is not None else self.components.u).device
 
 
 def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
@@ -114,9 +142,27 @@ def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+def weight_components(w: QuantWeight):
+    """(u, offset, scale, min) of either source: `components` as given, or decoded from GGUF bytes."""
+    if w.components is None:
+        return _components(w.raw.cpu(), w.qtype, w.k)
+    parts = w.components
+    mins = None if parts.mins is None else parts.mins.cpu()
+    return parts.u.cpu(), _FORMATS[w.qtype][2], parts.scale.cpu(), mins
+
+
 def dequantize(raw: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     """GGUF rows uint8 [n, row_bytes] -> float32 [n, k], bit-exact with gguf.quants.dequantize."""
-    u, offset, scale, mins = _components(raw, qtype, k)
+    return _dequantize_components(*_components(raw, qtype, k))
+
+
+def dequantize_weight(w: QuantWeight) -> torch.Tensor:
+    """float32 [n, k] of either source."""
+    return _dequantize_components(*weight_components(w))
+
+
+def _dequantize_components(u, offset, scale, mins) -> torch.Tensor:
+    k = u.shape[1]
     group = k // scale.shape[1]
     values = scale.repeat_interleave(group, dim=1) * (u.to(torch.int16) - offset).float()
     if mins is not None:
@@ -150,7 +196,7 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
     order, so it equals this bit for bit; against the exact product of x and dequantize(w) the
     difference is the activations' int8 rounding (relative ~1/254 per block, averaging out).
     """
-    u, offset, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    u, offset, scale, mins = weight_components(w)
     q, dx, sums = quantize_activations(x.cpu())
     m, n, k = x.shape[0], w.n, w.k
     group = k // scale.shape[1]
@@ -190,7 +236,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
     j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
     nibbles, group, _, has_min = _FORMATS[w.qtype]
-    u, _, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    u, _, scale, mins = weight_components(w)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
     if pad:
@@ -220,7 +266,7 @@ def pack_for_cpu(w: QuantWeight) -> None:
     """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise)."""
     from nanoserve.kernels import cpu_ops
 
-    if w.raw.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
+    if w.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
         return
     w.packed = pack_weight(w)
 

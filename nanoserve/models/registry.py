@@ -72,5 +72,5 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
         weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or [])]
-        total += sum(w.raw.numel() for w in weights if w is not None)
+        total += sum(w.nbytes for w in weights if w is not None)
     return total
