@@ -60,27 +60,58 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     return compressed
 
 
-def write_compressed_llama(out_dir: Path, scheme_name: str, seed: int = 0, **shape) -> Path:
-    """out_dir/model: the quantized checkpoint (config.json with its quantization_config);
-    out_dir/hf: the float one it was made from."""
+def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """A copy of the float checkpoint `source` with every linear layer but `ignore`d ones
+    quantized by `scheme_name` (SCHEMES), as llm-compressor saves one."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    hf_dir = write_random_llama(out_dir / "hf", seed=seed, **{**DEFAULT_SHAPE, **shape})
-    model_dir = out_dir / "model"
-    shutil.copytree(hf_dir, model_dir)
-    (model_dir / "model.safetensors").unlink()
+    shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     scheme = _scheme(scheme_name)
     tensors = {}
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        if name.endswith("proj.weight"):
-            prefix = name.removesuffix("weight")
-            tensors.update({prefix + key: value.contiguous() for key, value in _compressed_layer(tensor, scheme).items()})
-        else:
-            tensors[name] = tensor
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            if name.endswith("proj.weight") and name.removesuffix(".weight") not in ignore:
+                prefix = name.removesuffix("weight")
+                layer = _compressed_layer(tensor.float(), scheme)
+                tensors.update({prefix + key: value.contiguous() for key, value in layer.items()})
+            else:
+                tensors[name] = tensor
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
-    quant_config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format=scheme.format,
+    quant_config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore), format=scheme.format,
                                       quantization_status="compressed")
     config["quantization_config"] = {"quant_method": "compressed-tensors", **quant_config.model_dump(mode="json")}
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
+
+
+def write_compressed_llama(out_dir: Path, scheme_name: str, seed: int = 0, **shape) -> Path:
+    """out_dir/model: the quantized checkpoint (config.json with its quantization_config);
+    out_dir/hf: the float one it was made from."""
+    hf_dir = write_random_llama(out_dir / "hf", seed=seed, **{**DEFAULT_SHAPE, **shape})
+    return compress_checkpoint(hf_dir, out_dir / "model", scheme_name)
+
+
+def dequantized_transformers(model_dir: Path):
+    """transformers' model of the float checkpoint beside `model_dir` (float32) with every
+    quantized layer's weight as the compressed-tensors package decompresses it: the oracle of
+    what the checkpoint means. Its scales go in as float32, so that the package computes in
+    float32 (with the stored bf16 it rounds each product to bf16)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir.parent / "hf"), dtype=torch.float32).eval()
+    stored = load_file(model_dir / "model.safetensors")
+    modules = dict(model.named_modules())
+    for name in stored:
+        if name.endswith(".weight_scale"):
+            layer = name.removesuffix(".weight_scale")
+            parts = {key.removeprefix(layer + "."): value for key, value in stored.items()
+                     if key.startswith(layer + ".")}
+            parts["weight_scale"] = parts["weight_scale"].float()
+            modules[layer].weight.data.copy_(compressor.decompress(parts, scheme)["weight"].float())
+    return model
