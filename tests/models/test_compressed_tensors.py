@@ -21,7 +21,9 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 
 ct = pytest.importorskip("compressed_tensors")
 
-from tests.compressed_tensors_models import dequantized_transformers, write_compressed_llama  # noqa: E402
+from tests.compressed_tensors_models import (  # noqa: E402
+    compress_checkpoint, dequantized_transformers, write_compressed_llama)
+from tests.models.family_checkpoints import write_random_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
 NUM_TOKENS = 12
@@ -125,14 +127,14 @@ def _blockwise_int8_inputs(model) -> None:
 
 
 @torch.inference_mode()
-def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
-    """Our greedy tokens teacher-forced through transformers' Llama holding the package's
+def assert_close_to_transformers(path) -> None:
+    """Our greedy tokens teacher-forced through transformers' model holding the package's
     dequantized weights, its linear layers' inputs rounded to int8 per block of 32 as our kernels
     round them: the logprobs mostly to float32 rounding (some move more where an activation lands
     on the other side of a rounding step), each token the argmax up to that."""
-    model = dequantized_transformers(checkpoint)
+    model = dequantized_transformers(path)
     _blockwise_int8_inputs(model)
-    llm = build(checkpoint, dtype="float32")
+    llm = build(path, dtype="float32")
     tokens, logprobs, _ = greedy(llm)
     differences = []
     for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
@@ -141,11 +143,26 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
         rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
         theirs = [row[token].item() for row, token in zip(rows, generated)]
         differences += [abs(a - b) for a, b in zip(ours, theirs)]
-        assert all(row.max().item() - value < 0.15 for row, value in zip(rows, theirs)), prompt
-    assert max(differences) < 0.15, differences
+        assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
+    assert max(differences) < NEAR_TIE, differences
     # Most to float32 rounding: the median. (With zero points, Q4_1's scale * u and min terms
     # cancel in float32, so its rounding noise crosses more int8 steps than the others'.)
     assert np.median(differences) < 1e-3, sorted(differences)
+
+
+def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
+    assert_close_to_transformers(checkpoint)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_other_families(family, tmp_path):
+    """Qwen3 (q/k norms) and Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
+    compressed tensor per fused layer, split into the layer's shards as a float one is)."""
+    hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
+    path = compress_checkpoint(hf_dir, tmp_path / "model", "w8a8-channel")
+    model = build(path, dtype="float32").llm_engine.runner.model
+    assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    assert_close_to_transformers(path)
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
