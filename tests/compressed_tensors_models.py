@@ -61,8 +61,8 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
 
 
 def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
-    """A copy of the float checkpoint `source` with every linear layer but `ignore`d ones
-    quantized by `scheme_name` (SCHEMES), as llm-compressor saves one."""
+    """A copy of the float checkpoint `source` with every linear layer (the *_proj ones and the
+    LM head) but `ignore`d ones quantized by `scheme_name` (SCHEMES), as llm-compressor saves one."""
     from compressed_tensors.quantization import QuantizationConfig
 
     shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
@@ -70,7 +70,8 @@ def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str, ignore:
     tensors = {}
     for file in sorted(source.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
-            if name.endswith("proj.weight") and name.removesuffix(".weight") not in ignore:
+            quantized = name.endswith("proj.weight") or name == "lm_head.weight"
+            if quantized and name.removesuffix(".weight") not in ignore:
                 prefix = name.removesuffix("weight")
                 layer = _compressed_layer(tensor.float(), scheme)
                 tensors.update({prefix + key: value.contiguous() for key, value in layer.items()})
@@ -85,18 +86,28 @@ def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str, ignore:
     return model_dir
 
 
-def write_compressed_llama(out_dir: Path, scheme_name: str, seed: int = 0, **shape) -> Path:
+def write_compressed_llama(out_dir: Path, scheme_name: str, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",),
+                           **shape) -> Path:
     """out_dir/model: the quantized checkpoint (config.json with its quantization_config);
     out_dir/hf: the float one it was made from."""
     hf_dir = write_random_llama(out_dir / "hf", seed=seed, **{**DEFAULT_SHAPE, **shape})
-    return compress_checkpoint(hf_dir, out_dir / "model", scheme_name)
+    return compress_checkpoint(hf_dir, out_dir / "model", scheme_name, ignore)
+
+
+def quantized_layers(model_dir: Path) -> set[str]:
+    """The checkpoint's layers that hold a weight_scale."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return {name.removesuffix(".weight_scale") for name in f.keys() if name.endswith(".weight_scale")}
 
 
 def dequantized_transformers(model_dir: Path):
-    """transformers' model of the float checkpoint beside `model_dir` (float32) with every
-    quantized layer's weight as the compressed-tensors package decompresses it: the oracle of
-    what the checkpoint means. Its scales go in as float32, so that the package computes in
-    float32 (with the stored bf16 it rounds each product to bf16)."""
+    """transformers' model (float32) of the checkpoint with every quantized layer's weight as the
+    compressed-tensors package decompresses it, written as a float checkpoint beside it
+    (`dequantized/`, so that transformers lays the tensors out itself, fusing MoE experts): the
+    oracle of what the checkpoint means. Its scales go in as float32, so that the package computes
+    in float32 (with the stored bf16 it rounds each product to bf16)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from transformers import AutoModelForCausalLM
@@ -104,14 +115,20 @@ def dequantized_transformers(model_dir: Path):
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir.parent / "hf"), dtype=torch.float32).eval()
+    float_dir = model_dir.parent / "hf"
+    tensors = {}
+    for file in sorted(float_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
     stored = load_file(model_dir / "model.safetensors")
-    modules = dict(model.named_modules())
     for name in stored:
         if name.endswith(".weight_scale"):
             layer = name.removesuffix(".weight_scale")
             parts = {key.removeprefix(layer + "."): value for key, value in stored.items()
                      if key.startswith(layer + ".")}
             parts["weight_scale"] = parts["weight_scale"].float()
-            modules[layer].weight.data.copy_(compressor.decompress(parts, scheme)["weight"].float())
-    return model
+            tensors[f"{layer}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
+    out_dir = model_dir.parent / "dequantized"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()

@@ -91,12 +91,13 @@ class CompressedTensorsConfig:
 
 
 def checkpoint_quant_method(model_dir: Path) -> str | None:
-    """config.json's quantization_config.quant_method, or None (no config.json, not quantized)."""
+    """config.json's quantization_config.quant_method ("unknown" when it names none), or None
+    (no config.json, not quantized)."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         return None
     quantization = json.loads(config_file.read_text()).get("quantization_config")
-    return None if not quantization else quantization.get("quant_method")
+    return None if not quantization else quantization.get("quant_method") or "unknown"
 
 
 def _refuse(what: str) -> ValueError:

@@ -22,8 +22,9 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 ct = pytest.importorskip("compressed_tensors")
 
 from tests.compressed_tensors_models import (  # noqa: E402
-    compress_checkpoint, dequantized_transformers, write_compressed_llama)
+    compress_checkpoint, dequantized_transformers, quantized_layers, write_compressed_llama)
 from tests.models.family_checkpoints import write_random_checkpoint  # noqa: E402
+from tests.models.moe_checkpoints import write_moe_checkpoint  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
 NUM_TOKENS = 12
@@ -38,8 +39,8 @@ def checkpoint(request, tmp_path_factory):
     return write_compressed_llama(tmp_path_factory.mktemp(request.param), request.param, seed=28)
 
 
-def build(path, **kwargs) -> LLM:
-    return LLM(model=str(path), num_kv_blocks=64, device="cpu", **kwargs)
+def build(path, device: str = "cpu", **kwargs) -> LLM:
+    return LLM(model=str(path), num_kv_blocks=64, device=device, **kwargs)
 
 
 def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
@@ -111,8 +112,8 @@ def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
     assert_same_greedy(ours, greedy(build(checkpoint, dtype="float32")), typical=1e-4)
 
 
-def _blockwise_int8_inputs(model) -> None:
-    """Each quantized linear layer of transformers' model rounds its inputs as our kernels do
+def _blockwise_int8_inputs(model, layers: set[str]) -> None:
+    """Each quantized linear layer (`layers`) of transformers' model rounds its inputs as our kernels do
     (int8 per block of 32 along each row, kernels/quant.quantize_activations) before its float
     product with the dequantized weight."""
     def round_inputs(module, args):
@@ -122,19 +123,22 @@ def _blockwise_int8_inputs(model) -> None:
         return (values.to(x.dtype),)
 
     for name, module in model.named_modules():
-        if name.endswith("proj"):
+        if name in layers:
             module.register_forward_pre_hook(round_inputs)
 
 
 @torch.inference_mode()
-def assert_close_to_transformers(path) -> None:
+def assert_close_to_transformers(path, device: str = "cpu") -> None:
     """Our greedy tokens teacher-forced through transformers' model holding the package's
     dequantized weights, its linear layers' inputs rounded to int8 per block of 32 as our kernels
     round them: the logprobs mostly to float32 rounding (some move more where an activation lands
-    on the other side of a rounding step), each token the argmax up to that."""
+    on the other side of a rounding step), each token the argmax up to that. Layers that we
+    dequantize at load (all of them on CUDA) take float inputs there too."""
     model = dequantized_transformers(path)
-    _blockwise_int8_inputs(model)
-    llm = build(path, dtype="float32")
+    # (MoE experts are dequantized at load: float inputs.)
+    layers = {name for name in quantized_layers(path) if ".experts." not in name}
+    _blockwise_int8_inputs(model, set() if device == "cuda" else layers)
+    llm = build(path, device, dtype="float32")
     tokens, logprobs, _ = greedy(llm)
     differences = []
     for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
@@ -154,15 +158,39 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
     assert_close_to_transformers(checkpoint)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe"])
 def test_other_families(family, tmp_path):
-    """Qwen3 (q/k norms) and Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
-    compressed tensor per fused layer, split into the layer's shards as a float one is)."""
-    hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
+    """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
+    compressed tensor per fused layer, split into the layer's shards as a float one is) and
+    Qwen3-MoE (experts dequantized into the fused MoE's float weights at load, the router float)."""
+    if family == "qwen3_moe":
+        hf_dir = write_moe_checkpoint(tmp_path / "hf", family, seed=6)
+    else:
+        hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
     path = compress_checkpoint(hf_dir, tmp_path / "model", "w8a8-channel")
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
     assert_close_to_transformers(path)
+
+
+def test_quantized_lm_head(tmp_path):
+    """A checkpoint that quantizes lm_head too (not ignored): the head keeps its integers
+    (ParallelLMHead's quant_weight, as a GGUF head does)."""
+    path = write_compressed_llama(tmp_path, "w8a16-channel", seed=8, ignore=())
+    model = build(path, dtype="float32").llm_engine.runner.model
+    assert model.lm_head.quant_weight is not None and model.lm_head.weight.device.type == "meta"
+    assert_close_to_transformers(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dequantizes_at_load(tmp_path):
+    """On CUDA (whose Triton kernel reads GGUF bytes) every layer is dequantized into its float
+    weight at load: the logprobs those of transformers on the same dequantized weights."""
+    path = write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=8)
+    model = build(path, "cuda", dtype="float32").llm_engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is None and qkv.weight.device.type == "cuda"
+    assert_close_to_transformers(path, "cuda")
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
