@@ -20,6 +20,7 @@ SCHEMES = {
     "w8a16-channel": (8, "channel", None, True, "int-quantized", None),
     "w8a8-channel": (8, "channel", None, True, "int-quantized", "dynamic"),
     "w8a16-group64": (8, "group", 64, True, "naive-quantized", None),
+    "w8a16-tensor": (8, "tensor", None, True, "int-quantized", None),
     "w8a8-static": (8, "channel", None, True, "int-quantized", "static"),
     "w4a16-group32": (4, "group", 32, True, "pack-quantized", None),
     "w4a16-asym-group64": (4, "group", 64, False, "pack-quantized", None),
@@ -49,7 +50,10 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
 
     args = scheme.weights
     rows = weight.shape[0]
-    grouped = weight.reshape(rows, -1, args.group_size) if args.strategy == "group" else weight.reshape(rows, 1, -1)
+    if args.strategy == "tensor":
+        grouped = weight.reshape(1, 1, -1)
+    else:
+        grouped = weight.reshape(rows, -1, args.group_size) if args.strategy == "group" else weight.reshape(rows, 1, -1)
     scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
     layer = {"weight": weight, "weight_scale": scale.to(torch.bfloat16),
              "weight_zero_point": zero_point.to(torch.int8)}

@@ -170,6 +170,11 @@ def _unpack(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
     return data[:, :count]
 
 
+def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, columns] of a tensor stored per row ([n, columns]) or once for the tensor ([1], [])."""
+    return values.reshape(n if values.numel() > 1 else 1, -1).expand(n, -1)
+
+
 def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str):
     """(q int16 [n, k] signed, scale fp32 [n, groups], zero point int16 [n, groups] or None, group)."""
     half = 1 << (scheme.num_bits - 1)
@@ -182,7 +187,7 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
             raise ValueError(f"{name}.weight: expected int8 values ({scheme.format}), found {weight.dtype}")
         q = weight.to(torch.int16)
     n, k = q.shape
-    scale = tensors["weight_scale"].float().reshape(n if tensors["weight_scale"].numel() > 1 else 1, -1).expand(n, -1)
+    scale = _per_row(tensors["weight_scale"].float(), n)
     group = k if scale.shape[1] == 1 else (scheme.group_size or 0)
     if scale.shape[1] != -(-k // max(group, 1)):
         raise ValueError(f"{name}.weight_scale: shape {list(tensors['weight_scale'].shape)} does not fit a "
@@ -191,7 +196,7 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
     if zero is not None:
         if scheme.format == "pack-quantized" and zero.dtype == torch.int32:  # packed along the rows
             zero = _unpack(zero.t(), scheme.num_bits, n).t().to(torch.int16) - half
-        zero = zero.to(torch.int16).reshape(n if zero.numel() > 1 else 1, -1).expand(n, scale.shape[1])
+        zero = _per_row(zero.to(torch.int16), n)
     return q, scale.contiguous(), None if zero is None else zero.contiguous(), group
 
 

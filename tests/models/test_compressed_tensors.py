@@ -31,7 +31,7 @@ NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
 NEAR_TIE = 0.15  # top-2 logprob gap under which a different rounding may pick either token (as
 #                   much as a logprob may move between the paths, see assert_same_greedy)
-SERVED = ["w8a16-channel", "w8a8-channel", "w8a16-group64", "w4a16-group32", "w4a16-asym-group64"]
+SERVED = ["w8a16-channel", "w8a8-channel", "w8a16-group64", "w8a16-tensor", "w4a16-group32", "w4a16-asym-group64"]
 
 
 @pytest.fixture(scope="module", params=SERVED)
