@@ -64,7 +64,8 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     return compressed
 
 
-def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str,
+                        ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """A copy of the float checkpoint `source` with every linear layer (the *_proj ones and the
     LM head) but `ignore`d ones quantized by `scheme_name` (SCHEMES), as llm-compressor saves one."""
     from compressed_tensors.quantization import QuantizationConfig

@@ -237,7 +237,8 @@ class CompressedTensorsLoader:
     staged: dict[str, StagedLinear] = field(default_factory=dict)
 
     @classmethod
-    def for_checkpoint(cls, config: CompressedTensorsConfig, model: nn.Module, tensor_names) -> "CompressedTensorsLoader":
+    def for_checkpoint(cls, config: CompressedTensorsConfig, model: nn.Module,
+                       tensor_names) -> "CompressedTensorsLoader":
         quantized = {name.removesuffix(".weight_scale") for name in tensor_names if name.endswith(".weight_scale")}
         return cls(config, dict(model.named_modules(remove_duplicate=False)), quantized)
 

@@ -74,7 +74,8 @@ def assert_same_greedy(ours, reference, typical: float, worst: float = NEAR_TIE)
 def expected_qtype(path) -> str:
     """The kernel format a checkpoint's weights go into: int8 -> Q8_0, int4 -> Q4_0, or Q4_1
     with zero points."""
-    weights = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
+    groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+    weights = groups["group_0"]["weights"]
     if weights["num_bits"] == 8:
         return "q8_0"
     return "q4_0" if weights["symmetric"] else "q4_1"
