@@ -69,15 +69,20 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weight's own data takes (not its CPU packing)."""
+        """Bytes the weight's own data takes: GGUF bytes, components, or (components dropped
+        once packed, see pack_for_cpu) the CPU packing."""
         if self.raw is not None:
             return self.raw.numel()
+        if self.components is None:
+            return self.packed.numel()
         parts = self.components
         return sum(t.numel() * t.element_size() for t in (parts.u, parts.scale, parts.mins) if t is not None)
 
     @property
     def device(self) -> torch.device:
-        return (self.raw if self.raw is not None else self.components.u).device
+        if self.raw is not None:
+            return self.raw.device
+        return (self.components.u if self.components is not None else self.packed).device
 
 
 def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
@@ -143,10 +148,11 @@ def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def weight_components(w: QuantWeight):
-    """(u, offset, scale, min) of either source: `components` as given, or decoded from GGUF bytes."""
-    if w.components is None:
+    """(u, offset, scale, min) of any source: decoded from GGUF bytes, `components` as given, or
+    read back from the CPU packing when the components were dropped (pack_for_cpu)."""
+    if w.raw is not None:
         return _components(w.raw.cpu(), w.qtype, w.k)
-    parts = w.components
+    parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k)
     mins = None if parts.mins is None else parts.mins.cpu()
     return parts.u.cpu(), _FORMATS[w.qtype][2], parts.scale.cpu(), mins
 
@@ -257,18 +263,41 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
+    """pack_weight's inverse: the components of the first n columns of a packing."""
+    nibbles, group, _, has_min = _FORMATS[qtype]
+    groups, nb = packed.shape[0], k // _BLOCK
+    quants, scales_bytes, _ = packed_layout(qtype)
+    steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
+    if nibbles:
+        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
+    # [groups, nb, 8 steps, 16 cols, 4] -> [groups, 16 cols, nb, 8 steps, 4]
+    u = steps.permute(0, 3, 1, 2, 4).reshape(groups * _COLS, k)[:n]
+    per_block = _BLOCK // group
+    scale = (packed[..., quants:quants + scales_bytes].contiguous().view(torch.float32)
+             .reshape(groups, nb, per_block, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, -1)[:n])
+    mins = None
+    if has_min:
+        mins = (packed[..., quants + scales_bytes:].contiguous().view(torch.float32)
+                .reshape(groups, nb, _COLS).permute(0, 2, 1).reshape(groups * _COLS, nb)[:n])
+    return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
+
+
 def cpu_format_code(qtype: str) -> int:
     """The format number kernels/cpu/gemm_quant.cpp (and decode_layers.cpp) know qtype by."""
     return list(_FORMATS).index(qtype)
 
 
 def pack_for_cpu(w: QuantWeight) -> None:
-    """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise)."""
+    """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise).
+    Components given directly are then dropped: the packing holds the same numbers
+    (unpack_weight reads them back for the reference), so the weight is not held twice."""
     from nanoserve.kernels import cpu_ops
 
     if w.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
         return
     w.packed = pack_weight(w)
+    w.components = None
 
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -84,8 +84,9 @@ def expected_qtype(path) -> str:
 @torch.inference_mode()
 def test_layers_hold_the_checkpoints_integers(checkpoint):
     """Each quantized layer (fused q/k/v and gate/up too) is one QuantWeight in its kernel
-    format, no float copy kept; its values are the package's dequantized weights; lm_head
-    (ignored) and the embedding stay float."""
+    format, no float copy kept, its integers once (as components, or only in the CPU packing);
+    its values are the package's dequantized weights; lm_head (ignored) and the embedding stay
+    float."""
     model = build(checkpoint, dtype="float32").llm_engine.runner.model
     oracle = dequantized_transformers(checkpoint)
     for index in range(2):
@@ -97,6 +98,7 @@ def test_layers_hold_the_checkpoints_integers(checkpoint):
         for layer, parts in pairs:
             weight = layer.quant_weight
             assert weight.qtype == expected_qtype(checkpoint) and weight.raw is None
+            assert weight.components is None or weight.packed is None  # never held twice
             assert layer.weight.device.type == "meta"
             expected = torch.cat([part.weight for part in parts])
             assert torch.equal(quant.dequantize_weight(weight), expected)
