@@ -302,7 +302,8 @@ def pack_for_cpu(w: QuantWeight) -> None:
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
-    dequantize-GEMM, CPU through the C++ kernel when w is packed, else reference_gemm."""
+    dequantize-GEMM (GGUF bytes only: other sources are dequantized at load on CUDA), CPU through
+    the C++ kernel when w is packed, else reference_gemm."""
     if x.device.type == "cuda":
         from nanoserve.kernels.quant_triton import gguf_gemm
 
