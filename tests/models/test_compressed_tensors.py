@@ -282,3 +282,37 @@ def test_quantization_flag(w8a16, tmp_path):
     _edit_config(other, lambda q: q.update(quant_method="awq"))
     with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
         build(other)
+
+
+def test_a_layers_tensors_in_different_shards(w8a16, tmp_path):
+    """A sharded checkpoint (model.safetensors.index.json) whose layers have their weight in one
+    file and their scales in another: each layer is made once all of its tensors have come, and
+    the model is the one-file checkpoint's, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(w8a16, tmp_path / "sharded", ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(w8a16 / "model.safetensors")
+    scales = {name: t for name, t in tensors.items() if name.endswith("weight_scale")}
+    rest = {name: t for name, t in tensors.items() if name not in scales}
+    save_file(scales, path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(rest, path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in scales}
+    weight_map.update({name: "model-00002-of-00002.safetensors" for name in rest})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert greedy(build(path, dtype="float32")) == greedy(build(w8a16, dtype="float32"))
+
+
+def test_a_layer_missing_a_tensor_is_an_error(w8a16, tmp_path):
+    """A layer with its weight_scale but not its int8 weight: an error naming the layer and what it lacks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(w8a16, tmp_path / "broken", ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(w8a16 / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: the checkpoint lacks weight$"):
+        build(path)
