@@ -11,6 +11,10 @@ Every format is seen through the same components: unsigned integers `u` per elem
 `offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q4_K, an fp32 `min` per
 32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation gguf's
 dequantize does.
+
+Other checkpoint formats whose integers and scales fit those components (compressed-tensors' int8
+and 4-bit weights, models/compressed_tensors.py) bring them directly (`QuantWeight.components`):
+the same packing, kernel and reference then multiply them, with no GGUF bytes in between.
 """
 from __future__ import annotations
 
@@ -43,13 +47,42 @@ def qtype_name(ggml_type) -> str:
 
 
 @dataclass
+class QuantComponents:
+    """A weight as the kernel sees it, from a format other than GGUF's bytes: weight =
+    scale * (u - offset) (+ min), offset the one its kernel format (`QuantWeight.qtype`) implies."""
+    u: torch.Tensor                    # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4)
+    scale: torch.Tensor                # fp32 [n, k / 32]: one scale per block of 32 (repeated)
+    mins: torch.Tensor | None = None   # fp32 [n, k / 32] (the Q4_1 format only)
+
+
+@dataclass
 class QuantWeight:
-    """One linear layer's weight in a GGUF block format."""
+    """One linear layer's weight in a GGUF block format: the file's bytes (`raw`), or, for a
+    checkpoint of another format, `components` in the kernel format named by `qtype` (q8_0:
+    offset 128; q4_0: offset 8; q4_1: offset 0 and a min) and `raw` None."""
     qtype: str
     n: int
     k: int
-    raw: torch.Tensor                    # uint8 [n, row_bytes]: GGUF bytes, rows in output order
+    raw: torch.Tensor | None             # uint8 [n, row_bytes]: GGUF bytes, rows in output order
     packed: torch.Tensor | None = None   # the CPU kernel's own layout (pack_for_cpu)
+    components: QuantComponents | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight's own data takes: GGUF bytes, components, or (components dropped
+        once packed, see pack_for_cpu) the CPU packing."""
+        if self.raw is not None:
+            return self.raw.numel()
+        if self.components is None:
+            return self.packed.numel()
+        parts = self.components
+        return sum(t.numel() * t.element_size() for t in (parts.u, parts.scale, parts.mins) if t is not None)
+
+    @property
+    def device(self) -> torch.device:
+        if self.raw is not None:
+            return self.raw.device
+        return (self.components.u if self.components is not None else self.packed).device
 
 
 def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
@@ -114,9 +147,28 @@ def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+def weight_components(w: QuantWeight):
+    """(u, offset, scale, min) of any source: decoded from GGUF bytes, `components` as given, or
+    read back from the CPU packing when the components were dropped (pack_for_cpu)."""
+    if w.raw is not None:
+        return _components(w.raw.cpu(), w.qtype, w.k)
+    parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k)
+    mins = None if parts.mins is None else parts.mins.cpu()
+    return parts.u.cpu(), _FORMATS[w.qtype][2], parts.scale.cpu(), mins
+
+
 def dequantize(raw: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     """GGUF rows uint8 [n, row_bytes] -> float32 [n, k], bit-exact with gguf.quants.dequantize."""
-    u, offset, scale, mins = _components(raw, qtype, k)
+    return _dequantize_components(*_components(raw, qtype, k))
+
+
+def dequantize_weight(w: QuantWeight) -> torch.Tensor:
+    """float32 [n, k] of either source."""
+    return _dequantize_components(*weight_components(w))
+
+
+def _dequantize_components(u, offset, scale, mins) -> torch.Tensor:
+    k = u.shape[1]
     group = k // scale.shape[1]
     values = scale.repeat_interleave(group, dim=1) * (u.to(torch.int16) - offset).float()
     if mins is not None:
@@ -150,7 +202,7 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
     order, so it equals this bit for bit; against the exact product of x and dequantize(w) the
     difference is the activations' int8 rounding (relative ~1/254 per block, averaging out).
     """
-    u, offset, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    u, offset, scale, mins = weight_components(w)
     q, dx, sums = quantize_activations(x.cpu())
     m, n, k = x.shape[0], w.n, w.k
     group = k // scale.shape[1]
@@ -190,7 +242,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
     j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
     nibbles, group, _, has_min = _FORMATS[w.qtype]
-    u, _, scale, mins = _components(w.raw.cpu(), w.qtype, w.k)
+    u, _, scale, mins = weight_components(w)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
     if pad:
@@ -211,23 +263,47 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
+    """pack_weight's inverse: the components of the first n columns of a packing."""
+    nibbles, group, _, has_min = _FORMATS[qtype]
+    groups, nb = packed.shape[0], k // _BLOCK
+    quants, scales_bytes, _ = packed_layout(qtype)
+    steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
+    if nibbles:
+        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
+    # [groups, nb, 8 steps, 16 cols, 4] -> [groups, 16 cols, nb, 8 steps, 4]
+    u = steps.permute(0, 3, 1, 2, 4).reshape(groups * _COLS, k)[:n]
+    per_block = _BLOCK // group
+    scale = (packed[..., quants:quants + scales_bytes].contiguous().view(torch.float32)
+             .reshape(groups, nb, per_block, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, -1)[:n])
+    mins = None
+    if has_min:
+        mins = (packed[..., quants + scales_bytes:].contiguous().view(torch.float32)
+                .reshape(groups, nb, _COLS).permute(0, 2, 1).reshape(groups * _COLS, nb)[:n])
+    return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
+
+
 def cpu_format_code(qtype: str) -> int:
     """The format number kernels/cpu/gemm_quant.cpp (and decode_layers.cpp) know qtype by."""
     return list(_FORMATS).index(qtype)
 
 
 def pack_for_cpu(w: QuantWeight) -> None:
-    """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise)."""
+    """Fill w.packed when the C++ kernels load here and take this shape (no-op otherwise).
+    Components given directly are then dropped: the packing holds the same numbers
+    (unpack_weight reads them back for the reference), so the weight is not held twice."""
     from nanoserve.kernels import cpu_ops
 
-    if w.raw.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
+    if w.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
         return
     w.packed = pack_weight(w)
+    w.components = None
 
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
-    dequantize-GEMM, CPU through the C++ kernel when w is packed, else reference_gemm."""
+    dequantize-GEMM (GGUF bytes only: other sources are dequantized at load on CUDA), CPU through
+    the C++ kernel when w is packed, else reference_gemm."""
     if x.device.type == "cuda":
         from nanoserve.kernels.quant_triton import gguf_gemm
 

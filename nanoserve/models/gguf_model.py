@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
 from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
@@ -102,12 +103,25 @@ def gguf_tokenizer(gguf_file: Path):
 
 
 def check_quantization(quantization: str | None, model: Path) -> None:
-    """`--quantization`: "gguf" is implied by a GGUF model and means nothing for any other."""
+    """`--quantization`: "gguf" is implied by a GGUF model, "compressed-tensors" by a checkpoint
+    whose config.json says so (its schemes are checked here, before any rank loads); each means
+    nothing for any other model, and other checkpoint quantizations are refused (ValueError, one line)."""
     is_gguf = find_gguf_file(model) is not None
-    if quantization is None or (is_gguf and quantization == "gguf"):
-        return
     if is_gguf:
-        raise ValueError(f"--quantization {quantization} does not apply to the GGUF file {model} "
-                         "(its quantization is gguf; leave the flag out or pass gguf)")
-    raise ValueError(f"--quantization {quantization} is not supported for {model}: only gguf, "
-                     "which needs a .gguf model file")
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"--quantization {quantization} does not apply to the GGUF file {model} "
+                             "(its quantization is gguf; leave the flag out or pass gguf)")
+        return
+    method = checkpoint_quant_method(model)
+    if method is None:
+        if quantization is not None:
+            raise ValueError(f"--quantization {quantization} does not apply to {model}: only gguf (a .gguf model "
+                             f"file) and {QUANT_METHOD} (a checkpoint whose config.json names it) are supported")
+        return
+    if method != QUANT_METHOD:
+        raise ValueError(f"{model}: quantization_config.quant_method {method!r} is not supported; nanoserve "
+                         f"serves gguf files and {QUANT_METHOD} checkpoints")
+    if quantization not in (None, QUANT_METHOD):
+        raise ValueError(f"--quantization {quantization} does not apply to {model} (its quantization is "
+                         f"{QUANT_METHOD}; leave the flag out or pass {QUANT_METHOD})")
+    compressed_tensors_config(model)

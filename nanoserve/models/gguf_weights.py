@@ -1,7 +1,7 @@
 """A GGUF file's tensors into a model built from the config its metadata implies.
 
 Linear layers (and the LM head) keep the file's quantization blocks as they are in
-`quant_weight` (kernels/quant.py multiplies them); their bf16 `weight` then lives on the meta
+`quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages them); their bf16 `weight` then lives on the meta
 device and takes no memory. Every other tensor (norms, the token embedding, linear weights stored
 as F32 / F16 / BF16) is dequantized into its parameter in the activation dtype. Shards follow the
 bf16 loaders (layers/linear.py's weight_loader, run on the raw block rows): column-parallel layers
@@ -9,7 +9,6 @@ take whole rows, row-parallel layers whole blocks of each row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,18 +18,11 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import LinearBase, RowParallelLinear
+from nanoserve.layers.linear import LinearBase
 from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
+from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-
-
-@dataclass
-class _StagedLinear:
-    """One layer's parts as they arrive (a fused layer takes several tensors)."""
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # qtype -> uint8 [n, row bytes]
-    row_qtype: list[str | None] = field(default_factory=list)  # per output row of this rank
-    float_parts: int = 0
 
 
 def _qtype(tensor) -> str | None:
@@ -81,7 +73,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     packed = getattr(model, "packed_modules", {})
     missing = missing_prefixes(model)
     tied = bool(model.config.tie_word_embeddings)
-    staged: dict[str, _StagedLinear] = {}
+    staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -100,19 +92,19 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
             _load_tensor(model.config, module, params[target], tensor, shard_id,
-                         staged.setdefault(target, _StagedLinear()))
+                         staged.setdefault(target, StagedLinear()))
             loaded.add(target)
     shared = {id(param) for param in params.values() if sum(other is param for other in params.values()) > 1}
     for target, parts in staged.items():
         if parts.buffers:
-            _finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
+            finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
     expected = set(params) - ({"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set())
     absent = sorted(expected - loaded)
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
 
 
-def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: _StagedLinear) -> None:
+def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: StagedLinear) -> None:
     """A linear layer's (or the head's) quantized part is staged in `parts`; anything else is
     dequantized into `param` (this rank's share of it)."""
     qtype = _qtype(tensor)
@@ -125,7 +117,11 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_i
         raw = _raw_rows(tensor)
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)
-        _stage_quantized(module, tensor, raw, qtype, shard_id, parts)
+        block, block_bytes = quant.GGUF_QTYPES[qtype]
+        k = int(tensor.shape[0])
+        if raw.shape[1] != k // block * block_bytes or k % block:
+            raise GGUFImportError(f"{tensor.name}: {raw.shape[1]} bytes a row do not hold {k} {qtype.upper()} values")
+        stage_quantized(module, tensor.name, {"raw": raw}, qtype, block, k, shard_id, parts)
         return
     if parts.buffers and quantized_module:
         raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
@@ -142,60 +138,3 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_i
         param.data.copy_(values.reshape(param.shape))
     else:
         loader(param, values, shard_id)
-
-
-def _stage_quantized(module: nn.Module, tensor, raw: torch.Tensor, qtype: str, shard_id,
-                     parts: _StagedLinear) -> None:
-    """This rank's rows (or, row-parallel, whole blocks of each row) of one part into the layer's
-    buffer for `qtype`, through the layer's own weight_loader."""
-    block, block_bytes = quant.GGUF_QTYPES[qtype]
-    k = int(tensor.shape[0])
-    if raw.shape[1] != k // block * block_bytes or k % block:
-        raise GGUFImportError(f"{tensor.name}: {raw.shape[1]} bytes a row do not hold {k} {qtype.upper()} values")
-    if isinstance(module, ParallelLMHead):
-        rows = raw[module.vocab_start : module.vocab_end]
-        parts.buffers[qtype] = rows
-        parts.row_qtype = [qtype] * rows.shape[0]
-        return
-    n_local, k_local = module.weight.shape
-    if k_local % block:
-        raise ValueError(f"{tensor.name}: {qtype.upper()} blocks of {block} values cannot split its {k} "
-                         f"input features into {k // k_local} shards of {k_local}")
-    if not parts.row_qtype:
-        parts.row_qtype = [None] * n_local
-    buffer = parts.buffers.get(qtype)
-    if buffer is None:
-        buffer = parts.buffers[qtype] = torch.zeros(n_local, k_local // block * block_bytes, dtype=torch.uint8)
-    module.weight_loader(buffer, raw, shard_id)
-    if isinstance(module, RowParallelLinear):
-        written = range(n_local)
-    else:  # the same loader on a column of marks says which rows this part filled
-        marks = torch.zeros(n_local, 1, dtype=torch.uint8)
-        module.weight_loader(marks, torch.ones(raw.shape[0], 1, dtype=torch.uint8), shard_id)
-        written = marks[:, 0].nonzero()[:, 0].tolist()
-    for row in written:
-        parts.row_qtype[row] = qtype
-
-
-def _finish_quantized(module: nn.Module, target: str, parts: _StagedLinear, shared: bool) -> None:
-    """The layer's QuantWeight (or, when its fused parts differ in type, one per run of rows in
-    output order: `quant_parts`); its bf16 weight goes to the meta device unless shared (a tied
-    embedding)."""
-    if any(qtype is None for qtype in parts.row_qtype):
-        raise GGUFImportError(f"{target}: the GGUF file lacks some of this layer's parts")
-    device = module.weight.device
-    k_local = module.weight.shape[1]
-    weights, start = [], 0
-    labels = parts.row_qtype
-    for end in range(1, len(labels) + 1):
-        if end == len(labels) or labels[end] != labels[start]:
-            raw = parts.buffers[labels[start]][start:end].contiguous().to(device)
-            weights.append(quant.QuantWeight(labels[start], end - start, k_local, raw))
-            start = end
-    if len(weights) == 1:
-        module.quant_weight = weights[0]
-    else:
-        module.quant_parts = weights
-    if not shared:
-        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
-                                     requires_grad=False)

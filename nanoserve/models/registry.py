@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.distributed.pipeline import real_layers
+from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import find_gguf_file
 from nanoserve.models.gguf_weights import load_gguf_weights
@@ -61,8 +62,8 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     gguf_file = find_gguf_file(model_dir)
     if gguf_file is not None:
         load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
-    else:
-        load_weights(model, model_dir)
+    else:  # a compressed-tensors checkpoint's quantized layers keep their integers
+        load_weights(model, model_dir, compressed_tensors_config(model_dir))
     return model.eval()
 
 
@@ -72,5 +73,5 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
         weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or [])]
-        total += sum(w.raw.numel() for w in weights if w is not None)
+        total += sum(w.nbytes for w in weights if w is not None)
     return total

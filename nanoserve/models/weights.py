@@ -10,6 +10,7 @@ from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.layers.fused_moe import expert_weight_target
+from nanoserve.models.compressed_tensors import CompressedTensorsConfig, CompressedTensorsLoader
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -27,7 +28,30 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
+def _target(name_in_model: str, packed: dict, renames: dict) -> tuple[str, object]:
+    """(the parameter a checkpoint tensor loads into, the shard id its loader takes)."""
+    for old, new in renames.items():
+        name_in_model = name_in_model.replace(old, new)
+    expert = expert_weight_target(name_in_model)  # MoE: into the experts' stacked parameters
+    if expert is not None:
+        return expert
+    for fragment, (fused, shard) in packed.items():
+        if f".{fragment}." in name_in_model:
+            return name_in_model.replace(f".{fragment}.", f".{fused}."), shard
+    return name_in_model, None
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def load_weights(model: nn.Module, model_dir: Path, quantization: CompressedTensorsConfig | None = None) -> None:
+    """Every tensor into its parameter. `quantization`: a compressed-tensors checkpoint's config;
+    its quantized layers' tensors go to models/compressed_tensors.py's loader instead."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
     # without "model."; the LM head stays unloaded (a pooling model never computes logits).
@@ -41,13 +65,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     # embedding loads a tied LM head from the embedding's tensor.
     missing = missing_prefixes(model)
     tied_head_from_embedding = tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
+    files = checkpoint_files(model_dir)
+    quantized = None if quantization is None else CompressedTensorsLoader.for_checkpoint(
+        quantization, model, _tensor_names(files))
     loaded_names: set[str] = set()
-    for file in checkpoint_files(model_dir):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
                 tensor_name = name
+                name, role = (name, None) if quantized is None else quantized.split_name(name)
                 if headless and not name.startswith("model."):
                     name = "model." + name
                 if tied and name == "lm_head.weight":
@@ -58,26 +86,22 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     continue
                 else:
                     name_in_model = name
-                for old, new in renames.items():
-                    name_in_model = name_in_model.replace(old, new)
-                target, shard_id = name_in_model, None
-                expert = expert_weight_target(name_in_model)  # MoE: into the experts' stacked parameters
-                if expert is not None:
-                    target, shard_id = expert
-                else:
-                    for fragment, (fused, shard) in packed.items():
-                        if f".{fragment}." in name_in_model:
-                            target, shard_id = name_in_model.replace(f".{fragment}.", f".{fused}."), shard
-                            break
+                target, shard_id = _target(name_in_model, packed, renames)
                 param = params.get(target)
                 if param is None:
                     raise ValueError(f"{file.name}: unexpected tensor {tensor_name!r} for this architecture")
+                loaded_names.add(target)
+                if role is not None:
+                    layer = tensor_name[: tensor_name.rindex(".")]
+                    quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
+                    continue
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:
                     param.data.copy_(f.get_tensor(tensor_name))
                 else:
                     loader(param, f.get_slice(tensor_name), shard_id)
-                loaded_names.add(target)
+    if quantized is not None:
+        quantized.finish()
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
     absent = sorted(expected - loaded_names)
     if absent:

@@ -194,3 +194,19 @@ def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cp
     assert sum(calls) >= 10 and not all(calls)
     for index, (a, b) in enumerate(zip(fused, modules)):
         assert a == b, f"request {index} differs"
+
+
+def test_fused_decode_on_a_compressed_tensors_checkpoint_gives_the_modules_bits(tmp_path, cpu_isa):
+    """A compressed-tensors checkpoint (int4 with zero points: the Q4_1 kernel format, from
+    models/compressed_tensors.py): the fused steps and the modules' path give the same tokens and
+    logprobs."""
+    ct_models = pytest.importorskip("tests.compressed_tensors_models")
+    pytest.importorskip("compressed_tensors")
+    path = ct_models.write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=3)
+    llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
+    assert llm.llm_engine.runner.fused_decode is not None
+    fused, calls = generate(llm, fused=True)
+    modules, _ = generate(llm, fused=False)
+    assert sum(calls) >= 10 and not all(calls)
+    for index, (a, b) in enumerate(zip(fused, modules)):
+        assert a == b, f"request {index} differs"

@@ -1,4 +1,4 @@
-"""Issue 19's promises on quantized GGUF models: a prompt's greedy tokens and their logprob bits do
+"""Issue 19's promises on quantized GGUF models (and a compressed-tensors checkpoint, on the same kernels): a prompt's greedy tokens and their logprob bits do
 not depend on how its prompt was computed (cold, fully or partly from the prefix cache, chunked
 at odd boundaries) nor on the other requests in its batch. The quantized GEMMs
 (kernels/quant.py) sum each output in one order whatever the rows, as the bf16 GEMM does; with
@@ -19,8 +19,13 @@ PROMPT_LENGTHS = {"long": 300, "short": 40}
 SMOLLM2_SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_size=1536, num_layers=2)
 
 
-@pytest.fixture(scope="module", params=["q4_1", "q4_k_m"])
+@pytest.fixture(scope="module", params=["q4_1", "q4_k_m", "compressed-tensors-w8a8"])
 def gguf_file(request, tmp_path_factory):
+    """A GGUF file, or a compressed-tensors checkpoint (the same kernels, models/compressed_tensors.py)."""
+    if request.param.startswith("compressed-tensors"):
+        ct_models = pytest.importorskip("tests.compressed_tensors_models")
+        pytest.importorskip("compressed_tensors")
+        return ct_models.write_compressed_llama(tmp_path_factory.mktemp("ct"), "w8a8-channel", seed=19, **SMOLLM2_SHAPE)
     shape = SMOLLM2_SHAPE if request.param == "q4_1" else {}  # Q4_K needs inputs in blocks of 256
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=19, **shape)
 

@@ -125,3 +125,20 @@ def test_strided_rows_and_what_it_refuses():
     assert cpu_ops.gemm_quant(torch.zeros(2, 128, dtype=torch.bfloat16), w.packed, code, 32, 256, None) is None
     assert cpu_ops.gemm_quant(torch.zeros(2, 256, dtype=torch.float16), w.packed, code, 32, 256, None) is None
     assert _kernel(torch.zeros(0, 256, dtype=torch.bfloat16), w).shape == (0, 32)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [16, 37])
+def test_unpack_reads_the_packing_back(qtype, n):
+    """unpack_weight is pack_weight's inverse (a weight given as components keeps only its
+    packing once packed): the components of GGUF rows, bit for bit, padding columns left out;
+    and such a weight multiplies as the same weight from its bytes."""
+    weight = _weight(qtype, n, 256, seed=n)
+    u, _, scale, mins = quant.weight_components(weight)
+    unpacked = quant.unpack_weight(quant.pack_weight(weight), qtype, n, 256)
+    assert torch.equal(unpacked.u, u) and torch.equal(unpacked.scale, scale)
+    assert (unpacked.mins is None) == (mins is None) and (mins is None or torch.equal(unpacked.mins, mins))
+    packed_only = QuantWeight(qtype, n, 256, None, packed=quant.pack_weight(weight))
+    x = torch.randn(3, 256)
+    assert torch.equal(quant.reference_gemm(x, packed_only, None), quant.reference_gemm(x, weight, None))
+    assert packed_only.nbytes == packed_only.packed.numel()

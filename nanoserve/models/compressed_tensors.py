@@ -1,0 +1,292 @@
+"""Hugging Face checkpoints quantized by compressed-tensors (llm-compressor's output; what `vllm
+serve` runs as W8A16, W8A8 and W4A16): config.json's `quantization_config` read and checked, and
+each quantized linear layer's tensors turned into the integers and scales that the GGUF block
+kernels already multiply (kernels/quant.py: QuantComponents; no new kernel).
+
+What is served, as vLLM reads the config (`config_groups` with `targets` / `weights` /
+`input_activations` / `format`, a global `format`, `ignore`):
+- weights: symmetric int8 (`int-quantized` / `naive-quantized`: `weight` int8 [n, k]) or int4
+  (`pack-quantized`: `weight_packed` int32, eight nibbles a word, with `weight_shape`; symmetric,
+  or with `weight_zero_point`), scales per output channel, per group or per tensor
+  (`weight_scale`). int8 becomes the Q8_0 kernel format (u = q + 128), symmetric int4 Q4_0
+  (u = q + 8), int4 with zero points Q4_1 (u = q + 8, min = -scale * (zero point + 8)); the
+  scales are repeated per block of 32 inputs, so a group must be a multiple of 32.
+- activations: none (W8A16, W4A16) or int8 symmetric (W8A8). The kernel quantizes each
+  activation row per block of 32 with its own scale (dynamic, finer than vLLM's per token);
+  a static `input_scale` is accepted and not used (the dynamic per-block scale replaces it).
+- refused with one line naming the scheme: float (FP8 / NVFP4 / MXFP4) weights or activations,
+  asymmetric activations, asymmetric int8 weights, other bit widths, block strategies,
+  activation-ordered groups (`weight_g_idx`), output activations, a KV cache scheme, transforms.
+
+Which layers are quantized is what the checkpoint holds (a `weight_scale` beside the weight, so
+`ignore`d ones such as lm_head stay float); each takes the scheme of the config group whose
+targets name it (exactly or by `re:` regex), else the group targeting "Linear". A layer that the
+kernels can't take (inputs not a multiple of 32, groups that aren't, a MoE expert, any layer
+on CUDA, where the Triton kernel reads GGUF bytes) is dequantized into its float weight at load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nanoserve.kernels import quant
+from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.linear import LinearBase
+from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
+
+logger = logging.getLogger(__name__)
+
+QUANT_METHOD = "compressed-tensors"
+_INT_FORMATS = ("int-quantized", "naive-quantized")
+_FORMATS = (*_INT_FORMATS, "pack-quantized")
+_STRATEGIES = ("channel", "group", "tensor")
+_BLOCK = 32
+# The tensors beside a quantized layer's weight; `input_*` are read and not used.
+_ROLES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
+          "input_scale", "input_zero_point")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """One config group's weights, as far as serving them goes."""
+    num_bits: int
+    strategy: str             # "channel", "group" or "tensor"
+    group_size: int | None
+    symmetric: bool
+    format: str               # "int-quantized", "naive-quantized" or "pack-quantized"
+
+    @property
+    def qtype(self) -> str:
+        """The kernel format (kernels/quant.py) its integers go into."""
+        if self.num_bits == 8:
+            return "q8_0"
+        return "q4_0" if self.symmetric else "q4_1"
+
+    def roles(self) -> set[str]:
+        """The tensors a layer of this scheme must have."""
+        names = {"weight_packed", "weight_shape"} if self.format == "pack-quantized" else {"weight"}
+        return names | {"weight_scale"} | (set() if self.symmetric else {"weight_zero_point"})
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]   # (targets, scheme) in config order
+
+    def scheme_for(self, module_name: str) -> WeightScheme:
+        """vLLM's order: a group naming the layer (exactly or by regex), then one targeting "Linear"."""
+        for targets, scheme in self.groups:
+            for target in targets:
+                if target.startswith("re:") and re.match(target[3:], module_name) or target == module_name:
+                    return scheme
+        for targets, scheme in self.groups:
+            if "Linear" in targets:
+                return scheme
+        raise ValueError(f"{module_name} has a weight_scale but no compressed-tensors config group targets it")
+
+
+def checkpoint_quant_method(model_dir: Path) -> str | None:
+    """config.json's quantization_config.quant_method ("unknown" when it names none), or None
+    (no config.json, not quantized)."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    quantization = json.loads(config_file.read_text()).get("quantization_config")
+    return None if not quantization else quantization.get("quant_method") or "unknown"
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"compressed-tensors {what} is not supported; nanoserve serves int8 (W8A16, W8A8) "
+                      "and int4 (W4A16) weights")
+
+
+def _check_activations(group: str, activations: dict | None) -> None:
+    if activations is None:
+        return
+    if activations.get("type", "int") != "int" or activations.get("num_bits", 8) != 8:
+        raise _refuse(f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations")
+    if not activations.get("symmetric", True):
+        raise _refuse(f"scheme {group}: asymmetric int8 activations")
+
+
+def _weight_scheme(group: str, spec: dict, default_format: str | None) -> WeightScheme:
+    """One config group checked (ValueError naming what is not supported)."""
+    weights = spec.get("weights")
+    if weights is None:
+        raise _refuse(f"scheme {group} without weight quantization")
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if kind != "int" or bits not in (4, 8):
+        raise _refuse(f"scheme {group}: {kind}{bits} weights")
+    strategy, group_size = weights.get("strategy", "tensor"), weights.get("group_size")
+    if strategy not in _STRATEGIES or (strategy == "group" and not group_size):
+        raise _refuse(f"scheme {group}: weight strategy {strategy!r}")
+    if weights.get("actorder") == "group":
+        raise _refuse(f"scheme {group}: activation-ordered groups (actorder 'group')")
+    symmetric = bool(weights.get("symmetric", True))
+    if bits == 8 and not symmetric:
+        raise _refuse(f"scheme {group}: asymmetric int8 weights")
+    _check_activations(group, spec.get("input_activations"))
+    if spec.get("output_activations") is not None:
+        raise _refuse(f"scheme {group}: output activation quantization")
+    form = spec.get("format") or default_format or ("pack-quantized" if bits == 4 else "int-quantized")
+    if form not in _FORMATS:
+        raise _refuse(f"format {form!r}")
+    return WeightScheme(bits, strategy, group_size if strategy == "group" else None, symmetric, form)
+
+
+def compressed_tensors_config(model_dir: Path) -> CompressedTensorsConfig | None:
+    """The checkpoint's compressed-tensors config, checked; None when it has none."""
+    if checkpoint_quant_method(model_dir) != QUANT_METHOD:
+        return None
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    for key, what in (("kv_cache_scheme", "KV cache quantization"), ("transform_config", "transforms"),
+                      ("sparsity_config", "sparsity")):
+        value = config.get(key)
+        if value and not (key == "sparsity_config" and value.get("format") == "dense"):
+            raise _refuse(f"{what} ({key})")
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise _refuse("config without config_groups")
+    parsed = []
+    for group, spec in groups.items():
+        targets = spec.get("targets") or []
+        parsed.append((tuple(targets), _weight_scheme(group, spec, config.get("format"))))
+    return CompressedTensorsConfig(tuple(parsed))
+
+
+# ---- a layer's tensors -> integers and scales -----------------------------------------------
+
+def _unpack(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
+    """int32 [rows, words], values packed from bit 0 up (compressed-tensors' pack_to_int32, which
+    adds 2^(bits-1) first) -> uint8 [rows, count]. Little-endian words, as torch's hosts store them."""
+    data = packed.contiguous().view(torch.uint8)
+    if num_bits == 4:
+        data = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return data[:, :count]
+
+
+def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, columns] of a tensor stored per row ([n, columns]) or once for the tensor ([1], [])."""
+    return values.reshape(n if values.numel() > 1 else 1, -1).expand(n, -1)
+
+
+def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str):
+    """(q int16 [n, k] signed, scale fp32 [n, groups], zero point int16 [n, groups] or None, group)."""
+    half = 1 << (scheme.num_bits - 1)
+    if scheme.format == "pack-quantized":
+        n, k = (int(size) for size in tensors["weight_shape"].tolist())
+        q = _unpack(tensors["weight_packed"], scheme.num_bits, k).to(torch.int16) - half
+    else:
+        weight = tensors["weight"]
+        if weight.dtype != torch.int8:
+            raise ValueError(f"{name}.weight: expected int8 values ({scheme.format}), found {weight.dtype}")
+        q = weight.to(torch.int16)
+    n, k = q.shape
+    scale = _per_row(tensors["weight_scale"].float(), n)
+    group = k if scale.shape[1] == 1 else (scheme.group_size or 0)
+    if scale.shape[1] != -(-k // max(group, 1)):
+        raise ValueError(f"{name}.weight_scale: shape {list(tensors['weight_scale'].shape)} does not fit a "
+                         f"[{n}, {k}] weight ({scheme.strategy}, group size {scheme.group_size})")
+    zero = tensors.get("weight_zero_point")
+    if zero is not None:
+        if scheme.format == "pack-quantized" and zero.dtype == torch.int32:  # packed along the rows
+            zero = _unpack(zero.t(), scheme.num_bits, n).t().to(torch.int16) - half
+        zero = _per_row(zero.to(torch.int16), n)
+    return q, scale.contiguous(), None if zero is None else zero.contiguous(), group
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """float32 [n, k]: scale * (q - zero point), as compressed-tensors' dequantize."""
+    k = q.shape[1]
+    if zero is not None:
+        q = q - zero.repeat_interleave(group, dim=1)[:, :k]
+    return scale.repeat_interleave(group, dim=1)[:, :k] * q.float()
+
+
+def _kernel_arrays(scheme: WeightScheme, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                   group: int) -> dict[str, torch.Tensor]:
+    """The kernel format's components (u, scale per 32, min per 32) of a layer whose groups are
+    whole blocks of 32."""
+    blocks = q.shape[1] // _BLOCK
+    u = (q + (1 << (scheme.num_bits - 1))).to(torch.uint8)
+    per_block = scale.repeat_interleave(group // _BLOCK, dim=1)[:, :blocks].contiguous()
+    arrays = {"u": u, "scale": per_block}
+    if zero is not None:  # Q4_1: scale * u + min = scale * (q - zero) with u = q + 8
+        zero = zero.repeat_interleave(group // _BLOCK, dim=1)[:, :blocks]
+        arrays["mins"] = -(per_block * (zero + 8).float())
+    return arrays
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+@dataclass
+class CompressedTensorsLoader:
+    """models/weights.load_weights' partner for a compressed-tensors checkpoint: it names the
+    tensors of quantized layers (`split_name`), collects each layer's (they may lie in different
+    shard files), then stages them for the kernels or dequantizes them (`add`); `finish` makes
+    the QuantWeights."""
+    config: CompressedTensorsConfig
+    modules: dict[str, nn.Module]
+    quantized: set[str]                      # checkpoint names of layers holding a weight_scale
+    pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    staged: dict[str, StagedLinear] = field(default_factory=dict)
+
+    @classmethod
+    def for_checkpoint(cls, config: CompressedTensorsConfig, model: nn.Module,
+                       tensor_names) -> "CompressedTensorsLoader":
+        quantized = {name.removesuffix(".weight_scale") for name in tensor_names if name.endswith(".weight_scale")}
+        return cls(config, dict(model.named_modules(remove_duplicate=False)), quantized)
+
+    def split_name(self, name: str) -> tuple[str, str | None]:
+        """A quantized layer's tensor -> (its weight's name, which tensor: "weight", "weight_scale",
+        ...); any other tensor -> (name, None)."""
+        base, _, role = name.rpartition(".")
+        if base in self.quantized and (role == "weight" or role in _ROLES):
+            return f"{base}.weight", role
+        return name, None
+
+    def add(self, layer: str, role: str, tensor: torch.Tensor, target: str, param: nn.Parameter, shard_id) -> None:
+        """One tensor of the checkpoint layer `layer` (loading into parameter `target`)."""
+        if role == "weight_g_idx":
+            raise _refuse(f"activation-ordered groups ({layer}.weight_g_idx)")
+        if role.startswith("input_"):
+            return  # static activation scales: the kernel's dynamic per-block scales replace them
+        scheme = self.config.scheme_for(layer)
+        tensors = self.pending.setdefault(layer, {})
+        tensors[role] = tensor
+        if scheme.roles() <= tensors.keys():
+            del self.pending[layer]
+            self._load_layer(layer, scheme, tensors, target, param, shard_id)
+
+    def _load_layer(self, layer: str, scheme: WeightScheme, tensors: dict[str, torch.Tensor], target: str,
+                    param: nn.Parameter, shard_id) -> None:
+        q, scale, zero, group = _integers(scheme, tensors, layer)
+        module = self.modules[target.rsplit(".", 1)[0]]
+        k = q.shape[1]
+        k_local = param.shape[-1]
+        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2 and param.device.type == "cpu"
+                and group % _BLOCK == 0 and k_local % _BLOCK == 0 and k % k_local == 0):
+            arrays = _kernel_arrays(scheme, q, scale, zero, group)
+            stage_quantized(module, layer, arrays, scheme.qtype, _BLOCK, k, shard_id,
+                            self.staged.setdefault(target, StagedLinear()))
+            return
+        logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
+        values = _dequantized(q, scale, zero, group).to(param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(values)
+        else:
+            loader(param, values, shard_id)
+
+    def finish(self) -> None:
+        """Every quantized layer complete, and its QuantWeight(s) made."""
+        for layer, tensors in self.pending.items():
+            missing = sorted(self.config.scheme_for(layer).roles() - tensors.keys())
+            raise ValueError(f"{layer}: the checkpoint lacks {', '.join(missing)}")
+        for target, parts in self.staged.items():
+            finish_quantized(self.modules[target.rsplit(".", 1)[0]], target, parts, shared=False)

@@ -1,0 +1,318 @@
+"""compressed-tensors checkpoints (models/compressed_tensors.py) written by the package's own
+compressors (tests/compressed_tensors_models.py): linear layers holding the checkpoint's integers
+in the GGUF kernels' formats (their dequantized values those of the package's decompress, to the
+bf16 it computes in), greedy tokens equal to the dequantize-then-reference path
+(kernels/quant.reference_gemm), logprobs close to transformers running the package's dequantized
+weights, tensor parallelism equal to one rank, and the one-line errors for what is not served."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.kernels import quant
+from nanoserve.kernels.choice import reset_kernel_choice
+from nanoserve.models.compressed_tensors import compressed_tensors_config
+
+ct = pytest.importorskip("compressed_tensors")
+
+from tests.compressed_tensors_models import (  # noqa: E402
+    compress_checkpoint, dequantized_transformers, quantized_layers, write_compressed_llama)
+from tests.models.family_checkpoints import write_random_checkpoint  # noqa: E402
+from tests.models.moe_checkpoints import write_moe_checkpoint  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
+NUM_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
+NEAR_TIE = 0.15  # top-2 logprob gap under which a different rounding may pick either token (as
+#                   much as a logprob may move between the paths, see assert_same_greedy)
+SERVED = ["w8a16-channel", "w8a8-channel", "w8a16-group64", "w8a16-tensor", "w4a16-group32", "w4a16-asym-group64"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def checkpoint(request, tmp_path_factory):
+    return write_compressed_llama(tmp_path_factory.mktemp(request.param), request.param, seed=28)
+
+
+def build(path, device: str = "cpu", **kwargs) -> LLM:
+    return LLM(model=str(path), num_kv_blocks=64, device=device, **kwargs)
+
+
+def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    """Per prompt: the greedy tokens, their logprobs, and each step's gap between the top two."""
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                for o in outputs]
+    gaps = [[np.subtract(*sorted((lp.logprob for lp in step.values()), reverse=True)[:2])
+             for step in o.outputs[0].logprobs] for o in outputs]
+    return tokens, logprobs, gaps
+
+
+def assert_same_greedy(ours, reference, typical: float, worst: float = NEAR_TIE) -> None:
+    """Tokens equal, unless at a near-tie in the reference (two paths that round differently may
+    part there; the rest of that prompt is then not compared, its prefixes differ); the logprobs'
+    differences mostly (the median) within `typical`, all within `worst` (a few move more where
+    an activation lands on the other side of an int8 rounding step). Most steps must be compared,
+    or the comparison would prove nothing."""
+    differences = []
+    for tokens, logprobs, ref_tokens, ref_logprobs, ref_gaps in zip(*ours[:2], *reference):
+        for token, logprob, ref_token, ref_logprob, gap in zip(tokens, logprobs, ref_tokens, ref_logprobs, ref_gaps):
+            if token != ref_token:
+                assert gap < NEAR_TIE, (tokens, ref_tokens)
+                break
+            differences.append(abs(logprob - ref_logprob))
+    assert len(differences) >= 0.6 * NUM_TOKENS * len(PROMPTS), len(differences)
+    assert np.median(differences) <= typical and max(differences) <= worst, differences
+
+
+def expected_qtype(path) -> str:
+    """The kernel format a checkpoint's weights go into: int8 -> Q8_0, int4 -> Q4_0, or Q4_1
+    with zero points."""
+    groups = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
+    weights = groups["group_0"]["weights"]
+    if weights["num_bits"] == 8:
+        return "q8_0"
+    return "q4_0" if weights["symmetric"] else "q4_1"
+
+
+@torch.inference_mode()
+def test_layers_hold_the_checkpoints_integers(checkpoint):
+    """Each quantized layer (fused q/k/v and gate/up too) is one QuantWeight in its kernel
+    format, no float copy kept, its integers once (as components, or only in the CPU packing);
+    its values are the package's dequantized weights; lm_head (ignored) and the embedding stay
+    float."""
+    model = build(checkpoint, dtype="float32").llm_engine.runner.model
+    oracle = dequantized_transformers(checkpoint)
+    for index in range(2):
+        ours, theirs = model.model.layers[index], oracle.model.layers[index]
+        pairs = [(ours.self_attn.qkv_proj, [theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj]),
+                 (ours.self_attn.o_proj, [theirs.self_attn.o_proj]),
+                 (ours.mlp.gate_up_proj, [theirs.mlp.gate_proj, theirs.mlp.up_proj]),
+                 (ours.mlp.down_proj, [theirs.mlp.down_proj])]
+        for layer, parts in pairs:
+            weight = layer.quant_weight
+            assert weight.qtype == expected_qtype(checkpoint) and weight.raw is None
+            assert weight.components is None or weight.packed is None  # never held twice
+            assert layer.weight.device.type == "meta"
+            expected = torch.cat([part.weight for part in parts])
+            assert torch.equal(quant.dequantize_weight(weight), expected)
+    assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(model.lm_head.weight[: oracle.lm_head.weight.shape[0]], oracle.lm_head.weight)
+
+
+def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
+    """The engine as it runs (the CPU kernels where they take the layer) against the same engine
+    with every kernel on its torch reference (quant_gemm's reference_gemm), float32 activations."""
+    ours = greedy(build(checkpoint, dtype="float32"))
+    monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    reset_kernel_choice()
+    assert_same_greedy(ours, greedy(build(checkpoint, dtype="float32")), typical=1e-4)
+
+
+def _blockwise_int8_inputs(model, layers: set[str]) -> None:
+    """Each quantized linear layer (`layers`) of transformers' model rounds its inputs as our kernels do
+    (int8 per block of 32 along each row, kernels/quant.quantize_activations) before its float
+    product with the dequantized weight."""
+    def round_inputs(module, args):
+        x = args[0]
+        q, dx, _ = quant.quantize_activations(x.reshape(-1, x.shape[-1]))
+        values = (q.float().reshape(q.shape[0], -1, 32) * dx.unsqueeze(-1)).reshape(x.shape)
+        return (values.to(x.dtype),)
+
+    for name, module in model.named_modules():
+        if name in layers:
+            module.register_forward_pre_hook(round_inputs)
+
+
+@torch.inference_mode()
+def assert_close_to_transformers(path, device: str = "cpu") -> None:
+    """Our greedy tokens teacher-forced through transformers' model holding the package's
+    dequantized weights, its linear layers' inputs rounded to int8 per block of 32 as our kernels
+    round them: the logprobs mostly to float32 rounding (some move more where an activation lands
+    on the other side of a rounding step), each token the argmax up to that. Layers that we
+    dequantize at load (all of them on CUDA) take float inputs there too."""
+    model = dequantized_transformers(path)
+    # (MoE experts are dequantized at load: float inputs.)
+    layers = {name for name in quantized_layers(path) if ".experts." not in name}
+    _blockwise_int8_inputs(model, set() if device == "cuda" else layers)
+    llm = build(path, device, dtype="float32")
+    tokens, logprobs, _ = greedy(llm)
+    differences = []
+    for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
+        prompt_ids = llm.get_tokenizer().encode(prompt)
+        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
+        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
+        theirs = [row[token].item() for row, token in zip(rows, generated)]
+        differences += [abs(a - b) for a, b in zip(ours, theirs)]
+        assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
+    assert max(differences) < NEAR_TIE, differences
+    # Most to float32 rounding: the median. (With zero points, Q4_1's scale * u and min terms
+    # cancel in float32, so its rounding noise crosses more int8 steps than the others'.)
+    assert np.median(differences) < 1e-3, sorted(differences)
+
+
+def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
+    assert_close_to_transformers(checkpoint)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen3_moe"])
+def test_other_families(family, tmp_path):
+    """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
+    compressed tensor per fused layer, split into the layer's shards as a float one is) and
+    Qwen3-MoE (experts dequantized into the fused MoE's float weights at load, the router float)."""
+    if family == "qwen3_moe":
+        hf_dir = write_moe_checkpoint(tmp_path / "hf", family, seed=6)
+    else:
+        hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
+    path = compress_checkpoint(hf_dir, tmp_path / "model", "w8a8-channel")
+    model = build(path, dtype="float32").llm_engine.runner.model
+    assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    assert_close_to_transformers(path)
+
+
+def test_quantized_lm_head(tmp_path):
+    """A checkpoint that quantizes lm_head too (not ignored): the head keeps its integers
+    (ParallelLMHead's quant_weight, as a GGUF head does)."""
+    path = write_compressed_llama(tmp_path, "w8a16-channel", seed=8, ignore=())
+    model = build(path, dtype="float32").llm_engine.runner.model
+    assert model.lm_head.quant_weight is not None and model.lm_head.weight.device.type == "meta"
+    assert_close_to_transformers(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dequantizes_at_load(tmp_path):
+    """On CUDA (whose Triton kernel reads GGUF bytes) every layer is dequantized into its float
+    weight at load: the logprobs those of transformers on the same dequantized weights."""
+    path = write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=8)
+    model = build(path, "cuda", dtype="float32").llm_engine.runner.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is None and qkv.weight.device.type == "cuda"
+    assert_close_to_transformers(path, "cuda")
+
+
+def test_tensor_parallel_equals_one_rank(tmp_path):
+    """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
+    inputs with their scales; the tokens equal one rank's, and each rank holds about half."""
+    path = write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=5)
+    with build(path, dtype="float32") as llm:
+        one = greedy(llm)
+        (full_bytes,) = llm.llm_engine.runner.rank_weight_bytes
+    with build(path, dtype="float32", tensor_parallel_size=2) as llm:
+        two = greedy(llm)
+        rank_bytes = list(llm.llm_engine.runner.rank_weight_bytes)
+    assert_same_greedy(two, one, typical=1e-3)
+    assert len(rank_bytes) == 2 and all(size < 0.75 * full_bytes for size in rank_bytes), (rank_bytes, full_bytes)
+
+
+def test_static_activation_scales_are_accepted(tmp_path):
+    """W8A8 with a static input_scale: served with the kernel's dynamic per-block scales, so the
+    same tokens and logprob bits as the same weights without activation quantization (W8A16)."""
+    static = write_compressed_llama(tmp_path / "static", "w8a8-static", seed=9)
+    plain = write_compressed_llama(tmp_path / "plain", "w8a16-channel", seed=9)
+    assert greedy(build(static, dtype="float32")) == greedy(build(plain, dtype="float32"))
+
+
+def test_groups_smaller_than_a_block_are_dequantized_at_load(tmp_path):
+    """Groups of 16 don't fit the kernels' blocks of 32: the layer is dequantized into its float
+    weight (the package's values) and multiplied as any float layer."""
+    path = write_compressed_llama(tmp_path, "w8a16-group16", seed=4)
+    model = build(path, dtype="float32").llm_engine.runner.model
+    oracle = dequantized_transformers(path)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.quant_weight is None and down.quant_parts is None
+    assert torch.allclose(down.weight, oracle.model.layers[0].mlp.down_proj.weight, rtol=1e-2, atol=0)
+
+
+def _edit_config(path, change) -> None:
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    change(config["quantization_config"])
+    config_file.write_text(json.dumps(config))
+
+
+BAD_CONFIGS = {
+    "float8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"),
+    "asymmetric int8 activations": lambda q: q["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "symmetric": False, "dynamic": True, "strategy": "token"}),
+    "float8 activations": lambda q: q["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}),
+    "weight strategy 'block'": lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"),
+    "asymmetric int8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False),
+    "KV cache quantization": lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
+    "format 'marlin-24'": lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
+}
+
+
+@pytest.fixture(scope="module")
+def w8a16(tmp_path_factory):
+    return write_compressed_llama(tmp_path_factory.mktemp("w8a16"), "w8a16-channel", seed=2)
+
+
+@pytest.mark.parametrize("what", list(BAD_CONFIGS))
+def test_unsupported_schemes_are_one_line_errors(what, w8a16, tmp_path):
+    import shutil
+
+    path = shutil.copytree(w8a16, tmp_path / "model")
+    _edit_config(path, BAD_CONFIGS[what])
+    with pytest.raises(ValueError, match=f"compressed-tensors .*{what}.* is not supported"):
+        compressed_tensors_config(path)
+    if what == "float8 weights":  # through the CLI: one line on stderr, a non-zero exit
+        result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "float8 weights" in lines[0], result.stderr
+
+
+def test_quantization_flag(w8a16, tmp_path):
+    build(w8a16, quantization="compressed-tensors")  # implied, accepted
+    with pytest.raises(ValueError, match="--quantization gguf does not apply"):
+        build(w8a16, quantization="gguf")
+    with pytest.raises(ValueError, match="--quantization compressed-tensors does not apply"):
+        build(w8a16.parent / "hf", quantization="compressed-tensors")
+    import shutil
+
+    other = shutil.copytree(w8a16, tmp_path / "awq")
+    _edit_config(other, lambda q: q.update(quant_method="awq"))
+    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+        build(other)
+
+
+def test_a_layers_tensors_in_different_shards(w8a16, tmp_path):
+    """A sharded checkpoint (model.safetensors.index.json) whose layers have their weight in one
+    file and their scales in another: each layer is made once all of its tensors have come, and
+    the model is the one-file checkpoint's, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(w8a16, tmp_path / "sharded", ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(w8a16 / "model.safetensors")
+    scales = {name: t for name, t in tensors.items() if name.endswith("weight_scale")}
+    rest = {name: t for name, t in tensors.items() if name not in scales}
+    save_file(scales, path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(rest, path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in scales}
+    weight_map.update({name: "model-00002-of-00002.safetensors" for name in rest})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert greedy(build(path, dtype="float32")) == greedy(build(w8a16, dtype="float32"))
+
+
+def test_a_layer_missing_a_tensor_is_an_error(w8a16, tmp_path):
+    """A layer with its weight_scale but not its int8 weight: an error naming the layer and what it lacks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(w8a16, tmp_path / "broken", ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(w8a16 / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: the checkpoint lacks weight$"):
+        build(path)
