@@ -1,0 +1,77 @@
+"""The quantized GEMM against the bf16 GEMM, kernel by kernel, on SmolLM2-135M's shapes: microseconds
+per call and the ratio, for M = 1 (batch-1 decode), 64 (a decode step of 64 sequences) and 512 (a
+prompt chunk), with the threads torch has (or --threads). Random weights of sane scale (the
+kernels' speed does not depend on the values). Run on an idle machine:
+
+    .venv/bin/python benchmarks/quant/gemm_shapes.py [--threads N] [--rows 1 64 512]
+
+Best of five timings of repeated calls each; the CPU memory settings the engine uses
+(nanoserve/cpu_malloc.py) are applied, so the output buffers are not fresh pages every call.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from nanoserve.cpu_malloc import keep_freed_memory
+from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight, pack_weight, quant_gemm
+
+SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+FORMATS = ("q4_1", "q8_0", "q4_0")
+
+
+def random_blocks(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """GGUF bytes of a Q8_0 / Q4_0 / Q4_1 weight: random quants, scales (and mins) of 0.01."""
+    elements, nbytes = GGUF_QTYPES[qtype]
+    raw = torch.randint(0, 256, (n, k // elements, nbytes), dtype=torch.uint8, generator=generator)
+    half = torch.full((n, k // elements, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+    raw[..., 0:2] = half
+    if qtype == "q4_1":
+        raw[..., 2:4] = half
+    return raw.reshape(n, -1)
+
+
+def best_of(fn, calls: int) -> float:
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return min(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 512])
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    generator = torch.Generator().manual_seed(0)
+    print(f"# {cpu_ops.describe_isa()}; {torch.get_num_threads()} threads")
+    print("| shape | M | bf16 us | " + " | ".join(f"{f.upper()} us (x bf16)" for f in FORMATS) + " |")
+    print("|---|---|---|" + "---|" * len(FORMATS))
+    for m in args.rows:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
+            packed = cpu_ops.pack_gemm_weight((torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16))
+            calls = max(3, int(2e8 / (m * n * k)))
+            bf16 = best_of(lambda: cpu_ops.gemm(x, packed, None, n), calls)
+            cells = []
+            for qtype in FORMATS:
+                weight = QuantWeight(qtype, n, k, random_blocks(qtype, n, k, generator))
+                weight.packed = pack_weight(weight)
+                micros = best_of(lambda: quant_gemm(x, weight, None), calls)
+                cells.append(f"{micros:.1f} ({bf16 / micros:.2f}x)")
+            print(f"| {name} | {m} | {bf16:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
