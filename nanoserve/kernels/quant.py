@@ -300,6 +300,13 @@ def pack_for_cpu(w: QuantWeight) -> None:
     w.components = None
 
 
+def takes_components(device: torch.device) -> bool:
+    """Whether quant_gemm multiplies a weight given as components (not GGUF bytes) on `device`:
+    on a CPU (the C++ kernel, or reference_gemm); not on CUDA, whose Triton kernel reads GGUF
+    bytes (a loader then dequantizes such a weight at load)."""
+    return device.type == "cpu"
+
+
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
     dequantize-GEMM (GGUF bytes only: other sources are dequantized at load on CUDA), CPU through

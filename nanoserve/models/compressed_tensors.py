@@ -269,7 +269,7 @@ class CompressedTensorsLoader:
         module = self.modules[target.rsplit(".", 1)[0]]
         k = q.shape[1]
         k_local = param.shape[-1]
-        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2 and param.device.type == "cpu"
+        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2 and quant.takes_components(param.device)
                 and group % _BLOCK == 0 and k_local % _BLOCK == 0 and k % k_local == 0):
             arrays = _kernel_arrays(scheme, q, scale, zero, group)
             stage_quantized(module, layer, arrays, scheme.qtype, _BLOCK, k, shard_id,
