@@ -5,9 +5,16 @@ wherever it takes the shape (K a multiple of 32); otherwise (or with NANOSERVE_C
 for A/B measurements) oneDNN's blocked layout, through the ops that inductor's CPU freezing uses;
 if they are missing, nothing is packed and F.linear runs as before. oneDNN's rows are not
 invariant to the batch: prompt rows are then padded (model_input.PREFILL_ROW_TILE). Elsewhere
-nothing is packed."""
+nothing is packed.
+
+A weight our GEMM has packed is held once: the packing is every multiplication's operand from then
+on, so the bf16 parameter moves to the meta device (its shape and dtype stay for the fused decode
+step's tables), unless another module shares it (a tied LM head is the embedding's table)."""
 from __future__ import annotations
 
+from collections import Counter
+
+import torch
 from torch import nn
 
 from nanoserve.kernels import quant
@@ -20,6 +27,7 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     over the layers that prompt rows pass through (not the LM head, which sees sampled rows
     only): those are row-invariant without padding only when every one is packed."""
     packed = slots = 0
+    shared = _shared_parameters(model)
     for module in model.modules():
         if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
             slots += 1
@@ -35,10 +43,18 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
         else:
             module.gemm_weight = gemm_packing(module.weight)
             is_packed = module.gemm_weight is not None
+            if is_packed and id(module.weight) not in shared:
+                module.weight = nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
         if not getattr(module, "sees_sampled_rows_only", False):
             slots += 1
             packed += is_packed
     return packed, slots
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters more than one module holds (a tied LM head and embedding)."""
+    counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in counts.items() if count > 1}
 
 
 def _quant_weights(module: nn.Module) -> list[quant.QuantWeight]:

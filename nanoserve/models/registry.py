@@ -68,10 +68,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes the weights take: parameters (not the meta placeholders of quantized layers) plus
-    the quantized layers' blocks."""
+    """Bytes the weights take: parameters (not the meta placeholders of quantized or packed
+    layers) plus the packings layers/cpu_prepack.py made and the quantized layers' blocks."""
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
         weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or [])]
         total += sum(w.nbytes for w in weights if w is not None)
+        packings = [getattr(module, "gemm_weight", None), getattr(module, "packed_weight", None),
+                    *(getattr(module, "packed", None) or ())]
+        total += sum(t.numel() * t.element_size() for t in packings if isinstance(t, torch.Tensor))
     return total
