@@ -50,12 +50,13 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks whose values are about N(0, 2 / sqrt(k)) in size."""
+    """Random Q4_K / Q5_K / Q6_K blocks whose values are about N(0, 2 / sqrt(k)) in size."""
     target = 2.0 / np.sqrt(k)
-    block_bytes = 144 if qtype == "q4_k" else 210
+    block_bytes = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[qtype]
     raw = rng.integers(0, 256, size=(rows, k // 256, block_bytes), dtype=np.uint8)
-    if qtype == "q4_k":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        scales = rng.uniform(0.5, 1.5, size=(rows, k // 256, 2)) * [target / (32 * 8), target / (32 * 16)]
+    if qtype in ("q4_k", "q5_k"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, the values
+        half = 8 if qtype == "q4_k" else 16  # the values' middle (4 or 5 bits)
+        scales = rng.uniform(0.5, 1.5, size=(rows, k // 256, 2)) * [target / (32 * half), target / (32 * 2 * half)]
         raw[..., 0:4] = scales.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 4)
     else:  # 128 + 64 bytes of 6-bit values, 16 int8 scales, d (f16) last
         d = rng.uniform(0.5, 1.5, size=(rows, k // 256, 1)) * target / (64 * 32)
@@ -65,7 +66,7 @@ def _random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) ->
 
 def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
     values = weight.float().numpy()
-    if qtype in ("q4_k", "q6_k"):
+    if qtype.endswith("_k"):
         return _random_k_blocks(*values.shape, qtype, rng), getattr(T, qtype.upper())
     ggml_type = getattr(T, qtype.upper())
     return gguf.quants.quantize(values, ggml_type), ggml_type
