@@ -1,6 +1,6 @@
 // GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
-// as llama.cpp does them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized per block of 32 to
-// int8 and one fp32 scale, and each block's product an exact integer dot product.
+// as llama.cpp does them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized
+// per block of 32 to int8 and one fp32 scale, and each block's product an exact integer dot product.
 //
 // The arithmetic (kernels/quant.py's reference_gemm writes the same in torch): per output element,
 // the blocks in order from k = 0; per scale group (32 elements, 16 for Q6_K) the integer
@@ -47,7 +47,9 @@ constexpr int64_t kParallelQuantize = int64_t(1) << 13;  // elements of x quanti
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
 // Format codes: the order of quant.py's _FORMATS (new ones appended; kFormats counts them).
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8 };
+enum Format : int {
+    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8
+};
 
 template <int F>
 struct Traits {
