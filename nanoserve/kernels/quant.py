@@ -9,9 +9,9 @@ in torch, operation for operation, so the kernel's output equals it bit for bit 
 level; `dequantize` is the format itself, bit-exact with the `gguf` package's own.
 
 Every format is seen through the same components: unsigned integers `u` per element, an integer
-`offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q5_1 / Q4_K / Q5_K, an
-fp32 `min` per 32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation
-gguf's dequantize does. The 5-bit formats are one byte per element to the kernel (u <= 31).
+`offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q5_1 / Q4_K / Q5_K, a `min` per
+32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation gguf's
+dequantize does.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ GGUF_QTYPES: dict[str, tuple[int, int]] = {
 }
 
 # name -> (4-bit weights, elements per scale, integer offset, has a min); the kernel's format code
-# is the index in this dict (new formats go at the end: the codes are kept).
+# is the index in this dict (new formats go at the end: the codes are kept). The 5-bit formats are
+# a byte an element to the kernel (u <= 31), as Q8_0 and Q6_K.
 _FORMATS: dict[str, tuple[bool, int, int, bool]] = {
     "q8_0": (False, 32, 128, False), "q4_0": (True, 32, 8, False), "q4_1": (True, 32, 0, True),
     "q4_k": (True, 32, 0, True), "q6_k": (False, 16, 32, False),
