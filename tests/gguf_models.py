@@ -2,8 +2,9 @@
 own classes (tests/conftest.write_random_llama), turned into a GGUF file as llama.cpp's converter
 lays one out (Q/K rows permuted for its rotary, tokenizer and chat template in the metadata), with
 its linear layers quantized by the `gguf` package where it can quantize the type (Q8_0, Q4_0,
-Q4_1, Q5_0) and as random blocks of sane scale where it cannot (Q4_K, Q6_K: `gguf.quants`
-dequantizes them but has no quantizer)."""
+Q4_1, Q5_0, Q5_1, MXFP4) and as random blocks of sane scale where it cannot (Q4_K, Q5_K, Q6_K:
+`gguf.quants` dequantizes them but has no quantizer). As llama.cpp's quantizer, a K type asked
+for a tensor whose rows are not a multiple of 256 falls back to a 32-element type."""
 from __future__ import annotations
 
 import json
@@ -22,11 +23,22 @@ PRESETS = {
     "q8_0": {},
     "q4_0": {},
     "q4_1": {},
-    "q5_0": {},  # not supported by nanoserve's kernels: the unsupported-type error
+    "q5_0": {},
+    "q5_1": {},
+    "mxfp4": {},  # not supported by nanoserve's kernels: the unsupported-type error
     "f16": {},  # unquantized linear layers: dequantized into the bf16 / fp32 weights
     "q4_k_m": {"v_proj": "q6_k", "down_proj": "q6_k"},
 }
+# What llama.cpp's quantizer (llama-quant.cpp) writes for --type Q4_K_M / Q5_K_M: this K type
+# everywhere but attn_v and ffn_down in the layers use_more_bits picks (Q6_K), then the fallback
+# for rows not a multiple of 256 (_K_FALLBACK). On SmolLM2-135M (hidden 576) Q4_K_M is Q5_0 but for
+# ffn_down (Q4_K / Q6_K) and some attn_v (Q8_0); LLAMA_CPP_SHAPE, its default here, has the same
+# pattern (two layers: layer 1 uses more bits, layer 0 not) and splits across two ranks.
+LLAMA_CPP_MIXES = {"llama_cpp_q4_k_m": "q4_k", "llama_cpp_q5_k_m": "q5_k"}
+PRESETS.update({name: {} for name in LLAMA_CPP_MIXES})
+_K_FALLBACK = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+LLAMA_CPP_SHAPE = dict(hidden_size=384, intermediate_size=512, num_heads=6, num_kv_heads=2, num_layers=2)
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
@@ -50,12 +62,15 @@ def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def _random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K / Q6_K blocks whose values are about N(0, 2 / sqrt(k)) in size."""
+    """Random Q4_K / Q5_K / Q6_K blocks whose values are about N(0, 2 / sqrt(k)) in size."""
     target = 2.0 / np.sqrt(k)
-    block_bytes = 144 if qtype == "q4_k" else 210
+    block_bytes = {"q4_k": 144, "q5_k": 176, "q6_k": 210}[qtype]
     raw = rng.integers(0, 256, size=(rows, k // 256, block_bytes), dtype=np.uint8)
-    if qtype == "q4_k":  # d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
-        scales = rng.uniform(0.5, 1.5, size=(rows, k // 256, 2)) * [target / (32 * 8), target / (32 * 16)]
+    if qtype in ("q4_k", "q5_k"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins, the values
+        # Q5_K: dmin * min about d * scale * (the values' middle, 16): about zero-mean, as real
+        # blocks (Q4_K's, kept as they were, lean positive).
+        d_and_dmin = [target / (32 * 8), target / (32 * 16)] if qtype == "q4_k" else [target / (32 * 16), target / 32]
+        scales = rng.uniform(0.5, 1.5, size=(rows, k // 256, 2)) * d_and_dmin
         raw[..., 0:4] = scales.astype(np.float16).view(np.uint8).reshape(rows, k // 256, 4)
     else:  # 128 + 64 bytes of 6-bit values, 16 int8 scales, d (f16) last
         d = rng.uniform(0.5, 1.5, size=(rows, k // 256, 1)) * target / (64 * 32)
@@ -63,9 +78,26 @@ def _random_k_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) ->
     return raw.reshape(rows, -1)
 
 
+def _use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _preset_qtype(preset: str, name: str, layers: int) -> str:
+    """A linear weight's type in `preset` (before the fallback for short rows)."""
+    if preset in LLAMA_CPP_MIXES:
+        layer = int(name.split(".")[2])
+        more_bits = name.endswith(("v_proj.weight", "down_proj.weight")) and _use_more_bits(layer, layers)
+        return "q6_k" if more_bits else LLAMA_CPP_MIXES[preset]
+    default = "q4_k" if preset == "q4_k_m" else preset
+    return next((q for fragment, q in PRESETS[preset].items() if f".{fragment}." in name), default)
+
+
 def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
     values = weight.float().numpy()
-    if qtype in ("q4_k", "q6_k"):
+    if weight.shape[1] % 256:
+        qtype = _K_FALLBACK.get(qtype, qtype)
+    if qtype.endswith("_k"):
         return _random_k_blocks(*values.shape, qtype, rng), getattr(T, qtype.upper())
     ggml_type = getattr(T, qtype.upper())
     return gguf.quants.quantize(values, ggml_type), ggml_type
@@ -96,7 +128,7 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
                          embedding: str = "q8_0", head: str = "q6_k", **shape) -> Path:
     """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf). `embedding`:
     token_embd's type (the tied head's too); `head`: output.weight's when not tied."""
-    shape = {**DEFAULT_SHAPE, **shape}
+    shape = {**DEFAULT_SHAPE, **(LLAMA_CPP_SHAPE if preset in LLAMA_CPP_MIXES else {}), **shape}
     hf_dir = write_random_llama(out_dir / "hf", tie=tie, seed=seed, **shape)
     config = json.loads((hf_dir / "config.json").read_text())
     weights = load_file(str(hf_dir / "model.safetensors"))
@@ -113,8 +145,6 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
     _add_tokenizer(writer, hf_dir)
     rng = np.random.default_rng(seed)
-    overrides = PRESETS[preset]
-    default = "q4_k" if preset == "q4_k_m" else preset
     for name, weight in weights.items():
         if name.endswith("norm.weight"):
             writer.add_tensor(_gguf_name(name), weight.float().numpy())
@@ -128,7 +158,7 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
         elif name == "lm_head.weight":
             qtype = head
         else:
-            qtype = next((q for fragment, q in overrides.items() if f".{fragment}." in name), default)
+            qtype = _preset_qtype(preset, name, config["num_hidden_layers"])
         data, ggml_type = _tensor_bytes(name, weight, qtype, rng)
         writer.add_tensor(_gguf_name(name), data, raw_dtype=ggml_type)
     writer.write_header_to_file()

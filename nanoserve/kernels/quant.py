@@ -1,4 +1,5 @@
-"""Linear layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+"""Linear layers whose weights stay in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K).
 
 How the CPU kernel (kernels/cpu/gemm_quant.cpp) multiplies, as llama.cpp does: each row of the
 activations is quantized per block of 32 to int8 with one fp32 scale, the weights stay integers
@@ -8,7 +9,7 @@ in torch, operation for operation, so the kernel's output equals it bit for bit 
 level; `dequantize` is the format itself, bit-exact with the `gguf` package's own.
 
 Every format is seen through the same components: unsigned integers `u` per element, an integer
-`offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q4_K, an fp32 `min` per
+`offset`, an fp32 `scale` per group of 16 or 32 elements and, for Q4_1 / Q5_1 / Q4_K / Q5_K, a `min` per
 32, so that weight = scale * (u - offset) (+ min), each step the fp32 operation gguf's
 dequantize does.
 
@@ -24,14 +25,17 @@ import torch
 
 # name -> (elements per block, bytes per block), as stored in a GGUF file.
 GGUF_QTYPES: dict[str, tuple[int, int]] = {
-    "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q4_k": (256, 144), "q6_k": (256, 210),
+    "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
 }
 
 # name -> (4-bit weights, elements per scale, integer offset, has a min); the kernel's format code
-# is the index in this dict.
+# is the index in this dict (new formats go at the end: the codes are kept). The 5-bit formats are
+# a byte an element to the kernel (u <= 31), as Q8_0 and Q6_K.
 _FORMATS: dict[str, tuple[bool, int, int, bool]] = {
     "q8_0": (False, 32, 128, False), "q4_0": (True, 32, 8, False), "q4_1": (True, 32, 0, True),
     "q4_k": (True, 32, 0, True), "q6_k": (False, 16, 32, False),
+    "q5_0": (False, 32, 16, False), "q5_1": (False, 32, 0, True), "q5_k": (False, 32, 0, True),
 }
 _COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
@@ -115,6 +119,8 @@ def _components(raw: torch.Tensor, qtype: str, k: int):
     if qtype == "q8_0":
         u = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         return u.reshape(n, k), 128, _half(blocks[..., :2]).reshape(n, -1), None
+    if qtype in ("q5_0", "q5_1", "q5_k"):
+        return _q5_components(blocks, qtype, n, k)
     if qtype in ("q4_0", "q4_1"):
         start = 2 if qtype == "q4_0" else 4
         u = _nibbles(blocks[..., start:], 16).reshape(n, k)
@@ -137,6 +143,31 @@ def _components(raw: torch.Tensor, qtype: str, k: int):
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
     d = _half(blocks[..., 208:210])
     return u, 32, (d * scales).reshape(n, -1), None
+
+
+def _q5_components(blocks: torch.Tensor, qtype: str, n: int, k: int):
+    """Q5_0 (d, qh 4, qs 16), Q5_1 (d, m, qh 4, qs 16) and Q5_K (d, dmin, 12 bytes of scales as
+    Q4_K, qh 32, qs 128): u = low nibble | high bit << 4, as llama.cpp's dequantize_row_q5_*.
+    Q5_0 / Q5_1: element i's high bit is bit i of the little-endian qh word, its nibble the low
+    one of qs[i] (i < 16) or the high one of qs[i - 16]. Q5_K: sub-block j's element l has bit j
+    of qh[l] and the low (j even) or high nibble of qs[32 * (j // 2) + l]."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    if qtype == "q5_k":
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])       # [n, nb, 1]
+        sc, mins = _q4_k_scale_min(blocks[..., 4:16])                       # [n, nb, 8] each
+        qh = blocks[..., 16:48].unsqueeze(-2)                               # [n, nb, 1, 32]
+        high = (qh >> bits.reshape(8, 1)) & 1                               # [n, nb, 8, 32]
+        low = _nibbles(blocks[..., 48:].reshape(n, -1, 4, 32), 32).reshape(high.shape)
+        u = (low | (high << 4)).reshape(n, k)
+        return u, 0, (d * sc.float()).reshape(n, -1), (-(dmin * mins.float())).reshape(n, -1)
+    start = 2 if qtype == "q5_0" else 4
+    qh = blocks[..., start:start + 4].unsqueeze(-1)                          # [n, nb, 4, 1]
+    high = ((qh >> bits) & 1).reshape(n, -1, 32)
+    u = (_nibbles(blocks[..., start + 4:], 16) | (high << 4)).reshape(n, k)
+    scale = _half(blocks[..., :2]).reshape(n, -1)
+    if qtype == "q5_0":
+        return u, 16, scale, None
+    return u, 0, scale, _half(blocks[..., 2:4]).reshape(n, -1)
 
 
 def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

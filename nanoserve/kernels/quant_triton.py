@@ -1,10 +1,11 @@
-"""CUDA: x @ W.T + bias with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), dequantized
+"""CUDA: x @ W.T + bias with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K), dequantized
 in registers, 32 values of each weight row at a time, and multiplied with tl.dot.
 
 Called by kernels/quant.quant_gemm for CUDA tensors. Each program computes a BLOCK_M x BLOCK_N
 tile of the output, walking K in chunks of 32: a 32-value chunk is one block of the 32-value
 formats and one sub-block of a K-quant's 256-value super-block, so every chunk has one scale (and
-Q4_1 / Q4_K one offset) per row. The activations are not quantized: the weight is dequantized to
+Q4_1 / Q5_1 / Q4_K / Q5_K one offset) per row. The activations are not quantized: the weight is dequantized to
 fp32 (then to the activations' dtype for tl.dot), as `gguf_gemm_reference` does in torch.
 
 Byte layouts (per row, blocks after one another; d, m, dmin are f16):
@@ -12,8 +13,14 @@ Byte layouts (per row, blocks after one another; d, m, dmin are f16):
   Q4_0  18 bytes / 32: d, 16 bytes: value i < 16 low nibble of byte i, else high nibble of i - 16
                                                                      w = d * (q - 8)
   Q4_1  20 bytes / 32: d, m, 16 bytes of nibbles as Q4_0             w = d * q + m
+  Q5_0  22 bytes / 32: d, qh (4 bytes: value i's 5th bit is bit i % 8 of byte i // 8), 16 bytes
+        of nibbles as Q4_0                                           w = d * (q - 16)
+  Q5_1  24 bytes / 32: d, m, qh, 16 bytes of nibbles as Q5_0         w = d * q + m
   Q4_K 144 bytes / 256: d, dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks, 128 bytes:
         sub-blocks 2g and 2g + 1 are the low and high nibbles of bytes 32g .. 32g + 31
+                                                                     w = d * sc * q - dmin * mn
+  Q5_K 176 bytes / 256: d, dmin, 12 bytes of scales and mins as Q4_K, qh (32 bytes: sub-block j's
+        value l has bit j of byte l as its 5th bit), 128 bytes of nibbles as Q4_K
                                                                      w = d * sc * q - dmin * mn
   Q6_K 210 bytes / 256: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales, d;
         value 128h + 32t + l: low nibble (t < 2) or high (t >= 2) of byte 64h + 32(t % 2) + l,
@@ -31,7 +38,8 @@ tl = None  # triton.language, bound on the first Triton launch (see triton_utils
 
 # qtype name -> (the kernel's code, block values, block bytes)
 GGUF_TRITON_QTYPES = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_1": (2, 32, 20),
-                      "q4_k": (3, 256, 144), "q6_k": (4, 256, 210)}
+                      "q4_k": (3, 256, 144), "q6_k": (4, 256, 210), "q5_0": (5, 32, 22),
+                      "q5_1": (6, 32, 24), "q5_k": (7, 256, 176)}
 
 
 @lazy_jit
@@ -66,8 +74,17 @@ def _gguf_gemm_kernel(
                     w = d * q + _f16(base + 2, wmask)
         elif QTYPE == 3:
             w = _q4_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
-        else:
+        elif QTYPE == 4:
             w = _q6_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
+        elif QTYPE == 7:
+            w = _q5_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
+        else:  # Q5_0 / Q5_1: one 32-value block per chunk
+            base = w_rows + chunk * BLOCK_BYTES
+            d = _f16(base, wmask)
+            if QTYPE == 5:
+                w = d * (_q5_values(base + 2, kk, wmask) - 16.0)
+            else:
+                w = d * _q5_values(base + 4, kk, wmask) + _f16(base + 2, wmask)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -84,10 +101,8 @@ def _f16(ptr, mask):
 
 
 @lazy_jit
-def _q4_k_chunk(base, sub, kk, wmask):
-    """Sub-block `sub` (0..7) of the Q4_K super-blocks at `base`: [BLOCK_N, 32] fp32."""
-    d = _f16(base, wmask)
-    dmin = _f16(base + 2, wmask)
+def _k_scale_min(base, sub, wmask):
+    """Sub-block `sub`'s 6-bit scale and min (Q4_K's and Q5_K's 12 bytes at base + 4), as fp32."""
     scale_at = base + 4
     this = tl.load(scale_at + sub, mask=wmask, other=0).to(tl.int32)
     after = tl.load(scale_at + sub + 4, mask=wmask, other=0).to(tl.int32)
@@ -95,9 +110,41 @@ def _q4_k_chunk(base, sub, kk, wmask):
     low = sub < 4
     scale = tl.where(low, this & 63, (after & 15) | ((before >> 6) << 4)).to(tl.float32)
     offset = tl.where(low, after & 63, (after >> 4) | ((this >> 6) << 4)).to(tl.float32)
+    return scale, offset
+
+
+@lazy_jit
+def _q4_k_chunk(base, sub, kk, wmask):
+    """Sub-block `sub` (0..7) of the Q4_K super-blocks at `base`: [BLOCK_N, 32] fp32."""
+    d = _f16(base, wmask)
+    dmin = _f16(base + 2, wmask)
+    scale, offset = _k_scale_min(base, sub, wmask)
     byte = tl.load(base + 16 + (sub // 2) * 32 + kk[None, :], mask=wmask, other=0).to(tl.int32)
     q = tl.where(sub % 2 == 0, byte & 15, byte >> 4).to(tl.float32)
     return d * scale * q - dmin * offset
+
+
+@lazy_jit
+def _q5_values(qh_at, kk, wmask):
+    """Q5_0 / Q5_1's 32 5-bit values from qh (4 bytes at `qh_at`) and the 16 bytes after it:
+    [BLOCK_N, 32] fp32."""
+    high = tl.load(qh_at + kk[None, :] // 8, mask=wmask, other=0).to(tl.int32)
+    byte = tl.load(qh_at + 4 + (kk[None, :] % 16), mask=wmask, other=0).to(tl.int32)
+    low = tl.where(kk[None, :] < 16, byte & 15, byte >> 4)
+    return (low | (((high >> (kk[None, :] % 8)) & 1) << 4)).to(tl.float32)
+
+
+@lazy_jit
+def _q5_k_chunk(base, sub, kk, wmask):
+    """Sub-block `sub` (0..7) of the Q5_K super-blocks at `base`: [BLOCK_N, 32] fp32 (scales and
+    mins as Q4_K's, 32 bytes of 5th bits, then the nibbles at 48)."""
+    d = _f16(base, wmask)
+    dmin = _f16(base + 2, wmask)
+    scale, offset = _k_scale_min(base, sub, wmask)
+    high = tl.load(base + 16 + kk[None, :], mask=wmask, other=0).to(tl.int32)
+    byte = tl.load(base + 48 + (sub // 2) * 32 + kk[None, :], mask=wmask, other=0).to(tl.int32)
+    q = tl.where(sub % 2 == 0, byte & 15, byte >> 4) | (((high >> sub) & 1) << 4)
+    return d * scale * q.to(tl.float32) - dmin * offset
 
 
 @lazy_jit
@@ -114,7 +161,7 @@ def _q6_k_chunk(base, sub, kk, wmask):
 
 def _bind_helpers() -> None:
     """The kernel calls the helpers by their global names: make those the jitted functions."""
-    for name in ("_f16", "_q4_k_chunk", "_q6_k_chunk"):
+    for name in ("_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk"):
         helper = globals()[name]
         if not hasattr(helper, "jitted"):
             continue

@@ -180,12 +180,14 @@ def test_fused_decode_on_quantized_layers_gives_the_calls_bits(model_dir, cpu_is
     assert all(ok for _, ok in checked), checked
 
 
-@pytest.mark.parametrize("preset", ["q4_1", "q4_k_m"])
+@pytest.mark.parametrize("preset", ["q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m"])
 def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cpu_isa):
     """A GGUF model served as it is (its layers' quant_weight / quant_parts): the fused steps
-    and the modules' path give the same tokens and logprobs."""
+    and the modules' path give the same tokens and logprobs. The llama.cpp mixes on their own
+    shape (hidden 384: Q5_0 / Q5_1 beside Q4_K / Q5_K, Q6_K and Q8_0)."""
     gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving (models/gguf_weights.py) not here")
-    shape = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+    shape = {} if preset in gguf_models.LLAMA_CPP_MIXES else dict(
+        hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
     path = gguf_models.write_quantized_gguf(tmp_path, preset, seed=3, **shape)
     llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
     assert llm.llm_engine.runner.fused_decode is not None

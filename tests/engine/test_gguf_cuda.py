@@ -16,7 +16,7 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 
 
-@pytest.mark.parametrize("preset", ["q8_0", "q4_1", "q4_k_m"])
+@pytest.mark.parametrize("preset", ["q8_0", "q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m"])
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @torch.inference_mode()
 def test_cuda_logprobs_match_transformers(tmp_path, preset, enforce_eager):

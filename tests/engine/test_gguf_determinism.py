@@ -19,14 +19,18 @@ PROMPT_LENGTHS = {"long": 300, "short": 40}
 SMOLLM2_SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_size=1536, num_layers=2)
 
 
-@pytest.fixture(scope="module", params=["q4_1", "q4_k_m", "compressed-tensors-w8a8"])
+@pytest.fixture(scope="module", params=["q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m",
+                                        "compressed-tensors-w8a8"])
 def gguf_file(request, tmp_path_factory):
-    """A GGUF file, or a compressed-tensors checkpoint (the same kernels, models/compressed_tensors.py)."""
+    """A GGUF file, or a compressed-tensors checkpoint (the same kernels, models/compressed_tensors.py).
+    q4_k_m: Q4_K in every layer needs inputs in blocks of 256. llama_cpp_q4_k_m on SmolLM2's
+    shapes is what llama.cpp's quantizer writes for it: Q5_0 but for ffn_down (Q4_K, Q6_K) and
+    layer 1's V (Q8_0); its Q5_K_M: Q5_1 but for ffn_down (Q5_K, Q6_K) and layer 1's V."""
     if request.param.startswith("compressed-tensors"):
         ct_models = pytest.importorskip("tests.compressed_tensors_models")
         pytest.importorskip("compressed_tensors")
         return ct_models.write_compressed_llama(tmp_path_factory.mktemp("ct"), "w8a8-channel", seed=19, **SMOLLM2_SHAPE)
-    shape = SMOLLM2_SHAPE if request.param == "q4_1" else {}  # Q4_K needs inputs in blocks of 256
+    shape = {} if request.param == "q4_k_m" else SMOLLM2_SHAPE
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=19, **shape)
 
 

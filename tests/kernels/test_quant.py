@@ -14,7 +14,8 @@ from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight
 
 QTYPES = list(GGUF_QTYPES)
 # where each type keeps its fp16 scales (byte offsets inside a block)
-_SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q4_k": [0, 2], "q6_k": [208]}
+_SCALE_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2],
+                 "q5_k": [0, 2], "q6_k": [208]}
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here")
 
@@ -26,7 +27,7 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     raw = torch.randint(0, 256, (n, k // elements, nbytes), generator=generator, dtype=torch.uint8)
     for offset in _SCALE_FIELDS[qtype]:
         scales = (torch.rand(n, k // elements, generator=generator) * 0.02 + 1e-4).to(torch.float16)
-        if offset == 2:  # q4_1's min may be negative
+        if offset == 2:  # q4_1's / q5_1's min (and the K types' dmin) may be negative
             scales = scales * torch.where(torch.rand(scales.shape, generator=generator) < 0.5, -1, 1).half() * 8
         raw[..., offset:offset + 2] = scales.unsqueeze(-1).view(torch.uint8)
     return raw.reshape(n, -1)
@@ -47,9 +48,10 @@ def test_dequantize_is_bit_exact_with_gguf(qtype):
 
 
 def test_unsupported_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="Q5_K .*supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K"):
-        quant.qtype_name(gguf.GGMLQuantizationType.Q5_K)
+    with pytest.raises(ValueError, match="Q3_K .*supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K$"):
+        quant.qtype_name(gguf.GGMLQuantizationType.Q3_K)
     assert quant.qtype_name(gguf.GGMLQuantizationType.Q4_K) == "q4_k"
+    assert quant.qtype_name(gguf.GGMLQuantizationType.Q5_0) == "q5_0"
     with pytest.raises(ValueError, match="multiple of its block"):
         quant.dequantize(torch.zeros(2, 144, dtype=torch.uint8), "q4_k", 128)
 

@@ -12,7 +12,7 @@ from nanoserve.kernels.quant_triton import gguf_gemm, gguf_gemm_reference
 from tests.gguf_models import _random_k_blocks
 from tests.kernels.utils import DEVICE, DTYPES, dtype_id
 
-QTYPES = ["q8_0", "q4_0", "q4_1", "q4_k", "q6_k"]
+QTYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"]
 # (atol, rtol) on outputs of magnitude ~1: fp32 sums in another order; fp16 / bf16 round x @ w
 # products' inputs (the dequantized weight goes to the activations' dtype for tl.dot).
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 6e-2)}
@@ -20,7 +20,7 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16:
 
 def make_weight(qtype: str, n: int, k: int, seed: int) -> QuantWeight:
     rng = np.random.default_rng(seed)
-    if qtype in ("q4_k", "q6_k"):
+    if qtype.endswith("_k"):
         raw = _random_k_blocks(n, k, qtype, rng)
     else:
         values = rng.normal(0, 2 / np.sqrt(k), size=(n, k)).astype(np.float32)
@@ -48,5 +48,5 @@ def test_shape_errors():
     w = make_weight("q8_0", 16, 64, seed=0)
     with pytest.raises(ValueError, match=r"x must be \[m, 64\]"):
         gguf_gemm(torch.zeros(2, 32, device=DEVICE), w, None)
-    with pytest.raises(ValueError, match="no Triton kernel for 'q5_0'"):
-        gguf_gemm(torch.zeros(2, 64, device=DEVICE), QuantWeight("q5_0", 16, 64, w.raw), None)
+    with pytest.raises(ValueError, match="no Triton kernel for 'q3_k'"):
+        gguf_gemm(torch.zeros(2, 64, device=DEVICE), QuantWeight("q3_k", 16, 64, w.raw), None)

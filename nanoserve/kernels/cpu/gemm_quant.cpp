@@ -1,11 +1,11 @@
-// GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), as llama.cpp does
-// them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized per block of 32 to
-// int8 and one fp32 scale, and each block's product an exact integer dot product.
+// GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
+// as llama.cpp does them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized
+// per block of 32 to int8 and one fp32 scale, and each block's product an exact integer dot product.
 //
 // The arithmetic (kernels/quant.py's reference_gemm writes the same in torch): per output element,
 // the blocks in order from k = 0; per scale group (32 elements, 16 for Q6_K) the integer
 // i = sum (u - offset) * q, then
-//     acc = acc + (scale * dx) * float(i);   acc = acc + min * sx     (Q4_1, Q4_K)
+//     acc = acc + (scale * dx) * float(i);   acc = acc + min * sx     (Q4_1, Q5_1, Q4_K, Q5_K)
 // with sx = dx * float(sum of the block's q); then acc + bias rounded once. The integer part is
 // exact at every level (VNNI vpdpbusd, AVX2 vpmaddubsw, plain C++) and the fp32 operations are
 // the same ones in the same order, so every level gives the same bits as the reference, whatever
@@ -14,7 +14,8 @@
 // Weights are packed at load (quant.py pack_weight): per group of 16 output columns and block of
 // 32 elements, the quants as one vpdpbusd step reads them (64 bytes: 16 columns x 4 elements;
 // eight steps a block, 4-bit formats holding step j in the low nibbles and j + 4 in the high
-// ones), then fp32 scales [groups in the block][16], then fp32 mins [16].
+// ones; the 5-bit formats take a byte an element, as Q8_0 and Q6_K), then fp32 scales [groups
+// in the block][16], then fp32 mins [16].
 //
 // Measured on a 2-core Zen 5 EPYC (shared, so rough), SmolLM2's shapes against the bf16 GEMM at
 // the same level: a lone row 1.2-2x (fewer bytes to stream); 64 rows 1.1-1.2x on Q4_1 and
@@ -45,15 +46,18 @@ constexpr int64_t kRowChunk = 64;
 constexpr int64_t kParallelQuantize = int64_t(1) << 13;  // elements of x quantized by all threads
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
-// Format codes: the order of quant.py's _FORMATS.
-enum Format : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+// Format codes: the order of quant.py's _FORMATS (new ones appended; kFormats counts them).
+enum Format : int {
+    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8
+};
 
 template <int F>
 struct Traits {
     static constexpr bool nibbles = F == kQ4_0 || F == kQ4_1 || F == kQ4_K;
     static constexpr int group = F == kQ6_K ? 16 : 32;  // elements per scale
-    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ6_K ? 32 : 0;
-    static constexpr bool has_min = F == kQ4_1 || F == kQ4_K;
+    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32 : 0;
+    static constexpr bool has_min = F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K;
+    static constexpr bool super_blocks = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // K a multiple of 256
     static constexpr int quant_bytes = nibbles ? 256 : 512;
     static constexpr int scale_bytes = 4 * kCols * (kBlock / group);
     static constexpr int bytes = quant_bytes + scale_bytes + (has_min ? 4 * kCols : 0);
@@ -288,7 +292,7 @@ NS_QAVX2 inline __m256i dot_step_avx2(__m256i w, __m256i xq) {
         const __m256i signed_w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
         return _mm256_madd_epi16(
             _mm256_maddubs_epi16(_mm256_sign_epi8(signed_w, signed_w), _mm256_sign_epi8(xq, signed_w)), ones);
-    } else {  // u <= 63: no pair of products saturates int16
+    } else {  // u <= 63 (Q6_K; the 5-bit formats <= 31): |u q + u' q'| <= 2 * 63 * 128, no int16 saturation
         return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
     }
 }
@@ -416,13 +420,16 @@ void fill(Kernels& table) {
 
 template <template <int, int, int> class K>
 struct LevelKernels {
-    Kernels formats[5];
+    Kernels formats[kFormats];
     LevelKernels() {
         fill<K, kQ8_0, 1, 1>(formats[kQ8_0]);
         fill<K, kQ4_0, 1, 1>(formats[kQ4_0]);
         fill<K, kQ4_1, 1, 1>(formats[kQ4_1]);
         fill<K, kQ4_K, 1, 1>(formats[kQ4_K]);
         fill<K, kQ6_K, 1, 1>(formats[kQ6_K]);
+        fill<K, kQ5_0, 1, 1>(formats[kQ5_0]);
+        fill<K, kQ5_1, 1, 1>(formats[kQ5_1]);
+        fill<K, kQ5_K, 1, 1>(formats[kQ5_K]);
     }
 };
 
@@ -548,13 +555,25 @@ const Kernels& level_kernels(int level, int format) {
     return portable.formats[format];
 }
 
-int block_bytes(int format) {
+// A format's Traits read at run time: (packed block bytes, integer offset, K in 256-blocks).
+struct FormatInfo {
+    int bytes, offset;
+    bool super_blocks;
+};
+
+template <int F>
+constexpr FormatInfo info() { return {Traits<F>::bytes, Traits<F>::offset, Traits<F>::super_blocks}; }
+
+FormatInfo format_info(int format) {
     switch (format) {
-        case kQ8_0: return Traits<kQ8_0>::bytes;
-        case kQ4_0: return Traits<kQ4_0>::bytes;
-        case kQ4_1: return Traits<kQ4_1>::bytes;
-        case kQ4_K: return Traits<kQ4_K>::bytes;
-        default: return Traits<kQ6_K>::bytes;
+        case kQ8_0: return info<kQ8_0>();
+        case kQ4_0: return info<kQ4_0>();
+        case kQ4_1: return info<kQ4_1>();
+        case kQ4_K: return info<kQ4_K>();
+        case kQ6_K: return info<kQ6_K>();
+        case kQ5_0: return info<kQ5_0>();
+        case kQ5_1: return info<kQ5_1>();
+        default: return info<kQ5_K>();
     }
 }
 
@@ -567,8 +586,9 @@ extern "C" {
 // 0 done; 2 a shape, dtype or format it does not take.
 int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed,
                   const void* bias, int64_t M, int64_t N, int64_t K) {
-    if (format < 0 || format > kQ6_K || (dtype != 0 && dtype != 1) || K % 256 != 0 && (format == kQ4_K || format == kQ6_K))
-        return 2;
+    if (format < 0 || format >= kFormats || (dtype != 0 && dtype != 1)) return 2;
+    const FormatInfo format_traits = format_info(format);
+    if (format_traits.super_blocks && K % 256 != 0) return 2;
     if (K % kBlock != 0 || N % kCols != 0 || M < 0) return 2;
     if (M == 0) return 0;
     const int64_t nb = K / kBlock;
@@ -579,11 +599,10 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     dx.resize(M * nb);
     sx.resize(M * nb);
     corr.resize(M * nb * 2);
-    const int offset = format == kQ8_0 ? 128 : format == kQ4_0 ? 8 : format == kQ6_K ? 32 : 0;
     // This thread's buffers, by pointer: inside the parallel region the names would be each
     // worker's own thread_local vectors.
     const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
-    const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, block_bytes(format)};
+    const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, format_traits.bytes};
     // Register blocks by measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2,
     // 6 x 2 and 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse,
     // bounds it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight
@@ -592,7 +611,7 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
     if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
     else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{2, 2}};
-    run(level, call, a, x, ldx, offset, format == kQ6_K);
+    run(level, call, a, x, ldx, format_traits.offset, format == kQ6_K);
     return 0;
 }
 
