@@ -6,7 +6,8 @@
 #   scripts/bench_quant.sh                                   batch1, offline and perplexity
 #   PARTS="batch1" OUT=benchmarks/quant/amd-epyc-zen5 scripts/bench_quant.sh
 # batch1: 16-token prompt, 256 greedy tokens, ms/token (../shared/bench/batch1.sh): llama.cpp on
-#   the three files, nanoserve on its bf16 import and on the Q4_1 and Q8_0 files as they are.
+#   the three files and llama.cpp's Q4_K_M, nanoserve on its bf16 import and on the quantized files
+#   as they are.
 # offline: LLM.generate 64 x (128 in, 128 out) output tokens/s, nanoserve bf16 vs the Q4_1 file.
 # prefill: prompt-only work, nanoserve LLM.generate 64 x (128 in, 1 out) and llama.cpp one 512-token
 #   prompt (scripts/prefill_llamacpp.py), each on bf16 / Q4_1 / Q8_0: the gain each engine gets
@@ -23,6 +24,9 @@ PY=.venv/bin/python
 MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf_import import ensure_default_model; print(ensure_default_model())' 2>/dev/null)}
 mkdir -p "$OUT"
 RUN="$OUT/run.txt"
+# llama.cpp's Q4_K_M of the default model (mostly Q5_0 at its row length), written once from the BF16 file
+[ -f "$G/smollm2-q4_k_m.gguf" ] || "$LV/bin/python" scripts/llamacpp_quantize.py "$G/smollm2-bf16.gguf" \
+  "$G/smollm2-q4_k_m.gguf" Q4_K_M >/dev/null 2>&1
 {
   echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
   echo "# torch $($PY -c 'import torch; print(torch.__version__)'), nanoserve $(git rev-parse --short HEAD)"
@@ -35,8 +39,9 @@ offline() {  # model label
 for part in $PARTS; do
   case $part in
     batch1) echo "## batch1" | tee -a "$RUN"
-            "$BENCH/batch1.sh" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf" 2>/dev/null \
-              | grep -E '^(nanoserve|llama.cpp)' | tee -a "$RUN" ;;
+            "$BENCH/batch1.sh" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_k_m.gguf" 2>/dev/null \
+              | grep -E '^(nanoserve|llama.cpp)' | tee -a "$RUN"
+            "$LV/bin/python" "$BENCH/batch1_llamacpp.py" "$G/smollm2-q4_k_m.gguf" 2>/dev/null | tail -n 1 | tee -a "$RUN" ;;
     offline) echo "## offline 64 128 128" | tee -a "$RUN"
              offline "$MODEL_DIR" bf16 | tee -a "$RUN"
              offline "$G/smollm2-q4_1.gguf" q4_1 | tee -a "$RUN"
@@ -58,14 +63,17 @@ for part in $PARTS; do
                2>/dev/null | tail -n 1 | tee -a "$RUN"
            done
          done
-         for m in "$G/smollm2-bf16.gguf" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
+         $PY scripts/perplexity.py nanoserve "$G/smollm2-q4_k_m.gguf" "$NLL/ids" bfloat16 \
+           --nll "$NLL/ns-smollm2-q4_k_m.gguf-bfloat16" 2>/dev/null | tail -n 1 | tee -a "$RUN"
+         for m in "$G/smollm2-bf16.gguf" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf" "$G/smollm2-q4_k_m.gguf"; do
            "$LV/bin/python" scripts/perplexity.py llamacpp "$m" "$NLL/ids" --nll "$NLL/lc-$(basename "$m")" \
              2>/dev/null | tail -n 1 | tee -a "$RUN"
          done
          # paired ratios, token by token on the same ids, with a 95% interval over the windows
          for pair in "ns-smollm2-q4_1.gguf-bfloat16 lc-smollm2-q4_1.gguf" "ns-smollm2-q4_1.gguf-float32 lc-smollm2-q4_1.gguf" \
                      "ns-$(basename "$MODEL_DIR")-float32 lc-smollm2-bf16.gguf" \
-                     "ns-smollm2-q8_0.gguf-bfloat16 ns-$(basename "$MODEL_DIR")-bfloat16"; do
+                     "ns-smollm2-q8_0.gguf-bfloat16 ns-$(basename "$MODEL_DIR")-bfloat16" \
+                     "ns-smollm2-q4_k_m.gguf-bfloat16 lc-smollm2-q4_k_m.gguf"; do
            set -- $pair
            $PY scripts/perplexity.py compare "$NLL/$1" "$NLL/$2" | tee -a "$RUN"
          done
