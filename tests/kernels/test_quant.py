@@ -86,8 +86,9 @@ def _kernel(x, w, bias=None):
 def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
     n, k = 72, 768  # n not a multiple of 16: padded columns cut
     w = _weight(qtype, n, k, seed=4)
+    reference = QuantWeight(qtype, n, k, w.raw)  # the oracle reads the GGUF bytes, not the packing
     quant.pack_for_cpu(w)
-    assert w.packed is not None
+    assert w.packed is not None and w.raw is None  # held once
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(67, k, generator=generator).to(dtype)
     x[3, 64:96] = 0  # an all-zero block
@@ -96,7 +97,7 @@ def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
         for b in (None, bias):
             out = quant.quant_gemm(x[:m], w, b)
             assert out.dtype == dtype and out.shape == (m, n)
-            assert torch.equal(out, quant.reference_gemm(x[:m], w, b)), (m, b is None)
+            assert torch.equal(out, quant.reference_gemm(x[:m], reference, b)), (m, b is None)
 
 
 @needs_kernels
