@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -198,6 +199,7 @@ class AsyncLLMEngine:
             stream.fail(EngineDeadError("the server is shutting down"))
         self.streams.clear()
         self._step_thread.shutdown(wait=True)
+        gc.unfreeze()  # the engine's objects back under the collector (llm_engine.freeze_startup_heap)
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           priority: int = 0,
