@@ -2,7 +2,9 @@
 drive exactly this."""
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import functools
 import gc
 import itertools
 import logging
@@ -137,6 +139,14 @@ def freeze_startup_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Once a process: frozen objects are never collected, not even as the interpreter exits
+    (nanobind, under Triton, then reports its functions leaked); unfreeze before that."""
+    atexit.register(gc.unfreeze)
 
 
 class LLMEngine:
