@@ -193,3 +193,17 @@ def dequantized_transformers(gguf_file: Path):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model
+
+
+@torch.inference_mode()
+def teacher_forced(model, tokenizer, prompts: list[str], tokens: list[list[int]]):
+    """Per prompt, a transformers model fed the prompt and the engine's generated tokens: its
+    log-softmax rows at the generated positions and each generated token's logprob in them
+    (the oracle the quantized-serving tests hold the engine's logprobs to)."""
+    out = []
+    for prompt, generated in zip(prompts, tokens):
+        prompt_ids = tokenizer.encode(prompt)
+        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
+        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
+        out.append((rows, [row[token].item() for row, token in zip(rows, generated)]))
+    return out

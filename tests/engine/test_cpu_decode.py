@@ -63,9 +63,10 @@ def generate(llm: LLM, fused: bool):
     return result, calls
 
 
-def test_fused_decode_gives_the_modules_bits(model_dir, cpu_isa):
-    llm = LLM(model=str(model_dir), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128,
-              device="cpu")
+def assert_fused_gives_the_modules_bits(model) -> None:
+    """The model served with the fused decode steps and without: the same tokens and logprobs,
+    the fused path having run in enough steps (and not in those with prompt rows)."""
+    llm = LLM(model=str(model), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
     assert llm.llm_engine.runner.fused_decode is not None
     fused, calls = generate(llm, fused=True)
     modules, _ = generate(llm, fused=False)
@@ -74,6 +75,10 @@ def test_fused_decode_gives_the_modules_bits(model_dir, cpu_isa):
     for index, (a, b) in enumerate(zip(fused, modules)):
         assert a[0] == b[0], f"request {index}: tokens differ"
         assert a[1] == b[1], f"request {index}: logprobs differ"
+
+
+def test_fused_decode_gives_the_modules_bits(model_dir, cpu_isa):
+    assert_fused_gives_the_modules_bits(model_dir)
 
 
 def test_fused_decode_not_built_where_it_does_not_apply(tmp_path, monkeypatch):
@@ -188,14 +193,7 @@ def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cp
     gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving (models/gguf_weights.py) not here")
     shape = {} if preset in gguf_models.LLAMA_CPP_MIXES else dict(
         hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
-    path = gguf_models.write_quantized_gguf(tmp_path, preset, seed=3, **shape)
-    llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
-    assert llm.llm_engine.runner.fused_decode is not None
-    fused, calls = generate(llm, fused=True)
-    modules, _ = generate(llm, fused=False)
-    assert sum(calls) >= 10 and not all(calls)
-    for index, (a, b) in enumerate(zip(fused, modules)):
-        assert a == b, f"request {index} differs"
+    assert_fused_gives_the_modules_bits(gguf_models.write_quantized_gguf(tmp_path, preset, seed=3, **shape))
 
 
 def test_fused_decode_on_a_compressed_tensors_checkpoint_gives_the_modules_bits(tmp_path, cpu_isa):
@@ -204,11 +202,4 @@ def test_fused_decode_on_a_compressed_tensors_checkpoint_gives_the_modules_bits(
     logprobs."""
     ct_models = pytest.importorskip("tests.compressed_tensors_models")
     pytest.importorskip("compressed_tensors")
-    path = ct_models.write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=3)
-    llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=64, num_kv_blocks=128, device="cpu")
-    assert llm.llm_engine.runner.fused_decode is not None
-    fused, calls = generate(llm, fused=True)
-    modules, _ = generate(llm, fused=False)
-    assert sum(calls) >= 10 and not all(calls)
-    for index, (a, b) in enumerate(zip(fused, modules)):
-        assert a == b, f"request {index} differs"
+    assert_fused_gives_the_modules_bits(ct_models.write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=3))

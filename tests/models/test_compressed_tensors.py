@@ -23,6 +23,7 @@ ct = pytest.importorskip("compressed_tensors")
 
 from tests.compressed_tensors_models import (  # noqa: E402
     compress_checkpoint, dequantized_transformers, quantized_layers, write_compressed_llama)
+from tests.gguf_models import teacher_forced  # noqa: E402
 from tests.models.family_checkpoints import write_random_checkpoint  # noqa: E402
 from tests.models.moe_checkpoints import write_moe_checkpoint  # noqa: E402
 
@@ -144,11 +145,8 @@ def assert_close_to_transformers(path, device: str = "cpu") -> None:
     llm = build(path, device, dtype="float32")
     tokens, logprobs, _ = greedy(llm)
     differences = []
-    for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
-        prompt_ids = llm.get_tokenizer().encode(prompt)
-        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
-        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
-        theirs = [row[token].item() for row, token in zip(rows, generated)]
+    forced = teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)
+    for prompt, ours, (rows, theirs) in zip(PROMPTS, logprobs, forced):
         differences += [abs(a - b) for a, b in zip(ours, theirs)]
         assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
     assert max(differences) < NEAR_TIE, differences

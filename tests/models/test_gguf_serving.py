@@ -20,7 +20,7 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_tokenizer
 from nanoserve.models.gguf_reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
-from tests.gguf_models import write_quantized_gguf
+from tests.gguf_models import teacher_forced, write_quantized_gguf
 
 PRESETS = ["q8_0", "q4_0", "q4_1", "q4_k_m", "llama_cpp_q4_k_m"]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
@@ -246,11 +246,8 @@ def test_logprobs_match_transformers_on_the_files_blocks(gguf_file):
     llm = build(gguf_file, dtype="float32")
     tokens, logprobs = greedy(llm)
     differences = []
-    for prompt, generated, ours in zip(PROMPTS, tokens, logprobs):
-        prompt_ids = llm.get_tokenizer().encode(prompt)
-        log_softmax = torch.log_softmax(model(torch.tensor([prompt_ids + generated])).logits[0], dim=-1)
-        rows = log_softmax[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(generated)]
-        theirs = [row[token].item() for row, token in zip(rows, generated)]
+    forced = teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)
+    for prompt, ours, (rows, theirs) in zip(PROMPTS, logprobs, forced):
         differences += [abs(a - b) for a, b in zip(ours, theirs)]
         assert all(row.max().item() - value < 0.1 for row, value in zip(rows, theirs)), prompt
     assert_nearly_all_equal(differences)
