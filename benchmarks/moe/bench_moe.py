@@ -79,6 +79,20 @@ def write_checkpoint(out_dir: Path, shape: dict, layers: int, seed: int = 0) -> 
     return out_dir
 
 
+def unpack_experts(llm) -> None:
+    """The loop over experts multiplies the expert matrices as they are: read them back once from
+    the CPU packing, which is otherwise their only copy (layers/fused_moe.FusedMoE.prepack_gemm)."""
+    from torch import nn
+
+    from nanoserve.kernels.fused_moe import unpacked_experts
+    from nanoserve.layers.fused_moe import FusedMoE
+
+    for layer in llm.llm_engine.runner.model.modules():
+        if isinstance(layer, FusedMoE) and layer.packed is not None:
+            layer.w13_weight = nn.Parameter(unpacked_experts(layer.w13_weight, layer.packed[0]), requires_grad=False)
+            layer.w2_weight = nn.Parameter(unpacked_experts(layer.w2_weight, layer.packed[1]), requires_grad=False)
+
+
 def run(model_dir: Path, implementation: str, prompts, output_len: int, dtype: str, device: str) -> dict:
     """One engine with the experts on `implementation` ("fused" or "reference"); output tok/s."""
     import nanoserve.kernels.fused_moe as fused_moe
@@ -90,6 +104,8 @@ def run(model_dir: Path, implementation: str, prompts, output_len: int, dtype: s
         fused_moe.fused_experts_grouped = fused_moe.fused_experts_triton = reference
     try:
         llm = LLM(model=str(model_dir), dtype=dtype, device=device, max_model_len=1024, disable_log_stats=True)
+        if implementation == "reference":
+            unpack_experts(llm)
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
         started = time.perf_counter()

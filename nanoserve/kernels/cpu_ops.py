@@ -401,6 +401,13 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return blocks.permute(0, 2, 3, 1, 4).contiguous()
 
 
+def unpack_gemm_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_gemm_weight's inverse: the bf16 [n, K] weight (for a path that multiplies the weight
+    itself, e.g. the torch references, once the packing is the only copy)."""
+    groups, k_blocks = packed.shape[0], packed.shape[1]
+    return packed.permute(0, 3, 1, 2, 4).reshape(groups * GEMM_TILE_N, k_blocks * GEMM_TILE_K)[:n]
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int | None = None) -> torch.Tensor | None:
     """x [M, K] @ weight.T (+ bias) from pack_gemm_weight's packing of a weight with n rows (all
     of the packed columns by default), at the current ISA level; each row's bits are the same

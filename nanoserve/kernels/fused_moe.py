@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops, silu_and_mul
-from nanoserve.kernels.gemm import gemm_packing
+from nanoserve.kernels.gemm import gemm_on_packing, gemm_packing
 from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
@@ -99,9 +99,19 @@ def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
     if packed is not None:
         out = cpu_ops.gemm(x, packed, None, weight.shape[0])
+        if out is None and weight.is_meta:  # the packing is the only copy (FusedMoE.prepack_gemm)
+            out = gemm_on_packing(x, packed, None, weight.shape[0])
         if out is not None:
             return out if out.is_contiguous() else out.contiguous()
     return F.linear(x, weight)
+
+
+def unpacked_experts(weights: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+    """The experts' bf16 matrices, read back from their packing when that is the only copy
+    (FusedMoE.prepack_gemm moves the parameters to the meta device); `weights` as they are else."""
+    if not weights.is_meta or packed is None:
+        return weights
+    return torch.stack([cpu_ops.unpack_gemm_weight(packed[e], weights.shape[1]) for e in range(weights.shape[0])])
 
 
 def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -228,6 +238,9 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch
     """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
     loop under NANOSERVE_KERNELS=reference, the grouped path with the C++ GEMM on CPU."""
     choice = kernel_choice()
+    if choice == "reference" or choice == "triton" or hidden.is_cuda:
+        packed13, packed2 = packed if packed is not None else (None, None)
+        w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
     if choice == "reference":
         return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
     if choice == "triton" or hidden.is_cuda:

@@ -78,7 +78,7 @@ def _one_gemm(x, weight, bias, packed_weight) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def _gemm_on_packing(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def gemm_on_packing(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x in a form cpu_ops.gemm takes (2-D, contiguous rows, bf16: the packed weight's dtype, which
     F.linear would have demanded of x too), multiplied, and given back x's shape and dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
@@ -97,7 +97,7 @@ def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if out is not None:
             return out
         if weight.is_meta:  # the packing is the weight's only copy (layers/cpu_prepack.py)
-            return _gemm_on_packing(x, gemm_weight, bias, weight.shape[0])
+            return gemm_on_packing(x, gemm_weight, bias, weight.shape[0])
     if rows is None or rows.tile == 0 or x.shape[0] <= rows.num_free_rows:
         return _one_gemm(x, weight, bias, packed_weight)
     # Rows past num_free_rows come in whole tiles; each tile is its own GEMM of exactly `tile`

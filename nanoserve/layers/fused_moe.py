@@ -88,9 +88,14 @@ class FusedMoE(nn.Module):
 
     def prepack_gemm(self) -> bool:
         """CPU, bf16: each expert's matrices in kernels/cpu/gemm.cpp's packing (called by
-        layers/cpu_prepack.prepack_gemm_weights). Whether both were packed."""
+        layers/cpu_prepack.prepack_gemm_weights). Whether both were packed. The packing is then
+        the only copy: the parameters move to the meta device (kernels/fused_moe.py reads the
+        matrices back from the packing for the paths that multiply them as they are)."""
         w13, w2 = pack_expert_weights(self.w13_weight), pack_expert_weights(self.w2_weight)
         self.packed = (w13, w2) if w13 is not None and w2 is not None else None
+        if self.packed is not None:
+            self.w13_weight = nn.Parameter(self.w13_weight.detach().to("meta"), requires_grad=False)
+            self.w2_weight = nn.Parameter(self.w2_weight.detach().to("meta"), requires_grad=False)
         return self.packed is not None
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:

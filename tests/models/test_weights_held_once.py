@@ -54,3 +54,48 @@ def test_a_released_weight_still_takes_any_rows(tmp_path):
     as_fp32 = unquantized_gemm(rows.float(), layer.weight, None, layer.gemm_weight)
     assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, expected.float())
     assert torch.equal(unquantized_gemm(rows.reshape(1, 5, k), layer.weight, None, layer.gemm_weight)[0], expected)
+
+
+@needs_gemm
+@pytest.mark.parametrize("n", [16, 37])
+def test_unpack_reads_the_gemm_packing_back(n):
+    weight = torch.randn(n, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    assert torch.equal(cpu_ops.unpack_gemm_weight(cpu_ops.pack_gemm_weight(weight), n), weight)
+
+
+@needs_gemm
+def test_moe_experts_are_held_once(tmp_path, monkeypatch):
+    """A MoE layer's experts live in their packing only; the torch reference path multiplies the
+    matrices read back from it: the same tokens and logprob bits as the reference on parameters
+    that were never packed (NANOSERVE_CPU_GEMM=onednn packs nothing for our GEMM)."""
+    import nanoserve.kernels as kernels
+    from nanoserve.layers.fused_moe import FusedMoE
+    from tests.models.moe_checkpoints import write_moe_checkpoint
+
+    model_dir = write_moe_checkpoint(tmp_path / "olmoe", "olmoe")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5, 9, 17, 33, 2]}, {"prompt_token_ids": [40, 41, 7]}]
+
+    def reference_outputs(llm):
+        monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+        kernels.reset_kernel_choice()
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            monkeypatch.delenv("NANOSERVE_KERNELS")
+            kernels.reset_kernel_choice()
+        return [(o.outputs[0].token_ids, [step[t].logprob for step, t in zip(o.outputs[0].logprobs,
+                                                                           o.outputs[0].token_ids)]) for o in outputs]
+
+    packed = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
+    layers = [m for m in packed.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers and all(m.packed is not None and m.w13_weight.is_meta and m.w2_weight.is_meta for m in layers)
+    assert len(packed.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids) == 6  # the grouped path
+    ours = reference_outputs(packed)
+    packed.shutdown()
+    monkeypatch.setenv("NANOSERVE_CPU_GEMM", "onednn")
+    plain = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
+    monkeypatch.delenv("NANOSERVE_CPU_GEMM")
+    assert all(m.packed is None and not m.w13_weight.is_meta
+               for m in plain.llm_engine.runner.model.modules() if isinstance(m, FusedMoE))
+    assert ours == reference_outputs(plain)
