@@ -17,11 +17,13 @@
 // ones; the 5-bit formats take a byte an element, as Q8_0 and Q6_K), then fp32 scales [groups
 // in the block][16], then fp32 mins [16].
 //
-// Measured on a 2-core Zen 5 EPYC (shared, so rough), SmolLM2's shapes against the bf16 GEMM at
-// the same level: a lone row 1.2-2x (fewer bytes to stream); 64 rows 1.1-1.2x on Q4_1 and
-// 1.2-1.35x on Q8_0, one thread. At many rows the fp32 fold of each block's integer (and Q4_1's
-// min term) is the cost: without it the integer part alone runs ~1.6x the bf16 GEMM. A fused
-// multiply-add would halve the fold but the torch reference could not reproduce its rounding.
+// Measured on a 2-core Zen 5 EPYC (benchmarks/quant/gemm_shapes.py, dot_peak.cpp), SmolLM2's
+// shapes against the bf16 GEMM at the same level: a lone row 1.2-2.7x (fewer bytes to stream);
+// 64 rows 1.15-1.36x on Q4_1 and 1.29-1.44x on Q8_0, one thread. At many rows the fp32 fold of
+// each block's integer (and Q4_1's min term) is the cost: its multiplies share the pipes with
+// vpdpbusd. Q4_1 runs at 273-283 GMAC/s a core, 330 without the min term, 390 without the fold
+// (vpdpbusd's peak: ~460); fused multiply-adds measured no faster (the same pipes). Restructuring
+// the register blocks (weights step by step against R x C chains) measured the same too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
