@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops, silu_and_mul
-from nanoserve.kernels.gemm import gemm_on_packing, gemm_packing
+from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
@@ -97,13 +97,9 @@ def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    if packed is not None:
-        out = cpu_ops.gemm(x, packed, None, weight.shape[0])
-        if out is None and weight.is_meta:  # the packing is the only copy (FusedMoE.prepack_gemm)
-            out = gemm_on_packing(x, packed, None, weight.shape[0])
-        if out is not None:
-            return out if out.is_contiguous() else out.contiguous()
-    return F.linear(x, weight)
+    """One expert's matrix as a linear layer's: our GEMM on its packing (the only copy once
+    FusedMoE.prepack_gemm packed it), else F.linear."""
+    return unquantized_gemm(x, weight, None, packed).contiguous()
 
 
 def unpacked_experts(weights: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:

@@ -74,8 +74,8 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the weight's own data takes: GGUF bytes, components, or (components dropped
-        once packed, see pack_for_cpu) the CPU packing."""
+        """Bytes the weight's own data takes: GGUF bytes, components, or (either dropped once
+        packed, see pack_for_cpu) the CPU packing."""
         if self.raw is not None:
             return self.raw.numel()
         if self.components is None:

@@ -1,12 +1,11 @@
 """CUDA: x @ W.T + bias with W in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
-Q6_K), dequantized
-in registers, 32 values of each weight row at a time, and multiplied with tl.dot.
+Q6_K), dequantized in registers, 32 values of each weight row at a time, and multiplied with tl.dot.
 
 Called by kernels/quant.quant_gemm for CUDA tensors. Each program computes a BLOCK_M x BLOCK_N
 tile of the output, walking K in chunks of 32: a 32-value chunk is one block of the 32-value
 formats and one sub-block of a K-quant's 256-value super-block, so every chunk has one scale (and
-Q4_1 / Q5_1 / Q4_K / Q5_K one offset) per row. The activations are not quantized: the weight is dequantized to
-fp32 (then to the activations' dtype for tl.dot), as `gguf_gemm_reference` does in torch.
+Q4_1 / Q5_1 / Q4_K / Q5_K one offset) per row. The activations are not quantized: the weight is
+dequantized to fp32 (then to the activations' dtype for tl.dot), as `gguf_gemm_reference` does.
 
 Byte layouts (per row, blocks after one another; d, m, dmin are f16):
   Q8_0  34 bytes / 32: d, 32 int8                                   w = d * q

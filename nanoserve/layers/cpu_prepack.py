@@ -27,7 +27,7 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     over the layers that prompt rows pass through (not the LM head, which sees sampled rows
     only): those are row-invariant without padding only when every one is packed."""
     packed = slots = 0
-    shared = _shared_parameters(model)
+    shared = shared_parameter_ids(model)
     for module in model.modules():
         if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
             slots += 1
@@ -51,8 +51,9 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
     return packed, slots
 
 
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters more than one module holds (a tied LM head and embedding)."""
+def shared_parameter_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters more than one module holds (a tied LM head and embedding): those
+    a layer must not give up (here, and models/gguf_weights.py's quantized layers)."""
     counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return {key for key, count in counts.items() if count > 1}
 

@@ -1,8 +1,8 @@
 """A GGUF file's tensors into a model built from the config its metadata implies.
 
 Linear layers (and the LM head) keep the file's quantization blocks as they are in
-`quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages them); their bf16 `weight` then lives on the meta
-device and takes no memory. Every other tensor (norms, the token embedding, linear weights stored
+`quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages
+them); their bf16 `weight` then lives on the meta device and takes no memory. Every other tensor (norms, the token embedding, linear weights stored
 as F32 / F16 / BF16) is dequantized into its parameter in the activation dtype. Shards follow the
 bf16 loaders (layers/linear.py's weight_loader, run on the raw block rows): column-parallel layers
 take whole rows, row-parallel layers whole blocks of each row.
@@ -17,6 +17,7 @@ from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
+from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase
 from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
@@ -94,7 +95,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             _load_tensor(model.config, module, params[target], tensor, shard_id,
                          staged.setdefault(target, StagedLinear()))
             loaded.add(target)
-    shared = {id(param) for param in params.values() if sum(other is param for other in params.values()) > 1}
+    shared = shared_parameter_ids(model)
     for target, parts in staged.items():
         if parts.buffers:
             finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
