@@ -436,7 +436,7 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 def gemm_quant(x: torch.Tensor, packed: torch.Tensor, format_code: int, n: int, k: int,
                bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [M, K] (bf16 or fp32) @ w^T (+ bias) -> [M, n] in x.dtype, w packed by
-    quant.pack_weight; format_code indexes quant._FORMATS. None when x or bias can't be taken
+    quant.pack_weight; format_code is quant.format_code. None when x or bias can't be taken
     (then use quant.reference_gemm, which gives the same bits)."""
     code = _dtype_code(x)
     if code is None or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != k or x.stride(0) < k:

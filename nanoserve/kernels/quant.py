@@ -23,20 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-# name -> (elements per block, bytes per block), as stored in a GGUF file.
-GGUF_QTYPES: dict[str, tuple[int, int]] = {
-    "q8_0": (32, 34), "q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
-    "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210),
-}
+from nanoserve.kernels.gguf_formats import FORMATS, GGUF_QTYPES, format_code
 
-# name -> (4-bit weights, elements per scale, integer offset, has a min); the kernel's format code
-# is the index in this dict (new formats go at the end: the codes are kept). The 5-bit formats are
-# a byte an element to the kernel (u <= 31), as Q8_0 and Q6_K.
-_FORMATS: dict[str, tuple[bool, int, int, bool]] = {
-    "q8_0": (False, 32, 128, False), "q4_0": (True, 32, 8, False), "q4_1": (True, 32, 0, True),
-    "q4_k": (True, 32, 0, True), "q6_k": (False, 16, 32, False),
-    "q5_0": (False, 32, 16, False), "q5_1": (False, 32, 0, True), "q5_k": (False, 32, 0, True),
-}
 _COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
 
@@ -186,7 +174,7 @@ def weight_components(w: QuantWeight):
         return _components(w.raw.cpu(), w.qtype, w.k)
     parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k)
     mins = None if parts.mins is None else parts.mins.cpu()
-    return parts.u.cpu(), _FORMATS[w.qtype][2], parts.scale.cpu(), mins
+    return parts.u.cpu(), FORMATS[w.qtype][2], parts.scale.cpu(), mins
 
 
 def dequantize(raw: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
@@ -264,7 +252,7 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
 
 def packed_layout(qtype: str) -> tuple[int, int, int]:
     """Bytes of one packed block of 16 columns x 32 elements: (quants, scales, mins)."""
-    nibbles, group, _, has_min = _FORMATS[qtype]
+    nibbles, group, _, has_min = FORMATS[qtype]
     return (256 if nibbles else 512), 4 * _COLS * (_BLOCK // group), (4 * _COLS if has_min else 0)
 
 
@@ -273,7 +261,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     elements, the quants as one VNNI step reads them (64 bytes = 16 columns x 4 consecutive
     elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
     j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
-    nibbles, group, _, has_min = _FORMATS[w.qtype]
+    nibbles, group, _, has_min = FORMATS[w.qtype]
     u, _, scale, mins = weight_components(w)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
@@ -297,7 +285,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
 
 def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
-    nibbles, group, _, has_min = _FORMATS[qtype]
+    nibbles, group, _, has_min = FORMATS[qtype]
     groups, nb = packed.shape[0], k // _BLOCK
     quants, scales_bytes, _ = packed_layout(qtype)
     steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
@@ -313,11 +301,6 @@ def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComp
         mins = (packed[..., quants + scales_bytes:].contiguous().view(torch.float32)
                 .reshape(groups, nb, _COLS).permute(0, 2, 1).reshape(groups * _COLS, nb)[:n])
     return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
-
-
-def cpu_format_code(qtype: str) -> int:
-    """The format number kernels/cpu/gemm_quant.cpp (and decode_layers.cpp) know qtype by."""
-    return list(_FORMATS).index(qtype)
 
 
 def pack_for_cpu(w: QuantWeight) -> None:
@@ -352,7 +335,7 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
     if w.packed is not None:
         from nanoserve.kernels import cpu_ops
 
-        out = cpu_ops.gemm_quant(x, w.packed, cpu_format_code(w.qtype), w.n, w.k, bias)
+        out = cpu_ops.gemm_quant(x, w.packed, format_code(w.qtype), w.n, w.k, bias)
         if out is not None:
             return out
     return reference_gemm(x, w, bias)

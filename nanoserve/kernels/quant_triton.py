@@ -31,14 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels.gguf_formats import GGUF_QTYPES, format_code
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
-
-# qtype name -> (the kernel's code, block values, block bytes)
-GGUF_TRITON_QTYPES = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_1": (2, 32, 20),
-                      "q4_k": (3, 256, 144), "q6_k": (4, 256, 210), "q5_0": (5, 32, 22),
-                      "q5_1": (6, 32, 24), "q5_k": (7, 256, 176)}
 
 
 @lazy_jit
@@ -47,6 +43,7 @@ def _gguf_gemm_kernel(
     QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # QTYPE: kernels/gguf_formats.format_code (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_0, 6 Q5_1, 7 Q5_K).
     rows_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = rows_m < M, rows_n < N
@@ -170,9 +167,9 @@ def _bind_helpers() -> None:
 def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (fp32 / fp16 / bf16) @ dequantized(w).T + bias -> [m, n] in x's dtype. `w`: a
     kernels/quant.QuantWeight (qtype, n, k, raw uint8 [n, row bytes]) on x's device."""
-    if w.qtype not in GGUF_TRITON_QTYPES:
-        raise ValueError(f"no Triton kernel for {w.qtype!r} (have {', '.join(GGUF_TRITON_QTYPES)})")
-    code, block, block_bytes = GGUF_TRITON_QTYPES[w.qtype]
+    if w.qtype not in GGUF_QTYPES:
+        raise ValueError(f"no Triton kernel for {w.qtype!r} (have {', '.join(GGUF_QTYPES)})")
+    code, (block, block_bytes) = format_code(w.qtype), GGUF_QTYPES[w.qtype]
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"x must be [m, {w.k}], got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -203,8 +200,8 @@ def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
 
 def gguf_gemm_reference(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     """The torch oracle with gguf_gemm's arithmetic: the weight dequantized by the gguf package
-    (its own definition of the formats; kernels/quant.py imports this module, so not through
-    quant.dequantize), fp32 products and sums, rounded once to x's dtype."""
+    (its own definition of the formats, independent of quant.dequantize), fp32 products and sums,
+    rounded once to x's dtype."""
     import gguf
     import numpy as np
 

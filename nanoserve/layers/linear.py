@@ -41,6 +41,16 @@ def _read(loaded, index) -> torch.Tensor:
     return loaded[index] if index is not None else loaded[:]
 
 
+def load_parameter(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """A checkpoint tensor (or safetensors slice) into `param`: this rank's share through the
+    parameter's weight_loader, or the whole of it where there is none (norms, ...)."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        param.data.copy_(_read(loaded, None))
+    else:
+        loader(param, loaded, shard_id)
+
+
 class _Rows:
     """Rows from `start` on of a checkpoint tensor or slice, indexed like one: a fused
     checkpoint matrix (Phi-3's qkv_proj) read part by part through the parts' loaders."""

@@ -37,7 +37,7 @@ from torch import nn
 
 from nanoserve.kernels import quant
 from nanoserve.layers.embedding import ParallelLMHead
-from nanoserve.layers.linear import LinearBase
+from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 logger = logging.getLogger(__name__)
@@ -276,12 +276,7 @@ class CompressedTensorsLoader:
                             self.staged.setdefault(target, StagedLinear()))
             return
         logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
-        values = _dequantized(q, scale, zero, group).to(param.dtype)
-        loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            param.data.copy_(values)
-        else:
-            loader(param, values, shard_id)
+        load_parameter(param, _dequantized(q, scale, zero, group).to(param.dtype), shard_id)
 
     def finish(self) -> None:
         """Every quantized layer complete, and its QuantWeight(s) made."""

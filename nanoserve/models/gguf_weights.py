@@ -19,7 +19,7 @@ from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixe
 from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import LinearBase
+from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
@@ -134,8 +134,4 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_i
     values = _dense(tensor, qtype)
     if heads is not None:
         values = unpermute_rotary_rows(values, heads)
-    loader = getattr(param, "weight_loader", None)
-    if loader is None:
-        param.data.copy_(values.reshape(param.shape))
-    else:
-        loader(param, values, shard_id)
+    load_parameter(param, values, shard_id)

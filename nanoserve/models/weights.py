@@ -10,6 +10,7 @@ from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.layers.fused_moe import expert_weight_target
+from nanoserve.layers.linear import load_parameter
 from nanoserve.models.compressed_tensors import CompressedTensorsConfig, CompressedTensorsLoader
 
 
@@ -95,11 +96,7 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: CompressedTens
                     layer = tensor_name[: tensor_name.rindex(".")]
                     quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
                     continue
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    param.data.copy_(f.get_tensor(tensor_name))
-                else:
-                    loader(param, f.get_slice(tensor_name), shard_id)
+                load_parameter(param, f.get_slice(tensor_name), shard_id)
     if quantized is not None:
         quantized.finish()
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}

@@ -75,7 +75,7 @@ def test_reference_is_close_to_the_dequantized_product(qtype, dtype):
 
 
 def _kernel(x, w, bias=None):
-    out = cpu_ops.gemm_quant(x, w.packed, list(quant._FORMATS).index(w.qtype), w.n, w.k, bias)
+    out = cpu_ops.gemm_quant(x, w.packed, quant.format_code(w.qtype), w.n, w.k, bias)
     assert out is not None
     return out
 
@@ -124,7 +124,7 @@ def test_strided_rows_and_what_it_refuses():
     wide = torch.randn(9, 300).to(torch.bfloat16)
     strided = wide[:, 10:266]
     assert torch.equal(_kernel(strided, w), _kernel(strided.contiguous(), w))
-    code = list(quant._FORMATS).index("q4_0")
+    code = quant.format_code("q4_0")
     assert cpu_ops.gemm_quant(torch.zeros(2, 128, dtype=torch.bfloat16), w.packed, code, 32, 256, None) is None
     assert cpu_ops.gemm_quant(torch.zeros(2, 256, dtype=torch.float16), w.packed, code, 32, 256, None) is None
     assert _kernel(torch.zeros(0, 256, dtype=torch.bfloat16), w).shape == (0, 32)
