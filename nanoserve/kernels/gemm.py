@@ -49,11 +49,14 @@ def gemm_packing(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def onednn_available() -> bool:
-    """oneDNN's prepacked linear ops are in this torch build (and NANOSERVE_CPU_PREPACK allows them)."""
+    """oneDNN's prepacked bf16 linear ops are in this torch build, run on this CPU (oneDNN's bf16
+    wants AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has neither) and
+    NANOSERVE_CPU_PREPACK allows them."""
     if not envs.cpu_prepack():
         return False
-    return (hasattr(torch.ops, "mkldnn") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available())
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (mkldnn is not None and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
+            and torch.backends.mkldnn.is_available() and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 def onednn_packing(weight: torch.Tensor, batch_size_hint: int = 64) -> torch.Tensor | None:

@@ -287,17 +287,24 @@ NS_VNNI void block_vnni(const Block& blk) {
 
 // ---- AVX2 (vpmaddubsw; Q8_0's signed weights by llama.cpp's sign trick) -----------------------
 
+// One step's products summed in pairs, int16: u q + u' q' (no saturation: u <= 63 for Q6_K, 31 for
+// the 5-bit formats, 15 for the 4-bit ones; Q8_0 as |q| times the sign-moved activation, <= 128 * 127).
 template <int F>
-NS_QAVX2 inline __m256i dot_step_avx2(__m256i w, __m256i xq) {
-    const __m256i ones = _mm256_set1_epi16(1);
+NS_QAVX2 inline __m256i pair_products_avx2(__m256i w, __m256i xq) {
     if constexpr (F == kQ8_0) {  // u = q + 128: back to signed, |q| into the unsigned operand
         const __m256i signed_w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-        return _mm256_madd_epi16(
-            _mm256_maddubs_epi16(_mm256_sign_epi8(signed_w, signed_w), _mm256_sign_epi8(xq, signed_w)), ones);
-    } else {  // u <= 63 (Q6_K; the 5-bit formats <= 31): |u q + u' q'| <= 2 * 63 * 128, no int16 saturation
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
+        return _mm256_maddubs_epi16(_mm256_sign_epi8(signed_w, signed_w), _mm256_sign_epi8(xq, signed_w));
+    } else {
+        return _mm256_maddubs_epi16(w, xq);
     }
 }
+
+// Steps whose pair sums add up in int16 before one vpmaddwd widens them: while the bound of a pair
+// (2 * max u * 128) times the steps stays under 32768, exactly: 8 for the 4-bit formats (30,720),
+// 4 for the 5-bit ones, 2 for Q6_K, 1 for Q8_0. Fewer widening multiplies: vpmaddwd shares its
+// pipes with vpmaddubsw.
+template <int F>
+constexpr int kInt16StepsOf = Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : F == kQ6_K ? 2 : 4;
 
 template <int F>
 NS_QAVX2 inline void load_weights_avx2(__m256i (&w)[8], const uint8_t* p, int h) {
@@ -318,6 +325,8 @@ template <int F, int R, int C>
 NS_QAVX2 void block_avx2(const Block& blk) {
     using T = Traits<F>;
     constexpr int kGroups = kBlock / T::group;
+    constexpr int kInt16Steps = kInt16StepsOf<F>;
+    static_assert(8 / kGroups % kInt16Steps == 0, "a group's steps split into whole int16 runs");
     const Activations& a = *blk.a;
     __m256 acc[R][C][2];
     for (int r = 0; r < R; ++r)
@@ -334,10 +343,15 @@ NS_QAVX2 void block_avx2(const Block& blk) {
                     const int8_t* q = a.q + row * a.k + b * kBlock;
                     __m256i dot[kGroups];
                     for (int g = 0; g < kGroups; ++g) dot[g] = _mm256_setzero_si256();
+                    __m256i pairs;  // int16 sums of kInt16Steps steps' vpmaddubsw pairs
                     for (int j = 0; j < 8; ++j) {
                         const __m256i xq = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
-                        const int g = j * kGroups / 8;
-                        dot[g] = _mm256_add_epi32(dot[g], dot_step_avx2<F>(w[j], xq));
+                        const __m256i step = pair_products_avx2<F>(w[j], xq);
+                        pairs = j % kInt16Steps == 0 ? step : _mm256_add_epi16(pairs, step);
+                        if (j % kInt16Steps == kInt16Steps - 1) {
+                            const int g = j * kGroups / 8;
+                            dot[g] = _mm256_add_epi32(dot[g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+                        }
                     }
                     const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
                     for (int g = 0; g < kGroups; ++g) {
