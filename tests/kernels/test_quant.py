@@ -102,6 +102,28 @@ def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_largest_integer_sums_equal_the_reference(qtype, cpu_isa):
+    """Every quant at its largest magnitude (u = 15 / 31 / 63, Q8_0's q = -128) against activations
+    that all quantize to +-127: the integer sums at their bound (the AVX2 level adds several steps
+    in int16 before widening them), still bit for bit the reference's."""
+    n, k = 32, 512
+    elements, nbytes = GGUF_QTYPES[qtype]
+    raw = torch.full((n, k // elements, nbytes), 0x80 if qtype == "q8_0" else 0xFF, dtype=torch.uint8)
+    for offset in _SCALE_FIELDS[qtype]:
+        raw[..., offset:offset + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    w = QuantWeight(qtype, n, k, raw.reshape(n, -1))
+    reference = QuantWeight(qtype, n, k, w.raw)
+    quant.pack_for_cpu(w)
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.linspace(-3, 3, k)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_rows_do_not_depend_on_the_batch(qtype, cpu_isa):
     w = _weight(qtype, 576, 1536, seed=6)
     quant.pack_for_cpu(w)
