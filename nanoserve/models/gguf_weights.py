@@ -2,10 +2,11 @@
 
 Linear layers (and the LM head) keep the file's quantization blocks as they are in
 `quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages
-them); their bf16 `weight` then lives on the meta device and takes no memory. Every other tensor (norms, the token embedding, linear weights stored
-as F32 / F16 / BF16) is dequantized into its parameter in the activation dtype. Shards follow the
-bf16 loaders (layers/linear.py's weight_loader, run on the raw block rows): column-parallel layers
-take whole rows, row-parallel layers whole blocks of each row.
+them); their bf16 `weight` then lives on the meta device and takes no memory. Every other tensor
+(norms, the token embedding, linear weights stored as F32 / F16 / BF16) is dequantized into its
+parameter in the activation dtype. Shards follow the bf16 loaders (layers/linear.py's
+weight_loader, run on the raw block rows): column-parallel layers take whole rows, row-parallel
+layers whole blocks of each row.
 """
 from __future__ import annotations
 

@@ -302,7 +302,8 @@ int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void*
             gemm(avx512_kernels(), M <= 2 ? Shape{static_cast<int>(M), 4} : Shape{8, 3}, o, ldo, a, ldx, w, b, M, N, K);
             return 0;
         case ns_isa::kAvx2: {
-            std::vector<float> xf(static_cast<size_t>(M * K));
+            thread_local std::vector<float> xf;  // kept between calls, as gemm_quant.cpp's buffers
+            xf.resize(static_cast<size_t>(M * K));
             widen_rows(xf.data(), a, ldx, M, K);
             gemm(avx2_kernels(), M == 1 ? Shape{1, 4} : Shape{2, 2}, o, ldo, a, ldx, w, b, M, N, K, xf.data());
             return 0;
