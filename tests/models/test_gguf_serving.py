@@ -151,16 +151,44 @@ def test_untied_head_keeps_its_own_blocks(tmp_path):
 
 def test_greedy_equals_the_reference_path(gguf_file, monkeypatch):
     """The engine as it runs (the CPU kernels where they take the layer) against the same engine
-    with every kernel on its torch reference (quant_gemm's reference_gemm). float32 activations:
-    in bf16 the attention and norm kernels round differently from their references; in float32
-    they still differ in the last bits, so an activation now and then lands on the other side of
-    an int8 rounding step of the next GEMM (the GEMMs themselves are bit-exact)."""
+    with every kernel on its torch reference (quant_gemm's reference_gemm): the same greedy
+    tokens. float32 activations; the attention and norm kernels still differ from their
+    references in the last bits, so now and then an activation lands on the other side of an
+    int8 rounding step of the next GEMM and that step's logprob moves (by up to ~0.08 on these
+    models); how many steps that hits depends on the CPU's summation orders, so the logprobs are
+    held to float32 rounding in the test below, where no int8 step can flip."""
     tokens, logprobs = greedy(build(gguf_file, dtype="float32"))
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
     reset_kernel_choice()
     ref_tokens, ref_logprobs = greedy(build(gguf_file, dtype="float32"))
     assert tokens == ref_tokens
-    assert_nearly_all_equal([abs(a - b) for ours, theirs in zip(logprobs, ref_logprobs) for a, b in zip(ours, theirs)])
+    assert max(abs(a - b) for ours, theirs in zip(logprobs, ref_logprobs) for a, b in zip(ours, theirs)) < 0.25
+
+
+@pytest.fixture
+def exact_gemm(monkeypatch):
+    """Every GGUF layer as x @ dequantize(w)^T in float32, no int8 activations (nothing packed
+    for the C++ kernel, quant.reference_gemm replaced): a GEMM whose output moves continuously
+    with its input, so two paths that differ in the last bits of an activation differ in the
+    last bits of the logprobs, not by an int8 rounding step."""
+    def exact(x, w, bias):
+        out = x.float() @ quant.dequantize_weight(w).T
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    monkeypatch.setattr(quant, "pack_for_cpu", lambda weight: None)
+    monkeypatch.setattr(quant, "reference_gemm", exact)
+
+
+def test_kernels_equal_the_references_to_float32_rounding(gguf_file, exact_gemm, monkeypatch):
+    """The attention, norm and rotary kernels against their torch references on the GGUF model,
+    the GEMMs the same exact function in both (the quantized GEMM kernel's own bits are checked
+    against reference_gemm below): every logprob to float32 rounding (seen: <= 2e-5)."""
+    tokens, logprobs = greedy(build(gguf_file, dtype="float32"))
+    monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
+    reset_kernel_choice()
+    ref_tokens, ref_logprobs = greedy(build(gguf_file, dtype="float32"))
+    assert tokens == ref_tokens
+    assert all(abs(a - b) < 1e-3 for ours, theirs in zip(logprobs, ref_logprobs) for a, b in zip(ours, theirs))
 
 
 @pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here")
@@ -181,13 +209,6 @@ def test_engine_equals_reference_gemm_bit_for_bit(tmp_path, preset, dtype, monke
     layers = [m for m in llm.llm_engine.runner.model.modules() if getattr(m, "quant_weight", None) is not None]
     assert layers and all(m.quant_weight.packed is None for m in layers)
     assert greedy(llm) == ours
-
-
-def assert_nearly_all_equal(differences: list[float]) -> None:
-    """Logprob differences of one greedy run against another path: nearly all at float32
-    rounding; a few up to 0.1 where an activation's int8 rounding step flipped."""
-    assert max(differences) < 0.1, differences
-    assert np.mean(np.array(differences) < 1e-3) >= 0.9, differences
 
 
 class _ReferenceQuantLinear(torch.nn.Module):
@@ -236,21 +257,19 @@ def _transformers_on_the_file(gguf_file):
 
 
 @torch.inference_mode()
-def test_logprobs_match_transformers_on_the_files_blocks(gguf_file):
-    """The engine's greedy tokens, teacher-forced through transformers' Llama multiplying the
-    same blocks with the same GEMM arithmetic: the engine's logprobs, nearly all to float32
-    rounding; a few move by more where an activation lands on the other side of an int8
-    rounding step (attention and norms round differently from transformers'); each token is the
-    argmax up to that."""
+def test_logprobs_match_transformers_on_the_files_blocks(gguf_file, exact_gemm):
+    """The engine's greedy tokens, teacher-forced through transformers' Llama holding the file's
+    blocks (norms and embedding dequantized by the gguf package, Q/K rows un-permuted, the tied
+    head on the embedding's blocks): the model nanoserve builds from the file. Both sides multiply
+    the blocks through the same exact GEMM (the int8 arithmetic is reference_gemm's, checked
+    above), so every logprob agrees to float32 rounding and each token is the argmax."""
     model = _transformers_on_the_file(gguf_file)
     llm = build(gguf_file, dtype="float32")
     tokens, logprobs = greedy(llm)
-    differences = []
     forced = teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)
     for prompt, ours, (rows, theirs) in zip(PROMPTS, logprobs, forced):
-        differences += [abs(a - b) for a, b in zip(ours, theirs)]
-        assert all(row.max().item() - value < 0.1 for row, value in zip(rows, theirs)), prompt
-    assert_nearly_all_equal(differences)
+        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
+        assert all(row.max().item() - value < 1e-3 for row, value in zip(rows, theirs)), prompt
 
 
 def test_unsupported_type_is_a_one_line_error(tmp_path):
