@@ -50,6 +50,7 @@ _SIGNATURES = {
     "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
     "ns_gemm_quant": [_I32, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64],
     "ns_isa_supported": [_I32],
+    "ns_bf16_gemm_variant": [_I32],
     "ns_set_isa": [_I32],
     "ns_current_isa": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
@@ -192,7 +193,21 @@ def describe_isa() -> str:
         return f"CPU kernels unavailable ({_load_error}): torch's own"
     forced = envs.cpu_isa()
     how = "NANOSERVE_CPU_ISA" if forced else "best this CPU runs"
-    return f"CPU kernels: {chosen} ({ISA_DESCRIPTIONS[chosen]}; {how}; this CPU runs {', '.join(supported_isas())})"
+    what = ISA_DESCRIPTIONS[chosen]
+    if chosen == "avx512bf16" and bf16_gemm_variant() == "fma":
+        what += "; the bf16 GEMM on fp32 FMAs, VDPBF16PS measured slow here"
+    return f"CPU kernels: {chosen} ({what}; {how}; this CPU runs {', '.join(supported_isas())})"
+
+
+BF16_GEMM_VARIANTS = ("vdpbf16ps", "fma")
+
+
+def bf16_gemm_variant(force: str | None = None) -> str:
+    """The AVX-512 BF16 level's bf16 GEMM kernel (kernels/cpu/gemm_levels.cpp; the same bits
+    either way, chosen at first use by timing the two instructions): "vdpbf16ps" or "fma".
+    Tests force one with `force`, or "measured" to go back to the timed choice."""
+    code = -1 if force is None else 2 if force == "measured" else BF16_GEMM_VARIANTS.index(force)
+    return BF16_GEMM_VARIANTS[_library.ns_bf16_gemm_variant(code)]
 
 
 def load_error() -> str | None:

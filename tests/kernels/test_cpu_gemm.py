@@ -118,3 +118,27 @@ def test_every_level_agrees_with_the_others_to_rounding():
     for level, out in outs.items():
         assert ((out - expected).abs() <= expected.abs() * 2 ** -7 + 2e-3 * 3072 ** 0.5).all(), level
     assert len(outs) >= 2, "every x86-64 machine runs at least the portable and one other level"
+
+
+@pytest.mark.skipif("avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_avx512_bf16_levels_two_kernels_give_the_same_bits(k, n, with_bias):
+    """The AVX-512 BF16 level multiplies on VDPBF16PS or, where that instruction is measured slow,
+    on fp32 FMAs adding each k-pair's products in VDPBF16PS's order: the same bits at every M (so
+    the row invariance above holds whichever runs, and across the M <= 2 calls that always take
+    VDPBF16PS)."""
+    w, x, bias = _weights(n, k, seed=5)
+    packed = cpu_ops.pack_gemm_weight(w)
+    b = bias if with_bias else None
+    previous = cpu_ops.set_isa("avx512bf16")
+    try:
+        outs = {}
+        for variant in cpu_ops.BF16_GEMM_VARIANTS:
+            assert cpu_ops.bf16_gemm_variant(variant) == variant
+            outs[variant] = [cpu_ops.gemm(x[:m], packed, b) for m in (3, 4, 7, 16, 33, 65, 300)]
+    finally:
+        cpu_ops.bf16_gemm_variant("measured")
+        cpu_ops.set_isa(previous)
+    for dot, fma in zip(*outs.values()):
+        assert torch.equal(dot.view(torch.int16), fma.view(torch.int16))

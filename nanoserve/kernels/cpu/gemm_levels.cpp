@@ -5,7 +5,8 @@
 // block of 16 output columns, K/2 k-pairs of [16 columns][2 k] (64 bytes each), one after the
 // other. That is AMX's tile layout (gemm.cpp) and also what one VDPBF16PS takes: a 64-byte load
 // is one k-pair of 16 columns. So the levels differ in their inner loop only:
-//   AVX-512 BF16  acc[16 cols] = vdpbf16ps(acc, broadcast(x[k], x[k + 1]), w[k-pair])
+//   AVX-512 BF16  acc[16 cols] = vdpbf16ps(acc, broadcast(x[k], x[k + 1]), w[k-pair]); or the same
+//                 sums on fp32 FMAs where VDPBF16PS is measured slow (block_avx512_fma)
 //   AVX2 + FMA    the pair widened to fp32: acc = fma(w[k], x[k], acc); acc = fma(w[k+1], x[k+1], acc)
 //   portable      the AVX2 level's order in plain C++
 // Row invariance, as on AMX: every output element is one accumulator that runs over the k-pairs
@@ -14,6 +15,8 @@
 // never the order inside one). So prompt rows need no padding, and a decode row gives the same
 // bits in a batch of 1 or 64.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -71,6 +74,9 @@ inline void store_sums(const Block& b, const float (&sums)[R][C * kCols]) {
 // ---- AVX-512 BF16 ---------------------------------------------------------------------------
 
 template <int R, int C>
+NS_GEMM_AVX512 inline void store_avx512(const Block& b, __m512 (&acc)[R][C]);
+
+template <int R, int C>
 NS_GEMM_AVX512 void block_avx512(const Block& b) {
     const int64_t stride = b.k_pairs * 2 * kCols;  // elements between two column blocks
     __m512 acc[R][C];
@@ -86,7 +92,12 @@ NS_GEMM_AVX512 void block_avx512(const Block& b) {
                 acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(w[c]));
         }
     }
-    // (+ bias) rounded to bf16 as store_sums does (VCVTNEPS2BF16 rounds to nearest even too).
+    store_avx512<R, C>(b, acc);
+}
+
+// (+ bias) rounded to bf16 as store_sums does (VCVTNEPS2BF16 rounds to nearest even too).
+template <int R, int C>
+NS_GEMM_AVX512 inline void store_avx512(const Block& b, __m512 (&acc)[R][C]) {
     for (int c = 0; c < C; ++c) {
         __m512 bias = _mm512_setzero_ps();
         if (b.bias != nullptr) {
@@ -101,9 +112,39 @@ NS_GEMM_AVX512 void block_avx512(const Block& b) {
     }
 }
 
-// ---- AVX2 + FMA -----------------------------------------------------------------------------
-
 #define NS_UNROLL _Pragma("GCC unroll 16")
+
+// The same sums on the FMA pipes: x widened to fp32 once a call (as the AVX2 level), each k-pair
+// of w widened in registers, and per element acc = acc + w[k + 1] x[k + 1], then + w[k] x[k], as
+// VDPBF16PS adds them (odd element first; a product of two bf16 values is exact in fp32, so a
+// fused and an unfused add round alike; only below 1e-38, where VDPBF16PS flushes denormals to
+// zero, can the two differ). For CPUs where VDPBF16PS multiply-adds at half
+// the 512-bit FMA's rate (a 2-core Xeon, family 6 model 207, whose hypervisor hides AMX: 41
+// against 82 GMAC/s a core): there this runs 1.2-1.6x faster from 3 rows up.
+template <int R, int C>
+NS_GEMM_AVX512 void block_avx512_fma(const Block& b) {
+    const int64_t stride = b.k_pairs * 2 * kCols;
+    const int64_t K = 2 * b.k_pairs;
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    __m512 acc[R][C];
+    NS_UNROLL for (int r = 0; r < R; ++r)
+        NS_UNROLL for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    const float* x = b.xf;
+    const uint16_t* w = b.w;
+    for (int64_t kp = 0; kp < b.k_pairs; ++kp, x += 2, w += 2 * kCols) {
+        NS_UNROLL for (int c = 0; c < C; ++c) {
+            const __m512i v = _mm512_loadu_si512(w + c * stride);
+            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+            NS_UNROLL for (int r = 0; r < R; ++r)
+                acc[r][c] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[r * K]),
+                                            _mm512_fmadd_ps(odd, _mm512_set1_ps(x[r * K + 1]), acc[r][c]));
+        }
+    }
+    store_avx512<R, C>(b, acc);
+}
+
+// ---- AVX2 + FMA -----------------------------------------------------------------------------
 
 // x comes widened to fp32 (ns_gemm_bf16 does it once a call): a broadcast from memory is a load
 // alone, where widening a bf16 pair took a shift and a mask a row and step; the unrolled loops keep
@@ -187,6 +228,7 @@ constexpr void fill(Kernels<kMaxR, kMaxC>& table) {
 }
 
 template <int R, int C> struct Avx512 { static void run(const Block& b) { block_avx512<R, C>(b); } };
+template <int R, int C> struct Avx512Fma { static void run(const Block& b) { block_avx512_fma<R, C>(b); } };
 template <int R, int C> struct Avx2 { static void run(const Block& b) { block_avx2<R, C>(b); } };
 template <int R, int C> struct Portable { static void run(const Block& b) { block_portable<R, C>(b); } };
 
@@ -242,6 +284,11 @@ const Kernels<8, 4>& avx512_kernels() {
     return table;
 }
 
+const Kernels<6, 4>& avx512_fma_kernels() {
+    static const Kernels<6, 4> table = make_kernels<Avx512Fma, 6, 4>();
+    return table;
+}
+
 const Kernels<2, 4>& avx2_kernels() {
     static const Kernels<2, 4> table = make_kernels<Avx2, 2, 4>();
     return table;
@@ -269,6 +316,50 @@ bool cpu_has(int level) {
     }
 }
 
+// The AVX-512 BF16 level's two inner kernels give the same bits; which one runs is a matter of
+// speed. VDPBF16PS does 32 multiply-adds an instruction, a 512-bit FMA 16 (and block_avx512_fma
+// spends a fifth of its instructions widening w). On a Zen 4/5 EPYC the two instructions issue at
+// about the same rate, so VDPBF16PS wins ~2x; on a Xeon (family 6 model 207) whose hypervisor
+// hides AMX VDPBF16PS issues at a quarter of the FMA's rate (1.3 against 5.1 G/s a core) and the
+// FMA kernel is 1.2-1.6x faster at 3 to 512 rows. So: time both instructions once, on 12
+// independent chains each (~0.3 ms), and take the FMA kernel where the FMA issues over 2.5x as
+// often (seen: ~4x on that Xeon; ~1x on Zen 5: far from the line on both).
+NS_GEMM_AVX512 double issue_rate(bool dot) {
+    constexpr int kIterations = 8192;
+    __m512 acc[12];
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+    __m512 a = _mm512_set1_ps(1.0f);
+    double best = 0.0;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < kIterations; ++i) {
+            for (int j = 0; j < 12; ++j)
+                acc[j] = dot ? _mm512_dpbf16_ps(acc[j], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(a))
+                             : _mm512_fmadd_ps(a, a, acc[j]);
+            asm volatile("" : "+v"(a));
+        }
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        best = std::max(best, 12.0 * kIterations / std::max(seconds, 1e-9));
+    }
+    float sink = 0.0f;
+    for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+    asm volatile("" : : "r"(sink));
+    return best;
+}
+
+std::atomic<int> bf16_variant{-1};  // -1: not decided; 0: VDPBF16PS; 1: FMA (ns_bf16_gemm_variant)
+
+bool fma_variant() {
+    int variant = bf16_variant.load(std::memory_order_relaxed);
+    if (variant < 0) {
+        static const int measured = issue_rate(false) > 2.5 * issue_rate(true) ? 1 : 0;
+        int expected = -1;
+        bf16_variant.compare_exchange_strong(expected, measured);
+        variant = bf16_variant.load(std::memory_order_relaxed);
+    }
+    return variant == 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -285,6 +376,15 @@ int ns_set_isa(int level) {
 
 int ns_current_isa() { return ns_isa::current(); }
 
+// The AVX-512 BF16 level's bf16 GEMM kernel (the same bits either way): 0 VDPBF16PS, 1 fp32 FMAs,
+// 2 back to the measured choice (fma_variant); -1 asks only. Returns the variant in force after.
+int ns_bf16_gemm_variant(int variant) {
+    if (variant == 0 || variant == 1) bf16_variant.store(variant);
+    else if (variant == 2) bf16_variant.store(-1);
+    if (!cpu_has(ns_isa::kAvx512Bf16)) return 0;
+    return fma_variant() ? 1 : 0;
+}
+
 // The GEMM at the current level, on weights from cpu_ops.pack_gemm_weight. 0 done; 2 a shape it
 // does not take (K a multiple of 32 and N of 16, as AMX needs, so that one packing serves all).
 int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void* packed, const void* bias,
@@ -299,6 +399,13 @@ int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void*
         case ns_isa::kAmx:
             return ns_gemm_bf16_amx(out, ldo, x, ldx, packed, bias, M, N, K);
         case ns_isa::kAvx512Bf16:
+            if (M > 2 && fma_variant()) {  // a lone row or two stream the weights: VDPBF16PS keeps up
+                thread_local std::vector<float> xf;
+                xf.resize(static_cast<size_t>(M * K));
+                widen_rows(xf.data(), a, ldx, M, K);
+                gemm(avx512_fma_kernels(), M <= 64 ? Shape{4, 4} : Shape{6, 4}, o, ldo, a, ldx, w, b, M, N, K, xf.data());
+                return 0;
+            }
             gemm(avx512_kernels(), M <= 2 ? Shape{static_cast<int>(M), 4} : Shape{8, 3}, o, ldo, a, ldx, w, b, M, N, K);
             return 0;
         case ns_isa::kAvx2: {
