@@ -206,6 +206,8 @@ def bf16_gemm_variant(force: str | None = None) -> str:
     """The AVX-512 BF16 level's bf16 GEMM kernel (kernels/cpu/gemm_levels.cpp; the same bits
     either way, chosen at first use by timing the two instructions): "vdpbf16ps" or "fma".
     Tests force one with `force`, or "measured" to go back to the timed choice."""
+    if library() is None:
+        return BF16_GEMM_VARIANTS[0]
     code = -1 if force is None else 2 if force == "measured" else BF16_GEMM_VARIANTS.index(force)
     return BF16_GEMM_VARIANTS[_library.ns_bf16_gemm_variant(code)]
 
