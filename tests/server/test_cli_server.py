@@ -52,6 +52,8 @@ def wait_refused(port: int) -> None:
             connect(port, timeout=30).close()
         except ConnectionRefusedError:
             return
+        except ConnectionResetError:
+            pass  # the listener closed with this connection pending in its backlog: poll again
         assert time.monotonic() < deadline, "the server kept accepting connections"
         time.sleep(0.01)
 
