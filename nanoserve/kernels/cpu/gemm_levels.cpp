@@ -187,6 +187,15 @@ NS_GEMM_AVX2 void widen_rows(float* xf, const uint16_t* x, int64_t ldx, int64_t 
         }
 }
 
+// x widened by widen_rows into this thread's buffer, kept between calls (as gemm_quant.cpp's
+// activation buffers): the AVX2 level's GEMM and the AVX-512 BF16 level's FMA kernel read it.
+const float* widened(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+    thread_local std::vector<float> xf;
+    xf.resize(static_cast<size_t>(M * K));
+    widen_rows(xf.data(), x, ldx, M, K);
+    return xf.data();
+}
+
 // ---- portable -------------------------------------------------------------------------------
 
 template <int R, int C>
@@ -347,23 +356,19 @@ NS_GEMM_AVX512 double issue_rate(bool dot) {
     return best;
 }
 
-std::atomic<int> bf16_variant{-1};  // -1: not decided; 0: VDPBF16PS; 1: FMA (ns_bf16_gemm_variant)
+std::atomic<int> bf16_variant{-1};  // 0 VDPBF16PS, 1 FMA, forced (ns_bf16_gemm_variant); -1 measured
 
 bool fma_variant() {
-    int variant = bf16_variant.load(std::memory_order_relaxed);
-    if (variant < 0) {
-        // VDPBF16PS first: its ~0.25 ms warm the 512-bit units, which a cold FMA loop would
-        // otherwise time at ~70% of its rate (seen: ratio 3.0 cold, 4.0-4.5 warm on that Xeon).
-        static const int measured = [] {
-            const double dot = issue_rate(true);
-            const double fma = issue_rate(false);
-            return fma > 2.5 * dot ? 1 : 0;
-        }();
-        int expected = -1;
-        bf16_variant.compare_exchange_strong(expected, measured);
-        variant = bf16_variant.load(std::memory_order_relaxed);
-    }
-    return variant == 1;
+    const int forced = bf16_variant.load(std::memory_order_relaxed);
+    if (forced >= 0) return forced == 1;
+    // VDPBF16PS first: its ~0.25 ms warm the 512-bit units, which a cold FMA loop would
+    // otherwise time at ~70% of its rate (seen: ratio 3.0 cold, 4.0-4.5 warm on that Xeon).
+    static const bool measured = [] {
+        const double dot = issue_rate(true);
+        const double fma = issue_rate(false);
+        return fma > 2.5 * dot;
+    }();
+    return measured;
 }
 
 }  // namespace
@@ -406,21 +411,15 @@ int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void*
             return ns_gemm_bf16_amx(out, ldo, x, ldx, packed, bias, M, N, K);
         case ns_isa::kAvx512Bf16:
             if (M > 2 && fma_variant()) {  // a lone row or two stream the weights: VDPBF16PS keeps up
-                thread_local std::vector<float> xf;
-                xf.resize(static_cast<size_t>(M * K));
-                widen_rows(xf.data(), a, ldx, M, K);
-                gemm(avx512_fma_kernels(), M <= 64 ? Shape{4, 4} : Shape{6, 4}, o, ldo, a, ldx, w, b, M, N, K, xf.data());
+                gemm(avx512_fma_kernels(), M <= 64 ? Shape{4, 4} : Shape{6, 4}, o, ldo, a, ldx, w, b, M, N, K,
+                     widened(a, ldx, M, K));
                 return 0;
             }
             gemm(avx512_kernels(), M <= 2 ? Shape{static_cast<int>(M), 4} : Shape{8, 3}, o, ldo, a, ldx, w, b, M, N, K);
             return 0;
-        case ns_isa::kAvx2: {
-            thread_local std::vector<float> xf;  // kept between calls, as gemm_quant.cpp's buffers
-            xf.resize(static_cast<size_t>(M * K));
-            widen_rows(xf.data(), a, ldx, M, K);
-            gemm(avx2_kernels(), M == 1 ? Shape{1, 4} : Shape{2, 2}, o, ldo, a, ldx, w, b, M, N, K, xf.data());
+        case ns_isa::kAvx2:
+            gemm(avx2_kernels(), M == 1 ? Shape{1, 4} : Shape{2, 2}, o, ldo, a, ldx, w, b, M, N, K, widened(a, ldx, M, K));
             return 0;
-        }
         default:
             gemm(portable_kernels(), Shape{4, 2}, o, ldo, a, ldx, w, b, M, N, K);
             return 0;
