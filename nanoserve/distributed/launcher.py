@@ -206,7 +206,11 @@ class WorkerGroup:
                     process.kill()
                 except (OSError, ValueError):  # already reaped
                     pass
-        wait([p.sentinel for p in processes])  # SIGKILL cannot be ignored: each exits
+        # SIGKILL cannot be ignored: each exits. wait() returns when any one is ready and, given
+        # none, never (a kill before the watchdog started the first rank, or a host whose only
+        # local rank is rank 0): wait for each in turn, and only for those there are.
+        for process in processes:
+            wait([process.sentinel])
         if threading.current_thread() is not self._watchdog:
             self.wait()  # the watchdog reaps them all
 

@@ -53,7 +53,12 @@ class ServerProcess:
     def exit(self, timeout: float) -> tuple[int, str]:
         """Wait for the server to exit: its exit code and all its output (the end of it comes
         once every process that shares its stdout, the ranks too, has gone)."""
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            while not self._lines.empty() and (line := self._lines.get()) is not None:
+                self.log.append(line)
+            raise TimeoutError(f"the server did not exit within {timeout} s:\n" + "".join(self.log)) from None
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -88,7 +93,10 @@ class ServerProcess:
             return json.loads(response.read())["data"][0]["id"]
 
     def children(self) -> list[int]:
-        """Child processes of any of the server's threads, except multiprocessing's resource tracker."""
+        """The worker ranks: child processes of any of the server's threads that run
+        multiprocessing's spawn_main. Not the resource tracker, nor a child seen between its fork
+        and its exec, whose command line is still the server's (the tracker's is, briefly: taken
+        for a rank, it would have a test signal a start-up before any rank exists)."""
         pids = []
         for children in Path(f"/proc/{self.proc.pid}/task").glob("*/children"):
             try:
@@ -101,7 +109,7 @@ class ServerProcess:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except FileNotFoundError:  # a child that just ended
                 continue
-            if "resource_tracker" not in cmdline:
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
                 workers.append(pid)
         return workers
 
