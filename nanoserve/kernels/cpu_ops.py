@@ -50,7 +50,7 @@ _SIGNATURES = {
     "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
     "ns_gemm_quant": [_I32, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64],
     "ns_isa_supported": [_I32],
-    "ns_bf16_gemm_variant": [_I32],
+    "ns_bf16_dot_variant": [_I32],
     "ns_set_isa": [_I32],
     "ns_current_isa": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
@@ -194,22 +194,23 @@ def describe_isa() -> str:
     forced = envs.cpu_isa()
     how = "NANOSERVE_CPU_ISA" if forced else "best this CPU runs"
     what = ISA_DESCRIPTIONS[chosen]
-    if chosen == "avx512bf16" and bf16_gemm_variant() == "fma":
-        what += "; the bf16 GEMM on fp32 FMAs, VDPBF16PS measured slow here"
+    if chosen == "avx512bf16" and bf16_dot_variant() == "fma":
+        what += "; the bf16 GEMM and prompt attention on fp32 FMAs, VDPBF16PS measured slow here"
     return f"CPU kernels: {chosen} ({what}; {how}; this CPU runs {', '.join(supported_isas())})"
 
 
-BF16_GEMM_VARIANTS = ("vdpbf16ps", "fma")
+BF16_DOT_VARIANTS = ("vdpbf16ps", "fma")
 
 
-def bf16_gemm_variant(force: str | None = None) -> str:
-    """The AVX-512 BF16 level's bf16 GEMM kernel (kernels/cpu/gemm_levels.cpp; the same bits
-    either way, chosen at first use by timing the two instructions): "vdpbf16ps" or "fma".
-    Tests force one with `force`, or "measured" to go back to the timed choice."""
+def bf16_dot_variant(force: str | None = None) -> str:
+    """How the AVX-512 BF16 level multiplies bf16 in its GEMM and its prompt attention
+    (kernels/cpu/gemm_levels.cpp, attention_amx.cpp; the same bits either way, chosen at first use
+    by timing the two instructions): "vdpbf16ps" or "fma". Tests force one with `force`, or
+    "measured" to go back to the timed choice."""
     if library() is None:
-        return BF16_GEMM_VARIANTS[0]
-    code = -1 if force is None else 2 if force == "measured" else BF16_GEMM_VARIANTS.index(force)
-    return BF16_GEMM_VARIANTS[_library.ns_bf16_gemm_variant(code)]
+        return BF16_DOT_VARIANTS[0]
+    code = -1 if force is None else 2 if force == "measured" else BF16_DOT_VARIANTS.index(force)
+    return BF16_DOT_VARIANTS[_library.ns_bf16_dot_variant(code)]
 
 
 def load_error() -> str | None:
@@ -351,7 +352,8 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
 
 def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, out) -> bool:
     """Attention of prompt rows (kernels/cpu/attention_amx.cpp): on AMX tiles at the AMX level,
-    with VDPBF16PS at the AVX-512 BF16 level (there 2-4x torch's flash SDPA on a Zen 5 EPYC).
+    with VDPBF16PS (or fp32 FMAs where that is slow: bf16_dot_variant) at the AVX-512 BF16 level
+    (there 2-4x torch's flash SDPA on a Zen 5 EPYC).
     Spans as cpu_attention.PrefillSpan (their K/V already in the pool), into the rows of `out` (a
     contiguous tensor shaped as query) that the spans cover. Each row's bits depend on that row
     alone, however its prompt is split. False when not taken (then use the SDPA path)."""

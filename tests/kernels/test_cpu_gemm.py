@@ -134,11 +134,11 @@ def test_the_avx512_bf16_levels_two_kernels_give_the_same_bits(k, n, with_bias):
     previous = cpu_ops.set_isa("avx512bf16")
     try:
         outs = {}
-        for variant in cpu_ops.BF16_GEMM_VARIANTS:
-            assert cpu_ops.bf16_gemm_variant(variant) == variant
+        for variant in cpu_ops.BF16_DOT_VARIANTS:
+            assert cpu_ops.bf16_dot_variant(variant) == variant
             outs[variant] = [cpu_ops.gemm(x[:m], packed, b) for m in (3, 4, 7, 16, 33, 65, 300)]
     finally:
-        cpu_ops.bf16_gemm_variant("measured")
+        cpu_ops.bf16_dot_variant("measured")
         cpu_ops.set_isa(previous)
     for dot, fma in zip(*outs.values()):
         assert torch.equal(dot.view(torch.int16), fma.view(torch.int16))

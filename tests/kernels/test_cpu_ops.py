@@ -370,6 +370,38 @@ def test_prompt_rows_match_the_oracle(heads, cpu_isa):
     close(out, expected, ORACLE_TOL)
 
 
+@pytest.mark.skipif("avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (32, 8, 64)], ids=["gqa3-d64", "mqa-d128", "gqa4-d64"])
+def test_prompt_attention_gives_the_same_bits_on_vdpbf16ps_and_on_fmas(heads):
+    """The AVX-512 BF16 level's prompt attention multiplies on VDPBF16PS or, where that is measured
+    slow, on fp32 FMAs adding each pair's products in VDPBF16PS's order (attention_amx.cpp): every
+    row the same bits either way (fresh prompts, behind a cached prefix, short last tiles, lone
+    rows, past 16-row tiles), so a row's answer can't depend on which one a machine runs."""
+    num_heads, num_kv_heads, head_dim = heads
+    q_lens, context_lens = [37, 16, 100, 5, 1, 300], [0, 33, 150, 0, 20, 0]
+    batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, dtype=torch.bfloat16, seed=num_heads + head_dim)
+    spans = cpu_attention.prefill_spans(batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist(), 0)
+    previous = cpu_ops.set_isa("avx512bf16")
+    outs = {}
+    try:
+        for variant in cpu_ops.BF16_DOT_VARIANTS:
+            assert cpu_ops.bf16_dot_variant(variant) == variant
+            out = torch.zeros_like(batch.query)
+            assert cpu_ops.prefill_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+                                             spans, batch.scale, out)
+            outs[variant] = out
+    finally:
+        cpu_ops.bf16_dot_variant("measured")
+        cpu_ops.set_isa(previous)
+    dot, fma = outs.values()
+    assert not fma.isnan().any(), "read a never-written (NaN) slot"
+    if not torch.equal(dot.view(torch.int16), fma.view(torch.int16)):
+        bad = (dot != fma).flatten(1).any(1).nonzero().flatten().tolist()
+        pytest.fail(f"rows {bad[:10]} (of {len(bad)}) differ between VDPBF16PS and FMA")
+    close(fma, naive_paged_attention(batch), ORACLE_TOL)
+
+
 def test_key_length_buckets():
     assert [cpu_attention.key_length_for(p) for p in (0, 127, 128, 255, 256, 511, 512, 1023, 1024)] == \
         [128, 128, 256, 256, 512, 512, 1024, 1024, 1536]

@@ -12,7 +12,8 @@
 // else is in the batch and whatever the thread count.
 //
 // Prompt rows (prefill_attention) work the same way per tile of 16 query rows of one head, on
-// tiles at the AMX level or with VDPBF16PS at the AVX-512 BF16 level (same packing, same steps):
+// tiles at the AMX level or with VDPBF16PS at the AVX-512 BF16 level (same packing, same steps;
+// or, where VDPBF16PS is measured slow, on fp32 FMAs with VDPBF16PS's bits: gemm_levels.cpp):
 //   S[16 rows][16 keys] = Q . K^T  (K^T pair-interleaved, built once per sequence and KV head)
 //   P = softmax over each row's own keys (0..its position), O += P . V
 // A row's scores, max, exps and sum run over its own keys only, in key order; the blocks a tile
@@ -33,6 +34,7 @@
 #define NS_AMX_ATTN __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
 
 extern "C" int ns_amx_available();  // gemm.cpp: AMX present and the OS lets us use it
+extern "C" int ns_bf16_dot_variant(int variant);  // gemm_levels.cpp: -1 asks; 1 = fp32 FMAs
 
 namespace {
 
@@ -362,10 +364,103 @@ NS_AVX512_BF16 void tile_values_dpbf16(float* obuf, const uint16_t* probs, int p
     for (; r < rows; ++r) row_values_dpbf16<D, 1>(obuf + r * D, probs + r * padded, padded, vv, num_blocks);
 }
 
-// Prompt rows of every span on AMX tiles (kTiles) or with VDPBF16PS: K^T and V packed once per
-// (span, KV head), then per (span, head, 16-row tile) the scores of every block the tile sees,
-// each row's softmax over its own keys, and O = P . V.
-template <int D, bool kTiles>
+// ---- the same two passes on fp32 FMAs (where VDPBF16PS is slow: gemm_levels.cpp's probe) -----
+// A bf16 product is exact in fp32, so adding each pair's odd product and then its even one, as
+// VDPBF16PS does, gives its bits (but below 1e-38, where VDPBF16PS flushes denormals). K^T and V
+// are widened once per (span, KV head) from pack_keys_values' layout: kf[block][dim pair][even,
+// odd][16 keys], vf[block][column block][key pair][even key, odd key][16 columns]; the query rows
+// and the probabilities as fp32 too, so that every operand of the inner loops is a load.
+template <int D>
+NS_AVX512_BF16 void widen_keys_values(float* kf, float* vf, const uint32_t* kt, const uint16_t* vv, int num_blocks) {
+    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+    auto widen = [&](float* dst, const void* src) {
+        const __m512i pairs = _mm512_loadu_si512(src);
+        _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+        _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
+    };
+    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 2); ++i) widen(kf + 32 * i, kt + 16 * i);
+    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 16) * 8; ++i) widen(vf + 32 * i, vv + 32 * i);
+}
+
+// bf16 -> fp32, exact: `count` (a multiple of 16) values.
+NS_AVX512_BF16 inline void widen_bf16(float* dst, const uint16_t* src, int count) {
+    for (int i = 0; i < count; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
+}
+
+// Pass 1 as row_scores_dpbf16, q's rows widened (qf, D floats a row); up to 16 rows share each
+// widened K load (K^T comes from L2 on a long prompt).
+template <int D, int R>
+NS_AVX512_BF16 void row_scores_fma(float* scores, int padded, const float* qf, const float* kf, int num_blocks) {
+    for (int b = 0; b < num_blocks; ++b) {
+        const float* kb = kf + static_cast<int64_t>(b) * (D / 2) * 32;
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+        for (int p = 0; p < D / 2; ++p) {
+            const __m512 even = _mm512_loadu_ps(kb + 32 * p), odd = _mm512_loadu_ps(kb + 32 * p + 16);
+            for (int r = 0; r < R; ++r)
+                acc[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(qf[r * D + 2 * p]),
+                                         _mm512_fmadd_ps(odd, _mm512_set1_ps(qf[r * D + 2 * p + 1]), acc[r]));
+        }
+        for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * padded + b * kBlock, acc[r]);
+    }
+}
+
+template <int D>
+NS_AVX512_BF16 void tile_scores_fma(float* scores, int padded, const float* qf, int rows, const float* kf,
+                                    int num_blocks) {
+    int r = 0;
+    for (; r + 16 <= rows; r += 16) row_scores_fma<D, 16>(scores + r * padded, padded, qf + r * D, kf, num_blocks);
+    for (; r + 8 <= rows; r += 8) row_scores_fma<D, 8>(scores + r * padded, padded, qf + r * D, kf, num_blocks);
+    for (; r + 4 <= rows; r += 4) row_scores_fma<D, 4>(scores + r * padded, padded, qf + r * D, kf, num_blocks);
+    for (; r < rows; ++r) row_scores_fma<D, 1>(scores + r * padded, padded, qf + r * D, kf, num_blocks);
+}
+
+// Pass 2 as row_values_dpbf16, the probabilities as fp32 (pf: the bf16-rounded values); two
+// 16-column blocks at a time for up to 8 rows, so that each widened V load feeds 8 FMAs (V comes
+// from L2 on a long prompt: with four column blocks and four rows this ran at half the speed).
+template <int D, int R>
+NS_AVX512_BF16 void row_values_fma(float* obuf, const float* pf, int padded, const float* vf, int num_blocks) {
+    constexpr int kColBlocks = D / 16;
+    for (int pair = 0; pair < kColBlocks; pair += 2) {
+        __m512 acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int b = 0; b < num_blocks; ++b) {
+            const float* vb = vf + (static_cast<int64_t>(b) * kColBlocks + pair) * 8 * 32;
+            for (int t = 0; t < kBlock / 2; ++t) {
+                const __m512 even0 = _mm512_loadu_ps(vb + t * 32), odd0 = _mm512_loadu_ps(vb + t * 32 + 16);
+                const __m512 even1 = _mm512_loadu_ps(vb + (8 + t) * 32), odd1 = _mm512_loadu_ps(vb + (8 + t) * 32 + 16);
+                for (int r = 0; r < R; ++r) {
+                    const float* pr = pf + r * padded + b * kBlock + 2 * t;
+                    const __m512 pe = _mm512_set1_ps(pr[0]), po = _mm512_set1_ps(pr[1]);
+                    acc[r][0] = _mm512_fmadd_ps(even0, pe, _mm512_fmadd_ps(odd0, po, acc[r][0]));
+                    acc[r][1] = _mm512_fmadd_ps(even1, pe, _mm512_fmadd_ps(odd1, po, acc[r][1]));
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            _mm512_storeu_ps(obuf + r * D + pair * 16, acc[r][0]);
+            _mm512_storeu_ps(obuf + r * D + (pair + 1) * 16, acc[r][1]);
+        }
+    }
+}
+
+template <int D>
+NS_AVX512_BF16 void tile_values_fma(float* obuf, const float* pf, int padded, const float* vf, int num_blocks, int rows) {
+    int r = 0;
+    for (; r + 8 <= rows; r += 8) row_values_fma<D, 8>(obuf + r * D, pf + r * padded, padded, vf, num_blocks);
+    for (; r + 4 <= rows; r += 4) row_values_fma<D, 4>(obuf + r * D, pf + r * padded, padded, vf, num_blocks);
+    for (; r < rows; ++r) row_values_fma<D, 1>(obuf + r * D, pf + r * padded, padded, vf, num_blocks);
+}
+
+// How prompt rows multiply: AMX tiles, VDPBF16PS, or fp32 FMAs (the last two the same bits).
+enum class Mode { kTiles, kDot, kFma };
+
+// Prompt rows of every span on AMX tiles, with VDPBF16PS or on fp32 FMAs (Mode): K^T and V packed
+// once per (span, KV head), then per (span, head, 16-row tile) the scores of every block the tile
+// sees, each row's softmax over its own keys, and O = P . V.
+template <int D, Mode kMode>
 NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int64_t q_stride_token, int64_t q_stride_head,
                                        const uint16_t* key_cache, const uint16_t* value_cache, int num_kv_heads,
                                        const int32_t* block_table, int64_t block_table_stride, const Span* spans,
@@ -394,6 +489,10 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
     }
     // 32-bit words: K^T (kChunks x 256 words a block) then V (kColBlocks x 256 words a block).
     std::vector<uint32_t> packed(static_cast<size_t>(packed_offset.back()));
+    // kFma: the same widened to fp32 (widen_keys_values), 32 D floats a block, at the same offsets
+    // counted in blocks.
+    constexpr int64_t kPackedWords = (kChunks + kColBlocks) * 256;  // a block's words in `packed`
+    std::vector<float> widened(kMode == Mode::kFma ? static_cast<size_t>(packed_offset.back() / kPackedWords) * 32 * D : 0);
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const bool parallel_work = work * num_heads >= 16384;
 #pragma omp parallel if (parallel_work)
@@ -409,10 +508,16 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             uint16_t* vv = reinterpret_cast<uint16_t*>(kt + static_cast<int64_t>(blocks) * kChunks * 256);
             pack_keys_values<D>(kt, vv, key_cache, value_cache, block_table + static_cast<int64_t>(span.seq) * block_table_stride,
                                 num_kv_heads, h, span.seq_len, lo_idx, hi_idx);
+            if constexpr (kMode == Mode::kFma) {
+                float* kf = widened.data() + packed_offset[k] / kPackedWords * 32 * D;
+                widen_keys_values<D>(kf, kf + static_cast<int64_t>(blocks) * 16 * D, kt, vv, blocks);
+            }
         }
-        if constexpr (kTiles) configure_attention_tiles();
+        if constexpr (kMode == Mode::kTiles) configure_attention_tiles();
         std::vector<float> scores;     // [16 rows][padded keys]
         std::vector<uint16_t> probs;   // [16 rows][padded keys] bf16
+        std::vector<float> probs_f;    // kFma: the same as fp32
+        alignas(64) float qf[kMode == Mode::kFma ? kRows * D : 1];  // kFma: the tile's rows as fp32
         alignas(64) uint16_t qbuf[kRows * D];  // a short last tile's rows, zero-padded
         alignas(64) float obuf[kRows * D];
         float row_sum[kRows];
@@ -428,7 +533,8 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             const int padded = num_blocks * kBlock;
             if (scores.size() < static_cast<size_t>(kRows) * padded) {
                 scores.resize(static_cast<size_t>(kRows) * padded);
-                probs.resize(static_cast<size_t>(kRows) * padded);
+                if constexpr (kMode == Mode::kFma) probs_f.resize(static_cast<size_t>(kRows) * padded);
+                else probs.resize(static_cast<size_t>(kRows) * padded);
             }
             const int all_blocks = (span.seq_len + kBlock - 1) / kBlock;
             const uint32_t* kt = packed.data() + packed_offset[static_cast<size_t>(items[3 * item]) * num_kv_heads + kv];
@@ -436,19 +542,27 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             const uint16_t* q = query + static_cast<int64_t>(span.row_start + first) * q_stride_token +
                                 static_cast<int64_t>(head) * q_stride_head;
             int64_t q_stride = q_stride_token;
-            if (kTiles && rows < kRows) {  // a tile load reads 16 rows
+            if (kMode == Mode::kTiles && rows < kRows) {  // a tile load reads 16 rows
                 std::memset(qbuf, 0, sizeof(qbuf));
                 for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * q_stride_token, D * 2);
                 q = qbuf;
                 q_stride = D;
             }
             // Pass 1: S for every block the tile can see.
-            if constexpr (kTiles) tile_scores_amx<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
-            else tile_scores_dpbf16<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
-            // Softmax of each row over its own keys 0..position; later keys get P = 0.
-            for (int r = 0; r < kRows; ++r) {
+            const float* kf = nullptr;
+            if constexpr (kMode == Mode::kFma) {
+                kf = widened.data() + packed_offset[static_cast<size_t>(items[3 * item]) * num_kv_heads + kv] / kPackedWords * 32 * D;
+                for (int r = 0; r < rows; ++r) widen_bf16(qf + r * D, q + r * q_stride, D);
+            }
+            if constexpr (kMode == Mode::kTiles) tile_scores_amx<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
+            else if constexpr (kMode == Mode::kDot) tile_scores_dpbf16<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
+            else tile_scores_fma<D>(scores.data(), padded, qf, rows, kf, num_blocks);
+            // Softmax of each row over its own keys 0..position; later keys get P = 0. kFma keeps
+            // the bf16-rounded probabilities as fp32 (probs_f), for its broadcasts, and only rows < rows.
+            for (int r = 0; r < (kMode == Mode::kFma ? rows : kRows); ++r) {
                 const float* sr = scores.data() + static_cast<int64_t>(r) * padded;
                 uint16_t* pr = probs.data() + static_cast<int64_t>(r) * padded;
+                float* pf = kMode == Mode::kFma ? probs_f.data() + static_cast<int64_t>(r) * padded : nullptr;
                 if (r >= rows) {
                     std::memset(pr, 0, padded * 2);
                     continue;
@@ -468,19 +582,28 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
                     __m512 p = exp2x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + b * kBlock), scale_v, row_max));
                     if (b == own_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
                     sum = _mm512_add_ps(sum, p);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), ns_simd::to_bf16x16(p));
+                    if constexpr (kMode == Mode::kFma) {
+                        const __m512i rounded = _mm512_cvtepu16_epi32(ns_simd::to_bf16x16(p));
+                        _mm512_storeu_ps(pf + b * kBlock, _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)));
+                    } else {
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), ns_simd::to_bf16x16(p));
+                    }
                 }
                 row_sum[r] = _mm512_reduce_add_ps(sum);
-                if (own_blocks < num_blocks) std::memset(pr + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 2);
+                if (own_blocks < num_blocks) {
+                    if constexpr (kMode == Mode::kFma) std::memset(pf + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 4);
+                    else std::memset(pr + own_blocks * kBlock, 0, (num_blocks - own_blocks) * kBlock * 2);
+                }
             }
             // Pass 2: O = P . V.
-            if constexpr (kTiles) multiply_probs_values<D>(obuf, probs.data(), padded, vv, num_blocks);
-            else tile_values_dpbf16<D>(obuf, probs.data(), padded, vv, num_blocks, rows);
+            if constexpr (kMode == Mode::kTiles) multiply_probs_values<D>(obuf, probs.data(), padded, vv, num_blocks);
+            else if constexpr (kMode == Mode::kDot) tile_values_dpbf16<D>(obuf, probs.data(), padded, vv, num_blocks, rows);
+            else tile_values_fma<D>(obuf, probs_f.data(), padded, kf + static_cast<int64_t>(all_blocks) * 16 * D, num_blocks, rows);
             for (int r = 0; r < rows; ++r)
                 store_normalized(out + (static_cast<int64_t>(span.row_start + first + r) * num_heads + head) * D,
                                  obuf + r * D, row_sum[r], D);
         }
-        if constexpr (kTiles) release_tiles();
+        if constexpr (kMode == Mode::kTiles) release_tiles();
     }
 }
 
@@ -518,11 +641,18 @@ int ns_prefill_attention(void* out, const void* query, int64_t q_stride_token, i
     if (level < ns_isa::kAvx512Bf16 || num_kv_heads <= 0 || num_heads % num_kv_heads)
         return 1;
     const bool tiles = level == ns_isa::kAmx && ns_amx_available();
+    const Mode mode = tiles ? Mode::kTiles : ns_bf16_dot_variant(-1) == 1 ? Mode::kFma : Mode::kDot;
     const Span* span_list = reinterpret_cast<const Span*>(spans);
     for (int i = 0; i < num_spans; ++i)
         if (span_list[i].q_len <= 0 || span_list[i].seq_len < span_list[i].q_len) return 1;
-    auto run = head_dim == 64 ? (tiles ? prefill_attention<64, true> : prefill_attention<64, false>)
-             : head_dim == 128 ? (tiles ? prefill_attention<128, true> : prefill_attention<128, false>) : nullptr;
+    auto pick = [mode](auto tiles_kernel, auto dot_kernel, auto fma_kernel) {
+        return mode == Mode::kTiles ? tiles_kernel : mode == Mode::kDot ? dot_kernel : fma_kernel;
+    };
+    auto run = head_dim == 64 ? pick(prefill_attention<64, Mode::kTiles>, prefill_attention<64, Mode::kDot>,
+                                     prefill_attention<64, Mode::kFma>)
+             : head_dim == 128 ? pick(prefill_attention<128, Mode::kTiles>, prefill_attention<128, Mode::kDot>,
+                                      prefill_attention<128, Mode::kFma>)
+             : nullptr;
     if (run == nullptr) return 1;
     run(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(query), q_stride_token, q_stride_head,
         static_cast<const uint16_t*>(key_cache), static_cast<const uint16_t*>(value_cache), num_kv_heads,

@@ -356,7 +356,7 @@ NS_GEMM_AVX512 double issue_rate(bool dot) {
     return best;
 }
 
-std::atomic<int> bf16_variant{-1};  // 0 VDPBF16PS, 1 FMA, forced (ns_bf16_gemm_variant); -1 measured
+std::atomic<int> bf16_variant{-1};  // 0 VDPBF16PS, 1 FMA, forced (ns_bf16_dot_variant); -1 measured
 
 bool fma_variant() {
     const int forced = bf16_variant.load(std::memory_order_relaxed);
@@ -387,9 +387,10 @@ int ns_set_isa(int level) {
 
 int ns_current_isa() { return ns_isa::current(); }
 
-// The AVX-512 BF16 level's bf16 GEMM kernel (the same bits either way): 0 VDPBF16PS, 1 fp32 FMAs,
-// 2 back to the measured choice (fma_variant); -1 asks only. Returns the variant in force after.
-int ns_bf16_gemm_variant(int variant) {
+// How the AVX-512 BF16 level multiplies bf16 in its GEMM (M > 2) and its prompt attention
+// (attention_amx.cpp), the same bits either way: 0 VDPBF16PS, 1 fp32 FMAs, 2 back to the measured
+// choice (fma_variant); -1 asks only. Returns the variant in force after.
+int ns_bf16_dot_variant(int variant) {
     if (variant == 0 || variant == 1) bf16_variant.store(variant);
     else if (variant == 2) bf16_variant.store(-1);
     if (!cpu_has(ns_isa::kAvx512Bf16)) return 0;
