@@ -561,7 +561,7 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             // the bf16-rounded probabilities as fp32 (probs_f), for its broadcasts, and only rows < rows.
             for (int r = 0; r < (kMode == Mode::kFma ? rows : kRows); ++r) {
                 const float* sr = scores.data() + static_cast<int64_t>(r) * padded;
-                uint16_t* pr = probs.data() + static_cast<int64_t>(r) * padded;
+                uint16_t* pr = kMode == Mode::kFma ? nullptr : probs.data() + static_cast<int64_t>(r) * padded;
                 float* pf = kMode == Mode::kFma ? probs_f.data() + static_cast<int64_t>(r) * padded : nullptr;
                 if (r >= rows) {
                     std::memset(pr, 0, padded * 2);
