@@ -382,13 +382,6 @@ NS_AVX512_BF16 void widen_keys_values(float* kf, float* vf, const uint32_t* kt, 
     for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 16) * 8; ++i) widen(vf + 32 * i, vv + 32 * i);
 }
 
-// bf16 -> fp32, exact: `count` (a multiple of 16) values.
-NS_AVX512_BF16 inline void widen_bf16(float* dst, const uint16_t* src, int count) {
-    for (int i = 0; i < count; i += 16)
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))), 16)));
-}
-
 // Pass 1 as row_scores_dpbf16, q's rows widened (qf, D floats a row); up to 16 rows share each
 // widened K load (K^T comes from L2 on a long prompt).
 template <int D, int R>
@@ -493,6 +486,7 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
     // counted in blocks.
     constexpr int64_t kPackedWords = (kChunks + kColBlocks) * 256;  // a block's words in `packed`
     std::vector<float> widened(kMode == Mode::kFma ? static_cast<size_t>(packed_offset.back() / kPackedWords) * 32 * D : 0);
+    auto widened_at = [&](size_t k) { return widened.data() + packed_offset[k] / kPackedWords * 32 * D; };
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const bool parallel_work = work * num_heads >= 16384;
 #pragma omp parallel if (parallel_work)
@@ -509,7 +503,7 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             pack_keys_values<D>(kt, vv, key_cache, value_cache, block_table + static_cast<int64_t>(span.seq) * block_table_stride,
                                 num_kv_heads, h, span.seq_len, lo_idx, hi_idx);
             if constexpr (kMode == Mode::kFma) {
-                float* kf = widened.data() + packed_offset[k] / kPackedWords * 32 * D;
+                float* kf = widened_at(k);
                 widen_keys_values<D>(kf, kf + static_cast<int64_t>(blocks) * 16 * D, kt, vv, blocks);
             }
         }
@@ -551,15 +545,17 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
             // Pass 1: S for every block the tile can see.
             const float* kf = nullptr;
             if constexpr (kMode == Mode::kFma) {
-                kf = widened.data() + packed_offset[static_cast<size_t>(items[3 * item]) * num_kv_heads + kv] / kPackedWords * 32 * D;
-                for (int r = 0; r < rows; ++r) widen_bf16(qf + r * D, q + r * q_stride, D);
+                kf = widened_at(static_cast<size_t>(items[3 * item]) * num_kv_heads + kv);
+                for (int r = 0; r < rows; ++r)
+                    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(qf + r * D + d, ns_simd::load_bf16x16(q + r * q_stride + d));
             }
             if constexpr (kMode == Mode::kTiles) tile_scores_amx<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
             else if constexpr (kMode == Mode::kDot) tile_scores_dpbf16<D>(scores.data(), padded, q, q_stride, rows, kt, num_blocks);
             else tile_scores_fma<D>(scores.data(), padded, qf, rows, kf, num_blocks);
             // Softmax of each row over its own keys 0..position; later keys get P = 0. kFma keeps
-            // the bf16-rounded probabilities as fp32 (probs_f), for its broadcasts, and only rows < rows.
-            for (int r = 0; r < (kMode == Mode::kFma ? rows : kRows); ++r) {
+            // the bf16-rounded probabilities as fp32 (probs_f), for its broadcasts. Only a tile load
+            // reads the rows past `rows` (zero there).
+            for (int r = 0; r < (kMode == Mode::kTiles ? kRows : rows); ++r) {
                 const float* sr = scores.data() + static_cast<int64_t>(r) * padded;
                 uint16_t* pr = kMode == Mode::kFma ? nullptr : probs.data() + static_cast<int64_t>(r) * padded;
                 float* pf = kMode == Mode::kFma ? probs_f.data() + static_cast<int64_t>(r) * padded : nullptr;
@@ -582,12 +578,8 @@ NS_AVX512_BF16 void prefill_attention(uint16_t* out, const uint16_t* query, int6
                     __m512 p = exp2x16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + b * kBlock), scale_v, row_max));
                     if (b == own_blocks - 1) p = _mm512_maskz_mov_ps(last_keep, p);
                     sum = _mm512_add_ps(sum, p);
-                    if constexpr (kMode == Mode::kFma) {
-                        const __m512i rounded = _mm512_cvtepu16_epi32(ns_simd::to_bf16x16(p));
-                        _mm512_storeu_ps(pf + b * kBlock, _mm512_castsi512_ps(_mm512_slli_epi32(rounded, 16)));
-                    } else {
-                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), ns_simd::to_bf16x16(p));
-                    }
+                    if constexpr (kMode == Mode::kFma) _mm512_storeu_ps(pf + b * kBlock, ns_simd::round_bf16x16(p));
+                    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + b * kBlock), ns_simd::to_bf16x16(p));
                 }
                 row_sum[r] = _mm512_reduce_add_ps(sum);
                 if (own_blocks < num_blocks) {

@@ -25,7 +25,7 @@
 // portable levels (compiled for this machine, vectorized by the compiler) and float32.
 #include "bf16.h"
 #include "isa.h"
-#include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16
+#include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16, load_bf16x16, round_bf16x16
 
 namespace {
 
@@ -120,17 +120,9 @@ inline bool attention_worth_threads(const std::vector<int32_t>& items, const int
 // At the AVX-512 BF16 level and above (isa.h; cpu_ops sets a level only where the CPU has it).
 bool use_avx512_bf16() { return ns_isa::current() >= ns_isa::kAvx512Bf16; }
 
-NS_AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
+using ns_simd::load_bf16x16;
+using ns_simd::round_bf16x16;
 using ns_simd::to_bf16x16;
-
-NS_AVX512_BF16 inline __m512 round_bf16x16(__m512 v) {
-    const __m512i wide = _mm512_cvtepu16_epi32(to_bf16x16(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
 
 using ns_simd::exp2x16;
 

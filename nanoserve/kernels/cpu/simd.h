@@ -28,6 +28,18 @@ NS_AVX512_BF16 inline __m256i to_bf16x16(__m512 v) {  // round to nearest even
     return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
 }
 
+// 16 bf16 values as fp32 (exact).
+NS_AVX512_BF16 inline __m512 load_bf16x16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// v rounded to bf16 (nearest even) and back to fp32.
+NS_AVX512_BF16 inline __m512 round_bf16x16(__m512 v) {
+    const __m512i wide = _mm512_cvtepu16_epi32(to_bf16x16(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // A decode row's softmax over num_blocks blocks of 16 scores (base 2, -inf where masked): one
 // max, one exp per score; the probabilities rounded to bf16 into probs (16 a block), lanes of the
 // last block outside last_keep zero; returns their fp32 sum, unrounded.
