@@ -80,9 +80,20 @@ def _cache_dir() -> Path:
     return envs.nanoserve_home() / "cpu-kernels" / key.hexdigest()[:16]
 
 
+def compiler() -> str | None:
+    return envs.cxx() or shutil.which("g++") or shutil.which("c++")
+
+
+def build_command(compiler: str, output: Path, march: str = "native") -> list[str]:
+    """The compiler's command line for the library; `march` other than native compiles for another
+    CPU (tests build every x86-64 level, whatever CPU runs them)."""
+    flags = [f"-march={march}" if flag == "-march=native" else flag for flag in _FLAGS]
+    return [compiler, *flags, *map(str, _SOURCES), "-o", str(output)]
+
+
 def _build(target: Path) -> None:
-    compiler = envs.cxx() or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".lock", "w") as lock:
@@ -93,8 +104,7 @@ def _build(target: Path) -> None:
               file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)],
-                                    capture_output=True, text=True)
+            result = subprocess.run(build_command(cxx, built), capture_output=True, text=True)
             if result.returncode != 0:
                 raise RuntimeError(f"compiling the CPU kernels failed:\n{result.stderr[-2000:]}")
             os.replace(built, target)

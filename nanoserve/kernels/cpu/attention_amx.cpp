@@ -370,16 +370,19 @@ NS_AVX512_BF16 void tile_values_dpbf16(float* obuf, const uint16_t* probs, int p
 // are widened once per (span, KV head) from pack_keys_values' layout: kf[block][dim pair][even,
 // odd][16 keys], vf[block][column block][key pair][even key, odd key][16 columns]; the query rows
 // and the probabilities as fp32 too, so that every operand of the inner loops is a load.
+//
+// A function, not a lambda: a lambda does not inherit its caller's target attribute, and on a CPU
+// without AVX-512 (-march=native lacking it) the intrinsics could not be inlined into it.
+NS_AVX512_BF16 inline void widen_pairs(float* dst, const void* src) {  // 16 bf16 pairs: evens, then odds
+    const __m512i pairs = _mm512_loadu_si512(src);
+    _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+    _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)))));
+}
+
 template <int D>
 NS_AVX512_BF16 void widen_keys_values(float* kf, float* vf, const uint32_t* kt, const uint16_t* vv, int num_blocks) {
-    const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-    auto widen = [&](float* dst, const void* src) {
-        const __m512i pairs = _mm512_loadu_si512(src);
-        _mm512_storeu_ps(dst, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
-        _mm512_storeu_ps(dst + 16, _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
-    };
-    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 2); ++i) widen(kf + 32 * i, kt + 16 * i);
-    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 16) * 8; ++i) widen(vf + 32 * i, vv + 32 * i);
+    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 2); ++i) widen_pairs(kf + 32 * i, kt + 16 * i);
+    for (int64_t i = 0; i < static_cast<int64_t>(num_blocks) * (D / 16) * 8; ++i) widen_pairs(vf + 32 * i, vv + 32 * i);
 }
 
 // Pass 1 as row_scores_dpbf16, q's rows widened (qf, D floats a row); up to 16 rows share each
