@@ -21,8 +21,8 @@
 #include <vector>
 
 // Hand-vectorized paths for AVX-512 with BF16 (Zen 4/5, Cooper Lake, Sapphire Rapids and later),
-// taken at that ISA level and above (isa.h); the plain loops below them serve the AVX2 and
-// portable levels (compiled for this machine, vectorized by the compiler) and float32.
+// taken at that ISA level and above (isa.h); an AVX2 + FMA decode kernel below them; the plain
+// loops serve the rest (compiled for this machine, vectorized by the compiler) and float32.
 #include "bf16.h"
 #include "isa.h"
 #include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16, load_bf16x16, round_bf16x16
@@ -482,6 +482,192 @@ NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, in
     }
 }
 
+// ---- AVX2 + FMA decode path ------------------------------------------------------------------
+// The CPUs without AVX-512 (Zen 2/3, Haswell to Alder Lake): bf16 decodes take the two passes of
+// the AVX-512 kernel above on fp32 FMAs, K and V widened 8 at a time. A score is q (pre-scaled by
+// scale * log2 e, as the plain loops) times k: per lane, the D / 8 chunks in order, then a fixed
+// tree over the 8 lanes; probabilities stay fp32; P @ V adds the keys in order. Each row's
+// arithmetic depends on its own sequence alone, as everywhere here. (The plain loops, with a
+// horizontal sum a key and an online rescale a block, were ~5x slower on a Zen 3 EPYC.)
+
+#define NS_AVX2_OPS __attribute__((target("avx2,fma")))
+
+NS_AVX2_OPS inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+NS_AVX2_OPS inline __m256 load8(const uint16_t* p) {  // exact
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// 2^x for x <= 0 (a score minus its row's max), relative error ~1e-7, 2^0 exactly 1; below -126 it
+// stays at 2^-126, as exp2_clamped. The same polynomial as exp2_clamped and exp2x16.
+NS_AVX2_OPS inline __m256 exp2x8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5403530e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lane j of the result is the sum of the 8 lanes of v[j] (a fixed tree: pairs, quads, halves).
+NS_AVX2_OPS inline __m256 transpose_sum8(const __m256* v) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Pass 1 for GT query heads of a group (qf: their pre-scaled rows, D floats each) against the
+// `valid` keys of one block from key j0 on (at most 8): 8 scores a head into sc[t * stride], the
+// keys past `valid` -inf (their slots are never read: they may never have been written).
+template <typename T, int GT>
+NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, int D, const T* kb, int j0, int valid) {
+    __m256 partial[GT][8];
+    const int keys = valid - j0 < 0 ? 0 : valid - j0 < 8 ? valid - j0 : 8;
+    for (int j = 0; j < keys; ++j) {
+        const T* kj = kb + static_cast<int64_t>(j0 + j) * D;
+        __m256 acc[GT];
+        for (int t = 0; t < GT; ++t) acc[t] = _mm256_setzero_ps();
+        for (int c = 0; c < D; c += 8) {
+            const __m256 k = load8(kj + c);
+            for (int t = 0; t < GT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t * D + c), k, acc[t]);
+        }
+        for (int t = 0; t < GT; ++t) partial[t][j] = acc[t];
+    }
+    for (int j = keys; j < 8; ++j)
+        for (int t = 0; t < GT; ++t) partial[t][j] = _mm256_setzero_ps();
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 outside = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(keys)), _CMP_GE_OQ);
+    for (int t = 0; t < GT; ++t)
+        _mm256_storeu_ps(sc + t * stride, _mm256_blendv_ps(transpose_sum8(partial[t]), _mm256_set1_ps(-INFINITY), outside));
+}
+
+// Pass 2 for GT heads and 16 columns from `col`: acc[t][16] = sum over keys in order of p * v.
+template <typename T, int GT>
+NS_AVX2_OPS void values_avx2(float* acc, int D, const float* probs, int64_t stride, const T* value_cache,
+                             const int32_t* table, int num_kv_heads, int h, int seq_len, int col) {
+    constexpr int BS = 16;
+    __m256 lo[GT], hi[GT];
+    for (int t = 0; t < GT; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
+    const int num_blocks = (seq_len + BS - 1) / BS;
+    for (int b = 0; b < num_blocks; ++b) {
+        const T* vb = value_cache + (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D + col;
+        const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+        for (int j = 0; j < valid; ++j) {
+            const __m256 v0 = load8(vb + static_cast<int64_t>(j) * D), v1 = load8(vb + static_cast<int64_t>(j) * D + 8);
+            for (int t = 0; t < GT; ++t) {
+                const __m256 p = _mm256_broadcast_ss(probs + t * stride + b * BS + j);
+                lo[t] = _mm256_fmadd_ps(p, v0, lo[t]);
+                hi[t] = _mm256_fmadd_ps(p, v1, hi[t]);
+            }
+        }
+    }
+    for (int t = 0; t < GT; ++t) {
+        _mm256_storeu_ps(acc + t * D + col, lo[t]);
+        _mm256_storeu_ps(acc + t * D + col + 8, hi[t]);
+    }
+}
+
+// Decode rows (every sequence one new row) with 16-token blocks and head_dim a multiple of 16.
+template <typename S>
+NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* query, int64_t q_stride_token,
+                                       int64_t q_stride_head, const typename S::T* key_cache,
+                                       const typename S::T* value_cache, int num_kv_heads, int head_dim,
+                                       const int32_t* block_table, int64_t block_table_stride,
+                                       const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
+                                       int num_heads, float scale) {
+    using T = typename S::T;
+    constexpr int BS = 16;
+    const int group = num_heads / num_kv_heads;
+    const int D = head_dim;
+    const float q_scale = scale * kLog2E;
+    const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
+    int64_t keys = 0;
+    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
+    const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
+#pragma omp parallel if (parallel_work)
+    {
+        std::vector<float> qf(static_cast<size_t>(group) * D), acc(static_cast<size_t>(group) * D);
+        std::vector<float> scores;  // [group][padded keys]: scores, then probabilities in place
+        std::vector<float> row_sum(group);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
+            const int row = cu_seqlens_q[s], seq_len = seq_lens[s];
+            const int num_blocks = (seq_len + BS - 1) / BS;
+            const int64_t padded = static_cast<int64_t>(num_blocks) * BS;
+            if (scores.size() < static_cast<size_t>(group * padded)) scores.resize(static_cast<size_t>(group * padded));
+            const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            for (int g = 0; g < group; ++g) {
+                const T* src = query + static_cast<int64_t>(row) * q_stride_token + static_cast<int64_t>(h * group + g) * q_stride_head;
+                for (int d = 0; d < D; ++d) qf[static_cast<size_t>(g) * D + d] = S::load(src, d) * q_scale;
+            }
+            // Pass 1: K read once a block for up to 4 heads of the group.
+            for (int b = 0; b < num_blocks; ++b) {
+                const T* kb = key_cache + (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
+                const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+                for (int g = 0; g < group; g += 4) {
+                    const int gt = group - g < 4 ? group - g : 4;
+                    float* sc = scores.data() + g * padded + b * BS;
+                    const float* q = qf.data() + static_cast<size_t>(g) * D;
+                    for (int j0 = 0; j0 < BS; j0 += 8) {
+                        switch (gt) {
+                            case 4: block_scores_avx2<T, 4>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            case 3: block_scores_avx2<T, 3>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            case 2: block_scores_avx2<T, 2>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            default: block_scores_avx2<T, 1>(sc + j0, padded, q, D, kb, j0, valid); break;
+                        }
+                    }
+                }
+            }
+            // Softmax: one max and one exp a score; masked keys (-inf) get probability 0.
+            for (int g = 0; g < group; ++g) {
+                float* sc = scores.data() + g * padded;
+                __m256 m = _mm256_set1_ps(-INFINITY);
+                for (int64_t i = 0; i < padded; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sc + i));
+                alignas(32) float lanes[8];
+                _mm256_store_ps(lanes, m);
+                float top = lanes[0];
+                for (int i = 1; i < 8; ++i) top = lanes[i] > top ? lanes[i] : top;
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t i = 0; i < padded; i += 8) {
+                    const __m256 x = _mm256_loadu_ps(sc + i);
+                    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    const __m256 p = _mm256_and_ps(exp2x8(_mm256_sub_ps(x, _mm256_set1_ps(top))), keep);
+                    sum = _mm256_add_ps(sum, p);
+                    _mm256_storeu_ps(sc + i, p);
+                }
+                _mm256_store_ps(lanes, sum);
+                row_sum[g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+            }
+            // Pass 2: P @ V, 16 columns of up to 3 heads a sweep over the context.
+            for (int g = 0; g < group; g += 3) {
+                const int gt = group - g < 3 ? group - g : 3;
+                const float* p = scores.data() + g * padded;
+                float* a = acc.data() + static_cast<size_t>(g) * D;
+                for (int col = 0; col < D; col += 16) {
+                    switch (gt) {
+                        case 3: values_avx2<T, 3>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
+                        case 2: values_avx2<T, 2>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
+                        default: values_avx2<T, 1>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
+                    }
+                }
+            }
+            for (int g = 0; g < group; ++g) {
+                const float inv = 1.0f / row_sum[g];
+                T* dst = out + (static_cast<int64_t>(row) * num_heads + h * group + g) * D;
+                const float* av = acc.data() + static_cast<size_t>(g) * D;
+                for (int d = 0; d < D; ++d) S::store(dst, d, av[d] * inv);
+            }
+        }
+    }
+}
+
 template <typename S>
 void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_stride_token,
                      int64_t q_stride_head, const typename S::T* key_cache,
@@ -521,6 +707,14 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
                                          seq_lens, num_heads, scale, items, rows_per_item);
             return;
         }
+    }
+    // bf16 decodes below the AVX-512 BF16 level (fp32 keeps the plain loops, whose decode rows
+    // have the bits of the same rows in a prompt span).
+    if (std::is_same_v<T, uint16_t> && BS == 16 && D % 16 == 0 && D <= 256 && all_decodes &&
+        ns_isa::current() >= ns_isa::kAvx2) {
+        decode_attention_avx2<S>(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D,
+                                 block_table, block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
+        return;
     }
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float q_scale = scale * kLog2E;
