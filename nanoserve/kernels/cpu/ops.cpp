@@ -523,8 +523,9 @@ NS_AVX2_OPS inline __m256 transpose_sum8(const __m256* v) {
 }
 
 // Pass 1 for GT query heads of a group (qf: their pre-scaled rows, D floats each) against the
-// `valid` keys of one block from key j0 on (at most 8): 8 scores a head into sc[t * stride], the
-// keys past `valid` -inf (their slots are never read: they may never have been written).
+// `valid` keys of one block from key j0 on (at most 8), each key widened once for the GT heads: 8
+// scores a head into sc[t * stride], the keys past `valid` -inf (never read: they may never have
+// been written).
 template <typename T, int GT>
 NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, int D, const T* kb, int j0, int valid) {
     __m256 partial[GT][8];
@@ -547,24 +548,23 @@ NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, i
         _mm256_storeu_ps(sc + t * stride, _mm256_blendv_ps(transpose_sum8(partial[t]), _mm256_set1_ps(-INFINITY), outside));
 }
 
-// Pass 2 for GT heads and 16 columns from `col`: acc[t][16] = sum over keys in order of p * v.
+// Pass 2 for GT heads, one block's `valid` values, 16 columns from `col`: acc[t * D + col ..] +=
+// p * v over the block's keys in order.
 template <typename T, int GT>
-NS_AVX2_OPS void values_avx2(float* acc, int D, const float* probs, int64_t stride, const T* value_cache,
-                             const int32_t* table, int num_kv_heads, int h, int seq_len, int col) {
-    constexpr int BS = 16;
+NS_AVX2_OPS void block_values_avx2(float* acc, int D, const float* probs, int64_t stride, const T* vb, int valid,
+                                   int col) {
     __m256 lo[GT], hi[GT];
-    for (int t = 0; t < GT; ++t) lo[t] = hi[t] = _mm256_setzero_ps();
-    const int num_blocks = (seq_len + BS - 1) / BS;
-    for (int b = 0; b < num_blocks; ++b) {
-        const T* vb = value_cache + (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D + col;
-        const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
-        for (int j = 0; j < valid; ++j) {
-            const __m256 v0 = load8(vb + static_cast<int64_t>(j) * D), v1 = load8(vb + static_cast<int64_t>(j) * D + 8);
-            for (int t = 0; t < GT; ++t) {
-                const __m256 p = _mm256_broadcast_ss(probs + t * stride + b * BS + j);
-                lo[t] = _mm256_fmadd_ps(p, v0, lo[t]);
-                hi[t] = _mm256_fmadd_ps(p, v1, hi[t]);
-            }
+    for (int t = 0; t < GT; ++t) {
+        lo[t] = _mm256_loadu_ps(acc + t * D + col);
+        hi[t] = _mm256_loadu_ps(acc + t * D + col + 8);
+    }
+    for (int j = 0; j < valid; ++j) {
+        const __m256 v0 = load8(vb + static_cast<int64_t>(j) * D + col);
+        const __m256 v1 = load8(vb + static_cast<int64_t>(j) * D + col + 8);
+        for (int t = 0; t < GT; ++t) {
+            const __m256 p = _mm256_broadcast_ss(probs + t * stride + j);
+            lo[t] = _mm256_fmadd_ps(p, v0, lo[t]);
+            hi[t] = _mm256_fmadd_ps(p, v1, hi[t]);
         }
     }
     for (int t = 0; t < GT; ++t) {
@@ -572,6 +572,20 @@ NS_AVX2_OPS void values_avx2(float* acc, int D, const float* probs, int64_t stri
         _mm256_storeu_ps(acc + t * D + col + 8, hi[t]);
     }
 }
+
+// A block's head (16 rows of D) into the cache, ahead of its use.
+template <typename T>
+NS_AVX2_OPS inline void prefetch_block(const T* block, int D) {
+    if (block == nullptr) return;
+    const char* p = reinterpret_cast<const char*>(block);
+    const int64_t bytes = static_cast<int64_t>(16) * D * static_cast<int64_t>(sizeof(T));
+    for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 3);
+}
+
+// Blocks prefetched ahead of the one being read: each K or V block of a head is one 2 KB run at
+// head_dim 64, the pool's blocks lie anywhere, and a decode step reads its layer's from memory
+// (1.25x on a Zen 3 EPYC; 2 and 4 ahead measured the same).
+constexpr int kPrefetchBlocks = 2;
 
 // Decode rows (every sequence one new row) with 16-token blocks and head_dim a multiple of 16.
 template <typename S>
@@ -603,14 +617,19 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
             const int64_t padded = static_cast<int64_t>(num_blocks) * BS;
             if (scores.size() < static_cast<size_t>(group * padded)) scores.resize(static_cast<size_t>(group * padded));
             const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
+            auto block_of = [&](const T* cache, int b) {
+                return b < num_blocks ? cache + (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D : nullptr;
+            };
             for (int g = 0; g < group; ++g) {
                 const T* src = query + static_cast<int64_t>(row) * q_stride_token + static_cast<int64_t>(h * group + g) * q_stride_head;
                 for (int d = 0; d < D; ++d) qf[static_cast<size_t>(g) * D + d] = S::load(src, d) * q_scale;
             }
-            // Pass 1: K read once a block for up to 4 heads of the group.
+            // Pass 1: K block by block, up to 4 heads of the group at a time.
+            for (int b = 0; b < kPrefetchBlocks; ++b) prefetch_block(block_of(key_cache, b), D);
             for (int b = 0; b < num_blocks; ++b) {
-                const T* kb = key_cache + (static_cast<int64_t>(table[b]) * num_kv_heads + h) * BS * D;
                 const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+                prefetch_block(block_of(key_cache, b + kPrefetchBlocks), D);
+                const T* kb = block_of(key_cache, b);
                 for (int g = 0; g < group; g += 4) {
                     const int gt = group - g < 4 ? group - g : 4;
                     float* sc = scores.data() + g * padded + b * BS;
@@ -626,6 +645,7 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
                 }
             }
             // Softmax: one max and one exp a score; masked keys (-inf) get probability 0.
+            for (int b = 0; b < kPrefetchBlocks; ++b) prefetch_block(block_of(value_cache, b), D);
             for (int g = 0; g < group; ++g) {
                 float* sc = scores.data() + g * padded;
                 __m256 m = _mm256_set1_ps(-INFINITY);
@@ -645,16 +665,22 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
                 _mm256_store_ps(lanes, sum);
                 row_sum[g] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
             }
-            // Pass 2: P @ V, 16 columns of up to 3 heads a sweep over the context.
-            for (int g = 0; g < group; g += 3) {
-                const int gt = group - g < 3 ? group - g : 3;
-                const float* p = scores.data() + g * padded;
-                float* a = acc.data() + static_cast<size_t>(g) * D;
-                for (int col = 0; col < D; col += 16) {
-                    switch (gt) {
-                        case 3: values_avx2<T, 3>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
-                        case 2: values_avx2<T, 2>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
-                        default: values_avx2<T, 1>(a, D, p, padded, value_cache, table, num_kv_heads, h, seq_len, col); break;
+            // Pass 2: P @ V block by block, 16 columns of up to 3 heads at a time.
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int b = 0; b < num_blocks; ++b) {
+                const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
+                prefetch_block(block_of(value_cache, b + kPrefetchBlocks), D);
+                const T* vb = block_of(value_cache, b);
+                for (int g = 0; g < group; g += 3) {
+                    const int gt = group - g < 3 ? group - g : 3;
+                    const float* p = scores.data() + g * padded + b * BS;
+                    float* a = acc.data() + static_cast<size_t>(g) * D;
+                    for (int col = 0; col < D; col += 16) {
+                        switch (gt) {
+                            case 3: block_values_avx2<T, 3>(a, D, p, padded, vb, valid, col); break;
+                            case 2: block_values_avx2<T, 2>(a, D, p, padded, vb, valid, col); break;
+                            default: block_values_avx2<T, 1>(a, D, p, padded, vb, valid, col); break;
+                        }
                     }
                 }
             }
