@@ -192,8 +192,8 @@ def test_rows_of_one_sequence_do_not_read_another_sequences_blocks():
 
 # ---- batches of decodes: the engine's only use of this kernel ------------------------------
 # In bf16, at each ISA level this machine runs (the cpu_isa fixture): AMX's decode kernel
-# (kernels/cpu/attention_amx.cpp, head_dim 64 or 128), ops.cpp's two-pass AVX-512 BF16 one, or
-# its plain loops (AVX2 and portable levels).
+# (kernels/cpu/attention_amx.cpp, head_dim 64 or 128), ops.cpp's two-pass AVX-512 BF16 one,
+# its two-pass AVX2 + FMA one, or its plain loops (portable level).
 
 DECODE_LENS = [1, 15, 16, 17, 200, 333]  # context + the new token: on and around block edges
 
