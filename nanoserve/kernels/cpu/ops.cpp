@@ -115,6 +115,13 @@ inline bool attention_worth_threads(const std::vector<int32_t>& items, const int
 }
 
 
+// A batch of decodes (one work item a sequence and KV head): threads from a few thousand keys on.
+inline bool decodes_worth_threads(const int32_t* seq_lens, int num_seqs, int num_kv_heads) {
+    int64_t keys = 0;
+    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
+    return static_cast<int64_t>(num_seqs) * num_kv_heads > 1 && keys * num_kv_heads >= 4096;
+}
+
 // ---- AVX-512 BF16 fast paths -------------------------------------------------------------
 
 // At the AVX-512 BF16 level and above (isa.h; cpu_ops sets a level only where the CPU has it).
@@ -294,9 +301,7 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
     const int chunks = kChunks ? kChunks : D / 32;
     const float scale_log2 = scale * kLog2E;
     const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
-    int64_t keys = 0;
-    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
-    const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
+    const bool parallel_work = decodes_worth_threads(seq_lens, num_seqs, num_kv_heads);
 #pragma omp parallel if (parallel_work)
     {
         std::vector<float> scores;     // [group][padded keys]
@@ -488,12 +493,12 @@ NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, in
 // scale * log2 e, as the plain loops) times k: per lane, the D / 8 chunks in order, then a fixed
 // tree over the 8 lanes; probabilities stay fp32; P @ V adds the keys in order. Each row's
 // arithmetic depends on its own sequence alone, as everywhere here. (The plain loops, with a
-// horizontal sum a key and an online rescale a block, were ~5x slower on a Zen 3 EPYC.)
+// horizontal sum a key and an online rescale a block, were 1.9-2.5x slower on a Zen 3 EPYC, K/V
+// from memory: scripts/bench_decode_attention.py.)
 
 #define NS_AVX2_OPS __attribute__((target("avx2,fma")))
 
-NS_AVX2_OPS inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-NS_AVX2_OPS inline __m256 load8(const uint16_t* p) {  // exact
+NS_AVX2_OPS inline __m256 load8(const uint16_t* p) {  // 8 bf16 as fp32, exact
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
@@ -526,12 +531,12 @@ NS_AVX2_OPS inline __m256 transpose_sum8(const __m256* v) {
 // `valid` keys of one block from key j0 on (at most 8), each key widened once for the GT heads: 8
 // scores a head into sc[t * stride], the keys past `valid` -inf (never read: they may never have
 // been written).
-template <typename T, int GT>
-NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, int D, const T* kb, int j0, int valid) {
+template <int GT>
+NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, int D, const uint16_t* kb, int j0, int valid) {
     __m256 partial[GT][8];
     const int keys = valid - j0 < 0 ? 0 : valid - j0 < 8 ? valid - j0 : 8;
     for (int j = 0; j < keys; ++j) {
-        const T* kj = kb + static_cast<int64_t>(j0 + j) * D;
+        const uint16_t* kj = kb + static_cast<int64_t>(j0 + j) * D;
         __m256 acc[GT];
         for (int t = 0; t < GT; ++t) acc[t] = _mm256_setzero_ps();
         for (int c = 0; c < D; c += 8) {
@@ -550,8 +555,8 @@ NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, i
 
 // Pass 2 for GT heads, one block's `valid` values, 16 columns from `col`: acc[t * D + col ..] +=
 // p * v over the block's keys in order.
-template <typename T, int GT>
-NS_AVX2_OPS void block_values_avx2(float* acc, int D, const float* probs, int64_t stride, const T* vb, int valid,
+template <int GT>
+NS_AVX2_OPS void block_values_avx2(float* acc, int D, const float* probs, int64_t stride, const uint16_t* vb, int valid,
                                    int col) {
     __m256 lo[GT], hi[GT];
     for (int t = 0; t < GT; ++t) {
@@ -573,12 +578,12 @@ NS_AVX2_OPS void block_values_avx2(float* acc, int D, const float* probs, int64_
     }
 }
 
-// A block's head (16 rows of D) into the cache, ahead of its use.
-template <typename T>
-NS_AVX2_OPS inline void prefetch_block(const T* block, int D) {
+// A block's head (16 bf16 rows of D) into the cache, ahead of its use. (__builtin_prefetch: GCC 12
+// dropped _mm_prefetch from this helper once inlined into the target("avx2,fma") kernel.)
+NS_AVX2_OPS inline void prefetch_block(const uint16_t* block, int D) {
     if (block == nullptr) return;
     const char* p = reinterpret_cast<const char*>(block);
-    const int64_t bytes = static_cast<int64_t>(16) * D * static_cast<int64_t>(sizeof(T));
+    const int64_t bytes = static_cast<int64_t>(16) * D * static_cast<int64_t>(sizeof(uint16_t));
     for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 3);
 }
 
@@ -587,23 +592,19 @@ NS_AVX2_OPS inline void prefetch_block(const T* block, int D) {
 // (1.25x on a Zen 3 EPYC; 2 and 4 ahead measured the same).
 constexpr int kPrefetchBlocks = 2;
 
-// Decode rows (every sequence one new row) with 16-token blocks and head_dim a multiple of 16.
-template <typename S>
-NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* query, int64_t q_stride_token,
-                                       int64_t q_stride_head, const typename S::T* key_cache,
-                                       const typename S::T* value_cache, int num_kv_heads, int head_dim,
-                                       const int32_t* block_table, int64_t block_table_stride,
-                                       const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs,
-                                       int num_heads, float scale) {
-    using T = typename S::T;
+// bf16 decode rows (every sequence one new row) with 16-token blocks and head_dim a multiple of 16.
+NS_AVX2_OPS void decode_attention_avx2(uint16_t* out, const uint16_t* query, int64_t q_stride_token,
+                                       int64_t q_stride_head, const uint16_t* key_cache, const uint16_t* value_cache,
+                                       int num_kv_heads, int head_dim, const int32_t* block_table,
+                                       int64_t block_table_stride, const int32_t* cu_seqlens_q, const int32_t* seq_lens,
+                                       int num_seqs, int num_heads, float scale) {
+    using T = uint16_t;
     constexpr int BS = 16;
     const int group = num_heads / num_kv_heads;
     const int D = head_dim;
     const float q_scale = scale * kLog2E;
     const int64_t num_items = static_cast<int64_t>(num_seqs) * num_kv_heads;
-    int64_t keys = 0;
-    for (int s = 0; s < num_seqs; ++s) keys += seq_lens[s];
-    const bool parallel_work = num_items > 1 && keys * num_kv_heads >= 4096;
+    const bool parallel_work = decodes_worth_threads(seq_lens, num_seqs, num_kv_heads);
 #pragma omp parallel if (parallel_work)
     {
         std::vector<float> qf(static_cast<size_t>(group) * D), acc(static_cast<size_t>(group) * D);
@@ -622,7 +623,7 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
             };
             for (int g = 0; g < group; ++g) {
                 const T* src = query + static_cast<int64_t>(row) * q_stride_token + static_cast<int64_t>(h * group + g) * q_stride_head;
-                for (int d = 0; d < D; ++d) qf[static_cast<size_t>(g) * D + d] = S::load(src, d) * q_scale;
+                for (int d = 0; d < D; ++d) qf[static_cast<size_t>(g) * D + d] = BF16::load(src, d) * q_scale;
             }
             // Pass 1: K block by block, up to 4 heads of the group at a time.
             for (int b = 0; b < kPrefetchBlocks; ++b) prefetch_block(block_of(key_cache, b), D);
@@ -636,10 +637,10 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
                     const float* q = qf.data() + static_cast<size_t>(g) * D;
                     for (int j0 = 0; j0 < BS; j0 += 8) {
                         switch (gt) {
-                            case 4: block_scores_avx2<T, 4>(sc + j0, padded, q, D, kb, j0, valid); break;
-                            case 3: block_scores_avx2<T, 3>(sc + j0, padded, q, D, kb, j0, valid); break;
-                            case 2: block_scores_avx2<T, 2>(sc + j0, padded, q, D, kb, j0, valid); break;
-                            default: block_scores_avx2<T, 1>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            case 4: block_scores_avx2<4>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            case 3: block_scores_avx2<3>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            case 2: block_scores_avx2<2>(sc + j0, padded, q, D, kb, j0, valid); break;
+                            default: block_scores_avx2<1>(sc + j0, padded, q, D, kb, j0, valid); break;
                         }
                     }
                 }
@@ -677,9 +678,9 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
                     float* a = acc.data() + static_cast<size_t>(g) * D;
                     for (int col = 0; col < D; col += 16) {
                         switch (gt) {
-                            case 3: block_values_avx2<T, 3>(a, D, p, padded, vb, valid, col); break;
-                            case 2: block_values_avx2<T, 2>(a, D, p, padded, vb, valid, col); break;
-                            default: block_values_avx2<T, 1>(a, D, p, padded, vb, valid, col); break;
+                            case 3: block_values_avx2<3>(a, D, p, padded, vb, valid, col); break;
+                            case 2: block_values_avx2<2>(a, D, p, padded, vb, valid, col); break;
+                            default: block_values_avx2<1>(a, D, p, padded, vb, valid, col); break;
                         }
                     }
                 }
@@ -688,7 +689,7 @@ NS_AVX2_OPS void decode_attention_avx2(typename S::T* out, const typename S::T* 
                 const float inv = 1.0f / row_sum[g];
                 T* dst = out + (static_cast<int64_t>(row) * num_heads + h * group + g) * D;
                 const float* av = acc.data() + static_cast<size_t>(g) * D;
-                for (int d = 0; d < D; ++d) S::store(dst, d, av[d] * inv);
+                for (int d = 0; d < D; ++d) BF16::store(dst, d, av[d] * inv);
             }
         }
     }
@@ -707,6 +708,22 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
     const int BS = block_size;
     bool all_decodes = true;
     for (int s = 0; s < num_seqs; ++s) all_decodes = all_decodes && cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+        // Every sequence has one new row: bf16 decodes, on a kernel of their own (fp32 keeps the
+        // plain loops, whose decode rows have the bits of the same rows in a prompt span).
+        if (all_decodes && BS == 16 && D % 32 == 0 && D <= 256 && use_avx512_bf16()) {
+            auto decode = D == 64 ? decode_attention_bf16_block16<2>
+                        : D == 128 ? decode_attention_bf16_block16<4> : decode_attention_bf16_block16<0>;
+            decode(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D, block_table,
+                   block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
+            return;
+        }
+        if (all_decodes && BS == 16 && D % 16 == 0 && D <= 256 && ns_isa::current() >= ns_isa::kAvx2) {
+            decode_attention_avx2(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D,
+                                  block_table, block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
+            return;
+        }
+    }
     // Work items: (sequence, KV head, first query row); a row tile shares each K/V block load.
     std::vector<int32_t> items;
     for (int s = 0; s < num_seqs; ++s) {
@@ -719,28 +736,12 @@ void paged_attention(typename S::T* out, const typename S::T* query, int64_t q_s
             }
     }
     if constexpr (std::is_same_v<T, uint16_t>) {
-        if (BS == 16 && D % 32 == 0 && D <= 256 && use_avx512_bf16() && all_decodes) {
-            // Every sequence has one new row: decodes.
-            auto decode = D == 64 ? decode_attention_bf16_block16<2>
-                        : D == 128 ? decode_attention_bf16_block16<4> : decode_attention_bf16_block16<0>;
-            decode(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D, block_table,
-                   block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
-            return;
-        }
         if (BS == 16 && D % 32 == 0 && D <= 256 && use_avx512_bf16()) {
             paged_attention_bf16_block16(out, query, q_stride_token, q_stride_head, key_cache, value_cache,
                                          num_kv_heads, D, block_table, block_table_stride, cu_seqlens_q,
                                          seq_lens, num_heads, scale, items, rows_per_item);
             return;
         }
-    }
-    // bf16 decodes below the AVX-512 BF16 level (fp32 keeps the plain loops, whose decode rows
-    // have the bits of the same rows in a prompt span).
-    if (std::is_same_v<T, uint16_t> && BS == 16 && D % 16 == 0 && D <= 256 && all_decodes &&
-        ns_isa::current() >= ns_isa::kAvx2) {
-        decode_attention_avx2<S>(out, query, q_stride_token, q_stride_head, key_cache, value_cache, num_kv_heads, D,
-                                 block_table, block_table_stride, cu_seqlens_q, seq_lens, num_seqs, num_heads, scale);
-        return;
     }
     const int64_t num_items = static_cast<int64_t>(items.size() / 3);
     const float q_scale = scale * kLog2E;
