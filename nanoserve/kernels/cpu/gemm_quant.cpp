@@ -306,21 +306,22 @@ NS_QAVX2 inline __m256i pair_products_avx2(__m256i w, __m256i xq) {
 template <int F>
 constexpr int kInt16StepsOf = Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : F == kQ6_K ? 2 : 4;
 
-template <int F>
-NS_QAVX2 inline void load_weights_avx2(__m256i (&w)[8], const uint8_t* p, int h) {
-    if constexpr (Traits<F>::nibbles) {
-        const __m256i low = _mm256_set1_epi8(0x0F);
-        for (int j = 0; j < 4; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-            w[j] = _mm256_and_si256(v, low);
-            w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-    } else {
-        for (int j = 0; j < 8; ++j) w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
-    }
+// A 4-bit format's steps j and j + 4 for one half (8 columns) of a group, from one load: the low
+// nibbles and the high ones.
+NS_QAVX2 inline void load_step_pair_avx2(const uint8_t* p, int j, int h, __m256i& first, __m256i& second) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    first = _mm256_and_si256(v, low);
+    second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 }
 
-// Each block's weights are loaded (and unpacked) once per 8 columns, then pass every row.
+// R rows against C groups of 16 columns. Per block and group: the integer phase runs the block's
+// steps for all R rows with the weights in registers (a loaded step serves every row), pair sums
+// kept in int16 over kInt16Steps steps, then one vpmaddwd; then the fp32 fold, in the reference's
+// order. The integer phase's live values fit the 16 registers at R = 4 (int16 sums of 4 rows x 2
+// halves, a step pair's weights, two broadcast activations); the fp32 accumulators, touched once a
+// block, may live in memory. (The previous order, a half's eight unpacked steps held across the
+// rows, spilled everything at 2 x 2 and ran 1.3-1.6x slower at 64 rows, same bits.)
 template <int F, int R, int C>
 NS_QAVX2 void block_avx2(const Block& blk) {
     using T = Traits<F>;
@@ -334,31 +335,55 @@ NS_QAVX2 void block_avx2(const Block& blk) {
     for (int64_t b = 0; b < a.nb; ++b) {
         for (int c = 0; c < C; ++c) {
             const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
-            for (int h = 0; h < 2; ++h) {  // columns 0-7, 8-15
-                __m256i w[8];
-                load_weights_avx2<F>(w, p, h);
-                const __m256 scale0 = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + 8 * h);
-                for (int r = 0; r < R; ++r) {
-                    const int64_t row = blk.row + r;
-                    const int8_t* q = a.q + row * a.k + b * kBlock;
-                    __m256i dot[kGroups];
-                    for (int g = 0; g < kGroups; ++g) dot[g] = _mm256_setzero_si256();
-                    __m256i pairs;  // int16 sums of kInt16Steps steps' vpmaddubsw pairs
-                    for (int j = 0; j < 8; ++j) {
-                        const __m256i xq = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
-                        const __m256i step = pair_products_avx2<F>(w[j], xq);
-                        pairs = j % kInt16Steps == 0 ? step : _mm256_add_epi16(pairs, step);
-                        if (j % kInt16Steps == kInt16Steps - 1) {
-                            const int g = j * kGroups / 8;
-                            dot[g] = _mm256_add_epi32(dot[g], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+            __m256i dot[R][2][kGroups];
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < 2; ++h)
+                    for (int g = 0; g < kGroups; ++g) dot[r][h][g] = _mm256_setzero_si256();
+            if constexpr (T::nibbles) {  // one group, all 8 steps in int16: steps j and j + 4 together
+                __m256i pairs[R][2];
+                for (int j = 0; j < 4; ++j) {
+                    __m256i w[2][2];
+                    for (int h = 0; h < 2; ++h) load_step_pair_avx2(p, j, h, w[h][0], w[h][1]);
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* q = a.q + (blk.row + r) * a.k + b * kBlock;
+                        const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
+                        const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * (j + 4)));
+                        for (int h = 0; h < 2; ++h) {
+                            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[h][0], x0), _mm256_maddubs_epi16(w[h][1], x1));
+                            pairs[r][h] = j == 0 ? s : _mm256_add_epi16(pairs[r][h], s);
                         }
                     }
-                    const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
+                }
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < 2; ++h) dot[r][h][0] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
+            } else {
+                __m256i pairs[R][2];
+                for (int j = 0; j < 8; ++j) {
+                    __m256i w[2];
+                    for (int h = 0; h < 2; ++h) w[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+                    for (int r = 0; r < R; ++r) {
+                        const int8_t* q = a.q + (blk.row + r) * a.k + b * kBlock;
+                        const __m256i xq = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
+                        for (int h = 0; h < 2; ++h) {
+                            const __m256i step = pair_products_avx2<F>(w[h], xq);
+                            pairs[r][h] = j % kInt16Steps == 0 ? step : _mm256_add_epi16(pairs[r][h], step);
+                            if (j % kInt16Steps == kInt16Steps - 1) {
+                                const int g = j * kGroups / 8;
+                                dot[r][h][g] = _mm256_add_epi32(dot[r][h][g], _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1)));
+                            }
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = blk.row + r;
+                const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
+                for (int h = 0; h < 2; ++h) {
                     for (int g = 0; g < kGroups; ++g) {
-                        __m256i i = dot[g];
+                        __m256i i = dot[r][h][g];
                         if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
                             i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
-                        const __m256 scale = g == 0 ? scale0 : _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + kCols + 8 * h);
+                        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols + 8 * h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
                     }
                     if constexpr (T::has_min) {
@@ -622,11 +647,12 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     // Register blocks by measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2,
     // 6 x 2 and 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse,
     // bounds it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight
-    // streams going.
+    // streams going. AVX2 on a Zen 3 EPYC (one thread, M = 64): 4 x 1 to 8 x 1 within noise,
+    // 4 x 2 5%, 2 x 1 25% and 2 x 2 45% slower.
     const int isa = ns_isa::current();
     Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
     if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
-    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{2, 2}};
+    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{4, 1}};
     run(level, call, a, x, ldx, format_traits.offset, format == kQ6_K);
     return 0;
 }
