@@ -148,6 +148,12 @@ NS_VNNI void quantize_row_avx512(const void* x, int dtype, int64_t row, int64_t 
     }
 }
 
+NS_QAVX2 inline int32_t hsum8_avx2(__m256i v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_unpackhi_epi64(h, h));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 1)));
+}
+
 // The same on AVX2 (vcvtps2dq rounds to nearest even too).
 NS_QAVX2 void quantize_row_avx2(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k, int offset, bool halves,
                                 int8_t* q, float* dx, float* sx, int32_t* corr) {
@@ -171,14 +177,15 @@ NS_QAVX2 void quantize_row_avx2(const void* x, int dtype, int64_t row, int64_t l
         const float amax = _mm_cvtss_f32(m4);
         const float d = amax / 127.0f;
         const __m256 inverse = _mm256_set1_ps(amax >= 0x1p-100f ? 1.0f / d : 0.0f);
-        int32_t sum[2] = {0, 0};
-        alignas(32) int32_t values[kBlock];
-        for (int i = 0; i < 4; ++i)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(values + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)));
-        for (int i = 0; i < kBlock; ++i) {
-            q[b * kBlock + i] = static_cast<int8_t>(values[i]);
-            sum[i / 16] += values[i];
-        }
+        __m256i values[4];
+        for (int i = 0; i < 4; ++i) values[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+        // |values| <= 127: the saturating packs are exact; they interleave 4-element pieces per
+        // 128-bit lane, which one permute puts back in order.
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(values[0], values[1]), _mm256_packs_epi32(values[2], values[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                            _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const int32_t sum[2] = {hsum8_avx2(_mm256_add_epi32(values[0], values[1])),
+                                hsum8_avx2(_mm256_add_epi32(values[2], values[3]))};
         dx[b] = d;
         sx[b] = d * static_cast<float>(sum[0] + sum[1]);
         corr[2 * b] = offset * (halves ? sum[0] : sum[0] + sum[1]);
@@ -525,6 +532,40 @@ NS_VNNI void store_avx512(const Call& call, const float* sums, int64_t row, int 
         }
 }
 
+// 8 fp32 to bf16 as ns_bf16::from_float: nearest even, NaN kept quiet.
+NS_QAVX2 inline __m128i to_bf16x8_avx2(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i out = _mm256_blendv_epi8(rounded, quiet_nan, nan);  // 16-bit values in 32-bit lanes
+    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
+}
+
+// store() on AVX2: 8 columns at a time, the same bits.
+NS_QAVX2 void store_avx2(const Call& call, const float* sums, int64_t row, int rows, int64_t col, int cols) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < cols; j += 8) {
+            __m256 v = _mm256_loadu_ps(sums + r * cols + j);
+            if (call.bias != nullptr) {
+                __m256 bias;
+                if (call.dtype == 1) {
+                    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(call.bias) + col + j));
+                    bias = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+                } else {
+                    bias = _mm256_loadu_ps(static_cast<const float*>(call.bias) + col + j);
+                }
+                v = _mm256_add_ps(v, bias);
+            }
+            const int64_t at = (row + r) * call.ldo + col + j;
+            if (call.dtype == 1)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(call.out) + at), to_bf16x8_avx2(v));
+            else
+                _mm256_storeu_ps(static_cast<float*>(call.out) + at, v);
+        }
+}
+
 using StoreFn = void (*)(const Call&, const float*, int64_t, int, int64_t, int);
 using QuantizeFn = void (*)(const void*, int, int64_t, int64_t, int64_t, int, bool, int8_t*, float*, float*, int32_t*);
 
@@ -653,7 +694,7 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     const int isa = ns_isa::current();
     Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
     if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
-    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store, M == 1 ? Shape{1, 2} : Shape{4, 1}};
+    else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store_avx2, M == 1 ? Shape{1, 2} : Shape{4, 1}};
     run(level, call, a, x, ldx, format_traits.offset, format == kQ6_K);
     return 0;
 }
