@@ -532,17 +532,6 @@ NS_VNNI void store_avx512(const Call& call, const float* sums, int64_t row, int 
         }
 }
 
-// 8 fp32 to bf16 as ns_bf16::from_float: nearest even, NaN kept quiet.
-NS_QAVX2 inline __m128i to_bf16x8_avx2(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    const __m256i out = _mm256_blendv_epi8(rounded, quiet_nan, nan);  // 16-bit values in 32-bit lanes
-    return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
-}
-
 // store() on AVX2: 8 columns at a time, the same bits.
 NS_QAVX2 void store_avx2(const Call& call, const float* sums, int64_t row, int rows, int64_t col, int cols) {
     for (int r = 0; r < rows; ++r)
@@ -560,7 +549,7 @@ NS_QAVX2 void store_avx2(const Call& call, const float* sums, int64_t row, int r
             }
             const int64_t at = (row + r) * call.ldo + col + j;
             if (call.dtype == 1)
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(call.out) + at), to_bf16x8_avx2(v));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(call.out) + at), ns_bf16::from_float_x8(v));
             else
                 _mm256_storeu_ps(static_cast<float*>(call.out) + at, v);
         }
