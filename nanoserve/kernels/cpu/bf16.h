@@ -21,6 +21,12 @@ inline uint16_t from_float(float f) {  // branch-free
     return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
+// to_float on 8 values at once (AVX2): p[0..7] widened to fp32, exact.
+__attribute__((target("avx2"))) inline __m256 to_float_x8(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // from_float on 8 values at once (AVX2): the same bits, returned as 8 packed bf16.
 __attribute__((target("avx2"))) inline __m128i from_float_x8(__m256 v) {
     const __m256i bits = _mm256_castps_si256(v);

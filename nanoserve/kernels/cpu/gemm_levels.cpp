@@ -181,10 +181,7 @@ NS_GEMM_AVX2 void block_avx2(const Block& b) {
 NS_GEMM_AVX2 void widen_rows(float* xf, const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
 #pragma omp parallel for if (M * K >= (int64_t(1) << 16))
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; k += 8) {
-            const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + m * ldx + k));
-            _mm256_storeu_ps(xf + m * K + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
-        }
+        for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(xf + m * K + k, ns_bf16::to_float_x8(x + m * ldx + k));
 }
 
 // x widened by widen_rows into this thread's buffer, kept between calls (as gemm_quant.cpp's

@@ -162,12 +162,8 @@ NS_QAVX2 void quantize_row_avx2(const void* x, int dtype, int64_t row, int64_t l
         __m256 v[4];
         const int64_t at = row * ldx + b * kBlock;
         for (int i = 0; i < 4; ++i) {
-            if (dtype == 1) {
-                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + at + 8 * i));
-                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-            } else {
-                v[i] = _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * i);
-            }
+            v[i] = dtype == 1 ? ns_bf16::to_float_x8(static_cast<const uint16_t*>(x) + at + 8 * i)
+                              : _mm256_loadu_ps(static_cast<const float*>(x) + at + 8 * i);
         }
         __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
                                  _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
@@ -342,10 +338,7 @@ NS_QAVX2 void block_avx2(const Block& blk) {
     for (int64_t b = 0; b < a.nb; ++b) {
         for (int c = 0; c < C; ++c) {
             const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
-            __m256i dot[R][2][kGroups];
-            for (int r = 0; r < R; ++r)
-                for (int h = 0; h < 2; ++h)
-                    for (int g = 0; g < kGroups; ++g) dot[r][h][g] = _mm256_setzero_si256();
+            __m256i dot[R][2][kGroups];  // each group's int32 dot products, 8 columns a half
             if constexpr (T::nibbles) {  // one group, all 8 steps in int16: steps j and j + 4 together
                 __m256i pairs[R][2];
                 for (int j = 0; j < 4; ++j) {
@@ -364,6 +357,9 @@ NS_QAVX2 void block_avx2(const Block& blk) {
                 for (int r = 0; r < R; ++r)
                     for (int h = 0; h < 2; ++h) dot[r][h][0] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
             } else {
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < 2; ++h)
+                        for (int g = 0; g < kGroups; ++g) dot[r][h][g] = _mm256_setzero_si256();
                 __m256i pairs[R][2];
 #pragma GCC unroll 8  // unrolled, the int16 sums stay in registers (Q5_0 at 64 rows: 1.45x)
                 for (int j = 0; j < 8; ++j) {
@@ -537,16 +533,9 @@ NS_QAVX2 void store_avx2(const Call& call, const float* sums, int64_t row, int r
     for (int r = 0; r < rows; ++r)
         for (int j = 0; j < cols; j += 8) {
             __m256 v = _mm256_loadu_ps(sums + r * cols + j);
-            if (call.bias != nullptr) {
-                __m256 bias;
-                if (call.dtype == 1) {
-                    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(call.bias) + col + j));
-                    bias = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-                } else {
-                    bias = _mm256_loadu_ps(static_cast<const float*>(call.bias) + col + j);
-                }
-                v = _mm256_add_ps(v, bias);
-            }
+            if (call.bias != nullptr)
+                v = _mm256_add_ps(v, call.dtype == 1 ? ns_bf16::to_float_x8(static_cast<const uint16_t*>(call.bias) + col + j)
+                                                     : _mm256_loadu_ps(static_cast<const float*>(call.bias) + col + j));
             const int64_t at = (row + r) * call.ldo + col + j;
             if (call.dtype == 1)
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(call.out) + at), ns_bf16::from_float_x8(v));

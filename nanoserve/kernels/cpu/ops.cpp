@@ -498,11 +498,6 @@ NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, in
 
 #define NS_AVX2_OPS __attribute__((target("avx2,fma")))
 
-NS_AVX2_OPS inline __m256 load8(const uint16_t* p) {  // 8 bf16 as fp32, exact
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
 // 2^x for x <= 0 (a score minus its row's max), relative error ~1e-7, 2^0 exactly 1; below -126 it
 // stays at 2^-126, as exp2_clamped. The same polynomial as exp2_clamped and exp2x16.
 NS_AVX2_OPS inline __m256 exp2x8(__m256 x) {
@@ -540,7 +535,7 @@ NS_AVX2_OPS void block_scores_avx2(float* sc, int64_t stride, const float* qf, i
         __m256 acc[GT];
         for (int t = 0; t < GT; ++t) acc[t] = _mm256_setzero_ps();
         for (int c = 0; c < D; c += 8) {
-            const __m256 k = load8(kj + c);
+            const __m256 k = ns_bf16::to_float_x8(kj + c);
             for (int t = 0; t < GT; ++t) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + t * D + c), k, acc[t]);
         }
         for (int t = 0; t < GT; ++t) partial[t][j] = acc[t];
@@ -564,8 +559,8 @@ NS_AVX2_OPS void block_values_avx2(float* acc, int D, const float* probs, int64_
         hi[t] = _mm256_loadu_ps(acc + t * D + col + 8);
     }
     for (int j = 0; j < valid; ++j) {
-        const __m256 v0 = load8(vb + static_cast<int64_t>(j) * D + col);
-        const __m256 v1 = load8(vb + static_cast<int64_t>(j) * D + col + 8);
+        const __m256 v0 = ns_bf16::to_float_x8(vb + static_cast<int64_t>(j) * D + col);
+        const __m256 v1 = ns_bf16::to_float_x8(vb + static_cast<int64_t>(j) * D + col + 8);
         for (int t = 0; t < GT; ++t) {
             const __m256 p = _mm256_broadcast_ss(probs + t * stride + j);
             lo[t] = _mm256_fmadd_ps(p, v0, lo[t]);
