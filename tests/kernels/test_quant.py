@@ -101,6 +101,23 @@ def test_kernel_equals_reference_bit_for_bit(qtype, dtype, cpu_isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if GGUF_QTYPES[q][0] == 32])
+@pytest.mark.parametrize("blocks", [13, 16, 29])
+def test_every_count_of_blocks_in_a_row(qtype, blocks, cpu_isa):
+    """Rows of 13, 16 and 29 blocks of 32: the AVX-512 quantizer handles a row 16 blocks at a time
+    and stores each run's scales, sums and offset corrections (two a block) with masks; a run of
+    9-15 blocks fills the second half of the corrections' masked store in part."""
+    n, k = 32, 32 * blocks
+    w = _weight(qtype, n, k, seed=blocks)
+    reference = QuantWeight(qtype, n, k, w.raw)
+    quant.pack_for_cpu(w)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(blocks))
+    x[2, -32:] = 0  # the last block all zeros
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_largest_integer_sums_equal_the_reference(qtype, cpu_isa):
     """Every quant at its largest magnitude (u = 15 / 31 / 63, Q8_0's q = -128) against activations
