@@ -8,6 +8,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from nanoserve.cpu_malloc import zeros_on_huge_pages
 from nanoserve.distributed import get_pp_rank
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.engine.gpu_memory import kv_cache_budget
@@ -87,10 +88,10 @@ class KVCacheAllocation:
         """A [num_blocks, block_size, num_kv_heads, head_dim] cache. On CPU it is head-major
         underneath, so the torch path gathers each head's keys contiguously (no permuted copy
         per step); the kernels take any strides. Never-written slots are masked by attention,
-        so the pool need not be zeroed."""
+        so the pool need not be zeroed. On CPU it lies on transparent huge pages where the kernel
+        gives them (cpu_malloc.zeros_on_huge_pages)."""
         if self.device.type == "cpu":
-            physical = torch.zeros((num_blocks, num_kv_heads, self.block_size, head_dim),
-                                   dtype=self.dtype, device=self.device)
+            physical = zeros_on_huge_pages((num_blocks, num_kv_heads, self.block_size, head_dim), self.dtype)
             return physical.permute(0, 2, 1, 3)
         return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.dtype,
                            device=self.device)

@@ -166,6 +166,35 @@ NS_AVX512_BF16 inline void pair_values_dpbf16(__m512i* vp, const uint16_t* vb, i
         }
 }
 
+// P @ V of one block for G query heads of a group (acc [G][D] fp32, probs [G] rows `probs_stride`
+// apart, bf16 pairs, vp as pair_values_dpbf16 lays it out): a pair's V registers loaded once for
+// the G heads, and 2 G independent chains of dpbf16 instead of 2 (one head at a time waited on
+// the instruction's latency). Each accumulator's sum is the same in the same order.
+template <int G>
+NS_AVX512_BF16 inline void block_values_dpbf16(float* acc, int D, const uint32_t* probs, int64_t probs_stride,
+                                               const __m512i* vp, int chunks, int num_pairs) {
+    for (int c = 0; c < chunks; ++c) {
+        __m512 lo[G], hi[G];
+        for (int g = 0; g < G; ++g) {
+            lo[g] = _mm512_loadu_ps(acc + static_cast<int64_t>(g) * D + 32 * c);
+            hi[g] = _mm512_loadu_ps(acc + static_cast<int64_t>(g) * D + 32 * c + 16);
+        }
+        for (int t = 0; t < num_pairs; ++t) {
+            const __m512bh v0 = reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2]);
+            const __m512bh v1 = reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2 + 1]);
+            for (int g = 0; g < G; ++g) {
+                const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(probs[g * probs_stride + t])));
+                lo[g] = _mm512_dpbf16_ps(lo[g], pb, v0);
+                hi[g] = _mm512_dpbf16_ps(hi[g], pb, v1);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            _mm512_storeu_ps(acc + static_cast<int64_t>(g) * D + 32 * c, lo[g]);
+            _mm512_storeu_ps(acc + static_cast<int64_t>(g) * D + 32 * c + 16, hi[g]);
+        }
+    }
+}
+
 // Paged attention for bf16 with 16-token blocks and head_dim a multiple of 32 (<= 256): the
 // scores of a block's 16 keys come out in one register (bf16 dot products, fp32 sums).
 NS_AVX512_BF16 void paged_attention_bf16_block16(
@@ -366,19 +395,15 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
                 const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
                 pair_values_dpbf16(vp.data(), vb, D, chunks, valid);
                 const int num_pairs = (valid + 1) / 2;
-                for (int g = 0; g < group; ++g) {
-                    const uint32_t* pairs = &probs[static_cast<size_t>(g) * padded / 2 + b * BS / 2];
+                const int64_t stride = padded / 2;
+                for (int g = 0; g < group; g += 4) {
+                    const uint32_t* pairs = &probs[static_cast<size_t>(g) * stride + b * BS / 2];
                     float* av = &acc[static_cast<size_t>(g) * D];
-                    for (int c = 0; c < chunks; ++c) {
-                        __m512 lo = _mm512_loadu_ps(av + 32 * c);
-                        __m512 hi = _mm512_loadu_ps(av + 32 * c + 16);
-                        for (int t = 0; t < num_pairs; ++t) {
-                            const __m512bh pb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[t])));
-                            lo = _mm512_dpbf16_ps(lo, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2]));
-                            hi = _mm512_dpbf16_ps(hi, pb, reinterpret_cast<__m512bh>(vp[(t * chunks + c) * 2 + 1]));
-                        }
-                        _mm512_storeu_ps(av + 32 * c, lo);
-                        _mm512_storeu_ps(av + 32 * c + 16, hi);
+                    switch (group - g < 4 ? group - g : 4) {
+                        case 4: block_values_dpbf16<4>(av, D, pairs, stride, vp.data(), chunks, num_pairs); break;
+                        case 3: block_values_dpbf16<3>(av, D, pairs, stride, vp.data(), chunks, num_pairs); break;
+                        case 2: block_values_dpbf16<2>(av, D, pairs, stride, vp.data(), chunks, num_pairs); break;
+                        default: block_values_dpbf16<1>(av, D, pairs, stride, vp.data(), chunks, num_pairs); break;
                     }
                 }
             }
