@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -41,14 +42,9 @@ def keep_freed_memory() -> bool:
     _applied = False
     if not envs.keep_cpu_memory():
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:  # not glibc (musl, macOS): nothing to tune
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not _applied:
         logger.info("mallopt refused the CPU memory settings; prefill steps will page-fault more")
@@ -61,33 +57,32 @@ HUGE_PAGE = 2 << 20
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose memory the kernel may back with 2 MiB transparent huge pages:
-    the span is 2 MiB-aligned and madvise(MADV_HUGEPAGE)'d before its first write (Linux's
-    default THP mode, `madvise`, gives huge pages to such spans only). For the KV pool: a decode
-    step reads one 2 KiB block-head at a time from anywhere in it, a TLB miss each on 4 KiB pages;
-    the bf16 decode attention ran 1.07-1.16x faster on a Zen 4 EPYC with the pool on huge pages
-    (scripts/bench_decode_attention.py's layout). The layer weights, streamed in order, gained
-    nothing. Where madvise is missing or refused this is torch.zeros."""
+    its span, whole huge pages from a 2 MiB boundary, is madvise(MADV_HUGEPAGE)'d before its first
+    write (Linux's default THP mode, `madvise`, gives huge pages to such spans only). For the KV
+    pool: a decode step reads one 2 KiB block-head at a time from anywhere in it, a TLB miss each
+    on 4 KiB pages; the bf16 decode attention ran 1.07-1.16x faster on a Zen 4 EPYC with the pool
+    on huge pages (scripts/bench_decode_attention.py's layout). The layer weights, streamed in
+    order, gained nothing. Below 2 MiB, or without madvise, this is torch.zeros; where madvise is
+    refused, the same tensor on 4 KiB pages."""
     nbytes = math.prod(shape) * dtype.itemsize
-    libc = _libc()
-    if libc is None or nbytes < HUGE_PAGE:
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if madvise is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -buffer.data_ptr() % HUGE_PAGE
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    if start + span > buffer.numel():  # the last huge page runs past the buffer: advise one less
-        span -= HUGE_PAGE
-    if span > 0 and libc.madvise(ctypes.c_void_p(buffer.data_ptr() + start), ctypes.c_size_t(span), MADV_HUGEPAGE) != 0:
+    buffer = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # room to start on a boundary
+    start = -buffer.data_ptr() % HUGE_PAGE
+    if madvise(buffer.data_ptr() + start, span, MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) refused; the KV pool stays on 4 KiB pages")
     return buffer[start:start + nbytes].zero_().view(dtype).view(shape)
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL | None:
+def _libc_function(name: str, argtypes: tuple) -> Callable[..., int] | None:
+    """libc's `name` returning int, or None where there is no such libc function."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return libc
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function
