@@ -155,15 +155,53 @@ NS_AVX512_BF16 inline __m512 transpose_sum16(const __m512* v) {
 // One block's V (`valid` of its 16 keys written) with its keys paired for dpbf16: vp[(t * chunks
 // + c) * 2 + half] holds (v[2t][d], v[2t + 1][d]) for the 16 d's that unpack{lo,hi}_epi16 take
 // from chunk c of 32 d's. Keys past `valid` are never read.
-NS_AVX512_BF16 inline void pair_values_dpbf16(__m512i* vp, const uint16_t* vb, int D, int chunks, int valid) {
+NS_AVX512_BF16 inline void pair_values_dpbf16(__m512i* vp, const uint16_t* vb, int D, int chunks, int valid,
+                                               const uint16_t* next = nullptr) {
     for (int t = 0; 2 * t < valid; ++t)
         for (int c = 0; c < chunks; ++c) {
+            if (next != nullptr) {
+                _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<int64_t>(2 * t) * D + 32 * c), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<int64_t>(2 * t + 1) * D + 32 * c), _MM_HINT_T0);
+            }
             const __m512i r0 = _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t) * D + 32 * c);
             const __m512i r1 = 2 * t + 1 < valid ? _mm512_loadu_si512(vb + static_cast<int64_t>(2 * t + 1) * D + 32 * c)
                                                  : _mm512_setzero_si512();
             vp[(t * chunks + c) * 2] = _mm512_unpacklo_epi16(r0, r1);
             vp[(t * chunks + c) * 2 + 1] = _mm512_unpackhi_epi16(r0, r1);
         }
+}
+
+// Scores of one block's 16 keys for G query heads of a group (scores [G] rows `scores_stride`
+// apart, scaled by scale_log2, keys past `keep` -inf): each key's row loaded once for the G heads,
+// G independent dpbf16 chains a key. Each head's sums are the same in the same order as one head
+// at a time. `next` (or nullptr): a block to prefetch, a row per key, spread between the dot products.
+template <int G>
+NS_AVX512_BF16 inline void block_scores_dpbf16(float* scores, int64_t scores_stride, const uint16_t* query_head,
+                                               int64_t q_stride_head, const uint16_t* kb, int D, int chunks,
+                                               const uint16_t* next, __mmask16 keep, float scale_log2) {
+    __m512i q[G][8];
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < chunks; ++c) q[g][c] = _mm512_loadu_si512(query_head + g * q_stride_head + 32 * c);
+    __m512 partial[G][16];
+    for (int j = 0; j < 16; ++j) {
+        const uint16_t* kj = kb + static_cast<int64_t>(j) * D;
+        if (next != nullptr)
+            for (int c = 0; c < chunks; ++c)
+                _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<int64_t>(j) * D + 32 * c), _MM_HINT_T0);
+        __m512 dot[G];
+        for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
+        for (int c = 0; c < chunks; ++c) {
+            const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj + 32 * c));
+            for (int g = 0; g < G; ++g) dot[g] = _mm512_dpbf16_ps(dot[g], reinterpret_cast<__m512bh>(q[g][c]), k);
+        }
+        for (int g = 0; g < G; ++g) partial[g][j] = dot[g];
+    }
+    for (int g = 0; g < G; ++g) {
+        // Keys past the end (unwritten slots, maybe NaN) become -inf.
+        const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,
+                                             _mm512_mul_ps(transpose_sum16(partial[g]), _mm512_set1_ps(scale_log2)));
+        _mm512_storeu_ps(scores + g * scores_stride, sc);
+    }
 }
 
 // P @ V of one block for G query heads of a group (acc [G][D] fp32, probs [G] rows `probs_stride`
@@ -338,8 +376,6 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
         std::vector<float> acc(static_cast<size_t>(group) * D);
         std::vector<float> row_sum(group);
         std::vector<__m512i> vp(static_cast<size_t>(BS / 2) * chunks * 2);  // as in the span kernel
-        __m512 partial[BS];
-        __m512i q[8];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
             const int s = static_cast<int>(item / num_kv_heads), h = static_cast<int>(item % num_kv_heads);
@@ -353,32 +389,26 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
             const int32_t* table = block_table + static_cast<int64_t>(s) * block_table_stride;
             const int64_t head_stride = static_cast<int64_t>(BS) * D;  // elements of one block's head
             auto block_base = [&](int b) { return (static_cast<int64_t>(table[b]) * num_kv_heads + h) * head_stride; };
-            auto prefetch_block = [&](const uint16_t* p) {
-                for (int64_t line = 0; line < head_stride * 2; line += 64)
-                    _mm_prefetch(reinterpret_cast<const char*>(p) + line, _MM_HINT_T0);
-            };
             // Pass 1: scores, K read once per block for every query head of the group.
             for (int b = 0; b < num_blocks; ++b) {
                 const uint16_t* kb = key_cache + block_base(b);
-                if (b + 1 < num_blocks) prefetch_block(key_cache + block_base(b + 1));
+                // The next block's K, or after the last one the first block's V, prefetched a row a
+                // key between the dot products (and V's next block between pair_values' loads): 32
+                // prefetches at once at a block's start stalled on the core's outstanding misses.
+                const uint16_t* next_kb = b + 1 < num_blocks ? key_cache + block_base(b + 1) : value_cache + block_base(0);
                 const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
                 const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1u);
-                for (int g = 0; g < group; ++g) {
+                for (int g = 0; g < group; g += 4) {
                     const uint16_t* qv = query + static_cast<int64_t>(row) * q_stride_token +
                                          static_cast<int64_t>(h * group + g) * q_stride_head;
-                    for (int c = 0; c < chunks; ++c) q[c] = _mm512_loadu_si512(qv + 32 * c);
-                    for (int j = 0; j < BS; ++j) {
-                        const uint16_t* kj = kb + static_cast<int64_t>(j) * D;
-                        __m512 dot = _mm512_setzero_ps();
-                        for (int c = 0; c < chunks; ++c)
-                            dot = _mm512_dpbf16_ps(dot, reinterpret_cast<__m512bh>(q[c]),
-                                                   reinterpret_cast<__m512bh>(_mm512_loadu_si512(kj + 32 * c)));
-                        partial[j] = dot;
+                    float* sc = &scores[static_cast<size_t>(g) * padded + b * BS];
+                    const uint16_t* next = g == 0 ? next_kb : nullptr;
+                    switch (group - g < 4 ? group - g : 4) {
+                        case 4: block_scores_dpbf16<4>(sc, padded, qv, q_stride_head, kb, D, chunks, next, keep, scale_log2); break;
+                        case 3: block_scores_dpbf16<3>(sc, padded, qv, q_stride_head, kb, D, chunks, next, keep, scale_log2); break;
+                        case 2: block_scores_dpbf16<2>(sc, padded, qv, q_stride_head, kb, D, chunks, next, keep, scale_log2); break;
+                        default: block_scores_dpbf16<1>(sc, padded, qv, q_stride_head, kb, D, chunks, next, keep, scale_log2); break;
                     }
-                    // Keys past the end (unwritten slots, maybe NaN) become -inf.
-                    const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep,
-                                                         _mm512_mul_ps(transpose_sum16(partial), _mm512_set1_ps(scale_log2)));
-                    _mm512_storeu_ps(&scores[static_cast<size_t>(g) * padded + b * BS], sc);
                 }
             }
             // Softmax: one max and one exp per score; probabilities rounded to bf16 for P @ V
@@ -391,9 +421,9 @@ NS_AVX512_BF16 void decode_attention_bf16_block16(
             std::fill(acc.begin(), acc.end(), 0.0f);
             for (int b = 0; b < num_blocks; ++b) {
                 const uint16_t* vb = value_cache + block_base(b);
-                if (b + 1 < num_blocks) prefetch_block(value_cache + block_base(b + 1));
                 const int valid = seq_len - b * BS < BS ? seq_len - b * BS : BS;
-                pair_values_dpbf16(vp.data(), vb, D, chunks, valid);
+                pair_values_dpbf16(vp.data(), vb, D, chunks, valid,
+                                   b + 1 < num_blocks ? value_cache + block_base(b + 1) : nullptr);
                 const int num_pairs = (valid + 1) / 2;
                 const int64_t stride = padded / 2;
                 for (int g = 0; g < group; g += 4) {
