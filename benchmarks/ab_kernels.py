@@ -1,0 +1,166 @@
+"""Two builds of the CPU kernels against each other in one process: decode attention or the
+quantized GEMM, alternating call batches, outputs compared bit for bit. Separate processes on a
+shared 2-core host drift by 10-20% (sometimes 2x) within minutes; two libraries loaded side by side
+see the same host. Each side is a git commit (its nanoserve/kernels/cpu exported) or a directory
+holding the kernel sources. Run on an idle machine from the project root:
+
+    .venv/bin/python benchmarks/ab_kernels.py attention OLD NEW [--seqs 64] [--isa avx512bf16]
+    .venv/bin/python benchmarks/ab_kernels.py gemm OLD NEW [--rows 64] [--formats q4_1 q8_0] [--threads 1]
+
+e.g. `attention HEAD~1 nanoserve/kernels/cpu`. Attention: SmolLM2-135M's heads (9 query, 3 KV,
+head_dim 64), 16-token blocks, the KV pool on huge pages and 8x the live blocks with 8 random block
+tables, as scripts/bench_decode_attention.py. GEMM: SmolLM2's layer shapes with random blocks
+(benchmarks/quant/gemm_shapes.py). Prints the median (attention) or best (GEMM) time of each side,
+old / new, and whether the outputs are the same bits.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from nanoserve.cpu_malloc import keep_freed_memory, zeros_on_huge_pages
+from nanoserve.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = Path(cpu_ops.__file__).parent / "cpu"
+
+
+def sources(side: str, scratch: Path) -> Path:
+    """The kernel source directory for a commit or a directory."""
+    if Path(side).is_dir():
+        return Path(side).resolve()
+    out = scratch / side.replace("/", "_")
+    out.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", side, "nanoserve/kernels/cpu"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out / "nanoserve" / "kernels" / "cpu"
+
+
+def build(source_dir: Path, output: Path, isa: str) -> ctypes.CDLL:
+    command = [str(source_dir / Path(part).name) if part.startswith(str(KERNELS)) else part
+               for part in cpu_ops.build_command(cpu_ops.compiler(), output)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"building {source_dir} failed:\n{result.stderr[-2000:]}")
+    lib = ctypes.CDLL(str(output))
+    for name, argtypes in cpu_ops._SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    if lib.ns_set_isa(cpu_ops.ISA_LEVELS.index(isa)) != 0:
+        raise SystemExit(f"this CPU can't run the {isa} kernels")
+    return lib
+
+
+def attention(libs: dict[str, ctypes.CDLL], seqs: int, rounds: int) -> None:
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    generator = torch.Generator().manual_seed(0)
+    for context in (64, 192, 512):
+        blocks = (context + block - 1) // block
+        pool = seqs * blocks * 8
+        caches = []
+        for _ in range(2):
+            cache = zeros_on_huge_pages((pool, kv_heads, block, dim), torch.bfloat16)
+            cache.copy_(torch.randn(pool, kv_heads, block, dim, generator=generator))
+            caches.append(cache)
+        tables = [torch.randperm(pool, generator=generator)[: seqs * blocks].to(torch.int32).reshape(seqs, blocks)
+                  for _ in range(8)]
+        query = torch.randn(seqs, heads, dim, generator=generator).to(torch.bfloat16)
+        cu_seqlens = torch.arange(seqs + 1, dtype=torch.int32)
+        seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+        outs = {name: torch.empty_like(query) for name in libs}
+        times: dict[str, list[float]] = {name: [] for name in libs}
+
+        def call(lib: ctypes.CDLL, out: torch.Tensor, table: torch.Tensor) -> None:
+            lib.ns_paged_attention(cpu_ops._DTYPES[torch.bfloat16], out.data_ptr(), query.data_ptr(), query.stride(0),
+                                   query.stride(1), caches[0].data_ptr(), caches[1].data_ptr(), kv_heads, block, dim,
+                                   table.data_ptr(), table.stride(0), cu_seqlens.data_ptr(), seq_lens.data_ptr(),
+                                   seqs, heads, dim ** -0.5, cpu_ops._ROWS_PER_ITEM)
+
+        for round_ in range(rounds):
+            for name in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+                start = time.perf_counter()
+                for index in range(16):
+                    call(libs[name], outs[name], tables[index % 8])
+                times[name].append((time.perf_counter() - start) / 16 * 1e6)
+        old, new = (statistics.median(times[name]) for name in libs)
+        print(f"decode attention, {seqs} sequences x {context} keys: old {old:.0f} us, new {new:.0f} us, "
+              f"{old / new:.2f}x; same bits: {torch.equal(outs['old'], outs['new'])}", flush=True)
+
+
+def gemm(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: int) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "quant"))
+    from gemm_shapes import SHAPES, random_blocks
+
+    from nanoserve.kernels.gguf_formats import format_code
+    from nanoserve.kernels.quant import QuantWeight, pack_weight
+
+    generator = torch.Generator().manual_seed(0)
+    for qtype in formats:
+        for name, (n, k) in SHAPES.items():
+            if name == "lm_head" and rows > 1:
+                continue
+            x = torch.randn(rows, k, generator=generator).to(torch.bfloat16)
+            weight = QuantWeight(qtype, n, k, random_blocks(qtype, n, k, generator))
+            weight.packed = pack_weight(weight)
+            outs = {side: torch.empty(rows, n, dtype=torch.bfloat16) for side in libs}
+            calls = max(3, int(1e8 / (rows * n * k)))
+            times: dict[str, list[float]] = {side: [] for side in libs}
+            for round_ in range(rounds):
+                for side in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+                    def call() -> None:
+                        code = libs[side].ns_gemm_quant(format_code(qtype), outs[side].data_ptr(), n, x.data_ptr(),
+                                                        x.stride(0), 1, weight.packed.data_ptr(), None, rows, n, k)
+                        assert code == 0, code
+                    call()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    times[side].append((time.perf_counter() - start) / calls * 1e6)
+            old, new = min(times["old"]), min(times["new"])
+            print(f"{qtype} {name} x {rows} rows: old {old:.1f} us, new {new:.1f} us, {old / new:.3f}x "
+                  f"({rows * n * k / new / 1e3:.0f} GMAC/s); same bits: {torch.equal(outs['old'], outs['new'])}",
+                  flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=("attention", "gemm"))
+    parser.add_argument("old", help="a commit, or a directory of kernel sources")
+    parser.add_argument("new", help="a commit, or a directory of kernel sources")
+    parser.add_argument("--isa", default=None, help="the level both run (default: the best this CPU runs)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--formats", nargs="+", default=["q4_1"])
+    parser.add_argument("--rounds", type=int, default=16)
+    args = parser.parse_args()
+    if cpu_ops.library() is None:
+        raise SystemExit(f"CPU kernels unavailable: {cpu_ops.load_error()}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    isa = args.isa or cpu_ops.isa()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        libs = {side: build(sources(where, scratch), scratch / f"{side}.so", isa)
+                for side, where in (("old", args.old), ("new", args.new))}
+        print(f"# {cpu_ops.describe_isa()}; both at {isa}; {torch.get_num_threads()} threads; "
+              f"old {args.old}, new {args.new}")
+        if args.kernel == "attention":
+            attention(libs, args.seqs, args.rounds)
+        else:
+            gemm(libs, args.rows, args.formats, max(2, args.rounds // 2))
+
+
+if __name__ == "__main__":
+    main()
