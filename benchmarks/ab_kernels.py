@@ -51,11 +51,7 @@ def build(source_dir: Path, output: Path, isa: str) -> ctypes.CDLL:
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"building {source_dir} failed:\n{result.stderr[-2000:]}")
-    lib = ctypes.CDLL(str(output))
-    for name, argtypes in cpu_ops._SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
+    lib = cpu_ops.load(output)
     if lib.ns_set_isa(cpu_ops.ISA_LEVELS.index(isa)) != 0:
         raise SystemExit(f"this CPU can't run the {isa} kernels")
     return lib

@@ -110,6 +110,16 @@ def _build(target: Path) -> None:
             os.replace(built, target)
 
 
+def load(path: Path) -> ctypes.CDLL:
+    """A build of the kernels at `path`, its functions typed (benchmarks/ab_kernels.py loads two)."""
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (and why, in load_error()) when they can't be built here."""
     global _library, _load_error
@@ -119,11 +129,7 @@ def library() -> ctypes.CDLL | None:
         target = _cache_dir() / "libnanoserve_cpu.so"
         if not target.exists():
             _build(target)
-        lib = ctypes.CDLL(str(target))
-        for name, argtypes in _SIGNATURES.items():
-            function = getattr(lib, name)
-            function.argtypes = argtypes
-            function.restype = ctypes.c_int
+        lib = load(target)
         _set_level(lib, _chosen_isa(lib))
         _library = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
