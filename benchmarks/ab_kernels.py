@@ -6,12 +6,16 @@ holding the kernel sources. Run on an idle machine from the project root:
 
     .venv/bin/python benchmarks/ab_kernels.py attention OLD NEW [--seqs 64] [--isa avx512bf16]
     .venv/bin/python benchmarks/ab_kernels.py gemm OLD NEW [--rows 64] [--formats q4_1 q8_0] [--threads 1]
+    .venv/bin/python benchmarks/ab_kernels.py decode OLD NEW [--rows 1] [--formats bf16 q4_1]
 
 e.g. `attention HEAD~1 nanoserve/kernels/cpu`. Attention: SmolLM2-135M's heads (9 query, 3 KV,
 head_dim 64), 16-token blocks, the KV pool on huge pages and 8x the live blocks with 8 random block
 tables, as scripts/bench_decode_attention.py. GEMM: SmolLM2's layer shapes with random blocks
-(benchmarks/quant/gemm_shapes.py). Prints the median (attention) or best (GEMM) time of each side,
-old / new, and whether the outputs are the same bits.
+(benchmarks/quant/gemm_shapes.py). Decode: the GEMMs of a whole decode step in order, 30 layers'
+qkv, o_proj, gate_up and down and the LM head with random weights of their own (bf16 or a GGUF
+format: 98-270 MB, read from memory as a real step reads them), on --rows rows. Prints the median
+(attention, decode) or best (GEMM) time of each side, old / new, and whether the outputs are the
+same bits.
 """
 from __future__ import annotations
 
@@ -128,15 +132,62 @@ def gemm(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: in
                   flush=True)
 
 
+def decode(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: int, layers: int = 30) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "quant"))
+    from gemm_shapes import SHAPES, random_blocks
+
+    from nanoserve.kernels.gguf_formats import format_code
+    from nanoserve.kernels.quant import QuantWeight, pack_weight
+
+    generator = torch.Generator().manual_seed(0)
+    order = [name for name in SHAPES if name != "lm_head"] * layers + ["lm_head"]
+    for qtype in formats:
+        weights = []
+        for name in order:
+            n, k = SHAPES[name]
+            if qtype == "bf16":
+                packed = cpu_ops.pack_gemm_weight((torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16))
+            else:
+                weight = QuantWeight(qtype, n, k, random_blocks(qtype, n, k, generator))
+                packed = pack_weight(weight)
+            weights.append((n, k, packed))
+        xs = {k: torch.randn(rows, k, generator=generator).to(torch.bfloat16) for _, k, _ in weights}
+        outs = {side: [torch.empty(rows, n, dtype=torch.bfloat16) for n, _, _ in weights] for side in libs}
+
+        def step(side: str) -> None:
+            lib = libs[side]
+            for (n, k, packed), out in zip(weights, outs[side]):
+                x = xs[k]
+                code = (lib.ns_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(), None, rows, n, k)
+                        if qtype == "bf16" else
+                        lib.ns_gemm_quant(format_code(qtype), out.data_ptr(), n, x.data_ptr(), x.stride(0), 1,
+                                          packed.data_ptr(), None, rows, n, k))
+                assert code == 0, code
+
+        times: dict[str, list[float]] = {side: [] for side in libs}
+        for side in libs:
+            step(side)
+        for round_ in range(rounds):
+            for side in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+                start = time.perf_counter()
+                step(side)
+                times[side].append((time.perf_counter() - start) * 1e3)
+        old, new = statistics.median(times["old"]), statistics.median(times["new"])
+        same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+        megabytes = sum(p.numel() * p.element_size() for _, _, p in weights) / 1e6
+        print(f"{qtype} decode step's GEMMs ({layers} layers + LM head, {megabytes:.0f} MB) x {rows} rows: "
+              f"old {old:.2f} ms, new {new:.2f} ms, {old / new:.3f}x; same bits: {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=("attention", "gemm"))
+    parser.add_argument("kernel", choices=("attention", "gemm", "decode"))
     parser.add_argument("old", help="a commit, or a directory of kernel sources")
     parser.add_argument("new", help="a commit, or a directory of kernel sources")
     parser.add_argument("--isa", default=None, help="the level both run (default: the best this CPU runs)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=None, help="default: 64 (gemm), 1 (decode)")
     parser.add_argument("--formats", nargs="+", default=["q4_1"])
     parser.add_argument("--rounds", type=int, default=16)
     args = parser.parse_args()
@@ -154,8 +205,10 @@ def main() -> None:
               f"old {args.old}, new {args.new}")
         if args.kernel == "attention":
             attention(libs, args.seqs, args.rounds)
+        elif args.kernel == "decode":
+            decode(libs, args.rows or 1, args.formats, args.rounds)
         else:
-            gemm(libs, args.rows, args.formats, max(2, args.rounds // 2))
+            gemm(libs, args.rows or 64, args.formats, max(2, args.rounds // 2))
 
 
 if __name__ == "__main__":
