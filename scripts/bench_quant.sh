@@ -12,7 +12,9 @@
 # prefill: prompt-only work, nanoserve LLM.generate 64 x (128 in, 1 out) and llama.cpp one 512-token
 #   prompt (scripts/prefill_llamacpp.py), each on bf16 / Q4_1 / Q8_0: the gain each engine gets
 #   from a quantized file where the work is compute-bound.
-# ppl: scripts/perplexity.py on benchmarks/quant/perplexity_text.txt (the same ids for both).
+# ppl: scripts/perplexity.py on benchmarks/quant/perplexity_text.txt (the same ids for both);
+#   PPL_TEXT=benchmarks/quant/perplexity_text_long.txt for the 4x longer text (its first 16 windows
+#   are the short text's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/quant}
@@ -21,6 +23,7 @@ BENCH=${BENCH:-../shared/bench}
 LV=${LLAMACPP_VENV:-$HOME/.cache/llamacpp/venv}
 G=$(dirname "$LV")/gguf
 PY=.venv/bin/python
+PPL_TEXT=${PPL_TEXT:-benchmarks/quant/perplexity_text.txt}
 MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf_import import ensure_default_model; print(ensure_default_model())' 2>/dev/null)}
 mkdir -p "$OUT"
 RUN="$OUT/run.txt"
@@ -56,7 +59,8 @@ for part in $PARTS; do
              done ;;
     ppl) echo "## perplexity" | tee -a "$RUN"
          NLL=$(mktemp -d)
-         $PY scripts/perplexity.py tokenize "$MODEL_DIR" benchmarks/quant/perplexity_text.txt "$NLL/ids" 2>/dev/null
+         echo "# text: $PPL_TEXT" | tee -a "$RUN"
+         $PY scripts/perplexity.py tokenize "$MODEL_DIR" "$PPL_TEXT" "$NLL/ids" 2>/dev/null
          for m in "$MODEL_DIR" "$G/smollm2-q8_0.gguf" "$G/smollm2-q4_1.gguf"; do
            for dtype in bfloat16 float32; do  # llama.cpp's activations are fp32
              $PY scripts/perplexity.py nanoserve "$m" "$NLL/ids" $dtype --nll "$NLL/ns-$(basename "$m")-$dtype" \

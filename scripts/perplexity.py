@@ -13,8 +13,10 @@ is added by either engine: both read exactly the ids written by `tokenize`.
 Each scoring command prints one JSON line: {"engine", "model", "tokens_scored", "ppl"}, and with
 --nll writes every scored token's negative log-likelihood, window by window. `compare` pairs two
 such files token by token (the same ids were scored) and prints {"compare", "ppl_ratio", "low",
-"high"}: the ratio of the two perplexities and its 95% interval, from the spread of the windows'
-mean differences (16 windows; tokens within a window are not independent, windows nearly are).
+"high", "windows", "windows_worse"}: the ratio of the two perplexities and its 95% interval, from
+the spread of the windows' mean differences (16 windows on benchmarks/quant/perplexity_text.txt, 68
+on perplexity_text_long.txt; tokens within a window are not independent, windows nearly are), and
+on how many windows the first file scored worse.
 The llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv);
 `compare` only the standard library.
 """
@@ -87,7 +89,8 @@ def compare(ours_path: str, peer_path: str) -> dict:
     mean = sum(diffs) / len(diffs)
     spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
     return {"compare": f"{ours['label']} / {peer['label']}", "ppl_ratio": round(math.exp(mean), 5),
-            "low": round(math.exp(mean - 1.96 * spread), 5), "high": round(math.exp(mean + 1.96 * spread), 5)}
+            "low": round(math.exp(mean - 1.96 * spread), 5), "high": round(math.exp(mean + 1.96 * spread), 5),
+            "windows": len(diffs), "windows_worse": sum(d > 0 for d in diffs)}
 
 
 def main(argv: list[str]) -> None:

@@ -80,8 +80,9 @@ def table(batch1: dict, offline: dict, ppl: dict, paired: list[dict], prefill: d
                        f"{peer if peer else float('nan'):.4f} | {ours / base if base else float('nan'):.4f}x "
                        f"bf16 weights | {target} |")
     for row in paired:  # scripts/perplexity.py compare: the same tokens, window by window
+        worse = f"; worse on {row['windows_worse']} of {row['windows']} windows" if "windows" in row else ""
         out.append(f"| perplexity ratio {row['compare']} | {row['ppl_ratio']:.4f} | 95% interval "
-                   f"{row['low']:.4f}-{row['high']:.4f} | | |")
+                   f"{row['low']:.4f}-{row['high']:.4f}{worse} | | |")
     return out
 
 
