@@ -52,8 +52,38 @@ def _gguf_name(name: str) -> str:
         return "output_norm.weight"
     if name == "lm_head.weight":
         return "output.weight"
-    _, _, layer, module = name.removesuffix(".weight").split(".", 3)
-    return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+    stem, _, kind = name.rpartition(".")  # weight, or a Qwen2 q/k/v bias
+    _, _, layer, module = stem.split(".", 3)
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+
+
+def write_random_qwen2(out_dir: Path, *, hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size,
+                       tie=False, seed=0) -> Path:
+    """A random Qwen2 checkpoint (Llama with Q/K/V biases, here random too), written by
+    transformers' own classes with tests/conftest.py's tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.conftest import build_tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_tokenizer(out_dir)
+    specials = {t["content"]: t["id"] for t in json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]}
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=tie,
+        use_sliding_window=False, bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
+        pad_token_id=specials["<|endoftext|>"])
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0, 0.5 if "embed" in name else 2.0 / param.shape[1] ** 0.5)
+            elif name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
 
 
 def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -103,7 +133,7 @@ def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
     return gguf.quants.quantize(values, ggml_type), ggml_type
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, pre: str = "default") -> None:
     tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
     tokenizer_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
     vocab = dict(tokenizer["model"]["vocab"])
@@ -113,7 +143,7 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
     specials = {added["content"] for added in tokenizer["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if token in specials else 1 for token in tokens])
     writer.add_token_merges(merges)
@@ -125,15 +155,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path) -> None:
 
 
 def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = True, seed: int = 0,
-                         embedding: str = "q8_0", head: str = "q6_k", **shape) -> Path:
+                         embedding: str = "q8_0", head: str = "q6_k", arch: str = "llama", **shape) -> Path:
     """`out_dir`/model.gguf (and the HF checkpoint it came from in `out_dir`/hf). `embedding`:
-    token_embd's type (the tied head's too); `head`: output.weight's when not tied."""
+    token_embd's type (the tied head's too); `head`: output.weight's when not tied. `arch`:
+    "llama" (Q/K rows permuted as llama.cpp's converter does) or "qwen2" (a random Qwen2: Q/K/V
+    biases in F32, rows in Hugging Face's order, the tokenizer's pre-tokenizer named "qwen2")."""
     shape = {**DEFAULT_SHAPE, **(LLAMA_CPP_SHAPE if preset in LLAMA_CPP_MIXES else {}), **shape}
-    hf_dir = write_random_llama(out_dir / "hf", tie=tie, seed=seed, **shape)
+    writer_of = write_random_qwen2 if arch == "qwen2" else write_random_llama
+    hf_dir = writer_of(out_dir / "hf", tie=tie, seed=seed, **shape)
     config = json.loads((hf_dir / "config.json").read_text())
     weights = load_file(str(hf_dir / "model.safetensors"))
     path = out_dir / "model.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -143,15 +176,15 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    _add_tokenizer(writer, hf_dir)
+    _add_tokenizer(writer, hf_dir, "qwen2" if arch == "qwen2" else "default")
     rng = np.random.default_rng(seed)
     for name, weight in weights.items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", ".bias")):
             writer.add_tensor(_gguf_name(name), weight.float().numpy())
             continue
-        if name.endswith("q_proj.weight"):
+        if name.endswith("q_proj.weight") and arch == "llama":
             weight = _llama_cpp_permute(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith("k_proj.weight") and arch == "llama":
             weight = _llama_cpp_permute(weight, config["num_key_value_heads"])
         if name == "model.embed_tokens.weight":
             qtype = embedding
@@ -169,24 +202,25 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
 
 
 def dequantized_transformers(gguf_file: Path):
-    """transformers' Llama (float32, CPU) holding the file's tensors dequantized by the gguf
-    package (Q/K rows un-permuted): the exact product of activations and dequantized weights,
+    """transformers' Llama or Qwen2 (float32, CPU) holding the file's tensors dequantized by the
+    gguf package (a llama file's Q/K rows un-permuted): the exact product of activations and dequantized weights,
     the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
 
-    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     config = model.config
+    permuted = config.model_type == "llama"
     state = {}
     for tensor in gguf.GGUFReader(gguf_file).tensors:
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(values.reshape(shape))
         name = hf_tensor_name(tensor.name)
-        if name.endswith("q_proj.weight"):
+        if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith("k_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
         state[name] = weight
     if config.tie_word_embeddings:

@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 
 from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
-from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
+from nanoserve.models.gguf_reader import GGUFImportError, gguf_architecture, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
 
@@ -80,12 +80,9 @@ def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
 
 
 def gguf_hf_config(gguf_file: Path) -> dict:
-    """The Hugging Face config.json a Llama-architecture GGUF file implies."""
+    """The Hugging Face config.json a GGUF file of the Llama family (llama, qwen2) implies."""
     metadata, tensors = gguf_metadata(gguf_file)
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise GGUFImportError(
-            f"{Path(gguf_file).name}: architecture {architecture!r} is not supported (only 'llama')")
+    gguf_architecture(metadata, Path(gguf_file).name)
     return llama_config(metadata, set(tensors))
 
 

@@ -39,26 +39,52 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+# llama.cpp's architectures of the Llama family, each as the Hugging Face class it was converted
+# from: (architectures, model_type). Qwen2 is Llama with Q/K/V biases, and its converter keeps the
+# Q/K rows in Hugging Face's order (llama.cpp rotates them NeoX-style), where "llama" reorders them.
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+def gguf_architecture(metadata: dict, file_name: str = "GGUF file") -> str:
+    """The file's `general.architecture` (GGUFImportError, one line, for one we don't serve)."""
+    architecture = metadata.get("general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise GGUFImportError(f"{file_name}: architecture {architecture!r} is not supported "
+                              f"(supported: {', '.join(repr(a) for a in GGUF_ARCHITECTURES)})")
+    return architecture
+
+
+def rotary_rows_permuted(config) -> bool:
+    """Whether the file's Q/K rows are in llama.cpp's interleaved order (unpermute_rotary_rows
+    puts them back): a "llama" file's are; a "qwen2" file's are as Hugging Face had them."""
+    architecture = (config.get("architectures") or [None])[0] if isinstance(config, dict) else config.architecture
+    return architecture == GGUF_ARCHITECTURES["llama"][0]
+
+
 def llama_config(metadata: dict, tensor_names: set[str]) -> dict:
+    """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES)."""
+    architecture = gguf_architecture(metadata)
+
     def get(key: str, default=None):
-        value = metadata.get(f"llama.{key}", default)
+        value = metadata.get(f"{architecture}.{key}", default)
         if value is None:
-            raise GGUFImportError(f"GGUF metadata lacks llama.{key}")
+            raise GGUFImportError(f"GGUF metadata lacks {architecture}.{key}")
         return value
 
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    scaling = metadata.get(f"{architecture}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
     num_kv_heads = get("attention.head_count_kv", num_heads)
-    head_dim = metadata.get("llama.attention.key_length",
-                            metadata.get("llama.rope.dimension_count", hidden_size // num_heads))
+    head_dim = metadata.get(f"{architecture}.attention.key_length",
+                            metadata.get(f"{architecture}.rope.dimension_count", hidden_size // num_heads))
     tokens = metadata.get("tokenizer.ggml.tokens") or []
-    vocab_size = metadata.get("llama.vocab_size", len(tokens))
+    vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
+    hf_class, model_type = GGUF_ARCHITECTURES[architecture]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_class],
+        "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": get("feed_forward_length"),
@@ -71,7 +97,7 @@ def llama_config(metadata: dict, tensor_names: set[str]) -> dict:
         "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_value(get("rope.freq_base", 10000.0)),
         "rope_scaling": None,
-        "attention_bias": False,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
@@ -101,17 +127,17 @@ _LAYER_TENSOR_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """llama.cpp's tensor name → the HF Llama name."""
+    """llama.cpp's tensor name → the HF Llama (Qwen2) name; biases as Qwen2's q/k/v have them."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
         raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
-    return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}.weight"
+    return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -140,9 +166,9 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
                 f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported") from error
         # np.array copies: unquantized tensors come back as read-only views of the memory map.
         weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
-        if name.endswith("q_proj.weight"):
+        if name.endswith("q_proj.weight") and rotary_rows_permuted(config):
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif name.endswith("k_proj.weight") and rotary_rows_permuted(config):
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
         state_dict[name] = weight.to(torch.bfloat16).contiguous()
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - state_dict.keys()

@@ -2,7 +2,7 @@
 tokenizer_config.json, as llama.cpp's converters read the `tokenizer.ggml.*` metadata."""
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from nanoserve.models.gguf_reader import GGUFImportError
@@ -13,6 +13,10 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _GPT2_PRE = {"gpt2", "default", "mpt", "olmo", "jais"}
 _DIGITS_THEN_GPT2_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
+# Qwen2's: Llama 3's with each digit alone (\p{N} for \p{N}{1,3}); its Hugging Face tokenizer
+# also puts the text in NFC first.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen"}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -44,6 +48,10 @@ def _pre_tokenizer(pre: str):
         return pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    if pre in _QWEN2_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     raise GGUFImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
 
 
@@ -66,7 +74,10 @@ def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendToken
     tokenizer = BackendTokenizer(models.BPE(
         vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
         end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    if pre in _QWEN2_PRE:
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
 

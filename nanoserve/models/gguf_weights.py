@@ -21,7 +21,7 @@ from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
-from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, unpermute_rotary_rows
+from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, rotary_rows_permuted, unpermute_rotary_rows
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -57,6 +57,9 @@ def _dense(tensor, qtype: str | None, rows: slice | None = None) -> torch.Tensor
 
 
 def _rotary_heads(name: str, config) -> int | None:
+    """The heads whose rows to un-permute (None: not a Q/K weight, or a file that keeps HF's order)."""
+    if not rotary_rows_permuted(config):
+        return None
     if name.endswith("q_proj.weight"):
         return config.num_attention_heads
     if name.endswith("k_proj.weight"):

@@ -23,12 +23,14 @@ def prompts():
     return [{"prompt_token_ids": p} for p in random_prompts(4, 300, seed=28)]
 
 
-@pytest.mark.parametrize("preset,tp", [("q4_1", 2), ("q8_0", 4), ("llama_cpp_q5_k_m", 2)])
-def test_tensor_parallel_equals_one_rank(tmp_path, prompts, preset, tp):
+@pytest.mark.parametrize("preset,tp,arch", [("q4_1", 2, "llama"), ("q8_0", 4, "llama"), ("llama_cpp_q5_k_m", 2, "llama"),
+                                             ("q4_1", 2, "qwen2")])
+def test_tensor_parallel_equals_one_rank(tmp_path, prompts, preset, tp, arch):
     # tp 4 with 2 KV heads: each KV head's block rows on two ranks. llama_cpp_q5_k_m: o_proj's
     # Q5_1 rows split into blocks of 32, layer 0's ffn_down Q5_K rows (512) into one 256-block
-    # each; layer 1's QKV is Q5_1 q and k beside a Q8_0 v.
-    path = write_quantized_gguf(tmp_path, preset, seed=5)
+    # each; layer 1's QKV is Q5_1 q and k beside a Q8_0 v. qwen2: the Q/K/V biases split with
+    # their rows.
+    path = write_quantized_gguf(tmp_path, preset, seed=5, arch=arch)
     ref, (full_bytes,) = greedy_ids(path, prompts)
     out, rank_bytes = greedy_ids(path, prompts, tensor_parallel_size=tp)
     assert out == ref

@@ -5,6 +5,7 @@ weights, and the errors a user can meet (unsupported type, --quantization, a spl
 whole blocks)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -17,7 +18,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import cpu_ops, quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_tokenizer
+from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_metadata, gguf_tokenizer
+from nanoserve.models.gguf_tokenizer import build_tokenizer
 from nanoserve.models.gguf_reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
 from tests.gguf_models import teacher_forced, write_quantized_gguf
@@ -28,11 +30,13 @@ NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module", params=PRESETS + ["q4_k_m-untied"])
+@pytest.fixture(scope="module", params=PRESETS + ["q4_k_m-untied", "qwen2-q4_1"])
 def gguf_file(request, tmp_path_factory):
     if request.param == "q4_k_m-untied":  # as llama.cpp's Q4_K_M: a Q4_K embedding, a Q6_K head
         return write_quantized_gguf(tmp_path_factory.mktemp("untied"), "q4_k_m", seed=28, tie=False,
                                     embedding="q4_k", head="q6_k")
+    if request.param == "qwen2-q4_1":  # a "qwen2" file: Q/K/V biases, rows in HF's order, untied head
+        return write_quantized_gguf(tmp_path_factory.mktemp("qwen2"), "q4_1", seed=28, tie=False, arch="qwen2")
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=28)
 
 
@@ -73,6 +77,57 @@ def test_tokenizer_and_chat_template_from_metadata(q4_1_file):
     messages = [{"role": "user", "content": "Hello there"}]
     assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages)
     assert ours.eos_token_ids == hf.eos_token_ids
+
+
+def test_qwen2_file_config_tokenizer_and_biases(tmp_path):
+    """A "qwen2" GGUF file (llama.cpp's converter: Llama's tensors plus F32 Q/K/V biases, Q/K rows
+    left in Hugging Face's order, pre-tokenizer "qwen2"): the config of the checkpoint it came
+    from, the tokenizer transformers' Qwen2Tokenizer builds from the same vocabulary and merges
+    (digits one by one, NFC), and the biases and rows as the file has them."""
+    from transformers import Qwen2Tokenizer
+
+    path = write_quantized_gguf(tmp_path, "q4_1", seed=5, arch="qwen2")
+    hf, ours = ModelConfig.from_dir(path.parent / "hf"), ModelConfig.from_dir(path)
+    assert ours.architecture == hf.architecture == "Qwen2ForCausalLM"
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim",
+                 "attention_bias", "tie_word_embeddings", "rope_theta", "sliding_window"):
+        assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.attention_bias
+
+    tokenizer_json = json.loads((path.parent / "hf" / "tokenizer.json").read_text())
+    vocab = dict(tokenizer_json["model"]["vocab"])
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in tokenizer_json["model"]["merges"]]
+    specials = [added["content"] for added in tokenizer_json["added_tokens"]]
+    oracle = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=specials)
+    tokenizer = gguf_tokenizer(path)
+    texts = PROMPTS + ["In 2024, 1234567 + 89 = 1234656.", "Cafe\u0301 vs Café, naïve 😀",
+                       "<|im_start|>user\nhi<|im_end|>", "  spaces\n\n\tand 'll 're CAPS"]
+    for text in texts:
+        assert tokenizer.encode(text) == oracle.encode(text, add_special_tokens=False), text
+    # The comparison tells the pre-tokenizers apart: GPT-2's (the "default" one) splits otherwise.
+    metadata, _ = gguf_metadata(path)
+    gpt2, _ = build_tokenizer({**metadata, "tokenizer.ggml.pre": "default"}, 512)
+    assert any(gpt2.encode(text).ids != tokenizer.encode(text) for text in texts)
+
+    reader = gguf.GGUFReader(path)
+    values = {t.name: torch.from_numpy(np.array(t.data)) for t in reader.tensors}
+    attention = build(path, dtype="float32").llm_engine.runner.model.model.layers[1].self_attn
+    expected_bias = torch.cat([values[f"blk.1.attn_{x}.bias"] for x in "qkv"])
+    assert torch.equal(attention.qkv_proj.bias, expected_bias)
+    expected_rows = torch.cat([values[f"blk.1.attn_{x}.weight"] for x in "qkv"])  # no un-permuting
+    assert torch.equal(quant.dequantize_weight(attention.qkv_proj.quant_weight),
+                       quant.dequantize(expected_rows, "q4_1", 256))
+
+
+def test_unsupported_architecture_is_a_one_line_error(tmp_path):
+    path = write_quantized_gguf(tmp_path, "q4_1")
+    data = path.read_bytes()
+    name = b"general.architecture"
+    at = data.index(name) + len(name) + 4 + 8  # the key, its value type (uint32), the string's length
+    assert data[at:at + 5] == b"llama"
+    path.write_bytes(data[:at] + b"gemma" + data[at + 5:])  # same length: the file stays well-formed
+    with pytest.raises(ValueError, match=r"architecture 'gemma' is not supported \(supported: 'llama', 'qwen2'\)"):
+        build(path)
 
 
 def test_linear_layers_hold_the_files_blocks(q4_1_file):
@@ -212,47 +267,53 @@ def test_engine_equals_reference_gemm_bit_for_bit(tmp_path, preset, dtype, monke
 
 
 class _ReferenceQuantLinear(torch.nn.Module):
-    """A transformers Linear replaced by the file's blocks through quant.reference_gemm."""
+    """A transformers Linear replaced by the file's blocks through quant.reference_gemm (and the
+    Linear's bias, which a Qwen2 file's tensors overwrite)."""
 
-    def __init__(self, weight: quant.QuantWeight):
+    def __init__(self, weight: quant.QuantWeight, bias: torch.Tensor | None):
         super().__init__()
         self.quant_weight = weight
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = quant.reference_gemm(x.reshape(-1, x.shape[-1]).float(), self.quant_weight, None)
+        rows = quant.reference_gemm(x.reshape(-1, x.shape[-1]).float(), self.quant_weight, self.bias)
         return rows.reshape(*x.shape[:-1], self.quant_weight.n).to(x.dtype)
 
 
 def _transformers_on_the_file(gguf_file):
-    """transformers' Llama (float32) with the file's norms and embedding dequantized by the gguf
-    package and every linear layer (the tied head too) multiplying the file's blocks (Q/K rows
-    un-permuted) through quant.reference_gemm: the model and GEMM arithmetic nanoserve promises."""
-    from transformers import LlamaForCausalLM
+    """transformers' Llama or Qwen2 (float32) with the file's norms, biases and embedding
+    dequantized by the gguf package and every linear layer (the tied head too) multiplying the
+    file's blocks (a llama file's Q/K rows un-permuted) through quant.reference_gemm: the model and
+    GEMM arithmetic nanoserve promises."""
+    from transformers import AutoModelForCausalLM
 
     from nanoserve.models.gguf_reader import hf_tensor_name
 
-    model = LlamaForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
-    modules = dict(model.named_modules())
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    permuted = model.config.model_type == "llama"
     for tensor in gguf.GGUFReader(gguf_file).tensors:
         name = hf_tensor_name(tensor.name)
         shape = tuple(reversed([int(d) for d in tensor.shape]))
+        owner, _, attribute = name.rpartition(".")
         if tensor.tensor_type.name == "F32" or name == "model.embed_tokens.weight":
             values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            modules[name.removesuffix(".weight")].weight.data.copy_(torch.from_numpy(values.reshape(shape)))
+            getattr(model.get_submodule(owner), attribute).data.copy_(torch.from_numpy(values.reshape(shape)))
         if tensor.tensor_type.name == "F32":
             continue
         raw = torch.from_numpy(np.array(tensor.data))
         heads = {"q_proj": model.config.num_attention_heads,
                  "k_proj": model.config.num_key_value_heads}.get(name.split(".")[-2])
-        if heads is not None:
+        if heads is not None and permuted:
             raw = unpermute_rotary_rows(raw, heads)
         weight = quant.QuantWeight(quant.qtype_name(tensor.tensor_type), shape[0], shape[1], raw)
-        owner, _, attribute = name.removesuffix(".weight").rpartition(".")
+        owner, _, attribute = owner.rpartition(".")
         if name == "model.embed_tokens.weight":
             if not model.config.tie_word_embeddings:
                 continue
             owner, attribute = "", "lm_head"  # tied: the head multiplies the embedding's blocks
-        setattr(modules[owner], attribute, _ReferenceQuantLinear(weight))
+        parent = model.get_submodule(owner)
+        # The Linear's bias object carries over: a bias tensor later in the file still lands in it.
+        setattr(parent, attribute, _ReferenceQuantLinear(weight, getattr(getattr(parent, attribute), "bias", None)))
     return model
 
 
