@@ -16,7 +16,7 @@ _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"
 # Qwen2's: Llama 3's with each digit alone (\p{N} for \p{N}{1,3}); its Hugging Face tokenizer
 # also puts the text in NFC first.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen"}
+_QWEN2_PRE = {"qwen2"}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
