@@ -26,7 +26,7 @@ import gguf
 from safetensors.torch import save_file
 
 from nanoserve.envs import nanoserve_home
-from nanoserve.models.gguf_reader import (GGUFImportError, gguf_architecture, llama_config, llama_state_dict,
+from nanoserve.models.gguf_reader import (GGUFImportError, llama_config, llama_state_dict,
                                           read_metadata)
 from nanoserve.models.gguf_tokenizer import build_tokenizer
 
@@ -201,8 +201,7 @@ def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
     except Exception as error:  # the reader raises assorted types on a corrupt file
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {error}") from error
     metadata = read_metadata(reader)
-    gguf_architecture(metadata, gguf_path.name)
-    config = llama_config(metadata, {tensor.name for tensor in reader.tensors})
+    config = llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name)
     state_dict = llama_state_dict(reader, config)
     save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state_dict

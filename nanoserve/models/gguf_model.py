@@ -7,7 +7,7 @@ import functools
 from pathlib import Path
 
 from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
-from nanoserve.models.gguf_reader import GGUFImportError, gguf_architecture, llama_config, read_metadata
+from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
 
@@ -82,8 +82,7 @@ def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
 def gguf_hf_config(gguf_file: Path) -> dict:
     """The Hugging Face config.json a GGUF file of the Llama family (llama, qwen2) implies."""
     metadata, tensors = gguf_metadata(gguf_file)
-    gguf_architecture(metadata, Path(gguf_file).name)
-    return llama_config(metadata, set(tensors))
+    return llama_config(metadata, set(tensors), Path(gguf_file).name)
 
 
 def gguf_tokenizer(gguf_file: Path):

@@ -45,7 +45,7 @@ def _float32_value(value: float) -> float:
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
 
 
-def gguf_architecture(metadata: dict, file_name: str = "GGUF file") -> str:
+def gguf_architecture(metadata: dict, file_name: str) -> str:
     """The file's `general.architecture` (GGUFImportError, one line, for one we don't serve)."""
     architecture = metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
@@ -61,9 +61,10 @@ def rotary_rows_permuted(config) -> bool:
     return architecture == GGUF_ARCHITECTURES["llama"][0]
 
 
-def llama_config(metadata: dict, tensor_names: set[str]) -> dict:
-    """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES)."""
-    architecture = gguf_architecture(metadata)
+def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
+    """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES;
+    GGUFImportError, one line naming `file_name`, for another architecture)."""
+    architecture = gguf_architecture(metadata, file_name)
 
     def get(key: str, default=None):
         value = metadata.get(f"{architecture}.{key}", default)
@@ -155,6 +156,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
     state_dict = {}
+    permuted = rotary_rows_permuted(config)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first; torch wants them slowest-first.
@@ -166,9 +168,9 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
                 f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported") from error
         # np.array copies: unquantized tensors come back as read-only views of the memory map.
         weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
-        if name.endswith("q_proj.weight") and rotary_rows_permuted(config):
+        if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight") and rotary_rows_permuted(config):
+        elif name.endswith("k_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
         state_dict[name] = weight.to(torch.bfloat16).contiguous()
     missing = {"model.embed_tokens.weight", "model.norm.weight"} - state_dict.keys()

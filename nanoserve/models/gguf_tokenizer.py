@@ -17,6 +17,8 @@ _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"
 # also puts the text in NFC first.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _QWEN2_PRE = {"qwen2"}
+# Pre-tokenizers that split by a regex before the byte-level mapping: the regex of each.
+_SPLIT_PRE = {**{pre: _LLAMA3_SPLIT for pre in _LLAMA3_PRE}, **{pre: _QWEN2_SPLIT for pre in _QWEN2_PRE}}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -44,13 +46,9 @@ def _pre_tokenizer(pre: str):
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     if pre in _GPT2_PRE:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in _LLAMA3_PRE:
+    if pre in _SPLIT_PRE:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
-    if pre in _QWEN2_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
     raise GGUFImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
 
