@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels/kv_dtype.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 RUNNERS = ("auto", "generate", "pooling")
@@ -43,6 +44,10 @@ class EngineConfig:
     max_num_seqs: int = arg(256, "sequences per step")
     max_num_batched_tokens: int = arg(2048, "tokens per step")
     block_size: int = arg(16, "tokens per KV cache block")
+    # vLLM's --kv-cache-dtype: K/V stored in fp8 with a scale of 1.0 (kernels/kv_dtype.py).
+    kv_cache_dtype: str = arg(
+        "auto", "KV cache element type: auto (the activations' dtype), fp8 (= fp8_e4m3) or fp8_e5m2 "
+                "(half the bytes of bf16; values saturate at the format's largest)", choices=KV_CACHE_DTYPES)
     # None: sized automatically
     kv_cache_memory: float | None = arg(None, "KV cache size in GiB (CPU)")
     gpu_memory_utilization: float = arg(
@@ -132,6 +137,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

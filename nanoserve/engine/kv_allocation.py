@@ -22,13 +22,13 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 
 
 class KVCacheAllocation:
-    """ModelRunner's KV-cache half (a mixin: it reads the runner's config, model, device, dtype,
+    """ModelRunner's KV-cache half (a mixin: it reads the runner's config, model, device, kv_dtype,
     block_size, world_size, weight_bytes and memory_at_start, and sets the pools on its layers)."""
 
     def _kv_bytes_per_block(self) -> int:
         layers = self.stage_layers()  # with pipeline parallelism, only this stage's layers
         attention = layers[0].self_attn
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = self.kv_dtype.itemsize
         per_layer = 2 * self.block_size * attention.num_kv_heads * attention.head_dim * element
         return per_layer * len(layers)
 
@@ -91,9 +91,9 @@ class KVCacheAllocation:
         so the pool need not be zeroed. On CPU it lies on transparent huge pages where the kernel
         gives them (cpu_malloc.zeros_on_huge_pages)."""
         if self.device.type == "cpu":
-            physical = zeros_on_huge_pages((num_blocks, num_kv_heads, self.block_size, head_dim), self.dtype)
+            physical = zeros_on_huge_pages((num_blocks, num_kv_heads, self.block_size, head_dim), self.kv_dtype)
             return physical.permute(0, 2, 1, 3)
-        return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.dtype,
+        return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.kv_dtype,
                            device=self.device)
 
     @torch.inference_mode()
@@ -107,8 +107,8 @@ class KVCacheAllocation:
         for layer in self.stage_layers():
             attn = layer.self_attn.attn
             shape = (blocks_per_seq, self.block_size, attn.num_kv_heads, attn.head_dim)
-            attn.key_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.value_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.key_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            attn.value_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         block_table = torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(num_seqs, 1)

@@ -13,15 +13,15 @@ import time
 import torch
 
 from nanoserve.engine.swap import SwapPlan
+from nanoserve.kernels.kv_dtype import FP8_DTYPES
 
 
 def block_major_storage(cache: torch.Tensor) -> torch.Tensor:
-    """The contiguous tensor under a pool view, blocks along dim 0."""
-    if cache.is_contiguous():
-        return cache
-    storage = cache.permute(0, 2, 1, 3)  # undoes _new_cache's head-major permutation
+    """The contiguous tensor under a pool view, blocks along dim 0 (an fp8 pool as its bytes:
+    torch's indexed copies don't all take fp8)."""
+    storage = cache if cache.is_contiguous() else cache.permute(0, 2, 1, 3)  # undoes _new_cache's permutation
     assert storage.is_contiguous(), "a KV pool whose storage is not block-major"
-    return storage
+    return storage.view(torch.uint8) if storage.dtype in FP8_DTYPES else storage
 
 
 class KVSwapper:

@@ -21,6 +21,7 @@ from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
+from nanoserve.kernels.kv_dtype import cache_dtype
 from nanoserve.engine.model_input import (CMD_STOP, CMD_SWAP, HEADER_SIZE, ModelInput, broadcast_stop, pack_step,
                                           pack_swap, payload_size, prefill_row_tile, unpack_step, unpack_swap)
 from nanoserve.engine.pipeline_stage import PipelineStage
@@ -51,6 +52,7 @@ class ModelRunner(KVCacheAllocation):
             if self.world_size == 1:  # TP ranks are sized by init_rank
                 torch.set_num_threads(threads_per_rank(config.cpu_threads))
         self.dtype = model_config.resolve_dtype(config.dtype)
+        self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)  # the KV pool's elements
         # A pooling model (--runner pooling): forward returns the final hidden states of every
         # row, no logits (the engine pools them); it never decodes.
         self.pooling = config.resolve_runner(model_config.headless) == "pooling"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanoserve.kernels.kv_dtype import from_cache
 from nanoserve.kernels.triton_utils import (
     cdiv,
     check_float_dtype,
@@ -398,8 +399,8 @@ def paged_attention_reference(
     return out
 
 
-def _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k):
-    """K and V of each sequence as [num_seqs, num_kv_heads, max_k, head_dim], with the
+def _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k, dtype):
+    """K and V of each sequence as [num_seqs, num_kv_heads, max_k, head_dim] in `dtype`, with the
     positions past each sequence's length zeroed, and those positions' mask [num_seqs, max_k]."""
     block_size = key_cache.shape[1]
     if max_seqlen_k is None:
@@ -407,8 +408,8 @@ def _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k):
     num_blocks_needed = (max_seqlen_k + block_size - 1) // block_size
     table = block_table[:, :num_blocks_needed].long()
     max_k = num_blocks_needed * block_size
-    keys = _gather_cache(key_cache, table, max_k)
-    values = _gather_cache(value_cache, table, max_k)
+    keys = _gather_cache(key_cache, table, max_k, dtype)
+    values = _gather_cache(value_cache, table, max_k, dtype)
     invalid = torch.arange(max_k, device=keys.device)[None, :] >= seq_lens[:, None]
     # Unwritten slots may hold NaN, and softmax weight 0 times NaN is NaN: zero them. Only a
     # few positions are invalid (the tail of each last block), so write just those.
@@ -424,7 +425,7 @@ def _soft_cap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores
 
 
-def _gather_window(key_cache, value_cache, block_table, seq_lens, window):
+def _gather_window(key_cache, value_cache, block_table, seq_lens, window, dtype):
     """Like _gather_valid for decodes under a sliding window: only the blocks that hold a
     sequence's last `window` keys (its query sits at seq_len - 1), so a step reads O(window)
     keys, not the whole context; the mask also covers keys before the window."""
@@ -437,8 +438,8 @@ def _gather_window(key_cache, value_cache, block_table, seq_lens, window):
     columns = (first_block[:, None] + steps[None, :]).clamp(max=width - 1)
     table = block_table.long().gather(1, columns)
     max_k = num_blocks * block_size
-    keys = _gather_cache(key_cache, table, max_k)
-    values = _gather_cache(value_cache, table, max_k)
+    keys = _gather_cache(key_cache, table, max_k, dtype)
+    values = _gather_cache(value_cache, table, max_k, dtype)
     positions = first_block[:, None] * block_size + torch.arange(max_k, device=seq_lens.device)[None, :]
     invalid = (positions >= seq_lens[:, None]) | (positions < seq_lens[:, None] - window)
     invalid_rows = invalid.nonzero(as_tuple=True)  # zeroed: unwritten slots may hold NaN
@@ -453,9 +454,11 @@ def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scal
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if sliding_window:
-        keys, values, invalid = _gather_window(key_cache, value_cache, block_table, seq_lens, sliding_window)
+        keys, values, invalid = _gather_window(key_cache, value_cache, block_table, seq_lens, sliding_window,
+                                               query.dtype)
     else:
-        keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k)
+        keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k,
+                                              query.dtype)
     max_k = keys.shape[2]
     batch = num_seqs * num_kv_heads
     q = query.reshape(batch, group, head_dim)
@@ -473,7 +476,7 @@ def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     device = query.device
-    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, None)
+    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, None, query.dtype)
     max_k = keys.shape[2]
     token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
     token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q[token_seq]
@@ -506,8 +509,9 @@ def _attention_softcapped(q, keys, values, allowed, scale, softcap):
     return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
 
 
-def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int) -> torch.Tensor:
-    """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim]. index_select
+def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim] in `dtype` (an fp8
+    pool's values exactly: kernels/kv_dtype.py). index_select
     with a flat index is the gather: on CPU it is far faster than advanced indexing. A head-major
     pool ([blocks, heads, block_size, dim] underneath) comes out contiguous with no permute."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
@@ -516,7 +520,7 @@ def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int) -> torch
     if head_major.is_contiguous():
         rows = table[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[None, :, None]
         flat = head_major.reshape(num_blocks * num_kv_heads, block_size * head_dim)
-        gathered = flat.index_select(0, rows.flatten())
+        gathered = from_cache(flat.index_select(0, rows.flatten()), dtype)
         return gathered.view(num_seqs, num_kv_heads, max_k, head_dim)
-    gathered = cache.reshape(num_blocks, -1).index_select(0, table.flatten())
+    gathered = from_cache(cache.reshape(num_blocks, -1).index_select(0, table.flatten()), dtype)
     return gathered.view(num_seqs, max_k, num_kv_heads, head_dim).transpose(1, 2)

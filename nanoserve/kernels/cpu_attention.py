@@ -71,14 +71,15 @@ def _calls(context: int, q_len: int) -> list[tuple[int, int, int]]:
     return calls
 
 
-def _gather_keys(cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq_len: int) -> torch.Tensor:
-    """[B, kv_heads, key_length, dim]: the cached rows of B sequences of the same length (one
-    block table row each), zero past seq_len."""
+def _gather_keys(cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq_len: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[B, kv_heads, key_length, dim] in `dtype`: the cached rows of B sequences of the same length
+    (one block table row each; an fp8 pool's values exactly), zero past seq_len."""
     _, block_size, num_kv_heads, head_dim = cache.shape
     batch = tables.shape[0]
     num_blocks = -(-seq_len // block_size)
     physical = cache.permute(0, 2, 1, 3)  # [blocks, kv_heads, block_size, dim], contiguous
-    out = cache.new_zeros((batch, num_kv_heads, key_length, head_dim))
+    out = torch.zeros((batch, num_kv_heads, key_length, head_dim), dtype=dtype)
     rows = physical.index_select(0, tables[:, :num_blocks].reshape(-1).long())
     out[:, :, : num_blocks * block_size].view(batch, num_kv_heads, num_blocks, block_size, head_dim).copy_(
         rows.view(batch, num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2))
@@ -96,8 +97,8 @@ def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan
     context = span.seq_len - span.q_len
     calls = _calls(context, span.q_len)
     max_keys = max(keys for _, _, keys in calls)
-    keys = _gather_keys(key_cache, tables, max_keys, span.seq_len)
-    values = _gather_keys(value_cache, tables, max_keys, span.seq_len)
+    keys = _gather_keys(key_cache, tables, max_keys, span.seq_len, query.dtype)
+    values = _gather_keys(value_cache, tables, max_keys, span.seq_len, query.dtype)
     batch = len(spans)
     for first, rows, key_length in calls:
         padded = -(-rows // QUERY_TILE) * QUERY_TILE

@@ -26,13 +26,14 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
             for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp",
-                          "gemm_quant.cpp")]
-_HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h")]  # in the cache key
+                          "gemm_quant.cpp", "kv_fp8.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h", "fp8.h")]  # in the cache key
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
           "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # kernels/cpu/fp8.h; 0: the activations' dtype
 _ROWS_PER_ITEM = 16  # query rows that share one pass over a K/V block in prefill
 
 _library: ctypes.CDLL | None = None
@@ -58,8 +59,14 @@ _SIGNATURES = {
     "ns_prefill_attention": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
                                  ctypes.c_float],
     "ns_decode_layers": [_P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, ctypes.c_float, ctypes.c_float,
-                         _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32],
-    "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P],
+                         _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32, _I32],
+    "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P, _I32],
+    "ns_paged_attention_fp8": [_I32, _I32, _P, _P, _I64, _I64, _P, _P, _I32, _I32, _I32, _P, _I64, _P, _P, _I32,
+                               _I32, ctypes.c_float, _I32, _I32],
+    "ns_prefill_attention_fp8": [_I32, _P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
+                                 ctypes.c_float],
+    "ns_fp8_from_float": [_I32, _P, _P, _I64],
+    "ns_fp8_widen": [_I32, _I32, _P, _P, _I64],
 }
 
 
@@ -251,6 +258,21 @@ def _dtype_code(*tensors: torch.Tensor) -> int | None:
     return _DTYPES.get(dtype)
 
 
+def _kv_format(code: int | None, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> int | None:
+    """The pools' format for the kernels (0: the query's dtype, else fp8.h's code), None when the
+    kernels can't take this query and these pools. `code`: the query's _dtype_code."""
+    if code is None or key_cache.dtype != value_cache.dtype or not (key_cache.is_cpu and value_cache.is_cpu):
+        return None
+    if key_cache.dtype == query.dtype:
+        return 0
+    return _KV_FORMATS.get(key_cache.dtype)
+
+
+def kv_format_code(dtype: torch.dtype) -> int | None:
+    """decode_layers' kv_format for pools of `dtype` (0: bf16), None for another dtype."""
+    return 0 if dtype == torch.bfloat16 else _KV_FORMATS.get(dtype)
+
+
 def _head_major(cache: torch.Tensor) -> bool:
     """[blocks, block_size, kv_heads, dim] seen over contiguous [blocks, kv_heads, block_size, dim]
     (strides checked directly: a permute per call per layer costs more than the check)."""
@@ -266,8 +288,9 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     [blocks, block_size, kv_heads, dim]). None when this layout or dtype isn't supported.
     Prompt rows go through it too in tests; the engine sends it decode rows only (see
     cpu_attention.py for why)."""
-    code = _dtype_code(query, key_cache, value_cache)
-    if code is None or query.stride(2) != 1:
+    code = _dtype_code(query)
+    kv_format = _kv_format(code, query, key_cache, value_cache)
+    if kv_format is None or query.stride(2) != 1:
         return None
     if not (_head_major(key_cache) and _head_major(value_cache)):
         return None
@@ -284,6 +307,14 @@ def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, se
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
+    if kv_format:  # fp8 pools: the same kernels, each chunk of sequences on widened copies (kv_fp8.cpp)
+        if _library.ns_paged_attention_fp8(
+                code, kv_format, out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
+                key_cache.data_ptr(), value_cache.data_ptr(), num_kv_heads, block_size, head_dim,
+                block_table.data_ptr(), block_table.stride(0), cu_seqlens_q.data_ptr(), seq_lens.data_ptr(),
+                num_seqs, num_heads, float(scale), _ROWS_PER_ITEM, int(num_tokens == num_seqs and _amx_attention())):
+            return None
+        return out
     # Decodes only (one row per sequence: query row i is sequence i's): the AMX decode kernel
     # (kernels/cpu/attention_amx.cpp) where it takes them.
     if (num_tokens == num_seqs and code == _DTYPES[torch.bfloat16] and block_size == 16 and _amx_attention()
@@ -346,8 +377,9 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
     """Rotary on the q and k heads of the fused QKV rows [tokens, (heads + 2 * kv_heads) * dim],
     in place, then k and v written to the head-major pool at slot_mapping (-1: skipped). As
     apply_rotary_reference followed by store_kvcache_reference. False when unsupported."""
-    code = _dtype_code(qkv, key_cache, value_cache)
-    if code is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim % 2:
+    code = _dtype_code(qkv)
+    kv_format = _kv_format(code, qkv, key_cache, value_cache)
+    if kv_format is None or qkv.dim() != 2 or qkv.stride(1) != 1 or head_dim % 2:
         return False
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         return False
@@ -362,7 +394,7 @@ def rotary_store(qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cach
         _library.ns_rotary_store(code, qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads,
                                  head_dim, positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
                                  key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
-                                 slot_mapping.data_ptr())
+                                 slot_mapping.data_ptr(), kv_format)
     return True
 
 
@@ -373,7 +405,9 @@ def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, 
     Spans as cpu_attention.PrefillSpan (their K/V already in the pool), into the rows of `out` (a
     contiguous tensor shaped as query) that the spans cover. Each row's bits depend on that row
     alone, however its prompt is split. False when not taken (then use the SDPA path)."""
-    if not spans or _dtype_code(query, key_cache, value_cache) != _DTYPES[torch.bfloat16]:
+    code = _dtype_code(query)
+    kv_format = _kv_format(code, query, key_cache, value_cache)
+    if not spans or code != _DTYPES[torch.bfloat16] or kv_format is None:
         return False
     if query.stride(2) != 1 or not out.is_contiguous() or key_cache.shape[1] != 16:
         return False
@@ -383,6 +417,11 @@ def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, 
         return False
     table = torch.tensor([(s.seq_index, s.row_start, s.q_len, s.seq_len) for s in spans], dtype=torch.int32)
     _, num_heads, head_dim = query.shape
+    if kv_format:  # fp8 pools: chunks of spans on widened copies (kv_fp8.cpp)
+        return _library.ns_prefill_attention_fp8(
+            kv_format, out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
+            value_cache.data_ptr(), key_cache.shape[2], head_dim, block_table.data_ptr(), block_table.stride(0),
+            table.data_ptr(), len(spans), num_heads, float(scale)) == 0
     return _library.ns_prefill_attention(
         out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(),
         value_cache.data_ptr(), key_cache.shape[2], head_dim, block_table.data_ptr(), block_table.stride(0),
@@ -390,7 +429,7 @@ def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, 
 
 
 def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads, head_dim, eps,
-                  scale, positions, cos_sin_cache, metadata) -> int:
+                  scale, positions, cos_sin_cache, metadata, kv_format: int = 0) -> int:
     """kernels/cpu/decode_layers.cpp over every layer (layers/cpu_decode.py builds the tables):
     the index of the residual among the buffers, 0 when it could not run."""
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
@@ -401,7 +440,7 @@ def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
         num_kv_heads, head_dim, float(eps), float(scale), positions.data_ptr(), cos_sin_cache.data_ptr(),
         cos_sin_cache.stride(0), metadata.slot_mapping.data_ptr(), 16, block_table.data_ptr(),
         block_table.stride(0), metadata.cu_seqlens_q.data_ptr(), metadata.seq_lens.data_ptr(),
-        int(_amx_attention()))
+        int(_amx_attention()), kv_format)
 
 
 def _amx_attention() -> bool:

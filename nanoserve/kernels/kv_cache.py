@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.kernels.kv_dtype import is_fp8, to_cache
 from nanoserve.kernels.triton_utils import (
     cdiv,
     check_float_dtype,
@@ -95,7 +96,8 @@ def store_kvcache_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int.
+    """key/value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int. An fp8
+    cache stores kv_dtype.to_cache's values (saturated, rounded to nearest even).
     The caches may be any strided view of [num_blocks, block_size, num_kv_heads, head_dim]
     (the engine's CPU pool is head-major underneath; see model_runner)."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -103,9 +105,13 @@ def store_kvcache_reference(
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
+    key, value = to_cache(key, key_cache.dtype), to_cache(value, value_cache.dtype)
+    if is_fp8(key_cache.dtype):  # torch's indexed writes don't take fp8: write its bytes
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     if key_cache.is_contiguous() and value_cache.is_contiguous():
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(key_cache.dtype))
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(value_cache.dtype))
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
         return
     blocks, offsets = slots // block_size, slots % block_size
     head_major_k, head_major_v = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
@@ -113,8 +119,8 @@ def store_kvcache_reference(
         # [blocks, heads, block_size, dim] underneath: row (block * heads + head) * block_size + offset.
         heads = torch.arange(num_kv_heads, device=slots.device)
         rows = ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).flatten()
-        head_major_k.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim).to(key_cache.dtype))
-        head_major_v.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim).to(value_cache.dtype))
+        head_major_k.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim))
+        head_major_v.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim))
         return
-    key_cache.index_put_((blocks, offsets), key.to(key_cache.dtype))
-    value_cache.index_put_((blocks, offsets), value.to(value_cache.dtype))
+    key_cache.index_put_((blocks, offsets), key)
+    value_cache.index_put_((blocks, offsets), value)

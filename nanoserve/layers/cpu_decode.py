@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available, quant
+from nanoserve.kernels import cpu_ops, fused_decode_layers, fused_decode_layers_available, quant
 
 
 _MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
@@ -48,8 +48,9 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
 
 
 class FusedDecode:
-    def __init__(self, model: nn.Module, layer_table: torch.Tensor, config) -> None:
+    def __init__(self, model: nn.Module, layer_table: torch.Tensor, config, kv_format: int) -> None:
         self.model = model
+        self.kv_format = kv_format  # the pools' elements (cpu_ops.kv_format_code): bf16 or an fp8 format
         self.layer_table = layer_table  # [layers, 4 + 4 * _LINEAR_ENTRIES] (addresses kept alive by the model)
         self.hidden = config.hidden_size
         attn = model.model.layers[0].self_attn
@@ -74,17 +75,22 @@ class FusedDecode:
         if config.hidden_act != "silu" or config.hidden_size % 16:
             return None
         rows = []
+        cache = model.model.layers[0].self_attn.attn.key_cache
+        kv_format = cpu_ops.kv_format_code(cache.dtype) if cache is not None else None
+        if kv_format is None:
+            return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_linear_entry(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(entry is None for entry in linears):
                 return None
-            if attn.attn.key_cache is None or attn.attn.key_cache.shape[1] != 16:
+            pool = attn.attn.key_cache
+            if pool is None or pool.shape[1] != 16 or pool.dtype != cache.dtype:
                 return None
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                          attn.attn.key_cache.data_ptr(), attn.attn.value_cache.data_ptr(),
                          *(value for entry in linears for value in entry)])
-        return cls(model, torch.tensor(rows, dtype=torch.int64), config)
+        return cls(model, torch.tensor(rows, dtype=torch.int64), config, kv_format)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:
         """The final-normed hidden states of a step of decodes only, or None (then use the model)."""
@@ -106,7 +112,7 @@ class FusedDecode:
         cos_sin = self.model.cos_sin_cache
         which = fused_decode_layers(
             self.layer_table, addresses, rows, self.hidden, self.qkv_n, self.inter, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata)
+            self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata, self.kv_format)
         if which == 0:
             return None
         hidden, _ = model.norm(x, buffers[which])

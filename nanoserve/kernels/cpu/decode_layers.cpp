@@ -19,7 +19,12 @@ int ns_gemm_bf16(void* out, int64_t ldo, const void* x, int64_t ldx, const void*
                      int64_t M, int64_t N, int64_t K);
 int ns_rotary_store(int dtype, void* qkv, int64_t row_stride, int64_t num_tokens, int num_heads, int num_kv_heads,
                     int head_dim, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
-                    void* key_cache, void* value_cache, int block_size, const int64_t* slots);
+                    void* key_cache, void* value_cache, int block_size, const int64_t* slots, int kv_format);
+int ns_paged_attention_fp8(int dtype, int kv_format, void* out, const void* query, int64_t q_stride_token,
+                           int64_t q_stride_head, const void* key_cache, const void* value_cache, int num_kv_heads,
+                           int block_size, int head_dim, const int32_t* block_table, int64_t block_table_stride,
+                           const int32_t* cu_seqlens_q, const int32_t* seq_lens, int num_seqs, int num_heads,
+                           float scale, int rows_per_item, int amx_decode);
 int ns_decode_attention_amx(void* out, const void* query, int64_t q_stride_token, int64_t q_stride_head,
                             const void* key_cache, const void* value_cache, int num_kv_heads, int head_dim,
                             const int32_t* block_table, int64_t block_table_stride, const int32_t* cu_seqlens_q,
@@ -67,13 +72,14 @@ extern "C" {
 // buffers: 9 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
 // layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
 // [heads * head_dim], gate_up [2 * inter], act [inter].
+// kv_format: the pools' elements, 0 bf16, else an fp8 format (fp8.h).
 // Returns the index (1 or 2) of the buffer holding the residual after the last layer; 0 when a
 // GEMM refused its shapes (nothing usable then; the caller runs the modules' path).
 int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffers, int64_t rows, int64_t hidden,
                      int64_t qkv_n, int64_t inter, int num_heads, int num_kv_heads, int head_dim, float eps,
                      float scale, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
                      const int64_t* slots, int block_size, const int32_t* block_table, int64_t block_table_stride,
-                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int amx_attention) {
+                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int amx_attention, int kv_format) {
     constexpr int kBf16 = 1;
     auto at = [](int64_t address) { return reinterpret_cast<void*>(address); };
     void* x = at(buffers[0]);
@@ -100,13 +106,19 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
         void* key_cache = at(w[2]);
         void* value_cache = at(w[3]);
         ns_rotary_store(kBf16, qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos_sin, cos_sin_stride,
-                        key_cache, value_cache, block_size, slots);
-        if (!amx_attention || ns_decode_attention_amx(attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads,
-                                                      head_dim, block_table, block_table_stride, cu_seqlens_q,
-                                                      seq_lens, seqs, num_heads, scale))
+                        key_cache, value_cache, block_size, slots, kv_format);
+        if (kv_format != 0) {  // an fp8 pool (kernels/cpu/kv_fp8.cpp): the same kernels on widened copies
+            if (ns_paged_attention_fp8(kBf16, kv_format, attn, qkv, qkv_n, head_dim, key_cache, value_cache,
+                                       num_kv_heads, block_size, head_dim, block_table, block_table_stride,
+                                       cu_seqlens_q, seq_lens, seqs, num_heads, scale, 16, amx_attention))
+                return 0;
+        } else if (!amx_attention || ns_decode_attention_amx(attn, qkv, qkv_n, head_dim, key_cache, value_cache,
+                                                             num_kv_heads, head_dim, block_table, block_table_stride,
+                                                             cu_seqlens_q, seq_lens, seqs, num_heads, scale)) {
             ns_paged_attention(kBf16, attn, qkv, qkv_n, head_dim, key_cache, value_cache, num_kv_heads, block_size,
                                head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
                                scale, 16);
+        }
         if (!linear(linears + kLinearEntries, o, hidden, attn, q_size, rows, q_size)) return 0;
         // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
         const void* previous = current < 0 ? x : residual[current];

@@ -24,6 +24,7 @@
 // taken at that ISA level and above (isa.h); an AVX2 + FMA decode kernel below them; the plain
 // loops serve the rest (compiled for this machine, vectorized by the compiler) and float32.
 #include "bf16.h"
+#include "fp8.h"
 #include "isa.h"
 #include "simd.h"  // NS_AVX512_BF16, exp2x16, to_bf16x16, load_bf16x16, round_bf16x16
 
@@ -968,12 +969,13 @@ void argmax_rows(int64_t* out, const typename S::T* x, int64_t rows, int64_t col
 
 // Rotary (rotate-half) on the query and key heads of each row of the fused QKV output, in
 // place, then the rotated keys and the values written to the head-major pool at their slots
-// (slot < 0: padding, skipped). Math as the reference: fp32, products rounded separately.
+// (slot < 0: padding, skipped). Math as the reference: fp32, products rounded separately. An fp8
+// pool (kv_format, fp8.h) takes each value saturated and rounded to nearest even.
 template <typename S>
 void rotary_store(typename S::T* qkv, int64_t row_stride, int64_t num_tokens, int num_heads,
                   int num_kv_heads, int head_dim, const int64_t* positions, const float* cos_sin,
-                  int64_t cos_sin_stride, typename S::T* key_cache, typename S::T* value_cache,
-                  int block_size, const int64_t* slots) {
+                  int64_t cos_sin_stride, void* key_cache, void* value_cache,
+                  int block_size, const int64_t* slots, int kv_format) {
     using T = typename S::T;
     const int half = head_dim / 2;
 #pragma omp parallel for schedule(static) if (num_tokens >= 32)
@@ -997,8 +999,24 @@ void rotary_store(typename S::T* qkv, int64_t row_stride, int64_t num_tokens, in
             const int64_t dst = ((block * num_kv_heads + kv) * block_size + offset) * head_dim;
             const T* k = row + static_cast<int64_t>(num_heads + kv) * head_dim;
             const T* v = row + static_cast<int64_t>(num_heads + num_kv_heads + kv) * head_dim;
-            std::memcpy(key_cache + dst, k, sizeof(T) * head_dim);
-            std::memcpy(value_cache + dst, v, sizeof(T) * head_dim);
+            if (kv_format == ns_fp8::kNone) {
+                std::memcpy(static_cast<T*>(key_cache) + dst, k, sizeof(T) * head_dim);
+                std::memcpy(static_cast<T*>(value_cache) + dst, v, sizeof(T) * head_dim);
+                continue;
+            }
+            uint8_t* kc = static_cast<uint8_t*>(key_cache) + dst;
+            uint8_t* vc = static_cast<uint8_t*>(value_cache) + dst;
+            if (kv_format == ns_fp8::kE4M3) {
+                for (int d = 0; d < head_dim; ++d) {
+                    kc[d] = ns_fp8::from_float<ns_fp8::kE4M3>(S::load(k, d));
+                    vc[d] = ns_fp8::from_float<ns_fp8::kE4M3>(S::load(v, d));
+                }
+            } else {
+                for (int d = 0; d < head_dim; ++d) {
+                    kc[d] = ns_fp8::from_float<ns_fp8::kE5M2>(S::load(k, d));
+                    vc[d] = ns_fp8::from_float<ns_fp8::kE5M2>(S::load(v, d));
+                }
+            }
         }
     }
 }
@@ -1074,15 +1092,15 @@ int ns_argmax_rows(int dtype, int64_t* out, const void* x, int64_t rows, int64_t
 int ns_rotary_store(int dtype, void* qkv, int64_t row_stride, int64_t num_tokens, int num_heads,
                     int num_kv_heads, int head_dim, const int64_t* positions, const float* cos_sin,
                     int64_t cos_sin_stride, void* key_cache, void* value_cache, int block_size,
-                    const int64_t* slots) {
+                    const int64_t* slots, int kv_format) {
+    if (kv_format != ns_fp8::kNone && kv_format != ns_fp8::kE4M3 && kv_format != ns_fp8::kE5M2)
+        return 1;
     if (dtype == 0)
         rotary_store<F32>(static_cast<float*>(qkv), row_stride, num_tokens, num_heads, num_kv_heads, head_dim,
-                          positions, cos_sin, cos_sin_stride, static_cast<float*>(key_cache),
-                          static_cast<float*>(value_cache), block_size, slots);
+                          positions, cos_sin, cos_sin_stride, key_cache, value_cache, block_size, slots, kv_format);
     else if (dtype == 1)
         rotary_store<BF16>(static_cast<uint16_t*>(qkv), row_stride, num_tokens, num_heads, num_kv_heads, head_dim,
-                           positions, cos_sin, cos_sin_stride, static_cast<uint16_t*>(key_cache),
-                           static_cast<uint16_t*>(value_cache), block_size, slots);
+                           positions, cos_sin, cos_sin_stride, key_cache, value_cache, block_size, slots, kv_format);
     else
         return 1;
     return 0;
