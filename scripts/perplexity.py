@@ -6,6 +6,7 @@ is added by either engine: both read exactly the ids written by `tokenize`.
 
     .venv/bin/python scripts/perplexity.py tokenize MODEL_DIR TEXT IDS.json
     .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json [DTYPE] [--nll OUT.json]
+                                        [--kv-cache-dtype fp8]
                                         # MODEL a directory or a .gguf; DTYPE: activations (bfloat16)
     ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json [--nll OUT.json]
     python3 scripts/perplexity.py compare OURS.json PEER.json
@@ -44,11 +45,13 @@ def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
     print(f"{len(ids)} tokens, {len(windows(ids))} windows of {CTX}", file=sys.stderr)
 
 
-def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16") -> list[list[float]]:
-    """Each window's scored tokens' negative log-likelihoods."""
+def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16",
+                    kv_cache_dtype: str = "auto") -> list[list[float]]:
+    """Each window's scored tokens' negative log-likelihoods (the prompt's attention reads the KV
+    cache, so an fp8 cache's rounding is in them)."""
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16)
+    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     nll = []
     for window in windows(ids):
@@ -94,10 +97,13 @@ def compare(ours_path: str, peer_path: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    nll_path = None
+    nll_path, kv_cache_dtype = None, "auto"
     if "--nll" in argv[:-1]:
         at = argv.index("--nll")
         nll_path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    if "--kv-cache-dtype" in argv[:-1]:
+        at = argv.index("--kv-cache-dtype")
+        kv_cache_dtype, argv = argv[at + 1], argv[:at] + argv[at + 2:]
     if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "llamacpp": (3,),
                                      "compare": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
@@ -111,7 +117,9 @@ def main(argv: list[str]) -> None:
         ids = json.load(f)
     if argv[0] == "nanoserve":
         dtype = argv[3] if len(argv) == 4 else "bfloat16"
-        nll = score_nanoserve(argv[1], ids, dtype)
+        nll = score_nanoserve(argv[1], ids, dtype, kv_cache_dtype)
+        if kv_cache_dtype != "auto":
+            dtype += f" kv {kv_cache_dtype}"
     else:
         dtype = "float32"  # llama.cpp computes activations in fp32
         nll = score_llamacpp(argv[1], ids)

@@ -50,7 +50,8 @@ struct Tables {
                 f32[f][b] = ns_fp8::to_float(static_cast<uint8_t>(b), f + 1);
                 uint32_t u;
                 std::memcpy(&u, &f32[f][b], sizeof(u));
-                bf16[f][b] = f32[f][b] != f32[f][b] ? static_cast<uint16_t>((u >> 16) | 0x40) : static_cast<uint16_t>(u >> 16);
+                const bool nan = f32[f][b] != f32[f][b];
+                bf16[f][b] = static_cast<uint16_t>(nan ? (u >> 16) | 0x40 : u >> 16);
             }
     }
 };
