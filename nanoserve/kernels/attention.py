@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from nanoserve.kernels.kv_dtype import from_cache
 from nanoserve.kernels.triton_utils import (
     cdiv,
+    check_cache_dtype,
     check_float_dtype,
     check_kv_cache_pair,
     check_triton_device,
+    fp8_format,
     lazy_jit,
     multiprocessor_count,
     next_power_of_2,
@@ -53,12 +55,14 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program: up to BLOCK_Q query tokens of one sequence times the GROUP query heads of
     one KV head (BLOCK_M rows), over the keys of one split (all keys when not SPLIT).
     HAS_WINDOW: a query at position p sees keys p - window + 1..p only, and tiles wholly
     before the block's first query's window are skipped. HAS_SOFTCAP: scores are
-    softcap * tanh(scores / softcap) (Gemma 2)."""
+    softcap * tanh(scores / softcap) (Gemma 2). KV_FP8: an fp8 cache, whose tiles are read into the
+    query's dtype (exact) and then go through the same arithmetic as a cache in that dtype."""
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -131,6 +135,10 @@ def _paged_attention_kernel(
         # Masked loads, not only masked scores: unwritten slots may hold NaN.
         k = tl.load(key_cache_ptr + key_offset[None, :] + dims[:, None] * cache_stride_dim,
                     mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        if KV_FP8:
+            # Through fp32: the interpreter's direct fp8e5 -> fp16 conversion gets subnormals wrong
+            # (on a GPU both ways are exact).
+            k = k.to(tl.float32).to(q.dtype)
         if HAS_SOFTCAP:
             # tanh(x) = 1 - 2 / (exp(2x) + 1): core ops only (no libdevice in the interpreter).
             capped = tl.dot(q, k, input_precision=DOT_PRECISION) * (scale / softcap)
@@ -150,6 +158,8 @@ def _paged_attention_kernel(
         row_sum = row_sum * correction + tl.sum(p, axis=1)
         v = tl.load(value_cache_ptr + key_offset[:, None] + dims[None, :] * cache_stride_dim,
                     mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(tl.float32).to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
@@ -209,9 +219,11 @@ def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqle
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     check_float_dtype("query", query)
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, "
-                         f"{key_cache.dtype} and {value_cache.dtype}")
+    check_cache_dtype("key_cache", key_cache)
+    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != query.dtype
+                                                and fp8_format(key_cache.dtype) is None):
+        raise ValueError(f"query, key_cache and value_cache must share a dtype (or the caches an fp8 one), "
+                         f"got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}")
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
         raise ValueError(f"seq_lens must be 1-D int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
@@ -273,7 +285,8 @@ def paged_attention_triton(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`paged_attention_reference`. ``max_seqlen_q == 1`` selects the
-    decode configuration (split-KV); any query lengths are computed correctly either way.
+    decode configuration (split-KV); any query lengths are computed correctly either way. An fp8
+    cache gives, bit for bit, the output on ``cache.to(query.dtype)`` (kernels/kv_dtype.py).
     Rows of ``query`` past ``cu_seqlens_q[-1]`` are left unwritten in the output.
     ``num_splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the
     heuristics (tests, benchmarks)."""
@@ -332,6 +345,7 @@ def paged_attention_triton(
         BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=tile_n, SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        KV_FP8=key_cache.dtype != query.dtype,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

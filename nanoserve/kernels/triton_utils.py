@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 
 from nanoserve import envs
+from nanoserve.kernels.kv_dtype import FP8_MAX
 
 _lock = threading.Lock()
 
@@ -96,6 +97,24 @@ def check_kv_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> N
 def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+
+
+# An fp8 cache's format as the kernels need it (kernels/kv_dtype.py): mantissa bits, exponent bias.
+_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
+
+
+def fp8_format(dtype: torch.dtype) -> tuple[float, int, int] | None:
+    """(largest finite value, mantissa bits, exponent bias) of an fp8 cache dtype; None for others."""
+    if dtype not in _FP8_FORMATS:
+        return None
+    return (FP8_MAX[dtype], *_FP8_FORMATS[dtype])
+
+
+def check_cache_dtype(name: str, tensor: torch.Tensor) -> None:
+    """A KV cache may also be fp8 (kernels/kv_dtype.py); what is written to it or read from it may not."""
+    if fp8_format(tensor.dtype) is None and tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name} must be float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, "
+                         f"got {tensor.dtype}")
 
 
 def check_int_dtype(name: str, tensor: torch.Tensor) -> None:
