@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <omp.h>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -36,9 +38,10 @@ int ns_prefill_attention(void* out, const void* query, int64_t q_stride_token, i
 
 namespace {
 
-// The widened K and V of a chunk: 1.5 MiB together (measured against 0.75 and 3 MiB on a Zen 4
-// EPYC with 1 MiB of L2 a core: benchmarks/ab_kernels.py attention).
+// The widened K and V of a chunk that all threads share (1.5 MiB), and of one a thread takes alone
+// (512 KiB, within a core's L2).
 constexpr int64_t kChunkBytes = int64_t(3) << 19;
+constexpr int64_t kThreadChunkBytes = int64_t(1) << 19;
 
 // Every byte's value as bf16 bits and as fp32, per format (index format - 1).
 struct Tables {
@@ -63,12 +66,16 @@ const Tables& tables() {
 
 // 32 bytes a step: the magnitude's bf16 from the 128-entry table in four registers (two 64-entry
 // two-register permutes, picked by bit 6), the sign bit moved up.
-NS_FP8_AVX512 void widen_bf16_avx512(const uint8_t* src, uint16_t* dst, int64_t n, const uint16_t* table) {
+// `next` (or null): the next block to widen, prefetched a line every two steps (its lines come in
+// while this block converts; the pool's blocks lie anywhere, beyond the hardware prefetcher's reach).
+NS_FP8_AVX512 void widen_bf16_avx512(const uint8_t* src, uint16_t* dst, int64_t n, const uint16_t* table,
+                                     const uint8_t* next) {
     const __m512i t0 = _mm512_load_si512(table), t1 = _mm512_load_si512(table + 32);
     const __m512i t2 = _mm512_load_si512(table + 64), t3 = _mm512_load_si512(table + 96);
     const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(0x80);
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        if (next != nullptr && (i & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
         const __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
         const __m512i low = _mm512_permutex2var_epi16(t0, idx, t1);
         const __m512i high = _mm512_permutex2var_epi16(t2, idx, t3);
@@ -79,11 +86,11 @@ NS_FP8_AVX512 void widen_bf16_avx512(const uint8_t* src, uint16_t* dst, int64_t 
     for (; i < n; ++i) dst[i] = table[src[i]];
 }
 
-void widen(const uint8_t* src, void* dst, int64_t n, int dtype, int format) {
+void widen(const uint8_t* src, void* dst, int64_t n, int dtype, int format, const uint8_t* next = nullptr) {
     const Tables& t = tables();
     if (dtype == 1) {
         if (ns_isa::current() >= ns_isa::kAvx512Bf16) {
-            widen_bf16_avx512(src, static_cast<uint16_t*>(dst), n, t.bf16[format - 1]);
+            widen_bf16_avx512(src, static_cast<uint16_t*>(dst), n, t.bf16[format - 1], next);
         } else {
             auto* d = static_cast<uint16_t*>(dst);
             for (int64_t i = 0; i < n; ++i) d[i] = t.bf16[format - 1][src[i]];
@@ -133,9 +140,10 @@ struct Chunk {
 #pragma omp parallel for schedule(static) if (n * block_elements >= (int64_t(1) << 15))
         for (int64_t j = 0; j < 2 * n; ++j) {
             const int64_t block = j >> 1;
-            const uint8_t* src = (j & 1 ? value_cache : key_cache) + sources[block] * block_elements;
+            const uint8_t* cache = j & 1 ? value_cache : key_cache;
+            const uint8_t* next = block + 1 < n ? cache + sources[block + 1] * block_elements : nullptr;
             void* dst = static_cast<uint8_t*>(j & 1 ? values : keys) + block * block_elements * element;
-            widen(src, dst, block_elements, dtype, format);
+            widen(cache + sources[block] * block_elements, dst, block_elements, dtype, format, next);
         }
     }
 };
@@ -174,47 +182,65 @@ int ns_paged_attention_fp8(int dtype, int kv_format, void* out, const void* quer
     if ((dtype != 0 && dtype != 1) || (kv_format != ns_fp8::kE4M3 && kv_format != ns_fp8::kE5M2)) return 1;
     const int64_t element = dtype == 1 ? 2 : 4;
     const int64_t block_elements = static_cast<int64_t>(num_kv_heads) * block_size * head_dim;
+    const int64_t block_bytes = 2 * block_elements * element;  // K and V widened
     // A call with prompt rows stays whole: which kernel takes a bf16 decode row depends on whether
     // the call holds decodes only (ops.cpp's paged_attention), and chunks must not change that.
     bool decodes_only = true;
     for (int s = 0; s < num_seqs; ++s) decodes_only = decodes_only && cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1;
-    const int64_t budget = decodes_only ? std::max<int64_t>(1, kChunkBytes / (2 * block_elements * element))
-                                        : INT64_MAX;
-    Chunk& chunk = scratch();
-    std::vector<int> rows, blocks;
-    std::vector<int32_t> cu;
-    for (int first = 0; first < num_seqs;) {
-        rows.clear();
-        blocks.clear();
-        int64_t total = 0;
-        int last = first;
-        for (; last < num_seqs; ++last) {
-            const int b = blocks_of(seq_lens[last], block_size);
-            if (last > first && total + b > budget) break;
-            total += b;
-            rows.push_back(last);
-            blocks.push_back(b);
+    auto split = [&](int64_t budget) {  // [first, last) runs of sequences, each within budget blocks
+        std::vector<std::pair<int, int>> chunks;
+        for (int first = 0, last = 0; first < num_seqs; first = last) {
+            int64_t total = 0;
+            for (last = first; last < num_seqs; ++last) {
+                const int b = blocks_of(seq_lens[last], block_size);
+                if (last > first && total + b > budget) break;
+                total += b;
+            }
+            chunks.emplace_back(first, last);
+        }
+        return chunks;
+    };
+    // One chunk: widened into this thread's scratch pool, then the level's kernel on it.
+    auto run = [&](int first, int last) -> int {
+        Chunk& chunk = scratch();
+        std::vector<int> rows, blocks;
+        for (int s = first; s < last; ++s) {
+            rows.push_back(s);
+            blocks.push_back(blocks_of(seq_lens[s], block_size));
         }
         chunk.fill(static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache), block_table,
                    block_table_stride, rows, blocks, block_elements, dtype, kv_format);
         // The chunk's query rows from 0: its first row's offset moves the pointers.
         const int32_t row0 = cu_seqlens_q[first];
-        cu.assign(cu_seqlens_q + first, cu_seqlens_q + last + 1);
+        std::vector<int32_t> cu(cu_seqlens_q + first, cu_seqlens_q + last + 1);
         for (int32_t& c : cu) c -= row0;
         const void* q = static_cast<const uint8_t*>(query) + row0 * q_stride_token * element;
         void* o = static_cast<uint8_t*>(out) + static_cast<int64_t>(row0) * num_heads * head_dim * element;
         const int n = last - first;
-        if (!(amx_decode && decodes_only && dtype == 1 && block_size == 16 &&
-              ns_decode_attention_amx(o, q, q_stride_token, q_stride_head, chunk.keys, chunk.values, num_kv_heads,
-                                      head_dim, chunk.table.data(), chunk.table_stride, cu.data(), seq_lens + first, n,
-                                      num_heads, scale) == 0)) {
-            const int code = ns_paged_attention(dtype, o, q, q_stride_token, q_stride_head, chunk.keys, chunk.values,
-                                                num_kv_heads, block_size, head_dim, chunk.table.data(),
-                                                chunk.table_stride, cu.data(), seq_lens + first, n, num_heads, scale,
-                                                rows_per_item);
-            if (code != 0) return code;
+        if (amx_decode && decodes_only && dtype == 1 && block_size == 16 &&
+            ns_decode_attention_amx(o, q, q_stride_token, q_stride_head, chunk.keys, chunk.values, num_kv_heads,
+                                    head_dim, chunk.table.data(), chunk.table_stride, cu.data(), seq_lens + first, n,
+                                    num_heads, scale) == 0)
+            return 0;
+        return ns_paged_attention(dtype, o, q, q_stride_token, q_stride_head, chunk.keys, chunk.values, num_kv_heads,
+                                  block_size, head_dim, chunk.table.data(), chunk.table_stride, cu.data(),
+                                  seq_lens + first, n, num_heads, scale, rows_per_item);
+    };
+    if (decodes_only) {
+        // Enough work for every thread: each thread widens its own chunks into its own L2 and runs
+        // the kernel on them alone (the kernels' parallel regions, nested, run on that one thread).
+        const auto chunks = split(std::max<int64_t>(1, kThreadChunkBytes / block_bytes));
+        if (static_cast<int>(chunks.size()) >= 2 * omp_get_max_threads()) {
+            int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+            for (size_t c = 0; c < chunks.size(); ++c) failed |= run(chunks[c].first, chunks[c].second) != 0;
+            return failed;
         }
-        first = last;
+    }
+    // Else chunk after chunk, all threads on each (widening, then the kernel).
+    for (const auto& [first, last] : split(decodes_only ? std::max<int64_t>(1, kChunkBytes / block_bytes) : INT64_MAX)) {
+        const int code = run(first, last);
+        if (code != 0) return code;
     }
     return 0;
 }
