@@ -121,7 +121,7 @@ def fused_decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_
                         head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format: int = 0) -> int:
     """kernels/cpu/decode_layers.cpp over every layer: the index of the residual among the
     buffers, 0 when it can't run here (then the modules run the step). kv_format: the pools'
-    (cpu_ops.kv_format_code)."""
+    (kv_dtype.fused_decode_kv_format)."""
     if not cpu_ops.available():
         return 0
     return cpu_ops.decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,

@@ -21,6 +21,7 @@ import torch
 
 from nanoserve import envs
 from nanoserve.kernels.choice import kernel_choice
+from nanoserve.kernels.kv_dtype import FP8_CODES
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ _HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
           "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}  # kernels/cpu/fp8.h; 0: the activations' dtype
 _ROWS_PER_ITEM = 16  # query rows that share one pass over a K/V block in prefill
 
 _library: ctypes.CDLL | None = None
@@ -266,12 +266,7 @@ def _kv_format(code: int | None, query: torch.Tensor, key_cache: torch.Tensor, v
         return None
     if key_cache.dtype == query.dtype:
         return 0
-    return _KV_FORMATS.get(key_cache.dtype)
-
-
-def kv_format_code(dtype: torch.dtype) -> int | None:
-    """decode_layers' kv_format for pools of `dtype` (0: bf16), None for another dtype."""
-    return 0 if dtype == torch.bfloat16 else _KV_FORMATS.get(dtype)
+    return FP8_CODES.get(key_cache.dtype)
 
 
 def _head_major(cache: torch.Tensor) -> bool:

@@ -24,6 +24,8 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The C++ kernels' code for a pool's elements (kernels/cpu/fp8.h): 0 the activations' dtype.
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def cache_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
@@ -32,6 +34,11 @@ def cache_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unsupported kv_cache_dtype {name!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[name] or activation_dtype
+
+
+def fused_decode_kv_format(dtype: torch.dtype) -> int | None:
+    """kernels/cpu/decode_layers.cpp's kv_format for pools of `dtype` (0: bf16), None for another."""
+    return 0 if dtype == torch.bfloat16 else FP8_CODES.get(dtype)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.kernels import cpu_ops, fused_decode_layers, fused_decode_layers_available, quant
+from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available, quant
+from nanoserve.kernels.kv_dtype import fused_decode_kv_format
 
 
 _MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
@@ -50,7 +51,7 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
 class FusedDecode:
     def __init__(self, model: nn.Module, layer_table: torch.Tensor, config, kv_format: int) -> None:
         self.model = model
-        self.kv_format = kv_format  # the pools' elements (cpu_ops.kv_format_code): bf16 or an fp8 format
+        self.kv_format = kv_format  # the pools' elements (kv_dtype.fused_decode_kv_format): bf16 or fp8
         self.layer_table = layer_table  # [layers, 4 + 4 * _LINEAR_ENTRIES] (addresses kept alive by the model)
         self.hidden = config.hidden_size
         attn = model.model.layers[0].self_attn
@@ -76,7 +77,7 @@ class FusedDecode:
             return None
         rows = []
         cache = model.model.layers[0].self_attn.attn.key_cache
-        kv_format = cpu_ops.kv_format_code(cache.dtype) if cache is not None else None
+        kv_format = fused_decode_kv_format(cache.dtype) if cache is not None else None
         if kv_format is None:
             return None
         for layer in model.model.layers:

@@ -45,10 +45,15 @@ ATTENTION_CASES = [  # dtype, group, head_dim, max_seqlen_q, split
     (torch.float32, 3, 128, 33, False),
     (torch.bfloat16, 16, 256, 1, True),
 ]
+FP8_ATTENTION_CASES = [  # an fp8 cache (--kv-cache-dtype): Triton's names for e4m3fn and e5m2
+    ("fp8e4nv", torch.bfloat16, 3, 64, 1, True),
+    ("fp8e5", torch.bfloat16, 3, 64, 256, False),
+    ("fp8e4nv", torch.float16, 4, 128, 40, False),
+]
 TYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _attention(dtype, group, head_dim, max_seqlen_q, split):
+def _attention(dtype, group, head_dim, max_seqlen_q, split, cache=None):
     padded = max(16, 1 << (head_dim - 1).bit_length())
     block_m, block_n, num_warps, num_stages = attention._choose_tiles(
         torch.device("cuda"), dtype, group, padded, max_seqlen_q)
@@ -56,19 +61,24 @@ def _attention(dtype, group, head_dim, max_seqlen_q, split):
         raise ValueError(f"a tl.dot dimension under 16: {block_m}, {block_n}, {padded}")
     name = TYPE_NAMES[dtype]
     types = {p: f"*{name}" for p in ("query_ptr", "key_cache_ptr", "value_cache_ptr", "out_ptr")}
+    if cache:
+        types.update({p: f"*{cache}" for p in ("key_cache_ptr", "value_cache_ptr")})
     types.update({p: "*fp32" for p in ("split_acc_ptr", "split_max_ptr", "split_sum_ptr")})
     types.update({p: "*i32" for p in ("block_table_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr")})
     types["scale_log2"] = "fp32"
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded, BLOCK_SIZE=16,
                       BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, SPLIT=split,
                       DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                      query_stride_dim=1, cache_stride_dim=1, out_stride_dim=1)
+                      query_stride_dim=1, cache_stride_dim=1, out_stride_dim=1, KV_FP8=bool(cache))
     return _compile(attention._paged_attention_kernel, types, constexprs, num_warps, num_stages)
 
 
 def _cases():
     cases = {f"attention {TYPE_NAMES[c[0]]} group={c[1]} d={c[2]} q={c[3]} split={c[4]}":
              (lambda c=c: _attention(*c)) for c in ATTENTION_CASES}
+    for cache, *case in FP8_ATTENTION_CASES:
+        cases[f"attention {cache} cache {TYPE_NAMES[case[0]]} group={case[1]} d={case[2]} q={case[3]} "
+              f"split={case[4]}"] = lambda cache=cache, case=case: _attention(*case, cache=cache)
     cases["merge splits"] = lambda: _compile(
         attention._merge_splits_kernel,
         {"split_acc_ptr": "*fp32", "split_max_ptr": "*fp32", "split_sum_ptr": "*fp32",
@@ -86,12 +96,14 @@ def _cases():
          "cos_sin_ptr": "*fp32"},
         dict(query_stride_dim=1, key_stride_dim=1, HALF=64, HALF_PADDED=64, HEADS_PADDED=32,
              KV_HEADS_PADDED=8), 4)
-    cases["store_kvcache"] = lambda: _compile(
-        kv_cache._store_kvcache_kernel,
-        {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": "*bf16",
-         "value_cache_ptr": "*bf16", "slot_mapping_ptr": "*i64"},
-        dict(key_stride_dim=1, value_stride_dim=1, cache_stride_dim=1, BLOCK_SIZE=16,
-             HEAD_DIM=128, TILE=1024), 4)
+    kv_cache._bind_helpers()  # as store_kvcache_triton does before its first launch
+    for cache, fp8 in (("bf16", (0.0, 0, 0)), ("u8", (448.0, 3, 7)), ("u8", (57344.0, 2, 15))):
+        cases[f"store_kvcache {cache} fp8={fp8[1:]}"] = lambda cache=cache, fp8=fp8: _compile(
+            kv_cache._store_kvcache_kernel,
+            {"key_ptr": "*bf16", "value_ptr": "*bf16", "key_cache_ptr": f"*{cache}",
+             "value_cache_ptr": f"*{cache}", "slot_mapping_ptr": "*i64"},
+            dict(key_stride_dim=1, value_stride_dim=1, cache_stride_dim=1, BLOCK_SIZE=16,
+                 HEAD_DIM=128, TILE=1024, FP8_MAX=fp8[0], FP8_MANTISSA=fp8[1], FP8_BIAS=fp8[2]), 4)
     for dtype, block_m in ((torch.bfloat16, 16), (torch.bfloat16, 64), (torch.float32, 16)):  # decode, prefill
         name = TYPE_NAMES[dtype]
         cases[f"fused_moe grouped gemm {name} block_m={block_m}"] = lambda n=name, m=block_m, d=dtype: _compile(

@@ -11,7 +11,7 @@ import torch
 from nanoserve.kernels import apply_rotary_reference, build_cos_sin_cache, cpu_attention, cpu_ops, store_kvcache
 from nanoserve.kernels.attention import paged_attention_reference
 from nanoserve.kernels.kv_cache import store_kvcache_reference
-from nanoserve.kernels.kv_dtype import FP8_MAX, cache_dtype, to_cache
+from nanoserve.kernels.kv_dtype import FP8_CODES, FP8_MAX, cache_dtype, to_cache
 from tests.kernels.test_cpu_ops import REFERENCE_TOL, close, head_major, paged_batch
 
 pytestmark = pytest.mark.skipif(cpu_ops.library() is None,
@@ -19,14 +19,13 @@ pytestmark = pytest.mark.skipif(cpu_ops.library() is None,
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 FORMAT_IDS = ["e4m3", "e5m2"]
-CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def kernel_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8.h's store rule on fp32 values, through ns_fp8_from_float."""
     x = x.float().contiguous()
     out = torch.empty(x.numel(), dtype=torch.uint8)
-    assert cpu_ops.library().ns_fp8_from_float(CODES[dtype], x.data_ptr(), out.data_ptr(), x.numel()) == 0
+    assert cpu_ops.library().ns_fp8_from_float(FP8_CODES[dtype], x.data_ptr(), out.data_ptr(), x.numel()) == 0
     return out
 
 
@@ -70,7 +69,7 @@ def test_widening_is_exact_on_every_byte(dtype, activations, cpu_isa):
     code = 1 if activations == torch.bfloat16 else 0
     every = torch.arange(256, dtype=torch.uint8).repeat(3)[: 256 * 3 - 5]  # a tail past the 32-byte steps
     out = torch.empty(every.numel(), dtype=activations)
-    assert cpu_ops.library().ns_fp8_widen(CODES[dtype], code, every.data_ptr(), out.data_ptr(), every.numel()) == 0
+    assert cpu_ops.library().ns_fp8_widen(FP8_CODES[dtype], code, every.data_ptr(), out.data_ptr(), every.numel()) == 0
     expected = every.view(dtype).to(activations)
     both_nan = torch.isnan(out) & torch.isnan(expected)
     assert bool(((out == expected) | both_nan).all())

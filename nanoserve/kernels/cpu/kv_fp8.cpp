@@ -8,7 +8,7 @@
 // bit for bit, what a bf16 (fp32) pool holding the same values gives, at every level. Memory is
 // read once, at half bf16's bytes, with the next block prefetched while one widens; the kernel
 // then reads the copy from L2. Decode attention over 30 layers' pools from memory ran 1.08-1.11x
-// the bf16 pool's speed on a Zen 4 EPYC (benchmarks/kv_fp8_attention.py; 0.65-0.75x with one
+// the bf16 pool's speed on a Zen 4 EPYC (benchmarks/kv-fp8/attention.py; 0.65-0.75x with one
 // chunk at a time for all threads and no prefetch).
 #include <algorithm>
 #include <climits>

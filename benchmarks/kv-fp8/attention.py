@@ -6,7 +6,7 @@ decode step's attention calls over all of them per timed step: K/V come from mem
 step. Prints the median step time of each pool, the ratio, and whether the outputs are the same
 bits (they must be: the bf16 pool holds the fp8 values). Run on an idle machine:
 
-    .venv/bin/python benchmarks/kv_fp8_attention.py [--seqs 64] [--contexts 128 256 512] [--isa avx512bf16]
+    .venv/bin/python benchmarks/kv-fp8/attention.py [--seqs 64] [--contexts 128 256 512] [--isa avx512bf16]
 """
 from __future__ import annotations
 
