@@ -69,8 +69,8 @@ class KVCacheAllocation:
             attn = layer.self_attn.attn
             attn.key_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
             attn.value_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, self.block_size,
-                    num_blocks * self._kv_bytes_per_block() / GIB)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
+                    num_blocks * self._kv_bytes_per_block() / GIB, str(self.kv_dtype).removeprefix("torch."))
         return num_blocks
 
     def _allocate_host_pool(self) -> KVSwapper | None:

@@ -133,3 +133,25 @@ def test_the_flag_on_the_command_line(model_dir):
     assert "Traceback" not in result.stderr
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
         LLM(model=str(model_dir), kv_cache_dtype="fp4")
+
+
+def test_served_with_an_fp8_pool_as_offline(model_dir):
+    """`nanoserve serve --kv-cache-dtype fp8_e5m2` over real sockets with the openai client: the
+    tokens the offline engine on the same pool gives."""
+    import openai
+
+    from tests.server.test_cli_server import start
+
+    prompt = "The quick brown fox"
+    offline = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype="fp8_e5m2", device="cpu").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    process, port = start(model_dir, "--dtype", "float32", "--kv-cache-dtype", "fp8_e5m2")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        served = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        assert served.choices[0].text == offline.outputs[0].text
+        assert served.usage.completion_tokens == 12
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
