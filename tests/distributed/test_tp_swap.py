@@ -24,3 +24,14 @@ def test_tp2_swap_equals_roomy_tp1(tiny_llama_dir):
     assert swapped == reference
     assert stats.num_swap_outs_total > 0 and stats.num_preemptions_total == stats.num_swap_outs_total
     assert host_pool.num_used_blocks == 0 and stats.kv_cache_usage == 0
+
+
+def test_tp2_fp8_pool_with_swap_equals_tp1(tiny_llama_dir):
+    """--kv-cache-dtype fp8: each rank's shard of the pool is fp8 (its own heads' K/V), swapped as
+    bytes; --tp 2 over a small pool gives a roomy --tp 1 fp8 pool's tokens."""
+    prompts = random_prompts(16, 300, seed=32)
+    reference, _, _ = generate(tiny_llama_dir, prompts, num_kv_blocks=512, kv_cache_dtype="fp8")
+    swapped, stats, _ = generate(tiny_llama_dir, prompts, num_kv_blocks=24, tensor_parallel_size=2,
+                                 preemption_mode="swap", num_swap_blocks=128, kv_cache_dtype="fp8")
+    assert swapped == reference
+    assert stats.num_swap_outs_total > 0
