@@ -9,6 +9,7 @@ import torch
 
 from nanoserve.kernels.kv_dtype import is_fp8, to_cache
 from nanoserve.kernels.triton_utils import (
+    bind_helpers,
     cdiv,
     check_cache_dtype,
     check_float_dtype,
@@ -85,10 +86,7 @@ def _fp8_bits(x, MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 
 
 def _bind_helpers() -> None:
-    """The kernel calls _fp8_bits by its global name: make that the jitted function."""
-    global _fp8_bits
-    if hasattr(_fp8_bits, "jitted"):
-        _fp8_bits = _fp8_bits.jitted()
+    bind_helpers(globals(), "_fp8_bits")
 
 
 def store_kvcache_triton(

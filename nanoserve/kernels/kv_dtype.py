@@ -24,6 +24,7 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_BITS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}  # mantissa bits, exponent bias
 # The C++ kernels' code for a pool's elements (kernels/cpu/fp8.h): 0 the activations' dtype.
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 

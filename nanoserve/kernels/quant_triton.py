@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels.gguf_formats import GGUF_QTYPES, format_code
-from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
+from nanoserve.kernels.triton_utils import bind_helpers, cdiv, check_triton_device, lazy_jit
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
 
@@ -156,12 +156,7 @@ def _q6_k_chunk(base, sub, kk, wmask):
 
 
 def _bind_helpers() -> None:
-    """The kernel calls the helpers by their global names: make those the jitted functions."""
-    for name in ("_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk"):
-        helper = globals()[name]
-        if not hasattr(helper, "jitted"):
-            continue
-        globals()[name] = helper.jitted()
+    bind_helpers(globals(), "_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk")
 
 
 def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from nanoserve import envs
-from nanoserve.kernels.kv_dtype import FP8_MAX
+from nanoserve.kernels.kv_dtype import FP8_BITS, FP8_MAX
 
 _lock = threading.Lock()
 
@@ -61,6 +61,14 @@ class LazyKernel:
 
 def lazy_jit(fn: Callable) -> LazyKernel:
     return LazyKernel(fn)
+
+
+def bind_helpers(namespace: dict, *names: str) -> None:
+    """A kernel calls its @lazy_jit helpers by their global names: make those names the jitted
+    functions (before the kernel's first compile)."""
+    for name in names:
+        if hasattr(namespace[name], "jitted"):
+            namespace[name] = namespace[name].jitted()
 
 
 def next_power_of_2(n: int) -> int:
@@ -99,15 +107,11 @@ def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
 
 
-# An fp8 cache's format as the kernels need it (kernels/kv_dtype.py): mantissa bits, exponent bias.
-_FP8_FORMATS = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
-
-
 def fp8_format(dtype: torch.dtype) -> tuple[float, int, int] | None:
     """(largest finite value, mantissa bits, exponent bias) of an fp8 cache dtype; None for others."""
-    if dtype not in _FP8_FORMATS:
+    if dtype not in FP8_MAX:
         return None
-    return (FP8_MAX[dtype], *_FP8_FORMATS[dtype])
+    return (FP8_MAX[dtype], *FP8_BITS[dtype])
 
 
 def check_cache_dtype(name: str, tensor: torch.Tensor) -> None:
