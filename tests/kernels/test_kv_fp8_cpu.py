@@ -87,10 +87,11 @@ BATCHES = [
     ([1] * 40 + [7, 33, 100], [300] * 40 + [0, 17, 50]),  # decodes (several chunks) with prompts
     ([1] * 70, [i * 37 % 900 for i in range(70)]),  # decodes only, of many lengths: many chunks
     ([16, 17, 40], [16, 31, 0]),
+    ([300, 200, 500], [300, 100, 700]),  # prompts over more blocks than one widened chunk holds
 ]
 
 
-@pytest.mark.parametrize("q_lens, context_lens", BATCHES, ids=["mixed", "decodes", "prompts"])
+@pytest.mark.parametrize("q_lens, context_lens", BATCHES, ids=["mixed", "decodes", "prompts", "long-prompts"])
 @pytest.mark.parametrize("activations", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("dtype", FORMATS, ids=FORMAT_IDS)
 def test_attention_over_fp8_equals_attention_over_the_same_values(dtype, activations, q_lens, context_lens, cpu_isa):

@@ -158,6 +158,23 @@ Chunk& scratch() {
 
 int blocks_of(int seq_len, int block_size) { return (seq_len + block_size - 1) / block_size; }
 
+// [first, last) runs of the items 0..count, in order, each within `budget` blocks (an item over it
+// alone is a run of its own); blocks(i): item i's.
+template <typename Blocks>
+std::vector<std::pair<int, int>> runs_within(int count, int64_t budget, Blocks blocks) {
+    std::vector<std::pair<int, int>> runs;
+    for (int first = 0, last = 0; first < count; first = last) {
+        int64_t total = 0;
+        for (last = first; last < count; ++last) {
+            const int b = blocks(last);
+            if (last > first && total + b > budget) break;
+            total += b;
+        }
+        runs.emplace_back(first, last);
+    }
+    return runs;
+}
+
 }  // namespace
 
 extern "C" {
@@ -190,18 +207,8 @@ int ns_paged_attention_fp8(int dtype, int kv_format, void* out, const void* quer
     // the call holds decodes only (ops.cpp's paged_attention), and chunks must not change that.
     bool decodes_only = true;
     for (int s = 0; s < num_seqs; ++s) decodes_only = decodes_only && cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1;
-    auto split = [&](int64_t budget) {  // [first, last) runs of sequences, each within budget blocks
-        std::vector<std::pair<int, int>> chunks;
-        for (int first = 0, last = 0; first < num_seqs; first = last) {
-            int64_t total = 0;
-            for (last = first; last < num_seqs; ++last) {
-                const int b = blocks_of(seq_lens[last], block_size);
-                if (last > first && total + b > budget) break;
-                total += b;
-            }
-            chunks.emplace_back(first, last);
-        }
-        return chunks;
+    auto split = [&](int64_t budget) {
+        return runs_within(num_seqs, budget, [&](int s) { return blocks_of(seq_lens[s], block_size); });
     };
     // One chunk: widened into this thread's scratch pool, then the level's kernel on it.
     auto run = [&](int first, int last) -> int {
@@ -241,7 +248,8 @@ int ns_paged_attention_fp8(int dtype, int kv_format, void* out, const void* quer
         }
     }
     // Else chunk after chunk, all threads on each (widening, then the kernel).
-    for (const auto& [first, last] : split(decodes_only ? std::max<int64_t>(1, kChunkBytes / block_bytes) : INT64_MAX)) {
+    const int64_t shared_budget = decodes_only ? std::max<int64_t>(1, kChunkBytes / block_bytes) : INT64_MAX;
+    for (const auto& [first, last] : split(shared_budget)) {
         const int code = run(first, last);
         if (code != 0) return code;
     }
@@ -261,21 +269,17 @@ int ns_prefill_attention_fp8(int kv_format, void* out, const void* query, int64_
     const int64_t budget = std::max<int64_t>(1, kChunkBytes / (2 * block_elements * 2));
     Chunk& chunk = scratch();
     std::vector<int> rows, blocks;
-    std::vector<int32_t> local;
-    for (int first = 0; first < num_spans;) {
+    std::vector<int32_t> local;  // the chunk's spans, each on its own row of the chunk's block table
+    const auto span_blocks = [&](int i) { return blocks_of(spans[4 * i + 3], BS); };
+    for (const auto& [first, last] : runs_within(num_spans, budget, span_blocks)) {
         rows.clear();
         blocks.clear();
         local.clear();
-        int64_t total = 0;
-        int last = first;
-        for (; last < num_spans; ++last) {
-            const int32_t* span = spans + 4 * static_cast<int64_t>(last);
-            const int b = blocks_of(span[3], BS);
-            if (last > first && total + b > budget) break;
-            total += b;
+        for (int i = first; i < last; ++i) {
+            const int32_t* span = spans + 4 * static_cast<int64_t>(i);
             rows.push_back(span[0]);
-            blocks.push_back(b);
-            local.insert(local.end(), {static_cast<int32_t>(last - first), span[1], span[2], span[3]});
+            blocks.push_back(span_blocks(i));
+            local.insert(local.end(), {static_cast<int32_t>(i - first), span[1], span[2], span[3]});
         }
         chunk.fill(static_cast<const uint8_t*>(key_cache), static_cast<const uint8_t*>(value_cache), block_table,
                    block_table_stride, rows, blocks, block_elements, 1, kv_format);
@@ -283,7 +287,6 @@ int ns_prefill_attention_fp8(int kv_format, void* out, const void* query, int64_
                                               num_kv_heads, head_dim, chunk.table.data(), chunk.table_stride,
                                               local.data(), last - first, num_heads, scale);
         if (code != 0) return code;
-        first = last;
     }
     return 0;
 }
