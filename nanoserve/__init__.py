@@ -1,5 +1,6 @@
 """nanoserve: a small, fast LLM inference server."""
 from nanoserve.inputs import TextPrompt, TokensPrompt
+from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.beam_search import BeamSearchParams
 from nanoserve.pooling_params import PoolingParams
@@ -25,5 +26,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput",
+           "RequestOutput", "CompletionOutput", "LoRARequest",
            "TextPrompt", "TokensPrompt", "__version__"]

@@ -126,6 +126,15 @@ class EngineConfig:
     speculative_config: str | dict | None = arg(
         None, "speculative decoding, as JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'")
+    # vLLM's LoRA flags: adapters (PEFT directories) applied per request beside the base weights
+    # (nanoserve/lora/). The server's --lora-modules names the ones it serves.
+    enable_lora: bool = arg(False, "serve LoRA adapters: a request names one as its model (--lora-modules), or "
+                                   "LLM.generate(..., lora_request=LoRARequest(...))")
+    max_loras: int = arg(1, "LoRA adapters in one step at most (requests of others wait)")
+    max_lora_rank: int = arg(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = arg(None, "LoRA adapters kept in memory at most (default: "
+                                          "max(--max-loras, the adapters --lora-modules names)); the least "
+                                          "recently used one is read again from disk when needed")
     # Distributed rendezvous (multi-node); None = single host.
     nnodes: int = arg(1, "machines the tp x pp ranks span")
     node_rank: int = arg(0, "this machine's rank among --nnodes")
@@ -192,6 +201,12 @@ class EngineConfig:
         if speculative is not None and speculative.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding with a draft model is not supported with tensor "
                              "parallelism (n-gram speculation is)")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:  # vLLM's rule
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.pipeline_parallel_size > 1 and self.preemption_mode == "swap":
             raise ValueError("preemption_mode 'swap' is not supported with pipeline parallelism "
                              "(use the default, recompute)")

@@ -11,6 +11,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.inputs import TextPrompt, TokensPrompt
+from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -84,10 +85,19 @@ class LLM:
                 for o in outputs]
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`prompts`: one prompt or a list of them, each a string, a list of token ids, a dict
-        (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt."""
+        (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt.
+        `lora_request`: the LoRA adapter every prompt runs with, or one (or None) per prompt
+        (with enable_lora=True)."""
         prompts = self._prompt_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -107,7 +117,7 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._counter))
                 self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0,
-                                            output_kind=RequestOutputKind.FINAL_ONLY)
+                                            output_kind=RequestOutputKind.FINAL_ONLY, lora_request=loras[i])
                 ids.append(request_id)
             return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
@@ -171,7 +181,8 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`messages` is one conversation (a list of {"role", "content"}) or a list of them.
         `tools` (OpenAI's function tools) reach the template as `tools`, as in vLLM; the output
         is the model's text (the server's tool parsers read calls out of it)."""
@@ -185,4 +196,4 @@ class LLM:
                 **{**(chat_template_kwargs or {}), "tools": tools})
             # The template already carries BOS where the model wants it.
             prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

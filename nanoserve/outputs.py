@@ -82,6 +82,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Pooling models: the prompt's embedding (float32 values), in the final output.
     embedding: list[float] | None = None
+    lora_request: object | None = None  # the LoRARequest it ran with (nanoserve.lora), if any
 
     def add(self, delta: "RequestOutput") -> None:
         """Fold a later DELTA output of the same request into this one (vLLM's

@@ -64,6 +64,12 @@ class BlockManager(BlockCounts):
     def _hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent, tokens))
 
+    @staticmethod
+    def _root(seq: Sequence):
+        """The parent of a sequence's first block: its LoRA adapter's K/V differ from the base
+        model's (and another adapter's) for the same tokens, so each adapter has its own chains."""
+        return ("lora", seq.lora_id) if seq.lora_id else None
+
     def match_prefix(self, seq: Sequence) -> None:
         """On a sequence's first schedule, take the cached blocks of its longest cached prefix.
         At least one token is always left to compute, to produce the next token's logits."""
@@ -75,7 +81,7 @@ class BlockManager(BlockCounts):
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_cache_queries += seq.num_tokens
-        parent = None
+        parent = self._root(seq)
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = self._hash(parent, tokens)
@@ -98,7 +104,7 @@ class BlockManager(BlockCounts):
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
-            parent = seq.block_hashes[i - 1] if i else None
+            parent = seq.block_hashes[i - 1] if i else self._root(seq)
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = self._hash(parent, tokens)
             seq.block_hashes.append(key)

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -37,6 +38,8 @@ from nanoserve.engine.worker import plan_topology, start_workers
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
+from nanoserve.lora.adapter import LoRAError
+from nanoserve.lora.request import LoRARequest
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import check_pipeline_support
@@ -194,6 +197,9 @@ class LLMEngine:
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
         self._structured_output_lock = threading.Lock()
+        # LoRA (--enable-lora): the adapters every rank holds, by lora_int_id, least recently
+        # used first; at most --max-cpu-loras (default --max-loras) unless all are in use.
+        self.loras: OrderedDict[int, LoRARequest] = OrderedDict()
         freeze_startup_heap()
 
     def _pooler(self) -> PoolerConfig | None:
@@ -256,7 +262,8 @@ class LLMEngine:
         self.block_managers = [BlockManager(blocks_each, config.block_size, prefix_caching)
                                for _ in range(num_virtual_engines)]
         self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                     config.scheduling_policy, self.host_pool, virtual_engine)
+                                     config.scheduling_policy, self.host_pool, virtual_engine,
+                                     max_loras=config.max_loras if config.enable_lora else 0)
                            for virtual_engine, manager in enumerate(self.block_managers)]
         self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
         self._next_virtual_engine = 0
@@ -307,13 +314,17 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
                     priority: int = 0, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    lora_request: LoRARequest | None = None) -> None:
         """A generating request (SamplingParams), or on a pooling model an embedding request
-        (PoolingParams): its prompt is run once and pooled, and its one output is the embedding."""
+        (PoolingParams): its prompt is run once and pooled, and its one output is the embedding.
+        `lora_request`: the LoRA adapter it runs with (--enable-lora)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
             raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        if lora_request is not None and (isinstance(sampling_params, PoolingParams) or self.pooler is not None):
+            raise InvalidRequestError("LoRA adapters are served for generating models only, not --runner pooling")
         if isinstance(sampling_params, PoolingParams) or self.pooler is not None:
             self._add_pooling_request(request_id, prompt, sampling_params, priority, arrival_time)
             return
@@ -324,16 +335,62 @@ class LLMEngine:
         grammar = self.prepare_structured_output(params)
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise grammar.exception()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
+        for seq in seqs:
+            seq.lora_id = lora_request.lora_int_id if lora_request is not None else 0
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
         self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
-                                            output_kind=output_kind, holdback=stop_string_holdback(params))
+                                            output_kind=output_kind, holdback=stop_string_holdback(params),
+                                            lora_request=lora_request)
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
         virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
         for seq in seqs:
             seq.virtual_engine = virtual_engine
             self.schedulers[virtual_engine].add(seq)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Make every rank hold the adapter (read from lora.lora_path the first time its id is
+        seen; a bad adapter is an InvalidRequestError naming what is wrong). vLLM's add_lora."""
+        if not self.config.enable_lora:
+            raise InvalidRequestError("LoRA is not enabled: start the engine with --enable-lora "
+                                      "(LLM(..., enable_lora=True))")
+        if self.runner.lora is None:
+            raise InvalidRequestError("LoRA adapters are served for generating models only, not --runner pooling")
+        known = self.loras.get(lora.lora_int_id)
+        if known is not None:
+            if Path(known.lora_path).expanduser().resolve() != Path(lora.lora_path).expanduser().resolve():
+                raise InvalidRequestError(f"LoRA id {lora.lora_int_id} is already loaded from {known.lora_path!r}; "
+                                          f"another adapter ({lora.lora_path!r}) needs another lora_int_id")
+            self.loras.move_to_end(lora.lora_int_id)
+            return
+        capacity = self.config.max_cpu_loras or self.config.max_loras
+        in_use = {seq.lora_id for request in self.requests.values() for seq in request.seqs}
+        for victim in [i for i in self.loras if i not in in_use][:max(0, len(self.loras) + 1 - capacity)]:
+            self._drop_lora(victim)
+        try:
+            self.runner.add_lora(lora.lora_int_id, lora.lora_path)
+        except LoRAError as error:
+            raise InvalidRequestError(str(error)) from None
+        self.loras[lora.lora_int_id] = lora
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (vLLM's remove_lora); False when no rank holds it. Requests running
+        with it must have finished (the server's unload refuses otherwise)."""
+        if lora_int_id not in self.loras:
+            return False
+        self._drop_lora(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
+    def _drop_lora(self, lora_int_id: int) -> None:
+        del self.loras[lora_int_id]
+        self.runner.remove_lora(lora_int_id)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params, priority: int,
                              arrival_time: float | None) -> None:

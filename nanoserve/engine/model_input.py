@@ -43,16 +43,35 @@ class ModelInput:
     # Speculative decoding: sequences verifying proposed tokens, each with len(spec_token_ids) + 1
     # rows of logits after the sampled rows (and before the prompt-logprob rows), in this order.
     spec_seqs: list[Sequence] = field(default_factory=list)
+    # LoRA (--enable-lora), only in a step with a row of some adapter: the adapter id each slot
+    # holds (lora/manager.py) and each row's slot (-1: the base model).
+    lora_slots: list[int] | None = None
+    lora_rows: torch.Tensor | None = None
 
     @property
     def num_spec_rows(self) -> int:
         return sum(len(seq.spec_token_ids) + 1 for seq in self.spec_seqs)
 
 
-# The last two slots, for pipeline parallelism: the step's virtual engine, and 1 when the last
-# stage sends the greedy token ids instead of the logits (else 0, 0).
-HEADER_SIZE = 10
-CMD_STEP, CMD_STOP, CMD_SWAP = 1, 2, 3
+# Slot 8: the number of LoRA slots the step's payload names (0: no LoRA rows). The last two
+# slots, for pipeline parallelism: the step's virtual engine, and 1 when the last stage sends the
+# greedy token ids instead of the logits (else 0, 0).
+HEADER_SIZE = 11
+CMD_STEP, CMD_STOP, CMD_SWAP, CMD_LORA = 1, 2, 3, 4
+
+
+def pack_lora(adapter_id: int, path: str | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Register an adapter on every rank (its path's UTF-8 bytes), or with path None remove it."""
+    data = list((path or "").encode())
+    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
+    header[:4] = torch.tensor([CMD_LORA, adapter_id, len(data), int(path is None)])
+    return header, torch.tensor(data or [0], dtype=torch.long).to(device)  # never an empty broadcast
+
+
+def unpack_lora(header: list[int], payload: torch.Tensor) -> tuple[int, str | None]:
+    if header[3]:
+        return header[1], None
+    return header[1], bytes(payload[:header[2]].tolist()).decode()
 
 
 def pack_swap(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
@@ -77,10 +96,14 @@ def pack_step(model_input: ModelInput, device: torch.device, virtual_engine: int
     parts = [model_input.input_ids, model_input.positions, metadata.slot_mapping,
              metadata.block_table.flatten(), metadata.cu_seqlens_q, metadata.seq_lens,
              model_input.logits_indices]
+    num_lora_slots = 0
+    if model_input.lora_slots is not None:
+        num_lora_slots = len(model_input.lora_slots)
+        parts += [torch.tensor(model_input.lora_slots), model_input.lora_rows]
     num_seqs, max_blocks = metadata.block_table.shape
     header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
                            model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k,
-                           metadata.num_decode_seqs, virtual_engine, int(tokens_only)],
+                           metadata.num_decode_seqs, num_lora_slots, virtual_engine, int(tokens_only)],
                           dtype=torch.long, device=device)
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header, payload
@@ -88,24 +111,31 @@ def pack_step(model_input: ModelInput, device: torch.device, virtual_engine: int
 
 def _part_sizes(header: list[int]) -> list[int]:
     """Lengths of the payload's parts, in pack_step's order."""
-    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, _, _ = header
-    return [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
+    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, num_lora_slots, _, _ = header
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
+    return sizes + [num_lora_slots, num_tokens] if num_lora_slots else sizes
 
 
 def unpack_step(header: list[int], payload: torch.Tensor) -> ModelInput:
-    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs, _, _ = header
-    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices = payload.split(_part_sizes(header))
+    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs, num_lora_slots, _, _ = header
+    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices, *lora = payload.split(
+        _part_sizes(header))
     metadata = AttentionMetadata(
         slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
         cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decode_seqs=num_decode_seqs,
         prefill_row_tile=prefill_row_tile(payload.device))
-    return ModelInput(input_ids, positions, metadata, logits_indices, [])
+    model_input = ModelInput(input_ids, positions, metadata, logits_indices, [])
+    if num_lora_slots:
+        model_input.lora_slots, model_input.lora_rows = lora[0].tolist(), lora[1]
+    return model_input
 
 
 def payload_size(header: list[int]) -> int:
     if header[0] == CMD_SWAP:
         return 2 * (header[1] + header[2])
+    if header[0] == CMD_LORA:
+        return max(1, header[2])
     return sum(_part_sizes(header))
 
 

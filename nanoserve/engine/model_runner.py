@@ -22,8 +22,9 @@ from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.kernels.kv_dtype import cache_dtype
-from nanoserve.engine.model_input import (CMD_STOP, CMD_SWAP, HEADER_SIZE, ModelInput, broadcast_stop, pack_step,
-                                          pack_swap, payload_size, prefill_row_tile, unpack_step, unpack_swap)
+from nanoserve.engine.model_input import (CMD_LORA, CMD_STOP, CMD_SWAP, HEADER_SIZE, ModelInput, broadcast_stop,
+                                          pack_lora, pack_step, pack_swap, payload_size, prefill_row_tile,
+                                          unpack_lora, unpack_step, unpack_swap)
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
@@ -31,6 +32,8 @@ from nanoserve.engine.swap import SwapPlan
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights
+from nanoserve.lora.layers import lora_batch
+from nanoserve.lora.manager import LoRAManager
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model, model_weight_bytes
@@ -71,6 +74,12 @@ class ModelRunner(KVCacheAllocation):
             packed, slots = prepack_gemm_weights(self.model)
             self.pad_prompt_rows = packed < slots
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
+        # --enable-lora: the adapters this rank holds and the layers' slots (lora/manager.py).
+        self.lora: LoRAManager | None = None
+        if config.enable_lora and not self.pooling:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            if self.device.type == "cpu" and not self.lora.all_on_cpu_gemm:
+                self.pad_prompt_rows = True  # the LoRA GEMMs' rows are invariant in whole tiles only
         self.weight_bytes = model_weight_bytes(self.model)
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0
@@ -116,6 +125,37 @@ class ModelRunner(KVCacheAllocation):
             dist.broadcast(payload, src=0)
         self.swapper.swap(plan)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    def add_lora(self, adapter_id: int, path: str) -> None:
+        """Read an adapter on every rank (rank 0 first: a bad one raises LoRAError here and
+        no other rank hears of it)."""
+        self.lora.add(adapter_id, path)
+        self._tell_ranks(pack_lora(adapter_id, path, self.device))
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self.lora.remove(adapter_id)
+        self._tell_ranks(pack_lora(adapter_id, None, self.device))
+
+    def _tell_ranks(self, message: tuple[torch.Tensor, torch.Tensor]) -> None:
+        if self.world_size > 1:
+            for tensor in message:
+                dist.broadcast(tensor, src=0)
+
+    def lora_message(self, header: list[int], payload: torch.Tensor) -> None:
+        adapter_id, path = unpack_lora(header, payload)
+        if path is None:
+            self.lora.remove(adapter_id)
+        else:
+            self.lora.add(adapter_id, path)
+
+    def lora_context(self, model_input: ModelInput):
+        """Fill the slots the step's table names and open its rows' LoRA batch (nothing to do
+        for a step without LoRA rows)."""
+        if model_input.lora_slots is None:
+            return lora_batch(None)
+        self.lora.apply(model_input.lora_slots)
+        return lora_batch(self.lora.batch(model_input.lora_rows))
+
     # ---- one step -------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence], block_offset: int = 0) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
@@ -130,6 +170,12 @@ class ModelRunner(KVCacheAllocation):
             is_decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
             (specs if item.seq.spec_token_ids else decodes if is_decode else prompts).append(item)
         rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
+        lora_slots = None
+        adapters = {item.seq.lora_id for item in scheduled if item.seq.lora_id}
+        if adapters:  # the step's slot table; each row gets its sequence's slot
+            lora_slots = self.lora.assign(adapters)
+            rows.lora_slot_of = {adapter: slot for slot, adapter in enumerate(lora_slots) if adapter in adapters}
+            rows.lora_rows = []
         for item in decodes:
             rows.add(item, block_offset, self.block_size)
         for item in specs:  # a verification's rows are decode rows, one query each (see add_spec)
@@ -138,7 +184,7 @@ class ModelRunner(KVCacheAllocation):
         for item in prompts:
             rows.add(item, block_offset, self.block_size)
         graphs = self.decode_graphs
-        if (graphs is not None and not prompts and len(rows.logits_indices) == len(decodes)
+        if (graphs is not None and not prompts and not adapters and len(rows.logits_indices) == len(decodes)
                 and graphs.fits(num_decode_rows, rows.max_blocks)):
             size = graphs.load(rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
                                rows.block_rows)
@@ -150,7 +196,11 @@ class ModelRunner(KVCacheAllocation):
         if tile and self.pad_prompt_rows:
             rows.pad_prompt_rows(num_decode_rows, tile)
         max_seqlen_q = max([1] + [s.num_new_tokens for s in prompts])
-        return self._eager_input(rows, num_decode_rows, max_seqlen_q, tile)
+        model_input = self._eager_input(rows, num_decode_rows, max_seqlen_q, tile)
+        if lora_slots is not None:
+            model_input.lora_slots = lora_slots
+            model_input.lora_rows = self._to_device(rows.lora_rows, torch.long)
+        return model_input
 
     def _eager_input(self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int) -> ModelInput:
         """The step's host rows as device tensors (an eager step, not a captured graph)."""
@@ -240,10 +290,11 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
         hidden = None
-        if self.fused_decode is not None:
+        if self.fused_decode is not None and model_input.lora_slots is None:
             hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata)
         if hidden is None:
-            hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+            with self.lora_context(model_input):
+                hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
         if self.pooling:
             return hidden
         if num_logits == 0:
@@ -267,6 +318,8 @@ class ModelRunner(KVCacheAllocation):
             dist.broadcast(payload, src=0)
             if values[0] == CMD_SWAP:
                 self.swapper.swap(SwapPlan(*unpack_swap(values, payload)))
+            elif values[0] == CMD_LORA:
+                self.lora_message(values, payload)
             else:
                 self._forward(unpack_step(values, payload))
 
@@ -298,6 +351,13 @@ class _HostRows:
     # the sequences they verify.
     spec_rows: list[int] = field(default_factory=list)
     spec_seqs: list[Sequence] = field(default_factory=list)
+    # LoRA: each row's slot (-1: the base model), kept only in a step with some adapter's rows.
+    lora_rows: list[int] | None = None
+    lora_slot_of: dict[int, int] = field(default_factory=dict)
+
+    def _add_lora_rows(self, seq: Sequence, count: int) -> None:
+        if self.lora_rows is not None:
+            self.lora_rows.extend([self.lora_slot_of.get(seq.lora_id, -1)] * count)
 
     def add_spec(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
         """A sequence's last token and its k proposed tokens as k + 1 decode rows: row j is one
@@ -319,6 +379,7 @@ class _HostRows:
             self.block_rows.append(padded)
             self.spec_rows.append(len(self.input_ids) - 1)
         self.spec_seqs.append(seq)
+        self._add_lora_rows(seq, len(tokens))
 
     def add(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
         """One sequence's rows: its tokens from num_computed_tokens on, num_new_tokens of them."""
@@ -328,6 +389,7 @@ class _HostRows:
         if seq.needs_prompt_logprobs:
             self._add_prompt_logprob_rows(seq, start, end)
         self.input_ids.extend(seq.token_ids[start:end])
+        self._add_lora_rows(seq, end - start)
         self.positions.extend(range(start, end))
         table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
         self.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -356,5 +418,7 @@ class _HostRows:
         if num_prompt_rows % tile:
             padding = tile - num_prompt_rows % tile
             self.input_ids.extend([0] * padding)
+            if self.lora_rows is not None:
+                self.lora_rows.extend([-1] * padding)
             self.positions.extend([0] * padding)
             self.slot_mapping.extend([-1] * padding)

@@ -217,7 +217,7 @@ class OutputProcessor:
         request.update_counts()
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
                              request.finished, request.metrics, request.metrics.num_cached_tokens,
-                             prompt_logprobs)
+                             prompt_logprobs, lora_request=request.lora_request)
 
 
 def _cumulative(seq: Sequence, with_logprobs: bool) -> CompletionOutput:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from nanoserve.distributed import parallel_state
 from nanoserve.distributed.pipeline import (irecv_from_last_stage, is_first_stage, is_last_stage,
                                             recv_intermediate, send_intermediate, send_to_driver)
-from nanoserve.engine.model_input import CMD_STEP, CMD_STOP, HEADER_SIZE, pack_step, payload_size, unpack_step
+from nanoserve.engine.model_input import CMD_LORA, CMD_STEP, CMD_STOP, HEADER_SIZE, pack_step, payload_size, unpack_step
 from nanoserve.kernels import greedy_argmax
 
 
@@ -88,7 +88,9 @@ class PipelineStage:
 
     # ---- every rank -----------------------------------------------------------------------------
     def _run_stage(self, model_input, virtual_engine: int, intermediate, tokens_only: bool) -> None:
-        out = self.runner.model(model_input.input_ids, model_input.positions, model_input.metadata, intermediate)
+        with self.runner.lora_context(model_input):
+            out = self.runner.model(model_input.input_ids, model_input.positions, model_input.metadata,
+                                    intermediate)
         if not is_last_stage():
             hidden, residual = out
             message, work = send_intermediate(hidden, residual, virtual_engine)
@@ -113,10 +115,13 @@ class PipelineStage:
                 self.drain()
                 dist.barrier()  # the other half of broadcast_stop's handshake
                 return
-            if values[0] != CMD_STEP:
+            if values[0] not in (CMD_STEP, CMD_LORA):
                 raise RuntimeError(f"pipeline stage: unexpected command {values[0]}")
             payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)
+            if values[0] == CMD_LORA:
+                self.runner.lora_message(values, payload)
+                continue
             model_input = unpack_step(values, payload)
             virtual_engine, tokens_only = values[-2], bool(values[-1])
             intermediate = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class Request:
     # DELTA: characters of text held back until no stop string can start in them (a stop
     # string is cut from the text, so what went out must never be part of one).
     holdback: int = 0
+    lora_request: LoRARequest | None = None
 
     @property
     def all_finished(self) -> bool:

@@ -9,7 +9,8 @@ urgent, as vLLM's priority scheduler) is preempted: recomputed later, or with pr
 "swap" its blocks are copied to the host pool (recompute when that is full). As in vLLM V0, a
 step that preempted swaps nothing in and admits nothing, and no waiting sequence is admitted
 while any is swapped out. A waiting sequence whose grammar is still compiling (structured
-outputs) is passed over until it is ready.
+outputs) is passed over until it is ready, as is one whose LoRA adapter would make more distinct
+adapters run at once than --max-loras allows (it waits until one of theirs finishes).
 
 `schedule()` returns one `SchedulerOutput` (vLLM's name): the sequences and how many tokens each
 computes, the block copies to make before the forward pass, and which virtual engine planned it.
@@ -65,9 +66,11 @@ def _priority_key(seq: Sequence) -> tuple[int, int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", host_pool: HostBlockPool | None = None, virtual_engine: int = 0):
+                 policy: str = "fcfs", host_pool: HostBlockPool | None = None, virtual_engine: int = 0,
+                 max_loras: int = 0):
         """`host_pool`: preempt by swapping into it (None: by recompute). `virtual_engine`: which
-        share of the pool `block_manager` hands out (pipeline parallelism)."""
+        share of the pool `block_manager` hands out (pipeline parallelism). `max_loras`: distinct
+        LoRA adapters among the running sequences at most (0: LoRA is off)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
@@ -80,6 +83,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # kept sorted by sort_key
         self.host_pool = host_pool
         self.virtual_engine = virtual_engine
+        self.max_loras = max_loras
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -189,6 +193,8 @@ class Scheduler:
         """Swapped-out sequences back in, in order, while their blocks fit."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if not self._lora_fits(seq, self._running_loras()):
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):
                 break
@@ -201,9 +207,10 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Waiting sequences admitted in order (prefix-cache hits matched first) while the
         budget, the sequence cap and the pool allow."""
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next((s for s in self.waiting if s.is_schedulable), None)
-            if seq is None:  # every waiting sequence's grammar is still compiling
+            seq = next((s for s in self.waiting if s.is_schedulable and self._lora_fits(s, loras)), None)
+            if seq is None:  # every waiting sequence's grammar is still compiling, or its adapter waits
                 break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
@@ -221,6 +228,15 @@ class Scheduler:
             self.block_manager.allocate(seq, num_new)
             self._start_running(seq, num_new, output)
             budget -= num_new
+            if seq.lora_id:
+                loras.add(seq.lora_id)
+
+    def _running_loras(self) -> set[int]:
+        return {seq.lora_id for seq in self.running if seq.lora_id} if self.max_loras else set()
+
+    def _lora_fits(self, seq: Sequence, running: set[int]) -> bool:
+        """Running `seq` keeps the distinct adapters within max_loras."""
+        return not seq.lora_id or seq.lora_id in running or len(running) < self.max_loras
 
     def _largest_chunk(self, seq: Sequence, num_new: int) -> int:
         free_tokens = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size

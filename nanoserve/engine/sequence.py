@@ -52,6 +52,7 @@ class Sequence:
     finish_sent: bool = False
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
+    lora_id: int = 0  # the LoRA adapter it runs with (its LoRARequest's lora_int_id; 0: none)
     # Speculative decoding: the tokens proposed for this step (verified with the last one, then
     # cleared); empty when the step decodes it as usual.
     spec_token_ids: list[int] = field(default_factory=list)

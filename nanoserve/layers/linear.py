@@ -78,6 +78,8 @@ class LinearBase(nn.Module):
         # run of output rows in `quant_parts` instead.
         self.quant_weight: QuantWeight | None = None
         self.quant_parts: list[QuantWeight] | None = None
+        # --enable-lora: this layer's adapter slots (lora/layers.py), whose delta matmul adds.
+        self.lora = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -92,8 +94,11 @@ class LinearBase(nn.Module):
         # kernels/gemm.py's choice.
         if self.quant_weight is not None or self.quant_parts is not None:
             parts = [self.quant_weight] if self.quant_weight is not None else self.quant_parts
-            return quantized_gemm(x, parts, bias, rows)
-        return unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
+            out = quantized_gemm(x, parts, bias, rows)
+        else:
+            out = unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
+        # (A row-parallel layer's delta is partial too: B (A_rank x_rank) sums over the ranks.)
+        return out if self.lora is None else self.lora.add_to(x, out, rows)
 
 
 
