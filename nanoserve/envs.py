@@ -44,6 +44,10 @@ _declare("NANOSERVE_DEBUG", None, """1: the CLI raises with a full traceback ins
 _declare("NANOSERVE_API_KEY", None, """Require `Authorization: Bearer KEY` on /v1/* (--api-key wins
     over it).""")
 _declare("VLLM_API_KEY", None, "vLLM's name for NANOSERVE_API_KEY, read when that is unset.")
+_declare("NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING", None, """1: with --enable-lora the server serves POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added and removed while it runs).""")
+_declare("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None, "vLLM's name for NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, "
+         "read when that is unset.")
 _declare("MASTER_ADDR", None, """Default of --master-addr: rank 0's host for the torch.distributed
     rendezvous.""")
 _declare("MASTER_PORT", None, """Default of --master-port: the rendezvous port on rank 0's
@@ -110,6 +114,12 @@ def debug() -> bool:
 def api_key() -> str | None:
     """NANOSERVE_API_KEY, else VLLM_API_KEY."""
     return read("NANOSERVE_API_KEY") or read("VLLM_API_KEY")
+
+
+def allow_runtime_lora_updating() -> bool:
+    """NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, else VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
+    name = "NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING"
+    return _flag(name if read(name) is not None else "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 def flag_default(name: str) -> str | None:

@@ -132,6 +132,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_random_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """tests/lora_adapters.ADAPTERS over the tiny Llama, written by peft: name -> directory."""
+    from tests.lora_adapters import write_adapters
+
+    return write_adapters(tiny_llama_dir, tmp_path_factory.mktemp("lora"))
+
+
 def _cpu_isas() -> list:
     from nanoserve.kernels import cpu_ops
 

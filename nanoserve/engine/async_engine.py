@@ -125,12 +125,20 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future
     output_kind: RequestOutputKind
+    lora_request: Any = None  # nanoserve.lora.LoRARequest
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
     already_failed: bool = False  # its stream was failed and removed: only the engine is left
+
+
+@dataclass(slots=True)
+class _EngineCall:
+    """Run `call(engine)` between two steps (loading a LoRA adapter on every rank)."""
+    call: Any
+    done: asyncio.Future
 
 
 @dataclass(slots=True)
@@ -159,7 +167,7 @@ class AsyncLLMEngine:
         # than running that work between steps costs (measured: ~5% of served throughput).
         self.overlap_streaming = overlap_streaming
         self.observer = observer
-        self.intake: asyncio.Queue[_Add | _Abort | _ResetPrefixCache] = asyncio.Queue()
+        self.intake: asyncio.Queue[_Add | _Abort | _ResetPrefixCache | _EngineCall] = asyncio.Queue()
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: BaseException | None = None
         self.stats = engine.stats()
@@ -203,8 +211,8 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
                           priority: int = 0,
-                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-                          ) -> RequestStream:
+                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                          lora_request=None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
         InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
         asks for DELTA outputs: each one carries only what is new."""
@@ -219,7 +227,8 @@ class AsyncLLMEngine:
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         self.num_queued_adds += 1
-        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted, output_kind))
+        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted, output_kind,
+                                    lora_request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -244,6 +253,15 @@ class AsyncLLMEngine:
         stream = self.streams.get(request_id)
         if stream is not None and not stream.finished:
             self.intake.put_nowait(_Abort(request_id))
+
+    async def call_between_steps(self, call):
+        """`call(engine)`'s result, run on the step loop while no step runs (what it raises is
+        raised here). Raises EngineDeadError."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+        done = asyncio.get_running_loop().create_future()
+        self.intake.put_nowait(_EngineCall(call, done))
+        return await done
 
     async def reset_prefix_cache(self) -> bool:
         """Clear the engine's prefix cache between two steps (the step loop does it, never
@@ -295,7 +313,14 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; the engine is dead")
             self._die(exc)
 
-    def _handle(self, item: _Add | _Abort | _ResetPrefixCache) -> None:
+    def _handle(self, item: _Add | _Abort | _ResetPrefixCache | _EngineCall) -> None:
+        if isinstance(item, _EngineCall):
+            if not item.done.done():
+                try:
+                    item.done.set_result(item.call(self.engine))
+                except Exception as error:  # the caller's to report
+                    item.done.set_exception(error)
+            return
         if isinstance(item, _ResetPrefixCache):
             if not item.done.done():
                 item.done.set_result(self.engine.reset_prefix_cache())
@@ -319,7 +344,7 @@ class AsyncLLMEngine:
         try:
             self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
                                     arrival_time=item.stream.arrival_time,
-                                    output_kind=item.output_kind)
+                                    output_kind=item.output_kind, lora_request=item.lora_request)
         except Exception as exc:  # user-facing validation errors
             self.streams.pop(item.request_id, None)
             item.accepted.set_exception(exc)
@@ -414,7 +439,7 @@ class AsyncLLMEngine:
             item = self.intake.get_nowait()
             if isinstance(item, _Add) and not item.accepted.done():
                 item.accepted.set_exception(error)
-            elif isinstance(item, _ResetPrefixCache) and not item.done.done():
+            elif isinstance(item, (_ResetPrefixCache, _EngineCall)) and not item.done.done():
                 item.done.set_exception(error)
         for stream in self.streams.values():
             stream.fail(error)

@@ -200,6 +200,7 @@ class LLMEngine:
         # LoRA (--enable-lora): the adapters every rank holds, by lora_int_id, least recently
         # used first; at most --max-cpu-loras (default --max-loras) unless all are in use.
         self.loras: OrderedDict[int, LoRARequest] = OrderedDict()
+        self._lora_removals: set[int] = set()  # removed while requests still ran with them
         freeze_startup_heap()
 
     def _pooler(self) -> PoolerConfig | None:
@@ -366,9 +367,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"LoRA id {lora.lora_int_id} is already loaded from {known.lora_path!r}; "
                                           f"another adapter ({lora.lora_path!r}) needs another lora_int_id")
             self.loras.move_to_end(lora.lora_int_id)
+            self._lora_removals.discard(lora.lora_int_id)
             return
         capacity = self.config.max_cpu_loras or self.config.max_loras
-        in_use = {seq.lora_id for request in self.requests.values() for seq in request.seqs}
+        in_use = self._loras_in_use()
         for victim in [i for i in self.loras if i not in in_use][:max(0, len(self.loras) + 1 - capacity)]:
             self._drop_lora(victim)
         try:
@@ -378,19 +380,30 @@ class LLMEngine:
         self.loras[lora.lora_int_id] = lora
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (vLLM's remove_lora); False when no rank holds it. Requests running
-        with it must have finished (the server's unload refuses otherwise)."""
-        if lora_int_id not in self.loras:
+        """Forget an adapter (vLLM's remove_lora); False when no rank holds it. Requests still
+        running with it finish with it: the ranks drop it after the last one."""
+        if lora_int_id not in self.loras or lora_int_id in self._lora_removals:
             return False
-        self._drop_lora(lora_int_id)
+        if lora_int_id in self._loras_in_use():
+            self._lora_removals.add(lora_int_id)
+        else:
+            self._drop_lora(lora_int_id)
         return True
 
     def list_loras(self) -> set[int]:
-        return set(self.loras)
+        return set(self.loras) - self._lora_removals
+
+    def _loras_in_use(self) -> set[int]:
+        return {seq.lora_id for request in self.requests.values() for seq in request.seqs if seq.lora_id}
 
     def _drop_lora(self, lora_int_id: int) -> None:
         del self.loras[lora_int_id]
+        self._lora_removals.discard(lora_int_id)
         self.runner.remove_lora(lora_int_id)
+
+    def _finish_lora_removals(self) -> None:
+        for lora_int_id in self._lora_removals - self._loras_in_use():
+            self._drop_lora(lora_int_id)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params, priority: int,
                              arrival_time: float | None) -> None:
@@ -608,6 +621,8 @@ class LLMEngine:
             raise RuntimeError(self.dead_reason)
         if self._compiling:
             self._fail_compiled_grammars()
+        if self._lora_removals:
+            self._finish_lora_removals()
         if self.runner.pipeline is not None:
             return self._pipeline_step()
         (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine

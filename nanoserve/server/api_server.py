@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
+from nanoserve import envs
 from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.lora.request import LoRARequest
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ChatFeatures, ServerOptions
 from nanoserve.server.http_server import HttpServer
@@ -53,6 +55,7 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     config = engine.config
     chat = ChatFeatures.from_options(options)
+    lora_modules = _load_lora_modules(engine, options)
     response_cache = None
     if options.response_cache_size > 0:
         response_cache = ResponseCache(int(options.response_cache_size * 2 ** 20),
@@ -60,7 +63,7 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
     num_blocks = sum(m.num_blocks for m in engine.block_managers)
     kv_cache_size_tokens = num_blocks * config.block_size
     metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, {
-        "block_size": config.block_size, "cache_dtype": "auto",
+        "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
         "enable_prefix_caching": config.enable_prefix_caching,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "num_gpu_blocks": num_blocks, "num_cpu_blocks": None,
@@ -87,14 +90,31 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
         on_admission_rejected=metrics.on_admission_rejected,
         request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None,
         response_cache=response_cache, chat_template=chat.chat_template,
-        auto_tool_parser=chat.auto_tool_parser, reasoning_parser=chat.reasoning_parser)
-    app = OpenAIApp(ctx, metrics, api_key=options.api_key,
+        auto_tool_parser=chat.auto_tool_parser, reasoning_parser=chat.reasoning_parser,
+        lora_modules={lora.lora_name: lora for lora in lora_modules},
+        next_lora_id=len(lora_modules) + 1)
+    app = OpenAIApp(ctx, metrics, api_key=options.api_key, runtime_lora=config.enable_lora and
+                    envs.allow_runtime_lora_updating(),
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint,
                     ui=not options.no_ui)
     http = HttpServer(app, options.limits, error_response=http_error_response)
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)
+
+
+def _load_lora_modules(engine: LLMEngine, options: ServerOptions) -> list[LoRARequest]:
+    """--lora-modules read on every rank before the server listens (a bad adapter stops the
+    start with one line naming it)."""
+    loras = []
+    for lora_id, (name, path, base_model_name) in enumerate(options.lora_modules, 1):
+        if name in (engine.served_model_name, engine.model_path):
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+        lora = LoRARequest(name, lora_id, path, base_model_name or engine.served_model_name)
+        engine.add_lora(lora)
+        logger.info("serving LoRA adapter %r from %s", name, path)
+        loras.append(lora)
+    return loras
 
 
 def configure_logging(level: str) -> None:

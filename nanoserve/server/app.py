@@ -20,8 +20,9 @@ from nanoserve.server.responses import create_response
 from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
 from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
 from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                      TokenizeRequest, TokenizeResponse)
+                                      DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest,
+                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
+                                      UnloadLoRAAdapterRequest)
 from nanoserve.server.serving import (TOO_DEEP, ServingContext, bad_request, encode_json,
                                       error_body, to_api_error)
 from nanoserve.server.tokenizer_info import tokenizer_info
@@ -138,7 +139,9 @@ RESPONSES_PREFIX = "/v1/responses/"
 class OpenAIApp:
     def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
                  api_key: str | None = None, server_load_tracking: bool = False,
-                 tokenizer_info: bool = False, ui: bool = True) -> None:
+                 tokenizer_info: bool = False, ui: bool = True, runtime_lora: bool = False) -> None:
+        """`runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora
+        with NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
         self.ctx = ctx
         self.metrics = metrics
         self.api_key = api_key
@@ -163,6 +166,9 @@ class OpenAIApp:
         }
         if tokenizer_info:
             self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
+        if runtime_lora:
+            self.routes["/v1/load_lora_adapter"] = {"POST": self.load_lora_adapter}
+            self.routes["/v1/unload_lora_adapter"] = {"POST": self.unload_lora_adapter}
         if ui:  # the browser chat page at /
             self.routes.update(ui_routes(api_key_required=api_key is not None))
 
@@ -233,20 +239,61 @@ class OpenAIApp:
     async def tokenizer_info(self, request: HttpRequest) -> Response:
         return Response(200, encode_json(tokenizer_info(self.ctx.tokenizer)))
 
-    def _model_card(self) -> ModelCard:
+    def _model_card(self, lora=None) -> ModelCard:
+        """The served model's card, or a LoRA adapter's (vLLM's: its path as root, the base
+        model as parent)."""
         ctx = self.ctx
+        if lora is not None:
+            return ModelCard(lora.lora_name, "model", ctx.created, "nanoserve", lora.lora_path,
+                             ctx.max_model_len, lora.base_model_name or ctx.served_model_name, [])
         return ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
                          ctx.max_model_len, None, [])
 
     async def models(self, request: HttpRequest) -> Response:
-        return Response(200, encode_json(ModelList("list", [self._model_card()])))
+        cards = [self._model_card()] + [self._model_card(lora) for lora in self.ctx.lora_modules.values()]
+        return Response(200, encode_json(ModelList("list", cards)))
 
     async def model(self, request: HttpRequest) -> Response:
-        """GET /v1/models/{id} (OpenAI's retrieve-model): the served model, else 404."""
+        """GET /v1/models/{id} (OpenAI's retrieve-model): the served model or an adapter, else 404."""
         name = unquote(request.path[len(MODELS_PREFIX):])
-        if name != self.ctx.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model")
-        return Response(200, encode_json(self._model_card()))
+        if name == self.ctx.served_model_name:
+            return Response(200, encode_json(self._model_card()))
+        if name in self.ctx.lora_modules:
+            return Response(200, encode_json(self._model_card(self.ctx.lora_modules[name])))
+        raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    async def load_lora_adapter(self, request: HttpRequest) -> Response:
+        """vLLM's runtime adapter loading: read on every rank between two steps; a bad
+        adapter is a 400 naming what is wrong, and nothing changes."""
+        body = decode_body(request, LoadLoRAAdapterRequest)
+        ctx = self.ctx
+        if not body.lora_name or not body.lora_path:
+            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
+        if body.lora_name in (ctx.served_model_name, ctx.model_path):
+            raise bad_request(f"'{body.lora_name}' is the base model's name", "lora_name")
+        old = ctx.lora_modules.get(body.lora_name)
+        if old is not None and not body.load_inplace:  # vLLM's message
+            raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+        lora = ctx.new_lora(body.lora_name, body.lora_path)
+        await ctx.engine.call_between_steps(lambda engine: engine.add_lora(lora))
+        ctx.lora_modules[body.lora_name] = lora
+        if old is not None:
+            await ctx.engine.call_between_steps(lambda engine: engine.remove_lora(old.lora_int_id))
+        logger.info("loaded LoRA adapter %r from %s", lora.lora_name, lora.lora_path)
+        return Response(200, f"Success: LoRA adapter '{body.lora_name}' added successfully.".encode(),
+                        content_type="text/plain; charset=utf-8")
+
+    async def unload_lora_adapter(self, request: HttpRequest) -> Response:
+        """New requests can no longer name it; those running finish with it."""
+        body = decode_body(request, UnloadLoRAAdapterRequest)
+        ctx = self.ctx
+        lora = ctx.lora_modules.pop(body.lora_name, None)
+        if lora is None:
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+        await ctx.engine.call_between_steps(lambda engine: engine.remove_lora(lora.lora_int_id))
+        logger.info("unloaded LoRA adapter %r", lora.lora_name)
+        return Response(200, f"Success: LoRA adapter '{body.lora_name}' removed successfully.".encode(),
+                        content_type="text/plain; charset=utf-8")
 
     # ---- OpenAI endpoints ----
     async def _tracked(self, serve: Callable[[], Awaitable[Response | StreamingResponse]]):

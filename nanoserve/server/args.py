@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ class ServerOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (with tool_call_parser)
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # a name in reasoning_parsers.REASONING_PARSERS
+    # --lora-modules: (name, path, base model name or None) of each adapter served (--enable-lora)
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
     limits: HttpLimits = field(default_factory=HttpLimits)
 
 
@@ -128,6 +131,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         else:
             group.add_argument(flag, dest=name, type=kind, default=default,
                                help=f"{help_text} (default: {default})")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve (with --enable-lora), each as name=path or as JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request names one as its model")
     group.add_argument("--log-level", "--uvicorn-log-level", dest="log_level",
                        default=_default(ServerOptions, "log_level"), choices=LOG_LEVELS,
                        help="server log level")
@@ -156,11 +162,40 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
             raise ValueError(f"{flag} must be > 0, got {value}")
         values[owner][name] = value
     api_key = getattr(args, "api_key", None) or envs.api_key()
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None) or [])
+    if lora_modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
-                            log_level=get(ServerOptions, "log_level"),
+                            log_level=get(ServerOptions, "log_level"), lora_modules=lora_modules,
                             limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
     ChatFeatures.from_options(options)  # a bad parser name or template file stops the start
     return options
+
+
+def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str, str | None], ...]:
+    """vLLM's --lora-modules entries: name=path, or a JSON object with name, path and optionally
+    base_model_name. Names must differ."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"--lora-modules: {value!r} is not JSON: {error}") from None
+            unknown = set(spec) - {"name", "path", "base_model_name"} if isinstance(spec, dict) else set()
+            if not isinstance(spec, dict) or not spec.get("name") or not spec.get("path") or unknown:
+                raise ValueError(f"--lora-modules: {value!r} needs \"name\" and \"path\" (and at most "
+                                 "\"base_model_name\")")
+            modules.append((str(spec["name"]), str(spec["path"]), spec.get("base_model_name")))
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {value!r} is not name=path")
+        modules.append((name, path, None))
+    names = [name for name, _, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: a name appears twice in {', '.join(names)}")
+    return tuple(modules)
 
 
 @dataclass(frozen=True, slots=True)

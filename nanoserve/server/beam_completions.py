@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from nanoserve.lora.request import LoRARequest
 from nanoserve.beam_search import BeamSearch, BeamSearchParams
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import TokensPrompt
@@ -39,7 +40,7 @@ def beam_params(ctx: ServingContext, request: CompletionRequest) -> BeamSearchPa
 
 
 async def _search(ctx: ServingContext, base_id: str, prompt: TokensPrompt, params: BeamSearchParams,
-                  priority: int) -> BeamSearch:
+                  priority: int, lora: LoRARequest | None) -> BeamSearch:
     search = BeamSearch(prompt.prompt_token_ids, params, set(ctx.tokenizer.eos_token_ids))
     step_params = SamplingParams(max_tokens=1, temperature=0, logprobs=search.num_logprobs,
                                  ignore_eos=True)
@@ -47,7 +48,7 @@ async def _search(ctx: ServingContext, base_id: str, prompt: TokensPrompt, param
     while pending := search.pending():
         try:
             streams = await ctx.submit(f"{base_id}-beam{step}", [TokensPrompt(t) for t in pending],
-                                       step_params, priority)
+                                       step_params, priority, lora)
         except InvalidRequestError as error:  # the server's --max-logprobs bounds the width
             raise bad_request(f"beam width {params.beam_width} needs {search.num_logprobs} "
                               f"logprobs a step: {error}", "n") from None
@@ -59,12 +60,13 @@ async def _search(ctx: ServingContext, base_id: str, prompt: TokensPrompt, param
 
 
 async def create_beam_completion(ctx: ServingContext, request: CompletionRequest,
-                                 prompts: list[TokensPrompt], params: BeamSearchParams) -> Response:
+                                 prompts: list[TokensPrompt], params: BeamSearchParams,
+                                 lora: LoRARequest | None = None) -> Response:
     base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for index, prompt in enumerate(prompts):
-        search = await _search(ctx, f"{base_id}-{index}", prompt, params, request.priority)
+        search = await _search(ctx, f"{base_id}-{index}", prompt, params, request.priority, lora)
         prompt_tokens += len(prompt.prompt_token_ids)
         for rank, beam in enumerate(search.output().sequences):
             generated = beam.tokens[len(prompt.prompt_token_ids):]
@@ -75,4 +77,4 @@ async def create_beam_completion(ctx: ServingContext, request: CompletionRequest
                 generated if request.return_token_ids else None))
     usage = ctx.usage(prompt_tokens, completion_tokens, 0)
     return Response(200, encode_json(CompletionResponse(base_id, "text_completion", created,
-                                                        ctx.served_model_name, choices, usage)))
+                                                        ctx.model_name(lora), choices, usage)))

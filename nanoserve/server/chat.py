@@ -87,7 +87,7 @@ def _echo_text(request: ChatCompletionRequest, role: str) -> str:
 
 
 async def create_chat_completion(ctx: ServingContext, request: ChatCompletionRequest):
-    ctx.check_model(request.model)
+    lora = ctx.check_model(request.model)
     if request.top_logprobs and not request.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
                           "top_logprobs")
@@ -117,9 +117,9 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
         raise bad_request("the prompt is empty", "messages")
     base_id = response_id("chatcmpl", request.request_id)
     created = int(time.time())
-    cache_key, streams = ctx.cached_streams(base_id, [prompt], params)
+    cache_key, streams = ctx.cached_streams(base_id, [prompt], params, lora)
     if streams is None:
-        streams = await ctx.submit(base_id, [prompt], params, request.priority)
+        streams = await ctx.submit(base_id, [prompt], params, request.priority, lora)
     stream = streams[0]
     role = _response_role(request)
     if request.stream:
@@ -159,7 +159,7 @@ def _response(ctx: ServingContext, request: ChatCompletionRequest, base_id: str,
     prompt_ids = prompt.prompt_token_ids
     usage = ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
     return Response(200, encode_json(ChatCompletionResponse(
-        base_id, "chat.completion", created, ctx.served_model_name, choices, usage,
+        base_id, "chat.completion", created, ctx.response_model(request.model), choices, usage,
         prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
         prompt_token_ids=prompt_ids if request.return_token_ids else None)))
 
@@ -173,7 +173,7 @@ class _ChatChunks:
                  created: int, prompt: TokensPrompt, role: str, reader: ChatOutputReader | None,
                  continuous_usage: bool) -> None:
         self.ctx, self.request, self.reader, self.role = ctx, request, reader, role
-        self.base_id, self.created, self.model = base_id, created, ctx.served_model_name
+        self.base_id, self.created, self.model = base_id, created, ctx.response_model(request.model)
         self.prompt_ids = prompt.prompt_token_ids
         self.continuous_usage = continuous_usage
         self.as_token_ids = bool(request.return_tokens_as_token_ids)

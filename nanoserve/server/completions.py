@@ -122,7 +122,7 @@ def _choices(ctx: ServingContext, request: CompletionRequest, prompts: list[Toke
 
 
 async def create_completion(ctx: ServingContext, request: CompletionRequest):
-    ctx.check_model(request.model)
+    lora = ctx.check_model(request.model)
     if request.suffix is not None:
         raise bad_request("suffix is not currently supported", "suffix")
     if request.best_of is not None and request.best_of != request.n:
@@ -130,7 +130,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     ctx.check_fields(request, "logprobs", request.logprobs)
     if request.use_beam_search:  # checked before any prompt is tokenized
         params = beam_params(ctx, request)
-        return await create_beam_completion(ctx, request, await normalize_prompts(ctx, request), params)
+        return await create_beam_completion(ctx, request, await normalize_prompts(ctx, request), params, lora)
     if request.length_penalty != 1.0:
         raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
@@ -144,9 +144,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     prompts = await normalize_prompts(ctx, request)
     base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
-    cache_key, streams = ctx.cached_streams(base_id, prompts, params)
+    cache_key, streams = ctx.cached_streams(base_id, prompts, params, lora)
     if streams is None:
-        streams = await ctx.submit(base_id, prompts, params, request.priority)
+        streams = await ctx.submit(base_id, prompts, params, request.priority, lora)
     if request.stream:
         return StreamingResponse(_stream(ctx, request, base_id, created, prompts, streams,
                                          echo_only, cache_key))
@@ -161,7 +161,7 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     choices, completion_tokens = _choices(ctx, request, prompts, finals, echo_only)
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
-    body = CompletionResponse(base_id, "text_completion", created, ctx.served_model_name,
+    body = CompletionResponse(base_id, "text_completion", created, ctx.model_name(lora),
                               choices, usage)
     return Response(200, encode_json(body))
 
@@ -173,7 +173,7 @@ class _CompletionChunks:
     def __init__(self, ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
                  prompts: list[TokensPrompt], echo_only: bool, continuous_usage: bool) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
-        self.base_id, self.created, self.model = base_id, created, ctx.served_model_name
+        self.base_id, self.created, self.model = base_id, created, ctx.response_model(request.model)
         self.echo_only, self.continuous_usage = echo_only, continuous_usage
         self.as_token_ids = bool(request.return_tokens_as_token_ids)
         self.shows_tokens = request.logprobs is not None or bool(request.return_token_ids)

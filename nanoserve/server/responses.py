@@ -27,7 +27,7 @@ class ResponseShell:
         self.id, self.created = rid, int(time.time())
         self.fields = {
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-            "metadata": request.metadata or {}, "model": ctx.served_model_name,
+            "metadata": request.metadata or {}, "model": ctx.response_model(request.model),
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
             "store": request.store is not False,
@@ -112,7 +112,7 @@ def _as_messages(items: list[dict]) -> list[dict[str, Any]]:
 
 
 async def create_response(ctx: ServingContext, store: ResponseStore, request: ResponsesRequest):
-    ctx.check_model(request.model)
+    lora = ctx.check_model(request.model)
     check_unsupported(request)
     history: list[dict[str, Any]] = []
     if request.previous_response_id is not None:
@@ -132,7 +132,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     prompt = await render_chat_prompt(ctx, messages, True, False, None, None, False,
                                       tools=tool_use.tools)
     shell = ResponseShell(ctx, request, response_id("resp", request.request_id))
-    stream = (await ctx.submit(shell.id, [prompt], params, request.priority))[0]
+    stream = (await ctx.submit(shell.id, [prompt], params, request.priority, lora))[0]
     conversation = messages[1:] if request.instructions else messages
     prompt_tokens = len(prompt.prompt_token_ids)
     if request.stream:

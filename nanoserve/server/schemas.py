@@ -123,6 +123,18 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = True
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct):
+    """POST /v1/load_lora_adapter (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False  # replace an adapter already served under the name
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
 class TokenizeRequest(msgspec.Struct):
     model: str | None = None
     prompt: str | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +17,7 @@ from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reque
 from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import TokensPrompt
+from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
@@ -118,14 +119,39 @@ class ServingContext:
     chat_template: str | None = None  # --chat-template: instead of the model's
     auto_tool_parser: type[ToolParser] | None = None  # --enable-auto-tool-choice's parser
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    # --lora-modules (and adapters loaded at run time): a request whose model names one runs with it.
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    next_lora_id: int = 1
     created: int = 0
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.served_model_name, self.model_path):
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 for
+        anything else."""
+        if name is None or name in (self.served_model_name, self.model_path):
+            return None
+        lora = self.lora_modules.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+        return lora
+
+    def response_model(self, name: str | None) -> str:
+        """model_name of the adapter a request's `model` named (the base model's otherwise)."""
+        lora = self.lora_modules.get(name) if name is not None else None
+        return self.model_name(lora)
+
+    def new_lora(self, name: str, path: str) -> LoRARequest:
+        """An adapter under a fresh id (never reused: the prefix cache keys blocks by it)."""
+        self.next_lora_id = max([self.next_lora_id, *(lora.lora_int_id + 1 for lora in self.lora_modules.values())])
+        lora = LoRARequest(name, self.next_lora_id, path, self.served_model_name)
+        self.next_lora_id += 1
+        return lora
+
+    def model_name(self, lora: LoRARequest | None) -> str:
+        """What a response's `model` says: the adapter's name, as vLLM, or the served model's."""
+        return lora.lora_name if lora is not None else self.served_model_name
 
     def check_capacity(self) -> None:
         if self.engine.is_dead:
@@ -299,7 +325,7 @@ class ServingContext:
             logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
 
     async def submit(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
-                     priority: int) -> list[RequestStream]:
+                     priority: int, lora: LoRARequest | None = None) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
         self.check_num_sequences(params.n, len(prompts))
         self.check_capacity()
@@ -311,15 +337,15 @@ class ServingContext:
                     self.request_logger.log_inputs(request_id, prompt.prompt,
                                                    prompt.prompt_token_ids, params, priority)
                 streams.append(await self.engine.add_request(request_id, prompt, params, priority,
-                                                             RequestOutputKind.DELTA))
+                                                             RequestOutputKind.DELTA, lora_request=lora))
         except BaseException:  # the routes map it to its status (to_api_error)
             for stream in streams:
                 self.engine.abort(stream.request_id)
             raise
         return streams
 
-    def cached_streams(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams
-                       ) -> tuple[bytes | None, list[RequestStream] | None]:
+    def cached_streams(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
+                       lora: LoRARequest | None = None) -> tuple[bytes | None, list[RequestStream] | None]:
         """Look the request up in the response cache. Returns the key to store its outputs under
         (None: not cacheable, or a hit) and, on a hit, finished streams that replay the stored
         outputs: the engine never sees the request."""
@@ -327,6 +353,8 @@ class ServingContext:
         if cache is None or not cache.enabled or not is_cacheable(params):
             return None, None
         model = f"{self.served_model_name}\0{self.model_path}"
+        if lora is not None:  # an adapter's answers are its own (by id: one id, one adapter)
+            model += f"\0lora\0{lora.lora_int_id}\0{lora.lora_path}"
         key = cache_key(model, [prompt.prompt_token_ids for prompt in prompts], params)
         outputs = cache.get(key)
         if outputs is None:
