@@ -368,16 +368,23 @@ class LLMEngine:
                                           f"another adapter ({lora.lora_path!r}) needs another lora_int_id")
             self.loras.move_to_end(lora.lora_int_id)
             self._lora_removals.discard(lora.lora_int_id)
+            self._trim_loras(lora.lora_int_id, 0)
             return
-        capacity = self.config.max_cpu_loras or self.config.max_loras
-        in_use = self._loras_in_use()
-        for victim in [i for i in self.loras if i not in in_use][:max(0, len(self.loras) + 1 - capacity)]:
-            self._drop_lora(victim)
+        self._trim_loras(lora.lora_int_id, 1)
         try:
             self.runner.add_lora(lora.lora_int_id, lora.lora_path)
         except LoRAError as error:
             raise InvalidRequestError(str(error)) from None
         self.loras[lora.lora_int_id] = lora
+
+    def _trim_loras(self, keep: int, room: int) -> None:
+        """Drop the least recently used adapters no request runs with (never `keep`) until
+        `room` more fit in --max-cpu-loras."""
+        capacity = self.config.max_cpu_loras or self.config.max_loras
+        in_use = self._loras_in_use() | {keep}
+        victims = [i for i in self.loras if i not in in_use]
+        for victim in victims[:max(0, len(self.loras) + room - capacity)]:
+            self._drop_lora(victim)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (vLLM's remove_lora); False when no rank holds it. Requests still

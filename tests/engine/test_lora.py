@@ -177,3 +177,46 @@ def test_lora_errors(tiny_llama_dir, lora_adapters, tmp_path):
             LLM(model=str(tiny_llama_dir), enable_lora=True, **bad)
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, "/tmp")
+
+
+def test_ngram_speculation_with_adapters_is_exact(tiny_llama_dir, lora_adapters):
+    """Verification rows run with their sequence's adapter: n-gram speculation gives the tokens
+    of plain decoding for every adapter (greedy)."""
+    repetitive = [PROMPTS[0] * 4, PROMPTS[1] * 3]
+    loras = [None, lora(lora_adapters, "all-r8", 1), lora(lora_adapters, "qv-down-r4-rslora", 2)]
+    requests = [(p, w) for p in repetitive for w in loras]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                        "prompt_lookup_max": 4}):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", enable_lora=True, max_loras=2, device="cpu",
+                 speculative_config=spec) as llm:
+            results.append(tokens(llm.generate([{"prompt_token_ids": p} for p, _ in requests], params,
+                                               use_tqdm=False, lora_request=[w for _, w in requests])))
+            if spec is not None:
+                assert llm.llm_engine.spec_stats.num_draft_tokens > 0
+    assert results[0] == results[1]
+
+
+def test_adapters_over_a_gguf_model(tmp_path):
+    """A GGUF model served as it is (Q8_0 layers, bf16 activations) with an adapter made for
+    its checkpoint: the adapter changes the answers, and each answer has the same bits alone
+    and in a step with the base model's rows (which alone take the fused decode step)."""
+    from tests.gguf_models import write_quantized_gguf
+    from tests.lora_adapters import write_peft_adapter
+
+    gguf_file = write_quantized_gguf(tmp_path / "gguf", "q8_0")
+    adapter = write_peft_adapter(gguf_file.parent / "hf", tmp_path / "adapter", 7, ["q_proj", "v_proj", "down_proj"], 8)
+    which = [None, LoRARequest("a", 1, str(adapter))] * 2
+    prompts = [{"prompt_token_ids": PROMPTS[i % 2]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    with LLM(model=str(gguf_file), dtype="bfloat16", enable_lora=True, device="cpu") as llm:
+        assert llm.llm_engine.runner.fused_decode is not None
+        together = llm.generate(prompts, params, use_tqdm=False, lora_request=which)
+        for prompt, w, mixed in zip(prompts, which, together):
+            llm.llm_engine.reset_prefix_cache()
+            alone = llm.generate([prompt], params, use_tqdm=False, lora_request=w)[0]
+            assert alone.outputs[0].token_ids == mixed.outputs[0].token_ids
+            assert ([{k: v.logprob for k, v in e.items()} for e in alone.outputs[0].logprobs]
+                    == [{k: v.logprob for k, v in e.items()} for e in mixed.outputs[0].logprobs])
+    assert together[0].outputs[0].token_ids != together[1].outputs[0].token_ids
