@@ -139,11 +139,13 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: per prompt, the `beam_width` best sequences (nanoserve/
         beam_search.py: transformers' beam search arithmetic). Each step sends every running beam
         of every prompt as one request for one token; the prefix cache shares their blocks.
-        `text` is the whole sequence decoded (prompt and output), as vLLM's."""
+        `text` is the whole sequence decoded (prompt and output), as vLLM's. `lora_request`: the
+        adapter every beam runs with."""
         if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)):
             prompts = [prompts]
         tokenizer = self.llm_engine.tokenizer
@@ -155,7 +157,8 @@ class LLM:
                 break
             step = SamplingParams(max_tokens=1, temperature=0, logprobs=searches[0].num_logprobs,
                                   ignore_eos=True)
-            outputs = self.generate([TokensPrompt(tokens) for _, tokens in work], step, use_tqdm=False)
+            outputs = self.generate([TokensPrompt(tokens) for _, tokens in work], step, use_tqdm=False,
+                                    lora_request=lora_request)
             cursor = 0
             for search in searches:
                 count = len(search.pending())

@@ -93,6 +93,8 @@ class EngineStats:
     num_swap_outs_total: int = 0  # sequences swapped out
     cpu_cache_usage: float = 0.0  # fraction of the host pool's blocks in use
     spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
+    # --enable-lora: (max_loras, the adapters of waiting requests, those of running ones), by name
+    lora: tuple[int, list[str], list[str]] | None = None
 
 
 @dataclass(slots=True)
@@ -620,7 +622,15 @@ class LLMEngine:
             num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),
             num_swap_outs_total=sum(x.num_swap_outs for x in schedulers),
             cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0,
-            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None)
+            spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
+            lora=self._lora_stats() if self.config.enable_lora else None)
+
+    def _lora_stats(self) -> tuple[int, list[str], list[str]]:
+        def names(queue: str) -> list[str]:
+            ids = {s.lora_id for x in self.schedulers for s in getattr(x, queue) if s.lora_id}
+            return sorted(self.loras[i].lora_name for i in ids if i in self.loras)
+
+        return self.config.max_loras, names("waiting"), names("running")
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

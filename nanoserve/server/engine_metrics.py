@@ -2,6 +2,7 @@
 /metrics is scraped (a prometheus_client custom collector: the engine owns these counts)."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,6 +38,16 @@ class EngineStatsCollector:
         yield from self._engine_counters(stats)
         if stats.spec_decoding is not None:
             yield from self._spec_decode_counters(stats.spec_decoding)
+        if stats.lora is not None:
+            yield self._lora_info(*stats.lora)
+
+    @staticmethod
+    def _lora_info(max_lora: int, waiting: list[str], running: list[str]) -> Metric:
+        """vLLM's LoRA gauge: the adapters in use as labels, the time of the snapshot as value."""
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], time.time())
+        return family
 
     def _spec_decode_counters(self, spec) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (with --speculative-config)."""

@@ -220,3 +220,18 @@ def test_adapters_over_a_gguf_model(tmp_path):
             assert ([{k: v.logprob for k, v in e.items()} for e in alone.outputs[0].logprobs]
                     == [{k: v.logprob for k, v in e.items()} for e in mixed.outputs[0].logprobs])
     assert together[0].outputs[0].token_ids != together[1].outputs[0].token_ids
+
+
+def test_beam_search_with_an_adapter(tiny_llama_dir, lora_adapters):
+    """LLM.beam_search(..., lora_request=...): every beam runs with the adapter, so with width 1
+    the best beam is the adapter's greedy answer."""
+    from nanoserve.beam_search import BeamSearchParams
+
+    a1 = lora(lora_adapters, "all-r8", 1)
+    with LLM(model=str(tiny_llama_dir), dtype="float32", enable_lora=True, device="cpu") as llm:
+        greedy = tokens(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=a1))[0]
+        base = tokens(llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False))[0]
+        beams = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=1, max_tokens=12,
+                                                                                      ignore_eos=True),
+                                lora_request=a1)
+    assert beams[0].sequences[0].tokens[len(PROMPTS[0]):] == greedy != base

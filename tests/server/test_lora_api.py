@@ -123,3 +123,24 @@ def test_cli_refuses_bad_lora_modules(tiny_llama_dir, args, message):
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert message in lines[-1] and not any(line.startswith("Traceback") for line in lines)
+
+
+def test_metrics_and_response_cache_know_the_adapter(tiny_llama_dir, lora_adapters):
+    """/metrics names the served adapters' requests (vllm:lora_requests_info); the response
+    cache keeps an adapter's answers apart from the base model's for the same request."""
+    from tests.server.server_helpers import scrape_metrics
+
+    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE, response_cache_size=1.0,
+                          lora_modules=(("sql", str(lora_adapters["all-r8"]), None),))
+    try:
+        client = handle.client()
+        base = handle.engine.served_model_name
+        first = [complete(client, model).choices[0].text for model in (base, "sql")]
+        again = [complete(client, model).choices[0].text for model in (base, "sql")]
+        assert first == again and first[0] != first[1]
+        status, _, body = http_request(handle.port, "GET", "/metrics")
+        lines = [line for line in body.decode().splitlines() if line.startswith("vllm:lora_requests_info{")]
+        assert status == 200 and len(lines) == 1 and 'max_lora="2"' in lines[0]
+        assert scrape_metrics(handle.port)["nanoserve:response_cache_hits_total"] == 2
+    finally:
+        handle.close()
