@@ -39,7 +39,7 @@ class DraftProposer:
                              f"not the target's ({target.vocab_size}); they must share a tokenizer")
         runner_config = dataclasses.replace(config, model=str(draft_dir), speculative_config=None,
                                             num_kv_blocks=num_blocks, preemption_mode="recompute",
-                                            tokenizer=None, quantization=None)
+                                            tokenizer=None, quantization=None, enable_lora=False)
         self.runner = ModelRunner(runner_config, draft_config, draft_dir, device=device)
         self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, enable_prefix_caching=False)
         self.k = num_speculative_tokens

@@ -179,16 +179,18 @@ def test_lora_errors(tiny_llama_dir, lora_adapters, tmp_path):
         LoRARequest("x", 0, "/tmp")
 
 
-def test_ngram_speculation_with_adapters_is_exact(tiny_llama_dir, lora_adapters):
-    """Verification rows run with their sequence's adapter: n-gram speculation gives the tokens
-    of plain decoding for every adapter (greedy)."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_adapters_is_exact(tiny_llama_dir, lora_adapters, method):
+    """Verification rows run with their sequence's adapter (a draft model proposes without
+    one): speculation gives the tokens of plain decoding for every adapter (greedy)."""
     repetitive = [PROMPTS[0] * 4, PROMPTS[1] * 3]
     loras = [None, lora(lora_adapters, "all-r8", 1), lora(lora_adapters, "qv-down-r4-rslora", 2)]
     requests = [(p, w) for p in repetitive for w in loras]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     results = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
-                        "prompt_lookup_max": 4}):
+    speculative = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+                   if method == "ngram" else {"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    for spec in (None, speculative):
         with LLM(model=str(tiny_llama_dir), dtype="float32", enable_lora=True, max_loras=2, device="cpu",
                  speculative_config=spec) as llm:
             results.append(tokens(llm.generate([{"prompt_token_ids": p} for p, _ in requests], params,
