@@ -290,8 +290,15 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
         hidden = None
-        if self.fused_decode is not None and model_input.lora_slots is None:
-            hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata)
+        if self.fused_decode is not None:
+            lora = None
+            if model_input.lora_slots is not None:  # the step's adapters into the slots first
+                self.lora.apply(model_input.lora_slots)
+                table = self.lora.fused_table(self.model)
+                lora = (table, model_input.lora_rows) if table is not None else False
+            if lora is not False:
+                hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata,
+                                               lora)
         if hidden is None:
             with self.lora_context(model_input):
                 hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)

@@ -118,14 +118,16 @@ def fused_decode_layers_available() -> bool:
 
 
 def fused_decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads,
-                        head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format: int = 0) -> int:
+                        head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format: int = 0,
+                        lora=None) -> int:
     """kernels/cpu/decode_layers.cpp over every layer: the index of the residual among the
     buffers, 0 when it can't run here (then the modules run the step). kv_format: the pools'
-    (kv_dtype.fused_decode_kv_format)."""
+    (kv_dtype.fused_decode_kv_format); lora: the step's adapters (layers/cpu_decode.py)."""
     if not cpu_ops.available():
         return 0
     return cpu_ops.decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
-                                 num_kv_heads, head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format)
+                                 num_kv_heads, head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format,
+                                 lora)
 
 
 def rms_norm(x, weight, eps):

@@ -60,7 +60,7 @@ _SIGNATURES = {
     "ns_prefill_attention": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
                                  ctypes.c_float],
     "ns_decode_layers": [_P, _I32, _P, _I64, _I64, _I64, _I64, _I32, _I32, _I32, ctypes.c_float, ctypes.c_float,
-                         _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32, _I32],
+                         _P, _P, _I64, _P, _I32, _P, _I64, _P, _P, _I32, _I32, _P, _P, _I32, _I32, _P, _P],
     "ns_rotary_store": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I64, _P, _P, _I32, _P, _I32],
     "ns_paged_attention_fp8": [_I32, _I32, _P, _P, _I64, _I64, _P, _P, _I32, _I32, _I32, _P, _I64, _P, _P, _I32,
                                _I32, ctypes.c_float, _I32, _I32],
@@ -425,9 +425,10 @@ def prefill_attention(query, key_cache, value_cache, block_table, spans, scale, 
 
 
 def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads, head_dim, eps,
-                  scale, positions, cos_sin_cache, metadata, kv_format: int = 0) -> int:
+                  scale, positions, cos_sin_cache, metadata, kv_format: int = 0, lora=None) -> int:
     """kernels/cpu/decode_layers.cpp over every layer (layers/cpu_decode.py builds the tables):
-    the index of the residual among the buffers, 0 when it could not run."""
+    the index of the residual among the buffers, 0 when it could not run. `lora`: None, or
+    (table, row slots int64, slots, rank, shrink scratch, delta scratch) for a step with LoRA rows."""
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:
         return 0
     block_table = metadata.block_table
@@ -436,7 +437,14 @@ def decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
         num_kv_heads, head_dim, float(eps), float(scale), positions.data_ptr(), cos_sin_cache.data_ptr(),
         cos_sin_cache.stride(0), metadata.slot_mapping.data_ptr(), 16, block_table.data_ptr(),
         block_table.stride(0), metadata.cu_seqlens_q.data_ptr(), metadata.seq_lens.data_ptr(),
-        int(_amx_attention()), kv_format)
+        int(_amx_attention()), kv_format, *_lora_arguments(lora))
+
+
+def _lora_arguments(lora) -> tuple:
+    if lora is None:
+        return None, None, 0, 0, None, None
+    table, row_slots, num_slots, rank, shrink, delta = lora
+    return table.data_ptr(), row_slots.data_ptr(), num_slots, rank, shrink.data_ptr(), delta.data_ptr()
 
 
 def _amx_attention() -> bool:

@@ -93,8 +93,9 @@ class FusedDecode:
                          *(value for entry in linears for value in entry)])
         return cls(model, torch.tensor(rows, dtype=torch.int64), config, kv_format)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata) -> torch.Tensor | None:
-        """The final-normed hidden states of a step of decodes only, or None (then use the model)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, lora=None) -> torch.Tensor | None:
+        """The final-normed hidden states of a step of decodes only, or None (then use the model).
+        `lora`: the step's LoRA rows, as (lora/manager.py's fused_table(), each row's slot)."""
         rows = input_ids.shape[0]
         if rows == 0 or metadata.num_decode_seqs != rows or metadata.seq_lens.shape[0] != rows:
             return None
@@ -111,9 +112,17 @@ class FusedDecode:
                    new(rows, self.inter)]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
+        lora_arguments = None
+        if lora is not None:  # scratch for the adapters' shrink and delta (decode_layers.cpp)
+            (table, num_slots, rank, width), row_slots = lora
+            if row_slots.dtype != torch.long or row_slots.shape[0] != rows:
+                return None
+            lora_arguments = (table, row_slots, num_slots, rank, new(rows, width),
+                              new(rows, max(self.qkv_n, self.hidden, 2 * self.inter)))
         which = fused_decode_layers(
             self.layer_table, addresses, rows, self.hidden, self.qkv_n, self.inter, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata, self.kv_format)
+            self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata, self.kv_format,
+            lora_arguments)
         if which == 0:
             return None
         hidden, _ = model.norm(x, buffers[which])

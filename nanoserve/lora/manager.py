@@ -17,7 +17,7 @@ from torch import nn
 
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from nanoserve.lora.adapter import LoRAError, read_adapter
-from nanoserve.lora.layers import LoRABatch, LoRALinear
+from nanoserve.lora.layers import _GEMM_K, LoRABatch, LoRALinear
 
 _LAYER = re.compile(r"(.*\.layers\.)(\d+)(\..+)")
 
@@ -45,6 +45,7 @@ class LoRAManager:
         self.slots: list[int] = [0] * num_slots  # the adapter id in each slot (0: empty)
         self.last_used: dict[int, int] = {}  # slot -> the driver's step count when last assigned
         self.steps = 0
+        self._fused: tuple | None = None  # fused_table()'s answer for the slots as they are
 
     @property
     def all_on_cpu_gemm(self) -> bool:
@@ -114,6 +115,29 @@ class LoRAManager:
         for name, linear in self.linears.items():
             linear.lora.set_slot(slot, weights.get(name, {}))
         self.slots[slot] = adapter_id
+        self._fused = None
+
+    def fused_table(self, model: nn.Module) -> tuple[torch.Tensor, int, int, int] | None:
+        """The fused CPU decode step's view of the slots (kernels/cpu/decode_layers.cpp): per
+        decoder layer and linear (qkv, o, gate_up, down) the addresses of A's and B's packings (0
+        where the layer holds no adapter), the width and the parts; then the slots, the rank and
+        the widest width. None when a layer holding an adapter has no packing (not bf16 on our GEMM)."""
+        if self._fused is None:
+            rows, widest, packed = [], _GEMM_K, True
+            for layer in model.model.layers:
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                               layer.mlp.down_proj):
+                    lora = linear.lora
+                    if lora is None or not lora.filled:
+                        rows.append([0, 0, 0, 0])
+                        continue
+                    packed = packed and lora.a_gemm is not None and lora.b_gemm is not None
+                    rows.append([lora.a_gemm.data_ptr() if packed else 0, lora.b_gemm.data_ptr() if packed else 0,
+                                 lora.width, len(lora.parts)])
+                    widest = max(widest, lora.width)
+            self._fused = (torch.tensor(rows, dtype=torch.int64), self.num_slots, self.max_rank, widest) if packed \
+                else (None,)
+        return None if self._fused[0] is None else self._fused
 
     # ---- each step ------------------------------------------------------------------------------
     def assign(self, adapter_ids: set[int]) -> list[int]:

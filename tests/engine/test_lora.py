@@ -237,3 +237,37 @@ def test_beam_search_with_an_adapter(tiny_llama_dir, lora_adapters):
                                                                                       ignore_eos=True),
                                 lora_request=a1)
     assert beams[0].sequences[0].tokens[len(PROMPTS[0]):] == greedy != base
+
+
+def test_fused_decode_step_with_adapters_gives_the_modules_bits(tiny_llama_dir, lora_adapters, cpu_isa):
+    """Decode steps with LoRA rows (two adapters and the base model mixed) run in the fused CPU
+    decode step (kernels/cpu/decode_layers.cpp adds each layer's delta as LoRALinear.add_to
+    does): the same tokens and logprobs, bit for bit, as the modules' path, at every level."""
+    from nanoserve.kernels import cpu_ops
+
+    if not cpu_ops.gemm_available():
+        pytest.skip("the fused decode path needs the CPU kernels")
+    loras = [None, lora(lora_adapters, "all-r8", 1), lora(lora_adapters, "qv-down-r4-rslora", 2)] * 2
+    prompts = [{"prompt_token_ids": PROMPTS[i % 3]} for i in range(len(loras))]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    with LLM(model=str(tiny_llama_dir), dtype="bfloat16", enable_lora=True, max_loras=2, device="cpu") as llm:
+        runner = llm.llm_engine.runner
+        fused, calls = runner.fused_decode, []
+        assert fused is not None
+        run = fused.run
+
+        def counted(input_ids, positions, metadata, lora=None):
+            hidden = run(input_ids, positions, metadata, lora)
+            calls.append(lora is not None and hidden is not None)
+            return hidden
+
+        fused.run = counted
+        results = []
+        for use_fused in (True, False):
+            runner.fused_decode = fused if use_fused else None
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            results.append([(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in step.items())
+                                                       for step in o.outputs[0].logprobs]) for o in outputs])
+            llm.llm_engine.reset_prefix_cache()
+    assert sum(calls) >= 10, "too few decode steps with LoRA rows took the fused path"
+    assert results[0] == results[1]

@@ -10,7 +10,12 @@
 //   attn = decode attention of q over the pool;  o = attn @ Wo^T
 //   normed, residual = rms_norm(o + residual)        post_attention_layernorm
 //   x = (silu(gate) * up of normed @ Wgu^T) @ Wdown^T
+// With LoRA rows (lora/layers.py), each linear layer holding adapter slots then adds, as its
+// LoRALinear.add_to does: out += ((in @ A^T) with every column but the row's slot's zeroed) @ B^T,
+// the two GEMMs on A's and B's bf16 packings and one bf16 rounding of the sum, as torch's `+=`.
 #include <cstdint>
+
+#include "bf16.h"
 
 extern "C" {
 int ns_rms_norm(int dtype, void* out, void* new_residual, const void* x, const void* residual, const void* weight,
@@ -43,6 +48,45 @@ namespace {
 constexpr int kMaxParts = 3;                          // a linear layer's runs of output columns
 constexpr int kLinearEntries = 1 + 3 * kMaxParts;     // count, then (format, weights, n) a part
 constexpr int kLayerEntries = 4 + 4 * kLinearEntries; // 4 addresses, then Wqkv, Wo, Wgate_up, Wdown
+constexpr int kLoraEntries = 4;                       // a linear layer's LoRA: A, B packings, width, parts
+
+// The step's LoRA rows: slot of each row (-1: the base model), slots and rank of every layer.
+struct LoraRows {
+    const int64_t* slots;
+    int num_slots;
+    int rank;
+    uint16_t* shrink;  // scratch [rows, width]
+    uint16_t* delta;   // scratch [rows, n]
+};
+
+// out[rows, n] += ((x @ A^T) masked to each row's slot) @ B^T, rounded once (lora/layers.py).
+bool add_lora(const int64_t* entry, const LoraRows& lora, void* out, int64_t ldo, int64_t n, const void* x,
+              int64_t ldx, int64_t rows, int64_t k) {
+    const auto* a = reinterpret_cast<const void*>(entry[0]);
+    const auto* b = reinterpret_cast<const void*>(entry[1]);
+    const int64_t width = entry[2];
+    const int parts = static_cast<int>(entry[3]);
+    if (a == nullptr) return true;  // no adapter in this layer
+    if (ns_gemm_bf16(lora.shrink, width, x, ldx, a, nullptr, rows, width, k) != 0) return false;
+    const int64_t part_width = static_cast<int64_t>(lora.num_slots) * lora.rank;
+    for (int64_t r = 0; r < rows; ++r) {
+        uint16_t* row = lora.shrink + r * width;
+        const int64_t slot = lora.slots[r];
+        for (int64_t j = 0; j < width; ++j) {
+            const int64_t part = j / part_width, within = j % part_width;
+            const bool kept = slot >= 0 && part < parts && within / lora.rank == slot;
+            if (!kept) row[j] = 0;
+        }
+    }
+    if (ns_gemm_bf16(lora.delta, n, lora.shrink, width, b, nullptr, rows, n, width) != 0) return false;
+    for (int64_t r = 0; r < rows; ++r) {
+        auto* o = static_cast<uint16_t*>(out) + r * ldo;
+        const uint16_t* d = lora.delta + r * n;
+        for (int64_t j = 0; j < n; ++j)
+            o[j] = ns_bf16::from_float(ns_bf16::to_float(o[j]) + ns_bf16::to_float(d[j]));
+    }
+    return true;
+}
 
 // out[rows, ldo] = x @ W^T over W's parts side by side, each as the modules multiply it: format
 // -1 the bf16 GEMM on cpu_ops.pack_gemm_weight's packing, else a GGUF format on
@@ -73,13 +117,18 @@ extern "C" {
 // layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
 // [heads * head_dim], gate_up [2 * inter], act [inter].
 // kv_format: the pools' elements, 0 bf16, else an fp8 format (fp8.h).
+// lora: null, or num_layers x 4 linears x kLoraEntries int64 (A's and B's packings, or 0 where the
+// layer holds no adapter; the width; the parts), with lora_rows (each row's slot), lora_slots,
+// lora_rank and two bf16 scratch buffers ([rows, widest width] and [rows, widest output]).
 // Returns the index (1 or 2) of the buffer holding the residual after the last layer; 0 when a
 // GEMM refused its shapes (nothing usable then; the caller runs the modules' path).
 int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffers, int64_t rows, int64_t hidden,
                      int64_t qkv_n, int64_t inter, int num_heads, int num_kv_heads, int head_dim, float eps,
                      float scale, const int64_t* positions, const float* cos_sin, int64_t cos_sin_stride,
                      const int64_t* slots, int block_size, const int32_t* block_table, int64_t block_table_stride,
-                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int amx_attention, int kv_format) {
+                     const int32_t* cu_seqlens_q, const int32_t* seq_lens, int amx_attention, int kv_format,
+                     const int64_t* lora, const int64_t* lora_rows, int lora_slots, int lora_rank,
+                     void* lora_shrink, void* lora_delta) {
     constexpr int kBf16 = 1;
     auto at = [](int64_t address) { return reinterpret_cast<void*>(address); };
     void* x = at(buffers[0]);
@@ -92,6 +141,16 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     void* act = at(buffers[8]);
     const int64_t q_size = static_cast<int64_t>(num_heads) * head_dim;
     const int seqs = static_cast<int>(rows);
+    const LoraRows lora_step{lora_rows, lora_slots, lora_rank, static_cast<uint16_t*>(lora_shrink),
+                             static_cast<uint16_t*>(lora_delta)};
+    // A linear layer, then its adapters' delta when the step has LoRA rows.
+    auto project = [&](const int64_t* linear_entry, int which, int64_t layer, void* out, int64_t n, const void* in,
+                       int64_t k) {
+        if (!linear(linear_entry, out, n, in, k, rows, k)) return false;
+        if (lora == nullptr) return true;
+        const int64_t* entry = lora + (layer * 4 + which) * kLoraEntries;
+        return add_lora(entry, lora_step, out, n, n, in, k, rows, k);
+    };
     int current = -1;  // which residual buffer holds the residual; -1: x itself (layer 0)
     for (int layer = 0; layer < num_layers; ++layer) {
         const int64_t* w = layers + kLayerEntries * static_cast<int64_t>(layer);
@@ -102,7 +161,7 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
             ns_rms_norm(kBf16, normed, residual[1 - current], x, residual[current], at(w[0]), rows, hidden, eps);
             current = 1 - current;
         }
-        if (!linear(linears, qkv, qkv_n, normed, hidden, rows, hidden)) return 0;
+        if (!project(linears, 0, layer, qkv, qkv_n, normed, hidden)) return 0;
         void* key_cache = at(w[2]);
         void* value_cache = at(w[3]);
         ns_rotary_store(kBf16, qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos_sin, cos_sin_stride,
@@ -119,15 +178,15 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
                                head_dim, block_table, block_table_stride, cu_seqlens_q, seq_lens, seqs, num_heads,
                                scale, 16);
         }
-        if (!linear(linears + kLinearEntries, o, hidden, attn, q_size, rows, q_size)) return 0;
+        if (!project(linears + kLinearEntries, 1, layer, o, hidden, attn, q_size)) return 0;
         // Layer 0's residual is x itself (the embeddings); later layers' is a ping-pong buffer.
         const void* previous = current < 0 ? x : residual[current];
         const int next = current < 0 ? 0 : 1 - current;
         ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[1]), rows, hidden, eps);
         current = next;
-        if (!linear(linears + 2 * kLinearEntries, gate_up, 2 * inter, normed, hidden, rows, hidden)) return 0;
+        if (!project(linears + 2 * kLinearEntries, 2, layer, gate_up, 2 * inter, normed, hidden)) return 0;
         ns_silu_and_mul(kBf16, act, gate_up, rows, inter);
-        if (!linear(linears + 3 * kLinearEntries, x, hidden, act, inter, rows, inter)) return 0;
+        if (!project(linears + 3 * kLinearEntries, 3, layer, x, hidden, act, inter)) return 0;
     }
     return current + 1;
 }
