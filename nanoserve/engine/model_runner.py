@@ -297,8 +297,8 @@ class ModelRunner(KVCacheAllocation):
                 table = self.lora.fused_table(self.model)
                 lora = (table, model_input.lora_rows) if table is not None else False
             if lora is not False:
-                hidden = self.fused_decode.run(model_input.input_ids, model_input.positions, model_input.metadata,
-                                               lora)
+                inputs = (model_input.input_ids, model_input.positions, model_input.metadata)
+                hidden = self.fused_decode.run(*inputs) if lora is None else self.fused_decode.run(*inputs, lora)
         if hidden is None:
             with self.lora_context(model_input):
                 hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)

@@ -13,6 +13,7 @@
 // With LoRA rows (lora/layers.py), each linear layer holding adapter slots then adds, as its
 // LoRALinear.add_to does: out += ((in @ A^T) with every column but the row's slot's zeroed) @ B^T,
 // the two GEMMs on A's and B's bf16 packings and one bf16 rounding of the sum, as torch's `+=`.
+#include <algorithm>
 #include <cstdint>
 
 #include "bf16.h"
@@ -68,15 +69,17 @@ bool add_lora(const int64_t* entry, const LoraRows& lora, void* out, int64_t ldo
     const int parts = static_cast<int>(entry[3]);
     if (a == nullptr) return true;  // no adapter in this layer
     if (ns_gemm_bf16(lora.shrink, width, x, ldx, a, nullptr, rows, width, k) != 0) return false;
-    const int64_t part_width = static_cast<int64_t>(lora.num_slots) * lora.rank;
+    // Keep each part's columns of the row's slot, [(part * slots + slot) * rank, + rank); zero the rest.
     for (int64_t r = 0; r < rows; ++r) {
         uint16_t* row = lora.shrink + r * width;
         const int64_t slot = lora.slots[r];
-        for (int64_t j = 0; j < width; ++j) {
-            const int64_t part = j / part_width, within = j % part_width;
-            const bool kept = slot >= 0 && part < parts && within / lora.rank == slot;
-            if (!kept) row[j] = 0;
+        int64_t zero_from = 0;
+        for (int part = 0; slot >= 0 && part < parts; ++part) {
+            const int64_t start = (static_cast<int64_t>(part) * lora.num_slots + slot) * lora.rank;
+            std::fill(row + zero_from, row + start, uint16_t{0});
+            zero_from = start + lora.rank;
         }
+        std::fill(row + zero_from, row + width, uint16_t{0});
     }
     if (ns_gemm_bf16(lora.delta, n, lora.shrink, width, b, nullptr, rows, n, width) != 0) return false;
     for (int64_t r = 0; r < rows; ++r) {
