@@ -271,3 +271,41 @@ def test_fused_decode_step_with_adapters_gives_the_modules_bits(tiny_llama_dir, 
             llm.llm_engine.reset_prefix_cache()
     assert sum(calls) >= 10, "too few decode steps with LoRA rows took the fused path"
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("family, targets", [
+    ("qwen3", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("gemma2", ["q_proj", "v_proj", "o_proj", "down_proj"]),
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),  # fused in Phi-3's own checkpoint
+])
+def test_other_families_match_peft(tmp_path, family, targets):
+    """Qwen3 (q/k norms), Gemma 2 (sliding windows, soft-capping) and Phi-3 (whose checkpoint
+    fuses qkv_proj and gate_up_proj, so its adapters target the fused matrices): an adapter's
+    greedy tokens are peft's."""
+    from tests.lora_adapters import write_peft_adapter
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    base = write_random_checkpoint(tmp_path / family, family)
+    adapter = write_peft_adapter(base, tmp_path / "adapter", 11, targets, 8)
+    prompt = PROMPTS[1]
+    with LLM(model=str(base), dtype="float32", enable_lora=True, device="cpu") as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, GREEDY, use_tqdm=False,
+                               lora_request=[None, LoRARequest("a", 1, str(adapter))])
+    assert outputs[0].outputs[0].token_ids == hf_greedy(load_hf(base), prompt, GREEDY.max_tokens)
+    expected = hf_greedy(peft_oracle(base, adapter), prompt, GREEDY.max_tokens)
+    assert outputs[1].outputs[0].token_ids == expected != outputs[0].outputs[0].token_ids
+
+
+def test_chunked_prompts_and_preemption_keep_the_adapter(tiny_llama_dir, lora_adapters):
+    """Prompts split into chunks of 8 tokens beside other adapters' decodes, and a pool so small
+    that sequences are preempted and recomputed: every answer is the roomy engine's."""
+    loras = [None, lora(lora_adapters, "all-r8", 1), lora(lora_adapters, "qv-down-r4-rslora", 2)] * 2
+    prompts = [{"prompt_token_ids": (PROMPTS[i % 3] * 3)[:30]} for i in range(len(loras))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    answers = []
+    for engine_args in ({}, {"max_num_batched_tokens": 8, "num_kv_blocks": 12}):
+        with LLM(model=str(tiny_llama_dir), dtype="float32", enable_lora=True, max_loras=2, device="cpu",
+                 **engine_args) as llm:
+            answers.append(tokens(llm.generate(prompts, params, use_tqdm=False, lora_request=loras)))
+            preemptions = llm.llm_engine.stats().num_preemptions_total
+    assert answers[0] == answers[1] and preemptions > 0
