@@ -67,6 +67,10 @@ def read_adapter(path: str | Path, max_rank: int) -> Adapter:
     for refused, what in refusals:
         if refused:
             raise LoRAError(f"LoRA adapter {name!r}: {what} is not supported")
+    for extra in ("new_embeddings.safetensors", "new_embeddings.bin"):  # vLLM's (deprecated) added tokens
+        if (directory / extra).is_file():
+            raise LoRAError(f"LoRA adapter {name!r}: {extra} (tokens the adapter adds to the vocabulary) is "
+                            "not supported")
     weights_file = directory / "adapter_model.safetensors"
     if not weights_file.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: no adapter_model.safetensors (nanoserve reads safetensors only)")

@@ -161,6 +161,11 @@ def test_lora_errors(tiny_llama_dir, lora_adapters, tmp_path):
             (bad / "adapter_config.json").write_text(json.dumps(config))
             with pytest.raises(ValueError, match=f"{message}.* is not supported"):
                 llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest(field, 10, str(bad)))
+        added = tmp_path / "added-tokens"
+        shutil.copytree(lora_adapters["all-r8"], added)
+        save_file({"input_embeddings": torch.ones(2, 64)}, str(added / "new_embeddings.safetensors"))
+        with pytest.raises(ValueError, match="new_embeddings.safetensors .* is not supported"):
+            llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=LoRARequest("added", 12, str(added)))
         head = tmp_path / "head"  # an LM-head adapter, written as peft lays one out
         shutil.copytree(lora_adapters["all-r8"], head)
         save_file({"base_model.model.lm_head.lora_A.weight": torch.ones(4, 64),
