@@ -27,26 +27,18 @@ on CUDA, where the Triton kernel reads GGUF bytes) is dequantized into its float
 from __future__ import annotations
 
 import json
-import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from nanoserve.kernels import quant
-from nanoserve.layers.embedding import ParallelLMHead
-from nanoserve.layers.linear import LinearBase, load_parameter
-from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
-
-logger = logging.getLogger(__name__)
+from nanoserve.models.quant_staging import IntegerWeight
 
 QUANT_METHOD = "compressed-tensors"
 _INT_FORMATS = ("int-quantized", "naive-quantized")
 _FORMATS = (*_INT_FORMATS, "pack-quantized")
 _STRATEGIES = ("channel", "group", "tensor")
-_BLOCK = 32
 # The tensors beside a quantized layer's weight; `input_*` are read and not used.
 _ROLES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
           "input_scale", "input_zero_point")
@@ -73,10 +65,23 @@ class WeightScheme:
         names = {"weight_packed", "weight_shape"} if self.format == "pack-quantized" else {"weight"}
         return names | {"weight_scale"} | (set() if self.symmetric else {"weight_zero_point"})
 
+    def integers(self, tensors: dict[str, torch.Tensor], layer: str) -> IntegerWeight:
+        """The layer's tensors read (models/quant_staging.IntegerWeight)."""
+        return _integers(self, tensors, layer)
+
 
 @dataclass(frozen=True)
 class CompressedTensorsConfig:
+    """The checkpoint's config (models/quant_staging.IntegerFormat, for IntegerCheckpointLoader)."""
     groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]   # (targets, scheme) in config order
+    method = QUANT_METHOD
+    marker = "weight_scale"
+    tensor_roles = _ROLES
+
+    def takes_role(self, layer: str, role: str) -> bool:
+        if role == "weight_g_idx":
+            raise _refuse(f"activation-ordered groups ({layer}.weight_g_idx)")
+        return not role.startswith("input_")  # static activation scales: the kernel's dynamic ones replace them
 
     def scheme_for(self, module_name: str) -> WeightScheme:
         """vLLM's order: a group naming the layer (exactly or by regex), then one targeting "Linear"."""
@@ -175,8 +180,7 @@ def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
     return values.reshape(n if values.numel() > 1 else 1, -1).expand(n, -1)
 
 
-def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str):
-    """(q int16 [n, k] signed, scale fp32 [n, groups], zero point int16 [n, groups] or None, group)."""
+def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str) -> IntegerWeight:
     half = 1 << (scheme.num_bits - 1)
     if scheme.format == "pack-quantized":
         n, k = (int(size) for size in tensors["weight_shape"].tolist())
@@ -196,92 +200,8 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
     if zero is not None:
         if scheme.format == "pack-quantized" and zero.dtype == torch.int32:  # packed along the rows
             zero = _unpack(zero.t(), scheme.num_bits, n).t().to(torch.int16) - half
-        zero = _per_row(zero.to(torch.int16), n)
-    return q, scale.contiguous(), None if zero is None else zero.contiguous(), group
-
-
-def _dequantized(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
-    """float32 [n, k]: scale * (q - zero point), as compressed-tensors' dequantize."""
-    k = q.shape[1]
-    if zero is not None:
-        q = q - zero.repeat_interleave(group, dim=1)[:, :k]
-    return scale.repeat_interleave(group, dim=1)[:, :k] * q.float()
-
-
-def _kernel_arrays(scheme: WeightScheme, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-                   group: int) -> dict[str, torch.Tensor]:
-    """The kernel format's components (u, scale per 32, min per 32) of a layer whose groups are
-    whole blocks of 32."""
-    blocks = q.shape[1] // _BLOCK
-    u = (q + (1 << (scheme.num_bits - 1))).to(torch.uint8)
-    per_block = scale.repeat_interleave(group // _BLOCK, dim=1)[:, :blocks].contiguous()
-    arrays = {"u": u, "scale": per_block}
-    if zero is not None:  # Q4_1: scale * u + min = scale * (q - zero) with u = q + 8
-        zero = zero.repeat_interleave(group // _BLOCK, dim=1)[:, :blocks]
-        arrays["mins"] = -(per_block * (zero + 8).float())
-    return arrays
+        zero = _per_row(zero.to(torch.int16), n).contiguous()
+    return IntegerWeight(q, scale.contiguous(), zero, group, scheme.num_bits)
 
 
 # ---- loading --------------------------------------------------------------------------------
-
-@dataclass
-class CompressedTensorsLoader:
-    """models/weights.load_weights' partner for a compressed-tensors checkpoint: it names the
-    tensors of quantized layers (`split_name`), collects each layer's (they may lie in different
-    shard files), then stages them for the kernels or dequantizes them (`add`); `finish` makes
-    the QuantWeights."""
-    config: CompressedTensorsConfig
-    modules: dict[str, nn.Module]
-    quantized: set[str]                      # checkpoint names of layers holding a weight_scale
-    pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    staged: dict[str, StagedLinear] = field(default_factory=dict)
-
-    @classmethod
-    def for_checkpoint(cls, config: CompressedTensorsConfig, model: nn.Module,
-                       tensor_names) -> "CompressedTensorsLoader":
-        quantized = {name.removesuffix(".weight_scale") for name in tensor_names if name.endswith(".weight_scale")}
-        return cls(config, dict(model.named_modules(remove_duplicate=False)), quantized)
-
-    def split_name(self, name: str) -> tuple[str, str | None]:
-        """A quantized layer's tensor -> (its weight's name, which tensor: "weight", "weight_scale",
-        ...); any other tensor -> (name, None)."""
-        base, _, role = name.rpartition(".")
-        if base in self.quantized and (role == "weight" or role in _ROLES):
-            return f"{base}.weight", role
-        return name, None
-
-    def add(self, layer: str, role: str, tensor: torch.Tensor, target: str, param: nn.Parameter, shard_id) -> None:
-        """One tensor of the checkpoint layer `layer` (loading into parameter `target`)."""
-        if role == "weight_g_idx":
-            raise _refuse(f"activation-ordered groups ({layer}.weight_g_idx)")
-        if role.startswith("input_"):
-            return  # static activation scales: the kernel's dynamic per-block scales replace them
-        scheme = self.config.scheme_for(layer)
-        tensors = self.pending.setdefault(layer, {})
-        tensors[role] = tensor
-        if scheme.roles() <= tensors.keys():
-            del self.pending[layer]
-            self._load_layer(layer, scheme, tensors, target, param, shard_id)
-
-    def _load_layer(self, layer: str, scheme: WeightScheme, tensors: dict[str, torch.Tensor], target: str,
-                    param: nn.Parameter, shard_id) -> None:
-        q, scale, zero, group = _integers(scheme, tensors, layer)
-        module = self.modules[target.rsplit(".", 1)[0]]
-        k = q.shape[1]
-        k_local = param.shape[-1]
-        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2 and quant.takes_components(param.device)
-                and group % _BLOCK == 0 and k_local % _BLOCK == 0 and k % k_local == 0):
-            arrays = _kernel_arrays(scheme, q, scale, zero, group)
-            stage_quantized(module, layer, arrays, scheme.qtype, _BLOCK, k, shard_id,
-                            self.staged.setdefault(target, StagedLinear()))
-            return
-        logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
-        load_parameter(param, _dequantized(q, scale, zero, group).to(param.dtype), shard_id)
-
-    def finish(self) -> None:
-        """Every quantized layer complete, and its QuantWeight(s) made."""
-        for layer, tensors in self.pending.items():
-            missing = sorted(self.config.scheme_for(layer).roles() - tensors.keys())
-            raise ValueError(f"{layer}: the checkpoint lacks {', '.join(missing)}")
-        for target, parts in self.staged.items():
-            finish_quantized(self.modules[target.rsplit(".", 1)[0]], target, parts, shared=False)

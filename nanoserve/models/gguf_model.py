@@ -7,6 +7,8 @@ import functools
 from pathlib import Path
 
 from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
+from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
+from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
 from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
@@ -99,9 +101,10 @@ def gguf_tokenizer(gguf_file: Path):
 
 
 def check_quantization(quantization: str | None, model: Path) -> None:
-    """`--quantization`: "gguf" is implied by a GGUF model, "compressed-tensors" by a checkpoint
-    whose config.json says so (its schemes are checked here, before any rank loads); each means
-    nothing for any other model, and other checkpoint quantizations are refused (ValueError, one line)."""
+    """`--quantization`: "gguf" is implied by a GGUF model, "compressed-tensors", "gptq" (or
+    "gptq_marlin") and "awq" (or "awq_marlin") by a checkpoint whose config.json says so (its
+    scheme is checked here, before any rank loads); each means nothing for any other model, and
+    other checkpoint quantizations are refused (ValueError, one line)."""
     is_gguf = find_gguf_file(model) is not None
     if is_gguf:
         if quantization not in (None, "gguf"):
@@ -109,15 +112,22 @@ def check_quantization(quantization: str | None, model: Path) -> None:
                              "(its quantization is gguf; leave the flag out or pass gguf)")
         return
     method = checkpoint_quant_method(model)
+    if method is None and group_quant_config(model) is not None:
+        method = GPTQ  # an AutoGPTQ checkpoint's quantize_config.json
+    served = f"gguf files, {QUANT_METHOD}, GPTQ and AWQ checkpoints"
     if method is None:
         if quantization is not None:
-            raise ValueError(f"--quantization {quantization} does not apply to {model}: only gguf (a .gguf model "
-                             f"file) and {QUANT_METHOD} (a checkpoint whose config.json names it) are supported")
+            raise ValueError(f"--quantization {quantization} does not apply to {model}: it is not quantized "
+                             f"(nanoserve serves {served}, each implied by the model)")
         return
-    if method != QUANT_METHOD:
+    if method not in (QUANT_METHOD, *GROUP_METHODS):
         raise ValueError(f"{model}: quantization_config.quant_method {method!r} is not supported; nanoserve "
-                         f"serves gguf files and {QUANT_METHOD} checkpoints")
-    if quantization not in (None, QUANT_METHOD):
+                         f"serves {served}")
+    accepted = FLAG_ALIASES.get(method, (method,))
+    if quantization not in (None, *accepted):
         raise ValueError(f"--quantization {quantization} does not apply to {model} (its quantization is "
-                         f"{QUANT_METHOD}; leave the flag out or pass {QUANT_METHOD})")
-    compressed_tensors_config(model)
+                         f"{method}; leave the flag out or pass {' or '.join(accepted)})")
+    if method == QUANT_METHOD:
+        compressed_tensors_config(model)
+    else:
+        group_quant_config(model)

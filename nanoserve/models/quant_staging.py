@@ -1,6 +1,10 @@
 """A quantized linear layer's parts as a loader stages them, and the QuantWeight(s) made of them
 (kernels/quant.py); shared by the GGUF loader (models/gguf_weights.py, the file's bytes) and the
-compressed-tensors one (models/compressed_tensors.py, integers and scales).
+loaders of checkpoints that hold integers and scales (compressed-tensors:
+models/compressed_tensors.py; GPTQ and AWQ: models/gptq_awq.py), whose common part is here:
+`IntegerWeight` (one layer's integers, scales and zero points, in one convention) and
+`IntegerCheckpointLoader` (each quantized layer's tensors collected, then staged for the kernels
+or dequantized).
 
 Each part arrives as one or more arrays of the whole checkpoint tensor, rows in output order and
 columns that split with the input features (GGUF bytes, or u / scale per 32 / min per 32). Shards
@@ -9,14 +13,19 @@ layers take whole rows and row-parallel layers whole blocks of each row.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from nanoserve.kernels import quant
 from nanoserve.layers.embedding import ParallelLMHead
-from nanoserve.layers.linear import RowParallelLinear
+from nanoserve.layers.linear import LinearBase, RowParallelLinear, load_parameter
+
+logger = logging.getLogger(__name__)
+BLOCK = 32  # the kernel formats' block of inputs (Q8_0, Q4_0, Q4_1)
 
 
 @dataclass
@@ -90,3 +99,134 @@ def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared
     if not shared:
         module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
                                      requires_grad=False)
+
+
+# ---- checkpoints of integers and scales (compressed-tensors, GPTQ, AWQ) ----------------------
+
+@dataclass
+class IntegerWeight:
+    """One quantized layer as its checkpoint means it: weight[o, i] = scale[o, g] * (q[o, i] -
+    zero[o, g]) with g = i // group, or, with `g_idx` (GPTQ's activation order), g = g_idx[i].
+    q and zero are signed, centred on 2^(bits-1) (compressed-tensors' convention: a stored
+    unsigned value u is q = u - 2^(bits-1)); zero None means 0 (symmetric)."""
+    q: torch.Tensor                      # int16 [n, k]
+    scale: torch.Tensor                  # float32 [n, groups]
+    zero: torch.Tensor | None            # int16 [n, groups]
+    group: int
+    bits: int
+    g_idx: torch.Tensor | None = None    # int64 [k], only when it is not i // group
+
+    @property
+    def qtype(self) -> str | None:
+        """The kernel format (kernels/quant.py) that holds it, or None (no format does)."""
+        if self.bits == 8:
+            return "q8_0" if self.zero is None else None
+        if self.bits == 4:
+            return "q4_0" if self.zero is None else "q4_1"
+        return None
+
+    def _groups(self) -> torch.Tensor:
+        k = self.q.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(k) // self.group
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [n, k]."""
+        groups = self._groups()
+        q = self.q if self.zero is None else self.q - self.zero[:, groups]
+        return self.scale[:, groups] * q.float()
+
+    def fits_kernels(self, k_local: int) -> bool:
+        """Whole blocks of 32 inputs each in one group, in input order, in a format the kernels have."""
+        k = self.q.shape[1]
+        return (self.qtype is not None and self.g_idx is None and self.group % BLOCK == 0
+                and k_local % BLOCK == 0 and k % k_local == 0)
+
+    def kernel_arrays(self) -> dict[str, torch.Tensor]:
+        """The kernel format's components: u, scale per block of 32, min per block (Q4_1)."""
+        blocks = self.q.shape[1] // BLOCK
+        half = 1 << (self.bits - 1)
+        u = (self.q + half).to(torch.uint8)
+        per_block = self.scale.repeat_interleave(self.group // BLOCK, dim=1)[:, :blocks].contiguous()
+        arrays = {"u": u, "scale": per_block}
+        if self.zero is not None:  # Q4_1: scale * u + min = scale * (q - zero) with u = q + 8
+            zero = self.zero.repeat_interleave(self.group // BLOCK, dim=1)[:, :blocks]
+            arrays["mins"] = -(per_block * (zero + half).float())
+        return arrays
+
+
+class IntegerScheme(Protocol):
+    def roles(self) -> set[str]:
+        """The tensors a layer of this scheme must have."""
+
+    def integers(self, tensors: dict[str, torch.Tensor], layer: str) -> IntegerWeight:
+        """The layer's tensors (role -> tensor) read."""
+
+
+class IntegerFormat(Protocol):
+    method: str                # quant_method, for messages
+    marker: str                # the tensor beside a quantized layer's that marks it ("weight_scale", "qweight")
+    tensor_roles: tuple[str, ...]
+
+    def scheme_for(self, layer: str) -> IntegerScheme: ...
+
+    def takes_role(self, layer: str, role: str) -> bool:
+        """False: the tensor is read and not used; may raise (ValueError) for one not served."""
+
+
+@dataclass
+class IntegerCheckpointLoader:
+    """models/weights.load_weights' partner for a checkpoint of integers and scales: it names the
+    tensors of quantized layers (`split_name`), collects each layer's (they may lie in different
+    shard files), then stages them for the kernels or dequantizes them (`add`); `finish` makes
+    the QuantWeights."""
+    format: IntegerFormat
+    modules: dict[str, nn.Module]
+    quantized: set[str]                      # checkpoint names of quantized layers
+    pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    staged: dict[str, StagedLinear] = field(default_factory=dict)
+
+    @classmethod
+    def for_checkpoint(cls, format: IntegerFormat, model: nn.Module, tensor_names) -> "IntegerCheckpointLoader":
+        suffix = "." + format.marker
+        quantized = {name.removesuffix(suffix) for name in tensor_names if name.endswith(suffix)}
+        return cls(format, dict(model.named_modules(remove_duplicate=False)), quantized)
+
+    def split_name(self, name: str) -> tuple[str, str | None]:
+        """A quantized layer's tensor -> (its weight's name, which tensor: "weight", "qweight",
+        "weight_scale", ...); any other tensor -> (name, None)."""
+        base, _, role = name.rpartition(".")
+        if base in self.quantized and (role == "weight" or role in self.format.tensor_roles):
+            return f"{base}.weight", role
+        return name, None
+
+    def add(self, layer: str, role: str, tensor: torch.Tensor, target: str, param: nn.Parameter, shard_id) -> None:
+        """One tensor of the checkpoint layer `layer` (loading into parameter `target`)."""
+        if not self.format.takes_role(layer, role):
+            return
+        scheme = self.format.scheme_for(layer)
+        tensors = self.pending.setdefault(layer, {})
+        tensors[role] = tensor
+        if scheme.roles() <= tensors.keys():
+            del self.pending[layer]
+            self._load_layer(layer, scheme.integers(tensors, layer), target, param, shard_id)
+
+    def _load_layer(self, layer: str, weight: IntegerWeight, target: str, param: nn.Parameter, shard_id) -> None:
+        module = self.modules[target.rsplit(".", 1)[0]]
+        k = weight.q.shape[1]
+        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
+                and quant.takes_components(param.device) and weight.fits_kernels(param.shape[-1])):
+            stage_quantized(module, layer, weight.kernel_arrays(), weight.qtype, BLOCK, k, shard_id,
+                            self.staged.setdefault(target, StagedLinear()))
+            return
+        logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
+        load_parameter(param, weight.dequantized().to(param.dtype), shard_id)
+
+    def finish(self) -> None:
+        """Every quantized layer complete, and its QuantWeight(s) made."""
+        for layer, tensors in self.pending.items():
+            missing = sorted(self.format.scheme_for(layer).roles() - tensors.keys())
+            raise ValueError(f"{layer}: the checkpoint lacks {', '.join(missing)}")
+        for target, parts in self.staged.items():
+            finish_quantized(self.modules[target.rsplit(".", 1)[0]], target, parts, shared=False)

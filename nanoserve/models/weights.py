@@ -11,7 +11,7 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.layers.fused_moe import expert_weight_target
 from nanoserve.layers.linear import load_parameter
-from nanoserve.models.compressed_tensors import CompressedTensorsConfig, CompressedTensorsLoader
+from nanoserve.models.quant_staging import IntegerCheckpointLoader, IntegerFormat
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -50,9 +50,18 @@ def _tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def load_weights(model: nn.Module, model_dir: Path, quantization: CompressedTensorsConfig | None = None) -> None:
-    """Every tensor into its parameter. `quantization`: a compressed-tensors checkpoint's config;
-    its quantized layers' tensors go to models/compressed_tensors.py's loader instead."""
+def _extra_zero_bias(quantization: IntegerFormat, f, tensor_name: str) -> bool:
+    """A GPTQ checkpoint may hold a bias of zeros for layers that have none (AutoGPTQ's): skipped,
+    as vLLM skips it. A bias that isn't zero is still an error (the model would lose it)."""
+    if not (getattr(quantization, "skips_zero_bias", False) and tensor_name.endswith(".bias")):
+        return False
+    return not bool(f.get_tensor(tensor_name).any())
+
+
+def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat | None = None) -> None:
+    """Every tensor into its parameter. `quantization`: the config of a checkpoint of integers
+    and scales (compressed-tensors, GPTQ, AWQ); its quantized layers' tensors go to
+    models/quant_staging.IntegerCheckpointLoader instead."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
     # without "model."; the LM head stays unloaded (a pooling model never computes logits).
@@ -67,7 +76,7 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: CompressedTens
     missing = missing_prefixes(model)
     tied_head_from_embedding = tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
     files = checkpoint_files(model_dir)
-    quantized = None if quantization is None else CompressedTensorsLoader.for_checkpoint(
+    quantized = None if quantization is None else IntegerCheckpointLoader.for_checkpoint(
         quantization, model, _tensor_names(files))
     loaded_names: set[str] = set()
     for file in files:
@@ -89,6 +98,8 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: CompressedTens
                     name_in_model = name
                 target, shard_id = _target(name_in_model, packed, renames)
                 param = params.get(target)
+                if param is None and quantized is not None and _extra_zero_bias(quantization, f, tensor_name):
+                    continue
                 if param is None:
                     raise ValueError(f"{file.name}: unexpected tensor {tensor_name!r} for this architecture")
                 loaded_names.add(target)

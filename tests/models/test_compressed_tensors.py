@@ -276,9 +276,9 @@ def test_quantization_flag(w8a16, tmp_path):
         build(w8a16.parent / "hf", quantization="compressed-tensors")
     import shutil
 
-    other = shutil.copytree(w8a16, tmp_path / "awq")
-    _edit_config(other, lambda q: q.update(quant_method="awq"))
-    with pytest.raises(ValueError, match="quant_method 'awq' is not supported"):
+    other = shutil.copytree(w8a16, tmp_path / "bnb")
+    _edit_config(other, lambda q: q.update(quant_method="bitsandbytes"))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         build(other)
 
 
