@@ -203,3 +203,12 @@ def test_fused_decode_on_a_compressed_tensors_checkpoint_gives_the_modules_bits(
     ct_models = pytest.importorskip("tests.compressed_tensors_models")
     pytest.importorskip("compressed_tensors")
     assert_fused_gives_the_modules_bits(ct_models.write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=3))
+
+
+@pytest.mark.parametrize("scheme", ["gptq-4bit-g128", "awq-4bit-g64"])
+def test_fused_decode_on_a_gptq_or_awq_checkpoint_gives_the_modules_bits(scheme, tmp_path, cpu_isa):
+    """GPTQ (symmetric: the Q4_0 kernel format) and AWQ (zero points: Q4_1) checkpoints,
+    models/gptq_awq.py: the fused steps and the modules' path give the same tokens and logprobs."""
+    from tests.gptq_awq_models import write_quantized_llama
+
+    assert_fused_gives_the_modules_bits(write_quantized_llama(tmp_path, scheme, seed=3))

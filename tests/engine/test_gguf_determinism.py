@@ -1,4 +1,4 @@
-"""Issue 19's promises on quantized GGUF models (and a compressed-tensors checkpoint, on the same kernels): a prompt's greedy tokens and their logprob bits do
+"""Issue 19's promises on quantized GGUF models (and compressed-tensors and GPTQ checkpoints, on the same kernels): a prompt's greedy tokens and their logprob bits do
 not depend on how its prompt was computed (cold, fully or partly from the prefix cache, chunked
 at odd boundaries) nor on the other requests in its batch. The quantized GEMMs
 (kernels/quant.py) sum each output in one order whatever the rows, as the bf16 GEMM does; with
@@ -20,7 +20,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_
 
 
 @pytest.fixture(scope="module", params=["q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m",
-                                        "compressed-tensors-w8a8"])
+                                        "compressed-tensors-w8a8", "gptq-4bit-g128"])
 def gguf_file(request, tmp_path_factory):
     """A GGUF file, or a compressed-tensors checkpoint (the same kernels, models/compressed_tensors.py).
     q4_k_m: Q4_K in every layer needs inputs in blocks of 256. llama_cpp_q4_k_m on SmolLM2's
@@ -30,6 +30,9 @@ def gguf_file(request, tmp_path_factory):
         ct_models = pytest.importorskip("tests.compressed_tensors_models")
         pytest.importorskip("compressed_tensors")
         return ct_models.write_compressed_llama(tmp_path_factory.mktemp("ct"), "w8a8-channel", seed=19, **SMOLLM2_SHAPE)
+    if request.param.startswith("gptq"):  # symmetric int4: the Q4_0 kernel format
+        from tests.gptq_awq_models import write_quantized_llama
+        return write_quantized_llama(tmp_path_factory.mktemp("gptq"), request.param, seed=19, **SMOLLM2_SHAPE)
     shape = {} if request.param == "q4_k_m" else SMOLLM2_SHAPE
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=19, **shape)
 

@@ -1,0 +1,45 @@
+"""`nanoserve serve --model DIR` for GPTQ and AWQ checkpoints of the default model (its
+projections quantized to 4 bits per group of 64 and stored as AutoGPTQ / AutoAWQ store them,
+tests/gptq_awq_models.py): served with their int4 layers, answering the openai client with what
+the offline engine gives on the same checkpoint."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.server.test_cli_server import start
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module", params=["gptq-4bit-asym-g64", "awq-4bit-g64"])
+def smollm2_int4(request, smollm2_dir, tmp_path_factory):
+    from tests.gptq_awq_models import quantize_checkpoint
+
+    return request.param.split("-")[0], quantize_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2") / "int4",
+                                                           request.param)
+
+
+def test_serve_a_gptq_or_awq_checkpoint(smollm2_int4):
+    method, path = smollm2_int4
+    prompt = "The capital of France is"
+    with LLM(model=str(path), dtype="float32", max_model_len=512, device="cpu") as llm:
+        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+        assert layer.quant_weight.qtype == "q4_1" and layer.weight.device.type == "meta"
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert offline.outputs[0].text.startswith(" Paris")  # int4 weights keep the model's answer
+    process, port = start(path, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
+                          "--quantization", method)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        [model] = [m.id for m in client.models.list().data]
+        result = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        assert result.choices[0].text == offline.outputs[0].text
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
