@@ -28,6 +28,8 @@ def _configs(family: str, specials: dict, vocab: int):
                pad_token_id=specials["<|endoftext|>"])
     if family == "qwen3":
         return hf.Qwen3Config(**SHAPE, **ids, num_hidden_layers=2, head_dim=16), hf.Qwen3ForCausalLM
+    if family == "qwen2":  # q/k/v biases
+        return hf.Qwen2Config(**SHAPE, **ids, num_hidden_layers=2), hf.Qwen2ForCausalLM
     if family == "mistral":
         return hf.MistralConfig(**SHAPE, **ids, num_hidden_layers=2, head_dim=16,
                                 sliding_window=WINDOW), hf.MistralForCausalLM
@@ -74,6 +76,8 @@ def write_random_checkpoint(out_dir: Path, family: str, seed: int = 0) -> Path:
                 param.normal_(0, embed_std if "embed" in name else 2.0 / param.shape[1] ** 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     if family.startswith("gemma"):  # the template from chat_template.jinja, not tokenizer_config.json
         tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())

@@ -208,10 +208,12 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
     assert_close_to_transformers(checkpoint)
 
 
-@pytest.mark.parametrize("family,scheme", [("qwen3", "gptq-4bit-asym-g64"), ("phi3", "awq-4bit-g64")])
+@pytest.mark.parametrize("family,scheme", [("qwen3", "gptq-4bit-asym-g64"), ("phi3", "awq-4bit-g64"),
+                                           ("qwen2", "gptq-4bit-g128")])
 def test_other_families(family, scheme, tmp_path):
-    """Qwen3 (q/k norms) and Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
-    quantized tensor per fused layer, split into the layer's shards as a float one is)."""
+    """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
+    quantized tensor per fused layer, split into the layer's shards as a float one is) and Qwen2
+    (float q/k/v biases beside the quantized layers, as Qwen2.5's GPTQ-Int4 checkpoints have)."""
     hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
     path = quantize_checkpoint(hf_dir, tmp_path / "model", scheme, seed=6)
     model = build(path, dtype="float32").llm_engine.runner.model
