@@ -29,7 +29,7 @@ SCHEMES = {
     "gptq-4bit-asym-g64": ("gptq", 4, 64, False, False),
     "gptq-8bit-g128": ("gptq", 8, 128, True, False),
     "gptq-4bit-channel": ("gptq", 4, -1, True, False),
-    "gptq-4bit-actorder": ("gptq", 4, 64, False, True),    # dequantized at load
+    "gptq-4bit-actorder": ("gptq", 4, 64, False, True),    # inputs sorted by group at load
     "gptq-8bit-asym-g64": ("gptq", 8, 64, False, False),   # dequantized at load (no int8 kernel with zero points)
     "awq-4bit-g128": ("awq", 4, 128, False, False),
     "awq-4bit-g64": ("awq", 4, 64, False, False),
@@ -104,7 +104,7 @@ def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str, seed: i
     method, bits, group, symmetric, act_order = SCHEMES[scheme_name]
     shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     generator = torch.Generator().manual_seed(seed)
-    tensors, meaning = {}, {}
+    tensors, meaning, orders = {}, {}, {}
     for file in sorted(source.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
             if not name.endswith("proj.weight"):
@@ -114,8 +114,12 @@ def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str, seed: i
             n, k = weight.shape
             size = k if group == -1 else group
             g_idx = torch.arange(k) // size
-            if act_order:  # GPTQ's desc_act: groups made in a permuted order of the inputs
-                g_idx = g_idx[torch.argsort(torch.randperm(k, generator=generator))]
+            if act_order:  # GPTQ's desc_act: groups made in a permuted order of the inputs, one
+                # order per input (the Hessian's diagonal): q/k/v share theirs, gate/up too
+                key = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+                if key not in orders:
+                    orders[key] = torch.argsort(torch.randperm(k, generator=generator))
+                g_idx = g_idx[orders[key]]
             scales, zeros, q = quantize_rtn(weight, bits, size, symmetric, g_idx)
             prefix = name.removesuffix("weight")
             meaning[prefix + "weight"] = (scales.float()[g_idx].t() * (q - zeros[g_idx].t()).float()).contiguous()

@@ -26,8 +26,10 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
     """A linear layer as decode_layers.cpp reads it: the number of parts, then (format, packed
     weights' address, output columns) of each (format -1: bf16 on cpu_ops.pack_gemm_weight's
     packing; else a GGUF block format, kernels/quant.py), padded to _MAX_PARTS; None when the
-    layer can't go (a bias, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
+    layer can't go (a bias, GPTQ's input order, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
     if getattr(linear, "bias", None) is not None:  # Qwen2's QKV bias: the modules
+        return None
+    if getattr(linear, "input_perm", None) is not None:  # GPTQ's activation order: the modules
         return None
     quantized = getattr(linear, "quant_weight", None)
     parts = [quantized] if quantized is not None else getattr(linear, "quant_parts", None)

@@ -71,13 +71,16 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
-        # A GGUF model's layer (models/gguf_weights.py; a compressed-tensors checkpoint's too,
-        # models/compressed_tensors.py): the weight in its quantization blocks, multiplied by
+        # A GGUF model's layer (models/gguf_weights.py; a compressed-tensors, GPTQ or AWQ
+        # checkpoint's too, models/quant_staging.py): the weight in its quantization blocks, multiplied by
         # kernels/quant.py; `weight` is then on the meta device. A fused layer whose
         # parts come in different block types (Q4_K_M's Q4_K q/k beside a Q6_K v) has one per
         # run of output rows in `quant_parts` instead.
         self.quant_weight: QuantWeight | None = None
         self.quant_parts: list[QuantWeight] | None = None
+        # A GPTQ layer in activation order (models/gptq_awq.py): its columns were sorted by
+        # group at load, so the quantized GEMM takes its inputs in this order (int64 [k]).
+        self.input_perm: torch.Tensor | None = None
         # --enable-lora: this layer's adapter slots (lora/layers.py), whose delta matmul adds.
         self.lora = None
         if bias:
@@ -94,7 +97,8 @@ class LinearBase(nn.Module):
         # kernels/gemm.py's choice.
         if self.quant_weight is not None or self.quant_parts is not None:
             parts = [self.quant_weight] if self.quant_weight is not None else self.quant_parts
-            out = quantized_gemm(x, parts, bias, rows)
+            xq = x if self.input_perm is None else x.index_select(-1, self.input_perm)
+            out = quantized_gemm(xq, parts, bias, rows)
         else:
             out = unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
         # (A row-parallel layer's delta is partial too: B (A_rank x_rank) sums over the ranks.)

@@ -143,6 +143,18 @@ class IntegerWeight:
         return (self.qtype is not None and self.g_idx is None and self.group % BLOCK == 0
                 and k_local % BLOCK == 0 and k % k_local == 0)
 
+    def in_group_order(self) -> tuple["IntegerWeight", torch.Tensor] | None:
+        """GPTQ's activation order: (the weight with its inputs sorted by group, that order), when
+        sorting makes every group one run of `group` inputs in order (the last may be shorter), as
+        GPTQ's desc_act writes them; else None."""
+        if self.g_idx is None:
+            return None
+        k = self.q.shape[1]
+        order = torch.sort(self.g_idx, stable=True).indices
+        if not torch.equal(self.g_idx[order], torch.arange(k) // self.group):
+            return None
+        return IntegerWeight(self.q[:, order].contiguous(), self.scale, self.zero, self.group, self.bits), order
+
     def kernel_arrays(self) -> dict[str, torch.Tensor]:
         """The kernel format's components: u, scale per block of 32, min per block (Q4_1)."""
         blocks = self.q.shape[1] // BLOCK
@@ -215,6 +227,8 @@ class IntegerCheckpointLoader:
     def _load_layer(self, layer: str, weight: IntegerWeight, target: str, param: nn.Parameter, shard_id) -> None:
         module = self.modules[target.rsplit(".", 1)[0]]
         k = weight.q.shape[1]
+        if weight.g_idx is not None:
+            weight = self._in_group_order(layer, weight, module, target, param) or weight
         if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
                 and quant.takes_components(param.device) and weight.fits_kernels(param.shape[-1])):
             stage_quantized(module, layer, weight.kernel_arrays(), weight.qtype, BLOCK, k, shard_id,
@@ -222,6 +236,28 @@ class IntegerCheckpointLoader:
             return
         logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
         load_parameter(param, weight.dequantized().to(param.dtype), shard_id)
+
+    def _in_group_order(self, layer: str, weight: IntegerWeight, module: nn.Module, target: str,
+                        param: nn.Parameter) -> IntegerWeight | None:
+        """GPTQ's activation order on the kernels: the layer's inputs sorted by group once at load
+        and the activations gathered in that order at each GEMM (LinearBase.input_perm). Every
+        part of a fused layer must have the same order (GPTQ's q/k/v and gate/up do: one input, one
+        Hessian), and a row-parallel layer must hold all its inputs (no tensor parallelism)."""
+        if not (isinstance(module, LinearBase) and quant.takes_components(param.device)):
+            return None
+        if isinstance(module, RowParallelLinear) and module.tp_size > 1:
+            return None
+        sorted_weight = weight.in_group_order()
+        if sorted_weight is None or not sorted_weight[0].fits_kernels(param.shape[-1]):
+            return None
+        sorted_weight, order = sorted_weight
+        if module.input_perm is None and target not in self.staged:
+            module.input_perm = order
+        elif module.input_perm is None or not torch.equal(module.input_perm, order):
+            raise ValueError(f"{layer}: its activation order (g_idx) differs from the other parts of "
+                             f"{target.removesuffix('.weight')}, "
+                             "which share its inputs; this GPTQ checkpoint is not supported")
+        return sorted_weight
 
     def finish(self) -> None:
         """Every quantized layer complete, and its QuantWeight(s) made."""

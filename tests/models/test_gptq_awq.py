@@ -21,10 +21,13 @@ from nanoserve.models.gptq_awq import group_quant_config, parse_config
 from tests.gptq_awq_models import (SCHEMES, awq_as_compressed_tensors, dequantized_transformers, pack_awq, pack_gptq,
                                    quantize_checkpoint, write_quantized_llama)
 from tests.models.family_checkpoints import write_random_checkpoint
-from tests.models.test_compressed_tensors import (_blockwise_int8_inputs, assert_same_greedy, build, greedy)
+from tests.models.test_compressed_tensors import assert_same_greedy, build, greedy
 
-SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "awq-4bit-g128"]
-DEQUANTIZED = ["gptq-4bit-actorder", "gptq-8bit-asym-g64"]  # the kernels can't take them: float at load
+SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "gptq-4bit-actorder",
+          "awq-4bit-g128"]
+DEQUANTIZED = ["gptq-8bit-asym-g64"]  # no kernel format has int8 with zero points: float at load
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}  # transformers' layer -> ours
 PAIRS = [("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
          ("self_attn.o_proj", ["self_attn.o_proj"]), ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
          ("mlp.down_proj", ["mlp.down_proj"])]
@@ -42,7 +45,7 @@ def checkpoint(scheme, tmp_path_factory):
 
 def expected_qtype(scheme: str) -> str | None:
     method, bits, _, symmetric, act_order = SCHEMES[scheme]
-    if act_order or (bits == 8 and not symmetric):
+    if bits == 8 and not symmetric:
         return None
     if bits == 8:
         return "q8_0"
@@ -148,8 +151,9 @@ def test_awq_checkpoint_read_as_compressed_tensors_converts_it(tmp_path):
 @torch.inference_mode()
 def test_layers_hold_the_checkpoints_integers(scheme, checkpoint):
     """Each quantized layer (fused q/k/v and gate/up too) is one QuantWeight in its kernel
-    format, no float copy kept; its values the checkpoint's meaning. Act order and asymmetric
-    int8 (no kernel format): the float weight, dequantized at load. lm_head and the embedding stay float."""
+    format, no float copy kept; its values the checkpoint's meaning (act order: its inputs
+    sorted by group, in the layer's input_perm, which q/k/v and gate/up share). Asymmetric int8
+    (no kernel format): the float weight, dequantized at load. lm_head and the embedding stay float."""
     model = build(checkpoint, dtype="float32").llm_engine.runner.model
     meaning = load_file(checkpoint.parent / "meaning.safetensors")
     qtype = expected_qtype(scheme)
@@ -161,6 +165,10 @@ def test_layers_hold_the_checkpoints_integers(scheme, checkpoint):
                 assert layer.quant_weight is None and torch.equal(layer.weight, expected)
                 continue
             assert layer.quant_weight.qtype == qtype and layer.weight.device.type == "meta"
+            assert (layer.input_perm is not None) == SCHEMES[scheme][4]
+            if layer.input_perm is not None:
+                assert not torch.equal(layer.input_perm, torch.arange(expected.shape[1]))
+                expected = expected[:, layer.input_perm]
             assert torch.equal(quant.dequantize_weight(layer.quant_weight), expected)
     assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
 
@@ -174,8 +182,38 @@ def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
     assert_same_greedy(ours, greedy(build(checkpoint, dtype="float32")), typical=1e-4)
 
 
+def _int8_blocks(order: torch.Tensor | None):
+    """A forward pre-hook rounding a layer's inputs as our kernels do: int8 per block of 32 along
+    each row (kernels/quant.quantize_activations), the blocks taken in the layer's input order."""
+    def round_inputs(module, args):
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        if order is not None:
+            rows = rows[:, order]
+        q, dx, _ = quant.quantize_activations(rows)
+        values = (q.float().reshape(q.shape[0], -1, 32) * dx.unsqueeze(-1)).reshape(rows.shape)
+        if order is not None:
+            values = values[:, torch.argsort(order)]
+        return (values.reshape(x.shape).to(x.dtype),)
+    return round_inputs
+
+
+def _hooked_greedy(llm, model):
+    """Our greedy tokens; transformers' `model` hooked so that each layer we hold on the kernels
+    rounds its inputs as ours (in its input order); those dequantized at load don't."""
+    ours = dict(llm.llm_engine.runner.model.named_modules())  # (rank 0's)
+    for name, module in model.named_modules():
+        if not name.endswith("_proj"):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        fused = f"{parent}.{FUSED_INTO.get(leaf, leaf)}"
+        if fused in ours and ours[fused].quant_weight is not None:
+            module.register_forward_pre_hook(_int8_blocks(ours[fused].input_perm))
+    return greedy(llm)
+
+
 @torch.inference_mode()
-def assert_close_to_transformers(path) -> None:
+def assert_close_to_transformers(path, **kwargs) -> None:
     """Our greedy tokens teacher-forced through transformers' model holding the checkpoint's
     meaning, the quantized layers' inputs rounded to int8 per block of 32 as our kernels round
     them (layers dequantized at load take float inputs): logprobs close, each token the argmax."""
@@ -185,17 +223,11 @@ def assert_close_to_transformers(path) -> None:
     from tests.models.test_compressed_tensors import NEAR_TIE, PROMPTS
 
     model = dequantized_transformers(path)
-    llm = build(path, dtype="float32")
-    layers = [module for name, module in llm.llm_engine.runner.model.named_modules() if name.endswith("_proj")]
-    # Every layer keeps its integers, or every one is dequantized at load (act order, int8 with zero points).
-    on_kernels = {getattr(layer, "quant_weight", None) is not None for layer in layers}
-    assert len(on_kernels) == 1
-    hf_names = {name.removesuffix(".qweight") for name in load_file(path / "model.safetensors")
-                if name.endswith(".qweight")} if on_kernels == {True} else set()
-    _blockwise_int8_inputs(model, hf_names)
-    tokens, logprobs, _ = greedy(llm)
+    with build(path, dtype="float32", **kwargs) as llm:
+        tokens, logprobs, _ = _hooked_greedy(llm, model)
+        tokenizer = llm.get_tokenizer()
     differences = []
-    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)):
+    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(model, tokenizer, PROMPTS, tokens)):
         differences += [abs(a - b) for a, b in zip(mine, theirs)]
         assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
     # Float32 rounding apart, an activation that lands on the other side of an int8 rounding step
@@ -317,3 +349,37 @@ def test_quantization_flag(gptq4, tmp_path):
     _edit_config(other, lambda q: q.update(quant_method="bitsandbytes"))
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
         build(other)
+
+
+def test_act_order_under_tensor_parallelism(tmp_path):
+    """tp=2 with GPTQ's activation order: column-parallel layers keep their integers (inputs
+    sorted by group), row-parallel ones, whose inputs the ranks split, are dequantized at load
+    (so they take float inputs, and the logprobs are transformers' with only the column-parallel
+    layers' inputs rounded)."""
+    path = write_quantized_llama(tmp_path, "gptq-4bit-actorder", seed=7)
+    with build(path, dtype="float32", tensor_parallel_size=2) as llm:
+        layer = llm.llm_engine.runner.model.model.layers[0]
+        assert layer.self_attn.qkv_proj.input_perm is not None and layer.mlp.gate_up_proj.input_perm is not None
+        assert layer.self_attn.o_proj.quant_weight is None and layer.mlp.down_proj.quant_weight is None
+    assert_close_to_transformers(path, tensor_parallel_size=2)
+
+
+def test_fused_parts_with_different_act_orders_are_an_error(tmp_path):
+    """q, k and v (one layer here) must share their activation order, as GPTQ's do; a checkpoint
+    whose k has another is refused naming the layer."""
+    path = write_quantized_llama(tmp_path, "gptq-4bit-actorder", seed=7)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.k_proj"
+    qweight = tensors[f"{name}.qweight"]
+    g_idx = tensors[f"{name}.g_idx"]
+    order = torch.argsort(g_idx.long(), stable=True)
+    swap = torch.arange(g_idx.shape[0])
+    first, last = int(order[0]), int(order[-1])
+    swap[first], swap[last] = last, first  # two inputs of different groups trade places
+    tensors[f"{name}.g_idx"] = g_idx[swap].contiguous()
+    assert qweight.dtype == torch.int32
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    # (Whichever of q, k, v the file lists second is the one named.)
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.[qkv]_proj: its activation order \(g_idx\) differs "
+                                         r"from the other parts of model.layers.1.self_attn.qkv_proj,"):
+        build(path)
