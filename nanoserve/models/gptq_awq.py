@@ -12,8 +12,9 @@ The formats (w[i, o] for input i, output o; scales [groups, n] float16):
   the stored zero point plus one in the original ("gptq", v1) checkpoint format (AutoGPTQ
   subtracted one before packing; vLLM adds it back per value), as stored in "gptq_v2".
   Symmetric checkpoints store z = 2^(bits-1) everywhere: those become Q4_0 / Q8_0, the others
-  (4-bit) Q4_1. `desc_act` (activation order) with a `g_idx` that isn't i // group_size: the
-  layer is dequantized at load (its groups are not runs of inputs), logged once per layer.
+  (4-bit) Q4_1. `desc_act` (activation order, a `g_idx` that isn't i // group_size): the
+  layer's inputs are sorted by group at load and its activations gathered in that order
+  (models/quant_staging.IntegerCheckpointLoader, LinearBase.input_perm).
 - AWQ (version "gemm"): `qweight` int32 [k, n / 8] and `qzeros` int32 [groups, n / 8], packed
   along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7 within each word; w = scale[g] * (q - z[g]).
   Always Q4_1 (with `zero_point` false, Q4_0 around 8).
@@ -22,7 +23,8 @@ Refused with one line naming what: bits other than 4 and 8 (AWQ: 4), GPTQ's per-
 `dynamic` overrides, AWQ versions other than gemm (gemv, gemv_fast, marlin, exllama), a group
 size that is neither -1 nor a positive number. Layers in AWQ's `modules_to_not_convert` (and an
 unquantized lm_head) are float in the checkpoint and stay float. A layer the kernels can't take
-(groups not a multiple of 32, act order, asymmetric int8, any layer on CUDA, a MoE expert) is
+(groups not a multiple of 32, act order in a row-parallel layer under tensor parallelism,
+asymmetric int8, any layer on CUDA, a MoE expert) is
 dequantized into its float weight at load, as compressed-tensors' are.
 """
 from __future__ import annotations
