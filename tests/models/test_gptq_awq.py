@@ -203,12 +203,12 @@ def _hooked_greedy(llm, model):
     rounds its inputs as ours (in its input order); those dequantized at load don't."""
     ours = dict(llm.llm_engine.runner.model.named_modules())  # (rank 0's)
     for name, module in model.named_modules():
-        if not name.endswith("_proj"):
+        if not (name.endswith("_proj") or name == "lm_head"):
             continue
         parent, _, leaf = name.rpartition(".")
-        fused = f"{parent}.{FUSED_INTO.get(leaf, leaf)}"
+        fused = f"{parent}.{FUSED_INTO.get(leaf, leaf)}" if parent else name
         if fused in ours and ours[fused].quant_weight is not None:
-            module.register_forward_pre_hook(_int8_blocks(ours[fused].input_perm))
+            module.register_forward_pre_hook(_int8_blocks(getattr(ours[fused], "input_perm", None)))
     return greedy(llm)
 
 
@@ -250,6 +250,19 @@ def test_other_families(family, scheme, tmp_path):
     path = quantize_checkpoint(hf_dir, tmp_path / "model", scheme, seed=6)
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    assert_close_to_transformers(path)
+
+
+def test_quantized_lm_head(tmp_path):
+    """GPTQModel's lm_head option: the LM head's qweight too, kept as integers (ParallelLMHead's
+    quant_weight, as a GGUF head's), its values the checkpoint's meaning; logprobs close to
+    transformers with the head's inputs rounded as ours."""
+    path = write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=8, lm_head=True)
+    model = build(path, dtype="float32").llm_engine.runner.model
+    head = model.lm_head
+    assert head.quant_weight is not None and head.quant_weight.qtype == "q4_1" and head.weight.device.type == "meta"
+    meaning = load_file(path.parent / "meaning.safetensors")["lm_head.weight"]
+    assert torch.equal(quant.dequantize_weight(head.quant_weight)[: meaning.shape[0]], meaning)
     assert_close_to_transformers(path)
 
 
