@@ -54,7 +54,12 @@ def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16",
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    return score_prompts(llm, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), ids)
+
+
+def score_prompts(llm, params, ids: list[int]) -> list[list[float]]:
+    """Each window as a prompt through an engine's LLM.generate (nanoserve's or vLLM's: the same
+    API) with prompt_logprobs: the negative log-likelihoods of its second half."""
     nll = []
     for window in windows(ids):
         output = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
@@ -72,13 +77,7 @@ def score_vllm(model: str, ids: list[int], dtype: str = "bfloat16") -> list[list
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    nll = []
-    for window in windows(ids):
-        output = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
-        nll.append([-output.prompt_logprobs[position][window[position]].logprob
-                    for position in range(CTX // 2, CTX)])
-    return nll
+    return score_prompts(llm, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), ids)
 
 
 def score_llamacpp(path: str, ids: list[int]) -> list[list[float]]:

@@ -113,27 +113,49 @@ def dequantized_transformers(model_dir: Path):
     (`dequantized/`, so that transformers lays the tensors out itself, fusing MoE experts): the
     oracle of what the checkpoint means. Its scales go in as float32, so that the package computes
     in float32 (with the stored bf16 it rounds each product to bf16)."""
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
-    from transformers import AutoModelForCausalLM
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
     float_dir = model_dir.parent / "hf"
-    tensors = {}
-    for file in sorted(float_dir.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    stored = load_file(model_dir / "model.safetensors")
+    tensors = float_tensors(float_dir)
+    tensors.update(decompressed(load_file(model_dir / "model.safetensors"), scheme))
+    return transformers_with_weights(float_dir, tensors, model_dir.parent / "dequantized")
+
+
+def decompressed(stored: dict[str, torch.Tensor], scheme) -> dict[str, torch.Tensor]:
+    """Each quantized layer's float32 weight (name "<layer>.weight") as the package's compressor
+    for the scheme's format decompresses the stored tensors, its scales as float32 (so that the
+    package computes in float32; with bf16 scales it rounds each product to bf16)."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    compressor = BaseCompressor.get_value_from_registry(scheme.format)
+    weights = {}
     for name in stored:
         if name.endswith(".weight_scale"):
             layer = name.removesuffix(".weight_scale")
             parts = {key.removeprefix(layer + "."): value for key, value in stored.items()
                      if key.startswith(layer + ".")}
             parts["weight_scale"] = parts["weight_scale"].float()
-            tensors[f"{layer}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
-    out_dir = model_dir.parent / "dequantized"
+            weights[f"{layer}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
+    return weights
+
+
+def float_tensors(float_dir: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(float_dir.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def transformers_with_weights(float_dir: Path, tensors: dict[str, torch.Tensor], out_dir: Path):
+    """transformers' model (float32) of the checkpoint float_dir with `tensors` as its weights,
+    written as a float checkpoint in out_dir (so that transformers lays the tensors out itself,
+    fusing MoE experts)."""
+    from transformers import AutoModelForCausalLM
+
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out_dir / "model.safetensors",
+              metadata={"format": "pt"})
     return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()

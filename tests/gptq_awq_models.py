@@ -154,38 +154,21 @@ def awq_as_compressed_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     """Each AWQ layer's float32 weight as compressed-tensors reads the checkpoint: its AutoAWQ
     converter (compressed_tensors.entrypoints.convert) to pack-quantized tensors, then the
     package's decompressor (scales as float32, so it computes in float32)."""
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    from tests.compressed_tensors_models import decompressed
 
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
     converter = AutoAWQConverter.from_autoawq_config(config)
     converted = converter.process(dict(load_file(model_dir / "model.safetensors")))
-    scheme = converter._build_quant_config().config_groups["config_group_0"]
-    compressor = BaseCompressor.get_value_from_registry(scheme.format)
-    weights = {}
-    for name in converted:
-        if name.endswith(".weight_scale"):
-            layer = name.removesuffix(".weight_scale")
-            parts = {key.removeprefix(layer + "."): value for key, value in converted.items()
-                     if key.startswith(layer + ".")}
-            parts["weight_scale"] = parts["weight_scale"].float()
-            weights[f"{layer}.weight"] = compressor.decompress(parts, scheme)["weight"].float()
-    return weights
+    return decompressed(converted, converter._build_quant_config().config_groups["config_group_0"])
 
 
 def dequantized_transformers(model_dir: Path):
     """transformers' model (float32) of the float checkpoint with each quantized layer's weight
     replaced by its meaning (written beside it as `dequantized/`)."""
-    from transformers import AutoModelForCausalLM
+    from tests.compressed_tensors_models import float_tensors, transformers_with_weights
 
     float_dir = model_dir.parent / "hf"
-    tensors = {}
-    for file in sorted(float_dir.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    tensors.update(load_file(model_dir.parent / "meaning.safetensors"))
-    out_dir = model_dir.parent / "dequantized"
-    shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    save_file({name: t.contiguous() for name, t in tensors.items()}, out_dir / "model.safetensors",
-              metadata={"format": "pt"})
-    return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()
+    tensors = float_tensors(float_dir) | load_file(model_dir.parent / "meaning.safetensors")
+    return transformers_with_weights(float_dir, tensors, model_dir.parent / "dequantized")

@@ -197,7 +197,10 @@ def test_cuda_dequantizes_at_load(tmp_path):
 def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
     inputs with their scales; the tokens equal one rank's, and each rank holds about half."""
-    path = write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=5)
+    assert_tensor_parallel_equals_one_rank(write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=5))
+
+
+def assert_tensor_parallel_equals_one_rank(path) -> None:
     with build(path, dtype="float32") as llm:
         one = greedy(llm)
         (full_bytes,) = llm.llm_engine.runner.rank_weight_bytes
@@ -260,12 +263,17 @@ def test_unsupported_schemes_are_one_line_errors(what, w8a16, tmp_path):
     _edit_config(path, BAD_CONFIGS[what])
     with pytest.raises(ValueError, match=f"compressed-tensors .*{what}.* is not supported"):
         compressed_tensors_config(path)
-    if what == "float8 weights":  # through the CLI: one line on stderr, a non-zero exit
-        result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode != 0
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "float8 weights" in lines[0], result.stderr
+    if what == "float8 weights":
+        assert_cli_one_line_error(path, "float8 weights")
+
+
+def assert_cli_one_line_error(path, fragment: str) -> None:
+    """`nanoserve generate --model path`: one line on stderr naming `fragment`, a non-zero exit."""
+    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
 
 
 def test_quantization_flag(w8a16, tmp_path):

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,8 @@ from nanoserve.models.gptq_awq import group_quant_config, parse_config
 from tests.gptq_awq_models import (SCHEMES, awq_as_compressed_tensors, dequantized_transformers, pack_awq, pack_gptq,
                                    quantize_checkpoint, write_quantized_llama)
 from tests.models.family_checkpoints import write_random_checkpoint
-from tests.models.test_compressed_tensors import assert_same_greedy, build, greedy
+from tests.models.test_compressed_tensors import (assert_cli_one_line_error, assert_same_greedy,
+                                                  assert_tensor_parallel_equals_one_rank, build, greedy)
 
 SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "gptq-4bit-actorder",
           "awq-4bit-g128"]
@@ -269,15 +268,7 @@ def test_quantized_lm_head(tmp_path):
 def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
     inputs with their scales and zero points; the tokens equal one rank's, each rank holds about half."""
-    path = write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=5)
-    with build(path, dtype="float32") as llm:
-        one = greedy(llm)
-        (full_bytes,) = llm.llm_engine.runner.rank_weight_bytes
-    with build(path, dtype="float32", tensor_parallel_size=2) as llm:
-        two = greedy(llm)
-        rank_bytes = list(llm.llm_engine.runner.rank_weight_bytes)
-    assert_same_greedy(two, one, typical=1e-3)
-    assert len(rank_bytes) == 2 and all(size < 0.75 * full_bytes for size in rank_bytes), (rank_bytes, full_bytes)
+    assert_tensor_parallel_equals_one_rank(write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=5))
 
 
 # ---- what else a checkpoint may hold, and what is refused ---------------------------------
@@ -340,12 +331,8 @@ def test_unsupported_configs_are_one_line_errors(what, gptq4, tmp_path):
     _edit_config(path, BAD_CONFIGS[what])
     with pytest.raises(ValueError, match=f"{what}.* is not supported"):
         group_quant_config(path)
-    if what == "GPTQ 3-bit weights":  # through the CLI: one line on stderr, a non-zero exit
-        result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
-                                capture_output=True, text=True, timeout=300)
-        assert result.returncode != 0
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and "3-bit weights" in lines[0], result.stderr
+    if what == "GPTQ 3-bit weights":
+        assert_cli_one_line_error(path, "3-bit weights")
 
 
 def test_quantization_flag(gptq4, tmp_path):

@@ -106,3 +106,24 @@ def test_grace_period_expiry_aborts_and_exits_zero(long_context_llama_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def assert_served_as_offline(path, quantization: str, prompt: str, offline_text: str) -> None:
+    """`nanoserve serve` on a quantized checkpoint: the openai client's greedy completion is the
+    offline engine's text, and a chat completion answers (tests/server/test_compressed_tensors_server.py,
+    test_gptq_awq_server.py)."""
+    import openai
+
+    process, port = start(path, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
+                          "--quantization", quantization)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        [model] = [m.id for m in client.models.list().data]
+        result = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+        assert result.choices[0].text == offline_text
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)

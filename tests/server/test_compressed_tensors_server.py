@@ -3,14 +3,12 @@ to W8A8 by the package's own compressor): served with its int8 layers, answering
 client with what the offline engine gives on the same checkpoint."""
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.server.test_cli_server import start
+from tests.server.test_cli_server import assert_served_as_offline
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("compressed_tensors")
 
 
@@ -28,16 +26,4 @@ def test_serve_a_compressed_tensors_checkpoint(smollm2_w8a8):
         assert layer.quant_weight.qtype == "q8_0" and layer.weight.device.type == "meta"
         offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert offline.outputs[0].text.startswith(" Paris")  # int8 weights keep the model's answer
-    process, port = start(smollm2_w8a8, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
-                          "--quantization", "compressed-tensors")
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        [model] = [m.id for m in client.models.list().data]
-        result = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
-        assert result.choices[0].text == offline.outputs[0].text
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
-        assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+    assert_served_as_offline(smollm2_w8a8, "compressed-tensors", prompt, offline.outputs[0].text)

@@ -4,14 +4,13 @@ tests/gptq_awq_models.py): served with their int4 layers, answering the openai c
 the offline engine gives on the same checkpoint."""
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.server.test_cli_server import start
 
-openai = pytest.importorskip("openai")
+from tests.server.test_cli_server import assert_served_as_offline
+
+pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module", params=["gptq-4bit-asym-g64", "awq-4bit-g64"])
@@ -30,16 +29,4 @@ def test_serve_a_gptq_or_awq_checkpoint(smollm2_int4):
         assert layer.quant_weight.qtype == "q4_1" and layer.weight.device.type == "meta"
         offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
     assert offline.outputs[0].text.startswith(" Paris")  # int4 weights keep the model's answer
-    process, port = start(path, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
-                          "--quantization", method)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        [model] = [m.id for m in client.models.list().data]
-        result = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
-        assert result.choices[0].text == offline.outputs[0].text
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
-        assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+    assert_served_as_offline(path, method, prompt, offline.outputs[0].text)
