@@ -19,17 +19,15 @@ from nanoserve.kernels.kv_dtype import fused_decode_kv_format
 
 
 _MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
-_LINEAR_ENTRIES = 1 + 3 * _MAX_PARTS
+_LINEAR_ENTRIES = 2 + 3 * _MAX_PARTS  # count, (format, weights, n) a part, input order
 
 
 def _linear_entry(linear: nn.Module) -> list[int] | None:
     """A linear layer as decode_layers.cpp reads it: the number of parts, then (format, packed
     weights' address, output columns) of each (format -1: bf16 on cpu_ops.pack_gemm_weight's
-    packing; else a GGUF block format, kernels/quant.py), padded to _MAX_PARTS; None when the
-    layer can't go (a bias, GPTQ's input order, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
+    packing; else a GGUF block format, kernels/quant.py), padded to _MAX_PARTS, then the address
+    of its input order (GPTQ's activation order) or 0; None when the layer can't go (a bias, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
     if getattr(linear, "bias", None) is not None:  # Qwen2's QKV bias: the modules
-        return None
-    if getattr(linear, "input_perm", None) is not None:  # GPTQ's activation order: the modules
         return None
     quantized = getattr(linear, "quant_weight", None)
     parts = [quantized] if quantized is not None else getattr(linear, "quant_parts", None)
@@ -47,7 +45,12 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
         if linear.gemm_weight is None or linear.weight.dtype != torch.bfloat16 or linear.weight.shape[0] % 16:
             return None
         entry = [1, -1, linear.gemm_weight.data_ptr(), linear.weight.shape[0]]
-    return entry + [0] * (_LINEAR_ENTRIES - len(entry))
+    # Last: GPTQ's activation order (LinearBase.input_perm, int64 [k], kept alive by the layer), or 0.
+    order = getattr(linear, "input_perm", None)
+    if order is not None and (order.dtype != torch.int64 or not order.is_contiguous()
+                              or order.shape[0] != linear.weight.shape[1]):
+        return None
+    return entry + [0] * (_LINEAR_ENTRIES - 1 - len(entry)) + [0 if order is None else order.data_ptr()]
 
 
 class FusedDecode:
@@ -111,7 +114,7 @@ class FusedDecode:
         new = x.new_empty
         buffers = [x, new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden),
                    new(rows, self.qkv_n), new(rows, self.num_heads * self.head_dim), new(rows, 2 * self.inter),
-                   new(rows, self.inter)]
+                   new(rows, self.inter), new(rows, max(self.hidden, self.num_heads * self.head_dim, self.inter))]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
         lora_arguments = None

@@ -205,10 +205,11 @@ def test_fused_decode_on_a_compressed_tensors_checkpoint_gives_the_modules_bits(
     assert_fused_gives_the_modules_bits(ct_models.write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=3))
 
 
-@pytest.mark.parametrize("scheme", ["gptq-4bit-g128", "awq-4bit-g64"])
+@pytest.mark.parametrize("scheme", ["gptq-4bit-g128", "awq-4bit-g64", "gptq-4bit-actorder"])
 def test_fused_decode_on_a_gptq_or_awq_checkpoint_gives_the_modules_bits(scheme, tmp_path, cpu_isa):
-    """GPTQ (symmetric: the Q4_0 kernel format) and AWQ (zero points: Q4_1) checkpoints,
-    models/gptq_awq.py: the fused steps and the modules' path give the same tokens and logprobs."""
+    """GPTQ (symmetric: the Q4_0 kernel format; with activation order, Q4_1 with its inputs
+    gathered in the layer's order) and AWQ (zero points: Q4_1) checkpoints, models/gptq_awq.py:
+    the fused steps and the modules' path give the same tokens and logprobs."""
     from tests.gptq_awq_models import write_quantized_llama
 
     assert_fused_gives_the_modules_bits(write_quantized_llama(tmp_path, scheme, seed=3))

@@ -47,7 +47,7 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
 namespace {
 
 constexpr int kMaxParts = 3;                          // a linear layer's runs of output columns
-constexpr int kLinearEntries = 1 + 3 * kMaxParts;     // count, then (format, weights, n) a part
+constexpr int kLinearEntries = 2 + 3 * kMaxParts;     // count, (format, weights, n) a part, input order
 constexpr int kLayerEntries = 4 + 4 * kLinearEntries; // 4 addresses, then Wqkv, Wo, Wgate_up, Wdown
 constexpr int kLoraEntries = 4;                       // a linear layer's LoRA: A, B packings, width, parts
 
@@ -93,8 +93,19 @@ bool add_lora(const int64_t* entry, const LoraRows& lora, void* out, int64_t ldo
 
 // out[rows, ldo] = x @ W^T over W's parts side by side, each as the modules multiply it: format
 // -1 the bf16 GEMM on cpu_ops.pack_gemm_weight's packing, else a GGUF format on
-// quant.pack_weight's (kernels/cpu/gemm_quant.cpp). False when a GEMM refused its shapes.
-bool linear(const int64_t* entry, void* out, int64_t ldo, const void* x, int64_t ldx, int64_t rows, int64_t k) {
+// quant.pack_weight's (kernels/cpu/gemm_quant.cpp). The entry's last value, when not 0, is the
+// address of an int64 [k] input order (GPTQ's activation order, LinearBase.input_perm): x's
+// columns are gathered in it into `gathered` [rows, k] first, as the modules' index_select does.
+// False when a GEMM refused its shapes.
+bool linear(const int64_t* entry, void* out, int64_t ldo, const void* x, int64_t ldx, int64_t rows, int64_t k,
+            uint16_t* gathered) {
+    if (const auto* order = reinterpret_cast<const int64_t*>(entry[kLinearEntries - 1])) {
+        const auto* in = static_cast<const uint16_t*>(x);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < k; ++j) gathered[r * k + j] = in[r * ldx + order[j]];
+        x = gathered;
+        ldx = k;
+    }
     int64_t column = 0;
     for (int part = 0; part < entry[0]; ++part) {
         const int format = static_cast<int>(entry[1 + 3 * part]);
@@ -116,9 +127,10 @@ extern "C" {
 // layers: num_layers x kLayerEntries int64: the addresses of the input norm weight, the
 // post-attention norm weight, the key pool and the value pool, then Wqkv, Wo, Wgate_up and Wdown
 // as linear() reads them (no biases: layers/cpu_decode.py leaves models with any to the modules).
-// buffers: 9 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
+// buffers: 10 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
 // layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
-// [heads * head_dim], gate_up [2 * inter], act [inter].
+// [heads * head_dim], gate_up [2 * inter], act [inter], and a scratch [max(H, heads * head_dim,
+// inter)] for the inputs of layers with an input order.
 // kv_format: the pools' elements, 0 bf16, else an fp8 format (fp8.h).
 // lora: null, or num_layers x 4 linears x kLoraEntries int64 (A's and B's packings, or 0 where the
 // layer holds no adapter; the width; the parts), with lora_rows (each row's slot), lora_slots,
@@ -142,6 +154,7 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     void* attn = at(buffers[6]);
     void* gate_up = at(buffers[7]);
     void* act = at(buffers[8]);
+    auto* gathered = static_cast<uint16_t*>(at(buffers[9]));
     const int64_t q_size = static_cast<int64_t>(num_heads) * head_dim;
     const int seqs = static_cast<int>(rows);
     const LoraRows lora_step{lora_rows, lora_slots, lora_rank, static_cast<uint16_t*>(lora_shrink),
@@ -149,7 +162,7 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     // A linear layer, then its adapters' delta when the step has LoRA rows.
     auto project = [&](const int64_t* linear_entry, int which, int64_t layer, void* out, int64_t n, const void* in,
                        int64_t k) {
-        if (!linear(linear_entry, out, n, in, k, rows, k)) return false;
+        if (!linear(linear_entry, out, n, in, k, rows, k, gathered)) return false;
         if (lora == nullptr) return true;
         const int64_t* entry = lora + (layer * 4 + which) * kLoraEntries;
         return add_lora(entry, lora_step, out, n, n, in, k, rows, k);
