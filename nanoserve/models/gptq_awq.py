@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.models.quant_staging import IntegerWeight
+from nanoserve.models.quant_staging import IntegerWeight, unpack_int32
 
 GPTQ, AWQ = "gptq", "awq"
 METHODS = (GPTQ, AWQ)
@@ -51,10 +51,7 @@ def _refuse(method: str, what: str) -> ValueError:
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 [rows, w] -> int16 [rows, w * 32 / bits]: each word's values from bit 0 up, unsigned."""
-    per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    values = (words.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(words.shape[0], words.shape[1] * per_word).to(torch.int16)
+    return unpack_int32(words, bits, words.shape[1] * (32 // bits)).to(torch.int16)
 
 
 @dataclass(frozen=True)

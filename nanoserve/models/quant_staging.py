@@ -103,6 +103,17 @@ def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared
 
 # ---- checkpoints of integers and scales (compressed-tensors, GPTQ, AWQ) ----------------------
 
+def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
+    """int32 [rows, words] holding 32 / num_bits values each from bit 0 up (8 or 4 bits;
+    compressed-tensors' pack_to_int32, GPTQ's and AWQ's words) -> uint8 [rows, count], through
+    the words' bytes (one byte a value: a large layer unpacks without an int64 copy).
+    Little-endian words, as torch's hosts store them."""
+    data = packed.contiguous().view(torch.uint8)
+    if num_bits == 4:
+        data = torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return data[:, :count]
+
+
 @dataclass
 class IntegerWeight:
     """One quantized layer as its checkpoint means it: weight[o, i] = scale[o, g] * (q[o, i] -
