@@ -348,7 +348,7 @@ def test_quantization_flag(q4_1_file):
     build(q4_1_file, quantization="gguf")  # implied, accepted
     with pytest.raises(ValueError, match="--quantization awq does not apply"):
         build(q4_1_file, quantization="awq")
-    with pytest.raises(ValueError, match="only gguf"):
+    with pytest.raises(ValueError, match="--quantization gguf does not apply to .*: it is not quantized"):
         build(q4_1_file.parent / "hf", quantization="gguf")
 
 
