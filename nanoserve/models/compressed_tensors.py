@@ -74,9 +74,9 @@ class WeightScheme:
 class CompressedTensorsConfig:
     """The checkpoint's config (models/quant_staging.IntegerFormat, for IntegerCheckpointLoader)."""
     groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]   # (targets, scheme) in config order
-    method = QUANT_METHOD
     marker = "weight_scale"
     tensor_roles = _ROLES
+    skips_zero_bias = False
 
     def takes_role(self, layer: str, role: str) -> bool:
         if role == "weight_g_idx":

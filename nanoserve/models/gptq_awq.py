@@ -63,7 +63,6 @@ class GroupQuantConfig:
     group_size: int       # -1: one group per row
     symmetric: bool       # GPTQ's sym / AWQ's not zero_point: zero points 2^(bits-1) (AWQ: none stored)
     zeros_minus_one: bool  # GPTQ v1 checkpoint format: stored zero point = z - 1
-    desc_act: bool
     marker = "qweight"
     skips_zero_bias = True
     tensor_roles = ("qweight", "qzeros", "scales", "g_idx")
@@ -140,15 +139,15 @@ def parse_config(config: dict) -> GroupQuantConfig:
         form = config.get("checkpoint_format", "gptq")
         if form not in ("gptq", "gptq_v2"):
             raise _refuse(method, f"checkpoint_format {form!r}")
-        return GroupQuantConfig(GPTQ, bits, group_size, bool(config.get("sym", True)), form == "gptq",
-                                bool(config.get("desc_act", False)))
+        # (desc_act is not read: g_idx says whether a layer's groups are in input order.)
+        return GroupQuantConfig(GPTQ, bits, group_size, bool(config.get("sym", True)), form == "gptq")
     if method == AWQ:
         if bits != 4:
             raise _refuse(method, f"{bits}-bit weights")
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
             raise _refuse(method, f"version {version!r}")
-        return GroupQuantConfig(AWQ, bits, group_size, not config.get("zero_point", True), False, False)
+        return GroupQuantConfig(AWQ, bits, group_size, not config.get("zero_point", True), False)
     raise ValueError(f"quant_method {method!r} is not GPTQ or AWQ")
 
 

@@ -188,9 +188,9 @@ class IntegerScheme(Protocol):
 
 
 class IntegerFormat(Protocol):
-    method: str                # quant_method, for messages
     marker: str                # the tensor beside a quantized layer's that marks it ("weight_scale", "qweight")
     tensor_roles: tuple[str, ...]
+    skips_zero_bias: bool      # a zero bias of a layer that has none is skipped (AutoGPTQ writes them)
 
     def scheme_for(self, layer: str) -> IntegerScheme: ...
 

@@ -53,7 +53,7 @@ def _tensor_names(files: list[Path]) -> list[str]:
 def _extra_zero_bias(quantization: IntegerFormat, f, tensor_name: str) -> bool:
     """A GPTQ checkpoint may hold a bias of zeros for layers that have none (AutoGPTQ's): skipped,
     as vLLM skips it. A bias that isn't zero is still an error (the model would lose it)."""
-    if not (getattr(quantization, "skips_zero_bias", False) and tensor_name.endswith(".bias")):
+    if not (quantization.skips_zero_bias and tensor_name.endswith(".bias")):
         return False
     return not bool(f.get_tensor(tensor_name).any())
 
