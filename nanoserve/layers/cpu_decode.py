@@ -63,6 +63,11 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_n = attn.q_size + 2 * attn.kv_size
         self.inter = model.model.layers[0].mlp.down_proj.weight.shape[1]
+        # Scratch columns for inputs gathered in a layer's input order (GPTQ's activation order,
+        # the last entry of a linear's row in the table); 0: no layer has one, no scratch.
+        entries = layer_table[:, 4:].reshape(layer_table.shape[0], 4, _LINEAR_ENTRIES)
+        self.gather_width = max(self.hidden, self.num_heads * self.head_dim, self.inter) \
+            if bool(entries[:, :, -1].any()) else 0
         self.eps = model.model.layers[0].input_layernorm.eps
         self.scale = attn.attn.scale
 
@@ -114,7 +119,7 @@ class FusedDecode:
         new = x.new_empty
         buffers = [x, new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden),
                    new(rows, self.qkv_n), new(rows, self.num_heads * self.head_dim), new(rows, 2 * self.inter),
-                   new(rows, self.inter), new(rows, max(self.hidden, self.num_heads * self.head_dim, self.inter))]
+                   new(rows, self.inter), new(rows, self.gather_width)]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
         lora_arguments = None

@@ -130,7 +130,7 @@ extern "C" {
 // buffers: 10 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
 // layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
 // [heads * head_dim], gate_up [2 * inter], act [inter], and a scratch [max(H, heads * head_dim,
-// inter)] for the inputs of layers with an input order.
+// inter)] for the inputs of layers with an input order (empty when no layer has one).
 // kv_format: the pools' elements, 0 bf16, else an fp8 format (fp8.h).
 // lora: null, or num_layers x 4 linears x kLoraEntries int64 (A's and B's packings, or 0 where the
 // layer holds no adapter; the width; the parts), with lora_rows (each row's slot), lora_slots,
