@@ -108,11 +108,22 @@ def test_grace_period_expiry_aborts_and_exits_zero(long_context_llama_dir):
             process.wait()
 
 
-def assert_served_as_offline(path, quantization: str, prompt: str, offline_text: str) -> None:
-    """`nanoserve serve` on a quantized checkpoint: the openai client's greedy completion is the
-    offline engine's text, and a chat completion answers (tests/server/test_compressed_tensors_server.py,
-    test_gptq_awq_server.py)."""
+def assert_served_as_offline(path, quantization: str, qtype: str) -> None:
+    """A quantized checkpoint of the default model (tests/server/test_compressed_tensors_server.py,
+    test_gptq_awq_server.py): offline, its layers hold `qtype` blocks (no float copy) and it still
+    answers " Paris"; `nanoserve serve` on it gives the openai client the offline engine's greedy
+    text, and a chat completion answers."""
     import openai
+
+    from nanoserve import LLM, SamplingParams
+
+    prompt = "The capital of France is"
+    with LLM(model=str(path), dtype="float32", max_model_len=512, device="cpu") as llm:
+        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
+        assert layer.quant_weight.qtype == qtype and layer.weight.device.type == "meta"
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    offline_text = offline.outputs[0].text
+    assert offline_text.startswith(" Paris")  # the quantized weights keep the model's answer
 
     process, port = start(path, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
                           "--quantization", quantization)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve import LLM, SamplingParams
 from tests.server.test_cli_server import assert_served_as_offline
 
 pytest.importorskip("openai")
@@ -20,10 +19,4 @@ def smollm2_w8a8(smollm2_dir, tmp_path_factory):
 
 
 def test_serve_a_compressed_tensors_checkpoint(smollm2_w8a8):
-    prompt = "The capital of France is"
-    with LLM(model=str(smollm2_w8a8), dtype="float32", max_model_len=512, device="cpu") as llm:
-        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
-        assert layer.quant_weight.qtype == "q8_0" and layer.weight.device.type == "meta"
-        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
-    assert offline.outputs[0].text.startswith(" Paris")  # int8 weights keep the model's answer
-    assert_served_as_offline(smollm2_w8a8, "compressed-tensors", prompt, offline.outputs[0].text)
+    assert_served_as_offline(smollm2_w8a8, "compressed-tensors", "q8_0")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from nanoserve import LLM, SamplingParams
-
 from tests.server.test_cli_server import assert_served_as_offline
 
 pytest.importorskip("openai")
@@ -23,10 +21,4 @@ def smollm2_int4(request, smollm2_dir, tmp_path_factory):
 
 def test_serve_a_gptq_or_awq_checkpoint(smollm2_int4):
     method, path = smollm2_int4
-    prompt = "The capital of France is"
-    with LLM(model=str(path), dtype="float32", max_model_len=512, device="cpu") as llm:
-        layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
-        assert layer.quant_weight.qtype == "q4_1" and layer.weight.device.type == "meta"
-        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
-    assert offline.outputs[0].text.startswith(" Paris")  # int4 weights keep the model's answer
-    assert_served_as_offline(path, method, prompt, offline.outputs[0].text)
+    assert_served_as_offline(path, method, "q4_1")
