@@ -25,20 +25,27 @@ SCHEMES = {
     "w4a16-group32": (4, "group", 32, True, "pack-quantized", None),
     "w4a16-asym-group64": (4, "group", 64, False, "pack-quantized", None),
     "w8a16-group16": (8, "group", 16, True, "int-quantized", None),  # dequantized at load
+    # FP8 (E4M3) weights: llm-compressor's FP8-dynamic, FP8 block and static FP8 schemes
+    "fp8-dynamic": (8, "channel", None, True, "float-quantized", "dynamic"),
+    "fp8-block": (8, "block", None, True, "float-quantized", "dynamic"),
+    "fp8-static": (8, "tensor", None, True, "float-quantized", "static"),
 }
+FP8_BLOCK = [128, 128]
 
 
 def _scheme(name: str):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     bits, strategy, group_size, symmetric, form, activations = SCHEMES[name]
-    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
-                               group_size=group_size)
+    kind = "float" if form == "float-quantized" else "int"
+    weights = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
+                               group_size=group_size, block_structure=FP8_BLOCK if strategy == "block" else None)
     inputs = None
     if activations is not None:
         dynamic = activations == "dynamic"
-        inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, dynamic=dynamic,
-                                  strategy="token" if dynamic else "tensor")
+        strategy = ("group" if strategy == "block" else "token") if dynamic else "tensor"
+        inputs = QuantizationArgs(num_bits=8, type=kind, symmetric=True, dynamic=dynamic, strategy=strategy,
+                                  group_size=FP8_BLOCK[1] if strategy == "group" else None)
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs, format=form)
 
 
@@ -52,6 +59,9 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     rows = weight.shape[0]
     if args.strategy == "tensor":
         grouped = weight.reshape(1, 1, -1)
+    elif args.strategy == "block":
+        (rows, inputs), (n, k) = args.block_structure, weight.shape
+        grouped = weight.reshape(n // rows, rows, k // inputs, inputs).transpose(1, 2).reshape(n // rows, k // inputs, -1)
     else:
         grouped = weight.reshape(rows, -1, args.group_size) if args.strategy == "group" else weight.reshape(rows, 1, -1)
     scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
@@ -60,7 +70,8 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     compressed = compressor.compress(layer, scheme)
     if scheme.input_activations is not None and not scheme.input_activations.dynamic:
-        compressed["input_scale"] = (weight.abs().amax() / 127).reshape(1).to(torch.bfloat16)
+        top = 448.0 if scheme.input_activations.type == "float" else 127.0
+        compressed["input_scale"] = (weight.abs().amax() / top).reshape(1).to(torch.bfloat16)
     return compressed
 
 

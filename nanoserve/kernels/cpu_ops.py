@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
             for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp",
-                          "gemm_quant.cpp", "kv_fp8.cpp")]
+                          "gemm_quant.cpp", "gemm_fp8.cpp", "kv_fp8.cpp")]
 # In the build's cache key with the sources.
 _HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h", "fp8.h")]
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the

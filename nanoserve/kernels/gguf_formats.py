@@ -16,6 +16,9 @@ FORMATS: dict[str, tuple[bool, int, int, bool]] = {
     "q8_0": (False, 32, 128, False), "q4_0": (True, 32, 8, False), "q4_1": (True, 32, 0, True),
     "q4_k": (True, 32, 0, True), "q6_k": (False, 16, 32, False),
     "q5_0": (False, 32, 16, False), "q5_1": (False, 32, 0, True), "q5_k": (False, 32, 0, True),
+    # Not a GGUF type: FP8 (E4M3) weights with a scale per 32 (kernels/quant.py's FP8;
+    # kernels/cpu/gemm_fp8.cpp); `u` holds the E4M3 bytes, the offset means nothing.
+    "fp8_e4m3": (False, 32, 0, False),
 }
 
 

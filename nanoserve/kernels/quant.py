@@ -16,6 +16,13 @@ dequantize does.
 Other checkpoint formats whose integers and scales fit those components (compressed-tensors' int8
 and 4-bit weights, models/compressed_tensors.py) bring them directly (`QuantWeight.components`):
 the same packing, kernel and reference then multiply them, with no GGUF bytes in between.
+
+FP8 (E4M3) weights (models/fp8.py: checkpoints of quant_method fp8 and compressed-tensors'
+float-quantized) are the one format of floats, not integers: `u` holds the E4M3 bytes and
+weight = e4m3 value * scale, a scale per block of 32 inputs. Its kernel (kernels/cpu/gemm_fp8.cpp)
+keeps the activations in their float dtype (no int8 rounding); its reference is the
+dequantize-then-matmul product in fp32, and the kernel agrees with it to fp32 rounding, not bit
+for bit (tests/kernels/test_fp8_gemm.py).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from nanoserve.kernels.gguf_formats import FORMATS, GGUF_QTYPES, format_code
 
 _COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
+FP8 = "fp8_e4m3"  # the FP8 weight format (see the module's docstring)
 
 
 def qtype_name(ggml_type) -> str:
@@ -184,7 +192,15 @@ def dequantize(raw: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
 
 def dequantize_weight(w: QuantWeight) -> torch.Tensor:
     """float32 [n, k] of either source."""
+    if w.qtype == FP8:
+        u, _, scale, _ = weight_components(w)
+        return fp8_values(u) * scale.repeat_interleave(_BLOCK, dim=1)
     return _dequantize_components(*weight_components(w))
+
+
+def fp8_values(u: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes (uint8) -> their float32 values."""
+    return u.contiguous().view(torch.float8_e4m3fn).float()
 
 
 def _dequantize_components(u, offset, scale, mins) -> torch.Tensor:
@@ -221,7 +237,13 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
     then acc + bias rounded once to x.dtype. The kernel does the same fp32 operations in the same
     order, so it equals this bit for bit; against the exact product of x and dequantize(w) the
     difference is the activations' int8 rounding (relative ~1/254 per block, averaging out).
+    FP8 weights: x (in fp32) @ dequantize(w)^T, the oracle its kernel is tested against.
     """
+    if w.qtype == FP8:
+        out = x.cpu().float() @ dequantize_weight(w).t()
+        if bias is not None:
+            out = out + bias.cpu().float()
+        return out.to(x.dtype).to(x.device)
     u, offset, scale, mins = weight_components(w)
     q, dx, sums = quantize_activations(x.cpu())
     m, n, k = x.shape[0], w.n, w.k
@@ -263,6 +285,8 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
     nibbles, group, _, has_min = FORMATS[w.qtype]
     u, _, scale, mins = weight_components(w)
+    if w.qtype == FP8:
+        return _pack_fp8(u, scale, w.n, w.k)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
     if pad:
@@ -283,8 +307,32 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
+def _pack_fp8(u: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """FP8's packing (kernels/cpu/gemm_fp8.cpp): per group of 16 columns and block of 32 inputs,
+    the E4M3 bytes [32 inputs][16 columns], then fp32 scales [16 columns]."""
+    groups, nb = -(-n // _COLS), k // _BLOCK
+    pad = groups * _COLS - n
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad, k)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    quants = u.reshape(groups, _COLS, nb, _BLOCK).permute(0, 2, 3, 1).reshape(groups, nb, -1)
+    scales = scale.float().reshape(groups, _COLS, nb).permute(0, 2, 1).contiguous().view(torch.uint8)
+    return torch.cat([quants, scales.reshape(groups, nb, -1)], dim=-1).contiguous()
+
+
+def _unpack_fp8(packed: torch.Tensor, n: int, k: int) -> QuantComponents:
+    groups, nb = packed.shape[0], k // _BLOCK
+    quant_bytes = _BLOCK * _COLS
+    u = packed[..., :quant_bytes].reshape(groups, nb, _BLOCK, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, k)
+    scale = (packed[..., quant_bytes:].contiguous().view(torch.float32).reshape(groups, nb, _COLS)
+             .permute(0, 2, 1).reshape(groups * _COLS, nb))
+    return QuantComponents(u[:n].contiguous(), scale[:n].contiguous())
+
+
 def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
+    if qtype == FP8:
+        return _unpack_fp8(packed, n, k)
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, nb = packed.shape[0], k // _BLOCK
     quants, scales_bytes, _ = packed_layout(qtype)
@@ -310,7 +358,8 @@ def pack_for_cpu(w: QuantWeight) -> None:
     weight is held once (a Q4_1 file's bytes beside their packing were 2.2x the file)."""
     from nanoserve.kernels import cpu_ops
 
-    if w.device.type != "cpu" or w.k % GGUF_QTYPES[w.qtype][0] or not cpu_ops.available():
+    block = _BLOCK if w.qtype == FP8 else GGUF_QTYPES[w.qtype][0]
+    if w.device.type != "cpu" or w.k % block or not cpu_ops.available():
         return
     w.packed = pack_weight(w)
     w.components = None

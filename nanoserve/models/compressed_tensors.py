@@ -14,8 +14,13 @@ What is served, as vLLM reads the config (`config_groups` with `targets` / `weig
 - activations: none (W8A16, W4A16) or int8 symmetric (W8A8). The kernel quantizes each
   activation row per block of 32 with its own scale (dynamic, finer than vLLM's per token);
   a static `input_scale` is accepted and not used (the dynamic per-block scale replaces it).
-- refused with one line naming the scheme: float (FP8 / NVFP4 / MXFP4) weights or activations,
-  asymmetric activations, asymmetric int8 weights, other bit widths, block strategies,
+- FP8 weights (`float-quantized`: `weight` float8_e4m3fn with a scale per tensor, per output
+  channel or per block of `block_structure`; llm-compressor's FP8 and FP8-dynamic schemes) are
+  read by models/fp8.py and kept one byte each for the FP8 kernel; their FP8 activations (dynamic
+  per token / group, or static) are not applied (W8A16, as vLLM's CPU backend runs them).
+- refused with one line naming the scheme: other float weights or activations (NVFP4, MXFP4,
+  FP8 activations beside int weights), asymmetric activations, asymmetric int8 weights, other
+  bit widths, block strategies of int weights,
   activation-ordered groups (`weight_g_idx`), output activations, a KV cache scheme, transforms.
 
 Which layers are quantized is what the checkpoint holds (a `weight_scale` beside the weight, so
@@ -33,11 +38,13 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.models.fp8 import Fp8Weight, fp8_weight
 from nanoserve.models.quant_staging import IntegerWeight, unpack_int32
 
 QUANT_METHOD = "compressed-tensors"
 _INT_FORMATS = ("int-quantized", "naive-quantized")
-_FORMATS = (*_INT_FORMATS, "pack-quantized")
+_FLOAT_FORMAT = "float-quantized"
+_FORMATS = (*_INT_FORMATS, "pack-quantized", _FLOAT_FORMAT)
 _STRATEGIES = ("channel", "group", "tensor")
 # The tensors beside a quantized layer's weight; `input_*` are read and not used.
 _ROLES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
@@ -51,11 +58,15 @@ class WeightScheme:
     strategy: str             # "channel", "group" or "tensor"
     group_size: int | None
     symmetric: bool
-    format: str               # "int-quantized", "naive-quantized" or "pack-quantized"
+    format: str               # "int-quantized", "naive-quantized", "pack-quantized" or "float-quantized"
+    kind: str = "int"         # "float": FP8 (E4M3) weights (models/fp8.py)
+    block: tuple[int, int] | None = None  # the "block" strategy's block_structure (FP8 only)
 
     @property
     def qtype(self) -> str:
         """The kernel format (kernels/quant.py) its integers go into."""
+        if self.kind == "float":
+            return "fp8_e4m3"
         if self.num_bits == 8:
             return "q8_0"
         return "q4_0" if self.symmetric else "q4_1"
@@ -65,8 +76,10 @@ class WeightScheme:
         names = {"weight_packed", "weight_shape"} if self.format == "pack-quantized" else {"weight"}
         return names | {"weight_scale"} | (set() if self.symmetric else {"weight_zero_point"})
 
-    def integers(self, tensors: dict[str, torch.Tensor], layer: str) -> IntegerWeight:
-        """The layer's tensors read (models/quant_staging.IntegerWeight)."""
+    def integers(self, tensors: dict[str, torch.Tensor], layer: str) -> IntegerWeight | Fp8Weight:
+        """The layer's tensors read (models/quant_staging.IntegerWeight, or models/fp8.Fp8Weight)."""
+        if self.kind == "float":
+            return fp8_weight(tensors["weight"], tensors["weight_scale"], self.block, layer)
         return _integers(self, tensors, layer)
 
 
@@ -106,12 +119,17 @@ def checkpoint_quant_method(model_dir: Path) -> str | None:
 
 
 def _refuse(what: str) -> ValueError:
-    return ValueError(f"compressed-tensors {what} is not supported; nanoserve serves int8 (W8A16, W8A8) "
-                      "and int4 (W4A16) weights")
+    return ValueError(f"compressed-tensors {what} is not supported; nanoserve serves int8 (W8A16, W8A8), "
+                      "int4 (W4A16) and FP8 (W8A16, W8A8) weights")
 
 
-def _check_activations(group: str, activations: dict | None) -> None:
+def _check_activations(group: str, activations: dict | None, weight_kind: str) -> None:
     if activations is None:
+        return
+    if weight_kind == "float":  # FP8 weights: FP8 activations (dynamic or static) are not applied
+        if activations.get("type") != "float" or activations.get("num_bits") != 8:
+            raise _refuse(f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations "
+                          "beside FP8 weights")
         return
     if activations.get("type", "int") != "int" or activations.get("num_bits", 8) != 8:
         raise _refuse(f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations")
@@ -125,6 +143,8 @@ def _weight_scheme(group: str, spec: dict, default_format: str | None) -> Weight
     if weights is None:
         raise _refuse(f"scheme {group} without weight quantization")
     kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if kind == "float" and bits == 8:
+        return _fp8_scheme(group, spec, weights, default_format)
     if kind != "int" or bits not in (4, 8):
         raise _refuse(f"scheme {group}: {kind}{bits} weights")
     strategy, group_size = weights.get("strategy", "tensor"), weights.get("group_size")
@@ -135,13 +155,37 @@ def _weight_scheme(group: str, spec: dict, default_format: str | None) -> Weight
     symmetric = bool(weights.get("symmetric", True))
     if bits == 8 and not symmetric:
         raise _refuse(f"scheme {group}: asymmetric int8 weights")
-    _check_activations(group, spec.get("input_activations"))
+    _check_activations(group, spec.get("input_activations"), "int")
     if spec.get("output_activations") is not None:
         raise _refuse(f"scheme {group}: output activation quantization")
     form = spec.get("format") or default_format or ("pack-quantized" if bits == 4 else "int-quantized")
-    if form not in _FORMATS:
-        raise _refuse(f"format {form!r}")
+    if form not in _FORMATS or form == _FLOAT_FORMAT:
+        raise _refuse(f"format {form!r} for int{bits} weights")
     return WeightScheme(bits, strategy, group_size if strategy == "group" else None, symmetric, form)
+
+
+def _fp8_scheme(group: str, spec: dict, weights: dict, default_format: str | None) -> WeightScheme:
+    """An FP8 weight scheme: symmetric E4M3 weights with a scale per tensor, channel or block."""
+    strategy = weights.get("strategy", "tensor")
+    block = None
+    if strategy == "block":
+        structure = weights.get("block_structure")
+        if not (isinstance(structure, list) and len(structure) == 2 and all(isinstance(v, int) and v > 0 for v in structure)):
+            raise _refuse(f"scheme {group}: FP8 block_structure {structure!r}")
+        if structure[1] % 32:
+            raise _refuse(f"scheme {group}: FP8 block_structure {structure} (inputs not a multiple of 32)")
+        block = (structure[0], structure[1])
+    elif strategy not in ("tensor", "channel"):
+        raise _refuse(f"scheme {group}: FP8 weight strategy {strategy!r}")
+    if not weights.get("symmetric", True):
+        raise _refuse(f"scheme {group}: asymmetric FP8 weights")
+    _check_activations(group, spec.get("input_activations"), "float")
+    if spec.get("output_activations") is not None:
+        raise _refuse(f"scheme {group}: output activation quantization")
+    form = spec.get("format") or default_format or _FLOAT_FORMAT
+    if form not in (_FLOAT_FORMAT, "naive-quantized"):
+        raise _refuse(f"format {form!r} for FP8 weights")
+    return WeightScheme(8, strategy, None, True, form, kind="float", block=block)
 
 
 def compressed_tensors_config(model_dir: Path) -> CompressedTensorsConfig | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
 from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
 from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
+from nanoserve.models.fp8 import FP8_METHOD, fp8_config
 from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
@@ -102,7 +103,7 @@ def gguf_tokenizer(gguf_file: Path):
 
 def check_quantization(quantization: str | None, model: Path) -> None:
     """`--quantization`: "gguf" is implied by a GGUF model, "compressed-tensors", "gptq" (or
-    "gptq_marlin") and "awq" (or "awq_marlin") by a checkpoint whose config.json says so (its
+    "gptq_marlin"), "awq" (or "awq_marlin") and "fp8" by a checkpoint whose config.json says so (its
     scheme is checked here, before any rank loads); each means nothing for any other model, and
     other checkpoint quantizations are refused (ValueError, one line)."""
     is_gguf = find_gguf_file(model) is not None
@@ -114,13 +115,13 @@ def check_quantization(quantization: str | None, model: Path) -> None:
     method = checkpoint_quant_method(model)
     if method is None and group_quant_config(model) is not None:
         method = GPTQ  # an AutoGPTQ checkpoint's quantize_config.json
-    served = f"gguf files, {QUANT_METHOD}, GPTQ and AWQ checkpoints"
+    served = f"gguf files, {QUANT_METHOD}, GPTQ, AWQ and FP8 checkpoints"
     if method is None:
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} does not apply to {model}: it is not quantized "
                              f"(nanoserve serves {served}, each implied by the model)")
         return
-    if method not in (QUANT_METHOD, *GROUP_METHODS):
+    if method not in (QUANT_METHOD, FP8_METHOD, *GROUP_METHODS):
         raise ValueError(f"{model}: quantization_config.quant_method {method!r} is not supported; nanoserve "
                          f"serves {served}")
     accepted = FLAG_ALIASES.get(method, (method,))
@@ -129,5 +130,7 @@ def check_quantization(quantization: str | None, model: Path) -> None:
                          f"{method}; leave the flag out or pass {' or '.join(accepted)})")
     if method == QUANT_METHOD:
         compressed_tensors_config(model)
+    elif method == FP8_METHOD:
+        fp8_config(model)
     else:
         group_quant_config(model)

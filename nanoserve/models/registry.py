@@ -8,6 +8,7 @@ import torch
 
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.models.compressed_tensors import compressed_tensors_config
+from nanoserve.models.fp8 import fp8_config
 from nanoserve.models.gptq_awq import group_quant_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import find_gguf_file
@@ -63,8 +64,9 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     gguf_file = find_gguf_file(model_dir)
     if gguf_file is not None:
         load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
-    else:  # a compressed-tensors, GPTQ or AWQ checkpoint's quantized layers keep their integers
-        load_weights(model, model_dir, compressed_tensors_config(model_dir) or group_quant_config(model_dir))
+    else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
+        quantization = compressed_tensors_config(model_dir) or group_quant_config(model_dir) or fp8_config(model_dir)
+        load_weights(model, model_dir, quantization)
     return model.eval()
 
 

@@ -50,7 +50,8 @@ constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
 // Format codes: the order of quant.py's _FORMATS (new ones appended; kFormats counts them).
 enum Format : int {
-    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8
+    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8,
+    kF8_E4M3 = 8  // FP8 weights: gemm_fp8.cpp (after kFormats: no integer kernels)
 };
 
 template <int F>
@@ -666,11 +667,16 @@ FormatInfo format_info(int format) {
 
 extern "C" {
 
+int ns_gemm_fp8(void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed, const void* bias,
+                int64_t M, int64_t N, int64_t K);
+
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ w^T (+ bias [N]), x, bias and out of
 // one dtype (0 fp32, 1 bf16), w packed by quant.py's pack_weight (N a multiple of 16 there).
+// Format kF8_E4M3 (FP8 weights, not integers) goes to gemm_fp8.cpp.
 // 0 done; 2 a shape, dtype or format it does not take.
 int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed,
                   const void* bias, int64_t M, int64_t N, int64_t K) {
+    if (format == kF8_E4M3) return ns_gemm_fp8(out, ldo, x, ldx, dtype, packed, bias, M, N, K);
     if (format < 0 || format >= kFormats || (dtype != 0 && dtype != 1)) return 2;
     const FormatInfo format_traits = format_info(format);
     if (format_traits.super_blocks && K % 256 != 0) return 2;
