@@ -213,3 +213,12 @@ def test_fused_decode_on_a_gptq_or_awq_checkpoint_gives_the_modules_bits(scheme,
     from tests.gptq_awq_models import write_quantized_llama
 
     assert_fused_gives_the_modules_bits(write_quantized_llama(tmp_path, scheme, seed=3))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block128", "fp8-tensor-static"])
+def test_fused_decode_on_an_fp8_checkpoint_gives_the_modules_bits(scheme, tmp_path, cpu_isa):
+    """FP8 weights (models/fp8.py, kernels/cpu/gemm_fp8.cpp through decode_layers.cpp's linear
+    entries): the fused steps and the modules' path give the same tokens and logprobs."""
+    from tests.fp8_models import write_fp8_llama
+
+    assert_fused_gives_the_modules_bits(write_fp8_llama(tmp_path, scheme, seed=3))

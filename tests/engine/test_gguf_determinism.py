@@ -20,7 +20,7 @@ SMOLLM2_SHAPE = dict(hidden_size=576, num_heads=9, num_kv_heads=3, intermediate_
 
 
 @pytest.fixture(scope="module", params=["q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m",
-                                        "compressed-tensors-w8a8", "gptq-4bit-g128"])
+                                        "compressed-tensors-w8a8", "gptq-4bit-g128", "fp8-block128"])
 def gguf_file(request, tmp_path_factory):
     """A GGUF file, or a compressed-tensors checkpoint (the same kernels, models/compressed_tensors.py).
     q4_k_m: Q4_K in every layer needs inputs in blocks of 256. llama_cpp_q4_k_m on SmolLM2's
@@ -33,6 +33,9 @@ def gguf_file(request, tmp_path_factory):
     if request.param.startswith("gptq"):  # symmetric int4: the Q4_0 kernel format
         from tests.gptq_awq_models import write_quantized_llama
         return write_quantized_llama(tmp_path_factory.mktemp("gptq"), request.param, seed=19, **SMOLLM2_SHAPE)
+    if request.param.startswith("fp8"):  # FP8 weights: kernels/cpu/gemm_fp8.cpp
+        from tests.fp8_models import write_fp8_llama
+        return write_fp8_llama(tmp_path_factory.mktemp("fp8"), request.param, seed=19, **SMOLLM2_SHAPE)
     shape = {} if request.param == "q4_k_m" else SMOLLM2_SHAPE
     return write_quantized_gguf(tmp_path_factory.mktemp(request.param), request.param, seed=19, **shape)
 
