@@ -110,7 +110,7 @@ def test_grace_period_expiry_aborts_and_exits_zero(long_context_llama_dir):
 
 def assert_served_as_offline(path, quantization: str, qtype: str) -> None:
     """A quantized checkpoint of the default model (tests/server/test_compressed_tensors_server.py,
-    test_gptq_awq_server.py): offline, its layers hold `qtype` blocks (no float copy) and it still
+    test_gptq_awq_server.py, test_fp8_server.py): offline, its layers hold `qtype` blocks (no float copy) and it still
     answers " Paris"; `nanoserve serve` on it gives the openai client the offline engine's greedy
     text, and a chat completion answers."""
     import openai
