@@ -19,8 +19,9 @@ from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.fp8 import fp8_config
 from tests.fp8_models import dequantized_transformers, write_fp8_llama
-from tests.models.test_compressed_tensors import (NEAR_TIE, PROMPTS, assert_cli_one_line_error, assert_same_greedy,
-                                                  assert_tensor_parallel_equals_one_rank, build, greedy)
+from tests.models.test_compressed_tensors import (NEAR_TIE, PROMPTS, _edit_config, assert_cli_one_line_error,
+                                                  assert_same_greedy, assert_tensor_parallel_equals_one_rank, build,
+                                                  greedy)
 
 FP8_METHOD_SCHEMES = ["fp8-block128", "fp8-block128-bf16", "fp8-block64x32", "fp8-tensor-static"]
 COMPRESSED_SCHEMES = ["fp8-dynamic", "fp8-block", "fp8-static"]
@@ -155,12 +156,6 @@ def block128(tmp_path_factory):
 def _copy(path, tmp_path, name="copy"):
     shutil.copytree(path.parent / "hf", tmp_path / "hf", dirs_exist_ok=True)
     return shutil.copytree(path, tmp_path / name)
-
-
-def _edit_config(path, change) -> None:
-    config = json.loads((path / "config.json").read_text())
-    change(config["quantization_config"])
-    (path / "config.json").write_text(json.dumps(config))
 
 
 def _edit_tensors(path, change) -> None:
