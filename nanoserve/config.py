@@ -36,7 +36,8 @@ class EngineConfig:
         None, "weight quantization: gguf (implied by a GGUF --model), compressed-tensors, gptq, awq or fp8 "
               "(implied by a checkpoint whose config.json has that quantization_config: int8 W8A16 / W8A8, "
               "int4 W4A16, FP8; GPTQ 4/8-bit; AWQ 4-bit gemm; FP8 E4M3 per tensor or block; gptq_marlin / "
-              "awq_marlin name the same); no other value is supported")
+              "awq_marlin name the same); fp8 on an unquantized checkpoint rounds its linear layers to FP8 "
+              "at load (CPU); no other value is supported")
     dtype: str = arg("auto", "weights and activations dtype (a GGUF model: the activations'; its "
                              "quantized layers keep their blocks)", choices=DTYPES)
     device: str = arg("auto", "auto, cpu or cuda")  # "auto": cuda when available, else cpu

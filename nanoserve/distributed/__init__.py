@@ -80,6 +80,13 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum over the tensor-parallel ranks, in place."""
+    if _state.tp_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_state.tp_group)
+    return tensor
+
+
 def gather_to_first(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     """Concatenate every tp rank's shard along `dim` on this stage's tp rank 0 (others get None)."""
     if _state.tp_size == 1:

@@ -64,7 +64,8 @@ class ModelRunner(KVCacheAllocation):
         self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
         self.model = build_model(model_config, self.dtype, self.device, model_dir,
                                  config.max_model_len or model_config.max_position_embeddings,
-                                 enable_expert_parallel=config.enable_expert_parallel)
+                                 enable_expert_parallel=config.enable_expert_parallel,
+                                 quantization=config.quantization)
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
         # through kernels/cpu/gemm*.cpp, whose rows are invariant to M without padding.
         self.pad_prompt_rows = False

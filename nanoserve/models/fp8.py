@@ -19,6 +19,13 @@ products are those of the dequantized weights and the unrounded activations. Ref
 line: E5M2 weights, NaN weights, a block size whose input side is not a multiple of 32 (the
 kernel's scale block). A layer the kernel can't take (inputs not a multiple of 32, a MoE expert,
 any layer on CUDA) is dequantized into its float weight at load, as the integer formats' are.
+
+`--quantization fp8` on an unquantized checkpoint (vLLM's online FP8): `quantize_online` rounds
+every linear layer's weight to E4M3 at load, a scale per output row (amax / 448; vLLM takes one
+per tensor, a row's own is finer at no cost to the kernel), on the CPU only. The LM head,
+embeddings and MoE experts stay as they are. Under tensor parallelism a row-parallel layer's
+rows span the ranks: their amax is the maximum over the ranks, so each rank holds the values one
+rank would.
 """
 from __future__ import annotations
 
@@ -26,9 +33,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+
 import torch
+from torch import nn
 
 from nanoserve.kernels import quant
+
+logger = logging.getLogger(__name__)
 
 FP8_METHOD = "fp8"
 _BLOCK = 32  # the kernel's scale block along the inputs
@@ -150,3 +162,38 @@ def fp8_config(model_dir: Path) -> Fp8Config | None:
     if block[1] % _BLOCK:
         raise _refuse(f"weight_block_size {list(block)} (its input side must be a multiple of {_BLOCK})")
     return Fp8Config((block[0], block[1]))
+
+
+def quantize_online(model: nn.Module) -> int:
+    """vLLM's `--quantization fp8` of an unquantized checkpoint: each linear layer (not the LM
+    head, embeddings or MoE experts) whose inputs are a multiple of 32 keeps its weight in E4M3
+    with a scale per output row, on the FP8 kernel; its float weight goes to the meta device.
+    Returns the number of layers quantized. CPU only (CUDA has no FP8 kernel here: ValueError)."""
+    from nanoserve.distributed import all_reduce_max
+    from nanoserve.layers.linear import LinearBase, RowParallelLinear
+
+    quantized = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or module.quant_weight is not None or module.quant_parts is not None:
+            continue
+        weight = module.weight
+        if weight.device.type != "cpu":
+            raise ValueError("--quantization fp8 of an unquantized checkpoint (online FP8) runs on the CPU only; "
+                             "on CUDA serve an FP8 checkpoint or leave the flag out")
+        n, k = weight.shape
+        if k % _BLOCK:
+            logger.info("%s: kept in %s (%d inputs, not a multiple of %d)", name, weight.dtype, k, _BLOCK)
+            continue
+        values = weight.detach().float()
+        amax = values.abs().amax(dim=1)
+        if isinstance(module, RowParallelLinear):
+            amax = all_reduce_max(amax)
+        scale = (amax / 448.0).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+        q = (values / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+        per_block = scale.expand(n, k // _BLOCK).contiguous()
+        module.quant_weight = quant.QuantWeight(quant.FP8, n, k, None,
+                                                components=quant.QuantComponents(q.contiguous(), per_block))
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        quantized += 1
+    logger.info("online FP8: %d linear layers quantized to E4M3 (a scale per output row)", quantized)
+    return quantized

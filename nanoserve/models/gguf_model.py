@@ -117,9 +117,12 @@ def check_quantization(quantization: str | None, model: Path) -> None:
         method = GPTQ  # an AutoGPTQ checkpoint's quantize_config.json
     served = f"gguf files, {QUANT_METHOD}, GPTQ, AWQ and FP8 checkpoints"
     if method is None:
+        if quantization == FP8_METHOD:  # online FP8: the weights are rounded at load (models/fp8.py)
+            return
         if quantization is not None:
             raise ValueError(f"--quantization {quantization} does not apply to {model}: it is not quantized "
-                             f"(nanoserve serves {served}, each implied by the model)")
+                             f"(nanoserve serves {served}, each implied by the model; --quantization fp8 "
+                             "rounds an unquantized one to FP8 at load)")
         return
     if method not in (QUANT_METHOD, FP8_METHOD, *GROUP_METHODS):
         raise ValueError(f"{model}: quantization_config.quant_method {method!r} is not supported; nanoserve "

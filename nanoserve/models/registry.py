@@ -8,7 +8,7 @@ import torch
 
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.models.compressed_tensors import compressed_tensors_config
-from nanoserve.models.fp8 import fp8_config
+from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gptq_awq import group_quant_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import find_gguf_file
@@ -47,8 +47,11 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path,
-                max_model_len: int | None = None, enable_expert_parallel: bool = False) -> torch.nn.Module:
-    """`max_model_len`: no sequence is longer. A sliding window at least that long never leaves
+                max_model_len: int | None = None, enable_expert_parallel: bool = False,
+                quantization: str | None = None) -> torch.nn.Module:
+    """`quantization`: the checked --quantization (models/gguf_model.check_quantization); "fp8" on
+    an unquantized checkpoint rounds its linear layers to FP8 at load (models/fp8.quantize_online).
+    `max_model_len`: no sequence is longer. A sliding window at least that long never leaves
     a key out, so such layers drop it and keep the fast kernels (the CPU's C++ attention and
     fused decode step; Mistral's 4,096-token window when serving up to 4,096 tokens)."""
     model_class = MODEL_CLASSES[config.architecture]
@@ -65,8 +68,10 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     if gguf_file is not None:
         load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
     else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
-        quantization = compressed_tensors_config(model_dir) or group_quant_config(model_dir) or fp8_config(model_dir)
-        load_weights(model, model_dir, quantization)
+        checkpoint = compressed_tensors_config(model_dir) or group_quant_config(model_dir) or fp8_config(model_dir)
+        load_weights(model, model_dir, checkpoint)
+        if checkpoint is None and quantization == FP8_METHOD:
+            quantize_online(model)
     return model.eval()
 
 

@@ -207,11 +207,63 @@ def test_a_scale_of_the_wrong_shape_is_an_error(block128, tmp_path):
 
 
 def test_quantization_flag(block128):
-    """fp8 names an FP8 checkpoint's quantization; another value, or fp8 on an unquantized model,
-    is an error."""
+    """fp8 names an FP8 checkpoint's quantization; another value is an error (fp8 on an
+    unquantized model is online FP8, below)."""
     build(block128, quantization="fp8")
     for wrong in ("gptq", "compressed-tensors", "gguf"):
         with pytest.raises(ValueError, match=f"--quantization {wrong} does not apply"):
             build(block128, quantization=wrong)
-    with pytest.raises(ValueError, match="--quantization fp8 does not apply"):
-        build(block128.parent / "hf", quantization="fp8")
+
+
+# ---- online FP8: --quantization fp8 on an unquantized checkpoint ------------------------------
+
+def _online_meaning(hf_dir) -> dict[str, torch.Tensor]:
+    """Each *_proj weight rounded as online FP8 means it: a scale per output row, amax / 448,
+    torch's own E4M3 rounding, read back times the scale (float32)."""
+    meaning = {}
+    for name, weight in load_file(hf_dir / "model.safetensors").items():
+        if name.endswith("proj.weight"):
+            values = weight.float()
+            scale = (values.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+            meaning[name] = (values / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return meaning
+
+
+@torch.inference_mode()
+def test_online_fp8_rounds_each_row_at_load(block128):
+    """Every linear layer (fused q/k/v, gate/up too; a fused layer's rows keep their own scales)
+    holds the rounded weight on the FP8 kernel and no float copy; the LM head stays float; the
+    tokens are transformers' on the rounded weights, logprobs to float32 rounding."""
+    from tests.compressed_tensors_models import float_tensors, transformers_with_weights
+    from tests.gguf_models import teacher_forced
+
+    hf = block128.parent / "hf"
+    meaning = _online_meaning(hf)
+    with build(hf, dtype="float32", quantization="fp8") as llm:
+        model = llm.llm_engine.runner.model
+        for index in range(2):
+            for ours, parts in PAIRS:
+                module = model.model.layers[index]
+                for part in ours.split("."):
+                    module = getattr(module, part)
+                expected = torch.cat([meaning[f"model.layers.{index}.{part}.weight"] for part in parts])
+                assert module.quant_weight.qtype == quant.FP8 and module.weight.device.type == "meta"
+                assert torch.equal(quant.dequantize_weight(module.quant_weight), expected), (index, ours)
+        assert model.lm_head.quant_weight is None
+        tokens, logprobs, _ = greedy(llm)
+        tokenizer = llm.get_tokenizer()
+    oracle = transformers_with_weights(hf, float_tensors(hf) | meaning, block128.parent / "online")
+    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(oracle, tokenizer, PROMPTS, tokens)):
+        assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-3, prompt
+        assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
+
+
+def test_online_fp8_under_tensor_parallelism_equals_one_rank(block128):
+    """tp=2: a row-parallel layer's row scales are the maximum over both ranks' halves, so each
+    rank holds what one rank would: the same tokens, logprobs to float32 rounding."""
+    hf = block128.parent / "hf"
+    with build(hf, dtype="float32", quantization="fp8") as llm:
+        one = greedy(llm)
+    with build(hf, dtype="float32", quantization="fp8", tensor_parallel_size=2) as llm:
+        two = greedy(llm)
+    assert_same_greedy(two, one, typical=1e-3)
