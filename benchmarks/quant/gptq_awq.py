@@ -8,7 +8,8 @@ Writes the default model (or --model) quantized round-to-nearest to 4 bits per g
 AutoGPTQ (symmetric: nanoserve's Q4_0 kernels) and AutoAWQ (GEMM, zero points: Q4_1) store
 them (tests/gptq_awq_models.py; `gptq_act`: GPTQ with activation order, a random order of the
 inputs per layer input, as desc_act stores it), and in FP8 E4M3 with 128 x 128 block scales
-(`fp8`: quant_method fp8, as Qwen3-*-FP8 store them; tests/fp8_models.py), under --out-dir, then runs LLM.generate on --num-prompts random
+(`fp8`: quant_method fp8, as Qwen3-*-FP8 store them; tests/fp8_models.py), under --out-dir
+(`fp8_online`: the bf16 model with --quantization fp8, rounded at load by each engine), then runs LLM.generate on --num-prompts random
 prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), as
 ../shared/bench/offline.sh does, on the bf16 model and on each checkpoint. vLLM-CPU runs from
 ../shared/bench/setup-vllm-cpu.sh's venv (its `--quantization` left to the checkpoint). Prints
@@ -49,6 +50,7 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
         fp8.parent.mkdir(parents=True, exist_ok=True)
         fp8_models.quantize_checkpoint(model, fp8, "fp8-block128")
     paths["fp8"] = fp8
+    paths["fp8_online"] = model
     for name, scheme in SCHEMES.items():
         path = out_dir / scheme / "model"
         if not (path / "model.safetensors").is_file():
@@ -58,17 +60,19 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def child(engine: str, model: str, num_prompts: int, input_len: int, output_len: int) -> None:
+def child(engine: str, model: str, num_prompts: int, input_len: int, output_len: int,
+          quantization: str | None = None) -> None:
     """One engine on one model in this process: prints 'RESULT <output tokens/s>'."""
     import torch
 
     if engine == "vllm":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         from vllm import LLM, SamplingParams
-        llm = LLM(model=model, dtype="bfloat16", max_model_len=max(2048, input_len + output_len))
+        llm = LLM(model=model, dtype="bfloat16", max_model_len=max(2048, input_len + output_len),
+                  quantization=quantization)
     else:
         from nanoserve import LLM, SamplingParams
-        llm = LLM(model=model, dtype="bfloat16")
+        llm = LLM(model=model, dtype="bfloat16", quantization=quantization)
     vocab = llm.get_tokenizer().vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": p}
@@ -81,10 +85,12 @@ def child(engine: str, model: str, num_prompts: int, input_len: int, output_len:
     print(f"RESULT {sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed:.2f}", flush=True)
 
 
-def run(engine: str, model: Path, args) -> float:
+def run(engine: str, model: Path, args, quantization: str | None = None) -> float:
     python = str(VLLM_PYTHON) if engine == "vllm" else sys.executable
     command = [python, __file__, "--child", engine, "--model", str(model), "--num-prompts", str(args.num_prompts),
                "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    if quantization is not None:
+        command += ["--quantization", quantization]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
@@ -98,16 +104,17 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=default_model())
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/nanoserve-bench-gptq-awq"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", default="nanoserve,vllm")
     parser.add_argument("--models", default="bf16,gptq,awq",
-                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8")
+                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8, fp8_online")
     args = parser.parse_args()
     if args.child:
-        child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len)
+        child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len, args.quantization)
         return
     paths = write_checkpoints(args.model, args.out_dir)
     engines, models = args.engines.split(","), args.models.split(",")
@@ -115,10 +122,10 @@ def main() -> None:
     for round_index in range(args.rounds):  # engines and models take turns in every round
         for engine in engines:
             for name in models:
-                value = run(engine, paths[name], args)
+                value = run(engine, paths[name], args, "fp8" if name == "fp8_online" else None)
                 results.setdefault((engine, name), []).append(value)
                 ms = f" ({1000 / value:.1f} ms/token)" if args.num_prompts == 1 else ""
-                print(f"round {round_index + 1}: {engine:9s} {name:5s} {value:8.1f} output tokens/s{ms}", flush=True)
+                print(f"round {round_index + 1}: {engine:9s} {name:10s} {value:8.1f} output tokens/s{ms}", flush=True)
     median = {key: statistics.median(values) for key, values in results.items()}
     print(f"\n{args.num_prompts} x ({args.input_len}, {args.output_len}), medians of {args.rounds} round(s); "
           f"4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks) from {args.model}")

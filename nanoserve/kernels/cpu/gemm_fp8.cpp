@@ -12,16 +12,18 @@
 // VCVTPH2PS widens to fp32. The 2^-8 goes back in once, when an output is stored.
 //
 // The arithmetic, the same at every level (AVX-512, AVX2, plain C++), hence the same bits:
-// per output element, with x widened to fp32 (exact for bf16) and w' = value * 2^-8,
-//     for each block of 32 inputs from k = 0:  b = 0;  b = fma(w'[k], x[k], b) for k in order;
-//                                             acc = fma(b, scale, acc)
-//     out = acc * 256 (+ bias), rounded once to x's dtype.
+// per output element, with x widened to fp32 (exact for bf16), w' = value * 2^-8 and s the
+// scale of k's block,
+//     acc = fma(w'[k] * s, x[k], acc) for k in order from 0;  out = acc * 256 (+ bias),
+// rounded once to x's dtype (w' * s is one fp32 rounding of a 4-bit by 24-bit product).
 // Each output is summed in that one order whatever M is and whichever rows share the call.
 //
 // Layout (quant.py pack_fp8): per group of 16 output columns and block of 32 inputs, 512 bytes of
 // E4M3 [32 inputs][16 columns] then 64 bytes of fp32 scales [16 columns]. Few rows (a decode
-// step) widen each input's 16 bytes in registers as they go; more rows widen a pair of column
-// groups once into fp32 per chunk of rows, and the register blocks read that.
+// step) widen and scale each input's 16 bytes in registers as they go; more rows widen and scale
+// 4 column groups x 64 inputs at a time into an fp32 scratch that stays in L1, which register
+// blocks of 4 rows x 4 groups (as the bf16 GEMM's FMA kernel, gemm_levels.cpp) read for every
+// row of a chunk of 64, their sums kept between slices.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,6 +49,8 @@ constexpr int64_t kParallelMacs = int64_t(1) << 22;
 constexpr int64_t kParallelWeights = int64_t(1) << 18;
 constexpr int64_t kRowChunk = 64;
 constexpr int kRegisterRows = 3;  // up to this many rows widen the weights in registers
+constexpr int kWideGroups = 4;    // more rows: groups of 16 columns multiplied together
+constexpr int kSliceK = 64;       // and inputs widened into fp32 at a time (16 KiB: stays in L1)
 
 struct Call {
     void* out;
@@ -101,29 +105,26 @@ inline const uint8_t* group_at(const Call& call, int64_t group) {
 
 // ---- plain C++ ------------------------------------------------------------------------------
 
-void block_portable(const Call& call, int64_t row, int rows, int64_t group, int groups) {
+void block_portable(const Call& call, int64_t row, int rows, int64_t group) {
     const float* lut = table().value;
     const int64_t nb = call.K / kBlock;
-    std::vector<float> acc(static_cast<size_t>(rows) * groups * kCols, 0.0f);
+    const uint8_t* w = group_at(call, group);
+    float acc[4 * kCols];
     for (int r = 0; r < rows; ++r) {
         const float* x = call.x + (row + r) * call.K;
-        for (int g = 0; g < groups; ++g) {
-            const uint8_t* w = group_at(call, group + g);
-            for (int c = 0; c < kCols; ++c) {
-                float total = 0.0f;
-                for (int64_t b = 0; b < nb; ++b) {
-                    const uint8_t* quants = w + b * kBlockBytes;
-                    float scale;
-                    std::memcpy(&scale, quants + kQuantBytes + 4 * c, sizeof(scale));
-                    float sum = 0.0f;
-                    for (int i = 0; i < kBlock; ++i) sum = std::fma(lut[quants[i * kCols + c]], x[b * kBlock + i], sum);
-                    total = std::fma(sum, scale, total);
-                }
-                acc[(r * groups + g) * kCols + c] = total;
+        for (int c = 0; c < kCols; ++c) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* quants = w + b * kBlockBytes;
+                float scale;
+                std::memcpy(&scale, quants + kQuantBytes + 4 * c, sizeof(scale));
+                for (int i = 0; i < kBlock; ++i)
+                    total = std::fma(lut[quants[i * kCols + c]] * scale, x[b * kBlock + i], total);
             }
+            acc[r * kCols + c] = total;
         }
     }
-    store(call, acc.data(), row, rows, group * kCols, groups * kCols);
+    store(call, acc, row, rows, group * kCols, kCols);
 }
 
 // ---- AVX2 + F16C ----------------------------------------------------------------------------
@@ -143,21 +144,16 @@ NS_F8_AVX2 void block_avx2(const Call& call, int64_t row, int64_t group) {
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* x = call.x + row * call.K;
     for (int64_t b = 0; b < nb; ++b, w += kBlockBytes, x += kBlock) {
-        __m256 sum[R][2];
-        for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
-        NS_UNROLL_F8 for (int i = 0; i < kBlock; ++i) {
-            const __m256 w0 = widen8_avx2(w + i * kCols), w1 = widen8_avx2(w + i * kCols + 8);
-            for (int r = 0; r < R; ++r) {
-                const __m256 xv = _mm256_broadcast_ss(x + r * call.K + i);
-                sum[r][0] = _mm256_fmadd_ps(w0, xv, sum[r][0]);
-                sum[r][1] = _mm256_fmadd_ps(w1, xv, sum[r][1]);
-            }
-        }
         const __m256 s0 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes));
         const __m256 s1 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes) + 8);
-        for (int r = 0; r < R; ++r) {
-            acc[r][0] = _mm256_fmadd_ps(sum[r][0], s0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(sum[r][1], s1, acc[r][1]);
+        NS_UNROLL_F8 for (int i = 0; i < kBlock; ++i) {
+            const __m256 w0 = _mm256_mul_ps(widen8_avx2(w + i * kCols), s0);
+            const __m256 w1 = _mm256_mul_ps(widen8_avx2(w + i * kCols + 8), s1);
+            for (int r = 0; r < R; ++r) {
+                const __m256 xv = _mm256_broadcast_ss(x + r * call.K + i);
+                acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+            }
         }
     }
     alignas(32) float out[R * kCols];
@@ -197,7 +193,7 @@ NS_F8_AVX512 void store_avx512(const Call& call, __m512 v, int64_t row, int64_t 
     }
 }
 
-// R rows x C groups, each input's weights widened in registers (few rows).
+// R rows x C groups, each input's weights widened and scaled in registers (few rows).
 template <int R, int C>
 NS_F8_AVX512 void block_registers(const Call& call, int64_t row, int64_t group) {
     const int64_t nb = call.K / kBlock;
@@ -208,87 +204,96 @@ NS_F8_AVX512 void block_registers(const Call& call, int64_t row, int64_t group) 
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     const float* x = call.x + row * call.K;
     for (int64_t b = 0; b < nb; ++b, w += kBlockBytes, x += kBlock) {
-        __m512 sum[R][C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
+        __m512 scale[C];
+        for (int c = 0; c < C; ++c) scale[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(w + c * stride + kQuantBytes));
         NS_UNROLL_F8 for (int i = 0; i < kBlock; i += 2) {
             for (int c = 0; c < C; ++c) {
                 __m512 w0, w1;
                 widen32(w + c * stride + i * kCols, w0, w1);
+                w0 = _mm512_mul_ps(w0, scale[c]);
+                w1 = _mm512_mul_ps(w1, scale[c]);
                 for (int r = 0; r < R; ++r)
-                    sum[r][c] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * call.K + i]), sum[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * call.K + i]), acc[r][c]);
                 for (int r = 0; r < R; ++r)
-                    sum[r][c] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * call.K + i + 1]), sum[r][c]);
+                    acc[r][c] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * call.K + i + 1]), acc[r][c]);
             }
-        }
-        for (int c = 0; c < C; ++c) {
-            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + c * stride + kQuantBytes));
-            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(sum[r][c], scale, acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) store_avx512(call, acc[r][c], row + r, (group + c) * kCols);
 }
 
-// Groups [group, group + C) widened once into fp32: wide[c][k][16], scales[c][block][16].
-NS_F8_AVX512 void widen_groups(const Call& call, int64_t group, int C, float* wide, float* scales) {
-    const int64_t nb = call.K / kBlock;
-    for (int c = 0; c < C; ++c) {
-        const uint8_t* w = group_at(call, group + c);
-        float* out = wide + c * call.K * kCols;
-        for (int64_t b = 0; b < nb; ++b, w += kBlockBytes) {
+// Inputs [k0, k0 + kn) of groups [group, group + groups) widened and scaled into fp32:
+// wide[c][k - k0][16]. kn a multiple of 32.
+NS_F8_AVX512 void widen_slice(const Call& call, int64_t group, int groups, int64_t k0, int kn, float* wide) {
+    for (int c = 0; c < groups; ++c) {
+        const uint8_t* w = group_at(call, group + c) + (k0 / kBlock) * kBlockBytes;
+        float* out = wide + c * kSliceK * kCols;
+        for (int b = 0; b < kn / kBlock; ++b, w += kBlockBytes) {
+            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes));
             for (int i = 0; i < kBlock; i += 2) {
                 __m512 w0, w1;
                 widen32(w + i * kCols, w0, w1);
-                _mm512_storeu_ps(out + (b * kBlock + i) * kCols, w0);
-                _mm512_storeu_ps(out + (b * kBlock + i + 1) * kCols, w1);
+                _mm512_storeu_ps(out + (b * kBlock + i) * kCols, _mm512_mul_ps(w0, scale));
+                _mm512_storeu_ps(out + (b * kBlock + i + 1) * kCols, _mm512_mul_ps(w1, scale));
             }
-            std::memcpy(scales + (c * nb + b) * kCols, w + kQuantBytes, 4 * kCols);
         }
     }
 }
 
-// R rows x C groups on weights widened by widen_groups (more rows).
+// R rows x C groups over one slice of inputs: the sums so far come from acc (rows of
+// kWideGroups * 16 floats) and go back there; x points at the rows' first input of the slice.
 template <int R, int C>
-NS_F8_AVX512 void block_widened(const Call& call, int64_t row, int64_t group, const float* wide, const float* scales) {
-    const int64_t nb = call.K / kBlock;
-    __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    const float* x = call.x + row * call.K;
-    for (int64_t b = 0; b < nb; ++b) {
-        __m512 sum[R][C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
-        const float* wb = wide + b * kBlock * kCols;
-        const float* xb = x + b * kBlock;
-        NS_UNROLL_F8 for (int i = 0; i < kBlock; ++i) {
-            for (int c = 0; c < C; ++c) {
-                const __m512 wv = _mm512_loadu_ps(wb + c * call.K * kCols + i * kCols);
-                for (int r = 0; r < R; ++r)
-                    sum[r][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xb[r * call.K + i]), sum[r][c]);
-            }
-        }
-        for (int c = 0; c < C; ++c) {
-            const __m512 scale = _mm512_loadu_ps(scales + (c * nb + b) * kCols);
-            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(sum[r][c], scale, acc[r][c]);
+NS_F8_AVX512 void block_slice(const float* x, int64_t ldx, const float* wide, int kn, float* acc) {
+    constexpr int kAccRow = kWideGroups * kCols;
+    __m512 sum[R][C];
+    NS_UNROLL_F8 for (int r = 0; r < R; ++r)
+        NS_UNROLL_F8 for (int c = 0; c < C; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * kAccRow + c * kCols);
+    for (int k = 0; k < kn; ++k) {
+        NS_UNROLL_F8 for (int c = 0; c < C; ++c) {
+            const __m512 wv = _mm512_loadu_ps(wide + (c * kSliceK + k) * kCols);
+            NS_UNROLL_F8 for (int r = 0; r < R; ++r) sum[r][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * ldx + k]), sum[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) store_avx512(call, acc[r][c], row + r, (group + c) * kCols);
+    NS_UNROLL_F8 for (int r = 0; r < R; ++r)
+        NS_UNROLL_F8 for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * kAccRow + c * kCols, sum[r][c]);
 }
 
 template <int C>
-NS_F8_AVX512 void rows_widened(const Call& call, int64_t row, int64_t end, int64_t group, const float* wide,
-                               const float* scales) {
-    constexpr int kRows = 4;
-    for (; row + kRows <= end; row += kRows) block_widened<kRows, C>(call, row, group, wide, scales);
+NS_F8_AVX512 void rows_slice(const Call& call, int64_t row, int64_t end, int64_t k0, const float* wide, int kn,
+                             float* acc) {
+    constexpr int kAccRow = kWideGroups * kCols;
+    const float* x = call.x + row * call.K + k0;
+    for (; row + 4 <= end; row += 4, x += 4 * call.K, acc += 4 * kAccRow) block_slice<4, C>(x, call.K, wide, kn, acc);
     switch (end - row) {
-        case 3: block_widened<3, C>(call, row, group, wide, scales); break;
-        case 2: block_widened<2, C>(call, row, group, wide, scales); break;
-        case 1: block_widened<1, C>(call, row, group, wide, scales); break;
+        case 3: block_slice<3, C>(x, call.K, wide, kn, acc); break;
+        case 2: block_slice<2, C>(x, call.K, wide, kn, acc); break;
+        case 1: block_slice<1, C>(x, call.K, wide, kn, acc); break;
         default: break;
     }
+}
+
+// Rows [row, end) (at most kRowChunk) against groups [group, group + groups) (at most
+// kWideGroups): the inputs a slice at a time, each slice's weights widened once into a scratch
+// that stays in L1 (an fp32 copy of all K would be read from L2, twice the bf16 GEMM's bytes),
+// the sums kept in acc between slices; each output still one sum over k in order.
+NS_F8_AVX512 void rows_widened(const Call& call, int64_t row, int64_t end, int64_t group, int groups, float* wide,
+                               float* acc) {
+    constexpr int kAccRow = kWideGroups * kCols;
+    std::fill(acc, acc + (end - row) * kAccRow, 0.0f);
+    for (int64_t k0 = 0; k0 < call.K; k0 += kSliceK) {
+        const int kn = static_cast<int>(std::min<int64_t>(kSliceK, call.K - k0));
+        widen_slice(call, group, groups, k0, kn, wide);
+        switch (groups) {
+            case 4: rows_slice<4>(call, row, end, k0, wide, kn, acc); break;
+            case 3: rows_slice<3>(call, row, end, k0, wide, kn, acc); break;
+            case 2: rows_slice<2>(call, row, end, k0, wide, kn, acc); break;
+            default: rows_slice<1>(call, row, end, k0, wide, kn, acc); break;
+        }
+    }
+    for (int64_t r = row; r < end; ++r)
+        for (int c = 0; c < groups; ++c)
+            store_avx512(call, _mm512_loadu_ps(acc + (r - row) * kAccRow + c * kCols), r, (group + c) * kCols);
 }
 
 template <int C>
@@ -313,37 +318,36 @@ void run(const Call& call, int level) {
 #pragma omp parallel if (call.M * call.N * call.K >= kParallelMacs || call.N * call.K >= kParallelWeights)
     {
         const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int64_t first = pairs * thread / threads, last = pairs * (thread + 1) / threads;
-        if (level >= ns_isa::kAvx512Bf16) {
-            if (call.M <= kRegisterRows) {
-                for (int64_t pair = first; pair < last; ++pair) {
-                    if (2 * pair + 1 < groups) rows_registers<2>(call, 2 * pair);
-                    else rows_registers<1>(call, 2 * pair);
-                }
-            } else {
-                thread_local std::vector<float> wide, scales;
-                wide.resize(2 * call.K * kCols);
-                scales.resize(2 * call.K / kBlock * kCols);
-                for (int64_t chunk = 0; chunk < call.M; chunk += kRowChunk) {
-                    const int64_t chunk_end = std::min(chunk + kRowChunk, call.M);
-                    for (int64_t pair = first; pair < last; ++pair) {
-                        const int C = 2 * pair + 1 < groups ? 2 : 1;
-                        widen_groups(call, 2 * pair, C, wide.data(), scales.data());
-                        if (C == 2) rows_widened<2>(call, chunk, chunk_end, 2 * pair, wide.data(), scales.data());
-                        else rows_widened<1>(call, chunk, chunk_end, 2 * pair, wide.data(), scales.data());
-                    }
+        if (level >= ns_isa::kAvx512Bf16 && call.M > kRegisterRows) {
+            // This thread's groups, kWideGroups at a time widened once per chunk of rows.
+            const int64_t first = groups * thread / threads, last = groups * (thread + 1) / threads;
+            alignas(64) float wide[kWideGroups * kSliceK * kCols];
+            thread_local std::vector<float> acc;
+            acc.resize(kRowChunk * kWideGroups * kCols);
+            for (int64_t chunk = 0; chunk < call.M; chunk += kRowChunk) {
+                const int64_t chunk_end = std::min(chunk + kRowChunk, call.M);
+                for (int64_t group = first; group < last; group += kWideGroups) {
+                    const int count = static_cast<int>(std::min<int64_t>(kWideGroups, last - group));
+                    rows_widened(call, chunk, chunk_end, group, count, wide, acc.data());
                 }
             }
         } else {
+            const int64_t first = pairs * thread / threads, last = pairs * (thread + 1) / threads;
             for (int64_t pair = first; pair < last; ++pair) {
-                for (int64_t group = 2 * pair; group < std::min(groups, 2 * pair + 2); ++group) {
+                const bool two = 2 * pair + 1 < groups;
+                if (level >= ns_isa::kAvx512Bf16) {
+                    if (two) rows_registers<2>(call, 2 * pair);
+                    else rows_registers<1>(call, 2 * pair);
+                    continue;
+                }
+                for (int64_t group = 2 * pair; group < 2 * pair + (two ? 2 : 1); ++group) {
                     if (level == ns_isa::kAvx2) {
                         int64_t row = 0;
                         for (; row + 2 <= call.M; row += 2) block_avx2<2>(call, row, group);
                         if (row < call.M) block_avx2<1>(call, row, group);
                     } else {
                         for (int64_t row = 0; row < call.M; row += 4)
-                            block_portable(call, row, static_cast<int>(std::min<int64_t>(4, call.M - row)), group, 1);
+                            block_portable(call, row, static_cast<int>(std::min<int64_t>(4, call.M - row)), group);
                     }
                 }
             }
