@@ -12,18 +12,19 @@
 // VCVTPH2PS widens to fp32. The 2^-8 goes back in once, when an output is stored.
 //
 // The arithmetic, the same at every level (AVX-512, AVX2, plain C++), hence the same bits:
-// per output element, with x widened to fp32 (exact for bf16), w' = value * 2^-8 and s the
-// scale of k's block,
-//     acc = fma(w'[k] * s, x[k], acc) for k in order from 0;  out = acc * 256 (+ bias),
-// rounded once to x's dtype (w' * s is one fp32 rounding of a 4-bit by 24-bit product).
+// per output element, with x widened to fp32 (exact for bf16) and w' = value * 2^-8,
+//     for each block of 32 inputs from k = 0:  b = 0;  b = fma(w'[k], x[k], b) for k in order;
+//                                             acc = fma(b, scale, acc)
+//     out = acc * 256 (+ bias), rounded once to x's dtype.
 // Each output is summed in that one order whatever M is and whichever rows share the call.
+// (Scaling each widened weight instead, one accumulator, measured 5-15% slower at one row: the
+// widening's vector operations, not the bytes, bound a lone row, and the multiply is one more.)
 //
 // Layout (quant.py pack_fp8): per group of 16 output columns and block of 32 inputs, 512 bytes of
 // E4M3 [32 inputs][16 columns] then 64 bytes of fp32 scales [16 columns]. Few rows (a decode
-// step) widen and scale each input's 16 bytes in registers as they go; more rows widen and scale
-// 4 column groups x 64 inputs at a time into an fp32 scratch that stays in L1, which register
-// blocks of 4 rows x 4 groups (as the bf16 GEMM's FMA kernel, gemm_levels.cpp) read for every
-// row of a chunk of 64, their sums kept between slices.
+// step) widen each input's 16 bytes in registers as they go; more rows widen 4 column groups x
+// 64 inputs at a time into an fp32 scratch that stays in L1, which register blocks of 4 rows x 4
+// groups read for every row of a chunk of 64, their running sums in L1 too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -51,6 +52,7 @@ constexpr int64_t kRowChunk = 64;
 constexpr int kRegisterRows = 3;  // up to this many rows widen the weights in registers
 constexpr int kWideGroups = 4;    // more rows: groups of 16 columns multiplied together
 constexpr int kSliceK = 64;       // and inputs widened into fp32 at a time (16 KiB: stays in L1)
+constexpr int kSliceRows = 4;     // rows of a register block over a slice (x 4 groups)
 
 struct Call {
     void* out;
@@ -118,8 +120,9 @@ void block_portable(const Call& call, int64_t row, int rows, int64_t group) {
                 const uint8_t* quants = w + b * kBlockBytes;
                 float scale;
                 std::memcpy(&scale, quants + kQuantBytes + 4 * c, sizeof(scale));
-                for (int i = 0; i < kBlock; ++i)
-                    total = std::fma(lut[quants[i * kCols + c]] * scale, x[b * kBlock + i], total);
+                float sum = 0.0f;
+                for (int i = 0; i < kBlock; ++i) sum = std::fma(lut[quants[i * kCols + c]], x[b * kBlock + i], sum);
+                total = std::fma(sum, scale, total);
             }
             acc[r * kCols + c] = total;
         }
@@ -144,16 +147,21 @@ NS_F8_AVX2 void block_avx2(const Call& call, int64_t row, int64_t group) {
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* x = call.x + row * call.K;
     for (int64_t b = 0; b < nb; ++b, w += kBlockBytes, x += kBlock) {
-        const __m256 s0 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes));
-        const __m256 s1 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes) + 8);
+        __m256 sum[R][2];
+        for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
         NS_UNROLL_F8 for (int i = 0; i < kBlock; ++i) {
-            const __m256 w0 = _mm256_mul_ps(widen8_avx2(w + i * kCols), s0);
-            const __m256 w1 = _mm256_mul_ps(widen8_avx2(w + i * kCols + 8), s1);
+            const __m256 w0 = widen8_avx2(w + i * kCols), w1 = widen8_avx2(w + i * kCols + 8);
             for (int r = 0; r < R; ++r) {
                 const __m256 xv = _mm256_broadcast_ss(x + r * call.K + i);
-                acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+                sum[r][0] = _mm256_fmadd_ps(w0, xv, sum[r][0]);
+                sum[r][1] = _mm256_fmadd_ps(w1, xv, sum[r][1]);
             }
+        }
+        const __m256 s0 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes));
+        const __m256 s1 = _mm256_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes) + 8);
+        for (int r = 0; r < R; ++r) {
+            acc[r][0] = _mm256_fmadd_ps(sum[r][0], s0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(sum[r][1], s1, acc[r][1]);
         }
     }
     alignas(32) float out[R * kCols];
@@ -193,7 +201,7 @@ NS_F8_AVX512 void store_avx512(const Call& call, __m512 v, int64_t row, int64_t 
     }
 }
 
-// R rows x C groups, each input's weights widened and scaled in registers (few rows).
+// R rows x C groups, each input's weights widened in registers (few rows).
 template <int R, int C>
 NS_F8_AVX512 void block_registers(const Call& call, int64_t row, int64_t group) {
     const int64_t nb = call.K / kBlock;
@@ -204,71 +212,97 @@ NS_F8_AVX512 void block_registers(const Call& call, int64_t row, int64_t group) 
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
     const float* x = call.x + row * call.K;
     for (int64_t b = 0; b < nb; ++b, w += kBlockBytes, x += kBlock) {
-        __m512 scale[C];
-        for (int c = 0; c < C; ++c) scale[c] = _mm512_loadu_ps(reinterpret_cast<const float*>(w + c * stride + kQuantBytes));
+        __m512 sum[R][C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
         NS_UNROLL_F8 for (int i = 0; i < kBlock; i += 2) {
             for (int c = 0; c < C; ++c) {
                 __m512 w0, w1;
                 widen32(w + c * stride + i * kCols, w0, w1);
-                w0 = _mm512_mul_ps(w0, scale[c]);
-                w1 = _mm512_mul_ps(w1, scale[c]);
                 for (int r = 0; r < R; ++r)
-                    acc[r][c] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * call.K + i]), acc[r][c]);
+                    sum[r][c] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * call.K + i]), sum[r][c]);
                 for (int r = 0; r < R; ++r)
-                    acc[r][c] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * call.K + i + 1]), acc[r][c]);
+                    sum[r][c] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * call.K + i + 1]), sum[r][c]);
             }
+        }
+        for (int c = 0; c < C; ++c) {
+            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + c * stride + kQuantBytes));
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(sum[r][c], scale, acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) store_avx512(call, acc[r][c], row + r, (group + c) * kCols);
 }
 
-// Inputs [k0, k0 + kn) of groups [group, group + groups) widened and scaled into fp32:
-// wide[c][k - k0][16]. kn a multiple of 32.
-NS_F8_AVX512 void widen_slice(const Call& call, int64_t group, int groups, int64_t k0, int kn, float* wide) {
+// Inputs [k0, k0 + kn) of groups [group, group + groups) widened into fp32: wide[c][k - k0][16],
+// and their blocks' scales: scales[c][block of the slice][16]. kn a multiple of 32.
+NS_F8_AVX512 void widen_slice(const Call& call, int64_t group, int groups, int64_t k0, int kn, float* wide,
+                              float* scales) {
     for (int c = 0; c < groups; ++c) {
         const uint8_t* w = group_at(call, group + c) + (k0 / kBlock) * kBlockBytes;
         float* out = wide + c * kSliceK * kCols;
         for (int b = 0; b < kn / kBlock; ++b, w += kBlockBytes) {
-            const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + kQuantBytes));
+            std::memcpy(scales + (c * (kSliceK / kBlock) + b) * kCols, w + kQuantBytes, 4 * kCols);
             for (int i = 0; i < kBlock; i += 2) {
                 __m512 w0, w1;
                 widen32(w + i * kCols, w0, w1);
-                _mm512_storeu_ps(out + (b * kBlock + i) * kCols, _mm512_mul_ps(w0, scale));
-                _mm512_storeu_ps(out + (b * kBlock + i + 1) * kCols, _mm512_mul_ps(w1, scale));
+                _mm512_storeu_ps(out + (b * kBlock + i) * kCols, w0);
+                _mm512_storeu_ps(out + (b * kBlock + i + 1) * kCols, w1);
             }
         }
     }
 }
 
-// R rows x C groups over one slice of inputs: the sums so far come from acc (rows of
-// kWideGroups * 16 floats) and go back there; x points at the rows' first input of the slice.
+// R rows x C groups (from group c0 of the slice) over one slice of inputs: each block's sums in
+// registers, folded into the running sums in acc (rows of kWideGroups * 16 floats, in L1) at the
+// block's end; x points at the rows' first input of the slice.
 template <int R, int C>
-NS_F8_AVX512 void block_slice(const float* x, int64_t ldx, const float* wide, int kn, float* acc) {
+NS_F8_AVX512 void block_slice(const float* x, int64_t ldx, const float* wide, const float* scales, int c0, int kn,
+                              float* acc) {
     constexpr int kAccRow = kWideGroups * kCols;
-    __m512 sum[R][C];
-    NS_UNROLL_F8 for (int r = 0; r < R; ++r)
-        NS_UNROLL_F8 for (int c = 0; c < C; ++c) sum[r][c] = _mm512_loadu_ps(acc + r * kAccRow + c * kCols);
-    for (int k = 0; k < kn; ++k) {
+    for (int b = 0; b < kn / kBlock; ++b) {
+        __m512 sum[R][C];
+        NS_UNROLL_F8 for (int r = 0; r < R; ++r)
+            NS_UNROLL_F8 for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_ps();
+        for (int i = 0; i < kBlock; ++i) {
+            const int k = b * kBlock + i;
+            NS_UNROLL_F8 for (int c = 0; c < C; ++c) {
+                const __m512 wv = _mm512_loadu_ps(wide + ((c0 + c) * kSliceK + k) * kCols);
+                NS_UNROLL_F8 for (int r = 0; r < R; ++r)
+                    sum[r][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * ldx + k]), sum[r][c]);
+            }
+        }
         NS_UNROLL_F8 for (int c = 0; c < C; ++c) {
-            const __m512 wv = _mm512_loadu_ps(wide + (c * kSliceK + k) * kCols);
-            NS_UNROLL_F8 for (int r = 0; r < R; ++r) sum[r][c] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * ldx + k]), sum[r][c]);
+            const __m512 scale = _mm512_loadu_ps(scales + ((c0 + c) * (kSliceK / kBlock) + b) * kCols);
+            NS_UNROLL_F8 for (int r = 0; r < R; ++r) {
+                float* total = acc + r * kAccRow + (c0 + c) * kCols;
+                _mm512_storeu_ps(total, _mm512_fmadd_ps(sum[r][c], scale, _mm512_loadu_ps(total)));
+            }
         }
     }
-    NS_UNROLL_F8 for (int r = 0; r < R; ++r)
-        NS_UNROLL_F8 for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * kAccRow + c * kCols, sum[r][c]);
 }
 
-template <int C>
-NS_F8_AVX512 void rows_slice(const Call& call, int64_t row, int64_t end, int64_t k0, const float* wide, int kn,
-                             float* acc) {
+template <int R>
+NS_F8_AVX512 void groups_slice(const float* x, int64_t ldx, const float* wide, const float* scales, int groups,
+                               int kn, float* acc) {
+    switch (groups) {
+        case 4: block_slice<R, 4>(x, ldx, wide, scales, 0, kn, acc); break;
+        case 3: block_slice<R, 3>(x, ldx, wide, scales, 0, kn, acc); break;
+        case 2: block_slice<R, 2>(x, ldx, wide, scales, 0, kn, acc); break;
+        default: block_slice<R, 1>(x, ldx, wide, scales, 0, kn, acc); break;
+    }
+}
+
+NS_F8_AVX512 void rows_slice(const Call& call, int64_t row, int64_t end, int64_t k0, const float* wide,
+                             const float* scales, int groups, int kn, float* acc) {
     constexpr int kAccRow = kWideGroups * kCols;
     const float* x = call.x + row * call.K + k0;
-    for (; row + 4 <= end; row += 4, x += 4 * call.K, acc += 4 * kAccRow) block_slice<4, C>(x, call.K, wide, kn, acc);
+    for (; row + kSliceRows <= end; row += kSliceRows, x += kSliceRows * call.K, acc += kSliceRows * kAccRow)
+        groups_slice<kSliceRows>(x, call.K, wide, scales, groups, kn, acc);
     switch (end - row) {
-        case 3: block_slice<3, C>(x, call.K, wide, kn, acc); break;
-        case 2: block_slice<2, C>(x, call.K, wide, kn, acc); break;
-        case 1: block_slice<1, C>(x, call.K, wide, kn, acc); break;
+        case 3: groups_slice<3>(x, call.K, wide, scales, groups, kn, acc); break;
+        case 2: groups_slice<2>(x, call.K, wide, scales, groups, kn, acc); break;
+        case 1: groups_slice<1>(x, call.K, wide, scales, groups, kn, acc); break;
         default: break;
     }
 }
@@ -276,20 +310,15 @@ NS_F8_AVX512 void rows_slice(const Call& call, int64_t row, int64_t end, int64_t
 // Rows [row, end) (at most kRowChunk) against groups [group, group + groups) (at most
 // kWideGroups): the inputs a slice at a time, each slice's weights widened once into a scratch
 // that stays in L1 (an fp32 copy of all K would be read from L2, twice the bf16 GEMM's bytes),
-// the sums kept in acc between slices; each output still one sum over k in order.
+// the running sums kept in acc between slices; each output still summed in the one order.
 NS_F8_AVX512 void rows_widened(const Call& call, int64_t row, int64_t end, int64_t group, int groups, float* wide,
-                               float* acc) {
+                               float* scales, float* acc) {
     constexpr int kAccRow = kWideGroups * kCols;
     std::fill(acc, acc + (end - row) * kAccRow, 0.0f);
     for (int64_t k0 = 0; k0 < call.K; k0 += kSliceK) {
         const int kn = static_cast<int>(std::min<int64_t>(kSliceK, call.K - k0));
-        widen_slice(call, group, groups, k0, kn, wide);
-        switch (groups) {
-            case 4: rows_slice<4>(call, row, end, k0, wide, kn, acc); break;
-            case 3: rows_slice<3>(call, row, end, k0, wide, kn, acc); break;
-            case 2: rows_slice<2>(call, row, end, k0, wide, kn, acc); break;
-            default: rows_slice<1>(call, row, end, k0, wide, kn, acc); break;
-        }
+        widen_slice(call, group, groups, k0, kn, wide, scales);
+        rows_slice(call, row, end, k0, wide, scales, groups, kn, acc);
     }
     for (int64_t r = row; r < end; ++r)
         for (int c = 0; c < groups; ++c)
@@ -322,13 +351,14 @@ void run(const Call& call, int level) {
             // This thread's groups, kWideGroups at a time widened once per chunk of rows.
             const int64_t first = groups * thread / threads, last = groups * (thread + 1) / threads;
             alignas(64) float wide[kWideGroups * kSliceK * kCols];
+            alignas(64) float scales[kWideGroups * (kSliceK / kBlock) * kCols];
             thread_local std::vector<float> acc;
             acc.resize(kRowChunk * kWideGroups * kCols);
             for (int64_t chunk = 0; chunk < call.M; chunk += kRowChunk) {
                 const int64_t chunk_end = std::min(chunk + kRowChunk, call.M);
                 for (int64_t group = first; group < last; group += kWideGroups) {
                     const int count = static_cast<int>(std::min<int64_t>(kWideGroups, last - group));
-                    rows_widened(call, chunk, chunk_end, group, count, wide, acc.data());
+                    rows_widened(call, chunk, chunk_end, group, count, wide, scales, acc.data());
                 }
             }
         } else {
