@@ -73,7 +73,12 @@ def test_layers_hold_the_checkpoints_bytes(scheme, checkpoint):
     """Each FP8 layer (fused q/k/v and gate/up too) is one QuantWeight of the FP8 format, no
     float copy kept, its values exactly the checkpoint's meaning; lm_head stays float."""
     model = build(checkpoint, dtype="float32").llm_engine.runner.model
-    meaning = _meaning(checkpoint, scheme)
+    assert_layers_hold(model, _meaning(checkpoint, scheme))
+
+
+def assert_layers_hold(model, meaning: dict[str, torch.Tensor]) -> None:
+    """Every linear layer of both decoder layers (fused q/k/v and gate/up: their parts' rows in
+    order) is one FP8 QuantWeight, no float copy, its values exactly `meaning`'s; lm_head float."""
     for index in range(2):
         for ours, parts in PAIRS:
             module = model.model.layers[index]
@@ -240,16 +245,7 @@ def test_online_fp8_rounds_each_row_at_load(block128):
     hf = block128.parent / "hf"
     meaning = _online_meaning(hf)
     with build(hf, dtype="float32", quantization="fp8") as llm:
-        model = llm.llm_engine.runner.model
-        for index in range(2):
-            for ours, parts in PAIRS:
-                module = model.model.layers[index]
-                for part in ours.split("."):
-                    module = getattr(module, part)
-                expected = torch.cat([meaning[f"model.layers.{index}.{part}.weight"] for part in parts])
-                assert module.quant_weight.qtype == quant.FP8 and module.weight.device.type == "meta"
-                assert torch.equal(quant.dequantize_weight(module.quant_weight), expected), (index, ours)
-        assert model.lm_head.quant_weight is None
+        assert_layers_hold(llm.llm_engine.runner.model, meaning)
         tokens, logprobs, _ = greedy(llm)
         tokenizer = llm.get_tokenizer()
     oracle = transformers_with_weights(hf, float_tensors(hf) | meaning, block128.parent / "online")
