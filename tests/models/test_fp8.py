@@ -151,6 +151,28 @@ def test_static_input_scales_are_not_applied(tmp_path):
     assert greedy(build(static, dtype="float32")) == greedy(build(dynamic, dtype="float32"))
 
 
+@torch.inference_mode()
+def test_ignored_layers_stay_float(block128, tmp_path):
+    """A layer the quantizer left out (`ignored_layers`: a float weight, no scale) is loaded as
+    float beside the FP8 ones, and the model still means what it did."""
+    path = _copy(block128, tmp_path)
+    name = "model.layers.1.mlp.down_proj"
+    meaning = load_file(block128.parent / "meaning.safetensors")
+
+    def unquantize(tensors):
+        tensors[f"{name}.weight"] = meaning[f"{name}.weight"].clone()
+        del tensors[f"{name}.weight_scale_inv"]
+    _edit_tensors(path, unquantize)
+    _edit_config(path, lambda q: q.update(ignored_layers=[name]))
+    with build(path, dtype="float32") as llm:
+        model = llm.llm_engine.runner.model
+        down = model.model.layers[1].mlp.down_proj
+        assert down.quant_weight is None and torch.equal(down.weight, meaning[f"{name}.weight"])
+        assert model.model.layers[0].mlp.down_proj.quant_weight.qtype == quant.FP8
+        ours = greedy(llm)
+    assert_same_greedy(ours, greedy(build(block128, dtype="float32")), typical=1e-4)
+
+
 # ---- what is refused ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
