@@ -177,7 +177,7 @@ def quantize_online(model: nn.Module) -> int:
         if not isinstance(module, LinearBase) or module.quant_weight is not None or module.quant_parts is not None:
             continue
         weight = module.weight
-        if weight.device.type != "cpu":
+        if not quant.takes_components(weight.device):  # CUDA: its kernel reads GGUF bytes only
             raise ValueError("--quantization fp8 of an unquantized checkpoint (online FP8) runs on the CPU only; "
                              "on CUDA serve an FP8 checkpoint or leave the flag out")
         n, k = weight.shape
