@@ -282,22 +282,24 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     """uint8 [ceil(n / 16), k / 32, block bytes]: per group of 16 output columns and block of 32
     elements, the quants as one VNNI step reads them (64 bytes = 16 columns x 4 consecutive
     elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
-    j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins."""
+    j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins.
+    FP8 (kernels/cpu/gemm_fp8.cpp, which widens one input's 16 columns at a time): the E4M3 bytes
+    [32 inputs][16 columns] instead of VNNI steps, then the scales as the others'."""
     nibbles, group, _, has_min = FORMATS[w.qtype]
     u, _, scale, mins = weight_components(w)
-    if w.qtype == FP8:
-        return _pack_fp8(u, scale, w.n, w.k)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
     if pad:
         u = torch.cat([u, u.new_zeros(pad, w.k)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
         mins = None if mins is None else torch.cat([mins, mins.new_zeros(pad, mins.shape[1])])
-    # [groups, 16 cols, nb, 8 steps, 4] -> [groups, nb, 8 steps, 16 cols, 4]
-    steps = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)
-    if nibbles:
-        steps = steps[:, :, :4] | (steps[:, :, 4:] << 4)
-    parts = [steps.reshape(groups, nb, -1)]
+    if w.qtype == FP8:  # [groups, 16 cols, nb, 32] -> [groups, nb, 32, 16 cols]
+        quants = u.reshape(groups, _COLS, nb, _BLOCK).permute(0, 2, 3, 1)
+    else:  # [groups, 16 cols, nb, 8 steps, 4] -> [groups, nb, 8 steps, 16 cols, 4]
+        quants = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)
+        if nibbles:
+            quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
+    parts = [quants.reshape(groups, nb, -1)]
     per_block = _BLOCK // group
     parts.append(scale.reshape(groups, _COLS, nb, per_block).permute(0, 2, 3, 1).contiguous()
                  .view(torch.uint8).reshape(groups, nb, -1))
@@ -307,40 +309,20 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def _pack_fp8(u: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """FP8's packing (kernels/cpu/gemm_fp8.cpp): per group of 16 columns and block of 32 inputs,
-    the E4M3 bytes [32 inputs][16 columns], then fp32 scales [16 columns]."""
-    groups, nb = -(-n // _COLS), k // _BLOCK
-    pad = groups * _COLS - n
-    if pad:
-        u = torch.cat([u, u.new_zeros(pad, k)])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-    quants = u.reshape(groups, _COLS, nb, _BLOCK).permute(0, 2, 3, 1).reshape(groups, nb, -1)
-    scales = scale.float().reshape(groups, _COLS, nb).permute(0, 2, 1).contiguous().view(torch.uint8)
-    return torch.cat([quants, scales.reshape(groups, nb, -1)], dim=-1).contiguous()
-
-
-def _unpack_fp8(packed: torch.Tensor, n: int, k: int) -> QuantComponents:
-    groups, nb = packed.shape[0], k // _BLOCK
-    quant_bytes = _BLOCK * _COLS
-    u = packed[..., :quant_bytes].reshape(groups, nb, _BLOCK, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, k)
-    scale = (packed[..., quant_bytes:].contiguous().view(torch.float32).reshape(groups, nb, _COLS)
-             .permute(0, 2, 1).reshape(groups * _COLS, nb))
-    return QuantComponents(u[:n].contiguous(), scale[:n].contiguous())
-
-
 def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
-    if qtype == FP8:
-        return _unpack_fp8(packed, n, k)
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, nb = packed.shape[0], k // _BLOCK
     quants, scales_bytes, _ = packed_layout(qtype)
-    steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
-    if nibbles:
-        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
-    # [groups, nb, 8 steps, 16 cols, 4] -> [groups, 16 cols, nb, 8 steps, 4]
-    u = steps.permute(0, 3, 1, 2, 4).reshape(groups * _COLS, k)[:n]
+    if qtype == FP8:  # [groups, nb, 32, 16 cols] -> [groups, 16 cols, nb, 32]
+        u = packed[..., :quants].reshape(groups, nb, _BLOCK, _COLS).permute(0, 3, 1, 2)
+    else:
+        steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
+        if nibbles:
+            steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
+        # [groups, nb, 8 steps, 16 cols, 4] -> [groups, 16 cols, nb, 8 steps, 4]
+        u = steps.permute(0, 3, 1, 2, 4)
+    u = u.reshape(groups * _COLS, k)[:n]
     per_block = _BLOCK // group
     scale = (packed[..., quants:quants + scales_bytes].contiguous().view(torch.float32)
              .reshape(groups, nb, per_block, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, -1)[:n])

@@ -20,7 +20,7 @@
 // (Scaling each widened weight instead, one accumulator, measured 5-15% slower at one row: the
 // widening's vector operations, not the bytes, bound a lone row, and the multiply is one more.)
 //
-// Layout (quant.py _pack_fp8): per group of 16 output columns and block of 32 inputs, 512 bytes of
+// Layout (quant.py pack_weight): per group of 16 output columns and block of 32 inputs, 512 bytes of
 // E4M3 [32 inputs][16 columns] then 64 bytes of fp32 scales [16 columns]. Few rows (a decode
 // step) widen each input's 16 bytes in registers as they go; more rows widen 4 column groups x
 // 64 inputs at a time into an fp32 scratch that stays in L1, which register blocks of 4 rows x 4
@@ -390,7 +390,7 @@ void run(const Call& call, int level) {
 extern "C" {
 
 // out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ w^T (+ bias [N]), x, bias and out of
-// one dtype (0 fp32, 1 bf16), w packed by quant.py's _pack_fp8 (N a multiple of 16 there).
+// one dtype (0 fp32, 1 bf16), w packed by quant.py's pack_weight (N a multiple of 16 there).
 // 0 done; 2 a shape or dtype it does not take.
 int ns_gemm_fp8(void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed, const void* bias,
                 int64_t M, int64_t N, int64_t K) {
