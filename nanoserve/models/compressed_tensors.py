@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.models.fp8 import Fp8Weight, fp8_weight
+from nanoserve.models.fp8 import Fp8Weight, block_problem, fp8_weight
 from nanoserve.models.quant_staging import IntegerWeight, unpack_int32
 
 QUANT_METHOD = "compressed-tensors"
@@ -61,15 +61,6 @@ class WeightScheme:
     format: str               # "int-quantized", "naive-quantized", "pack-quantized" or "float-quantized"
     kind: str = "int"         # "float": FP8 (E4M3) weights (models/fp8.py)
     block: tuple[int, int] | None = None  # the "block" strategy's block_structure (FP8 only)
-
-    @property
-    def qtype(self) -> str:
-        """The kernel format (kernels/quant.py) its integers go into."""
-        if self.kind == "float":
-            return "fp8_e4m3"
-        if self.num_bits == 8:
-            return "q8_0"
-        return "q4_0" if self.symmetric else "q4_1"
 
     def roles(self) -> set[str]:
         """The tensors a layer of this scheme must have."""
@@ -170,10 +161,9 @@ def _fp8_scheme(group: str, spec: dict, weights: dict, default_format: str | Non
     block = None
     if strategy == "block":
         structure = weights.get("block_structure")
-        if not (isinstance(structure, list) and len(structure) == 2 and all(isinstance(v, int) and v > 0 for v in structure)):
-            raise _refuse(f"scheme {group}: FP8 block_structure {structure!r}")
-        if structure[1] % 32:
-            raise _refuse(f"scheme {group}: FP8 block_structure {structure} (inputs not a multiple of 32)")
+        problem = block_problem(structure)
+        if problem is not None:
+            raise _refuse(f"scheme {group}: FP8 block_structure {structure!r}{problem}")
         block = (structure[0], structure[1])
     elif strategy not in ("tensor", "channel"):
         raise _refuse(f"scheme {group}: FP8 weight strategy {strategy!r}")

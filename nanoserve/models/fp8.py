@@ -156,12 +156,21 @@ def fp8_config(model_dir: Path) -> Fp8Config | None:
     block = quantization.get("weight_block_size")
     if block is None:
         return Fp8Config(None)
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(isinstance(size, int) and size > 0 for size in block)):
-        raise _refuse(f"weight_block_size {block!r}")
-    if block[1] % _BLOCK:
-        raise _refuse(f"weight_block_size {list(block)} (its input side must be a multiple of {_BLOCK})")
+    problem = block_problem(block)
+    if problem is not None:
+        raise _refuse(f"weight_block_size {block!r}{problem}")
     return Fp8Config((block[0], block[1]))
+
+
+def block_problem(block) -> str | None:
+    """Why a checkpoint's [rows, inputs] block of scales can't be served (" (...)" or "" for a
+    malformed one), or None: two positive integers, the inputs a multiple of the kernel's 32.
+    quant_method fp8's weight_block_size, compressed-tensors' block_structure."""
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+        return ""
+    if block[1] % _BLOCK:
+        return f" (its input side must be a multiple of {_BLOCK})"
+    return None
 
 
 def quantize_online(model: nn.Module) -> int:
@@ -188,11 +197,12 @@ def quantize_online(model: nn.Module) -> int:
         amax = values.abs().amax(dim=1)
         if isinstance(module, RowParallelLinear):
             amax = all_reduce_max(amax)
-        scale = (amax / 448.0).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
-        q = (values / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-        per_block = scale.expand(n, k // _BLOCK).contiguous()
+        largest = torch.finfo(torch.float8_e4m3fn).max  # 448
+        scale = (amax / largest).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
+        q = (values / scale).clamp(-largest, largest).to(torch.float8_e4m3fn).view(torch.uint8)
+        arrays = Fp8Weight(q.contiguous(), scale, k).kernel_arrays()
         module.quant_weight = quant.QuantWeight(quant.FP8, n, k, None,
-                                                components=quant.QuantComponents(q.contiguous(), per_block))
+                                                components=quant.QuantComponents(arrays["u"], arrays["scale"]))
         module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
         quantized += 1
     logger.info("online FP8: %d linear layers quantized to E4M3 (a scale per output row)", quantized)
