@@ -116,17 +116,18 @@ def compare(ours_path: str, peer_path: str) -> dict:
             "windows": len(diffs), "windows_worse": sum(d > 0 for d in diffs)}
 
 
+def _option(argv: list[str], flag: str, default):
+    """(the value after `flag`, or `default`; argv without the two)."""
+    if flag not in argv[:-1]:
+        return default, argv
+    at = argv.index(flag)
+    return argv[at + 1], argv[:at] + argv[at + 2:]
+
+
 def main(argv: list[str]) -> None:
-    nll_path, kv_cache_dtype, quantization = None, "auto", None
-    if "--nll" in argv[:-1]:
-        at = argv.index("--nll")
-        nll_path, argv = argv[at + 1], argv[:at] + argv[at + 2:]
-    if "--kv-cache-dtype" in argv[:-1]:
-        at = argv.index("--kv-cache-dtype")
-        kv_cache_dtype, argv = argv[at + 1], argv[:at] + argv[at + 2:]
-    if "--quantization" in argv[:-1]:  # nanoserve: e.g. fp8 on an unquantized model (online FP8)
-        at = argv.index("--quantization")
-        quantization, argv = argv[at + 1], argv[:at] + argv[at + 2:]
+    nll_path, argv = _option(argv, "--nll", None)
+    kv_cache_dtype, argv = _option(argv, "--kv-cache-dtype", "auto")
+    quantization, argv = _option(argv, "--quantization", None)  # nanoserve: fp8 on an unquantized model
     if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "vllm": (3, 4), "llamacpp": (3,),
                                      "compare": (3,)}.get(argv[0], ()):
         sys.exit(__doc__)
