@@ -181,7 +181,6 @@ def block128(tmp_path_factory):
 
 
 def _copy(path, tmp_path, name="copy"):
-    shutil.copytree(path.parent / "hf", tmp_path / "hf", dirs_exist_ok=True)
     return shutil.copytree(path, tmp_path / name)
 
 
