@@ -18,14 +18,18 @@ def build_cos_sin_cache(
     rope_scaling: dict | None = None,
 ) -> torch.Tensor:
     """Returns fp32 [max_position, head_dim]: the first half is cos, the second half sin."""
-    if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+    kind = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind in ("longrope", "su"):
         return _longrope_cache(head_dim, max_position, base, rope_scaling)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if rope_scaling is not None:
+    attention = 1.0
+    if kind == "yarn":
+        inv_freq, attention = _yarn_inv_freq(inv_freq, head_dim, max_position, base, rope_scaling)
+    elif rope_scaling is not None:
         inv_freq = _scale_inv_freq(inv_freq, rope_scaling)
     positions = torch.arange(max_position, dtype=torch.float64)
     freqs = torch.outer(positions, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention).float()
 
 
 def _longrope_cache(head_dim: int, max_position: int, base: float, rope_scaling: dict) -> torch.Tensor:
@@ -50,6 +54,41 @@ def _longrope_cache(head_dim: int, max_position: int, base: float, rope_scaling:
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention)).float()
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, max_position: int, base: float,
+                   rope_scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5 / Qwen3 long context, gpt-oss, DeepSeek): frequencies that turn fewer than
+    beta_slow times over the original context are divided by `factor`, those that turn more than
+    beta_fast times are kept, a linear ramp (over the frequency index) between. Returns the
+    frequencies and the attention factor cos and sin are multiplied by."""
+    original = float(rope_scaling.get("original_max_position_embeddings") or max_position)
+    factor = float(rope_scaling.get("factor") or max_position / original)
+    attention = rope_scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(float(rope_scaling.get("beta_fast") or 32))
+    high = correction_dim(float(rope_scaling.get("beta_slow") or 1))
+    if rope_scaling.get("truncate", True):  # gpt-oss: false
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    # 0: kept (extrapolated), 1: divided by factor (interpolated)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq * (1 - ramp) + inv_freq / factor * ramp, float(attention)
+
+
 def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind in (None, "default"):
@@ -69,7 +108,7 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, yarn)")
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -9,12 +9,13 @@ import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM")
 # Decoder checkpoints without their LM head (e5-mistral's MistralModel, Llama/Qwen embedders):
 # tensors named without the "model." prefix; served as pooling models (--runner pooling).
 HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                           "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                     "GptOssForCausalLM")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 _DTYPE_NAMES = {
@@ -26,7 +27,7 @@ _DTYPE_NAMES = {
 
 @dataclass(slots=True)
 class MoEConfig:
-    """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE."""
+    """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss."""
     num_experts: int
     top_k: int  # num_experts_per_tok
     intermediate_size: int  # each expert's (moe_intermediate_size, else intermediate_size)
@@ -35,6 +36,8 @@ class MoEConfig:
     decoder_sparse_step: int = 1  # Qwen-MoE: layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: list[int] = field(default_factory=list)  # ... and i is not listed here
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to +-clip_qkv
+    swiglu_alpha: float = 1.702  # gpt-oss: its experts' activation (kernels/fused_moe.swiglu_oai)
+    swiglu_limit: float = 7.0
 
     def check_tensor_parallel(self, tp_size: int, expert_parallel: bool) -> None:
         """One clear ValueError, before any weight is read, for a split layers/fused_moe.py can't make."""
@@ -62,11 +65,15 @@ class MoEConfig:
                              f"num_experts_per_tok in 1..num_experts, got {num_experts} and {top_k}")
         return cls(num_experts=int(num_experts), top_k=int(top_k),
                    intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-                   renormalize=architecture == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob", False)),
+                   # gpt-oss: a softmax over the top-k logits, the same as the top-k of all renormalised
+                   renormalize=architecture in ("MixtralForCausalLM", "GptOssForCausalLM")
+                   or bool(raw.get("norm_topk_prob", False)),
                    shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
                    decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
                    mlp_only_layers=list(raw.get("mlp_only_layers") or []),
-                   clip_qkv=raw.get("clip_qkv"))
+                   clip_qkv=raw.get("clip_qkv"),
+                   swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+                   swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
 
 
 @dataclass(slots=True)
@@ -147,9 +154,10 @@ class ModelConfig:
             if rope_local is None:
                 rope_local = rope_parameters.get(SLIDING, {}).get("rope_theta")
             rope_parameters = rope_parameters[FULL]
-        if rope_theta is None and isinstance(rope_parameters, dict):
-            rope_theta = rope_parameters.get("rope_theta")
-            if rope_scaling is None and rope_parameters.get("rope_type", "default") != "default":
+        if isinstance(rope_parameters, dict):  # transformers 5: its theta wins over a top-level one
+            rope_theta = rope_parameters.get("rope_theta") or rope_theta
+            kind = rope_parameters.get("rope_type", rope_parameters.get("type"))
+            if rope_scaling is None and kind not in (None, "default"):
                 rope_scaling = rope_parameters
         if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling:
             original = raw.get("original_max_position_embeddings")  # Phi-3's LongRoPE keeps it outside

@@ -81,3 +81,58 @@ def test_bad_inputs_raise(case):
         k = k[:2]
     with pytest.raises(ValueError):
         apply_rotary_triton(q, k, positions, cache)
+
+
+# YaRN as real checkpoints configure it: (head_dim, rope_theta, rope_scaling).
+YARN_CASES = {
+    # gpt-oss: transformers-5 rope_parameters, an untruncated correction range.
+    "gpt-oss": (64, 150000.0, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 4096}),
+    # Qwen2.5 / Qwen3 long context: the older "type" key, defaults for the rest.
+    "qwen": (128, 1000000.0, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    # DeepSeek-style: the attention factor from mscale / mscale_all_dim.
+    "mscale": (64, 10000.0, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+                             "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 4096}),
+    "attention_factor": (32, 10000.0, {"rope_type": "yarn", "factor": 8.0, "attention_factor": 1.5,
+                                       "beta_fast": 16.0, "beta_slow": 2.0,
+                                       "original_max_position_embeddings": 256}),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_CASES))
+def test_yarn_cache_matches_transformers(case):
+    """Frequencies and attention factor as transformers' own YaRN init computes them (in fp32)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, theta, scaling = YARN_CASES[case]
+    original = scaling["original_max_position_embeddings"]
+    shape = dict(hidden_size=4 * head_dim, num_attention_heads=4,
+                 max_position_embeddings=int(original * scaling["factor"]))
+    if "type" in scaling:  # as config.json has it: rope_scaling beside rope_theta
+        config = transformers.Qwen2Config(**shape, rope_theta=theta, rope_scaling=dict(scaling))
+    else:
+        config = transformers.LlamaConfig(**shape, head_dim=head_dim,
+                                          rope_parameters={**scaling, "rope_theta": theta})
+    inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    inv_freq = inv_freq.double()
+
+    max_position = 64  # fp32 frequencies: their rounding error grows with the position
+    cache = build_cos_sin_cache(head_dim, max_position, theta, scaling)
+    assert cache.dtype == torch.float32 and cache.shape == (max_position, head_dim)
+    assert attention != 1.0 and not torch.allclose(cache, build_cos_sin_cache(head_dim, max_position, theta))
+    half = head_dim // 2
+    # Position 1's angle is the frequency itself (all below pi); every row's norm, the attention factor.
+    torch.testing.assert_close(torch.atan2(cache[1, half:], cache[1, :half]).double(), inv_freq,
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.hypot(cache[:, :half], cache[:, half:]).double(),
+                               torch.full((max_position, half), float(attention), dtype=torch.float64),
+                               rtol=1e-6, atol=0)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+    expected = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention
+    torch.testing.assert_close(cache.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_rope_scaling_lists_yarn():
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'.*yarn"):
+        build_cos_sin_cache(64, 8, 10000.0, {"rope_type": "dynamic", "factor": 2.0})

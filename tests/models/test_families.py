@@ -123,6 +123,52 @@ def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
     torch.testing.assert_close(ours[long, 6:], sin[0, long, :6], atol=1e-4, rtol=1e-4)
 
 
+# YaRN on the tiny Qwen2 (head_dim 16, max_position_embeddings 512): the two shapes config.json
+# gives it, Qwen2.5's rope_scaling beside rope_theta and transformers 5's rope_parameters (gpt-oss's
+# keys). With rope_scaling's, frequency 0 is kept, 1..2 partly and 3..7 fully divided by the factor;
+# both scale cos/sin by ~1.14.
+YARN_CONFIGS = {
+    "rope_scaling": {"rope_theta": 10000.0,
+                     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
+    "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 128,
+                                            "rope_theta": 20000.0}},
+}
+
+
+@pytest.mark.parametrize("shape", list(YARN_CONFIGS))
+@torch.inference_mode()
+def test_yarn_greedy_and_logprobs_match_transformers(tmp_path, shape):
+    import json
+
+    model_dir = write_random_checkpoint(tmp_path / "qwen2", "qwen2")
+    unscaled_model = load_hf(model_dir)
+    prompts = random_prompts(3, unscaled_model.config.vocab_size, seed=7, min_len=5, max_len=150)
+    unscaled = [hf_greedy(unscaled_model, prompt, NUM_TOKENS) for prompt in prompts]
+    raw = json.loads((model_dir / "config.json").read_text())
+    del raw["rope_parameters"]
+    (model_dir / "config.json").write_text(json.dumps({**raw, **YARN_CONFIGS[shape]}))
+    hf_model = load_hf(model_dir)
+    assert hf_model.config.rope_parameters["rope_type"] == "yarn"
+    expected = [hf_greedy(hf_model, prompt, NUM_TOKENS) for prompt in prompts]
+    assert expected != unscaled  # the scaling shows in the tokens
+
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, tokens, output in zip(prompts, expected, outputs):
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens
+        ours = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+        rows = torch.log_softmax(hf_model(torch.tensor([prompt + tokens])).logits[0], dim=-1)[len(prompt) - 1: -1]
+        theirs = [row[t].item() for row, t in zip(rows, tokens)]
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000}
+
+
 @pytest.mark.parametrize("raw,expected", [
     # Gemma 3 1B as exported before layer_types: rope bases side by side, a 6-layer pattern.
     ({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7, "sliding_window": 512,
@@ -140,6 +186,16 @@ def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
       "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
      dict(windows=[262144] * 2, rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
                                                "original_max_position_embeddings": 4096})),
+    # Qwen2.5 / Qwen3 long context: YaRN in rope_scaling, rope_theta beside it.
+    ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 1, "rope_theta": 1000000.0,
+      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+     dict(windows=[None], rope_theta=1000000.0,
+          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
+    # transformers 5 (gpt-oss's YaRN): theta and scaling in rope_parameters, whose theta wins over a
+    # top-level one as in transformers.
+    *[({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, **top, "rope_parameters": GPT_OSS_ROPE},
+       dict(windows=[None], rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE))
+      for top in ({}, {"rope_theta": 10000.0})],
     # Qwen2.5: a sliding_window with use_sliding_window false is no window.
     ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "sliding_window": 32768,
       "use_sliding_window": False, "max_window_layers": 1},
