@@ -54,41 +54,42 @@ def store_kvcache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                    max_seqlen_q=None, max_seqlen_k=None, sliding_window=None, softcap=None) -> torch.Tensor:
+                    max_seqlen_q=None, max_seqlen_k=None, sliding_window=None, softcap=None,
+                    sinks=None) -> torch.Tensor:
     """``max_seqlen_q == 1`` (an int from the caller, no sync) selects the split-KV decode
     configuration of the Triton kernel; ``None`` is computed on the host (a sync).
-    ``sliding_window`` / ``softcap``: None for Llama (see kernels/attention.py)."""
+    ``sliding_window`` / ``softcap`` / ``sinks``: None for Llama (see kernels/attention.py)."""
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q,
                                       seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                      sliding_window=sliding_window, softcap=softcap)
+                                      sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
                                      seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                     sliding_window=sliding_window, softcap=softcap)
+                                     sliding_window=sliding_window, softcap=softcap, sinks=sinks)
 
 
 def paged_attention_step(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                          max_seqlen_q: int, max_seqlen_k: int, num_decode_seqs: int,
                          prefill_spans: Callable[[], list[PrefillSpan]], sliding_window=None,
-                         softcap=None) -> torch.Tensor:
+                         softcap=None, sinks=None) -> torch.Tensor:
     """Attention of an engine step's rows over the cache (their K/V already stored): the first
     num_decode_seqs sequences are decodes, one row each; prompt rows follow; rows past the last
     prompt row are padding (CPU: see AttentionMetadata.prefill_row_tile) and come back zero.
     ``prefill_spans()``: the prompt rows as host-side spans, asked for on a CPU only (where
     reading the lengths back costs no sync). On a CPU: the C++ kernels, whose rows' bits do not
     depend on the batch (cpu_attention.py; torch's SDPA in position-fixed tiles for what they
-    don't take, the torch reference for a sliding window or a softcap)."""
+    don't take, the torch reference for a sliding window, a softcap or sinks)."""
     if use_triton(query):
         return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                                       scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
-                                      softcap=softcap)
+                                      softcap=softcap, sinks=sinks)
     if not query.is_cuda:
         return paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                                    scale, num_decode_seqs, prefill_spans(), max_seqlen_q, max_seqlen_k,
-                                   sliding_window=sliding_window, softcap=softcap)
+                                   sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                                      scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
-                                     softcap=softcap)
+                                     softcap=softcap, sinks=sinks)
 
 
 def rotary_and_store_kvcache(qkv, num_heads: int, num_kv_heads: int, head_dim: int, positions,

@@ -37,7 +37,7 @@ MAX_NUM_SPLITS = 16
 @lazy_jit
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-    out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr,
+    out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, sinks_ptr,
     query_stride_token, query_stride_head, query_stride_dim,
     cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
     out_stride_token, out_stride_head, out_stride_dim,
@@ -55,13 +55,16 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """One program: up to BLOCK_Q query tokens of one sequence times the GROUP query heads of
     one KV head (BLOCK_M rows), over the keys of one split (all keys when not SPLIT).
     HAS_WINDOW: a query at position p sees keys p - window + 1..p only, and tiles wholly
     before the block's first query's window are skipped. HAS_SOFTCAP: scores are
-    softcap * tanh(scores / softcap) (Gemma 2). KV_FP8: an fp8 cache, whose tiles are read into the
+    softcap * tanh(scores / softcap) (Gemma 2). HAS_SINKS: each head's sink logit (gpt-oss) joins
+    the softmax's denominator as one more score whose value row is zero: the running max and sum
+    start from it (in the first split only) instead of -inf and 0. KV_FP8: an fp8 cache, whose tiles are read into the
     query's dtype (exact) and then go through the same arithmetic as a cache in that dtype."""
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,6 +122,10 @@ def _paged_attention_kernel(
 
     row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        row_max = tl.where(split == 0, sink, row_max)
+        row_sum = tl.where(split == 0, 1.0, row_sum)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * block_table_stride
     head_offset = kv_head.to(tl.int64) * cache_stride_head
@@ -283,6 +290,7 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`paged_attention_reference`. ``max_seqlen_q == 1`` selects the
     decode configuration (split-KV); any query lengths are computed correctly either way. An fp8
@@ -299,6 +307,7 @@ def paged_attention_triton(
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
+    _check_sinks(sinks, query)
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
@@ -336,7 +345,7 @@ def paged_attention_triton(
         split_acc = split_max = split_sum = out  # unused
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-        out, split_acc, split_max, split_sum,
+        out, split_acc, split_max, split_sum, sinks if sinks is not None else out,
         *query.stride(), *key_cache.stride(), *out.stride(),
         block_table.stride(0), block_table.shape[1],
         num_seqs, num_heads, num_splits,
@@ -344,7 +353,7 @@ def paged_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
         BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=tile_n, SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap),
+        HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
         KV_FP8=key_cache.dtype != query.dtype,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -373,9 +382,13 @@ def paged_attention_reference(
     *,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sliding_window`` W: a query at position p sees keys max(0, p - W + 1)..p only.
     ``softcap`` c: scores become c * tanh(scores / c) before the mask (Gemma 2).
+    ``sinks`` [num_heads]: a logit per head that joins each row's softmax as one more score
+    whose value is zero (gpt-oss's attention sinks): the weights of the real keys sum to less
+    than 1.
 
     Batched over sequences (no Python loop over them). This is also the CPU execution path,
     so it is written for speed there: decode sequences (one query) go through two batched
@@ -383,6 +396,7 @@ def paged_attention_reference(
     decodes are never padded to a prefill's length."""
     num_tokens = query.shape[0]
     num_seqs = seq_lens.shape[0]
+    _check_sinks(sinks, query)
     if num_seqs == 0 or num_tokens == 0:
         return query.new_zeros(query.shape)
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -391,17 +405,17 @@ def paged_attention_reference(
         max_seqlen_q = int(q_lens.max())
     if max_seqlen_q == 1 and num_tokens == num_seqs:
         return _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
-                                 sliding_window, softcap)
+                                 sliding_window, softcap, sinks)
     is_decode = q_lens == 1
     if not bool(is_decode.any()):
         return _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q.long(), q_lens,
-                                  seq_lens, scale, max_seqlen_q, sliding_window, softcap)
+                                  seq_lens, scale, max_seqlen_q, sliding_window, softcap, sinks)
     out = query.new_empty(query.shape)
     starts = cu_seqlens_q[:-1].long()
     decode_seqs = is_decode.nonzero().flatten()
     decode_rows = starts[decode_seqs]
     out[decode_rows] = _decode_reference(query[decode_rows], key_cache, value_cache, block_table[decode_seqs],
-                                         seq_lens[decode_seqs], scale, None, sliding_window, softcap)
+                                         seq_lens[decode_seqs], scale, None, sliding_window, softcap, sinks)
     prefill_seqs = (~is_decode).nonzero().flatten()
     prefill_lens = q_lens[prefill_seqs]
     prefill_cu = F.pad(prefill_lens.cumsum(0), (1, 0))
@@ -409,7 +423,7 @@ def paged_attention_reference(
     prefill_rows = starts[prefill_seqs][owner] + torch.arange(owner.numel(), device=query.device) - prefill_cu[owner]
     out[prefill_rows] = _prefill_reference(query[prefill_rows], key_cache, value_cache, block_table[prefill_seqs],
                                            prefill_cu, prefill_lens, seq_lens[prefill_seqs], scale, max_seqlen_q,
-                                           sliding_window, softcap)
+                                           sliding_window, softcap, sinks)
     return out
 
 
@@ -439,6 +453,21 @@ def _soft_cap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return scores
 
 
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.device != query.device):
+        raise ValueError(f"sinks must be [num_heads] = [{query.shape[1]}] on the query's device, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension of fp32 scores [..., heads, rows, keys] (heads at dim -3),
+    with each head's sink logit as one more column that is dropped after."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.float().view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def _gather_window(key_cache, value_cache, block_table, seq_lens, window, dtype):
     """Like _gather_valid for decodes under a sliding window: only the blocks that hold a
     sequence's last `window` keys (its query sits at seq_len - 1), so a step reads O(window)
@@ -463,7 +492,7 @@ def _gather_window(key_cache, value_cache, block_table, seq_lens, window, dtype)
 
 
 def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
-                      sliding_window=None, softcap=None):
+                      sliding_window=None, softcap=None, sinks=None):
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -479,13 +508,15 @@ def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scal
     scores = torch.bmm(q, keys.reshape(batch, max_k, head_dim).transpose(1, 2)).float().mul_(scale)
     scores = _soft_cap_(scores, softcap).view(num_seqs, num_kv_heads, group, max_k)
     scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype).view(batch, group, max_k)
+    if sinks is not None:  # [num_seqs, heads, 1, max_k]: the sink of each row's own head
+        scores = scores.view(num_seqs, num_heads, 1, max_k)
+    probs = _softmax_with_sinks(scores, sinks).to(values.dtype).view(batch, group, max_k)
     out = torch.bmm(probs, values.reshape(batch, max_k, head_dim))
     return out.view(num_seqs, num_heads, head_dim)
 
 
 def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, q_lens, seq_lens, scale,
-                       max_seqlen_q, sliding_window=None, softcap=None):
+                       max_seqlen_q, sliding_window=None, softcap=None, sinks=None):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
@@ -503,8 +534,8 @@ def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
         allowed &= key_positions[None, None, :] > query_positions[:, :, None] - sliding_window
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
     allowed[:, :, 0] |= torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]
-    if softcap:
-        out = _attention_softcapped(padded_q.permute(0, 2, 1, 3), keys, values, allowed, scale, softcap)
+    if softcap or sinks is not None:
+        out = _attention_explicit(padded_q.permute(0, 2, 1, 3), keys, values, allowed, scale, softcap, sinks)
     else:
         out = F.scaled_dot_product_attention(
             padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
@@ -512,15 +543,15 @@ def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
     return out.permute(0, 2, 1, 3)[token_seq, token_offset]
 
 
-def _attention_softcapped(q, keys, values, allowed, scale, softcap):
-    """SDPA with capped scores (SDPA has no cap): q [S, H, Q, D], keys/values [S, KVH, K, D],
-    allowed [S, Q, K] → [S, H, Q, D]; softmax in fp32."""
+def _attention_explicit(q, keys, values, allowed, scale, softcap, sinks):
+    """SDPA with capped scores or sinks (SDPA has neither): q [S, H, Q, D], keys/values
+    [S, KVH, K, D], allowed [S, Q, K] → [S, H, Q, D]; softmax in fp32."""
     group = q.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1)
     values = values.repeat_interleave(group, dim=1)
     scores = _soft_cap_(torch.matmul(q, keys.transpose(-1, -2)).float().mul_(scale), softcap)
     scores.masked_fill_(~allowed[:, None], float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
+    return torch.matmul(_softmax_with_sinks(scores, sinks).to(values.dtype), values)
 
 
 def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int, dtype: torch.dtype) -> torch.Tensor:

@@ -120,13 +120,13 @@ def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan
 
 def _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                               num_decode_seqs, spans, max_seqlen_q, max_seqlen_k, sliding_window,
-                              softcap) -> torch.Tensor:
-    """A windowed or capped layer (the C++ kernels do neither): the torch reference over the real
+                              softcap, sinks) -> torch.Tensor:
+    """A windowed or capped layer, or one with sinks (the C++ kernels do none of them): the torch reference over the real
     rows; the padding rows come back zero."""
     real = spans[-1].row_start + spans[-1].q_len if spans else num_decode_seqs
     out = paged_attention_reference(query[:real], key_cache, value_cache, block_table, cu_seqlens_q,
                                     seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                    sliding_window=sliding_window, softcap=softcap)
+                                    sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if real == query.shape[0]:
         return out
     return torch.cat([out, out.new_zeros((query.shape[0] - real, *out.shape[1:]))])
@@ -135,13 +135,13 @@ def _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seq
 def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                         num_decode_seqs: int, spans: list[PrefillSpan], max_seqlen_q: int | None = None,
                         max_seqlen_k: int | None = None, *, sliding_window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The first num_decode_seqs sequences are decodes (one query row each, rows 0..n); `spans`
     are the others. Rows past the last span are padding and come back zero."""
-    if sliding_window or softcap:
+    if sliding_window or softcap or sinks is not None:
         return _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
                                          scale, num_decode_seqs, spans, max_seqlen_q, max_seqlen_k,
-                                         sliding_window, softcap)
+                                         sliding_window, softcap, sinks)
     out = query.new_empty(query.shape)
     n = num_decode_seqs
     if n:

@@ -1,5 +1,5 @@
-"""Sliding-window and soft-capped attention: the torch reference against the naive loop, and
-the Triton kernel (prefill, decode, split-KV) against the reference."""
+"""Sliding-window and soft-capped attention, and attention sinks (gpt-oss): the torch reference
+against the naive loop, and the Triton kernel (prefill, decode, split-KV) against the reference."""
 from __future__ import annotations
 
 import pytest
@@ -31,6 +31,44 @@ def test_reference_matches_naive_loop(window, softcap):
     expected = naive_paged_attention(decode, sliding_window=window, softcap=softcap)
     actual = paged_attention_reference(*decode.args(), sliding_window=window, softcap=softcap)
     torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _sinks(num_heads: int, device) -> torch.Tensor:
+    # Around the scores' own size, so that a sink takes a real share of each row's weight.
+    return torch.linspace(-1.5, 2.0, num_heads, device=device)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_reference_matches_naive_loop(window):
+    batch = batch_of(torch.float32, torch.device("cpu"))
+    sinks = _sinks(batch.query.shape[1], "cpu")
+    expected = naive_paged_attention(batch, sliding_window=window, sinks=sinks)
+    actual = paged_attention_reference(*batch.args(), sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    decode = make_paged_batch([1, 1], [45, 3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                              dtype=torch.float32, device=torch.device("cpu"), seed=1)
+    expected = naive_paged_attention(decode, sliding_window=window, sinks=sinks)
+    actual = paged_attention_reference(*decode.args(), sliding_window=window, sinks=sinks)
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    # The sinks take weight away from every row: without them the result differs.
+    assert not torch.allclose(actual, paged_attention_reference(*decode.args(), sliding_window=window))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("window,num_splits", [(None, 1), (None, 3), (7, 2)])
+def test_triton_sinks_match_reference(dtype, window, num_splits):
+    """Split-KV counts the sink once (in the first split) when the splits merge."""
+    batch = batch_of(dtype, DEVICE, seed=5)
+    sinks = _sinks(batch.query.shape[1], DEVICE)
+    expected = paged_attention_reference(*batch.args(), sliding_window=window, sinks=sinks)
+    actual = paged_attention_triton(*batch.args(), num_splits=num_splits, sliding_window=window, sinks=sinks)
+    assert_close(actual, expected, ATTENTION_TOL)
+
+
+def test_sinks_of_the_wrong_shape_are_a_clear_error():
+    batch = batch_of(torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_attention_reference(*batch.args(), sinks=torch.zeros(3))
 
 
 def test_window_changes_the_result():

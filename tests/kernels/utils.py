@@ -80,9 +80,10 @@ def make_paged_batch(q_lens, context_lens, *, num_heads, num_kv_heads, head_dim,
 
 
 def naive_paged_attention(batch: PagedBatch, sliding_window: int | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query row, one head at a time, in float64: the definition the kernels implement
-    (a window W: keys position - W + 1..position; a softcap c: scores c * tanh(scores / c))."""
+    (a window W: keys position - W + 1..position; a softcap c: scores c * tanh(scores / c);
+    sinks s [heads]: weights exp(score) / (sum exp(scores) + exp(s[head])), gpt-oss's)."""
     query = batch.query.cpu().double()
     key_cache = batch.key_cache.cpu().double()
     value_cache = batch.value_cache.cpu().double()
@@ -105,6 +106,10 @@ def naive_paged_attention(batch: PagedBatch, sliding_window: int | None = None,
                 scores = keys[:, head // group] @ q * batch.scale
                 if softcap:
                     scores = softcap * torch.tanh(scores / softcap)
-                weights = torch.softmax(scores, dim=0)
+                if sinks is None:
+                    weights = torch.softmax(scores, dim=0)
+                else:
+                    exps = torch.exp(scores)
+                    weights = exps / (exps.sum() + torch.exp(sinks[head].double().cpu()))
                 out[cu[seq] + j, head] = weights @ values[:, head // group]
     return out
