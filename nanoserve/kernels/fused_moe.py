@@ -19,11 +19,17 @@ with one signature:
 
 Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on other ranks; those
 slots contribute nothing here (their rank adds them in the all-reduce).
+
+`bias`: None, or (b13 [experts, 2 * inter], b2 [experts, hidden]) added to each expert's gate/up
+and down outputs; `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul
+unless a family says otherwise: gpt-oss's `swiglu_oai`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from typing import Callable
 
 from nanoserve.kernels import cpu_ops, silu_and_mul
 from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
@@ -59,6 +65,16 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return sorted_rows, torch.cumsum(counts, 0)
 
 
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of [rows, 2 * inter] (gate columns, then up): the gate clamped
+    from above and the up part to +-limit, then (up + 1) * gate * sigmoid(alpha * gate). In fp32,
+    rounded once to the input's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return ((up + 1.0) * gate * torch.sigmoid(gate * alpha)).to(gate_up.dtype)
+
+
 def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
@@ -72,16 +88,19 @@ def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
                          f"and {tuple(topk_weights.shape)} for {hidden.shape[0]} tokens")
 
 
-def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
+                            activation=None) -> torch.Tensor:
     """The oracle: expert by expert, the tokens that picked it, weighted and added in fp32."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    activation = activation or silu_and_mul
+    b13, b2 = bias if bias is not None else (None, None)
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for expert in range(w13.shape[0]):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(hidden[token], w13[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = F.linear(hidden[token], w13[expert], None if b13 is None else b13[expert])
+        expert_out = F.linear(activation(gate_up), w2[expert], None if b2 is None else b2[expert])
         out.index_add_(0, token, expert_out.float() * topk_weights[token, slot, None])
     return out.to(hidden.dtype)
 
@@ -96,10 +115,11 @@ def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(packed)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """One expert's matrix as a linear layer's: our GEMM on its packing (the only copy once
     FusedMoE.prepack_gemm packed it), else F.linear."""
-    return unquantized_gemm(x, weight, None, packed).contiguous()
+    return unquantized_gemm(x, weight, bias, packed).contiguous()
 
 
 def unpacked_experts(weights: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
@@ -119,7 +139,8 @@ def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: t
     return out.to(dtype)
 
 
-def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
+                          activation=None) -> torch.Tensor:
     """Rows grouped by expert: one gather of every local row in expert order, one gate/up GEMM
     and one down GEMM per expert that has rows (each on a contiguous run of the gathered rows),
     SiLU x mul and the scatter back once for all. `packed`: (pack_expert_weights(w13),
@@ -135,12 +156,14 @@ def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None) 
     if not spans:
         return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
     packed13, packed2 = packed if packed is not None else (None, None)
+    b13, b2 = bias if bias is not None else (None, None)
+    part = lambda tensors, e: None if tensors is None else tensors[e]  # noqa: E731
     x = hidden[local_rows // top_k]
-    gate_up = torch.cat([_expert_linear(x[start:end], w13[e], packed13[e] if packed13 is not None else None)
+    gate_up = torch.cat([_expert_linear(x[start:end], w13[e], part(packed13, e), part(b13, e))
                          for e, start, end in spans])
-    act = silu_and_mul(gate_up)
-    expert_rows[local_rows] = torch.cat([_expert_linear(act[start:end], w2[e], packed2[e] if packed2 is not None
-                                                        else None) for e, start, end in spans])
+    act = (activation or silu_and_mul)(gate_up)
+    expert_rows[local_rows] = torch.cat([_expert_linear(act[start:end], w2[e], part(packed2, e), part(b2, e))
+                                         for e, start, end in spans])
     return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 
@@ -211,7 +234,17 @@ def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
 
 
-def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+def _add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor | None, topk_ids: torch.Tensor) -> None:
+    """rows [tokens * k, n] in (token, slot) order += their expert's bias row (none for slots of
+    experts on other ranks, id -1)."""
+    if bias is None:
+        return
+    ids = topk_ids.reshape(-1)
+    rows += torch.where((ids >= 0)[:, None], bias[ids.clamp(min=0)], 0).to(rows.dtype)
+
+
+def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
+                         activation=None) -> torch.Tensor:
     """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     check_triton_device(hidden, w13, w2, topk_weights, topk_ids)
@@ -224,13 +257,17 @@ def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None) -
     sorted_rows, block_experts = moe_align_block_size(topk_ids, w13.shape[0], block_m)
     gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, gate_up, sorted_rows, block_experts, top_k, block_m)
-    act = silu_and_mul(gate_up)
+    b13, b2 = bias if bias is not None else (None, None)
+    _add_expert_bias_(gate_up, b13, topk_ids)
+    act = (activation or silu_and_mul)(gate_up)
     expert_rows = torch.zeros((tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
     _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
+    _add_expert_bias_(expert_rows, b2, topk_ids)
     return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 
-def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch.Tensor:
+def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
     loop under NANOSERVE_KERNELS=reference, the grouped path with the C++ GEMM on CPU."""
     choice = kernel_choice()
@@ -238,19 +275,19 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None) -> torch
         packed13, packed2 = packed if packed is not None else (None, None)
         w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
     if choice == "reference":
-        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
+        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, None, bias, activation)
     if choice == "triton" or hidden.is_cuda:
-        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids)
-    return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed)
+        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, None, bias, activation)
+    return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation)
 
 
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
-              packed=None) -> torch.Tensor:
+              packed=None, bias=None, activation=None) -> torch.Tensor:
     """Router top-k then the experts. `expert_map` [global experts]: local index or -1 (expert
     parallelism); None: every expert is local. This rank's part of the output (the caller
     all-reduces across tensor-parallel ranks)."""
     topk_weights, topk_ids = fused_topk(router_logits, top_k, renormalize)
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
-    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed)
+    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nanoserve.distributed import get_tp_rank
 from nanoserve.kernels import RowTiling, paged_attention_step, rotary_and_store_kvcache, store_kvcache
 from nanoserve.kernels.cpu_attention import PrefillSpan, prefill_spans
 
@@ -44,7 +45,7 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, softcap: float | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -54,9 +55,19 @@ class PagedAttention(nn.Module):
         # scores c * tanh(scores / c) (Gemma 2).
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # gpt-oss: a learned logit per head that joins each softmax (kernels/attention.py), in
+        # fp32; this rank's heads of the checkpoint's [num_heads] under tensor parallelism.
+        self.sinks = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         # Set by the model runner once the pool is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None
+
+    def _load_sinks(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        start = get_tp_rank() * self.num_heads
+        param.data.copy_(loaded[start : start + self.num_heads])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -79,4 +90,4 @@ class PagedAttention(nn.Module):
         return paged_attention_step(
             q, self.key_cache, self.value_cache, metadata.block_table, metadata.cu_seqlens_q,
             metadata.seq_lens, self.scale, metadata.max_seqlen_q, metadata.max_seqlen_k,
-            metadata.num_decode_seqs, metadata.prefill_spans, self.sliding_window, self.softcap)
+            metadata.num_decode_seqs, metadata.prefill_spans, self.sliding_window, self.softcap, self.sinks)

@@ -5,6 +5,7 @@ every token's output and one all-reduce sums the parts."""
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 from torch import nn
@@ -31,7 +32,10 @@ class FusedMoE(nn.Module):
     [experts, hidden, inter]), loaded expert by expert from the checkpoint's per-expert tensors."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype, expert_parallel: bool = False):
+                 renormalize: bool, dtype: torch.dtype, expert_parallel: bool = False, bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`bias`: each expert's gate/up and down outputs have one (gpt-oss: w13_bias, w2_bias);
+        `activation`: of the gate/up rows (None: SiLU x mul)."""
         super().__init__()
         tp_size, tp_rank = get_tp_world_size(), get_tp_rank()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -59,6 +63,14 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self.activation = activation
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, dtype=dtype),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_gemm
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
@@ -86,6 +98,20 @@ class FusedMoE(nn.Module):
         else:
             param.data[local, part * self.inter : (part + 1) * self.inter].copy_(loaded[start : start + self.inter])
 
+    def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """Every expert's biases in one tensor: w13_bias [experts, 2 * inter] (gate, then up) or
+        w2_bias [experts, hidden]. This rank's experts; with the intermediate dimension split, its
+        gate and up parts, and the down bias on rank 0 only (the all-reduce adds it once)."""
+        loaded = loaded[self.first_expert : self.first_expert + self.num_local_experts]
+        if param is self.w2_bias:
+            param.data.copy_(loaded if self.expert_parallel or self.tp_rank == 0 else torch.zeros_like(loaded))
+            return
+        start = 0 if self.expert_parallel else self.tp_rank * self.inter
+        total = loaded.shape[1] // 2
+        for part in (0, 1):
+            rows = loaded[:, part * total + start : part * total + start + self.inter]
+            param.data[:, part * self.inter : (part + 1) * self.inter].copy_(rows)
+
     def prepack_gemm(self) -> bool:
         """CPU, bf16: each expert's matrices in kernels/cpu/gemm.cpp's packing (called by
         layers/cpu_prepack.prepack_gemm_weights). Whether both were packed. The packing is then
@@ -99,8 +125,9 @@ class FusedMoE(nn.Module):
         return self.packed is not None
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                        self.expert_map, self.packed)
+                        self.expert_map, self.packed, bias, self.activation)
         return all_reduce(out)
 
 

@@ -16,6 +16,10 @@ from nanoserve.models.config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
+    # gpt-oss (models/gpt_oss.py): a bias on o_proj (config.attention_bias) and attention sinks.
+    o_proj_bias = False
+    attention_sinks = False
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer_index: int = 0):
         super().__init__()
         self.head_dim = config.head_dim
@@ -26,9 +30,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                                        False, dtype)
+                                        self.o_proj_bias and config.attention_bias, dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                                   sliding_window=config.layer_window(layer_index))
+                                   sliding_window=config.layer_window(layer_index), sinks=self.attention_sinks)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -14,6 +14,7 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import find_gguf_file
 from nanoserve.models.gguf_weights import load_gguf_weights
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from nanoserve.models.gpt_oss import GptOssForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.mixtral import MixtralForCausalLM
 from nanoserve.models.olmoe import OlmoeForCausalLM
@@ -34,6 +35,7 @@ MODEL_CLASSES = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -2,7 +2,8 @@
 router's top-k, the grouping of rows by expert, the grouped GEMMs in fp32 and (through
 kernels/cpu/gemm*.cpp) bf16, with tokens that share an expert and experts that get no token,
 top-2 and top-8 of 8; the expert-parallel and intermediate-split shards summing to the whole;
-the Triton kernel (the interpreter on a CPU) against the same oracle."""
+the Triton kernel (the interpreter on a CPU) against the same oracle; gpt-oss's expert biases
+and clamped SwiGLU on every path against a float64 loop written from transformers' definition."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_experts_triton,
                                          fused_moe, fused_topk, moe_align, moe_align_block_size,
-                                         pack_expert_weights)
+                                         pack_expert_weights, swiglu_oai)
 from tests.kernels.utils import DEVICE, DTYPES, dtype_id
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
@@ -165,3 +166,74 @@ def test_no_tokens_and_no_local_rows():
     assert empty.shape == (0, HIDDEN)
     remote_only = fused_experts_grouped(torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1))
     assert torch.equal(remote_only, torch.zeros(3, HIDDEN))
+
+
+def expert_biases(dtype=torch.float32, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(EXPERTS, 2 * INTER, generator=gen).to(dtype),
+            torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype))
+
+
+def gpt_oss_experts_float64(hidden, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
+    """gpt-oss's experts token by token in float64 (transformers' GptOssExperts, gate and up
+    already de-interleaved): (up + 1) * glu with the gate clamped above and up to +-limit."""
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    h, w13, w2, b13, b2 = (t.double().cpu() for t in (hidden, w13, w2, b13, b2))
+    for token in range(h.shape[0]):
+        for slot, expert in enumerate(ids[token].tolist()):
+            if expert < 0:
+                continue
+            gate, up = (w13[expert] @ h[token] + b13[expert]).chunk(2)
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[token] += float(weights[token, slot]) * (w2[expert] @ act + b2[expert])
+    return out
+
+
+ACTIVATION = lambda gate_up: swiglu_oai(gate_up, alpha=1.702, limit=7.0)  # noqa: E731
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_gpt_oss_biases_and_activation_on_the_loop_and_grouped(tokens):
+    w13, w2 = expert_weights()
+    w13 = w13 * 6  # gate / up values past the clamp at 7
+    bias = expert_biases()
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = crowded_routing(tokens, 2)
+    ids[0, 1] = -1  # an expert on another rank adds nothing, its bias neither
+    expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights, ids)
+    gate_up = (hidden @ w13[3].T + bias[0][3])
+    assert (gate_up.abs() > 7).any()  # the clamps are reached
+    for fused in (fused_experts_reference, fused_experts_grouped):
+        got = fused(hidden, w13, w2, weights, ids, None, bias, ACTIVATION)
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(fused_experts_grouped(hidden, w13, w2, weights, ids, None, None, ACTIVATION).double(),
+                              expected, atol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+def test_gpt_oss_biases_through_the_cpu_gemm_are_row_invariant():
+    w13, w2 = expert_weights(torch.bfloat16)
+    bias = expert_biases(torch.bfloat16)
+    packed = (pack_expert_weights(w13), pack_expert_weights(w2))
+    hidden = torch.randn(20, HIDDEN).to(torch.bfloat16)
+    weights, ids = crowded_routing(20, 2)
+    batch = fused_experts_grouped(hidden, w13, w2, weights, ids, packed, bias, ACTIVATION)
+    expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights, ids)
+    torch.testing.assert_close(batch.double(), expected, atol=5e-2, rtol=5e-2)
+    for token in (0, 19):
+        alone = fused_experts_grouped(hidden[token : token + 1], w13, w2, weights[token : token + 1],
+                                      ids[token : token + 1], packed, bias, ACTIVATION)
+        assert torch.equal(alone[0], batch[token]), token
+
+
+@pytest.mark.parametrize("tokens", [1, 21])
+def test_gpt_oss_biases_and_activation_on_triton(tokens):
+    w13, w2 = (w.to(DEVICE) for w in expert_weights())
+    bias = tuple(b.to(DEVICE) for b in expert_biases())
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    weights, ids = (t.to(DEVICE) for t in crowded_routing(tokens, 2))
+    ids[0, -1] = -1
+    expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights.cpu(), ids.cpu())
+    got = fused_experts_triton(hidden, w13, w2, weights, ids, None, bias, ACTIVATION)
+    torch.testing.assert_close(got.double().cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -1,5 +1,7 @@
 """Small random mixture-of-experts checkpoints in Hugging Face layout, written by transformers
-itself (per-expert tensors, as the released Mixtral / Qwen-MoE / OLMoE checkpoints hold them)."""
+itself (per-expert tensors, as the released Mixtral / Qwen-MoE / OLMoE checkpoints hold them;
+gpt-oss's stacked, gate and up interleaved, with biases, attention sinks, YaRN and a sliding
+window shorter than the tests' long prompts)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,7 @@ SHAPE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_p
 NUM_EXPERTS = 8
 EXPERT_INTER = 32  # a multiple of 32: bf16 experts go through kernels/cpu/gemm*.cpp
 # family -> top_k; Qwen3-MoE's 8 of 8 has every expert take every token.
-MOE_FAMILIES = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 8, "olmoe": 2}
+MOE_FAMILIES = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 8, "olmoe": 2, "gpt_oss": 2}
 
 
 def moe_config(family: str, ids: dict, vocab: int):
@@ -34,6 +36,12 @@ def moe_config(family: str, ids: dict, vocab: int):
     if family == "olmoe":
         return hf.OlmoeConfig(**SHAPE, **ids, intermediate_size=EXPERT_INTER, num_experts=NUM_EXPERTS,
                               num_experts_per_tok=top_k, norm_topk_prob=False), hf.OlmoeForCausalLM
+    if family == "gpt_oss":
+        yarn = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+        return hf.GptOssConfig(**SHAPE, **ids, intermediate_size=EXPERT_INTER, num_local_experts=NUM_EXPERTS,
+                               num_experts_per_tok=top_k, head_dim=16, sliding_window=8,
+                               rope_parameters=yarn), hf.GptOssForCausalLM
     raise ValueError(family)
 
 
@@ -55,5 +63,7 @@ def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0) -> Path:
                 param.normal_(0, 0.5 if "embed" in name else 2.0 / param.shape[-1] ** 0.5)
             elif "norm" in name:
                 param.add_(torch.randn_like(param) * 0.2)
+            elif family == "gpt_oss":  # biases (zero in transformers' init) and sinks
+                param.normal_(0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -1,4 +1,5 @@
-"""Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE (top-8 of 8) and OLMoE against
+"""Mixtral, Qwen2-MoE (shared expert, a dense layer), Qwen3-MoE (top-8 of 8), OLMoE and gpt-oss
+(expert biases, clamped SwiGLU, attention sinks, sliding windows, YaRN) against
 transformers in fp32: greedy tokens equal and prompt logprobs close, alone and batched, with
 chunked prefill and with the prefix cache; prompts whose tokens crowd onto some experts and
 leave others without a token. In bf16 on the CPU's GEMM a prompt's tokens do not depend on its
@@ -80,12 +81,12 @@ def test_config_reads_each_family(moe_dir):
     family, model_dir = moe_dir
     moe = ModelConfig.from_dir(model_dir).moe
     assert (moe.num_experts, moe.top_k) == (NUM_EXPERTS, MOE_FAMILIES[family])
-    assert moe.renormalize == (family in ("mixtral", "qwen3_moe"))
+    assert moe.renormalize == (family in ("mixtral", "qwen3_moe", "gpt_oss"))
     assert moe.shared_expert_intermediate_size == (48 if family == "qwen2_moe" else 0)
     assert [moe.is_sparse(i) for i in range(2)] == ([True, False] if family == "qwen2_moe" else [True, True])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_bf16_tokens_do_not_depend_on_the_batch_and_decode_is_not_fused(family, tmp_path):
     model_dir = write_moe_checkpoint(tmp_path / family, family)
     llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=24,
