@@ -10,6 +10,7 @@ from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_m
 from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
 from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config
+from nanoserve.models.mxfp4 import MXFP4_METHOD
 from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 
 GGUF_MAGIC = b"GGUF"
@@ -103,9 +104,10 @@ def gguf_tokenizer(gguf_file: Path):
 
 def check_quantization(quantization: str | None, model: Path) -> None:
     """`--quantization`: "gguf" is implied by a GGUF model, "compressed-tensors", "gptq" (or
-    "gptq_marlin"), "awq" (or "awq_marlin") and "fp8" by a checkpoint whose config.json says so (its
-    scheme is checked here, before any rank loads); each means nothing for any other model, and
-    other checkpoint quantizations are refused (ValueError, one line)."""
+    "gptq_marlin"), "awq" (or "awq_marlin"), "fp8" and "mxfp4" (gpt-oss's experts) by a checkpoint
+    whose config.json says so (its scheme is checked here, before any rank loads); each means
+    nothing for any other model, and other checkpoint quantizations are refused (ValueError, one
+    line)."""
     is_gguf = find_gguf_file(model) is not None
     if is_gguf:
         if quantization not in (None, "gguf"):
@@ -115,7 +117,7 @@ def check_quantization(quantization: str | None, model: Path) -> None:
     method = checkpoint_quant_method(model)
     if method is None and group_quant_config(model) is not None:
         method = GPTQ  # an AutoGPTQ checkpoint's quantize_config.json
-    served = f"gguf files, {QUANT_METHOD}, GPTQ, AWQ and FP8 checkpoints"
+    served = f"gguf files, {QUANT_METHOD}, GPTQ, AWQ, FP8 and MXFP4 (gpt-oss) checkpoints"
     if method is None:
         if quantization == FP8_METHOD:  # online FP8: the weights are rounded at load (models/fp8.py)
             return
@@ -124,7 +126,7 @@ def check_quantization(quantization: str | None, model: Path) -> None:
                              f"(nanoserve serves {served}, each implied by the model; --quantization fp8 "
                              "rounds an unquantized one to FP8 at load)")
         return
-    if method not in (QUANT_METHOD, FP8_METHOD, *GROUP_METHODS):
+    if method not in (QUANT_METHOD, FP8_METHOD, MXFP4_METHOD, *GROUP_METHODS):
         raise ValueError(f"{model}: quantization_config.quant_method {method!r} is not supported; nanoserve "
                          f"serves {served}")
     accepted = FLAG_ALIASES.get(method, (method,))
@@ -135,5 +137,5 @@ def check_quantization(quantization: str | None, model: Path) -> None:
         compressed_tensors_config(model)
     elif method == FP8_METHOD:
         fp8_config(model)
-    else:
+    elif method != MXFP4_METHOD:  # MXFP4 has nothing to check before the tensors are read
         group_quant_config(model)

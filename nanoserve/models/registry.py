@@ -10,6 +10,7 @@ from nanoserve.distributed.pipeline import real_layers
 from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gptq_awq import group_quant_config
+from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf_model import find_gguf_file
 from nanoserve.models.gguf_weights import load_gguf_weights
@@ -71,7 +72,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
         load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
     else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
         checkpoint = compressed_tensors_config(model_dir) or group_quant_config(model_dir) or fp8_config(model_dir)
-        load_weights(model, model_dir, checkpoint)
+        load_weights(model, model_dir, checkpoint, mxfp4_config(model_dir))
         if checkpoint is None and quantization == FP8_METHOD:
             quantize_online(model)
     return model.eval()

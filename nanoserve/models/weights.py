@@ -11,6 +11,7 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.layers.fused_moe import expert_weight_target
 from nanoserve.layers.linear import load_parameter
+from nanoserve.models.mxfp4 import Mxfp4Tensors
 from nanoserve.models.quant_staging import IntegerCheckpointLoader, IntegerFormat
 
 
@@ -58,10 +59,12 @@ def _extra_zero_bias(quantization: IntegerFormat, f, tensor_name: str) -> bool:
     return not bool(f.get_tensor(tensor_name).any())
 
 
-def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat | None = None) -> None:
+def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat | None = None,
+                 mxfp4: Mxfp4Tensors | None = None) -> None:
     """Every tensor into its parameter. `quantization`: the config of a checkpoint of integers
     and scales (compressed-tensors, GPTQ, AWQ); its quantized layers' tensors go to
-    models/quant_staging.IntegerCheckpointLoader instead."""
+    models/quant_staging.IntegerCheckpointLoader instead. `mxfp4`: an MXFP4 checkpoint's
+    blocks and scales are paired and loaded dequantized (models/mxfp4.py)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
     # without "model."; the LM head stays unloaded (a pooling model never computes logits).
@@ -84,6 +87,12 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
+                source = None  # a safetensors slice of the tensor, read by the parameter's loader
+                if mxfp4 is not None and mxfp4.owns(name):
+                    paired = mxfp4.add(name, f.get_tensor(name))
+                    if paired is None:
+                        continue
+                    name, source = paired
                 tensor_name = name
                 name, role = (name, None) if quantized is None else quantized.split_name(name)
                 if headless and not name.startswith("model."):
@@ -107,9 +116,11 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
                     layer = tensor_name[: tensor_name.rindex(".")]
                     quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
                     continue
-                load_parameter(param, f.get_slice(tensor_name), shard_id)
+                load_parameter(param, f.get_slice(tensor_name) if source is None else source, shard_id)
     if quantized is not None:
         quantized.finish()
+    if mxfp4 is not None:
+        mxfp4.finish()
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
     absent = sorted(expected - loaded_names)
     if absent:

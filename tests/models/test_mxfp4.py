@@ -1,0 +1,125 @@
+"""MXFP4 checkpoints (gpt-oss's experts as OpenAI releases them): the dequantization against
+transformers' own (`convert_moe_packed_tensors`) on random blocks; a gpt-oss checkpoint whose
+experts this test wrote as MXFP4 served with the tokens and logprobs transformers gives on the
+dequantized weights; unpaired tensors and other bad input are one-line errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.models.gguf_model import check_quantization
+from nanoserve.models.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from tests.engine.hf_oracle import hf_greedy
+from tests.engine.test_engine_tiny import random_prompts
+from tests.models.moe_checkpoints import write_moe_checkpoint
+from tests.models.test_families import load_hf
+
+mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., k] float -> (blocks uint8 [..., k / 32, 16], scales uint8 [..., k / 32]): a power-of-two
+    scale per 32 values, each value the nearest E2M1 (how OpenAI's checkpoints are laid out)."""
+    groups = weight.float().unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    table = torch.tensor(E2M1_VALUES)
+    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - table).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_dequantize_matches_transformers_on_random_blocks():
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=gen)
+    ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 128]
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 128, 10]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)  # bf16 holds them
+
+
+def write_mxfp4_checkpoint(tmp_path):
+    """A random gpt-oss checkpoint with its experts in MXFP4, and beside it the same model with
+    the experts as transformers dequantizes them (the oracle's weights)."""
+    float_dir = write_moe_checkpoint(tmp_path / "float", "gpt_oss")
+    quant_dir, oracle_dir = tmp_path / "mxfp4", tmp_path / "dequantized"
+    shutil.copytree(float_dir, quant_dir)
+    shutil.copytree(float_dir, oracle_dir)
+    tensors = load_file(float_dir / "model.safetensors")
+    quantized, dequantized = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, outputs, inputs]
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            dequantized[name] = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+        else:
+            quantized[name] = tensor
+    save_file(quantized, quant_dir / "model.safetensors")
+    save_file(dequantized, oracle_dir / "model.safetensors")
+    config = json.loads((quant_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return float_dir, quant_dir, oracle_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return write_mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"))
+
+
+def test_mxfp4_gpt_oss_matches_transformers_on_the_dequantized_experts(checkpoints):
+    float_dir, quant_dir, oracle_dir = checkpoints
+    oracle = load_hf(oracle_dir)
+    prompts = random_prompts(3, oracle.config.vocab_size, seed=21, min_len=4, max_len=30)
+    expected = [hf_greedy(oracle, prompt, 8) for prompt in prompts]
+    # The rounding to FP4 is coarse: the float model's tokens differ (else the test would not
+    # tell whether the MXFP4 tensors were read at all).
+    assert [hf_greedy(load_hf(float_dir), prompt, 8) for prompt in prompts] != expected
+    check_quantization(None, quant_dir)
+    check_quantization("mxfp4", quant_dir)
+    llm = LLM(model=str(quant_dir), dtype="float32", num_kv_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    prompt = prompts[2]
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0].prompt_logprobs
+    with torch.inference_mode():
+        reference = oracle(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for position in range(1, len(prompt)):
+        token = int(reference[position - 1].argmax())
+        assert abs(got[position][token].logprob - float(reference[position - 1, token])) < 1e-3
+
+
+def test_unpaired_mxfp4_tensor_is_one_line(checkpoints, tmp_path):
+    _, quant_dir, _ = checkpoints
+    broken = tmp_path / "broken"
+    shutil.copytree(quant_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj_scales is missing") as error:
+        LLM(model=str(broken), dtype="float32", num_kv_blocks=8)
+    assert "\n" not in str(error.value)
+
+
+def test_mxfp4_flag_on_another_checkpoint_is_refused(checkpoints):
+    float_dir, quant_dir, _ = checkpoints
+    with pytest.raises(ValueError, match="does not apply"):
+        check_quantization("mxfp4", float_dir)
+    with pytest.raises(ValueError, match="its quantization is mxfp4"):
+        check_quantization("fp8", quant_dir)
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), torch.float32)
+    with pytest.raises(ValueError, match="must be uint8"):
+        dequantize_mxfp4(torch.zeros(2, 3, 16), torch.zeros(2, 3, dtype=torch.uint8), torch.float32)
