@@ -55,7 +55,7 @@ def test_expert_parallel_needs_experts_divisible_by_ranks(tmp_path):
         set_parallel_state(0, 1)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_pp2_equals_pp1(family, prompts, tmp_path):
     model_dir = write_moe_checkpoint(tmp_path / family, family)
     expected, _ = greedy_ids(model_dir, prompts, num_kv_blocks=32)
