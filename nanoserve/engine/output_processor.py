@@ -183,9 +183,15 @@ class OutputProcessor:
             seq.cumulative_logprob += values[0]
             seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
         reason, stop_reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        delta = seq.detokenizer.step([token])
-        if reason is not None:
-            delta += seq.detokenizer.flush()  # text held back for an unfinished character
+        if (reason == "stop" and not params.include_stop_str_in_output
+                and (token in params.stop_token_ids or token in self.eos_token_ids)):
+            # A stop token's own text stays out of the output, as vLLM's (it shows when special
+            # tokens are kept: a tool parser's, or skip_special_tokens=false).
+            delta = seq.detokenizer.flush()
+        else:
+            delta = seq.detokenizer.step([token])
+            if reason is not None:
+                delta += seq.detokenizer.flush()  # text held back for an unfinished character
         seq.text += delta
         if params.stop and delta and seq.num_output_tokens >= params.min_tokens:
             stop_reason_text, stop = check_stop_strings(seq, len(delta))

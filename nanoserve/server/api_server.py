@@ -54,7 +54,7 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     config = engine.config
-    chat = ChatFeatures.from_options(options)
+    chat = ChatFeatures.from_options(options, engine.model_config.architecture)
     lora_modules = _load_lora_modules(engine, options)
     response_cache = None
     if options.response_cache_size > 0:

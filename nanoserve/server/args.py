@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from nanoserve import envs
 from nanoserve.server.http_types import HttpLimits
-from nanoserve.server.reasoning_parsers import REASONING_PARSERS, ReasoningParser
+from nanoserve.server.reasoning_parsers import (DEFAULT_REASONING_PARSERS, REASONING_PARSERS,
+                                                ReasoningParser)
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -100,7 +101,7 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      f"how the model writes tool calls: {', '.join(TOOL_PARSERS)}"),
     ("--reasoning-parser", ServerOptions, "reasoning_parser", str,
      "return the model's thinking as reasoning_content: "
-     f"{', '.join(REASONING_PARSERS)}"),
+     f"{', '.join(REASONING_PARSERS)} (gpt-oss models: openai_gptoss unless given)"),
     ("--timeout-keep-alive", HttpLimits, "keep_alive_timeout", float,
      "seconds an idle keep-alive connection stays open"),
     ("--request-read-timeout", HttpLimits, "request_read_timeout", float,
@@ -206,12 +207,16 @@ class ChatFeatures:
     reasoning_parser: ReasoningParser | None
 
     @classmethod
-    def from_options(cls, options: ServerOptions) -> "ChatFeatures":
-        """Raises ValueError (the CLI's one-line error) for a flag that cannot work."""
+    def from_options(cls, options: ServerOptions,
+                     architecture: str | None = None) -> "ChatFeatures":
+        """Raises ValueError (the CLI's one-line error) for a flag that cannot work.
+        `architecture`: the served model's, whose default reasoning parser applies when
+        --reasoning-parser is not given (gpt-oss: openai_gptoss, as vLLM)."""
         tool_parser = _named(TOOL_PARSERS, options.tool_call_parser, "--tool-call-parser")
         if options.enable_auto_tool_choice and tool_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
-        reasoning = _named(REASONING_PARSERS, options.reasoning_parser, "--reasoning-parser")
+        name = options.reasoning_parser or DEFAULT_REASONING_PARSERS.get(architecture)
+        reasoning = _named(REASONING_PARSERS, name, "--reasoning-parser")
         return cls(read_chat_template(options.chat_template),
                    tool_parser if options.enable_auto_tool_choice else None,
                    reasoning() if reasoning is not None else None)

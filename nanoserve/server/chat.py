@@ -263,8 +263,8 @@ def output_reader(ctx: ServingContext, tool_use: ToolUse) -> ChatOutputReader | 
 
 
 def constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | None) -> None:
-    """"required" and a named function hold by constrained decoding; a parser whose markers are
-    special tokens needs them in the text."""
+    """"required" and a named function hold by constrained decoding; a parser (tool or
+    reasoning) whose markers are special tokens needs them in the text."""
     constraint = tool_use.constraint()
     if constraint is not None:
         if params.structured_outputs is not None:
@@ -272,8 +272,8 @@ def constrain_for_tools(params, tool_use: ToolUse, reader: ChatOutputReader | No
                               "itself; it cannot be combined with response_format or "
                               "structured_outputs", "tool_choice")
         params.structured_outputs = constraint
-    if reader is not None and reader.tool_parser is not None \
-            and reader.tool_parser.keeps_special_tokens:
+    if reader is not None and any(parser is not None and parser.keeps_special_tokens
+                                  for parser in (reader.tool_parser, reader.reasoning_parser)):
         params.skip_special_tokens = False
 
 

@@ -1,6 +1,7 @@
 """One chat choice's text read as the response shows it, when the server has a reasoning parser
 or the request uses tools: the reasoning first (`reasoning_content`), then the rest read by the
-tool-call parser (`content` and `tool_calls`). Streamed and non-streamed responses go through the
+tool-call parser (`content` and `tool_calls`); a tool parser that `reads_whole_output` (gpt-oss's
+harmony) reads all of the text instead. Streamed and non-streamed responses go through the
 same object, so a stream's pieces add up to the non-streamed message."""
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ class ChoiceOutput:
         self._rest_seen = len(rest)
         if self.tool_stream is None:
             result.content = new_rest
+        elif self.tool_stream.parser.reads_whole_output:
+            result.content, result.tool_calls = self.tool_stream.feed(delta, final)
         else:
             result.content, result.tool_calls = self.tool_stream.feed(new_rest, final)
         self.content += result.content

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from nanoserve.server.tool_parsers import harmony
 from nanoserve.server.tool_parsers.json_scan import held_back
 
 THINK_START = "<think>"
@@ -13,6 +14,8 @@ THINK_END = "</think>"
 
 class ReasoningParser:
     name: ClassVar[str]
+    # Formats whose markers are special tokens need them kept in the decoded text.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, content) of the output so far."""
@@ -50,5 +53,24 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
         return "", text
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (tool_parsers/harmony.py): the analysis bodies are the
+    reasoning, the final and preamble bodies the content; calls are left to the `openai` tool
+    parser, which reads the whole output."""
+    name = "openai_gptoss"
+    keeps_special_tokens = True
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        messages = harmony.read_messages(text, final)
+        if messages is None:
+            return "", text
+        return (harmony.joined(messages, harmony.REASONING),
+                harmony.joined(messages, harmony.CONTENT))
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    parser.name: parser for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+    parser.name: parser
+    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)}
+# The parser a model's architecture gets without --reasoning-parser: vLLM always separates
+# gpt-oss's reasoning.
+DEFAULT_REASONING_PARSERS: dict[str, str] = {"GptOssForCausalLM": GptOssReasoningParser.name}

@@ -76,3 +76,27 @@ def test_process_reports_what_finished(tiny_llama_dir):
     assert request.finished and seqs[1].finish_reason == "length"
     assert third.outputs[0].finished and third.outputs[0].metrics.num_generation_tokens == 4
     assert processor.generation_tokens_total == 4 and processor.prompt_tokens_total == len(PROMPT)
+
+
+@pytest.mark.parametrize("stop_by", ["eos", "stop_token_ids"])
+def test_a_stop_tokens_text_stays_out_unless_asked_for(tiny_llama_dir, stop_by):
+    """As vLLM: the token that ends a sequence by id adds no text, even with special tokens
+    kept (a parser that reads special tokens would otherwise see the eos text), unless
+    include_stop_str_in_output; a token that ends it by length keeps its text."""
+    tokenizer = Tokenizer.from_pretrained(tiny_llama_dir)
+    processor = OutputProcessor(tokenizer, {EOS}, max_model_len=64)
+    stop = EOS if stop_by == "eos" else 9
+    texts = {}
+    for keep in (False, True):
+        params = SamplingParams(max_tokens=5, skip_special_tokens=False, include_stop_str_in_output=keep,
+                                stop_token_ids=[] if stop_by == "eos" else [9])
+        seq = make_seq(params, 0)
+        seq.detokenizer = IncrementalDetokenizer(tokenizer, PROMPT, skip_special_tokens=False)
+        request = Request("r", None, list(PROMPT), params, [seq], RequestMetrics(0.0))
+        for token in (4, 5, stop):
+            processor.process({"r": request}, [seq], SamplerOutput(torch.tensor([token]), None, None, None), [])
+        assert seq.finish_reason == "stop" and seq.output_token_ids == [4, 5, stop]
+        texts[keep] = seq.text
+    stop_text = tokenizer.decode([stop], skip_special_tokens=False)
+    assert stop_text and texts[True] == texts[False] + stop_text
+    assert texts[False] == tokenizer.decode([4, 5], skip_special_tokens=False)

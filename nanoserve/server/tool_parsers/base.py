@@ -33,6 +33,9 @@ class ToolParser:
     name: ClassVar[str]
     # Formats whose markers are special tokens need them kept in the decoded text.
     keeps_special_tokens: ClassVar[bool] = False
+    # Formats that hold their own reasoning (gpt-oss's harmony) read the whole output, not what
+    # the reasoning parser leaves.
+    reads_whole_output: ClassVar[bool] = False
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         raise NotImplementedError
