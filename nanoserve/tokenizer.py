@@ -187,7 +187,7 @@ class Tokenizer:
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
                 "add_generation_prompt and continue_final_message cannot both be true")
-        messages = [_decode_tool_arguments(_flatten_content(message)) for message in messages]
+        messages = [_assistant_fields(_decode_tool_arguments(_flatten_content(message))) for message in messages]
         # A marker after the last message's text shows where that text ends once rendered, so the
         # template's end-of-turn tokens after it can be cut off. It ends in a space: if the template
         # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
@@ -230,6 +230,21 @@ def _flatten_content(message: dict) -> dict:
                 raise ChatTemplateError(f"unsupported message content part of type {kind!r}; "
                                         "only text parts are supported")
         message["content"] = "\n".join(texts)
+    return message
+
+
+def _assistant_fields(message: dict) -> dict:
+    """An assistant message as the families' templates read it: a call without text has content
+    "" (as vLLM renders it; gpt-oss's template tests `in message.content`, which fails on None),
+    and its reasoning (`reasoning_content`, or `reasoning`) is also its `thinking`, the field
+    gpt-oss's template renders as the analysis before a call."""
+    if message.get("role") != "assistant":
+        return message
+    if message.get("content") is None and message.get("tool_calls"):
+        message = {**message, "content": ""}
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if isinstance(reasoning, str) and "thinking" not in message:
+        message = {**message, "thinking": reasoning}
     return message
 
 

@@ -175,3 +175,22 @@ def test_encode_each_gives_encodes_ids(tokenizer: Tokenizer):
     texts = ["hello", "", "The quick brown fox jumps. " * 400, "é\n\t<|im_end|> x"]
     for special in (True, False):
         assert tokenizer.encode_each(texts, special) == [tokenizer.encode(t, special) for t in texts]
+
+
+def test_assistant_call_without_text_and_its_reasoning_reach_the_template(tokenizer: Tokenizer):
+    """As gpt-oss's template reads an assistant turn with a tool call: `"x" in message.content`
+    (a call without text has content "", not None, as vLLM renders it) and the reasoning as
+    `thinking` (sent back as reasoning_content or reasoning)."""
+    template = ("{% for m in messages %}{% if m.role == 'assistant' %}"
+                "{% if 'content' in m and '<|channel|>' in m.content %}{{ raise_exception('tags') }}{% endif %}"
+                "[{{ m.thinking }}|{{ m.content }}|{{ m.tool_calls[0].function.arguments | tojson }}]"
+                "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+    for field in ("reasoning_content", "reasoning"):
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, field: "think", "tool_calls": [call]}]
+        assert tokenizer.apply_chat_template(messages, chat_template=template) == 'hi[think||{"a": 1}]'
+    # An explicit thinking field is kept; other roles and plain assistant turns are untouched.
+    messages = [{"role": "assistant", "content": "x", "thinking": "mine", "reasoning_content": "other",
+                 "tool_calls": [call]}]
+    assert tokenizer.apply_chat_template(messages, chat_template=template) == '[mine|x|{"a": 1}]'
