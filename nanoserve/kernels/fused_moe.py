@@ -21,7 +21,10 @@ Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on oth
 slots contribute nothing here (their rank adds them in the all-reduce).
 
 `bias`: None, or (b13 [experts, 2 * inter], b2 [experts, hidden]) added to each expert's gate/up
-and down outputs; `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul
+and down outputs; `packed`: (packed13, packed2), each the stacked bf16 packings of
+`pack_expert_weights` or a list of kernels/quant.py QuantWeights, one per expert (a quantized
+checkpoint's experts, kept in a kernel format on the CPU: the grouped path multiplies them with
+quant_gemm, whose rows are invariant to the batch too; the loop reads them dequantized); `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul
 unless a family says otherwise: gpt-oss's `swiglu_oai`).
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 
 from typing import Callable
 
-from nanoserve.kernels import cpu_ops, silu_and_mul
+from nanoserve.kernels import cpu_ops, quant, silu_and_mul
 from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
@@ -115,18 +118,23 @@ def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(packed)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert's matrix as a linear layer's: our GEMM on its packing (the only copy once
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's matrix as a linear layer's: `packed` a QuantWeight (a quantized expert):
+    kernels/quant.quant_gemm; else our GEMM on its packing (the only copy once
     FusedMoE.prepack_gemm packed it), else F.linear."""
+    if isinstance(packed, quant.QuantWeight):
+        return quant.quant_gemm(x, packed, bias).contiguous()
     return unquantized_gemm(x, weight, bias, packed).contiguous()
 
 
-def unpacked_experts(weights: torch.Tensor, packed: torch.Tensor | None) -> torch.Tensor:
-    """The experts' bf16 matrices, read back from their packing when that is the only copy
-    (FusedMoE.prepack_gemm moves the parameters to the meta device); `weights` as they are else."""
+def unpacked_experts(weights: torch.Tensor, packed) -> torch.Tensor:
+    """The experts' float matrices, read back from their packing (or, quantized experts: their
+    QuantWeights dequantized) when that is the only copy (the parameters are on the meta device);
+    `weights` as they are else."""
     if not weights.is_meta or packed is None:
         return weights
+    if isinstance(packed, (list, tuple)):
+        return torch.stack([quant.dequantize_weight(w) for w in packed]).to(weights.dtype)
     return torch.stack([cpu_ops.unpack_gemm_weight(packed[e], weights.shape[1]) for e in range(weights.shape[0])])
 
 

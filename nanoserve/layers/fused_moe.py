@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
+from nanoserve.kernels import quant
 from nanoserve.kernels.fused_moe import fused_moe, pack_expert_weights
 from nanoserve.layers.linear import LinearBase, RowTiling
 
@@ -71,7 +72,11 @@ class FusedMoE(nn.Module):
             self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, dtype=dtype),
                                         requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
-        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # see prepack_gemm
+        self.packed: tuple | None = None  # see prepack_gemm
+        # A quantized checkpoint's experts in a kernel format (load_quantized): per parameter, per
+        # local expert, per part (gate 0 / up 1, down None) -> (qtype, this rank's arrays).
+        self.quant_staged: dict[str, list[dict]] = {}
+        self.quant_experts: tuple[list, list] | None = None  # (w13's, w2's) QuantWeight per local expert
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
         """`shard_id`: (global expert index, 0 gate / 1 up / None down), or (None, None) for all
@@ -79,6 +84,9 @@ class FusedMoE(nn.Module):
         hidden], down_proj [experts, hidden, inter]). Experts of other ranks are skipped; with
         the intermediate dimension split, this rank's rows (gate, up) or columns (down)."""
         expert, part = shard_id
+        if hasattr(loaded, "kernel_components"):  # a quantized stacked tensor (models/mxfp4.Mxfp4Weight)
+            self._load_stacked_quantized(param, loaded)
+            return
         if expert is None:
             for local in range(self.num_local_experts):
                 one = loaded[self.first_expert + local : self.first_expert + local + 1][0]
@@ -98,6 +106,75 @@ class FusedMoE(nn.Module):
         else:
             param.data[local, part * self.inter : (part + 1) * self.inter].copy_(loaded[start : start + self.inter])
 
+    def _load_stacked_quantized(self, param: nn.Parameter, loaded) -> None:
+        """Every expert's matrix in one quantized tensor, [experts, outputs (gate rows then up rows
+        for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU),
+        dequantized into the parameter elsewhere."""
+        if not quant.takes_components(param.device):  # in our [experts, outputs, inputs] layout already
+            FusedMoE.weight_loader(self, param, loaded.dequantized(param.dtype), (None, None))
+            return
+        qtype, arrays = loaded.kernel_components()
+        for local in range(self.num_local_experts):
+            expert = self.first_expert + local
+            one = {key: array[expert] for key, array in arrays.items()}
+            if param is self.w2_weight:
+                self.load_quantized(param, one, qtype, (expert, None))
+                continue
+            total = one["u"].shape[0] // 2
+            for part in (0, 1):
+                self.load_quantized(param, {key: a[part * total : (part + 1) * total] for key, a in one.items()},
+                                    qtype, (expert, part))
+
+    def load_quantized(self, param: nn.Parameter, arrays: dict[str, torch.Tensor], qtype: str,
+                       shard_id: tuple[int, int | None]) -> None:
+        """One expert's matrix (or its gate / up part) as kernel components (kernels/quant.py:
+        "u" [rows, k], "scale" and "mins" [rows, k / 32]), kept in that format: this rank's rows
+        (gate, up) or whole blocks of 32 of its columns (down). `finish_quantized` makes the
+        QuantWeights once every expert's parts are in."""
+        expert, part = shard_id
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        start = 0 if self.expert_parallel else self.tp_rank * self.inter
+        if part is None:  # down: columns start..start + inter, whole blocks of 32
+            if start % 32 or self.inter % 32:
+                raise ValueError(f"quantized experts: blocks of 32 inputs cannot split the intermediate size "
+                                 f"into shards of {self.inter}")
+            blocks = slice(start // 32, (start + self.inter) // 32)
+            arrays = {key: a[:, start : start + self.inter] if key == "u" else a[:, blocks]
+                      for key, a in arrays.items()}
+        else:
+            arrays = {key: a[start : start + self.inter] for key, a in arrays.items()}
+        name = "w13" if param is self.w13_weight else "w2"
+        experts = self.quant_staged.setdefault(name, [{} for _ in range(self.num_local_experts)])
+        experts[local][part] = (qtype, {key: a.contiguous() for key, a in arrays.items()})
+
+    def finish_quantized(self) -> None:
+        """The staged quantized experts into one QuantWeight per expert and matrix (gate and up
+        rows together); the float parameters they replace go to the meta device."""
+        if not self.quant_staged:
+            return
+        weights = {}
+        for name, param in (("w13", self.w13_weight), ("w2", self.w2_weight)):
+            experts = self.quant_staged.get(name)
+            parts = (0, 1) if name == "w13" else (None,)
+            if experts is None or any(set(e) != set(parts) for e in experts):
+                raise ValueError("a quantized MoE checkpoint must quantize every expert's gate, up and down "
+                                 "matrices alike")
+            weights[name] = []
+            for expert in experts:
+                qtypes = {expert[p][0] for p in parts}
+                if len(qtypes) != 1:
+                    raise ValueError(f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}")
+                arrays = {key: torch.cat([expert[p][1][key] for p in parts]) for key in expert[parts[0]][1]}
+                components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
+                weights[name].append(quant.QuantWeight(qtypes.pop(), arrays["u"].shape[0], param.shape[2], None,
+                                                       components=components))
+        self.quant_staged = {}
+        self.quant_experts = (weights["w13"], weights["w2"])
+        self.w13_weight = nn.Parameter(self.w13_weight.detach().to("meta"), requires_grad=False)
+        self.w2_weight = nn.Parameter(self.w2_weight.detach().to("meta"), requires_grad=False)
+
     def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """Every expert's biases in one tensor: w13_bias [experts, 2 * inter] (gate, then up) or
         w2_bias [experts, hidden]. This rank's experts; with the intermediate dimension split, its
@@ -116,7 +193,13 @@ class FusedMoE(nn.Module):
         """CPU, bf16: each expert's matrices in kernels/cpu/gemm.cpp's packing (called by
         layers/cpu_prepack.prepack_gemm_weights). Whether both were packed. The packing is then
         the only copy: the parameters move to the meta device (kernels/fused_moe.py reads the
-        matrices back from the packing for the paths that multiply them as they are)."""
+        matrices back from the packing for the paths that multiply them as they are). Quantized
+        experts: each QuantWeight in the quantized kernel's packing (rows invariant either way)."""
+        if self.quant_experts is not None:
+            for weights in self.quant_experts:
+                for weight in weights:
+                    quant.pack_for_cpu(weight)
+            return True
         w13, w2 = pack_expert_weights(self.w13_weight), pack_expert_weights(self.w2_weight)
         self.packed = (w13, w2) if w13 is not None and w2 is not None else None
         if self.packed is not None:
@@ -127,7 +210,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                        self.expert_map, self.packed, bias, self.activation)
+                        self.expert_map, self.quant_experts or self.packed, bias, self.activation)
         return all_reduce(out)
 
 

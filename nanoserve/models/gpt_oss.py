@@ -6,8 +6,8 @@ and whose experts have biases and a clamped SwiGLU ((up + 1) * gate * sigmoid(1.
 The checkpoint stacks each layer's experts in transformers' layout: gate_up_proj [experts,
 hidden, 2 * inter] with gate and up columns interleaved, down_proj [experts, inter, hidden]. The
 experts load them transposed and de-interleaved into layers/fused_moe.FusedMoE's [gate rows; up
-rows]. OpenAI's own checkpoints hold the experts in MXFP4 (models/mxfp4.py dequantizes them at
-load)."""
+rows]. OpenAI's own checkpoints hold the experts in MXFP4 (models/mxfp4.py: kept quantized on a
+CPU, as Q8_0 blocks)."""
 from __future__ import annotations
 
 from functools import partial
@@ -32,6 +32,12 @@ class GptOssExperts(FusedMoE):
         """The stacked checkpoint tensors (shard_id (None, None)) in transformers' gpt-oss layout;
         FusedMoE's loader hands each expert's part back here (shard_id (expert, part))."""
         if shard_id != (None, None):
+            super().weight_loader(param, loaded, shard_id)
+            return
+        if hasattr(loaded, "kernel_components"):  # MXFP4 (models/mxfp4.py): [experts, outputs, inputs]
+            if param is self.w13_weight:
+                rows = loaded.blocks.shape[1]
+                loaded = loaded.rows(torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]))
             super().weight_loader(param, loaded, shard_id)
             return
         loaded = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded  # a safetensors slice

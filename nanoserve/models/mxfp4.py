@@ -4,10 +4,13 @@ experts as OCP microscaling FP4: `experts.gate_up_proj_blocks` / `down_proj_bloc
 `_scales` (uint8 [experts, outputs, inputs / 32], an E8M0 exponent per 32 inputs, bias 127). The
 rest (attention, router, embeddings, LM head: config `modules_to_not_convert`) is bf16.
 
-The experts are dequantized at load into the model's dtype (exact: an E2M1 value times a power
-of two is a bf16), then loaded as a bf16 checkpoint's `experts.gate_up_proj` / `down_proj` are:
-nanoserve has no FP4 expert kernel yet, so the experts take their bf16 size in memory (gpt-oss-
-20b: about 40 GB in all, against 13 GB as the checkpoint holds it)."""
+On a CPU the experts stay quantized: an E2M1 value times 2 is an integer in -12..12 and the
+block's scale a power of two, so each block is exactly a Q8_0 block (u = 128 + 2 * value, scale
+2^(exponent - 128)), multiplied by the int8 GEMM (kernels/quant.py) with activations quantized
+per row to int8, as llama.cpp runs MXFP4 on CPUs. That is 1.125 bytes a weight (gpt-oss-20b's
+experts: ~21.5 GB, against ~38 GB in bf16; a 4-bit kernel format would halve it again). Elsewhere
+(CUDA) they are dequantized at load into the model's dtype (exact).
+"""
 from __future__ import annotations
 
 import json
@@ -45,10 +48,38 @@ def mxfp4_config(model_dir: Path) -> "Mxfp4Tensors | None":
     return Mxfp4Tensors() if quantization.get("quant_method") == MXFP4_METHOD else None
 
 
+class Mxfp4Weight:
+    """One stacked MXFP4 tensor: blocks uint8 [experts, outputs, groups, 16], scales uint8
+    [experts, outputs, groups]. layers/fused_moe.FusedMoE's loader reads it through
+    `kernel_components` (CPU) or `dequantized`."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+            raise ValueError(f"MXFP4 blocks [experts, outputs, groups, 16] and scales [experts, outputs, groups] "
+                             f"do not match: {tuple(blocks.shape)} and {tuple(scales.shape)}")
+        self.blocks, self.scales = blocks, scales
+
+    def rows(self, index) -> "Mxfp4Weight":
+        """The given output rows of every expert (an index along dim 1)."""
+        return Mxfp4Weight(self.blocks[:, index], self.scales[:, index])
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """[experts, outputs, inputs] in `dtype`."""
+        return dequantize_mxfp4(self.blocks, self.scales, dtype)
+
+    def kernel_components(self) -> tuple[str, dict[str, torch.Tensor]]:
+        """("q8_0", {"u": uint8 [experts, outputs, inputs], "scale": fp32 [experts, outputs,
+        inputs / 32]}): the same values exactly, u = 128 + 2 * E2M1 and scale 2^(exponent - 128)."""
+        doubled = torch.tensor([int(2 * v) for v in E2M1_VALUES], dtype=torch.int16) + 128
+        codes = torch.stack([self.blocks & 0x0F, self.blocks >> 4], dim=-1).flatten(-3).long()
+        u = doubled[codes].to(torch.uint8)
+        scale = torch.ldexp(torch.ones(self.scales.shape), self.scales.to(torch.int32) - SCALE_BIAS - 1)
+        return "q8_0", {"u": u, "scale": scale}
+
+
 class Mxfp4Tensors:
     """Each `X_blocks` and `X_scales` pair, read in any order (and from any shard), handed on as
-    one tensor X: the float weight a bf16 checkpoint holds, [experts, inputs, outputs] as
-    transformers lays out gpt-oss's experts."""
+    one Mxfp4Weight named X (the name of a bf16 checkpoint's tensor)."""
 
     def __init__(self) -> None:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -57,9 +88,8 @@ class Mxfp4Tensors:
     def owns(name: str) -> bool:
         return name.endswith(_SUFFIXES)
 
-    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """The whole weight once both halves are in, else None; in bf16, which holds every
-        MXFP4 value exactly (the parameter's loader converts it to the model's dtype)."""
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, Mxfp4Weight] | None:
+        """The whole weight once both halves are in, else None."""
         suffix = next(s for s in _SUFFIXES if name.endswith(s))
         base = name[: -len(suffix)]
         parts = self.pending.setdefault(base, {})
@@ -67,8 +97,7 @@ class Mxfp4Tensors:
         if len(parts) < 2:
             return None
         del self.pending[base]
-        weight = dequantize_mxfp4(parts["_blocks"], parts["_scales"], torch.bfloat16)  # [experts, outputs, inputs]
-        return base, weight.transpose(1, 2)
+        return base, Mxfp4Weight(parts["_blocks"], parts["_scales"])
 
     def finish(self) -> None:
         if self.pending:

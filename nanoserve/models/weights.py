@@ -121,6 +121,9 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
         quantized.finish()
     if mxfp4 is not None:
         mxfp4.finish()
+    for module in model.modules():  # MoE experts a checkpoint holds quantized (layers/fused_moe.py)
+        if hasattr(module, "finish_quantized"):
+            module.finish_quantized()
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
     absent = sorted(expected - loaded_names)
     if absent:

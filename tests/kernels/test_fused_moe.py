@@ -12,7 +12,7 @@ import torch
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_experts_triton,
                                          fused_moe, fused_topk, moe_align, moe_align_block_size,
-                                         pack_expert_weights, swiglu_oai)
+                                         pack_expert_weights, swiglu_oai, unpacked_experts)
 from tests.kernels.utils import DEVICE, DTYPES, dtype_id
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
@@ -237,3 +237,52 @@ def test_gpt_oss_biases_and_activation_on_triton(tokens):
     expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights.cpu(), ids.cpu())
     got = fused_experts_triton(hidden, w13, w2, weights, ids, None, bias, ACTIVATION)
     torch.testing.assert_close(got.double().cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def _quantized_experts(weights: torch.Tensor) -> list:
+    """Each expert's matrix rounded to Q8_0 components (8 bits and a scale per 32 inputs)."""
+    from nanoserve.kernels.quant import QuantComponents, QuantWeight
+
+    out = []
+    for matrix in weights:
+        blocks = matrix.float().unflatten(-1, (-1, 32))
+        scale = blocks.abs().amax(-1).clamp(min=1e-8) / 127
+        u = (torch.round(blocks / scale[..., None]) + 128).to(torch.uint8).flatten(-2)
+        out.append(QuantWeight("q8_0", matrix.shape[0], matrix.shape[1], None,
+                               components=QuantComponents(u, scale)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_quantized_experts_on_the_grouped_path_equal_their_reference_gemm_loop(dtype):
+    """A quantized checkpoint's experts (kernels/quant.py QuantWeights, packed for the C++ kernel
+    where it builds) through the grouped path: bit for bit the loop over experts with
+    quant.reference_gemm, biases and gpt-oss's activation included, and row invariant."""
+    from nanoserve.kernels import quant
+
+    w13, w2 = expert_weights()
+    q13, q2 = _quantized_experts(w13), _quantized_experts(w2)
+    for weight in q13 + q2:
+        quant.pack_for_cpu(weight)
+    bias = tuple(b.to(dtype) for b in expert_biases())
+    hidden = torch.randn(13, HIDDEN, generator=torch.Generator().manual_seed(13)).to(dtype)
+    weights, ids = crowded_routing(13, 2)
+    ids[1, 1] = -1
+    meta13, meta2 = (torch.empty(w.shape, dtype=dtype, device="meta") for w in (w13, w2))
+    got = fused_experts_grouped(hidden, meta13, meta2, weights, ids, (q13, q2), bias, ACTIVATION)
+    expected = torch.zeros(hidden.shape, dtype=torch.float32)
+    for token in range(13):
+        for slot, expert in enumerate(ids[token].tolist()):
+            if expert < 0:
+                continue
+            gate_up = quant.reference_gemm(hidden[token : token + 1], q13[expert], bias[0][expert])
+            down = quant.reference_gemm(ACTIVATION(gate_up), q2[expert], bias[1][expert])
+            expected[token] += down[0].float() * weights[token, slot]
+    assert torch.equal(got, expected.to(dtype))
+    alone = fused_experts_grouped(hidden[5:6], meta13, meta2, weights[5:6], ids[5:6], (q13, q2), bias, ACTIVATION)
+    assert torch.equal(alone[0], got[5])
+    # The loop (NANOSERVE_KERNELS=reference) reads the same experts dequantized: the products of
+    # unrounded activations, close to the int8 ones.
+    loop = fused_experts_reference(hidden, unpacked_experts(meta13, q13), unpacked_experts(meta2, q2), weights, ids,
+                                   None, bias, ACTIVATION)
+    torch.testing.assert_close(loop.float(), got.float(), atol=0.1, rtol=0.05)
