@@ -14,6 +14,7 @@ from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import quant
 from nanoserve.kernels.fused_moe import fused_moe, pack_expert_weights
 from nanoserve.layers.linear import LinearBase, RowTiling
+from nanoserve.layers.quant_experts import BLOCK, QuantExpertStaging, shard_columns
 
 # Checkpoint names of an expert's three matrices -> (our stacked parameter, part): Mixtral's
 # w1 / w3 / w2, and Qwen-MoE's / OLMoE's gate_proj / up_proj / down_proj.
@@ -73,10 +74,10 @@ class FusedMoE(nn.Module):
                                         requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.packed: tuple | None = None  # see prepack_gemm
-        # A quantized checkpoint's experts in a kernel format (load_quantized): per parameter, per
-        # local expert, per part (gate 0 / up 1, down None) -> (qtype, this rank's arrays).
-        self.quant_staged: dict[str, list[dict]] = {}
-        self.quant_experts: tuple[list, list] | None = None  # (w13's, w2's) QuantWeight per local expert
+        # A quantized checkpoint's experts kept in a kernel format (layers/quant_experts.py):
+        # "w13" / "w2" -> one QuantWeight per local expert, for the matrices that are.
+        self.quant_staging = QuantExpertStaging(self.num_local_experts)
+        self.quant_experts: dict[str, list] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
         """`shard_id`: (global expert index, 0 gate / 1 up / None down), or (None, None) for all
@@ -108,10 +109,10 @@ class FusedMoE(nn.Module):
 
     def _load_stacked_quantized(self, param: nn.Parameter, loaded) -> None:
         """Every expert's matrix in one quantized tensor, [experts, outputs (gate rows then up rows
-        for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU),
-        dequantized into the parameter elsewhere."""
-        if not quant.takes_components(param.device):  # in our [experts, outputs, inputs] layout already
-            FusedMoE.weight_loader(self, param, loaded.dequantized(param.dtype), (None, None))
+        for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU) and
+        the shard is whole blocks, dequantized into the parameter otherwise."""
+        if not quant.takes_components(param.device) or not self.takes_quantized(param):
+            FusedMoE.weight_loader(self, param, loaded.dequantized(param.dtype), (None, None))  # our layout
             return
         qtype, arrays = loaded.kernel_components()
         for local in range(self.num_local_experts):
@@ -125,55 +126,36 @@ class FusedMoE(nn.Module):
                 self.load_quantized(param, {key: a[part * total : (part + 1) * total] for key, a in one.items()},
                                     qtype, (expert, part))
 
+    def takes_quantized(self, param: nn.Parameter) -> bool:
+        """Whether this rank's shard of the matrix is whole blocks of 32 inputs (down's inputs
+        are the split intermediate dimension)."""
+        return param is self.w13_weight or self.expert_parallel or self.inter % BLOCK == 0
+
     def load_quantized(self, param: nn.Parameter, arrays: dict[str, torch.Tensor], qtype: str,
                        shard_id: tuple[int, int | None]) -> None:
         """One expert's matrix (or its gate / up part) as kernel components (kernels/quant.py:
         "u" [rows, k], "scale" and "mins" [rows, k / 32]), kept in that format: this rank's rows
-        (gate, up) or whole blocks of 32 of its columns (down). `finish_quantized` makes the
-        QuantWeights once every expert's parts are in."""
+        (gate, up) or whole blocks of 32 of its columns (down; see takes_quantized)."""
         expert, part = shard_id
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
-        if part is None:  # down: columns start..start + inter, whole blocks of 32
-            if start % 32 or self.inter % 32:
-                raise ValueError(f"quantized experts: blocks of 32 inputs cannot split the intermediate size "
-                                 f"into shards of {self.inter}")
-            blocks = slice(start // 32, (start + self.inter) // 32)
-            arrays = {key: a[:, start : start + self.inter] if key == "u" else a[:, blocks]
-                      for key, a in arrays.items()}
+        if part is None:
+            arrays = shard_columns(arrays, start, self.inter)
         else:
             arrays = {key: a[start : start + self.inter] for key, a in arrays.items()}
-        name = "w13" if param is self.w13_weight else "w2"
-        experts = self.quant_staged.setdefault(name, [{} for _ in range(self.num_local_experts)])
-        experts[local][part] = (qtype, {key: a.contiguous() for key, a in arrays.items()})
+        self.quant_staging.add("w13" if param is self.w13_weight else "w2", local, part, qtype, arrays)
 
     def finish_quantized(self) -> None:
-        """The staged quantized experts into one QuantWeight per expert and matrix (gate and up
-        rows together); the float parameters they replace go to the meta device."""
-        if not self.quant_staged:
-            return
-        weights = {}
-        for name, param in (("w13", self.w13_weight), ("w2", self.w2_weight)):
-            experts = self.quant_staged.get(name)
-            parts = (0, 1) if name == "w13" else (None,)
-            if experts is None or any(set(e) != set(parts) for e in experts):
-                raise ValueError("a quantized MoE checkpoint must quantize every expert's gate, up and down "
-                                 "matrices alike")
-            weights[name] = []
-            for expert in experts:
-                qtypes = {expert[p][0] for p in parts}
-                if len(qtypes) != 1:
-                    raise ValueError(f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}")
-                arrays = {key: torch.cat([expert[p][1][key] for p in parts]) for key in expert[parts[0]][1]}
-                components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
-                weights[name].append(quant.QuantWeight(qtypes.pop(), arrays["u"].shape[0], param.shape[2], None,
-                                                       components=components))
-        self.quant_staged = {}
-        self.quant_experts = (weights["w13"], weights["w2"])
-        self.w13_weight = nn.Parameter(self.w13_weight.detach().to("meta"), requires_grad=False)
-        self.w2_weight = nn.Parameter(self.w2_weight.detach().to("meta"), requires_grad=False)
+        """The staged quantized experts into QuantWeights (models/weights.load_weights calls it once
+        every tensor is read); the float parameters they replace go to the meta device."""
+        for matrix in ("w13", "w2"):
+            param = getattr(self, f"{matrix}_weight")
+            weights = self.quant_staging.finish(matrix, param.shape[2])
+            if weights is not None:
+                self.quant_experts[matrix] = weights
+                setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))
 
     def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """Every expert's biases in one tensor: w13_bias [experts, 2 * inter] (gate, then up) or
@@ -195,22 +177,25 @@ class FusedMoE(nn.Module):
         the only copy: the parameters move to the meta device (kernels/fused_moe.py reads the
         matrices back from the packing for the paths that multiply them as they are). Quantized
         experts: each QuantWeight in the quantized kernel's packing (rows invariant either way)."""
-        if self.quant_experts is not None:
-            for weights in self.quant_experts:
-                for weight in weights:
+        packings = []
+        for matrix in ("w13", "w2"):
+            param = getattr(self, f"{matrix}_weight")
+            if matrix in self.quant_experts:
+                for weight in self.quant_experts[matrix]:
                     quant.pack_for_cpu(weight)
-            return True
-        w13, w2 = pack_expert_weights(self.w13_weight), pack_expert_weights(self.w2_weight)
-        self.packed = (w13, w2) if w13 is not None and w2 is not None else None
-        if self.packed is not None:
-            self.w13_weight = nn.Parameter(self.w13_weight.detach().to("meta"), requires_grad=False)
-            self.w2_weight = nn.Parameter(self.w2_weight.detach().to("meta"), requires_grad=False)
-        return self.packed is not None
+                packings.append(self.quant_experts[matrix])
+            else:
+                packings.append(pack_expert_weights(param))
+                if packings[-1] is not None:
+                    setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))
+        self.packed = tuple(packings) if any(p is not None for p in packings) else None
+        return all(p is not None for p in packings)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
+        packed = self.packed or (self.quant_experts.get("w13"), self.quant_experts.get("w2"))
         out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                        self.expert_map, self.quant_experts or self.packed, bias, self.activation)
+                        self.expert_map, packed, bias, self.activation)
         return all_reduce(out)
 
 

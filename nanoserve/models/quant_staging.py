@@ -4,7 +4,8 @@ loaders of checkpoints that hold integers and scales (compressed-tensors:
 models/compressed_tensors.py; GPTQ and AWQ: models/gptq_awq.py), whose common part is here:
 `IntegerWeight` (one layer's integers, scales and zero points, in one convention) and
 `IntegerCheckpointLoader` (each quantized layer's tensors collected, then staged for the kernels
-or dequantized).
+or dequantized; a MoE expert's matrix goes to its layers/fused_moe.FusedMoE, which keeps it in
+the kernel format too).
 
 Each part arrives as one or more arrays of the whole checkpoint tensor, rows in output order and
 columns that split with the input features (GGUF bytes, or u / scale per 32 / min per 32). Shards
@@ -22,6 +23,7 @@ from torch import nn
 
 from nanoserve.kernels import quant
 from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.layers.linear import LinearBase, RowParallelLinear, load_parameter
 
 logger = logging.getLogger(__name__)
@@ -244,6 +246,10 @@ class IntegerCheckpointLoader:
                 and quant.takes_components(param.device) and weight.fits_kernels(param.shape[-1])):
             stage_quantized(module, layer, weight.kernel_arrays(), weight.qtype, BLOCK, k, shard_id,
                             self.staged.setdefault(target, StagedLinear()))
+            return
+        if (isinstance(module, FusedMoE) and shard_id[0] is not None and quant.takes_components(param.device)
+                and module.takes_quantized(param) and weight.fits_kernels(param.shape[-1])):  # one expert's matrix: kept in the kernel format
+            module.load_quantized(param, weight.kernel_arrays(), weight.qtype, shard_id)
             return
         logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
         load_parameter(param, weight.dequantized().to(param.dtype), shard_id)

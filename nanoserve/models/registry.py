@@ -84,7 +84,7 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
         weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or []),
-                   *(w for experts in getattr(module, "quant_experts", None) or () for w in experts)]
+                   *(w for experts in (getattr(module, "quant_experts", None) or {}).values() for w in experts)]
         total += sum(w.nbytes for w in weights if w is not None)
         packings = [getattr(module, "gemm_weight", None), getattr(module, "packed_weight", None),
                     *(getattr(module, "packed", None) or ())]

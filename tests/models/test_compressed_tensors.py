@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import quant
@@ -129,6 +131,28 @@ def _blockwise_int8_inputs(model, layers: set[str]) -> None:
     for name, module in model.named_modules():
         if name in layers:
             module.register_forward_pre_hook(round_inputs)
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) \
+                and any(layer.startswith(name + ".") for layer in layers):  # stacked experts
+            module.forward = types.MethodType(_experts_with_rounded_inputs, module)
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    q, dx, _ = quant.quantize_activations(x)
+    return (q.float().reshape(q.shape[0], -1, 32) * dx.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
+
+
+def _experts_with_rounded_inputs(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' stacked experts (Qwen3-MoE's: gate_up_proj [experts, 2 * inter, hidden],
+    down_proj [experts, hidden, inter]), each matrix's input rounded as our kernels round it."""
+    out = torch.zeros_like(hidden_states)
+    for expert in range(self.gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == expert)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(_round(hidden_states[token]), self.gate_up_proj[expert]).chunk(2, dim=-1)
+        rows = F.linear(_round(self.act_fn(gate) * up), self.down_proj[expert])
+        out.index_add_(0, token, (rows * top_k_weights[token, slot, None]).to(out.dtype))
+    return out
 
 
 @torch.inference_mode()
@@ -139,8 +163,7 @@ def assert_close_to_transformers(path, device: str = "cpu") -> None:
     on the other side of a rounding step), each token the argmax up to that. Layers that we
     dequantize at load (all of them on CUDA) take float inputs there too."""
     model = dequantized_transformers(path)
-    # (MoE experts are dequantized at load: float inputs.)
-    layers = {name for name in quantized_layers(path) if ".experts." not in name}
+    layers = quantized_layers(path)  # MoE experts' too: they stay quantized on a CPU
     _blockwise_int8_inputs(model, set() if device == "cuda" else layers)
     llm = build(path, device, dtype="float32")
     tokens, logprobs, _ = greedy(llm)
@@ -163,7 +186,7 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
 def test_other_families(family, tmp_path):
     """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
     compressed tensor per fused layer, split into the layer's shards as a float one is) and
-    Qwen3-MoE (experts dequantized into the fused MoE's float weights at load, the router float)."""
+    Qwen3-MoE (each expert's matrices kept in the kernel format by the fused MoE, the router float)."""
     if family == "qwen3_moe":
         hf_dir = write_moe_checkpoint(tmp_path / "hf", family, seed=6)
     else:
@@ -171,6 +194,10 @@ def test_other_families(family, tmp_path):
     path = compress_checkpoint(hf_dir, tmp_path / "model", "w8a8-channel")
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    if family == "qwen3_moe":
+        experts = [layer.mlp.experts for layer in model.model.layers]
+        assert all(set(e.quant_experts) == {"w13", "w2"} and e.w13_weight.is_meta for e in experts)
+        assert all(w.qtype == "q8_0" for e in experts for matrices in e.quant_experts.values() for w in matrices)
     assert_close_to_transformers(path)
 
 

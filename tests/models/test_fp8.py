@@ -133,6 +133,30 @@ def test_other_family(tmp_path):
     assert_close_to_transformers(path, "fp8-block128")
 
 
+def test_moe_experts_stay_fp8(tmp_path):
+    """Qwen3-MoE in FP8 with 128 x 128 blocks: each expert's matrices kept as FP8 by the fused MoE
+    (one byte a weight), their values the checkpoint's meaning; logprobs those of transformers."""
+    from safetensors.torch import load_file
+
+    from tests.fp8_models import quantize_checkpoint
+    from tests.models.moe_checkpoints import write_moe_checkpoint
+
+    hf = write_moe_checkpoint(tmp_path / "hf", "qwen3_moe", seed=2)
+    path = quantize_checkpoint(hf, tmp_path / "model", "fp8-block128")
+    model = build(path, dtype="float32").llm_engine.runner.model
+    meaning = load_file(path.parent / "meaning.safetensors")
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
+        for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
+            assert w13.qtype == w2.qtype == quant.FP8
+            prefix = f"model.layers.{index}.mlp.experts.{expert}."
+            gate_up = torch.cat([meaning[prefix + "gate_proj.weight"], meaning[prefix + "up_proj.weight"]])
+            assert torch.equal(quant.dequantize_weight(w13), gate_up)
+            assert torch.equal(quant.dequantize_weight(w2), meaning[prefix + "down_proj.weight"])
+    assert_close_to_transformers(path, "fp8-block128")
+
+
 def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows with their scales, row-parallel ones
     whole blocks of 32 inputs; the tokens equal one rank's, each rank holds about half."""

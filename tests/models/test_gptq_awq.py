@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import types
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from nanoserve.models.gptq_awq import group_quant_config, parse_config
 from tests.gptq_awq_models import (SCHEMES, awq_as_compressed_tensors, dequantized_transformers, pack_awq, pack_gptq,
                                    quantize_checkpoint, write_quantized_llama)
 from tests.models.family_checkpoints import write_random_checkpoint
-from tests.models.test_compressed_tensors import (assert_cli_one_line_error, assert_same_greedy,
+from tests.models.test_compressed_tensors import (_experts_with_rounded_inputs, assert_cli_one_line_error,
+                                                  assert_same_greedy,
                                                   assert_tensor_parallel_equals_one_rank, build, greedy)
 
 SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "gptq-4bit-actorder",
@@ -202,6 +204,9 @@ def _hooked_greedy(llm, model):
     rounds its inputs as ours (in its input order); those dequantized at load don't."""
     ours = dict(llm.llm_engine.runner.model.named_modules())  # (rank 0's)
     for name, module in model.named_modules():
+        if name.endswith(".experts") and getattr(ours.get(name), "quant_experts", None):  # stacked MoE experts
+            module.forward = types.MethodType(_experts_with_rounded_inputs, module)
+            continue
         if not (name.endswith("_proj") or name == "lm_head"):
             continue
         parent, _, leaf = name.rpartition(".")
@@ -240,15 +245,31 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
 
 
 @pytest.mark.parametrize("family,scheme", [("qwen3", "gptq-4bit-asym-g64"), ("phi3", "awq-4bit-g64"),
-                                           ("qwen2", "gptq-4bit-g128")])
+                                           ("qwen2", "gptq-4bit-g128"), ("qwen3_moe", "gptq-4bit-g128"),
+                                           ("qwen3_moe", "awq-4bit-g64")])
 def test_other_families(family, scheme, tmp_path):
     """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
-    quantized tensor per fused layer, split into the layer's shards as a float one is) and Qwen2
-    (float q/k/v biases beside the quantized layers, as Qwen2.5's GPTQ-Int4 checkpoints have)."""
-    hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
+    quantized tensor per fused layer, split into the layer's shards as a float one is), Qwen2
+    (float q/k/v biases beside the quantized layers, as Qwen2.5's GPTQ-Int4 checkpoints have) and
+    Qwen3-MoE (each expert's matrices kept as integers by the fused MoE: Q4_0 / Q4_1)."""
+    from tests.models.moe_checkpoints import write_moe_checkpoint
+
+    write = write_moe_checkpoint if family == "qwen3_moe" else write_random_checkpoint
+    hf_dir = write(tmp_path / "hf", family, seed=6)
     path = quantize_checkpoint(hf_dir, tmp_path / "model", scheme, seed=6)
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    if family == "qwen3_moe":
+        meaning = load_file(path.parent / "meaning.safetensors")
+        for index, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
+            for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
+                assert w13.qtype == w2.qtype == expected_qtype(scheme)
+                prefix = f"model.layers.{index}.mlp.experts.{expert}."
+                gate_up = torch.cat([meaning[prefix + "gate_proj.weight"], meaning[prefix + "up_proj.weight"]])
+                assert torch.equal(quant.dequantize_weight(w13), gate_up)
+                assert torch.equal(quant.dequantize_weight(w2), meaning[prefix + "down_proj.weight"])
     assert_close_to_transformers(path)
 
 
@@ -269,6 +290,26 @@ def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
     inputs with their scales and zero points; the tokens equal one rank's, each rank holds about half."""
     assert_tensor_parallel_equals_one_rank(write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=5))
+
+
+@pytest.mark.parametrize("expert_inter", [64, 32])
+def test_quantized_moe_under_tensor_parallelism_equals_one_rank(expert_inter, tmp_path):
+    """tp=2 (gloo) on a GPTQ Qwen3-MoE, split along the intermediate dimension (vLLM's default) and
+    with --enable-expert-parallel (whole experts a rank): each rank keeps its experts' rows and
+    whole blocks of 32 of their down matrices' inputs as integers, and the tokens equal one
+    rank's. An intermediate size of 32 splits into 16 inputs a rank, not a block: the down
+    matrices are then dequantized at load (float inputs, so the logprobs move by the int8
+    rounding one rank's kernels do)."""
+    from tests.models.moe_checkpoints import write_moe_checkpoint
+
+    hf_dir = write_moe_checkpoint(tmp_path / "hf", "qwen3_moe", seed=6, expert_inter=expert_inter)
+    path = quantize_checkpoint(hf_dir, tmp_path / "model", "gptq-4bit-asym-g64", seed=6)
+    with build(path, dtype="float32") as llm:
+        one = greedy(llm)
+    for expert_parallel in (False, True):
+        with build(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
+            split_down = expert_inter == 32 and not expert_parallel
+            assert_same_greedy(greedy(llm), one, typical=3e-2 if split_down else 1e-3)
 
 
 # ---- what else a checkpoint may hold, and what is refused ---------------------------------

@@ -96,7 +96,7 @@ def test_dequantized_mxfp4_gpt_oss_matches_transformers(checkpoints, monkeypatch
     monkeypatch.setattr(quant, "takes_components", lambda device: False)
     llm = LLM(model=str(quant_dir), dtype="float32", num_kv_blocks=32)
     experts = llm.llm_engine.runner.model.model.layers[0].mlp.experts
-    assert experts.quant_experts is None and not experts.w13_weight.is_meta
+    assert not experts.quant_experts and not experts.w13_weight.is_meta
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -122,7 +122,7 @@ def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
         experts = layer.mlp.experts
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta  # the float copies are gone
         theirs = oracle.model.layers[index].mlp.experts
-        for expert, (w13, w2) in enumerate(zip(*experts.quant_experts)):
+        for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
             assert w13.qtype == w2.qtype == "q8_0"
             assert torch.equal(dequantize_weight(w13), deinterleave(theirs.gate_up_proj[expert].detach()).T)
             assert torch.equal(dequantize_weight(w2), theirs.down_proj[expert].detach().T)
@@ -140,7 +140,7 @@ def test_mxfp4_bf16_tokens_do_not_depend_on_the_batch(checkpoints):
     _, quant_dir, _ = checkpoints
     llm = LLM(model=str(quant_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=24,
               enable_prefix_caching=False)
-    assert llm.llm_engine.runner.model.model.layers[0].mlp.experts.quant_experts is not None
+    assert set(llm.llm_engine.runner.model.model.layers[0].mlp.experts.quant_experts) == {"w13", "w2"}
     prompts = random_prompts(4, 300, seed=12, min_len=5, max_len=40)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
