@@ -4,7 +4,8 @@ engine and model in a process of its own, taking turns round after round.
     .venv/bin/python benchmarks/quant/gptq_awq.py [--rounds 2] [--engines nanoserve,vllm]
         [--num-prompts 64 --input-len 128 --output-len 128]
 
-Writes the default model (or --model) quantized round-to-nearest to 4 bits per group of 64, as
+Writes the default model (or --model: a MoE one too, e.g. benchmarks/moe/bench_moe.py's OLMoE
+shape, whose experts then stay quantized) quantized round-to-nearest to 4 bits per group of 64, as
 AutoGPTQ (symmetric: nanoserve's Q4_0 kernels) and AutoAWQ (GEMM, zero points: Q4_1) store
 them (tests/gptq_awq_models.py; `gptq_act`: GPTQ with activation order, a random order of the
 inputs per layer input, as desc_act stores it), and in FP8 E4M3 with 128 x 128 block scales
@@ -19,6 +20,7 @@ model and each engine's quantized / bf16.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -45,6 +47,15 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
     from tests import fp8_models
 
     paths = {"bf16": model}
+    config = json.loads((model / "config.json").read_text())
+    if "GptOssForCausalLM" in config.get("architectures", []):  # gpt-oss: its experts in MXFP4, as OpenAI's
+        from tests import mxfp4_models
+
+        paths["mxfp4"] = out_dir / "mxfp4" / "model"
+        if not (paths["mxfp4"] / "model.safetensors").is_file():
+            paths["mxfp4"].parent.mkdir(parents=True, exist_ok=True)
+            mxfp4_models.mxfp4_checkpoint(model, paths["mxfp4"], meaning=False)
+        return paths
     fp8 = out_dir / "fp8-block128" / "model"
     if not (fp8 / "model.safetensors").is_file():
         fp8.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +84,7 @@ def child(engine: str, model: str, num_prompts: int, input_len: int, output_len:
     else:
         from nanoserve import LLM, SamplingParams
         llm = LLM(model=model, dtype="bfloat16", quantization=quantization)
+        print(f"WEIGHTS {sum(llm.llm_engine.runner.rank_weight_bytes)}", flush=True)  # as held, packed
     vocab = llm.get_tokenizer().vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": p}
@@ -93,6 +105,9 @@ def run(engine: str, model: Path, args, quantization: str | None = None) -> floa
         command += ["--quantization", quantization]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    weights = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("WEIGHTS ")]
+    if weights:
+        print(f"# {engine} on {model}: weights held {int(weights[-1]) / 2**30:.2f} GiB", flush=True)
     if result.returncode != 0 or not lines:
         print(f"# {engine} on {model} failed: {result.stderr.strip().splitlines()[-1:]}", flush=True)
         return float("nan")
@@ -111,7 +126,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", default="nanoserve,vllm")
     parser.add_argument("--models", default="bf16,gptq,awq",
-                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8, fp8_online")
+                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8, fp8_online; "
+                             "for a gpt-oss model: bf16, mxfp4")
     args = parser.parse_args()
     if args.child:
         child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len, args.quantization)

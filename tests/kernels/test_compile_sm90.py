@@ -63,7 +63,7 @@ def _attention(dtype, group, head_dim, max_seqlen_q, split, cache=None):
     types = {p: f"*{name}" for p in ("query_ptr", "key_cache_ptr", "value_cache_ptr", "out_ptr")}
     if cache:
         types.update({p: f"*{cache}" for p in ("key_cache_ptr", "value_cache_ptr")})
-    types.update({p: "*fp32" for p in ("split_acc_ptr", "split_max_ptr", "split_sum_ptr")})
+    types.update({p: "*fp32" for p in ("split_acc_ptr", "split_max_ptr", "split_sum_ptr", "sinks_ptr")})
     types.update({p: "*i32" for p in ("block_table_ptr", "cu_seqlens_q_ptr", "seq_lens_ptr")})
     types["scale_log2"] = "fp32"
     constexprs = dict(GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded, BLOCK_SIZE=16,

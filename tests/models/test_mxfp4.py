@@ -4,7 +4,6 @@ experts this test wrote as MXFP4 served with the tokens and logprobs transformer
 dequantized weights; unpaired tensors and other bad input are one-line errors."""
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -13,25 +12,14 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.models.gguf_model import check_quantization
-from nanoserve.models.mxfp4 import E2M1_VALUES, dequantize_mxfp4
+from nanoserve.models.mxfp4 import dequantize_mxfp4
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_engine_tiny import random_prompts
 from tests.models.moe_checkpoints import write_moe_checkpoint
 from tests.models.test_families import load_hf
+from tests.mxfp4_models import mxfp4_checkpoint
 
 mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
-
-
-def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., k] float -> (blocks uint8 [..., k / 32, 16], scales uint8 [..., k / 32]): a power-of-two
-    scale per 32 values, each value the nearest E2M1 (how OpenAI's checkpoints are laid out)."""
-    groups = weight.float().unflatten(-1, (-1, 32))
-    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
-    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    table = torch.tensor(E2M1_VALUES)
-    codes = ((groups / torch.exp2(exponent)[..., None])[..., None] - table).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponent + 127).to(torch.uint8)
 
 
 def test_dequantize_matches_transformers_on_random_blocks():
@@ -49,23 +37,9 @@ def write_mxfp4_checkpoint(tmp_path):
     the experts as transformers dequantizes them (the oracle's weights)."""
     float_dir = write_moe_checkpoint(tmp_path / "float", "gpt_oss")
     quant_dir, oracle_dir = tmp_path / "mxfp4", tmp_path / "dequantized"
-    shutil.copytree(float_dir, quant_dir)
+    meaning = mxfp4_checkpoint(float_dir, quant_dir)
     shutil.copytree(float_dir, oracle_dir)
-    tensors = load_file(float_dir / "model.safetensors")
-    quantized, dequantized = {}, dict(tensors)
-    for name, tensor in tensors.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, outputs, inputs]
-            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
-            dequantized[name] = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
-        else:
-            quantized[name] = tensor
-    save_file(quantized, quant_dir / "model.safetensors")
-    save_file(dequantized, oracle_dir / "model.safetensors")
-    config = json.loads((quant_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (quant_dir / "config.json").write_text(json.dumps(config))
+    save_file(load_file(float_dir / "model.safetensors") | meaning, oracle_dir / "model.safetensors")
     return float_dir, quant_dir, oracle_dir
 
 
