@@ -27,7 +27,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent)[..., None]
-    codes = torch.bucketize(scaled.abs(), _MIDPOINTS).to(torch.uint8) | (scaled < 0).to(torch.uint8) << 3
+    codes = torch.bucketize(scaled.abs().contiguous(), _MIDPOINTS).to(torch.uint8) | (scaled < 0).to(torch.uint8) << 3
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exponent + 127).to(torch.uint8)
 

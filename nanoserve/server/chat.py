@@ -22,6 +22,19 @@ from nanoserve.server.streaming import stream_response, usage_options
 from nanoserve.server.tools import ToolUse, check_tool_messages, check_tool_use
 
 
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def template_kwargs_with_effort(kwargs: dict | None, effort: str | None, param: str) -> dict | None:
+    """chat_template_kwargs with OpenAI's reasoning effort as `reasoning_effort` (the name
+    gpt-oss's template reads; a template that reads none ignores it), unless already set there."""
+    if effort is None:
+        return kwargs
+    if effort not in REASONING_EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param)
+    return {"reasoning_effort": effort, **(kwargs or {})}
+
+
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
                              continue_final_message: bool, chat_template: str | None,
                              chat_template_kwargs: dict | None, add_special_tokens: bool,
@@ -108,8 +121,9 @@ async def create_chat_completion(ctx: ServingContext, request: ChatCompletionReq
     constrain_for_tools(params, tool_use, reader)
     prompt = await render_chat_prompt(
         ctx, request.messages, request.add_generation_prompt, request.continue_final_message,
-        request.chat_template, request.chat_template_kwargs, request.add_special_tokens,
-        ctx.truncation_side_of(request), tool_use.tools)
+        request.chat_template,
+        template_kwargs_with_effort(request.chat_template_kwargs, request.reasoning_effort, "reasoning_effort"),
+        request.add_special_tokens, ctx.truncation_side_of(request), tool_use.tools)
     prompt.prompt_token_ids, cut = ctx.truncate(prompt.prompt_token_ids, request)
     if cut:
         prompt.prompt = None

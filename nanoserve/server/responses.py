@@ -10,11 +10,12 @@ import time
 from typing import Any, AsyncGenerator
 
 from nanoserve.outputs import CompletionOutput
-from nanoserve.server.chat import constrain_for_tools, output_reader, render_chat_prompt
+from nanoserve.server.chat import (constrain_for_tools, output_reader, render_chat_prompt,
+                                   template_kwargs_with_effort)
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput
 from nanoserve.server.http_types import Response, StreamingResponse
 from nanoserve.server.responses_input import (ResponsesRequest, ResponseStore, as_chat_request,
-                                              check_unsupported, input_messages)
+                                              check_unsupported, input_messages, reasoning_effort)
 from nanoserve.server.schemas import APIError
 from nanoserve.server.serving import ServingContext, encode_json, random_id, response_id, to_api_error
 from nanoserve.server.tools import check_tool_use
@@ -129,8 +130,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     params = ctx.sampling_params(chat, request.max_output_tokens, None)
     reader = output_reader(ctx, tool_use)
     constrain_for_tools(params, tool_use, reader)
-    prompt = await render_chat_prompt(ctx, messages, True, False, None, None, False,
-                                      tools=tool_use.tools)
+    effort = template_kwargs_with_effort(None, reasoning_effort(request), "reasoning")
+    prompt = await render_chat_prompt(ctx, messages, True, False, None, effort, False, tools=tool_use.tools)
     shell = ResponseShell(ctx, request, response_id("resp", request.request_id))
     stream = (await ctx.submit(shell.id, [prompt], params, request.priority, lora))[0]
     conversation = messages[1:] if request.instructions else messages

@@ -49,8 +49,6 @@ class ResponsesRequest(msgspec.Struct):
 
 
 UNSUPPORTED = {
-    "reasoning": "reasoning effort settings are not supported (start the server with "
-                 "--reasoning-parser to read a model's reasoning)",
     "background": "background responses are not supported",
     "include": "`include` is not supported",
     "top_logprobs": "logprobs are not supported on /v1/responses (use /v1/chat/completions)",
@@ -62,6 +60,22 @@ UNSUPPORTED = {
 
 def bad(message: str, param: str | None) -> APIError:
     return APIError(400, message, param)
+
+
+def reasoning_effort(request: ResponsesRequest) -> str | None:
+    """`reasoning: {"effort": ...}`, handed to the chat template as the chat endpoint's
+    reasoning_effort; a reasoning summary is refused (nothing writes one)."""
+    reasoning = request.reasoning
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise bad("reasoning must be an object with `effort`", "reasoning")
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        raise bad("reasoning summaries are not supported", "reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad("reasoning.effort must be a string", "reasoning")
+    return effort
 
 
 def check_unsupported(request: ResponsesRequest) -> None:

@@ -121,6 +121,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: Any = None
     tool_choice: Any = None  # None: "auto" with tools, else "none" (as vLLM)
     parallel_tool_calls: bool | None = True
+    # OpenAI's: handed to the chat template as `reasoning_effort` (gpt-oss's reads it) unless
+    # chat_template_kwargs sets it; server/chat.py checks the value.
+    reasoning_effort: str | None = None
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct):

@@ -180,8 +180,14 @@ def test_previous_response_id_continues_and_stored_responses_are_read_and_delete
         client.responses.retrieve(unstored.id)
 
 
+def test_reasoning_effort_is_accepted(server):
+    """reasoning.effort goes to the chat template as reasoning_effort (SmolLM2's ignores it)."""
+    assert respond(server, input="Hello", max_output_tokens=2, reasoning={"effort": "low"}).output_text is not None
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "x", "truncation": "auto"}, "truncation"),

@@ -199,6 +199,24 @@ def rendered_prompt(handle, **kwargs) -> str:
     return handle.engine.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def test_reasoning_effort_reaches_the_template(server):
+    """OpenAI's reasoning_effort (the official client's parameter) is the template's
+    `reasoning_effort` (gpt-oss's template reads it), unless chat_template_kwargs sets one."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}|effort={{ reasoning_effort }}|"
+
+    def prompt(**kwargs) -> str:
+        body = {"chat_template": template, **kwargs.pop("extra_body", {})}
+        return rendered_prompt(server, messages=ASK, extra_body=body, **kwargs)
+
+    assert prompt(reasoning_effort="high").endswith("|effort=high|")
+    assert prompt().endswith("|effort=|")
+    assert prompt(reasoning_effort="high",
+                  extra_body={"chat_template_kwargs": {"reasoning_effort": "low"}}).endswith("|effort=low|")
+    with pytest.raises(openai.BadRequestError) as error:
+        prompt(reasoning_effort="extreme")
+    assert error.value.body["param"] == "reasoning_effort"
+
+
 def test_multi_turn_with_a_tool_message_renders_qwen_style(server):
     prompt = rendered_prompt(server, messages=CONVERSATION, tools=TOOLS, tool_choice="none",
                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
