@@ -23,6 +23,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., k] float -> (blocks uint8 [..., k / 32, 16], scales uint8 [..., k / 32]): a power-of-two
     scale per 32 values (the smallest that holds the block's largest as at most 6), each value the
     nearest E2M1 (sign in bit 3), the low nibble first."""
+    if weight.dim() == 3:  # one expert at a time: bounds the temporaries of a large checkpoint
+        parts = [quantize_mxfp4(expert) for expert in weight]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     groups = weight.float().unflatten(-1, (-1, 32))
     amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)

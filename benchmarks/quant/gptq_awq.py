@@ -143,8 +143,10 @@ def main() -> None:
                 ms = f" ({1000 / value:.1f} ms/token)" if args.num_prompts == 1 else ""
                 print(f"round {round_index + 1}: {engine:9s} {name:10s} {value:8.1f} output tokens/s{ms}", flush=True)
     median = {key: statistics.median(values) for key, values in results.items()}
+    written = ("MXFP4: E2M1 and a power-of-two scale per 32, nearest value (tests/mxfp4_models.py)" if "mxfp4" in paths
+               else "4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks)")
     print(f"\n{args.num_prompts} x ({args.input_len}, {args.output_len}), medians of {args.rounds} round(s); "
-          f"4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks) from {args.model}")
+          f"{written} from {args.model}")
     for engine in engines:
         line = "  ".join(f"{name} {median[engine, name]:8.1f}" for name in models)
         if "bf16" in models:
