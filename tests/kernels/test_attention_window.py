@@ -18,40 +18,29 @@ def batch_of(dtype, device, group=2, seed=0):
                             block_size=8, dtype=dtype, device=device, seed=seed)
 
 
-@pytest.mark.parametrize("window,softcap", [(7, None), (12, None), (16, None), (None, 5.0), (7, 2.0), (1, None)])
-def test_reference_matches_naive_loop(window, softcap):
-    batch = batch_of(torch.float32, torch.device("cpu"))
-    expected = naive_paged_attention(batch, sliding_window=window, softcap=softcap)
-    actual = paged_attention_reference(*batch.args(), sliding_window=window, softcap=softcap)
-    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
-    # Decode rows alone (the batched-GEMM decode path; under a window it reads the window's
-    # blocks only, and a window of 12 at position 45 reaches past the last block of the table).
-    decode = make_paged_batch([1, 1], [45, 3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
-                              dtype=torch.float32, device=torch.device("cpu"), seed=1)
-    expected = naive_paged_attention(decode, sliding_window=window, softcap=softcap)
-    actual = paged_attention_reference(*decode.args(), sliding_window=window, softcap=softcap)
-    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
-
-
 def _sinks(num_heads: int, device) -> torch.Tensor:
     # Around the scores' own size, so that a sink takes a real share of each row's weight.
     return torch.linspace(-1.5, 2.0, num_heads, device=device)
 
 
-@pytest.mark.parametrize("window", [None, 7])
-def test_sinks_reference_matches_naive_loop(window):
+@pytest.mark.parametrize("window,softcap,with_sinks", [(7, None, False), (12, None, False), (16, None, False),
+                                                       (None, 5.0, False), (7, 2.0, False), (1, None, False),
+                                                       (None, None, True), (7, None, True)])
+def test_reference_matches_naive_loop(window, softcap, with_sinks):
     batch = batch_of(torch.float32, torch.device("cpu"))
-    sinks = _sinks(batch.query.shape[1], "cpu")
-    expected = naive_paged_attention(batch, sliding_window=window, sinks=sinks)
-    actual = paged_attention_reference(*batch.args(), sliding_window=window, sinks=sinks)
+    kwargs = dict(sliding_window=window, softcap=softcap, sinks=_sinks(4, "cpu") if with_sinks else None)
+    expected = naive_paged_attention(batch, **kwargs)
+    actual = paged_attention_reference(*batch.args(), **kwargs)
     torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    # Decode rows alone (the batched-GEMM decode path; under a window it reads the window's
+    # blocks only, and a window of 12 at position 45 reaches past the last block of the table).
     decode = make_paged_batch([1, 1], [45, 3], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
                               dtype=torch.float32, device=torch.device("cpu"), seed=1)
-    expected = naive_paged_attention(decode, sliding_window=window, sinks=sinks)
-    actual = paged_attention_reference(*decode.args(), sliding_window=window, sinks=sinks)
+    expected = naive_paged_attention(decode, **kwargs)
+    actual = paged_attention_reference(*decode.args(), **kwargs)
     torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
-    # The sinks take weight away from every row: without them the result differs.
-    assert not torch.allclose(actual, paged_attention_reference(*decode.args(), sliding_window=window))
+    if with_sinks:  # the sinks take weight away from every row: without them the result differs
+        assert not torch.allclose(actual, paged_attention_reference(*decode.args(), sliding_window=window))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
