@@ -59,7 +59,7 @@ class MoEConfig:
         if architecture not in MOE_ARCHITECTURES:
             return None
         num_experts = raw.get("num_local_experts") or raw.get("num_experts")
-        top_k = raw.get("num_experts_per_tok")
+        top_k = raw.get("num_experts_per_tok") or raw.get("experts_per_token")  # gpt-oss's own name too
         if not num_experts or not top_k or not 0 < top_k <= num_experts:
             raise ValueError(f"{architecture}: config.json needs num_experts (or num_local_experts) and "
                              f"num_experts_per_tok in 1..num_experts, got {num_experts} and {top_k}")

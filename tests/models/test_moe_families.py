@@ -101,6 +101,25 @@ def test_bf16_tokens_do_not_depend_on_the_batch_and_decode_is_not_fused(family, 
     assert [generate_ids(llm, [p])[0] for p in prompts] == batched
 
 
+def test_gpt_oss_config_as_openai_writes_it(tmp_path):
+    """OpenAI's gpt-oss config.json: experts_per_token beside (or instead of) num_experts_per_tok,
+    no swiglu_alpha, a top-level rope_theta with a yarn rope_scaling."""
+    import json
+
+    raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 32,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
+           "num_local_experts": 8, "experts_per_token": 4, "sliding_window": 128, "swiglu_limit": 7.0,
+           "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000,
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = ModelConfig.from_dir(tmp_path)
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.renormalize) == (8, 4, True)
+    assert (config.moe.swiglu_alpha, config.moe.swiglu_limit) == (1.702, 7.0)
+    assert config.rope_theta == 150000 and config.rope_scaling["rope_type"] == "yarn"
+    assert [config.layer_window(i) for i in range(2)] == [128, None]
+
+
 def test_bad_moe_config_is_one_line(tmp_path):
     import json
 
