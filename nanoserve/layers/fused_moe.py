@@ -114,10 +114,9 @@ class FusedMoE(nn.Module):
         if not quant.takes_components(param.device) or not self.takes_quantized(param):
             FusedMoE.weight_loader(self, param, loaded.dequantized(param.dtype), (None, None))  # our layout
             return
-        qtype, arrays = loaded.kernel_components()
         for local in range(self.num_local_experts):
             expert = self.first_expert + local
-            one = {key: array[expert] for key, array in arrays.items()}
+            qtype, one = loaded.kernel_components(expert)
             if param is self.w2_weight:
                 self.load_quantized(param, one, qtype, (expert, None))
                 continue

@@ -67,14 +67,15 @@ class Mxfp4Weight:
         """[experts, outputs, inputs] in `dtype`."""
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
-    def kernel_components(self) -> tuple[str, dict[str, torch.Tensor]]:
-        """("q8_0", {"u": uint8 [experts, outputs, inputs], "scale": fp32 [experts, outputs,
-        inputs / 32]}): the same values exactly, u = 128 + 2 * E2M1 and scale 2^(exponent - 128)."""
-        doubled = torch.tensor([int(2 * v) for v in E2M1_VALUES], dtype=torch.int16) + 128
-        codes = torch.stack([self.blocks & 0x0F, self.blocks >> 4], dim=-1).flatten(-3).long()
-        u = doubled[codes].to(torch.uint8)
-        scale = torch.ldexp(torch.ones(self.scales.shape), self.scales.to(torch.int32) - SCALE_BIAS - 1)
-        return "q8_0", {"u": u, "scale": scale}
+    def kernel_components(self, expert: int) -> tuple[str, dict[str, torch.Tensor]]:
+        """One expert's matrix as ("q8_0", {"u": uint8 [outputs, inputs], "scale": fp32
+        [outputs, inputs / 32]}): the same values exactly, u = 128 + 2 * E2M1 and scale
+        2^(exponent - 128). Expert by expert, so a layer's temporaries stay one expert's size."""
+        doubled = torch.tensor([int(2 * v) + 128 for v in E2M1_VALUES], dtype=torch.uint8)
+        blocks, scales = self.blocks[expert], self.scales[expert]
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3).long()
+        scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - SCALE_BIAS - 1)
+        return "q8_0", {"u": doubled[codes], "scale": scale}
 
 
 class Mxfp4Tensors:
