@@ -13,10 +13,11 @@ experts: ~21.5 GB, against ~38 GB in bf16; a 4-bit kernel format would halve it 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
+
+from nanoserve.models.compressed_tensors import checkpoint_quant_method
 
 MXFP4_METHOD = "mxfp4"
 # E2M1: sign, 2 exponent bits, 1 mantissa bit; index = the 4-bit code.
@@ -33,19 +34,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"MXFP4 blocks [..., groups, 16] and scales [..., groups] do not match: "
                          f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., groups, 32]
     exponents = scales.to(torch.int32) - SCALE_BIAS
-    values = torch.ldexp(table[codes], exponents[..., None].float())
+    values = torch.ldexp(table[_codes(blocks)].unflatten(-1, (-1, 32)), exponents[..., None].float())
     return values.flatten(-2).to(dtype)
+
+
+def _codes(blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., groups, 16] -> the 4-bit codes, int64 [..., groups * 32] (low nibble first)."""
+    return torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3).long()
 
 
 def mxfp4_config(model_dir: Path) -> "Mxfp4Tensors | None":
     """What pairs an MXFP4 checkpoint's tensors, or None when config.json says another method."""
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        return None
-    quantization = json.loads(config_file.read_text()).get("quantization_config") or {}
-    return Mxfp4Tensors() if quantization.get("quant_method") == MXFP4_METHOD else None
+    return Mxfp4Tensors() if checkpoint_quant_method(model_dir) == MXFP4_METHOD else None
 
 
 class Mxfp4Weight:
@@ -72,10 +73,9 @@ class Mxfp4Weight:
         [outputs, inputs / 32]}): the same values exactly, u = 128 + 2 * E2M1 and scale
         2^(exponent - 128). Expert by expert, so a layer's temporaries stay one expert's size."""
         doubled = torch.tensor([int(2 * v) + 128 for v in E2M1_VALUES], dtype=torch.uint8)
-        blocks, scales = self.blocks[expert], self.scales[expert]
-        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3).long()
+        scales = self.scales[expert]
         scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - SCALE_BIAS - 1)
-        return "q8_0", {"u": doubled[codes], "scale": scale}
+        return "q8_0", {"u": doubled[_codes(self.blocks[expert])], "scale": scale}
 
 
 class Mxfp4Tensors:
