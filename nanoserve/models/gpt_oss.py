@@ -22,9 +22,15 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
+def gate_then_up(size: int) -> torch.Tensor:
+    """The order that takes gate, up, gate, up, ... (`size` = 2 * inter) to the gate part, then
+    the up part."""
+    return torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)])
+
+
 def deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2 * inter] with gate, up, gate, up, ... -> [..., gate part; up part]."""
-    return torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1)
+    return gate_up[..., gate_then_up(gate_up.shape[-1])]
 
 
 class GptOssExperts(FusedMoE):
@@ -36,8 +42,7 @@ class GptOssExperts(FusedMoE):
             return
         if hasattr(loaded, "kernel_components"):  # MXFP4 (models/mxfp4.py): [experts, outputs, inputs]
             if param is self.w13_weight:
-                rows = loaded.blocks.shape[1]
-                loaded = loaded.rows(torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)]))
+                loaded = loaded.rows(gate_then_up(loaded.blocks.shape[1]))
             super().weight_loader(param, loaded, shard_id)
             return
         loaded = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded  # a safetensors slice
