@@ -121,8 +121,8 @@ def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan
 def _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
                               num_decode_seqs, spans, max_seqlen_q, max_seqlen_k, sliding_window,
                               softcap, sinks) -> torch.Tensor:
-    """A windowed or capped layer, or one with sinks (the C++ kernels do none of them): the torch reference over the real
-    rows; the padding rows come back zero."""
+    """A windowed or capped layer, or one with sinks (the C++ kernels do none of them): the torch
+    reference over the real rows; the padding rows come back zero."""
     real = spans[-1].row_start + spans[-1].q_len if spans else num_decode_seqs
     out = paged_attention_reference(query[:real], key_cache, value_cache, block_table, cu_seqlens_q,
                                     seq_lens, scale, max_seqlen_q, max_seqlen_k,

@@ -21,18 +21,19 @@ Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on oth
 slots contribute nothing here (their rank adds them in the all-reduce).
 
 `bias`: None, or (b13 [experts, 2 * inter], b2 [experts, hidden]) added to each expert's gate/up
-and down outputs; `packed`: (packed13, packed2), each the stacked bf16 packings of
+and down outputs. `packed`: (packed13, packed2), each the stacked bf16 packings of
 `pack_expert_weights` or a list of kernels/quant.py QuantWeights, one per expert (a quantized
 checkpoint's experts, kept in a kernel format on the CPU: the grouped path multiplies them with
-quant_gemm, whose rows are invariant to the batch too; the loop reads them dequantized); `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul
-unless a family says otherwise: gpt-oss's `swiglu_oai`).
+quant_gemm, whose rows are invariant to the batch too; the loop reads them dequantized).
+`activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul unless a family
+says otherwise: gpt-oss's `swiglu_oai`).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
-
-from typing import Callable
 
 from nanoserve.kernels import cpu_ops, quant, silu_and_mul
 from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm

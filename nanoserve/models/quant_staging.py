@@ -247,8 +247,9 @@ class IntegerCheckpointLoader:
             stage_quantized(module, layer, weight.kernel_arrays(), weight.qtype, BLOCK, k, shard_id,
                             self.staged.setdefault(target, StagedLinear()))
             return
+        # One expert's matrix: FusedMoE keeps it in the kernel format.
         if (isinstance(module, FusedMoE) and shard_id[0] is not None and quant.takes_components(param.device)
-                and module.takes_quantized(param) and weight.fits_kernels(param.shape[-1])):  # one expert's matrix: kept in the kernel format
+                and module.takes_quantized(param) and weight.fits_kernels(param.shape[-1])):
             module.load_quantized(param, weight.kernel_arrays(), weight.qtype, shard_id)
             return
         logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)

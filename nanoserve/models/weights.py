@@ -64,7 +64,8 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
     """Every tensor into its parameter. `quantization`: the config of a checkpoint of integers
     and scales (compressed-tensors, GPTQ, AWQ); its quantized layers' tensors go to
     models/quant_staging.IntegerCheckpointLoader instead. `mxfp4`: an MXFP4 checkpoint's
-    blocks and scales are paired and loaded dequantized (models/mxfp4.py)."""
+    blocks and scales are paired into one Mxfp4Weight for the experts' loader (models/mxfp4.py).
+    MoE experts a checkpoint holds quantized are made into their QuantWeights at the end."""
     params = dict(model.named_parameters(remove_duplicate=False))
     # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
     # without "model."; the LM head stays unloaded (a pooling model never computes logits).
@@ -87,7 +88,7 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name:
                     continue
-                source = None  # a safetensors slice of the tensor, read by the parameter's loader
+                source = None  # the paired MXFP4 weight; None: the loader reads a safetensors slice
                 if mxfp4 is not None and mxfp4.owns(name):
                     paired = mxfp4.add(name, f.get_tensor(name))
                     if paired is None:
@@ -121,7 +122,7 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
         quantized.finish()
     if mxfp4 is not None:
         mxfp4.finish()
-    for module in model.modules():  # MoE experts a checkpoint holds quantized (layers/fused_moe.py)
+    for module in model.modules():  # layers/fused_moe.FusedMoE
         if hasattr(module, "finish_quantized"):
             module.finish_quantized()
     expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
