@@ -67,3 +67,22 @@ def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter
                 param.normal_(0, 0.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def assert_experts_hold(model, meaning: dict, qtype: str) -> None:
+    """Every MoE layer of `model` (nanoserve's) keeps each expert's gate/up and down matrices as one
+    QuantWeight of `qtype` each, no float copy, their values exactly `meaning`'s (the per-expert
+    checkpoint names' float values, as the test writers save them)."""
+    import torch
+
+    from nanoserve.kernels import quant
+
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
+        for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
+            assert w13.qtype == w2.qtype == qtype
+            prefix = f"model.layers.{index}.mlp.experts.{expert}."
+            gate_up = torch.cat([meaning[prefix + "gate_proj.weight"], meaning[prefix + "up_proj.weight"]])
+            assert torch.equal(quant.dequantize_weight(w13), gate_up)
+            assert torch.equal(quant.dequantize_weight(w2), meaning[prefix + "down_proj.weight"])

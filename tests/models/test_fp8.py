@@ -139,21 +139,12 @@ def test_moe_experts_stay_fp8(tmp_path):
     from safetensors.torch import load_file
 
     from tests.fp8_models import quantize_checkpoint
-    from tests.models.moe_checkpoints import write_moe_checkpoint
+    from tests.models.moe_checkpoints import assert_experts_hold, write_moe_checkpoint
 
     hf = write_moe_checkpoint(tmp_path / "hf", "qwen3_moe", seed=2)
     path = quantize_checkpoint(hf, tmp_path / "model", "fp8-block128")
     model = build(path, dtype="float32").llm_engine.runner.model
-    meaning = load_file(path.parent / "meaning.safetensors")
-    for index, layer in enumerate(model.model.layers):
-        experts = layer.mlp.experts
-        assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
-        for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
-            assert w13.qtype == w2.qtype == quant.FP8
-            prefix = f"model.layers.{index}.mlp.experts.{expert}."
-            gate_up = torch.cat([meaning[prefix + "gate_proj.weight"], meaning[prefix + "up_proj.weight"]])
-            assert torch.equal(quant.dequantize_weight(w13), gate_up)
-            assert torch.equal(quant.dequantize_weight(w2), meaning[prefix + "down_proj.weight"])
+    assert_experts_hold(model, load_file(path.parent / "meaning.safetensors"), quant.FP8)
     assert_close_to_transformers(path, "fp8-block128")
 
 

@@ -252,7 +252,7 @@ def test_other_families(family, scheme, tmp_path):
     quantized tensor per fused layer, split into the layer's shards as a float one is), Qwen2
     (float q/k/v biases beside the quantized layers, as Qwen2.5's GPTQ-Int4 checkpoints have) and
     Qwen3-MoE (each expert's matrices kept as integers by the fused MoE: Q4_0 / Q4_1)."""
-    from tests.models.moe_checkpoints import write_moe_checkpoint
+    from tests.models.moe_checkpoints import assert_experts_hold, write_moe_checkpoint
 
     write = write_moe_checkpoint if family == "qwen3_moe" else write_random_checkpoint
     hf_dir = write(tmp_path / "hf", family, seed=6)
@@ -260,16 +260,7 @@ def test_other_families(family, scheme, tmp_path):
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
     if family == "qwen3_moe":
-        meaning = load_file(path.parent / "meaning.safetensors")
-        for index, layer in enumerate(model.model.layers):
-            experts = layer.mlp.experts
-            assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
-            for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
-                assert w13.qtype == w2.qtype == expected_qtype(scheme)
-                prefix = f"model.layers.{index}.mlp.experts.{expert}."
-                gate_up = torch.cat([meaning[prefix + "gate_proj.weight"], meaning[prefix + "up_proj.weight"]])
-                assert torch.equal(quant.dequantize_weight(w13), gate_up)
-                assert torch.equal(quant.dequantize_weight(w2), meaning[prefix + "down_proj.weight"])
+        assert_experts_hold(model, load_file(path.parent / "meaning.safetensors"), expected_qtype(scheme))
     assert_close_to_transformers(path)
 
 
