@@ -19,6 +19,9 @@ FORMATS: dict[str, tuple[bool, int, int, bool]] = {
     # Not a GGUF type: FP8 (E4M3) weights with a scale per 32 (kernels/quant.py's FP8;
     # kernels/cpu/gemm_fp8.cpp); `u` holds the E4M3 bytes, the offset means nothing.
     "fp8_e4m3": (False, 32, 0, False),
+    # Not a GGUF type here either: MXFP4 (models/mxfp4.py), `u` holds the 4-bit E2M1 codes, which
+    # the kernels decode through a table to 12 + 2 x the value (kernels/quant.py's MXFP4_U).
+    "mxfp4": (True, 32, 12, False),
 }
 
 

@@ -17,6 +17,11 @@ Other checkpoint formats whose integers and scales fit those components (compres
 and 4-bit weights, models/compressed_tensors.py) bring them directly (`QuantWeight.components`):
 the same packing, kernel and reference then multiply them, with no GGUF bytes in between.
 
+MXFP4 (gpt-oss's experts, models/mxfp4.py) is a components-only format too: `u` holds the 4-bit
+E2M1 codes, packed as nibbles like Q4_0, and the kernels decode each code through a table
+(MXFP4_U: 12 + 2 x its value) so that weight = scale * (u - 12), scale 2^(exponent - 128); the
+products are those of the same weight held as Q8_0, in 4 bits an element instead of 8.
+
 FP8 (E4M3) weights (models/fp8.py: checkpoints of quant_method fp8 and compressed-tensors'
 float-quantized) are the one format of floats, not integers: `u` holds the E4M3 bytes and
 weight = e4m3 value * scale, a scale per block of 32 inputs. Its kernel (kernels/cpu/gemm_fp8.cpp)
@@ -35,6 +40,10 @@ from nanoserve.kernels.gguf_formats import FORMATS, GGUF_QTYPES, format_code
 _COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
 FP8 = "fp8_e4m3"  # the FP8 weight format (see the module's docstring)
+MXFP4 = "mxfp4"   # 4-bit E2M1 codes through MXFP4_U (see the module's docstring)
+# An MXFP4 code (sign, 2 exponent bits, 1 mantissa bit) -> 12 + 2 x its value: gemm_quant.cpp's
+# kMxfp4Table.
+MXFP4_U = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
 
 
 def qtype_name(ggml_type) -> str:
@@ -50,7 +59,7 @@ def qtype_name(ggml_type) -> str:
 class QuantComponents:
     """A weight as the kernel sees it, from a format other than GGUF's bytes: weight =
     scale * (u - offset) (+ min), offset the one its kernel format (`QuantWeight.qtype`) implies."""
-    u: torch.Tensor                    # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4)
+    u: torch.Tensor                    # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4; MXFP4: codes)
     scale: torch.Tensor                # fp32 [n, k / 32]: one scale per block of 32 (repeated)
     mins: torch.Tensor | None = None   # fp32 [n, k / 32] (the Q4_1 format only)
 
@@ -59,7 +68,7 @@ class QuantComponents:
 class QuantWeight:
     """One linear layer's weight in a GGUF block format: the file's bytes (`raw`), or, for a
     checkpoint of another format, `components` in the kernel format named by `qtype` (q8_0:
-    offset 128; q4_0: offset 8; q4_1: offset 0 and a min) and `raw` None. Once packed for the
+    offset 128; q4_0: offset 8; q4_1: offset 0 and a min; fp8_e4m3; mxfp4: codes) and `raw` None. Once packed for the
     CPU kernel (pack_for_cpu) the packing is its only copy: `raw` and `components` are dropped."""
     qtype: str
     n: int
@@ -177,7 +186,14 @@ def _q4_k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def weight_components(w: QuantWeight):
     """(u, offset, scale, min) of any source: decoded from GGUF bytes, `components` as given, or
-    read back from the CPU packing when the components were dropped (pack_for_cpu)."""
+    read back from the CPU packing when the components were dropped (pack_for_cpu). MXFP4's
+    codes come out as their integers (MXFP4_U)."""
+    u, offset, scale, mins = _stored_components(w)
+    return (MXFP4_U[u.long()] if w.qtype == MXFP4 else u), offset, scale, mins
+
+
+def _stored_components(w: QuantWeight):
+    """weight_components with `u` as the packing stores it (MXFP4: the codes)."""
     if w.raw is not None:
         return _components(w.raw.cpu(), w.qtype, w.k)
     parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k)
@@ -286,7 +302,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     FP8 (kernels/cpu/gemm_fp8.cpp, which widens one input's 16 columns at a time): the E4M3 bytes
     [32 inputs][16 columns] instead of VNNI steps, then the scales as the others'."""
     nibbles, group, _, has_min = FORMATS[w.qtype]
-    u, _, scale, mins = weight_components(w)
+    u, _, scale, mins = _stored_components(w)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
     pad = groups * _COLS - w.n
     if pad:
@@ -340,7 +356,7 @@ def pack_for_cpu(w: QuantWeight) -> None:
     weight is held once (a Q4_1 file's bytes beside their packing were 2.2x the file)."""
     from nanoserve.kernels import cpu_ops
 
-    block = _BLOCK if w.qtype == FP8 else GGUF_QTYPES[w.qtype][0]
+    block = GGUF_QTYPES[w.qtype][0] if w.qtype in GGUF_QTYPES else _BLOCK  # FP8, MXFP4: 32
     if w.device.type != "cpu" or w.k % block or not cpu_ops.available():
         return
     w.packed = pack_weight(w)

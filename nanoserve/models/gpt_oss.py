@@ -7,7 +7,7 @@ The checkpoint stacks each layer's experts in transformers' layout: gate_up_proj
 hidden, 2 * inter] with gate and up columns interleaved, down_proj [experts, inter, hidden]. The
 experts load them transposed and de-interleaved into layers/fused_moe.FusedMoE's [gate rows; up
 rows]. OpenAI's own checkpoints hold the experts in MXFP4 (models/mxfp4.py: kept quantized on a
-CPU, as Q8_0 blocks)."""
+CPU, in the kernels' MXFP4 format)."""
 from __future__ import annotations
 
 from functools import partial

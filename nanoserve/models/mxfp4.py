@@ -4,12 +4,12 @@ experts as OCP microscaling FP4: `experts.gate_up_proj_blocks` / `down_proj_bloc
 `_scales` (uint8 [experts, outputs, inputs / 32], an E8M0 exponent per 32 inputs, bias 127). The
 rest (attention, router, embeddings, LM head: config `modules_to_not_convert`) is bf16.
 
-On a CPU the experts stay quantized: an E2M1 value times 2 is an integer in -12..12 and the
-block's scale a power of two, so each block is exactly a Q8_0 block (u = 128 + 2 * value, scale
-2^(exponent - 128)), multiplied by the int8 GEMM (kernels/quant.py) with activations quantized
-per row to int8, as llama.cpp runs MXFP4 on CPUs. That is 1.125 bytes a weight (gpt-oss-20b's
-experts: ~21.5 GB, against ~38 GB in bf16; a 4-bit kernel format would halve it again). Elsewhere
-(CUDA) they are dequantized at load into the model's dtype (exact).
+On a CPU the experts stay quantized, in the kernels' own MXFP4 format (kernels/quant.py): the
+4-bit codes as they are, packed as nibbles, and a scale 2^(exponent - 128) per block; an E2M1
+value times 2 is an integer in -12..12, which a table gives the kernel, so each block's product
+with the activations (quantized per row to int8, as llama.cpp runs MXFP4 on CPUs) is an exact
+integer dot product. 0.625 bytes a weight as packed (gpt-oss-20b's experts: ~12 GB, against ~38
+GB in bf16). Elsewhere (CUDA) they are dequantized at load into the model's dtype (exact).
 """
 from __future__ import annotations
 
@@ -69,13 +69,13 @@ class Mxfp4Weight:
         return dequantize_mxfp4(self.blocks, self.scales, dtype)
 
     def kernel_components(self, expert: int) -> tuple[str, dict[str, torch.Tensor]]:
-        """One expert's matrix as ("q8_0", {"u": uint8 [outputs, inputs], "scale": fp32
-        [outputs, inputs / 32]}): the same values exactly, u = 128 + 2 * E2M1 and scale
-        2^(exponent - 128). Expert by expert, so a layer's temporaries stay one expert's size."""
-        doubled = torch.tensor([int(2 * v) + 128 for v in E2M1_VALUES], dtype=torch.uint8)
+        """One expert's matrix as ("mxfp4", {"u": the codes, uint8 [outputs, inputs], "scale":
+        fp32 [outputs, inputs / 32]}): weight = scale * 2 * E2M1, scale 2^(exponent - 128) (the
+        kernel's integer is 2 * E2M1). Expert by expert, so a layer's temporaries stay one
+        expert's size."""
         scales = self.scales[expert]
         scale = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - SCALE_BIAS - 1)
-        return "q8_0", {"u": doubled[_codes(self.blocks[expert])], "scale": scale}
+        return "mxfp4", {"u": _codes(self.blocks[expert]).to(torch.uint8), "scale": scale}
 
 
 class Mxfp4Tensors:

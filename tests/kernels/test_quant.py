@@ -184,3 +184,94 @@ def test_unpack_reads_the_packing_back(qtype, n):
     x = torch.randn(3, 256)
     assert torch.equal(quant.reference_gemm(x, packed_only, None), quant.reference_gemm(x, weight, None))
     assert packed_only.nbytes == packed_only.packed.numel()
+
+
+# ---- MXFP4: 4-bit E2M1 codes through a table (gpt-oss's experts, models/mxfp4.py) ----------
+
+def _mxfp4_weight(n: int, k: int, seed: int, codes: torch.Tensor | None = None) -> QuantWeight:
+    """Random codes (every one of the 16, +0 and -0 included) and power-of-two scales."""
+    generator = torch.Generator().manual_seed(seed)
+    if codes is None:
+        codes = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    exponents = torch.randint(100, 140, (n, k // 32), generator=generator)
+    scale = torch.ldexp(torch.ones(n, k // 32), exponents - 128)
+    return QuantWeight("mxfp4", n, k, None, components=quant.QuantComponents(codes, scale))
+
+
+def _as_q8_0(w: QuantWeight) -> QuantWeight:
+    """The same weight as Q8_0 components (u = 128 + 2 x the E2M1 value), the format MXFP4 checkpoints
+    loaded into before the 4-bit one: its products must be the same bits."""
+    doubled = torch.tensor([2 * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6, 0, -.5, -1, -1.5, -2, -3, -4, -6)])
+    u = (doubled[w.components.u.long()] + 128).to(torch.uint8)
+    return QuantWeight("q8_0", w.n, w.k, None, components=quant.QuantComponents(u, w.components.scale.clone()))
+
+
+def test_mxfp4_components_mean_the_e2m1_values():
+    from nanoserve.models.mxfp4 import E2M1_VALUES
+
+    w = _mxfp4_weight(16, 64, seed=0)
+    values = torch.tensor(E2M1_VALUES)[w.components.u.long()] * 2 * w.components.scale.repeat_interleave(32, dim=1)
+    assert torch.equal(quant.dequantize_weight(w), values)
+    assert torch.equal(quant.dequantize_weight(_as_q8_0(w)), values)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_kernel_equals_reference_and_q8_0(dtype, cpu_isa):
+    """The kernel equals reference_gemm bit for bit (rows 1 to 67, bias or none, an all-zero block,
+    columns not a multiple of 16), and both equal the same weight held as Q8_0."""
+    n, k = 72, 768
+    w = _mxfp4_weight(n, k, seed=4)
+    reference = QuantWeight("mxfp4", n, k, None, components=quant.QuantComponents(
+        w.components.u.clone(), w.components.scale.clone()))
+    as_q8_0 = _as_q8_0(w)
+    quant.pack_for_cpu(w)
+    assert w.packed is not None and w.components is None
+    assert w.nbytes == -(-n // 16) * (k // 32) * 320  # 4 bits a weight and an fp32 scale a block of 32
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(67, k, generator=generator).to(dtype)
+    x[3, 64:96] = 0
+    bias = torch.randn(n, generator=generator).to(dtype)
+    for m in (1, 2, 5, 67):
+        for b in (None, bias):
+            out = quant.quant_gemm(x[:m], w, b)
+            assert out.dtype == dtype and out.shape == (m, n)
+            expected = quant.reference_gemm(x[:m], reference, b)
+            assert torch.equal(out, expected), (m, b is None)
+            assert torch.equal(expected, quant.reference_gemm(x[:m], as_q8_0, b))
+
+
+@needs_kernels
+@pytest.mark.parametrize("code", [7, 15])
+def test_mxfp4_largest_integer_sums(code, cpu_isa):
+    """Every weight +6 (u = 24, the table's largest) or -6 (u = 0) against activations at +-127: the
+    AVX2 level's int16 sums at their bound (four steps before widening, not the 4-bit formats' eight)."""
+    n, k = 32, 512
+    w = _mxfp4_weight(n, k, seed=code, codes=torch.full((n, k), code, dtype=torch.uint8))
+    reference = _as_q8_0(w)
+    quant.pack_for_cpu(w)
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.linspace(-3, 3, k)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+
+
+@needs_kernels
+def test_mxfp4_rows_do_not_depend_on_the_batch(cpu_isa):
+    w = _mxfp4_weight(576, 1536, seed=6)
+    quant.pack_for_cpu(w)
+    x = torch.randn(64, 1536, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    full = _kernel(x, w)
+    for start, m in [(0, 1), (5, 1), (63, 1), (0, 3), (10, 17), (1, 63)]:
+        assert torch.equal(_kernel(x[start:start + m], w), full[start:start + m]), (start, m)
+
+
+@pytest.mark.parametrize("n", [16, 37])
+def test_mxfp4_unpack_reads_the_codes_back(n):
+    w = _mxfp4_weight(n, 256, seed=n)
+    unpacked = quant.unpack_weight(quant.pack_weight(w), "mxfp4", n, 256)
+    assert torch.equal(unpacked.u, w.components.u) and torch.equal(unpacked.scale, w.components.scale)
+    u, offset, _, _ = quant.weight_components(w)
+    assert offset == 12 and torch.equal(u, quant.MXFP4_U[w.components.u.long()])

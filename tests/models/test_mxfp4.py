@@ -83,9 +83,9 @@ def test_dequantized_mxfp4_gpt_oss_matches_transformers(checkpoints, monkeypatch
 
 
 def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
-    """On a CPU each expert is a Q8_0 QuantWeight holding exactly transformers' dequantized
-    values; the model's logprobs are those of transformers on them but for the int8 rounding of
-    the experts' activations."""
+    """On a CPU each expert is an MXFP4 QuantWeight (4 bits a weight) holding exactly
+    transformers' dequantized values; the model's logprobs are those of transformers on them but
+    for the int8 rounding of the experts' activations."""
     from nanoserve.kernels.quant import dequantize_weight
     from nanoserve.models.gpt_oss import deinterleave
 
@@ -97,7 +97,8 @@ def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta  # the float copies are gone
         theirs = oracle.model.layers[index].mlp.experts
         for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
-            assert w13.qtype == w2.qtype == "q8_0"
+            assert w13.qtype == w2.qtype == "mxfp4"
+            assert w13.nbytes * 8 == w13.n * w13.k * 5  # a nibble a weight, an fp32 scale per 32
             assert torch.equal(dequantize_weight(w13), deinterleave(theirs.gate_up_proj[expert].detach()).T)
             assert torch.equal(dequantize_weight(w2), theirs.down_proj[expert].detach().T)
     prompt = random_prompts(1, oracle.config.vocab_size, seed=22, min_len=30, max_len=30)[0]

@@ -1,6 +1,7 @@
-// GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
-// as llama.cpp does them: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized
-// per block of 32 to int8 and one fp32 scale, and each block's product an exact integer dot product.
+// GEMMs on weights kept in a GGUF block format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+// or in MXFP4 (gpt-oss's experts: 4-bit codes through a table), as llama.cpp does them:
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias), with each row of x quantized per block of 32 to int8
+// and one fp32 scale, and each block's product an exact integer dot product.
 //
 // The arithmetic (kernels/quant.py's reference_gemm writes the same in torch): per output element,
 // the blocks in order from k = 0; per scale group (32 elements, 16 for Q6_K) the integer
@@ -48,17 +49,27 @@ constexpr int64_t kRowChunk = 64;
 constexpr int64_t kParallelQuantize = int64_t(1) << 13;  // elements of x quantized by all threads
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
 
-// Format codes: the order of quant.py's _FORMATS (new ones appended; kFormats counts them).
+// Format codes: the order of gguf_formats.py's FORMATS (new ones appended; kFormats counts them).
 enum Format : int {
-    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7, kFormats = 8,
-    kF8_E4M3 = 8  // FP8 weights: gemm_fp8.cpp (after kFormats: no integer kernels)
+    kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7,
+    kF8_E4M3 = 8,  // FP8 weights: gemm_fp8.cpp (no integer kernels)
+    kMxfp4 = 9,    // MXFP4: 4-bit E2M1 codes, u = kMxfp4Table[code] (12 + 2 x the value)
+    kFormats = 10
 };
+
+// MXFP4's codes as the integers the dot products take: 12 + 2 x E2M1 (0, .5, 1, 1.5, 2, 3, 4, 6,
+// then their negatives), so weight = scale x (u - 12) with scale 2^(exponent - 128) exactly.
+// quant.py's MXFP4_U is the same table. One vpshufb (a 16-byte table per 128-bit lane) decodes
+// a register of codes.
+constexpr uint8_t kMxfp4Table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 template <int F>
 struct Traits {
-    static constexpr bool nibbles = F == kQ4_0 || F == kQ4_1 || F == kQ4_K;
+    static constexpr bool nibbles = F == kQ4_0 || F == kQ4_1 || F == kQ4_K || F == kMxfp4;
+    static constexpr bool table = F == kMxfp4;  // codes decoded through kMxfp4Table
     static constexpr int group = F == kQ6_K ? 16 : 32;  // elements per scale
-    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32 : 0;
+    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32
+                                  : F == kMxfp4 ? 12 : 0;
     static constexpr bool has_min = F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K;
     static constexpr bool super_blocks = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // K a multiple of 256
     static constexpr int quant_bytes = nibbles ? 256 : 512;
@@ -252,6 +263,10 @@ NS_VNNI inline void load_weights(__m512i (&w)[C][8], const uint8_t* base, int64_
                 w[c][j] = _mm512_and_si512(v, low);
                 w[c][j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
+            if constexpr (Traits<F>::table) {
+                const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Table)));
+                for (int j = 0; j < 8; ++j) w[c][j] = _mm512_shuffle_epi8(table, w[c][j]);
+            }
         } else {
             for (int j = 0; j < 8; ++j) w[c][j] = _mm512_loadu_si512(p + 64 * j);
         }
@@ -329,18 +344,24 @@ NS_QAVX2 inline __m256i pair_products_avx2(__m256i w, __m256i xq) {
 
 // Steps whose pair sums add up in int16 before one vpmaddwd widens them: while the bound of a pair
 // (2 * max u * 128) times the steps stays under 32768, exactly: 8 for the 4-bit formats (30,720),
-// 4 for the 5-bit ones, 2 for Q6_K, 1 for Q8_0. Fewer widening multiplies: vpmaddwd shares its
-// pipes with vpmaddubsw.
+// 4 for the 5-bit ones and MXFP4 (u <= 24: 24,576), 2 for Q6_K, 1 for Q8_0. Fewer widening
+// multiplies: vpmaddwd shares its pipes with vpmaddubsw.
 template <int F>
-constexpr int kInt16StepsOf = Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : F == kQ6_K ? 2 : 4;
+constexpr int kInt16StepsOf = Traits<F>::table ? 4 : Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : F == kQ6_K ? 2 : 4;
 
 // A 4-bit format's steps j and j + 4 for one half (8 columns) of a group, from one load: the low
-// nibbles and the high ones.
+// nibbles and the high ones (MXFP4's through its table).
+template <int F>
 NS_QAVX2 inline void load_step_pair_avx2(const uint8_t* p, int j, int h, __m256i& first, __m256i& second) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
     const __m256i low = _mm256_set1_epi8(0x0F);
     first = _mm256_and_si256(v, low);
     second = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (Traits<F>::table) {
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Table)));
+        first = _mm256_shuffle_epi8(table, first);
+        second = _mm256_shuffle_epi8(table, second);
+    }
 }
 
 // R rows against C groups of 16 columns. Per block and group: the integer phase runs the block's
@@ -364,23 +385,26 @@ NS_QAVX2 void block_avx2(const Block& blk) {
         for (int c = 0; c < C; ++c) {
             const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
             __m256i dot[R][2][kGroups];  // each group's int32 dot products, 8 columns a half
-            if constexpr (T::nibbles) {  // one group, all 8 steps in int16: steps j and j + 4 together
+            if constexpr (T::nibbles) {  // one group, kInt16Steps steps in int16: steps j and j + 4 together
+                constexpr int kRun = kInt16Steps / 2;  // values of j a run of int16 sums takes
                 __m256i pairs[R][2];
                 for (int j = 0; j < 4; ++j) {
                     __m256i w[2][2];
-                    for (int h = 0; h < 2; ++h) load_step_pair_avx2(p, j, h, w[h][0], w[h][1]);
+                    for (int h = 0; h < 2; ++h) load_step_pair_avx2<F>(p, j, h, w[h][0], w[h][1]);
                     for (int r = 0; r < R; ++r) {
                         const int8_t* q = a.q + (blk.row + r) * a.k + b * kBlock;
                         const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
                         const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * (j + 4)));
                         for (int h = 0; h < 2; ++h) {
                             const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(w[h][0], x0), _mm256_maddubs_epi16(w[h][1], x1));
-                            pairs[r][h] = j == 0 ? s : _mm256_add_epi16(pairs[r][h], s);
+                            pairs[r][h] = j % kRun == 0 ? s : _mm256_add_epi16(pairs[r][h], s);
+                            if (j % kRun == kRun - 1) {
+                                const __m256i wide = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
+                                dot[r][h][0] = j == kRun - 1 ? wide : _mm256_add_epi32(dot[r][h][0], wide);
+                            }
                         }
                     }
                 }
-                for (int r = 0; r < R; ++r)
-                    for (int h = 0; h < 2; ++h) dot[r][h][0] = _mm256_madd_epi16(pairs[r][h], _mm256_set1_epi16(1));
             } else {
                 for (int r = 0; r < R; ++r)
                     for (int h = 0; h < 2; ++h)
@@ -433,7 +457,10 @@ NS_QAVX2 void block_avx2(const Block& blk) {
 template <int F>
 inline int unpack(const uint8_t* quants, int k, int col) {  // element k of a block, one column
     const int step = k / 4, lane = col * 4 + k % 4;
-    if constexpr (Traits<F>::nibbles) return step < 4 ? quants[64 * step + lane] & 0x0F : quants[64 * (step - 4) + lane] >> 4;
+    if constexpr (Traits<F>::nibbles) {
+        const int code = step < 4 ? quants[64 * step + lane] & 0x0F : quants[64 * (step - 4) + lane] >> 4;
+        return Traits<F>::table ? kMxfp4Table[code] : code;
+    }
     return quants[64 * step + lane];
 }
 
@@ -500,6 +527,7 @@ struct LevelKernels {
         fill<K, kQ5_0, 1, 1>(formats[kQ5_0]);
         fill<K, kQ5_1, 1, 1>(formats[kQ5_1]);
         fill<K, kQ5_K, 1, 1>(formats[kQ5_K]);
+        fill<K, kMxfp4, 1, 1>(formats[kMxfp4]);  // (kF8_E4M3's entry stays empty: gemm_fp8.cpp)
     }
 };
 
@@ -659,6 +687,7 @@ FormatInfo format_info(int format) {
         case kQ6_K: return info<kQ6_K>();
         case kQ5_0: return info<kQ5_0>();
         case kQ5_1: return info<kQ5_1>();
+        case kMxfp4: return info<kMxfp4>();
         default: return info<kQ5_K>();
     }
 }
