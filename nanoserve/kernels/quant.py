@@ -357,7 +357,7 @@ def pack_for_cpu(w: QuantWeight) -> None:
     from nanoserve.kernels import cpu_ops
 
     block = GGUF_QTYPES[w.qtype][0] if w.qtype in GGUF_QTYPES else _BLOCK  # FP8, MXFP4: 32
-    if w.device.type != "cpu" or w.k % block or not cpu_ops.available():
+    if w.packed is not None or w.device.type != "cpu" or w.k % block or not cpu_ops.available():
         return
     w.packed = pack_weight(w)
     w.components = None

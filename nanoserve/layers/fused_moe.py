@@ -76,7 +76,7 @@ class FusedMoE(nn.Module):
         self.packed: tuple | None = None  # see prepack_gemm
         # A quantized checkpoint's experts kept in a kernel format (layers/quant_experts.py):
         # "w13" / "w2" -> one QuantWeight per local expert, for the matrices that are.
-        self.quant_staging = QuantExpertStaging(self.num_local_experts)
+        self.quant_staging = QuantExpertStaging(self.num_local_experts, {"w13": hidden_size, "w2": self.inter})
         self.quant_experts: dict[str, list] = {}
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
@@ -151,7 +151,7 @@ class FusedMoE(nn.Module):
         every tensor is read); the float parameters they replace go to the meta device."""
         for matrix in ("w13", "w2"):
             param = getattr(self, f"{matrix}_weight")
-            weights = self.quant_staging.finish(matrix, param.shape[2])
+            weights = self.quant_staging.finish(matrix)
             if weights is not None:
                 self.quant_experts[matrix] = weights
                 setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))

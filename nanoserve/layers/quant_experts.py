@@ -2,7 +2,7 @@
 each expert's gate/up matrix and down matrix becomes one QuantWeight, which the grouped MoE path
 multiplies with quant_gemm (kernels/fused_moe.py). layers/fused_moe.FusedMoE stages the parts
 here as its loaders read them (this rank's rows of gate and up; of down, whole blocks of 32 of
-its columns), then `finish` makes the weights. Each of the two matrices is quantized for every
+its columns), each expert's weight made and packed once its parts are in; `finish` hands them over. Each of the two matrices is quantized for every
 expert or for none (the other may stay float: a down matrix whose shard is not whole blocks)."""
 from __future__ import annotations
 
@@ -15,33 +15,50 @@ MATRICES = {"w13": (0, 1), "w2": (None,)}  # each matrix's parts: gate 0 and up 
 
 
 class QuantExpertStaging:
-    def __init__(self, num_local_experts: int) -> None:
+    """Each expert's matrix becomes its QuantWeight, packed for the CPU kernel, as soon as its
+    parts are in: a checkpoint's experts are never all held unpacked at once (their components
+    take a byte a weight, twice an MXFP4 or 4-bit packing)."""
+
+    def __init__(self, num_local_experts: int, inputs: dict[str, int]) -> None:
         self.num_local_experts = num_local_experts
-        # matrix -> per local expert -> part -> (qtype, this rank's arrays)
+        self.inputs = inputs  # matrix -> k (its inputs on this rank)
+        # matrix -> per local expert -> part -> (qtype, this rank's arrays), until complete
         self.parts: dict[str, list[dict]] = {}
+        self.weights: dict[str, list[quant.QuantWeight | None]] = {}
 
     def add(self, matrix: str, local: int, part: int | None, qtype: str, arrays: dict[str, torch.Tensor]) -> None:
+        """`arrays`: kernel components ("u", "scale", optional "mins") or a GGUF file's rows ("raw")."""
         experts = self.parts.setdefault(matrix, [{} for _ in range(self.num_local_experts)])
         experts[local][part] = (qtype, {key: array.contiguous() for key, array in arrays.items()})
+        if set(experts[local]) != set(MATRICES[matrix]):
+            return
+        expert, experts[local] = experts[local], {}
+        qtypes = {expert[p][0] for p in MATRICES[matrix]}
+        if len(qtypes) != 1:
+            raise ValueError(f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}")
+        ordered = [expert[p][1] for p in MATRICES[matrix]]
+        if {frozenset(a) for a in ordered} != {frozenset(ordered[0])}:
+            raise ValueError("an expert's gate and up matrices are stored in different kinds")
+        arrays = {key: torch.cat([a[key] for a in ordered]) for key in ordered[0]}
+        qtype, k = qtypes.pop(), self.inputs[matrix]
+        if "raw" in arrays:
+            weight = quant.QuantWeight(qtype, arrays["raw"].shape[0], k, arrays["raw"])
+        else:
+            components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
+            weight = quant.QuantWeight(qtype, arrays["u"].shape[0], k, None, components=components)
+        quant.pack_for_cpu(weight)
+        self.weights.setdefault(matrix, [None] * self.num_local_experts)[local] = weight
 
-    def finish(self, matrix: str, k: int) -> list[quant.QuantWeight] | None:
+    def finish(self, matrix: str) -> list[quant.QuantWeight] | None:
         """The matrix's QuantWeight per local expert (gate rows, then up rows), or None when no
         part of it was staged; ValueError for a checkpoint that quantizes some of it only."""
-        experts = self.parts.pop(matrix, None)
-        if experts is None:
+        weights = self.weights.pop(matrix, None)
+        pending = self.parts.pop(matrix, None)
+        if weights is None and pending is None:
             return None
-        parts = MATRICES[matrix]
-        weights = []
-        for expert in experts:
-            if set(expert) != set(parts):
-                raise ValueError("a quantized MoE checkpoint must hold every expert's gate, up and down "
-                                 "matrices in one kind (quantized or float) each")
-            qtypes = {expert[p][0] for p in parts}
-            if len(qtypes) != 1:
-                raise ValueError(f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}")
-            arrays = {key: torch.cat([expert[p][1][key] for p in parts]) for key in expert[parts[0]][1]}
-            components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
-            weights.append(quant.QuantWeight(qtypes.pop(), arrays["u"].shape[0], k, None, components=components))
+        if weights is None or any(w is None for w in weights) or any(pending or ()):
+            raise ValueError("a quantized MoE checkpoint must hold every expert's gate, up and down "
+                             "matrices in one kind (quantized or float) each")
         return weights
 
 

@@ -286,3 +286,33 @@ def test_quantized_experts_on_the_grouped_path_equal_their_reference_gemm_loop(d
     loop = fused_experts_reference(hidden, unpacked_experts(meta13, q13), unpacked_experts(meta2, q2), weights, ids,
                                    None, bias, ACTIVATION)
     torch.testing.assert_close(loop.float(), got.float(), atol=0.1, rtol=0.05)
+
+
+def test_quant_expert_staging_packs_each_expert_once_its_parts_are_in():
+    """A quantized expert's weight is made (and packed where the CPU kernels load) as soon as its
+    gate and up parts are both staged, so a checkpoint's experts are never all held unpacked; an
+    expert missing a part is an error when the layer finishes."""
+    from nanoserve.kernels import quant
+    from nanoserve.layers.quant_experts import QuantExpertStaging
+
+    generator = torch.Generator().manual_seed(0)
+
+    def part(rows):
+        return {"u": torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.uint8),
+                "scale": torch.rand(rows, 2, generator=generator)}
+
+    staging = QuantExpertStaging(2, {"w13": 64, "w2": 32})
+    gate, up = part(16), part(16)
+    staging.add("w13", 0, 0, "q8_0", gate)
+    assert "w13" not in staging.weights
+    staging.add("w13", 0, 1, "q8_0", up)
+    weight = staging.weights["w13"][0]
+    assert (weight.n, weight.k) == (32, 64) and staging.parts["w13"][0] == {}
+    assert (weight.packed is not None) == cpu_ops.gemm_available()
+    expected = quant.QuantWeight("q8_0", 32, 64, None, components=quant.QuantComponents(
+        torch.cat([gate["u"], up["u"]]), torch.cat([gate["scale"], up["scale"]])))
+    assert torch.equal(quant.dequantize_weight(weight), quant.dequantize_weight(expected))
+    staging.add("w13", 1, 0, "q8_0", part(16))  # expert 1 lacks its up part
+    with pytest.raises(ValueError, match="every expert's gate, up and down"):
+        staging.finish("w13")
+    assert staging.finish("w2") is None
