@@ -42,7 +42,11 @@ LLAMA_CPP_SHAPE = dict(hidden_size=384, intermediate_size=512, num_heads=6, num_
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-               "post_attention_layernorm": "ffn_norm"}
+               "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+# Families whose GGUF files write_moe_gguf writes, and the llama.cpp architecture of each (a Mixtral
+# is a "llama" file with experts).
+MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 def _gguf_name(name: str) -> str:
@@ -201,28 +205,131 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     return path
 
 
+def _write_header(writer: gguf.GGUFWriter, config) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+
+def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: str = "q8_0", *, seed: int = 0,
+                   expert_inter: int | None = None) -> Path:
+    """`out_dir`/model.gguf from a random Qwen3-MoE or Mixtral checkpoint (tests/models/
+    moe_checkpoints.py, in `out_dir`/hf) as llama.cpp's converter lays one out: each layer's experts
+    stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps ([experts, outputs, inputs]) of type
+    `experts`, the router (ffn_gate_inp) and norms in F32, the other matrices of type `others`
+    (the embedding Q8_0), Q/K rows permuted in a "llama" (Mixtral) file."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.moe_checkpoints import EXPERT_INTER, write_moe_checkpoint
+
+    hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    config = model.config
+    arch = MOE_GGUF_ARCHITECTURES[family]
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_header(writer, config)
+    writer.add_expert_count(config.num_experts if family == "qwen3_moe" else config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if family == "qwen3_moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    _add_tokenizer(writer, hf_dir, "qwen2" if family == "qwen3_moe" else "default")
+    rng = np.random.default_rng(seed)
+
+    def quantized(name, values, qtype):
+        data, ggml_type = _tensor_bytes(name, values, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=ggml_type)
+
+    for name, weight in model.state_dict().items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):  # [experts, gate rows then up rows, hidden]
+            gate, up = weight.chunk(2, dim=1)
+            quantized(f"blk.{layer}.ffn_gate_exps.weight", gate, experts)
+            quantized(f"blk.{layer}.ffn_up_exps.weight", up, experts)
+        elif name.endswith("experts.down_proj"):
+            quantized(f"blk.{layer}.ffn_down_exps.weight", weight, experts)
+        elif name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+            writer.add_tensor(_gguf_name(name), weight.float().numpy())
+        else:
+            if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                weight = _llama_cpp_permute(weight, heads)
+            quantized(_gguf_name(name), weight, "q8_0" if "embed" in name else others)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_qwen3_gguf(out_dir: Path, qtype: str = "q4_1", seed: int = 0) -> Path:
+    """`out_dir`/model.gguf from a random dense Qwen3 (tests/models/family_checkpoints.py, in
+    `out_dir`/hf): per-head Q/K norms (attn_q_norm / attn_k_norm, F32), rows in Hugging Face's order."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    hf_dir = write_random_checkpoint(out_dir / "hf", "qwen3", seed)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    _write_header(writer, model.config)
+    _add_tokenizer(writer, hf_dir, "qwen2")
+    rng = np.random.default_rng(seed)
+    for name, weight in model.state_dict().items():
+        if name.endswith("norm.weight"):
+            writer.add_tensor(_gguf_name(name), weight.float().numpy())
+            continue
+        data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
+        writer.add_tensor(_gguf_name(name), data, raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def dequantized_transformers(gguf_file: Path):
     """transformers' Llama or Qwen2 (float32, CPU) holding the file's tensors dequantized by the
     gguf package (a llama file's Q/K rows un-permuted): the exact product of activations and dequantized weights,
     the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
+    from nanoserve.models.gguf_reader import expert_part, hf_tensor_name, unpermute_rotary_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     config = model.config
-    permuted = config.model_type == "llama"
+    permuted = config.model_type in ("llama", "mixtral")
     state = {}
+    gate_up: dict[str, dict] = {}  # a layer's stacked experts -> {0: gate, 1: up}
     for tensor in gguf.GGUFReader(gguf_file).tensors:
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(values.reshape(shape))
+        stacked, part = expert_part(tensor.name)
+        if stacked:  # transformers' stacked experts: gate_up_proj [E, 2 I, H], down_proj [E, H, I]
+            prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts."
+            if part is None:
+                state[prefix + "down_proj"] = weight
+            else:
+                gate_up.setdefault(prefix, {})[part] = weight
+            continue
         name = hf_tensor_name(tensor.name)
         if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config.num_attention_heads)
         elif name.endswith("k_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
         state[name] = weight
+    for prefix, parts in gate_up.items():
+        state[prefix + "gate_up_proj"] = torch.cat([parts[0], parts[1]], dim=1)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)

@@ -141,7 +141,7 @@ class FusedMoE(nn.Module):
             return
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         if part is None:
-            arrays = shard_columns(arrays, start, self.inter)
+            arrays = shard_columns(arrays, start, self.inter, qtype)
         else:
             arrays = {key: a[start : start + self.inter] for key, a in arrays.items()}
         self.quant_staging.add("w13" if param is self.w13_weight else "w2", local, part, qtype, arrays)

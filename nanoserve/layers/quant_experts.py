@@ -62,8 +62,13 @@ class QuantExpertStaging:
         return weights
 
 
-def shard_columns(arrays: dict[str, torch.Tensor], start: int, size: int) -> dict[str, torch.Tensor]:
-    """Columns start..start + size (whole blocks of 32) of components: u's, and the per-block
-    arrays' blocks."""
+def shard_columns(arrays: dict[str, torch.Tensor], start: int, size: int, qtype: str) -> dict[str, torch.Tensor]:
+    """Columns start..start + size of components (whole blocks of 32: u's, and the per-block
+    arrays' blocks) or of a GGUF file's rows ("raw": whole blocks of the type's size)."""
+    if "raw" in arrays:
+        block, nbytes = quant.GGUF_QTYPES[qtype]
+        if start % block or size % block:
+            raise ValueError(f"{qtype.upper()} rows split at {start}..{start + size}: not whole blocks of {block}")
+        return {"raw": arrays["raw"][:, start // block * nbytes : (start + size) // block * nbytes]}
     blocks = slice(start // BLOCK, (start + size) // BLOCK)
     return {key: a[:, start : start + size] if key == "u" else a[:, blocks] for key, a in arrays.items()}

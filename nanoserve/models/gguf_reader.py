@@ -41,8 +41,12 @@ def _float32_value(value: float) -> float:
 
 # llama.cpp's architectures of the Llama family, each as the Hugging Face class it was converted
 # from: (architectures, model_type). Qwen2 is Llama with Q/K/V biases, and its converter keeps the
-# Q/K rows in Hugging Face's order (llama.cpp rotates them NeoX-style), where "llama" reorders them.
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+# Q/K rows in Hugging Face's order (llama.cpp rotates them NeoX-style), where "llama" reorders them;
+# Qwen3 adds per-head Q/K norms, Qwen3-MoE routes to experts (stacked: ffn_*_exps). A "llama" file
+# with experts (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one.
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                      "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 
 def gguf_architecture(metadata: dict, file_name: str) -> str:
@@ -58,7 +62,7 @@ def rotary_rows_permuted(config) -> bool:
     """Whether the file's Q/K rows are in llama.cpp's interleaved order (unpermute_rotary_rows
     puts them back): a "llama" file's are; a "qwen2" file's are as Hugging Face had them."""
     architecture = (config.get("architectures") or [None])[0] if isinstance(config, dict) else config.architecture
-    return architecture == GGUF_ARCHITECTURES["llama"][0]
+    return architecture in (GGUF_ARCHITECTURES["llama"][0], _MIXTRAL[0])
 
 
 def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
@@ -83,12 +87,32 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
     hf_class, model_type = GGUF_ARCHITECTURES[architecture]
+    experts = {}
+    if metadata.get(f"{architecture}.expert_count"):
+        if architecture == "llama":
+            hf_class, model_type = _MIXTRAL
+        elif architecture != "qwen3moe":
+            raise GGUFImportError(f"{file_name}: experts in a {architecture!r} file are not supported")
+        experts = {
+            "num_experts" if architecture == "qwen3moe" else "num_local_experts": get("expert_count"),
+            "num_experts_per_tok": get("expert_used_count"),
+            # Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe graph does.
+            **({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "moe_intermediate_size": get("expert_feed_forward_length")} if architecture == "qwen3moe" else {}),
+        }
+    elif architecture == "qwen3moe":
+        raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
+    # A Qwen3-MoE file may carry no dense feed_forward_length (no layer uses one).
+    dense_ffn = metadata.get(f"{architecture}.feed_forward_length")
+    if dense_ffn is None:
+        dense_ffn = experts.get("moe_intermediate_size") or get("feed_forward_length")
     return {
+        **experts,
         "architectures": [hf_class],
         "model_type": model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": get("feed_forward_length"),
+        "intermediate_size": dense_ffn,
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
@@ -127,18 +151,36 @@ _LAYER_TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# Every expert's matrix stacked in one tensor ([experts, outputs, inputs]): our FusedMoE's stacked
+# parameter and the part (0 gate, 1 up, None down) it fills (expert_part).
+_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13_weight", 0), "ffn_up_exps": ("mlp.experts.w13_weight", 1),
+                        "ffn_down_exps": ("mlp.experts.w2_weight", None)}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """llama.cpp's tensor name → the HF Llama (Qwen2) name; biases as Qwen2's q/k/v have them."""
+    """llama.cpp's tensor name → the HF Llama (Qwen2, Qwen3) name; biases as Qwen2's q/k/v have
+    them; stacked experts → the FusedMoE parameter they load into (expert_part says which part)."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is not None and match.group(2) in _EXPERT_TENSOR_NAMES and match.group(3) == "weight":
+        return f"model.layers.{match.group(1)}.{_EXPERT_TENSOR_NAMES[match.group(2)][0]}"
     if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
         raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
     return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def expert_part(gguf_name: str) -> tuple[bool, int | None]:
+    """(whether the tensor stacks every expert's matrix, the part: 0 gate, 1 up, None down)."""
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _EXPERT_TENSOR_NAMES:
+        return False, None
+    return True, _EXPERT_TENSOR_NAMES[match.group(2)][1]
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -158,6 +200,9 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
     state_dict = {}
     permuted = rotary_rows_permuted(config)
     for tensor in reader.tensors:
+        if expert_part(tensor.name)[0]:
+            raise GGUFImportError(f"{tensor.name}: a mixture-of-experts GGUF file is served as it is "
+                                  "(--model FILE.gguf), not imported into a Hugging Face directory")
         name = hf_tensor_name(tensor.name)
         # GGUF lists dims fastest-first; torch wants them slowest-first.
         shape = tuple(int(dim) for dim in reversed(tensor.shape))

@@ -21,7 +21,8 @@ from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
-from nanoserve.models.gguf_reader import GGUFImportError, hf_tensor_name, rotary_rows_permuted, unpermute_rotary_rows
+from nanoserve.models.gguf_reader import (GGUFImportError, expert_part, hf_tensor_name, rotary_rows_permuted,
+                                          unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -96,17 +97,50 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             if target not in params:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
-            _load_tensor(model.config, module, params[target], tensor, shard_id,
-                         staged.setdefault(target, StagedLinear()))
+            stacked, part = expert_part(tensor.name)
+            if stacked:
+                _load_experts(module, params[target], tensor, part)
+            else:
+                _load_tensor(model.config, module, params[target], tensor, shard_id,
+                             staged.setdefault(target, StagedLinear()))
             loaded.add(target)
     shared = shared_parameter_ids(model)
     for target, parts in staged.items():
         if parts.buffers:
             finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
+    for module in modules.values():
+        if hasattr(module, "finish_quantized"):  # layers/fused_moe.FusedMoE: its quantized experts
+            module.finish_quantized()
     expected = set(params) - ({"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set())
     absent = sorted(expected - loaded)
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
+
+
+def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:
+    """A stacked expert tensor (ffn_gate_exps / ffn_up_exps / ffn_down_exps: [experts, outputs,
+    inputs]) into layers/fused_moe.FusedMoE, expert by expert (this rank's): each expert's rows
+    kept in their blocks where the quantized kernels run (a CPU) and this rank's share of the
+    inputs is whole blocks (the down matrix under --tp), else dequantized into the parameter."""
+    import gguf
+
+    qtype = _qtype(tensor)
+    k = int(tensor.shape[0])
+    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel
+                                          or moe.inter % quant.GGUF_QTYPES[qtype][0] == 0)
+    quantized = whole_blocks and quant.takes_components(param.device)
+    for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
+        data = tensor.data[expert]
+        if quantized:
+            moe.load_quantized(param, {"raw": torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))},
+                               qtype, (expert, part))
+            continue
+        if qtype is None:
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(data), tensor.tensor_type),
+                                               dtype=np.float32).reshape(-1, k))
+        else:
+            values = quant.dequantize(torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)), qtype, k)
+        moe.weight_loader(param, values, (expert, part))
 
 
 def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: StagedLinear) -> None:
