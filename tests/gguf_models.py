@@ -303,7 +303,7 @@ def dequantized_transformers(gguf_file: Path):
     the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_reader import expert_part, hf_tensor_name, unpermute_rotary_rows
+    from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     config = model.config
@@ -314,13 +314,13 @@ def dequantized_transformers(gguf_file: Path):
         shape = tuple(reversed([int(d) for d in tensor.shape]))
         values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         weight = torch.from_numpy(values.reshape(shape))
-        stacked, part = expert_part(tensor.name)
-        if stacked:  # transformers' stacked experts: gate_up_proj [E, 2 I, H], down_proj [E, H, I]
+        kind = tensor.name.split(".")[-2]
+        if kind.endswith("_exps"):  # transformers' stacked experts: gate_up_proj [E, 2 I, H], down_proj [E, H, I]
             prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts."
-            if part is None:
+            if kind == "ffn_down_exps":
                 state[prefix + "down_proj"] = weight
             else:
-                gate_up.setdefault(prefix, {})[part] = weight
+                gate_up.setdefault(prefix, {})[0 if kind == "ffn_gate_exps" else 1] = weight
             continue
         name = hf_tensor_name(tensor.name)
         if name.endswith("q_proj.weight") and permuted:
