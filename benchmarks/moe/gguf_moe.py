@@ -1,0 +1,184 @@
+"""A mixture-of-experts GGUF file served as it is, nanoserve against llama.cpp on the same file.
+
+Writes a qwen3moe GGUF of Qwen3-30B-A3B's shape (hidden 2048, 32 query heads and 4 KV heads of
+128, 128 experts of intermediate 768, top-8, Q/K norms) cut to --layers decoder layers, with the
+default model's tokenizer (SmolLM2's 49,152 tokens: a smaller vocabulary than Qwen3's 151,936) and
+random blocks in llama.cpp's Q4_K_M mix (Q4_K, Q6_K for attn_v and ffn_down_exps in the layers
+llama.cpp's use_more_bits picks, the router and norms F32) or all Q8_0. Then runs batch-1 decode
+(16-token prompt, 256 greedy tokens, median of 3 after a warm-up, the shape of
+../shared/bench/batch1.sh) with llama.cpp (llama-cpp-python, ../shared/bench/setup-llamacpp.sh)
+and with nanoserve, each in a process of its own, and nanoserve's offline throughput (no peer:
+llama-cpp-python has no batched generate). Not a test.
+
+    .venv/bin/python benchmarks/moe/gguf_moe.py --layers 4 --out-dir /tmp/qwen3moe-gguf
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, expert_inter=768,
+                     dense_inter=6144)
+LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", Path.home() / ".cache/llamacpp/venv"))
+BATCH1_LLAMACPP = ROOT.parent / "shared/bench/batch1_llamacpp.py"
+
+NANOSERVE_BATCH1 = """
+import statistics, sys, time
+from nanoserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=2048)
+sp = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+def run():
+    t = time.perf_counter()
+    o = llm.generate([{"prompt_token_ids": list(range(200, 216))}], sp, use_tqdm=False)
+    return (time.perf_counter() - t) / len(o[0].outputs[0].token_ids)
+run()
+print(f"nanoserve {sys.argv[1].rsplit('/', 1)[-1]}: {1000 * statistics.median(run() for _ in range(3)):.2f} ms/token")
+"""
+
+NANOSERVE_OFFLINE = """
+import sys, time
+import numpy as np
+from nanoserve import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=2048)
+rng = np.random.default_rng(0)
+prompts = [{"prompt_token_ids": rng.integers(100, 40000, 128).tolist()} for _ in range(32)]
+sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+t = time.perf_counter()
+outputs = llm.generate(prompts, sp, use_tqdm=False)
+tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+print(f"nanoserve {sys.argv[1].rsplit('/', 1)[-1]} offline 32 x (128, 64): {tokens / (time.perf_counter() - t):.1f} output tokens/s")
+"""
+
+
+def _random_blocks(rows: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of values about N(0, 1 / sqrt(k)) in size."""
+    from tests.gguf_models import _random_k_blocks
+
+    if qtype != "q8_0":
+        return _random_k_blocks(rows, k, qtype, rng)
+    raw = rng.integers(0, 256, size=(rows, k // 32, 34), dtype=np.uint8)
+    d = rng.uniform(0.5, 1.5, size=(rows, k // 32, 1)) * 2.0 / np.sqrt(k) / 64
+    raw[..., 0:2] = d.astype(np.float16).view(np.uint8).reshape(rows, k // 32, 2)
+    return raw.reshape(rows, -1)
+
+
+def _use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def write_gguf(path: Path, layers: int, mix: str, seed: int = 0) -> Path:
+    import gguf
+
+    from nanoserve.models.gguf_import import ensure_default_gguf
+    from nanoserve.models.gguf_reader import read_metadata
+
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = read_metadata(gguf.GGUFReader(ensure_default_gguf()))
+    s = QWEN3_30B_A3B
+    hidden, q_size, kv_size = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    writer = gguf.GGUFWriter(str(path) + ".partial", "qwen3moe")
+    writer.add_block_count(layers)
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(s["dense_inter"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_key_length(s["head_dim"])
+    writer.add_value_length(s["head_dim"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(s["experts"])
+    writer.add_expert_used_count(s["top_k"])
+    writer.add_expert_feed_forward_length(s["expert_inter"])
+    writer.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(meta.get("tokenizer.ggml.pre", "default"))
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("padding", writer.add_pad_token_id)):
+        if f"tokenizer.ggml.{key}_token_id" in meta:
+            add(meta[f"tokenizer.ggml.{key}_token_id"])
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, rows: int, k: int, qtype: str, experts: int = 0) -> None:
+        if qtype == "f32":
+            values = np.ones(rows, np.float32) if k == 0 else rng.normal(0, k ** -0.5, (rows, k)).astype(np.float32)
+            writer.add_tensor(name, values)
+            return
+        if experts:
+            data = np.stack([_random_blocks(rows, k, qtype, rng) for _ in range(experts)])
+        else:
+            data = _random_blocks(rows, k, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype.upper()))
+
+    base = "q8_0" if mix == "q8_0" else "q4_k"
+    add("token_embd.weight", vocab, hidden, base)
+    add("output_norm.weight", hidden, 0, "f32")
+    add("output.weight", vocab, hidden, "q8_0" if mix == "q8_0" else "q6_k")
+    for i in range(layers):
+        more = mix != "q8_0" and _use_more_bits(i, layers)
+        add(f"blk.{i}.attn_norm.weight", hidden, 0, "f32")
+        add(f"blk.{i}.ffn_norm.weight", hidden, 0, "f32")
+        add(f"blk.{i}.attn_q_norm.weight", s["head_dim"], 0, "f32")
+        add(f"blk.{i}.attn_k_norm.weight", s["head_dim"], 0, "f32")
+        add(f"blk.{i}.attn_q.weight", q_size, hidden, base)
+        add(f"blk.{i}.attn_k.weight", kv_size, hidden, base)
+        add(f"blk.{i}.attn_v.weight", kv_size, hidden, "q6_k" if more else base)
+        add(f"blk.{i}.attn_output.weight", hidden, q_size, base)
+        add(f"blk.{i}.ffn_gate_inp.weight", s["experts"], hidden, "f32")
+        add(f"blk.{i}.ffn_gate_exps.weight", s["expert_inter"], hidden, base, s["experts"])
+        add(f"blk.{i}.ffn_up_exps.weight", s["expert_inter"], hidden, base, s["experts"])
+        add(f"blk.{i}.ffn_down_exps.weight", hidden, s["expert_inter"], "q6_k" if more else base, s["experts"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(path) + ".partial", path)
+    return path
+
+
+def run(command: list[str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode or not lines:
+        return f"{command[-1]} failed: {result.stderr.strip().splitlines()[-1:]}"
+    return lines[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/nanoserve-bench-qwen3moe-gguf"))
+    parser.add_argument("--mixes", default="q4_k_m,q8_0")
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    subprocess.run(["bash", "-c", "lscpu | sed -n 's/^Model name: */cpu: /p'; git log -1 --format='nanoserve %h'"],
+                   cwd=ROOT)
+    files = [write_gguf(args.out_dir / f"qwen3moe-{args.layers}l-{mix}.gguf", args.layers, mix)
+             for mix in args.mixes.split(",")]
+    python = str(ROOT / ".venv/bin/python")
+    for round_ in range(1, args.rounds + 1):
+        for path in files:
+            print(f"round {round_}: {run([str(LLAMACPP_VENV / 'bin/python'), str(BATCH1_LLAMACPP), str(path)])}",
+                  flush=True)
+            print(f"round {round_}: {run([python, '-c', NANOSERVE_BATCH1, str(path)])}", flush=True)
+            print(f"round {round_}: {run([python, '-c', NANOSERVE_OFFLINE, str(path)])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
