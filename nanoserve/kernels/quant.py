@@ -125,7 +125,7 @@ def _components(raw: torch.Tensor, qtype: str, k: int):
     if qtype == "q8_0":
         u = (blocks[..., 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
         return u.reshape(n, k), 128, _half(blocks[..., :2]).reshape(n, -1), None
-    if qtype in ("q5_0", "q5_1", "q5_k"):
+    if qtype in ("q5_0", "q5_1"):
         return _q5_components(blocks, qtype, n, k)
     if qtype in ("q4_0", "q4_1"):
         start = 2 if qtype == "q4_0" else 4
@@ -134,38 +134,57 @@ def _components(raw: torch.Tensor, qtype: str, k: int):
         if qtype == "q4_0":
             return u, 8, scale, None
         return u, 0, scale, _half(blocks[..., 2:4]).reshape(n, -1)
-    if qtype == "q4_k":
-        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])   # [n, nb, 1]
-        sc, mins = _q4_k_scale_min(blocks[..., 4:16])                   # [n, nb, 8] each
-        u = _nibbles(blocks[..., 16:].reshape(n, -1, 4, 32), 32).reshape(n, k)
-        scale = (d * sc.float()).reshape(n, -1)
-        return u, 0, scale, (-(dmin * mins.float())).reshape(n, -1)
+    u, offset, d, codes, dmin, min_codes = _k_parts(raw, qtype, k)
+    return u, offset, *_k_scales(d, codes, dmin, min_codes)
+
+
+def _k_parts(raw: torch.Tensor, qtype: str, k: int):
+    """A K type's rows as the file keeps them: (u uint8 [n, k], offset, d fp32 [n, k / 256, 1],
+    scale codes [n, k / 256, 8 or 16] (6-bit; Q6_K's int8), dmin and min codes (Q4_K, Q5_K; else
+    None)). The CPU packing holds these (kernels/cpu/gemm_quant.cpp's compact Traits)."""
+    _, nbytes = _check(raw, qtype, k)
+    n = raw.shape[0]
+    blocks = raw.reshape(n, k // 256, nbytes)
+    if qtype in ("q4_k", "q5_k"):
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])       # [n, nb, 1]
+        codes, min_codes = _q4_k_scale_min(blocks[..., 4:16])              # [n, nb, 8] each
+        if qtype == "q4_k":
+            u = _nibbles(blocks[..., 16:].reshape(n, -1, 4, 32), 32).reshape(n, k)
+        else:
+            u = _q5_k_values(blocks, n, k)
+        return u, 0, d, codes, dmin, min_codes
     # q6_k: ql [128], qh [64], scales int8 [16], d fp16
     ql, qh = blocks[..., :128], blocks[..., 128:192]
     low = _nibbles(ql.reshape(n, -1, 2, 64), 64)                        # [n, nb, 2, 128]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
     high = ((qh.reshape(n, -1, 2, 1, 32) >> shifts) & 3).reshape(n, -1, 2, 128)
     u = (low | (high << 4)).reshape(n, k)
-    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
-    d = _half(blocks[..., 208:210])
-    return u, 32, (d * scales).reshape(n, -1), None
+    return u, 32, _half(blocks[..., 208:210]), blocks[..., 192:208].contiguous().view(torch.int8), None, None
+
+
+def _k_scales(d, codes, dmin, min_codes):
+    """(scale fp32 [n, k / group], min fp32 [n, k / 32] or None): d * code and -(dmin * code), the
+    fp32 operations of gguf's dequantization (and of the CPU kernel on its compact packing)."""
+    n = d.shape[0]
+    scale = (d * codes.float()).reshape(n, -1)
+    return scale, None if dmin is None else (-(dmin * min_codes.float())).reshape(n, -1)
+
+
+def _q5_k_values(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q5_K's u: sub-block j's element l has bit j of qh[l] and the low (j even) or high nibble
+    of qs[32 * (j // 2) + l]."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    qh = blocks[..., 16:48].unsqueeze(-2)                               # [n, nb, 1, 32]
+    high = (qh >> bits.reshape(8, 1)) & 1                               # [n, nb, 8, 32]
+    low = _nibbles(blocks[..., 48:].reshape(n, -1, 4, 32), 32).reshape(high.shape)
+    return (low | (high << 4)).reshape(n, k)
 
 
 def _q5_components(blocks: torch.Tensor, qtype: str, n: int, k: int):
-    """Q5_0 (d, qh 4, qs 16), Q5_1 (d, m, qh 4, qs 16) and Q5_K (d, dmin, 12 bytes of scales as
-    Q4_K, qh 32, qs 128): u = low nibble | high bit << 4, as llama.cpp's dequantize_row_q5_*.
-    Q5_0 / Q5_1: element i's high bit is bit i of the little-endian qh word, its nibble the low
-    one of qs[i] (i < 16) or the high one of qs[i - 16]. Q5_K: sub-block j's element l has bit j
-    of qh[l] and the low (j even) or high nibble of qs[32 * (j // 2) + l]."""
+    """Q5_0 (d, qh 4, qs 16) and Q5_1 (d, m, qh 4, qs 16): u = low nibble | high bit << 4, as
+    llama.cpp's dequantize_row_q5_*: element i's high bit is bit i of the little-endian qh word,
+    its nibble the low one of qs[i] (i < 16) or the high one of qs[i - 16]."""
     bits = torch.arange(8, dtype=torch.uint8)
-    if qtype == "q5_k":
-        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])       # [n, nb, 1]
-        sc, mins = _q4_k_scale_min(blocks[..., 4:16])                       # [n, nb, 8] each
-        qh = blocks[..., 16:48].unsqueeze(-2)                               # [n, nb, 1, 32]
-        high = (qh >> bits.reshape(8, 1)) & 1                               # [n, nb, 8, 32]
-        low = _nibbles(blocks[..., 48:].reshape(n, -1, 4, 32), 32).reshape(high.shape)
-        u = (low | (high << 4)).reshape(n, k)
-        return u, 0, (d * sc.float()).reshape(n, -1), (-(dmin * mins.float())).reshape(n, -1)
     start = 2 if qtype == "q5_0" else 4
     qh = blocks[..., start:start + 4].unsqueeze(-1)                          # [n, nb, 4, 1]
     high = ((qh >> bits) & 1).reshape(n, -1, 32)
@@ -288,10 +307,93 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
 
 # ---- the CPU kernel's layout -----------------------------------------------------------------
 
+# The K types keep the file's scale codes, and d (and dmin) once a super-block of 256 (kernels/cpu/
+# gemm_quant.cpp's compact Traits): per super-block of a group of 16 columns, the 8 blocks' quants,
+# then each block's scale codes [groups of the block][16 columns] (uint8; Q6_K's int8), the min
+# codes [8][16] (Q4_K, Q5_K), then fp32 d [16] and dmin [16].
+COMPACT = ("q4_k", "q5_k", "q6_k")
+
+
 def packed_layout(qtype: str) -> tuple[int, int, int]:
-    """Bytes of one packed block of 16 columns x 32 elements: (quants, scales, mins)."""
+    """Bytes of one packed block of 16 columns x 32 elements: (quants, scales, mins); a compact
+    type's (per super-block / 8): (quants, scale codes, min codes and the fp32 d / dmin)."""
     nibbles, group, _, has_min = FORMATS[qtype]
-    return (256 if nibbles else 512), 4 * _COLS * (_BLOCK // group), (4 * _COLS if has_min else 0)
+    quants = 256 if nibbles else 512
+    if qtype in COMPACT:
+        codes = _COLS * (_BLOCK // group)
+        return quants, codes, ((8 * _COLS if has_min else 0) + 4 * _COLS * (2 if has_min else 1)) // 8
+    return quants, 4 * _COLS * (_BLOCK // group), (4 * _COLS if has_min else 0)
+
+
+def _pack_steps(u: torch.Tensor, groups: int, nb: int, nibbles: bool) -> torch.Tensor:
+    """u [groups * 16, k] -> [groups, nb, quant bytes]: each block's quants as the VNNI steps read
+    them (see pack_weight)."""
+    quants = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [.., nb, 8 steps, 16 cols, 4]
+    if nibbles:
+        quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
+    return quants.reshape(groups, nb, -1)
+
+
+def _unpack_steps(quants: torch.Tensor, groups: int, nb: int, nibbles: bool) -> torch.Tensor:
+    """_pack_steps' inverse: -> u [groups * 16, k]."""
+    steps = quants.reshape(groups, nb, -1, _COLS, 4)
+    if nibbles:
+        steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
+    return steps.permute(0, 3, 1, 2, 4).reshape(groups * _COLS, nb * _BLOCK)
+
+
+def _column_major(values: torch.Tensor, groups: int) -> torch.Tensor:
+    """[groups * 16, supers, e] -> [groups, supers, e, 16] as bytes [groups, supers, e * 16 * size]."""
+    per_column = values.reshape(groups, _COLS, values.shape[1], -1).permute(0, 2, 3, 1).contiguous()
+    return per_column.view(torch.uint8).reshape(groups, values.shape[1], -1)
+
+
+def _from_column_major(data: torch.Tensor, groups: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """_column_major's inverse: bytes [groups, supers, e * 16 * size] -> [n, supers, e] of dtype."""
+    supers = data.shape[1]
+    values = data.contiguous().view(dtype).reshape(groups, supers, -1, _COLS)
+    return values.permute(0, 3, 1, 2).reshape(groups * _COLS, supers, -1)[:n]
+
+
+def _pack_compact(w: QuantWeight) -> torch.Tensor:
+    """A K type's packing from its GGUF rows (COMPACT's layout), [groups, k / 32, bytes a block]."""
+    u, _, d, codes, dmin, min_codes = _k_parts(w.raw.cpu(), w.qtype, w.k)
+    groups, nb = -(-w.n // _COLS), w.k // _BLOCK
+    pad = groups * _COLS - w.n
+
+    def padded(t):
+        return t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+    quants = _pack_steps(padded(u), groups, nb, FORMATS[w.qtype][0]).reshape(groups, nb // 8, -1)
+    parts = [quants, _column_major(padded(codes.view(torch.uint8)), groups)]
+    if dmin is not None:
+        parts.append(_column_major(padded(min_codes), groups))
+    parts.append(_column_major(padded(d), groups))
+    if dmin is not None:
+        parts.append(_column_major(padded(dmin), groups))
+    return torch.cat(parts, dim=-1).reshape(groups, nb, -1).contiguous()
+
+
+def _unpack_compact(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
+    nibbles, group, _, has_min = FORMATS[qtype]
+    groups, supers, nb = packed.shape[0], k // 256, k // _BLOCK
+    quant_bytes, code_bytes, _ = packed_layout(qtype)
+    data = packed.reshape(groups, supers, -1)
+    at = 8 * quant_bytes
+    u = _unpack_steps(data[..., :at], groups, nb, nibbles)[:n]
+    codes = _from_column_major(data[..., at : at + 8 * code_bytes], groups, n, torch.uint8)
+    at += 8 * code_bytes
+    if qtype == "q6_k":
+        codes = codes.view(torch.int8)
+    min_codes = dmin = None
+    if has_min:
+        min_codes = _from_column_major(data[..., at : at + 8 * _COLS], groups, n, torch.uint8)
+        at += 8 * _COLS
+    d = _from_column_major(data[..., at : at + 4 * _COLS], groups, n, torch.float32)
+    if has_min:
+        dmin = _from_column_major(data[..., at + 4 * _COLS :], groups, n, torch.float32)
+    scale, mins = _k_scales(d, codes, dmin, min_codes)
+    return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
 
 
 def pack_weight(w: QuantWeight) -> torch.Tensor:
@@ -300,7 +402,10 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     elements, eight such steps a block; 4-bit formats hold step j in the low nibbles and step
     j + 4 in the high ones), then fp32 scales [groups of the block][16 columns], then fp32 mins.
     FP8 (kernels/cpu/gemm_fp8.cpp, which widens one input's 16 columns at a time): the E4M3 bytes
-    [32 inputs][16 columns] instead of VNNI steps, then the scales as the others'."""
+    [32 inputs][16 columns] instead of VNNI steps, then the scales as the others'. The K types
+    (COMPACT): per super-block of 8 blocks, their quants, then the file's codes and d / dmin."""
+    if w.qtype in COMPACT:
+        return _pack_compact(w)
     nibbles, group, _, has_min = FORMATS[w.qtype]
     u, _, scale, mins = _stored_components(w)
     groups, nb = -(-w.n // _COLS), w.k // _BLOCK
@@ -312,9 +417,7 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     if w.qtype == FP8:  # [groups, 16 cols, nb, 32] -> [groups, nb, 32, 16 cols]
         quants = u.reshape(groups, _COLS, nb, _BLOCK).permute(0, 2, 3, 1)
     else:  # [groups, 16 cols, nb, 8 steps, 4] -> [groups, nb, 8 steps, 16 cols, 4]
-        quants = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)
-        if nibbles:
-            quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
+        quants = _pack_steps(u, groups, nb, nibbles)
     parts = [quants.reshape(groups, nb, -1)]
     per_block = _BLOCK // group
     parts.append(scale.reshape(groups, _COLS, nb, per_block).permute(0, 2, 3, 1).contiguous()
@@ -327,17 +430,15 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
 
 def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
+    if qtype in COMPACT:
+        return _unpack_compact(packed, qtype, n, k)
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, nb = packed.shape[0], k // _BLOCK
     quants, scales_bytes, _ = packed_layout(qtype)
     if qtype == FP8:  # [groups, nb, 32, 16 cols] -> [groups, 16 cols, nb, 32]
         u = packed[..., :quants].reshape(groups, nb, _BLOCK, _COLS).permute(0, 3, 1, 2)
     else:
-        steps = packed[..., :quants].reshape(groups, nb, -1, _COLS, 4)
-        if nibbles:
-            steps = torch.cat([steps & 0x0F, steps >> 4], dim=2)
-        # [groups, nb, 8 steps, 16 cols, 4] -> [groups, 16 cols, nb, 8 steps, 4]
-        u = steps.permute(0, 3, 1, 2, 4)
+        u = _unpack_steps(packed[..., :quants], groups, nb, nibbles)
     u = u.reshape(groups * _COLS, k)[:n]
     per_block = _BLOCK // group
     scale = (packed[..., quants:quants + scales_bytes].contiguous().view(torch.float32)
@@ -358,6 +459,8 @@ def pack_for_cpu(w: QuantWeight) -> None:
 
     block = GGUF_QTYPES[w.qtype][0] if w.qtype in GGUF_QTYPES else _BLOCK  # FP8, MXFP4: 32
     if w.packed is not None or w.device.type != "cpu" or w.k % block or not cpu_ops.available():
+        return
+    if w.qtype in COMPACT and w.raw is None:  # the compact packing is made from the file's codes
         return
     w.packed = pack_weight(w)
     w.components = None

@@ -16,7 +16,8 @@
 // 32 elements, the quants as one vpdpbusd step reads them (64 bytes: 16 columns x 4 elements;
 // eight steps a block, 4-bit formats holding step j in the low nibbles and j + 4 in the high
 // ones; the 5-bit formats take a byte an element, as Q8_0 and Q6_K), then fp32 scales [groups
-// in the block][16], then fp32 mins [16].
+// in the block][16], then fp32 mins [16]; the K types keep the file's scale codes and one d (and
+// dmin) per super-block instead (Traits::compact).
 //
 // Measured on a 2-core Zen 5 EPYC (benchmarks/quant/gemm_shapes.py, dot_peak.cpp), SmolLM2's
 // shapes against the bf16 GEMM at the same level: a lone row 1.2-2.7x (fewer bytes to stream);
@@ -74,8 +75,72 @@ struct Traits {
     static constexpr bool super_blocks = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // K a multiple of 256
     static constexpr int quant_bytes = nibbles ? 256 : 512;
     static constexpr int scale_bytes = 4 * kCols * (kBlock / group);
-    static constexpr int bytes = quant_bytes + scale_bytes + (has_min ? 4 * kCols : 0);
+    // The K types keep their scales as the file does (compact): per block, each scale group's
+    // 6-bit (Q6_K: int8) code and the 6-bit min code, a byte a column; per super-block of 8 blocks,
+    // fp32 d and dmin a column. The kernels form scale = d * code and min = -(dmin * code), the
+    // fp32 operations quant.py's dequantization does, so the products keep their bits; the packing
+    // is 4.75 bits a weight for Q4_K (6 with fp32 scales and mins a block), 8.6 for Q6_K (10).
+    // Layout of a super-block: [8 x quants][8 x kGroups x 16 scale codes][8 x 16 min codes]
+    // [16 d][16 dmin].
+    static constexpr bool compact = super_blocks;
+    static constexpr int code_bytes = kCols * (kBlock / group);  // a block's scale codes
+    static constexpr int min_codes_at = 8 * quant_bytes + 8 * code_bytes;
+    static constexpr int d_at = min_codes_at + (has_min ? 8 * kCols : 0);
+    static constexpr int dmin_at = d_at + 4 * kCols;
+    static constexpr int super_bytes = dmin_at + (has_min ? 4 * kCols : 0);
+    static constexpr int bytes = compact ? super_bytes / 8 : quant_bytes + scale_bytes + (has_min ? 4 * kCols : 0);
+    static_assert(!compact || super_bytes % 8 == 0, "a super-block is 8 blocks' bytes");
 };
+
+// Where block b's quants start in a group of 16 columns' packing.
+template <int F>
+inline const uint8_t* quants_at(const uint8_t* group, int64_t b) {
+    using T = Traits<F>;
+    if constexpr (T::compact) return group + (b / 8) * T::super_bytes + (b % 8) * T::quant_bytes;
+    return group + b * T::bytes;
+}
+
+// A compact format's codes of block b: its scale group g's (16 columns) or its mins'.
+template <int F>
+inline const uint8_t* scale_codes_at(const uint8_t* group, int64_t b, int g) {
+    using T = Traits<F>;
+    return group + (b / 8) * T::super_bytes + 8 * T::quant_bytes + ((b % 8) * (kBlock / T::group) + g) * kCols;
+}
+
+template <int F>
+inline const uint8_t* min_codes_at(const uint8_t* group, int64_t b) {
+    using T = Traits<F>;
+    return group + (b / 8) * T::super_bytes + T::min_codes_at + (b % 8) * kCols;
+}
+
+template <int F>
+inline const float* super_floats(const uint8_t* group, int64_t b, int at) {  // d (at = d_at) or dmin
+    return reinterpret_cast<const float*>(group + (b / 8) * Traits<F>::super_bytes + at);
+}
+
+// Block b's fp32 scales of group g (or mins), column col, as the portable level reads them.
+template <int F>
+inline float scale_of(const uint8_t* group, int64_t b, int g, int col) {
+    using T = Traits<F>;
+    if constexpr (T::compact) {
+        const uint8_t code = scale_codes_at<F>(group, b, g)[col];
+        const float value = F == kQ6_K ? static_cast<float>(static_cast<int8_t>(code)) : static_cast<float>(code);
+        return super_floats<F>(group, b, T::d_at)[col] * value;
+    }
+    float scale;
+    std::memcpy(&scale, group + b * T::bytes + T::quant_bytes + 4 * (g * kCols + col), sizeof(scale));
+    return scale;
+}
+
+template <int F>
+inline float min_of(const uint8_t* group, int64_t b, int col) {
+    using T = Traits<F>;
+    if constexpr (T::compact)
+        return -(super_floats<F>(group, b, T::dmin_at)[col] * static_cast<float>(min_codes_at<F>(group, b)[col]));
+    float value;
+    std::memcpy(&value, group + b * T::bytes + T::quant_bytes + T::scale_bytes + 4 * col, sizeof(value));
+    return value;
+}
 
 // The activations, quantized once per call: per row and block of 32, int8 q, dx, sx and the
 // offset corrections offset * (sum of q) of each scale group (two per block: halves for Q6_K, the
@@ -255,7 +320,7 @@ void quantize_row(const void* x, int dtype, int64_t row, int64_t ldx, int64_t k,
 template <int F, int C>
 NS_VNNI inline void load_weights(__m512i (&w)[C][8], const uint8_t* base, int64_t stride, int64_t b) {
     for (int c = 0; c < C; ++c) {
-        const uint8_t* p = base + c * stride + b * Traits<F>::bytes;
+        const uint8_t* p = quants_at<F>(base + c * stride, b);
         if constexpr (Traits<F>::nibbles) {
             const __m512i low = _mm512_set1_epi8(0x0F);
             for (int j = 0; j < 4; ++j) {
@@ -271,6 +336,30 @@ NS_VNNI inline void load_weights(__m512i (&w)[C][8], const uint8_t* base, int64_
             for (int j = 0; j < 8; ++j) w[c][j] = _mm512_loadu_si512(p + 64 * j);
         }
     }
+}
+
+// Block b's 16 fp32 scales of group g (or its mins) for one group of columns.
+template <int F>
+NS_VNNI inline __m512 scales_avx512(const uint8_t* group, int64_t b, int g) {
+    using T = Traits<F>;
+    if constexpr (T::compact) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scale_codes_at<F>(group, b, g)));
+        const __m512i ints = F == kQ6_K ? _mm512_cvtepi8_epi32(codes) : _mm512_cvtepu8_epi32(codes);
+        return _mm512_mul_ps(_mm512_loadu_ps(super_floats<F>(group, b, T::d_at)), _mm512_cvtepi32_ps(ints));
+    }
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(group + b * T::bytes + T::quant_bytes) + g * kCols);
+}
+
+template <int F>
+NS_VNNI inline __m512 mins_avx512(const uint8_t* group, int64_t b) {
+    using T = Traits<F>;
+    if constexpr (T::compact) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(min_codes_at<F>(group, b)));
+        const __m512 product = _mm512_mul_ps(_mm512_loadu_ps(super_floats<F>(group, b, T::dmin_at)),
+                                             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)));
+        return _mm512_xor_ps(product, _mm512_set1_ps(-0.0f));  // -(dmin * code), exactly
+    }
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(group + b * T::bytes + T::quant_bytes + T::scale_bytes));
 }
 
 template <int F, int R, int C>
@@ -311,14 +400,14 @@ NS_VNNI void block_vnni(const Block& blk) {
                 for (int g = 0; g < kGroups; ++g) dot[c][g] = _mm512_add_epi32(dot[c][g], odd[c][g]);
             const __m512 dx = _mm512_set1_ps(a.dx[row * a.nb + b]);
             for (int c = 0; c < C; ++c) {
-                const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+                const uint8_t* group = blk.w + c * blk.group_stride;
                 for (int g = 0; g < kGroups; ++g) {
                     const __m512i i = dot[c][g];
-                    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols);
+                    const __m512 scale = scales_avx512<F>(group, b, g);
                     acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(i)));
                 }
                 if constexpr (T::has_min) {
-                    const __m512 mins = _mm512_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes + T::scale_bytes));
+                    const __m512 mins = mins_avx512<F>(group, b);
                     acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(mins, _mm512_set1_ps(a.sx[row * a.nb + b])));
                 }
             }
@@ -371,6 +460,30 @@ NS_QAVX2 inline void load_step_pair_avx2(const uint8_t* p, int j, int h, __m256i
 // halves, a step pair's weights, two broadcast activations); the fp32 accumulators, touched once a
 // block, may live in memory. (The previous order, a half's eight unpacked steps held across the
 // rows, spilled everything at 2 x 2 and ran 1.3-1.6x slower at 64 rows, same bits.)
+// Block b's 8 fp32 scales of group g for half h (8 columns) of a group of columns, or its mins.
+template <int F>
+NS_QAVX2 inline __m256 scales_avx2(const uint8_t* group, int64_t b, int g, int h) {
+    using T = Traits<F>;
+    if constexpr (T::compact) {
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale_codes_at<F>(group, b, g) + 8 * h));
+        const __m256i ints = F == kQ6_K ? _mm256_cvtepi8_epi32(codes) : _mm256_cvtepu8_epi32(codes);
+        return _mm256_mul_ps(_mm256_loadu_ps(super_floats<F>(group, b, T::d_at) + 8 * h), _mm256_cvtepi32_ps(ints));
+    }
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(group + b * T::bytes + T::quant_bytes) + g * kCols + 8 * h);
+}
+
+template <int F>
+NS_QAVX2 inline __m256 mins_avx2(const uint8_t* group, int64_t b, int h) {
+    using T = Traits<F>;
+    if constexpr (T::compact) {
+        const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(min_codes_at<F>(group, b) + 8 * h));
+        const __m256 product = _mm256_mul_ps(_mm256_loadu_ps(super_floats<F>(group, b, T::dmin_at) + 8 * h),
+                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)));
+        return _mm256_xor_ps(product, _mm256_set1_ps(-0.0f));
+    }
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(group + b * T::bytes + T::quant_bytes + T::scale_bytes) + 8 * h);
+}
+
 template <int F, int R, int C>
 NS_QAVX2 void block_avx2(const Block& blk) {
     using T = Traits<F>;
@@ -383,7 +496,8 @@ NS_QAVX2 void block_avx2(const Block& blk) {
         for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.nb; ++b) {
         for (int c = 0; c < C; ++c) {
-            const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+            const uint8_t* group = blk.w + c * blk.group_stride;
+            const uint8_t* p = quants_at<F>(group, b);
             __m256i dot[R][2][kGroups];  // each group's int32 dot products, 8 columns a half
             if constexpr (T::nibbles) {  // one group, kInt16Steps steps in int16: steps j and j + 4 together
                 constexpr int kRun = kInt16Steps / 2;  // values of j a run of int16 sums takes
@@ -436,11 +550,11 @@ NS_QAVX2 void block_avx2(const Block& blk) {
                         __m256i i = dot[r][h][g];
                         if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
                             i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
-                        const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes) + g * kCols + 8 * h);
+                        const __m256 scale = scales_avx2<F>(group, b, g, h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
                     }
                     if constexpr (T::has_min) {
-                        const __m256 mins = _mm256_loadu_ps(reinterpret_cast<const float*>(p + T::quant_bytes + T::scale_bytes) + 8 * h);
+                        const __m256 mins = mins_avx2<F>(group, b, h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(mins, _mm256_set1_ps(a.sx[row * a.nb + b])));
                     }
                 }
@@ -474,21 +588,19 @@ void block_portable(const Block& blk) {
                 const int64_t row = blk.row + r;
                 float acc = 0.0f;
                 for (int64_t b = 0; b < a.nb; ++b) {
-                    const uint8_t* p = blk.w + c * blk.group_stride + b * T::bytes;
+                    const uint8_t* group = blk.w + c * blk.group_stride;
+                    const uint8_t* p = quants_at<F>(group, b);
                     const int8_t* q = a.q + row * a.k + b * kBlock;
                     const float dx = a.dx[row * a.nb + b];
                     for (int g = 0; g < kBlock / T::group; ++g) {
                         int32_t i = 0;
                         for (int e = g * T::group; e < (g + 1) * T::group; ++e) i += unpack<F>(p, e, col) * q[e];
                         i -= a.corr[(row * a.nb + b) * 2 + g];
-                        float scale;
-                        std::memcpy(&scale, p + T::quant_bytes + 4 * (g * kCols + col), sizeof(scale));
+                        const float scale = scale_of<F>(group, b, g, col);
                         acc = acc + (scale * dx) * static_cast<float>(i);
                     }
                     if constexpr (T::has_min) {
-                        float mins;
-                        std::memcpy(&mins, p + T::quant_bytes + T::scale_bytes + 4 * col, sizeof(mins));
-                        acc = acc + mins * a.sx[row * a.nb + b];
+                        acc = acc + min_of<F>(group, b, col) * a.sx[row * a.nb + b];
                     }
                 }
                 blk.sums[r * C * kCols + c * kCols + col] = acc;
