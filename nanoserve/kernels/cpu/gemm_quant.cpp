@@ -369,13 +369,21 @@ NS_VNNI void block_vnni(const Block& blk) {
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    constexpr int kGroups = kBlock / T::group;
     for (int64_t b = 0; b < a.nb; ++b) {
         __m512i w[C][8];
         load_weights<F, C>(w, blk.w, blk.group_stride, b);
+        // A compact format's fp32 scales (and mins) of the block, formed once for all R rows.
+        alignas(64) float scales[C][kGroups][kCols], mins[C][kCols];
+        if constexpr (T::compact) {
+            for (int c = 0; c < C; ++c) {
+                for (int g = 0; g < kGroups; ++g) _mm512_store_ps(scales[c][g], scales_avx512<F>(blk.w + c * blk.group_stride, b, g));
+                if constexpr (T::has_min) _mm512_store_ps(mins[c], mins_avx512<F>(blk.w + c * blk.group_stride, b));
+            }
+        }
         for (int r = 0; r < R; ++r) {
             const int64_t row = blk.row + r;
             const int8_t* q = a.q + row * a.k + b * kBlock;
-            constexpr int kGroups = kBlock / T::group;
             // Each group's integer starts at -offset * (its sum of q): no subtraction after. Two
             // chains of vpdpbusd a group (steps 0, 2, .. and 1, 3, ..), added at the end: half the
             // dependent latency, and integer sums are exact in any order.
@@ -403,12 +411,12 @@ NS_VNNI void block_vnni(const Block& blk) {
                 const uint8_t* group = blk.w + c * blk.group_stride;
                 for (int g = 0; g < kGroups; ++g) {
                     const __m512i i = dot[c][g];
-                    const __m512 scale = scales_avx512<F>(group, b, g);
+                    const __m512 scale = T::compact ? _mm512_load_ps(scales[c][g]) : scales_avx512<F>(group, b, g);
                     acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(_mm512_mul_ps(scale, dx), _mm512_cvtepi32_ps(i)));
                 }
                 if constexpr (T::has_min) {
-                    const __m512 mins = mins_avx512<F>(group, b);
-                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(mins, _mm512_set1_ps(a.sx[row * a.nb + b])));
+                    const __m512 block_mins = T::compact ? _mm512_load_ps(mins[c]) : mins_avx512<F>(group, b);
+                    acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(block_mins, _mm512_set1_ps(a.sx[row * a.nb + b])));
                 }
             }
         }
@@ -542,6 +550,13 @@ NS_QAVX2 void block_avx2(const Block& blk) {
                     }
                 }
             }
+            alignas(32) float scales[2][kGroups][8], mins[2][8];  // a compact format's, once for all R rows
+            if constexpr (T::compact) {
+                for (int h = 0; h < 2; ++h) {
+                    for (int g = 0; g < kGroups; ++g) _mm256_store_ps(scales[h][g], scales_avx2<F>(group, b, g, h));
+                    if constexpr (T::has_min) _mm256_store_ps(mins[h], mins_avx2<F>(group, b, h));
+                }
+            }
             for (int r = 0; r < R; ++r) {
                 const int64_t row = blk.row + r;
                 const __m256 dx = _mm256_set1_ps(a.dx[row * a.nb + b]);
@@ -550,12 +565,12 @@ NS_QAVX2 void block_avx2(const Block& blk) {
                         __m256i i = dot[r][h][g];
                         if constexpr (T::offset != 0 && F != kQ8_0)  // Q8_0's dot is already signed
                             i = _mm256_sub_epi32(i, _mm256_set1_epi32(a.corr[(row * a.nb + b) * 2 + g]));
-                        const __m256 scale = scales_avx2<F>(group, b, g, h);
+                        const __m256 scale = T::compact ? _mm256_load_ps(scales[h][g]) : scales_avx2<F>(group, b, g, h);
                         acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(_mm256_mul_ps(scale, dx), _mm256_cvtepi32_ps(i)));
                     }
                     if constexpr (T::has_min) {
-                        const __m256 mins = mins_avx2<F>(group, b, h);
-                        acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(mins, _mm256_set1_ps(a.sx[row * a.nb + b])));
+                        const __m256 block_mins = T::compact ? _mm256_load_ps(mins[h]) : mins_avx2<F>(group, b, h);
+                        acc[r][c][h] = _mm256_add_ps(acc[r][c][h], _mm256_mul_ps(block_mins, _mm256_set1_ps(a.sx[row * a.nb + b])));
                     }
                 }
             }
