@@ -51,6 +51,7 @@ _SIGNATURES = {
     "ns_argmax_rows": [_I32, _P, _P, _I64, _I64, _I64],
     "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
     "ns_gemm_quant": [_I32, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64],
+    "ns_gemm_quant_many": [_I32, _P, _I64, _I32],
     "ns_isa_supported": [_I32],
     "ns_bf16_dot_variant": [_I32],
     "ns_set_isa": [_I32],
@@ -510,6 +511,33 @@ def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: in
 
 
 # ---- GEMMs on GGUF block-format weights (kernels/cpu/gemm_quant.cpp; kernels/quant.py) --------
+
+def gemm_quant_many(x: torch.Tensor, parts: list[tuple[int, torch.Tensor, int, int, torch.Tensor | None]],
+                    n: int) -> torch.Tensor | None:
+    """One call for several GEMMs on row ranges of x [M, K] (bf16 or fp32, contiguous): per part
+    (format code, packing, first row, end row, bias [n] or None), out[first:end] = x[first:end] @
+    w^T (+ bias), out [M, n] in x.dtype; every weight's n, a multiple of 16, and K. None when
+    something can't be taken (then gemm_quant part by part)."""
+    code = _dtype_code(x)
+    if (code is None or _library is None or x.dim() != 2 or not x.is_contiguous() or n % GEMM_TILE_N
+            or not parts):
+        return None
+    k = x.shape[1]
+    out = x.new_empty((x.shape[0], n))
+    items = []
+    for format_code, packed, first, end, bias in parts:
+        if packed.dim() != 3 or packed.shape[0] * GEMM_TILE_N != n or packed.shape[1] != k // 32:
+            return None
+        if bias is not None and (bias.dtype != x.dtype or bias.shape != (n,) or not bias.is_contiguous()):
+            return None
+        items += [format_code, packed.data_ptr(), x[first].data_ptr() if end > first else 0,
+                  out[first].data_ptr() if end > first else 0, end - first, n,
+                  0 if bias is None else bias.data_ptr()]
+    array = (ctypes.c_int64 * len(items))(*items)
+    if _library.ns_gemm_quant_many(len(parts), array, k, code) != 0:
+        return None
+    return out
+
 
 def gemm_quant(x: torch.Tensor, packed: torch.Tensor, format_code: int, n: int, k: int,
                bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -168,11 +168,18 @@ def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None, 
     b13, b2 = bias if bias is not None else (None, None)
     part = lambda tensors, e: None if tensors is None else tensors[e]  # noqa: E731
     x = hidden[local_rows // top_k]
-    gate_up = torch.cat([_expert_linear(x[start:end], w13[e], part(packed13, e), part(b13, e))
-                         for e, start, end in spans])
-    act = (activation or silu_and_mul)(gate_up)
-    expert_rows[local_rows] = torch.cat([_expert_linear(act[start:end], w2[e], part(packed2, e), part(b2, e))
-                                         for e, start, end in spans])
+
+    def linear(rows, weights, packings, biases):
+        if isinstance(part(packings, spans[0][0]), quant.QuantWeight):  # quantized: every expert's GEMM in one call
+            out = quant.quant_gemm_many(rows, [packings[e] for e, _, _ in spans],
+                                        [(start, end) for _, start, end in spans], [part(biases, e) for e, _, _ in spans])
+            if out is not None:
+                return out
+        return torch.cat([_expert_linear(rows[start:end], weights[e], part(packings, e), part(biases, e))
+                          for e, start, end in spans])
+
+    act = (activation or silu_and_mul)(linear(x, w13, packed13, b13))
+    expert_rows[local_rows] = linear(act, w2, packed2, b2)
     return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 

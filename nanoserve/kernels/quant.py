@@ -489,3 +489,22 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
         if out is not None:
             return out
     return reference_gemm(x, w, bias)
+
+
+def quant_gemm_many(x: torch.Tensor, weights: list[QuantWeight], spans: list[tuple[int, int]],
+                    biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Rows start..end of x (span i) through weights[i] (+ biases[i]), all in one C++ call: [rows,
+    n] in x.dtype, each row's bits those of quant_gemm on it. None where the C++ kernels can't take
+    them all (not every weight packed, different n, n not a multiple of 16): then quant_gemm
+    weight by weight."""
+    if x.device.type != "cpu" or not weights or any(w.packed is None for w in weights):
+        return None
+    n = weights[0].n
+    if any(w.n != n or w.k != x.shape[1] for w in weights):
+        return None
+    from nanoserve.kernels import cpu_ops
+
+    parts = [(format_code(w.qtype), w.packed, start, end, bias)
+             for w, (start, end), bias in zip(weights, spans, biases)]
+    return cpu_ops.gemm_quant_many(x.contiguous(), parts, n)
+

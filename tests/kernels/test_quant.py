@@ -275,3 +275,23 @@ def test_mxfp4_unpack_reads_the_codes_back(n):
     assert torch.equal(unpacked.u, w.components.u) and torch.equal(unpacked.scale, w.components.scale)
     u, offset, _, _ = quant.weight_components(w)
     assert offset == 12 and torch.equal(u, quant.MXFP4_U[w.components.u.long()])
+
+
+@needs_kernels
+def test_many_gemms_in_one_call_equal_each_alone(cpu_isa):
+    """quant_gemm_many (a MoE layer's experts in one C++ call): each span of rows through its own
+    weight and bias, the bits of quant_gemm on those rows; an empty span; None where one weight
+    is not packed or the widths differ (the caller then goes weight by weight)."""
+    weights = [_weight("q4_k", 48, 256, seed=1), _weight("q8_0", 48, 256, seed=2), _mxfp4_weight(48, 256, seed=3)]
+    for w in weights:
+        quant.pack_for_cpu(w)
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(9, 256, generator=generator).to(torch.bfloat16)
+    biases = [torch.randn(48, generator=generator).to(torch.bfloat16), None, None]
+    spans = [(0, 4), (4, 4), (4, 9)]
+    out = quant.quant_gemm_many(x, weights, spans, biases)
+    assert out.shape == (9, 48)
+    for w, (start, end), bias in zip(weights, spans, biases):
+        assert torch.equal(out[start:end], quant.quant_gemm(x[start:end], w, bias))
+    assert quant.quant_gemm_many(x, [weights[0], _weight("q8_0", 48, 256)], spans[:2], [None, None]) is None
+    assert quant.quant_gemm_many(x, [weights[0], _weight("q8_0", 32, 256)], spans[:2], [None, None]) is None
