@@ -55,7 +55,8 @@ llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos
 t = time.perf_counter()
 outputs = llm.generate(prompts, sp, use_tqdm=False)
 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-print(f"nanoserve {sys.argv[1].rsplit('/', 1)[-1]} offline 32 x (128, 64): {tokens / (time.perf_counter() - t):.1f} output tokens/s")
+rate = tokens / (time.perf_counter() - t)
+print(f"nanoserve {sys.argv[1].rsplit('/', 1)[-1]} offline 32 x (128, 64): {rate:.1f} output tokens/s")
 """
 
 

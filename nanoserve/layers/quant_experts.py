@@ -1,9 +1,10 @@
 """A quantized checkpoint's MoE experts kept in a kernel format (kernels/quant.py) on the CPU:
 each expert's gate/up matrix and down matrix becomes one QuantWeight, which the grouped MoE path
 multiplies with quant_gemm (kernels/fused_moe.py). layers/fused_moe.FusedMoE stages the parts
-here as its loaders read them (this rank's rows of gate and up; of down, whole blocks of 32 of
-its columns), each expert's weight made and packed once its parts are in; `finish` hands them over. Each of the two matrices is quantized for every
-expert or for none (the other may stay float: a down matrix whose shard is not whole blocks)."""
+here as its loaders read them (this rank's rows of gate and up; of down, whole blocks of its
+columns: 32, or a GGUF type's block), each expert's weight made and packed once its parts are in;
+`finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
+other may stay float: a down matrix whose shard is not whole blocks)."""
 from __future__ import annotations
 
 import torch
