@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name("cpu") / name
             for name in ("ops.cpp", "gemm.cpp", "gemm_levels.cpp", "attention_amx.cpp", "decode_layers.cpp",
-                          "gemm_quant.cpp", "gemm_fp8.cpp", "kv_fp8.cpp")]
+                          "gemm_quant.cpp", "gemm_fp8.cpp", "kv_fp8.cpp", "moe.cpp")]
 # In the build's cache key with the sources.
 _HEADERS = [Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h", "fp8.h")]
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
@@ -52,6 +52,8 @@ _SIGNATURES = {
     "ns_gemm_bf16": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64],
     "ns_gemm_quant": [_I32, _P, _I64, _P, _I64, _I32, _P, _P, _I64, _I64, _I64],
     "ns_gemm_quant_many": [_I32, _P, _I64, _I32],
+    "ns_moe_topk": [_I32, _P, _I64, _I64, _I32, _I32, _I32, _P, _P],
+    "ns_moe_experts": [_P, _I32, _P, _P, _P, _P, _I64, _I32, _I64, _I64, _P],
     "ns_isa_supported": [_I32],
     "ns_bf16_dot_variant": [_I32],
     "ns_set_isa": [_I32],
@@ -535,6 +537,44 @@ def gemm_quant_many(x: torch.Tensor, parts: list[tuple[int, torch.Tensor, int, i
                   0 if bias is None else bias.data_ptr()]
     array = (ctypes.c_int64 * len(items))(*items)
     if _library.ns_gemm_quant_many(len(parts), array, k, code) != 0:
+        return None
+    return out
+
+
+def moe_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """kernels/cpu/moe.cpp's router choice on logits [tokens, experts] (fp32 or bf16, rows
+    contiguous): (weights fp32 [tokens, top_k], ids int64), or None when it can't take them."""
+    code = _dtype_code(logits)
+    if code is None or logits.dim() != 2 or logits.stride(1) != 1 or not 0 < top_k <= logits.shape[1]:
+        return None
+    tokens, experts = logits.shape
+    weights = torch.empty((tokens, top_k), dtype=torch.float32)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64)
+    if tokens and _library.ns_moe_topk(code, logits.data_ptr(), logits.stride(0), tokens, experts, top_k,
+                                       int(renormalize), weights.data_ptr(), ids.data_ptr()) != 0:
+        return None
+    return weights, ids
+
+
+def moe_experts(x: torch.Tensor, table: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                inter: int) -> torch.Tensor | None:
+    """kernels/cpu/moe.cpp: a MoE layer's experts on x [tokens, hidden] (bf16) in one call.
+    table int64 [local experts, 4]: (W13's format, its packing's address, W2's format, its
+    packing's address), format -1 for pack_gemm_weight's bf16 packing, else quant.format_code;
+    topk_ids int64 (local ids, -1 remote) and topk_weights fp32, both [tokens, k]. None when
+    something can't be taken (then the grouped path, which gives the same bits)."""
+    if (library() is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous()
+            or topk_ids.dtype != torch.int64 or topk_weights.dtype != torch.float32
+            or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]
+            or table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 4):
+        return None
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    out = torch.empty_like(x)
+    scratch = x.new_empty(max(1, tokens * top_k * (2 * hidden + 3 * inter)))
+    if _library.ns_moe_experts(table.data_ptr(), table.shape[0], out.data_ptr(), x.data_ptr(), ids.data_ptr(),
+                               weights.data_ptr(), tokens, top_k, hidden, inter, scratch.data_ptr()) != 0:
         return None
     return out
 

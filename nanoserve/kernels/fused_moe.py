@@ -45,12 +45,23 @@ BLOCK_N, BLOCK_K = 64, 32  # the grouped GEMM's output columns and depth per ste
 
 
 def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in fp32, the top_k largest (torch.topk, as transformers),
-    renormalised to sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's
-    norm_topk_prob says). Returns (weights fp32 [tokens, k], expert ids int64)."""
+    """Softmax over the experts in fp32, the top_k largest in descending order, renormalised to
+    sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's norm_topk_prob says).
+    Returns (weights fp32 [tokens, k], expert ids int64). On CPU kernels/cpu/moe.cpp's
+    ns_moe_topk (arithmetic of our own, which the fused decode step shares:
+    layers/cpu_decode.py), else fused_topk_reference."""
     if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
         raise ValueError(f"router logits [tokens, experts] with top_k in 1..experts, got "
                          f"{tuple(router_logits.shape)} and top_k {top_k}")
+    if not router_logits.is_cuda and cpu_ops.available():
+        done = cpu_ops.moe_topk(router_logits, top_k, renormalize)
+        if done is not None:
+            return done
+    return fused_topk_reference(router_logits, top_k, renormalize)
+
+
+def fused_topk_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_topk in torch (torch.topk, as transformers)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -183,6 +194,48 @@ def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None, 
     return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
 
 
+def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tensor | None:
+    """kernels/cpu/moe.cpp's view of the experts: int64 [local experts, 4], per expert (W13's
+    format, its packing's address, W2's format, its packing's address); format -1 for the bf16
+    packing (pack_expert_weights), else the quantized kernel format (quant.format_code). None
+    unless every expert's two matrices are packed for the CPU kernels with their columns in whole
+    tiles of 16 (then the grouped path). The addresses are the packings' own: the caller keeps
+    them alive (FusedMoE holds both)."""
+    if packed is None or not cpu_ops.available():
+        return None
+    experts, two_inter, hidden = w13.shape
+    rows = [[0, 0, 0, 0] for _ in range(experts)]
+    for column, packings, n, k in ((0, packed[0], two_inter, hidden), (2, packed[1], hidden, two_inter // 2)):
+        if n % 16 or k % 32:
+            return None
+        if isinstance(packings, (list, tuple)):  # quantized experts: one QuantWeight each
+            if len(packings) != experts:
+                return None
+            for e, weight in enumerate(packings):
+                if (not isinstance(weight, quant.QuantWeight) or weight.packed is None or weight.n != n
+                        or weight.k != k or weight.packed.device.type != "cpu" or weight.packed.shape[0] * 16 != n or weight.packed.shape[1] != k // 32):
+                    return None
+                rows[e][column:column + 2] = [quant.format_code(weight.qtype), weight.packed.data_ptr()]
+        elif isinstance(packings, torch.Tensor):  # the bf16 packings, stacked
+            if (packings.device.type != "cpu" or packings.shape[0] != experts or packings.shape[1] * 16 != n
+                    or packings.shape[2] * 32 != k):
+                return None
+            for e in range(experts):
+                rows[e][column:column + 2] = [-1, packings[e].data_ptr()]
+        else:
+            return None
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def fused_experts_cpu(hidden, table: torch.Tensor, inter: int, topk_weights, topk_ids) -> torch.Tensor | None:
+    """fused_experts_grouped's arithmetic in one C++ call (kernels/cpu/moe.cpp; `table` from
+    cpu_expert_table): the same bits, without the Python between its kernels. SiLU x mul and no
+    biases only; None when it can't be taken (fp32 activations, ...)."""
+    if hidden.dim() != 2 or not hidden.is_contiguous():
+        return None
+    return cpu_ops.moe_experts(hidden, table, topk_ids, topk_weights, inter)
+
+
 @lazy_jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sorted_rows_ptr, block_experts_ptr,
@@ -283,10 +336,17 @@ def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None, b
 
 
 def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
-                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
-    loop under NANOSERVE_KERNELS=reference, the grouped path with the C++ GEMM on CPU."""
+    loop under NANOSERVE_KERNELS=reference, on CPU the grouped path in one C++ call when `table`
+    (cpu_expert_table of `packed`) is given and it can take the layer, else the grouped path."""
     choice = kernel_choice()
+    if (table is not None and choice not in ("reference", "triton") and not hidden.is_cuda and bias is None
+            and activation is None):
+        out = fused_experts_cpu(hidden, table, w13.shape[1] // 2, topk_weights, topk_ids)
+        if out is not None:
+            return out
     if choice == "reference" or choice == "triton" or hidden.is_cuda:
         packed13, packed2 = packed if packed is not None else (None, None)
         w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
@@ -299,11 +359,11 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=Non
 
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
-              packed=None, bias=None, activation=None) -> torch.Tensor:
+              packed=None, bias=None, activation=None, table: torch.Tensor | None = None) -> torch.Tensor:
     """Router top-k then the experts. `expert_map` [global experts]: local index or -1 (expert
     parallelism); None: every expert is local. This rank's part of the output (the caller
-    all-reduces across tensor-parallel ranks)."""
+    all-reduces across tensor-parallel ranks). `table`: see fused_experts."""
     topk_weights, topk_ids = fused_topk(router_logits, top_k, renormalize)
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
-    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation)
+    return fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation, table)

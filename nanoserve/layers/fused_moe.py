@@ -12,7 +12,7 @@ from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import quant
-from nanoserve.kernels.fused_moe import fused_moe, pack_expert_weights
+from nanoserve.kernels.fused_moe import cpu_expert_table, fused_moe, pack_expert_weights
 from nanoserve.layers.linear import LinearBase, RowTiling
 from nanoserve.layers.quant_experts import BLOCK, QuantExpertStaging, shard_columns
 
@@ -74,6 +74,7 @@ class FusedMoE(nn.Module):
                                         requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.packed: tuple | None = None  # see prepack_gemm
+        self.cpu_table: torch.Tensor | None = None  # kernels/fused_moe.cpu_expert_table of `packed`
         # A quantized checkpoint's experts kept in a kernel format (layers/quant_experts.py):
         # "w13" / "w2" -> one QuantWeight per local expert, for the matrices that are.
         self.quant_staging = QuantExpertStaging(self.num_local_experts, {"w13": hidden_size, "w2": self.inter})
@@ -188,13 +189,14 @@ class FusedMoE(nn.Module):
                 if packings[-1] is not None:
                     setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))
         self.packed = tuple(packings) if any(p is not None for p in packings) else None
+        self.cpu_table = cpu_expert_table(self.w13_weight, self.w2_weight, self.packed)
         return all(p is not None for p in packings)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         packed = self.packed or (self.quant_experts.get("w13"), self.quant_experts.get("w2"))
         out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                        self.expert_map, packed, bias, self.activation)
+                        self.expert_map, packed, bias, self.activation, self.cpu_table)
         return all_reduce(out)
 
 

@@ -50,6 +50,33 @@ def test_fused_topk_is_softmax_top_k_with_optional_renormalisation():
         fused_topk(logits, 5, renormalize=True)
 
 
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_cpu_topk_picks_what_torch_picks_and_is_row_invariant(dtype, renormalize):
+    """kernels/cpu/moe.cpp's ns_moe_topk (fused_topk on CPU) against fused_topk_reference (torch's
+    softmax and topk): the same experts in the same order, weights within fp32 rounding; a token's
+    choice the same alone as among others."""
+    from nanoserve.kernels.fused_moe import fused_topk_reference
+
+    logits = (torch.randn(37, 128, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    logits = logits[:, :-3]  # rows of stride 128 over 125 experts
+    for top_k in (1, 2, 8):
+        weights, ids = cpu_ops.moe_topk(logits, top_k, renormalize)
+        expected_weights, expected_ids = fused_topk_reference(logits, top_k, renormalize)
+        # The same experts, but bf16 logits tie, and torch.topk orders ties as it likes: the
+        # chosen logits must be the same values in the same order.
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, expected_ids))
+        assert dtype == torch.bfloat16 or torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights, atol=0, rtol=2e-6)  # a few ulps: sums in other orders
+        assert torch.equal(fused_topk(logits, top_k, renormalize)[0], weights)
+        for token in (0, 36):
+            alone = cpu_ops.moe_topk(logits[token : token + 1], top_k, renormalize)
+            assert torch.equal(alone[0][0], weights[token]) and torch.equal(alone[1][0], ids[token])
+    tied = torch.tensor([[1.0, 2.0, 2.0, 0.0]], dtype=dtype)
+    assert cpu_ops.moe_topk(tied, 3, False)[1].tolist() == [[1, 2, 0]]  # equal values: the lower expert first
+
+
 def test_moe_align_groups_rows_by_expert_stably_and_puts_remote_experts_first():
     ids = torch.tensor([[2, 0], [2, -1], [0, 2]])
     sorted_rows, offsets = moe_align(ids, 3)
@@ -316,3 +343,46 @@ def test_quant_expert_staging_packs_each_expert_once_its_parts_are_in():
     with pytest.raises(ValueError, match="every expert's gate, up and down"):
         staging.finish("w13")
     assert staging.finish("w2") is None
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+@pytest.mark.parametrize("experts", ["bf16", "q8_0", "q8_0 gate/up, bf16 down"])
+@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 13), (8, 1), (8, 40)])
+def test_one_cpu_call_equals_the_grouped_path_bit_for_bit(experts, top_k, tokens):
+    """kernels/cpu/moe.cpp (fused_experts with a cpu_expert_table) against fused_experts_grouped
+    on the same packings: the same bits, remote experts' slots (-1) included, and each token's
+    output the same alone as in the batch."""
+    from nanoserve.kernels import quant
+    from nanoserve.kernels.fused_moe import cpu_expert_table, fused_experts
+
+    w13, w2 = expert_weights(torch.bfloat16, seed=tokens)
+    q13, q2 = _quantized_experts(w13), _quantized_experts(w2)
+    for weight in q13 + q2:
+        quant.pack_for_cpu(weight)
+    bf16 = (pack_expert_weights(w13), pack_expert_weights(w2))
+    packed = {"bf16": bf16, "q8_0": (q13, q2), "q8_0 gate/up, bf16 down": (q13, bf16[1])}[experts]
+    table = cpu_expert_table(w13, w2, packed)
+    assert table is not None and table.shape == (EXPERTS, 4)
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    weights, ids = crowded_routing(tokens, top_k)
+    ids[0, top_k - 1] = -1  # an expert on another rank
+    grouped = fused_experts_grouped(hidden, w13, w2, weights, ids, packed)
+    one_call = fused_experts(hidden, w13, w2, weights, ids, packed, table=table)
+    assert torch.equal(one_call, grouped)
+    assert not torch.equal(one_call, torch.zeros_like(one_call))
+    for token in {0, tokens // 2, tokens - 1}:
+        alone = fused_experts(hidden[token : token + 1], w13, w2, weights[token : token + 1], ids[token : token + 1],
+                              packed, table=table)
+        assert torch.equal(alone[0], grouped[token]), token
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
+def test_cpu_expert_table_refuses_what_moe_cpp_cannot_take():
+    from nanoserve.kernels.fused_moe import cpu_expert_table
+
+    w13, w2 = expert_weights(torch.bfloat16)
+    packed13 = pack_expert_weights(w13)
+    assert cpu_expert_table(w13, w2, None) is None
+    assert cpu_expert_table(w13, w2, (packed13, None)) is None  # down not packed
+    assert cpu_expert_table(w13, w2, (packed13, _quantized_experts(w2))) is None  # quantized, not packed
+    assert cpu_expert_table(w13, w2, (packed13[:-1], pack_expert_weights(w2))) is None  # an expert missing
