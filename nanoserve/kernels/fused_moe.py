@@ -60,7 +60,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return fused_topk_reference(router_logits, top_k, renormalize)
 
 
-def fused_topk_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_topk_reference(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_topk in torch (torch.topk, as transformers)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -213,7 +214,8 @@ def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tenso
                 return None
             for e, weight in enumerate(packings):
                 if (not isinstance(weight, quant.QuantWeight) or weight.packed is None or weight.n != n
-                        or weight.k != k or weight.packed.device.type != "cpu" or weight.packed.shape[0] * 16 != n or weight.packed.shape[1] != k // 32):
+                        or weight.k != k or weight.packed.device.type != "cpu" or weight.packed.shape[0] * 16 != n
+                        or weight.packed.shape[1] != k // 32):
                     return None
                 rows[e][column:column + 2] = [quant.format_code(weight.qtype), weight.packed.data_ptr()]
         elif isinstance(packings, torch.Tensor):  # the bf16 packings, stacked
