@@ -129,10 +129,11 @@ def _preset_qtype(preset: str, name: str, layers: int) -> str:
 
 def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
     values = weight.float().numpy()
-    if weight.shape[1] % 256:
+    if weight.shape[-1] % 256:
         qtype = _K_FALLBACK.get(qtype, qtype)
-    if qtype.endswith("_k"):
-        return _random_k_blocks(*values.shape, qtype, rng), getattr(T, qtype.upper())
+    if qtype.endswith("_k"):  # (stacked experts [experts, rows, k]: each expert's rows in turn)
+        blocks = _random_k_blocks(int(np.prod(values.shape[:-1])), values.shape[-1], qtype, rng)
+        return blocks.reshape(*values.shape[:-1], -1), getattr(T, qtype.upper())
     ggml_type = getattr(T, qtype.upper())
     return gguf.quants.quantize(values, ggml_type), ggml_type
 
@@ -220,7 +221,7 @@ def _write_header(writer: gguf.GGUFWriter, config) -> None:
 
 
 def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: str = "q8_0", *, seed: int = 0,
-                   expert_inter: int | None = None) -> Path:
+                   expert_inter: int | None = None, num_experts: int | None = None) -> Path:
     """`out_dir`/model.gguf from a random Qwen3-MoE or Mixtral checkpoint (tests/models/
     moe_checkpoints.py, in `out_dir`/hf) as llama.cpp's converter lays one out: each layer's experts
     stacked in ffn_gate_exps / ffn_up_exps / ffn_down_exps ([experts, outputs, inputs]) of type
@@ -228,9 +229,9 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
     (the embedding Q8_0), Q/K rows permuted in a "llama" (Mixtral) file."""
     from transformers import AutoModelForCausalLM
 
-    from tests.models.moe_checkpoints import EXPERT_INTER, write_moe_checkpoint
+    from tests.models.moe_checkpoints import EXPERT_INTER, NUM_EXPERTS, write_moe_checkpoint
 
-    hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER)
+    hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER, num_experts or NUM_EXPERTS)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     config = model.config
     arch = MOE_GGUF_ARCHITECTURES[family]

@@ -1,7 +1,9 @@
 """A CPU decode step's decoder layers in one C++ call (kernels/cpu/decode_layers.cpp).
 
 The modules' path (models/llama.py) calls ~9 kernels a layer through Python; at batch 1 the
-Python around them is several ms of a ~25 ms step. For steps of decodes only, on one rank, with
+Python around them is several ms of a ~25 ms step. Llama's, Qwen3's (per-head Q/K norms) and
+Qwen3-MoE's layers (the router, ns_moe_topk and the experts of kernels/cpu/moe.cpp in place of
+the MLP; no shared expert, no expert parallelism). For steps of decodes only, on one rank, with
 bf16 activations and every linear layer on one of our CPU GEMMs (bf16 weights packed for
 gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp through the layer's `quant_weight` /
 `quant_parts`; at any ISA level), `FusedDecode.run` calls the same kernels in the same order
@@ -53,32 +55,79 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
     return entry + [0] * (_LINEAR_ENTRIES - 1 - len(entry)) + [0 if order is None else order.data_ptr()]
 
 
+_MOE_ENTRIES = _LINEAR_ENTRIES + 5  # decode_layers.cpp's kMoeEntries: the router, then the experts
+
+
+def _moe_entry(mlp: nn.Module) -> list[int] | None:
+    """A layer's MoE entries as decode_layers.cpp reads them: zeros for a dense MLP; for a sparse
+    block (models/mixtral.SparseMoeBlock) the router as a linear, the experts' table
+    (kernels/fused_moe.cpu_expert_table, kept alive by the layer), the number of experts, top_k,
+    renormalize and each expert's intermediate size. None when the block can't go (a shared
+    expert, biases, another activation, expert parallelism, experts not packed, a router whose
+    columns aren't whole tiles of 16)."""
+    experts = getattr(mlp, "experts", None)
+    if experts is None:
+        return [0] * _MOE_ENTRIES
+    if (getattr(mlp, "shared_expert", None) is not None or experts.cpu_table is None or experts.expert_map is not None
+            or experts.activation is not None or experts.w13_bias is not None):
+        return None
+    router = _linear_entry(mlp.gate)
+    if router is None or mlp.gate.weight.shape[0] != experts.num_experts:
+        return None
+    return router + [experts.cpu_table.data_ptr(), experts.num_experts, experts.top_k, int(experts.renormalize),
+                     experts.inter]
+
+
+def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
+    """The q_norm and k_norm weights' addresses (models/qwen3.py: per head, in place), [0, 0]
+    without; None when they can't go (not bf16 rows of head_dim, another eps)."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is None and k_norm is None:
+        return [0, 0]
+    for norm in (q_norm, k_norm):
+        if (norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.shape != (attn.head_dim,)
+                or not norm.weight.is_contiguous() or norm.eps != eps):
+            return None
+    return [q_norm.weight.data_ptr(), k_norm.weight.data_ptr()]
+
+
 class FusedDecode:
     def __init__(self, model: nn.Module, layer_table: torch.Tensor, config, kv_format: int) -> None:
         self.model = model
         self.kv_format = kv_format  # the pools' elements (kv_dtype.fused_decode_kv_format): bf16 or fp8
-        self.layer_table = layer_table  # [layers, 4 + 4 * _LINEAR_ENTRIES] (addresses kept alive by the model)
+        # [layers, 6 + 4 * _LINEAR_ENTRIES + _MOE_ENTRIES] (addresses kept alive by the model)
+        self.layer_table = layer_table
         self.hidden = config.hidden_size
-        attn = model.model.layers[0].self_attn
+        layers = model.model.layers
+        attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv_n = attn.q_size + 2 * attn.kv_size
-        self.inter = model.model.layers[0].mlp.down_proj.weight.shape[1]
+        dense = [layer.mlp.down_proj.weight.shape[1] for layer in layers if hasattr(layer.mlp, "down_proj")]
+        self.inter = max(dense, default=0)
+        # MoE layers: the widest router, top_k and expert intermediate size (the scratch's sizes).
+        sparse = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
+        self.num_experts = max((e.num_experts for e in sparse), default=0)
+        self.top_k = max((e.top_k for e in sparse), default=0)
+        self.moe_inter = max((e.inter for e in sparse), default=0)
         # Scratch columns for inputs gathered in a layer's input order (GPTQ's activation order,
         # the last entry of a linear's row in the table); 0: no layer has one, no scratch.
-        entries = layer_table[:, 4:].reshape(layer_table.shape[0], 4, _LINEAR_ENTRIES)
+        entries = layer_table[:, 6 : 6 + 4 * _LINEAR_ENTRIES].reshape(layer_table.shape[0], 4, _LINEAR_ENTRIES)
         self.gather_width = max(self.hidden, self.num_heads * self.head_dim, self.inter) \
             if bool(entries[:, :, -1].any()) else 0
-        self.eps = model.model.layers[0].input_layernorm.eps
+        self.eps = layers[0].input_layernorm.eps
         self.scale = attn.attn.scale
 
     @classmethod
     def build(cls, model: nn.Module, world_size: int) -> "FusedDecode | None":
         """None unless every condition for the fused path holds for this model here."""
         from nanoserve.models.llama import LlamaForCausalLM
+        from nanoserve.models.qwen3 import Qwen3ForCausalLM
+        from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
 
-        # Exactly Llama's layers (not a family's subclass), no sliding window (decode_layers.cpp
-        # attends to every key).
-        if world_size != 1 or type(model) is not LlamaForCausalLM or not fused_decode_layers_available():
+        # Exactly Llama's, Qwen3's and Qwen3-MoE's layers (not another family's subclass), no
+        # sliding window (decode_layers.cpp attends to every key).
+        if (world_size != 1 or type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+                or not fused_decode_layers_available()):
             return None
         if any(layer.self_attn.attn.sliding_window for layer in model.model.layers):
             return None
@@ -90,17 +139,28 @@ class FusedDecode:
         kv_format = fused_decode_kv_format(cache.dtype) if cache is not None else None
         if kv_format is None:
             return None
+        eps = model.model.layers[0].input_layernorm.eps
+        dense_inters = {layer.mlp.down_proj.weight.shape[1] for layer in model.model.layers
+                        if hasattr(layer.mlp, "down_proj")}
+        if len(dense_inters) > 1:  # one intermediate size for every dense layer (decode_layers.cpp's `inter`)
+            return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear_entry(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            moe = _moe_entry(mlp)
+            norms = _qk_norms(attn, eps)
+            if moe is None or norms is None:
+                return None
+            dense = [mlp.gate_up_proj, mlp.down_proj] if moe[_LINEAR_ENTRIES] == 0 else []
+            linears = [_linear_entry(lin) for lin in (attn.qkv_proj, attn.o_proj, *dense)]
             if any(entry is None for entry in linears):
                 return None
+            linears += [[0] * _LINEAR_ENTRIES] * (4 - len(linears))
             pool = attn.attn.key_cache
             if pool is None or pool.shape[1] != 16 or pool.dtype != cache.dtype:
                 return None
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                         attn.attn.key_cache.data_ptr(), attn.attn.value_cache.data_ptr(),
-                         *(value for entry in linears for value in entry)])
+                         attn.attn.key_cache.data_ptr(), attn.attn.value_cache.data_ptr(), *norms,
+                         *(value for entry in linears for value in entry), *moe])
         return cls(model, torch.tensor(rows, dtype=torch.int64), config, kv_format)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, lora=None) -> torch.Tensor | None:
@@ -116,10 +176,15 @@ class FusedDecode:
         x = model.embed_tokens(input_ids)
         if x.dtype != torch.bfloat16:
             return None
+        if lora is not None and self.num_experts:  # adapters on a MoE model: the modules
+            return None
         new = x.new_empty
         buffers = [x, new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden),
                    new(rows, self.qkv_n), new(rows, self.num_heads * self.head_dim), new(rows, 2 * self.inter),
-                   new(rows, self.inter), new(rows, self.gather_width)]
+                   new(rows, self.inter), new(rows, self.gather_width),
+                   new(rows, self.num_experts), torch.empty(rows, self.top_k, dtype=torch.float32),
+                   torch.empty(rows, self.top_k, dtype=torch.int64),
+                   new(rows * self.top_k * (2 * self.hidden + 3 * self.moe_inter))]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
         lora_arguments = None

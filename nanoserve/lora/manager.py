@@ -125,9 +125,9 @@ class LoRAManager:
         if self._fused is None:
             rows, widest, packed = [], _GEMM_K, True
             for layer in model.model.layers:
-                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                               layer.mlp.down_proj):
-                    lora = linear.lora
+                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                               getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)):
+                    lora = getattr(linear, "lora", None)  # (a MoE layer has no MLP linears)
                     if lora is None or not lora.filled:
                         rows.append([0, 0, 0, 0])
                         continue

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels import apply_rotary
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.models.config import ModelConfig
@@ -20,12 +19,13 @@ class Qwen3Attention(LlamaAttention):
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
-        q, k, v = self.qkv_proj(hidden, rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        apply_rotary(q, k, positions, cos_sin_cache)
-        out = self.attn(q, k, v, metadata)
+        qkv = self.qkv_proj(hidden, rows)
+        # Each head's q and k normed in place, then Llama's rotary + cache write and attention:
+        # the kernels layers/cpu_decode.py calls in the same order.
+        q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+        q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
+        k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))
+        out = self.attn.forward_qkv(qkv, positions, cos_sin_cache, metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size), rows)
 
 

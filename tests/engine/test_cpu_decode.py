@@ -222,3 +222,30 @@ def test_fused_decode_on_an_fp8_checkpoint_gives_the_modules_bits(scheme, tmp_pa
     from tests.fp8_models import write_fp8_llama
 
     assert_fused_gives_the_modules_bits(write_fp8_llama(tmp_path, scheme, seed=3))
+
+
+# ---- Qwen3's per-head Q/K norms and Qwen3-MoE's experts (kernels/cpu/moe.cpp) ----------------
+
+def test_fused_decode_on_qwen3_gives_the_modules_bits(tmp_path, cpu_isa):
+    """Dense Qwen3 (q_norm / k_norm over each head, in place before rotary), bf16."""
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    assert_fused_gives_the_modules_bits(write_random_checkpoint(tmp_path / "qwen3", "qwen3", seed=2))
+
+
+@pytest.mark.parametrize("weights", ["bf16", "gguf-q4_k", "gguf-q8_0"])
+def test_fused_decode_on_qwen3_moe_gives_the_modules_bits(weights, tmp_path, cpu_isa):
+    """Qwen3-MoE, 16 experts (the router's columns whole tiles of 16), top-8, 2 layers: the
+    router, softmax + top-k and the experts (bf16 packings, or a GGUF file's blocks kept as they
+    are) in the fused step and through layers/fused_moe.py give the same tokens and logprobs."""
+    from tests.models.moe_checkpoints import write_moe_checkpoint
+
+    if weights == "bf16":
+        model = write_moe_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=4, num_experts=16)
+    else:
+        gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving not here")
+        qtype = weights.split("-")[1]
+        # Q4_K needs whole super-blocks of 256 inputs: experts of intermediate 256 (down's inputs).
+        model = gguf_models.write_moe_gguf(tmp_path, "qwen3_moe", qtype, "q8_0", seed=4, num_experts=16,
+                                           expert_inter=256 if qtype == "q4_k" else None)
+    assert_fused_gives_the_modules_bits(model)

@@ -17,35 +17,37 @@ EXPERT_INTER = 32  # a multiple of 32: bf16 experts go through kernels/cpu/gemm*
 MOE_FAMILIES = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 8, "olmoe": 2, "gpt_oss": 2}
 
 
-def moe_config(family: str, ids: dict, vocab: int, expert_inter: int = EXPERT_INTER):
+def moe_config(family: str, ids: dict, vocab: int, expert_inter: int = EXPERT_INTER,
+               num_experts: int = NUM_EXPERTS):
     import transformers as hf
 
     top_k = MOE_FAMILIES[family]
     if family == "mixtral":
-        return hf.MixtralConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_local_experts=NUM_EXPERTS,
+        return hf.MixtralConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_local_experts=num_experts,
                                 num_experts_per_tok=top_k, head_dim=16), hf.MixtralForCausalLM
     if family == "qwen2_moe":  # a shared expert; layer 1 dense (mlp_only_layers)
         return hf.Qwen2MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=expert_inter,
-                                 shared_expert_intermediate_size=48, num_experts=NUM_EXPERTS,
+                                 shared_expert_intermediate_size=48, num_experts=num_experts,
                                  num_experts_per_tok=top_k, norm_topk_prob=False,
                                  mlp_only_layers=[1]), hf.Qwen2MoeForCausalLM
     if family == "qwen3_moe":
         return hf.Qwen3MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=expert_inter,
-                                 num_experts=NUM_EXPERTS, num_experts_per_tok=top_k, norm_topk_prob=True,
+                                 num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                                  head_dim=16), hf.Qwen3MoeForCausalLM
     if family == "olmoe":
-        return hf.OlmoeConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_experts=NUM_EXPERTS,
+        return hf.OlmoeConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_experts=num_experts,
                               num_experts_per_tok=top_k, norm_topk_prob=False), hf.OlmoeForCausalLM
     if family == "gpt_oss":
         yarn = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-        return hf.GptOssConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_local_experts=NUM_EXPERTS,
+        return hf.GptOssConfig(**SHAPE, **ids, intermediate_size=expert_inter, num_local_experts=num_experts,
                                num_experts_per_tok=top_k, head_dim=16, sliding_window=8,
                                rope_parameters=yarn), hf.GptOssForCausalLM
     raise ValueError(family)
 
 
-def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter: int = EXPERT_INTER) -> Path:
+def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter: int = EXPERT_INTER,
+                         num_experts: int = NUM_EXPERTS) -> Path:
     import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +55,7 @@ def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter
     specials = {t["content"]: t["id"] for t in json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]}
     ids = dict(vocab_size=vocab, bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
                pad_token_id=specials["<|endoftext|>"])
-    config, model_class = moe_config(family, ids, vocab, expert_inter)
+    config, model_class = moe_config(family, ids, vocab, expert_inter, num_experts)
     torch.manual_seed(seed)
     model = model_class(config).float()
     # Large weights make greedy choices (and the router's) decisive; norms off 1.

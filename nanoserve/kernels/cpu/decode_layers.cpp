@@ -10,6 +10,10 @@
 //   attn = decode attention of q over the pool;  o = attn @ Wo^T
 //   normed, residual = rms_norm(o + residual)        post_attention_layernorm
 //   x = (silu(gate) * up of normed @ Wgu^T) @ Wdown^T
+// Qwen3's layers norm each head of q and k in place after the QKV projection (q_norm, k_norm:
+// rms_norm over head_dim rows, as models/qwen3.py). A MoE layer (Qwen3-MoE) has, in place of
+// the MLP: logits = normed @ Wrouter^T; the top-k experts and weights (ns_moe_topk); x = the
+// experts' weighted sum (ns_moe_experts, kernels/cpu/moe.cpp), as layers/fused_moe.py calls them.
 // With LoRA rows (lora/layers.py), each linear layer holding adapter slots then adds, as its
 // LoRALinear.add_to does: out += ((in @ A^T) with every column but the row's slot's zeroed) @ B^T,
 // the two GEMMs on A's and B's bf16 packings and one bf16 rounding of the sum, as torch's `+=`.
@@ -42,13 +46,22 @@ int ns_paged_attention(int dtype, void* out, const void* query, int64_t q_stride
 int ns_silu_and_mul(int dtype, void* out, const void* gate_up, int64_t rows, int64_t inter);
 int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx, int dtype, const void* packed,
                   const void* bias, int64_t M, int64_t N, int64_t K);
+int ns_moe_topk(int dtype, const void* logits, int64_t ld, int64_t tokens, int experts, int top_k, int renormalize,
+                float* weights, int64_t* ids);
+int ns_moe_experts(const int64_t* experts, int num_experts, void* out, const void* x, const int64_t* topk_ids,
+                   const float* topk_weights, int64_t tokens, int top_k, int64_t hidden, int64_t inter,
+                   void* scratch);
 }
 
 namespace {
 
 constexpr int kMaxParts = 3;                          // a linear layer's runs of output columns
 constexpr int kLinearEntries = 2 + 3 * kMaxParts;     // count, (format, weights, n) a part, input order
-constexpr int kLayerEntries = 4 + 4 * kLinearEntries; // 4 addresses, then Wqkv, Wo, Wgate_up, Wdown
+// A MoE layer's: the router as a linear, then the experts' table (moe.cpp; 0: a dense layer),
+// the number of experts, top_k, renormalize, each expert's intermediate size.
+constexpr int kMoeEntries = kLinearEntries + 5;
+// 6 addresses (norms, pools, q_norm and k_norm or 0), Wqkv, Wo, Wgate_up, Wdown, then the MoE entries.
+constexpr int kLayerEntries = 6 + 4 * kLinearEntries + kMoeEntries;
 constexpr int kLoraEntries = 4;                       // a linear layer's LoRA: A, B packings, width, parts
 
 // The step's LoRA rows: slot of each row (-1: the base model), slots and rank of every layer.
@@ -125,12 +138,16 @@ bool linear(const int64_t* entry, void* out, int64_t ldo, const void* x, int64_t
 extern "C" {
 
 // layers: num_layers x kLayerEntries int64: the addresses of the input norm weight, the
-// post-attention norm weight, the key pool and the value pool, then Wqkv, Wo, Wgate_up and Wdown
-// as linear() reads them (no biases: layers/cpu_decode.py leaves models with any to the modules).
-// buffers: 10 addresses of bf16 [rows, ...] tensors: x [H] (in: the embeddings; out: the last
-// layer's MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn
-// [heads * head_dim], gate_up [2 * inter], act [inter], and a scratch [max(H, heads * head_dim,
-// inter)] for the inputs of layers with an input order (empty when no layer has one).
+// post-attention norm weight, the key pool, the value pool, the q_norm and k_norm weights (0
+// without), then Wqkv, Wo, Wgate_up and Wdown as linear() reads them (no biases:
+// layers/cpu_decode.py leaves models with any to the modules), then the MoE entries (kMoeEntries;
+// a table address of 0 for a dense layer, whose Wgate_up and Wdown are then used).
+// buffers: 14 addresses of [rows, ...] tensors: x [H] (in: the embeddings; out: the last layer's
+// MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn [heads *
+// head_dim], gate_up [2 * inter], act [inter], a scratch [max(H, heads * head_dim, inter)] for the
+// inputs of layers with an input order (empty when no layer has one), all bf16; for MoE layers the
+// router's logits bf16 [experts], the top-k weights fp32 [top_k] and ids int64 [top_k], and the
+// experts' scratch (bf16, top_k * (2 * H + 3 * expert inter)), sized for the widest layer.
 // kv_format: the pools' elements, 0 bf16, else an fp8 format (fp8.h).
 // lora: null, or num_layers x 4 linears x kLoraEntries int64 (A's and B's packings, or 0 where the
 // layer holds no adapter; the width; the parts), with lora_rows (each row's slot), lora_slots,
@@ -155,6 +172,10 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     void* gate_up = at(buffers[7]);
     void* act = at(buffers[8]);
     auto* gathered = static_cast<uint16_t*>(at(buffers[9]));
+    void* logits = at(buffers[10]);
+    auto* topk_weights = static_cast<float*>(at(buffers[11]));
+    auto* topk_ids = static_cast<int64_t*>(at(buffers[12]));
+    void* moe_scratch = at(buffers[13]);
     const int64_t q_size = static_cast<int64_t>(num_heads) * head_dim;
     const int seqs = static_cast<int>(rows);
     const LoraRows lora_step{lora_rows, lora_slots, lora_rank, static_cast<uint16_t*>(lora_shrink),
@@ -170,7 +191,8 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
     int current = -1;  // which residual buffer holds the residual; -1: x itself (layer 0)
     for (int layer = 0; layer < num_layers; ++layer) {
         const int64_t* w = layers + kLayerEntries * static_cast<int64_t>(layer);
-        const int64_t* linears = w + 4;
+        const int64_t* linears = w + 6;
+        const int64_t* moe = linears + 4 * kLinearEntries;
         if (current < 0) {
             ns_rms_norm(kBf16, normed, nullptr, x, nullptr, at(w[0]), rows, hidden, eps);
         } else {
@@ -178,6 +200,12 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
             current = 1 - current;
         }
         if (!project(linears, 0, layer, qkv, qkv_n, normed, hidden)) return 0;
+        for (int64_t r = 0; w[4] != 0 && r < rows; ++r) {  // each head of q and of k normed in place
+            uint16_t* q_row = static_cast<uint16_t*>(qkv) + r * qkv_n;
+            ns_rms_norm(kBf16, q_row, nullptr, q_row, nullptr, at(w[4]), num_heads, head_dim, eps);
+            ns_rms_norm(kBf16, q_row + q_size, nullptr, q_row + q_size, nullptr, at(w[5]), num_kv_heads, head_dim,
+                        eps);
+        }
         void* key_cache = at(w[2]);
         void* value_cache = at(w[3]);
         ns_rotary_store(kBf16, qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos_sin, cos_sin_stride,
@@ -200,6 +228,18 @@ int ns_decode_layers(const int64_t* layers, int num_layers, const int64_t* buffe
         const int next = current < 0 ? 0 : 1 - current;
         ns_rms_norm(kBf16, normed, residual[next], o, previous, at(w[1]), rows, hidden, eps);
         current = next;
+        if (const auto* table = reinterpret_cast<const int64_t*>(moe[kLinearEntries])) {
+            const int experts = static_cast<int>(moe[kLinearEntries + 1]);
+            const int top_k = static_cast<int>(moe[kLinearEntries + 2]);
+            if (!linear(moe, logits, experts, normed, hidden, rows, hidden, gathered)) return 0;
+            if (ns_moe_topk(kBf16, logits, experts, rows, experts, top_k, static_cast<int>(moe[kLinearEntries + 3]),
+                            topk_weights, topk_ids) != 0)
+                return 0;
+            if (ns_moe_experts(table, experts, x, normed, topk_ids, topk_weights, rows, top_k, hidden,
+                               moe[kLinearEntries + 4], moe_scratch) != 0)
+                return 0;
+            continue;
+        }
         if (!project(linears + 2 * kLinearEntries, 2, layer, gate_up, 2 * inter, normed, hidden)) return 0;
         ns_silu_and_mul(kBf16, act, gate_up, rows, inter);
         if (!project(linears + 3 * kLinearEntries, 3, layer, x, hidden, act, inter)) return 0;
