@@ -153,8 +153,8 @@ def write_gguf(path: Path, layers: int, mix: str, seed: int = 0) -> Path:
     return path
 
 
-def run(command: list[str]) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+def run(command: list[str], cwd: Path = ROOT) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
     lines = result.stdout.strip().splitlines()
     if result.returncode or not lines:
         return f"{command[-1]} failed: {result.stderr.strip().splitlines()[-1:]}"
@@ -167,9 +167,15 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/nanoserve-bench-qwen3moe-gguf"))
     parser.add_argument("--mixes", default="q4_k_m,q8_0")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another nanoserve checkout (e.g. `git worktree add /tmp/base COMMIT`) run beside "
+                             "this one each round, by the same Python (its nanoserve imported from its folder)")
     args = parser.parse_args()
     subprocess.run(["bash", "-c", "lscpu | sed -n 's/^Model name: */cpu: /p'; git log -1 --format='nanoserve %h'"],
                    cwd=ROOT)
+    if args.baseline:
+        subprocess.run(["git", "log", "-1", "--format=baseline nanoserve %h"], cwd=args.baseline)
+    print(f"llama.cpp: {LLAMACPP_VENV}", flush=True)
     files = [write_gguf(args.out_dir / f"qwen3moe-{args.layers}l-{mix}.gguf", args.layers, mix)
              for mix in args.mixes.split(",")]
     python = str(ROOT / ".venv/bin/python")
@@ -177,8 +183,10 @@ def main() -> None:
         for path in files:
             print(f"round {round_}: {run([str(LLAMACPP_VENV / 'bin/python'), str(BATCH1_LLAMACPP), str(path)])}",
                   flush=True)
-            print(f"round {round_}: {run([python, '-c', NANOSERVE_BATCH1, str(path)])}", flush=True)
-            print(f"round {round_}: {run([python, '-c', NANOSERVE_OFFLINE, str(path)])}", flush=True)
+            for checkout in [ROOT] + ([args.baseline.resolve()] if args.baseline else []):
+                label = "" if checkout == ROOT else f" (baseline {checkout})"
+                for script in (NANOSERVE_BATCH1, NANOSERVE_OFFLINE):
+                    print(f"round {round_}{label}: {run([python, '-c', script, str(path)], checkout)}", flush=True)
 
 
 if __name__ == "__main__":
