@@ -127,6 +127,15 @@ def _preset_qtype(preset: str, name: str, layers: int) -> str:
     return next((q for fragment, q in PRESETS[preset].items() if f".{fragment}." in name), default)
 
 
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    """Header, metadata and tensors to the file; its path."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _tensor_bytes(name: str, weight: torch.Tensor, qtype: str, rng):
     values = weight.float().numpy()
     if weight.shape[-1] % 256:
@@ -199,11 +208,7 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
             qtype = _preset_qtype(preset, name, config["num_hidden_layers"])
         data, ggml_type = _tensor_bytes(name, weight, qtype, rng)
         writer.add_tensor(_gguf_name(name), data, raw_dtype=ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 def _write_header(writer: gguf.GGUFWriter, config) -> None:
@@ -231,7 +236,8 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
 
     from tests.models.moe_checkpoints import EXPERT_INTER, NUM_EXPERTS, write_moe_checkpoint
 
-    hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER, num_experts or NUM_EXPERTS)
+    hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER,
+                                  num_experts or NUM_EXPERTS)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     config = model.config
     arch = MOE_GGUF_ARCHITECTURES[family]
@@ -264,11 +270,7 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
                 weight = _llama_cpp_permute(weight, heads)
             quantized(_gguf_name(name), weight, "q8_0" if "embed" in name else others)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 def write_qwen3_gguf(out_dir: Path, qtype: str = "q4_1", seed: int = 0) -> Path:
@@ -291,11 +293,7 @@ def write_qwen3_gguf(out_dir: Path, qtype: str = "q4_1", seed: int = 0) -> Path:
             continue
         data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
         writer.add_tensor(_gguf_name(name), data, raw_dtype=ggml_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)
 
 
 def dequantized_transformers(gguf_file: Path):

@@ -117,6 +117,19 @@ def test_every_count_of_blocks_in_a_row(qtype, blocks, cpu_isa):
         assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
 
 
+def assert_extreme_rows_equal_reference(w: QuantWeight, reference: QuantWeight) -> None:
+    """w packed for the CPU kernel against reference_gemm on `reference` (the same values), on rows
+    of all +1, all -1, alternating signs and a ramp: the sums at their bounds, bit for bit."""
+    quant.pack_for_cpu(w)
+    k = w.k
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.linspace(-3, 3, k)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_largest_integer_sums_equal_the_reference(qtype, cpu_isa):
@@ -130,13 +143,7 @@ def test_largest_integer_sums_equal_the_reference(qtype, cpu_isa):
         raw[..., offset:offset + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
     w = QuantWeight(qtype, n, k, raw.reshape(n, -1))
     reference = QuantWeight(qtype, n, k, w.raw)
-    quant.pack_for_cpu(w)
-    x = torch.ones(4, k)
-    x[1] = -1
-    x[2, ::2] = -1
-    x[3] = torch.linspace(-3, 3, k)
-    for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+    assert_extreme_rows_equal_reference(w, reference)
 
 
 @needs_kernels
@@ -249,13 +256,7 @@ def test_mxfp4_largest_integer_sums(code, cpu_isa):
     n, k = 32, 512
     w = _mxfp4_weight(n, k, seed=code, codes=torch.full((n, k), code, dtype=torch.uint8))
     reference = _as_q8_0(w)
-    quant.pack_for_cpu(w)
-    x = torch.ones(4, k)
-    x[1] = -1
-    x[2, ::2] = -1
-    x[3] = torch.linspace(-3, 3, k)
-    for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(quant.quant_gemm(x.to(dtype), w, None), quant.reference_gemm(x.to(dtype), reference, None))
+    assert_extreme_rows_equal_reference(w, reference)
 
 
 @needs_kernels

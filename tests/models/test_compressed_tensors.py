@@ -238,6 +238,18 @@ def assert_tensor_parallel_equals_one_rank(path) -> None:
     assert len(rank_bytes) == 2 and all(size < 0.75 * full_bytes for size in rank_bytes), (rank_bytes, full_bytes)
 
 
+def assert_moe_tensor_parallel_equals_one_rank(path, expert_inter: int) -> None:
+    """tp=2, split along the experts' intermediate dimension and with --enable-expert-parallel:
+    the tokens equal one rank's; an intermediate size of 32 (16 inputs a rank, not a block: the
+    down matrices dequantized at load) moves the logprobs by one rank's int8 rounding."""
+    with build(path, dtype="float32") as llm:
+        one = greedy(llm)
+    for expert_parallel in (False, True):
+        with build(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
+            split_down = expert_inter == 32 and not expert_parallel
+            assert_same_greedy(greedy(llm), one, typical=3e-2 if split_down else 1e-3)
+
+
 def test_static_activation_scales_are_accepted(tmp_path):
     """W8A8 with a static input_scale: served with the kernel's dynamic per-block scales, so the
     same tokens and logprob bits as the same weights without activation quantization (W8A16)."""

@@ -15,7 +15,8 @@ from nanoserve.kernels import quant
 from nanoserve.models.gguf_model import gguf_hf_config
 from nanoserve.models.gguf_import import import_gguf
 from tests.gguf_models import dequantized_transformers, teacher_forced, write_moe_gguf, write_qwen3_gguf
-from tests.models.test_compressed_tensors import PROMPTS, assert_same_greedy, greedy
+from tests.models.test_compressed_tensors import (PROMPTS, assert_moe_tensor_parallel_equals_one_rank,
+                                                  assert_same_greedy, greedy)
 
 MOE_FILES = {"qwen3_moe-q4_1": ("qwen3_moe", "q4_1"), "qwen3_moe-q8_0": ("qwen3_moe", "q8_0"),
              "mixtral-q4_0": ("mixtral", "q4_0")}
@@ -67,18 +68,24 @@ def test_experts_hold_the_files_blocks(moe_file):
             assert torch.equal(quant.dequantize_weight(w2), meaning(f"blk.{index}.ffn_down_exps.weight", expert))
 
 
-@torch.inference_mode()
-def test_logprobs_match_transformers_on_the_files_blocks(moe_file, exact_gemm):
+def assert_logprobs_match_transformers(path) -> None:
     """The engine's greedy tokens teacher-forced through transformers holding the file's tensors
-    dequantized (stacked experts, router, Q/K rows un-permuted for Mixtral), both sides' quantized
-    GEMMs the same exact product: every logprob to float32 rounding, each token the argmax."""
-    model = dequantized_transformers(moe_file)
-    llm = build(moe_file, dtype="float32")
+    dequantized: every logprob within 1e-3, each token the argmax."""
+    model = dequantized_transformers(path)
+    llm = build(path, dtype="float32")
     tokens, logprobs, _ = greedy(llm)
     forced = teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)
     for prompt, ours, (rows, theirs) in zip(PROMPTS, logprobs, forced):
         assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
         assert all(row.max().item() - value < 1e-3 for row, value in zip(rows, theirs)), prompt
+
+
+@torch.inference_mode()
+def test_logprobs_match_transformers_on_the_files_blocks(moe_file, exact_gemm):
+    """The engine's greedy tokens teacher-forced through transformers holding the file's tensors
+    dequantized (stacked experts, router, Q/K rows un-permuted for Mixtral), both sides' quantized
+    GEMMs the same exact product: every logprob to float32 rounding, each token the argmax."""
+    assert_logprobs_match_transformers(moe_file)
 
 
 def test_kernels_equal_reference_gemm_bit_for_bit(moe_file, monkeypatch):
@@ -93,13 +100,7 @@ def test_kernels_equal_reference_gemm_bit_for_bit(moe_file, monkeypatch):
 
 def test_qwen3_file_logprobs_match_transformers(tmp_path, exact_gemm):
     """A dense qwen3 file: Q/K norms from attn_q_norm / attn_k_norm, rows in Hugging Face's order."""
-    path = write_qwen3_gguf(tmp_path, "q4_1", seed=3)
-    model = dequantized_transformers(path)
-    llm = build(path, dtype="float32")
-    tokens, logprobs, _ = greedy(llm)
-    forced = teacher_forced(model, llm.get_tokenizer(), PROMPTS, tokens)
-    for prompt, ours, (_, theirs) in zip(PROMPTS, logprobs, forced):
-        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
+    assert_logprobs_match_transformers(write_qwen3_gguf(tmp_path, "q4_1", seed=3))
 
 
 @pytest.mark.parametrize("expert_inter", [64, 32])
@@ -110,12 +111,7 @@ def test_tensor_parallel_equals_one_rank(expert_inter, tmp_path):
     not a block: the down matrices are then dequantized at load (their inputs stay float, so the
     logprobs move by the int8 rounding one rank's kernels do)."""
     path = write_moe_gguf(tmp_path, "qwen3_moe", "q8_0", seed=6, expert_inter=expert_inter)
-    with build(path, dtype="float32") as llm:
-        one = greedy(llm)
-    for expert_parallel in (False, True):
-        with build(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
-            split_down = expert_inter == 32 and not expert_parallel
-            assert_same_greedy(greedy(llm), one, typical=3e-2 if split_down else 1e-3)
+    assert_moe_tensor_parallel_equals_one_rank(path, expert_inter)
 
 
 def test_a_moe_file_is_not_imported_into_a_directory(tmp_path):

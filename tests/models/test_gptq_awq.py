@@ -21,7 +21,7 @@ from tests.gptq_awq_models import (SCHEMES, awq_as_compressed_tensors, dequantiz
                                    quantize_checkpoint, write_quantized_llama)
 from tests.models.family_checkpoints import write_random_checkpoint
 from tests.models.test_compressed_tensors import (_experts_with_rounded_inputs, assert_cli_one_line_error,
-                                                  assert_same_greedy,
+                                                  assert_moe_tensor_parallel_equals_one_rank, assert_same_greedy,
                                                   assert_tensor_parallel_equals_one_rank, build, greedy)
 
 SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "gptq-4bit-actorder",
@@ -295,12 +295,7 @@ def test_quantized_moe_under_tensor_parallelism_equals_one_rank(expert_inter, tm
 
     hf_dir = write_moe_checkpoint(tmp_path / "hf", "qwen3_moe", seed=6, expert_inter=expert_inter)
     path = quantize_checkpoint(hf_dir, tmp_path / "model", "gptq-4bit-asym-g64", seed=6)
-    with build(path, dtype="float32") as llm:
-        one = greedy(llm)
-    for expert_parallel in (False, True):
-        with build(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
-            split_down = expert_inter == 32 and not expert_parallel
-            assert_same_greedy(greedy(llm), one, typical=3e-2 if split_down else 1e-3)
+    assert_moe_tensor_parallel_equals_one_rank(path, expert_inter)
 
 
 # ---- what else a checkpoint may hold, and what is refused ---------------------------------
