@@ -229,15 +229,6 @@ def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tenso
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def fused_experts_cpu(hidden, table: torch.Tensor, inter: int, topk_weights, topk_ids) -> torch.Tensor | None:
-    """fused_experts_grouped's arithmetic in one C++ call (kernels/cpu/moe.cpp; `table` from
-    cpu_expert_table): the same bits, without the Python between its kernels. SiLU x mul and no
-    biases only; None when it can't be taken (fp32 activations, ...)."""
-    if hidden.dim() != 2 or not hidden.is_contiguous():
-        return None
-    return cpu_ops.moe_experts(hidden, table, topk_ids, topk_weights, inter)
-
-
 @lazy_jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, sorted_rows_ptr, block_experts_ptr,
@@ -346,7 +337,9 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=Non
     choice = kernel_choice()
     if (table is not None and choice not in ("reference", "triton") and not hidden.is_cuda and bias is None
             and activation is None):
-        out = fused_experts_cpu(hidden, table, w13.shape[1] // 2, topk_weights, topk_ids)
+        # kernels/cpu/moe.cpp: the grouped path's arithmetic in one C++ call, the same bits
+        # (SiLU x mul, no biases, bf16 activations; None: it can't take them).
+        out = cpu_ops.moe_experts(hidden, table, topk_ids, topk_weights, w13.shape[1] // 2)
         if out is not None:
             return out
     if choice == "reference" or choice == "triton" or hidden.is_cuda:

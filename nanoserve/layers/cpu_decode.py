@@ -172,11 +172,11 @@ class FusedDecode:
         if not (positions.dtype == torch.long and metadata.slot_mapping.dtype == torch.long
                 and metadata.block_table.is_contiguous() and metadata.block_table.dtype == torch.int32):
             return None
+        if lora is not None and self.num_experts:  # adapters on a MoE model: the modules
+            return None
         model = self.model.model
         x = model.embed_tokens(input_ids)
         if x.dtype != torch.bfloat16:
-            return None
-        if lora is not None and self.num_experts:  # adapters on a MoE model: the modules
             return None
         new = x.new_empty
         buffers = [x, new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden),

@@ -116,21 +116,20 @@ int ns_moe_experts(const int64_t* experts, int num_experts, void* out, const voi
 #pragma omp parallel for schedule(static) if (local * hidden >= kParallelElements)
     for (int64_t r = 0; r < local; ++r)
         std::memcpy(gathered + r * hidden, in + (order[r] / top_k) * hidden, hidden * sizeof(uint16_t));
-    for (int e = 0; e < num_experts; ++e) {
-        const int64_t first = offsets[e], rows = offsets[e + 1] - offsets[e];
-        if (rows == 0) continue;
-        if (expert_gemm(experts[4 * e], experts[4 * e + 1], gate_up + first * 2 * inter, gathered + first * hidden,
-                        rows, 2 * inter, hidden) != 0)
-            return 2;
-    }
+    // Each expert's run of rows through its matrix (the table's column 0: W13, 2: W2): [rows, n]
+    // of `to` from [rows, k] of `from`. False when a GEMM refused its shapes.
+    auto each_expert = [&](int column, const uint16_t* from, int64_t k, uint16_t* to, int64_t n) {
+        for (int e = 0; e < num_experts; ++e) {
+            const int64_t first = offsets[e], rows = offsets[e + 1] - offsets[e];
+            if (rows > 0 && expert_gemm(experts[4 * e + column], experts[4 * e + column + 1], to + first * n,
+                                        from + first * k, rows, n, k) != 0)
+                return false;
+        }
+        return true;
+    };
+    if (!each_expert(0, gathered, hidden, gate_up, 2 * inter)) return 2;
     if (local > 0 && ns_silu_and_mul(1, act, gate_up, local, inter) != 0) return 2;
-    for (int e = 0; e < num_experts; ++e) {
-        const int64_t first = offsets[e], rows = offsets[e + 1] - offsets[e];
-        if (rows == 0) continue;
-        if (expert_gemm(experts[4 * e + 2], experts[4 * e + 3], down + first * hidden, act + first * inter, rows,
-                        hidden, inter) != 0)
-            return 2;
-    }
+    if (!each_expert(2, act, inter, down, hidden)) return 2;
     // The weighted sum, slot by slot in fp32: a product rounded, then the add (combine_topk's
     // `out += rows * w`; compiled without contraction into FMAs).
     auto* o = static_cast<uint16_t*>(out);
