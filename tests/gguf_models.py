@@ -25,7 +25,8 @@ PRESETS = {
     "q4_1": {},
     "q5_0": {},
     "q5_1": {},
-    "mxfp4": {},  # not supported by nanoserve's kernels: the unsupported-type error
+    "mxfp4": {},  # gpt-oss's experts' type, here in every linear layer (the kernels' MXFP4 format)
+    "tq2_0": {},  # ternary: not supported, the unsupported-type error
     "f16": {},  # unquantized linear layers: dequantized into the bf16 / fp32 weights
     "q4_k_m": {"v_proj": "q6_k", "down_proj": "q6_k"},
 }
@@ -46,7 +47,10 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
 # Families whose GGUF files write_moe_gguf writes, and the llama.cpp architecture of each (a Mixtral
 # is a "llama" file with experts).
-MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+# gpt-oss's names where llama.cpp's converter gives them others than the Llama family's.
+_GPT_OSS_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp",
+                       "self_attn.sinks": "attn_sinks"}
 
 
 def _gguf_name(name: str) -> str:
@@ -243,6 +247,8 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
     arch = MOE_GGUF_ARCHITECTURES[family]
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
+    if family == "gpt_oss":
+        return _write_gpt_oss(writer, path, model, hf_dir, experts, others, np.random.default_rng(seed))
     _write_header(writer, config)
     writer.add_expert_count(config.num_experts if family == "qwen3_moe" else config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
@@ -271,6 +277,89 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
                 weight = _llama_cpp_permute(weight, heads)
             quantized(_gguf_name(name), weight, "q8_0" if "embed" in name else others)
     return _finish(writer, path)
+
+
+def _write_gpt_oss(writer: gguf.GGUFWriter, path: Path, model, hf_dir: Path, experts: str, others: str, rng) -> Path:
+    """A gpt-oss file as llama.cpp's converter writes one: the header plus the sliding window, YaRN
+    and the experts' sizes; each layer's gate_up_proj ([experts, hidden, 2 inter], gate and up
+    interleaved) split into ffn_gate_exps / ffn_up_exps ([experts, inter, hidden]) and down_proj
+    transposed into ffn_down_exps, each of type `experts` (MXFP4 as llama.cpp's), their biases split
+    the same way (F32); sinks (attn_sinks), router, norms and biases F32; the rest `others`."""
+    config = model.config
+    _write_header(writer, config)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_sliding_window(config.sliding_window)
+    yarn = config.rope_parameters
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(yarn["factor"])
+    writer.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
+    _add_tokenizer(writer, hf_dir, "default")
+
+    def quantized(name, values, qtype):
+        data, ggml_type = _tensor_bytes(name, values, qtype, rng)
+        writer.add_tensor(name, data, raw_dtype=ggml_type)
+
+    for name, weight in model.state_dict().items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):
+            quantized(f"blk.{layer}.ffn_gate_exps.weight", weight[:, :, ::2].transpose(1, 2).contiguous(), experts)
+            quantized(f"blk.{layer}.ffn_up_exps.weight", weight[:, :, 1::2].transpose(1, 2).contiguous(), experts)
+        elif name.endswith("experts.down_proj"):
+            quantized(f"blk.{layer}.ffn_down_exps.weight", weight.transpose(1, 2).contiguous(), experts)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.bias", weight[:, ::2].contiguous().numpy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.bias", weight[:, 1::2].contiguous().numpy())
+        elif name.endswith("experts.down_proj_bias"):
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", weight.numpy())
+        elif layer is not None:
+            stem, _, kind = name.rpartition(".")
+            module = stem.split(".", 3)[3]
+            if name.endswith(".sinks"):  # a parameter of its own: llama.cpp names it attn_sinks.weight
+                module, kind = "self_attn.sinks", "weight"
+            gguf_name = f"blk.{layer}.{_GPT_OSS_GGUF_NAMES.get(module) or _GGUF_NAMES[module]}.{kind}"
+            if weight.dim() == 1 or "router" in name:
+                writer.add_tensor(gguf_name, weight.float().numpy())
+            else:
+                quantized(gguf_name, weight, others)
+        elif name.endswith("norm.weight"):
+            writer.add_tensor(_gguf_name(name), weight.float().numpy())
+        else:
+            quantized(_gguf_name(name), weight, "q8_0" if "embed" in name else others)
+    return _finish(writer, path)
+
+
+def dequantized_gpt_oss(gguf_file: Path):
+    """transformers' gpt-oss (float32, CPU) holding a gpt-oss file's tensors dequantized by the gguf
+    package: the experts and their biases put back into gate_up_proj's interleaved columns."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    names = {v: k for k, v in {**_GGUF_NAMES, **_GPT_OSS_GGUF_NAMES}.items()}
+    tensors = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        tensors[tensor.name] = torch.from_numpy(values.reshape(shape))
+    state = {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
+             "model.norm.weight": tensors.pop("output_norm.weight"), "lm_head.weight": tensors.pop("output.weight")}
+    for layer in range(model.config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        parts = {kind: tensors.pop(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in ("gate", "up", "down")}
+        biases = {kind: tensors.pop(f"blk.{layer}.ffn_{kind}_exps.bias") for kind in ("gate", "up", "down")}
+        gate_up = torch.stack([parts["gate"], parts["up"]], dim=2)  # [E, inter, 2, hidden]: interleaved rows
+        state[prefix + "gate_up_proj"] = gate_up.flatten(1, 2).transpose(1, 2).contiguous()
+        state[prefix + "gate_up_proj_bias"] = torch.stack([biases["gate"], biases["up"]], dim=2).flatten(1)
+        state[prefix + "down_proj"] = parts["down"].transpose(1, 2).contiguous()
+        state[prefix + "down_proj_bias"] = biases["down"]
+    for name, values in tensors.items():
+        _, layer, module, kind = name.split(".")
+        hf_module = names[module]
+        state[f"model.layers.{layer}.{hf_module}" if hf_module == "self_attn.sinks"
+              else f"model.layers.{layer}.{hf_module}.{kind}"] = values
+    model.load_state_dict(state, strict=True)
+    return model
 
 
 def write_qwen3_gguf(out_dir: Path, qtype: str = "q4_1", seed: int = 0) -> Path:

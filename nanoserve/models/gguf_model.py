@@ -75,7 +75,7 @@ def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
             qtype = quant.qtype_name(ggml_type)
         except ValueError as error:
             raise ValueError(f"{Path(gguf_file).name}: {name}: {error}") from None
-        block = quant.GGUF_QTYPES[qtype][0]
+        block = 32 if qtype == quant.MXFP4 else quant.GGUF_QTYPES[qtype][0]
         k = shape[0]
         if name.endswith(_ROW_PARALLEL) and (k % tensor_parallel_size or (k // tensor_parallel_size) % block):
             raise ValueError(
@@ -98,7 +98,14 @@ def gguf_tokenizer(gguf_file: Path):
     config = gguf_hf_config(gguf_file)
     backend, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
     eos = config.get("eos_token_id")
-    return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=[] if eos is None else [eos],
+    stops = [] if eos is None else [eos]
+    if config["architectures"] == ["GptOssForCausalLM"]:
+        # The harmony format ends a turn with <|return|> (an answer) or <|call|> (a tool call), as
+        # gpt-oss's generation_config.json and llama.cpp's end-of-generation tokens have it.
+        vocab = backend.get_vocab(with_added_tokens=True)
+        stops += [vocab[token] for token in ("<|return|>", "<|call|>", "<|endoftext|>")
+                  if token in vocab and vocab[token] not in stops]
+    return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=stops,
                      chat_template=tokenizer_config.get("chat_template"))
 
 

@@ -43,9 +43,14 @@ def _float32_value(value: float) -> float:
 # from: (architectures, model_type). Qwen2 is Llama with Q/K/V biases, and its converter keeps the
 # Q/K rows in Hugging Face's order (llama.cpp rotates them NeoX-style), where "llama" reorders them;
 # Qwen3 adds per-head Q/K norms, Qwen3-MoE routes to experts (stacked: ffn_*_exps). A "llama" file
-# with experts (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one.
+# with experts (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one. gpt-oss
+# (models/gpt_oss.py) keeps HF's rows too, with biases on q/k/v/o, the router and the experts,
+# attention sinks (attn_sinks), YaRN, a sliding window on every other layer from the first, and
+# its experts in MXFP4.
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                      "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
+                      "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                      "gpt-oss": ("GptOssForCausalLM", "gpt_oss")}
+GPT_OSS = "gpt-oss"
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 
@@ -56,6 +61,12 @@ def gguf_architecture(metadata: dict, file_name: str) -> str:
         raise GGUFImportError(f"{file_name}: architecture {architecture!r} is not supported "
                               f"(supported: {', '.join(repr(a) for a in GGUF_ARCHITECTURES)})")
     return architecture
+
+
+def reader_architecture(reader: gguf.GGUFReader) -> str | None:
+    """The file's `general.architecture` without reading the rest of its metadata."""
+    field = reader.fields.get("general.architecture")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
 def rotary_rows_permuted(config) -> bool:
@@ -77,7 +88,17 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         return value
 
     scaling = metadata.get(f"{architecture}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+    rope_scaling = None
+    if architecture == GPT_OSS and scaling == "yarn" and "rope_freqs.weight" not in tensor_names:
+        # llama.cpp's converter writes the factor and the original context; the betas are
+        # gpt-oss's (llama.cpp's defaults too) unless the file says otherwise; transformers'
+        # gpt-oss YaRN does not round its correction range (truncate false).
+        rope_scaling = {"rope_type": "yarn", "factor": _float32_value(get("rope.scaling.factor")),
+                        "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                        "beta_fast": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)),
+                        "beta_slow": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)),
+                        "truncate": False}
+    elif scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
@@ -91,7 +112,7 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     if metadata.get(f"{architecture}.expert_count"):
         if architecture == "llama":
             hf_class, model_type = _MIXTRAL
-        elif architecture != "qwen3moe":
+        elif architecture not in ("qwen3moe", GPT_OSS):
             raise GGUFImportError(f"{file_name}: experts in a {architecture!r} file are not supported")
         experts = {
             "num_experts" if architecture == "qwen3moe" else "num_local_experts": get("expert_count"),
@@ -100,8 +121,15 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
             **({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                 "moe_intermediate_size": get("expert_feed_forward_length")} if architecture == "qwen3moe" else {}),
         }
-    elif architecture == "qwen3moe":
+    elif architecture in ("qwen3moe", GPT_OSS):
         raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
+    family = {}
+    if architecture == GPT_OSS:
+        window = get("attention.sliding_window")
+        layers = get("block_count")
+        family = {"sliding_window": window, "attention_bias": True, "intermediate_size": get("expert_feed_forward_length"),
+                  "layer_types": ["sliding_attention" if index % 2 == 0 else "full_attention" for index in range(layers)],
+                  "swiglu_limit": 7.0}
     # A Qwen3-MoE file may carry no dense feed_forward_length (no layer uses one).
     dense_ffn = metadata.get(f"{architecture}.feed_forward_length")
     if dense_ffn is None:
@@ -121,7 +149,7 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         "max_position_embeddings": get("context_length"),
         "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_value(get("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -131,6 +159,7 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": "bfloat16",
+        **family,
     }
 
 
@@ -154,25 +183,33 @@ _LAYER_TENSOR_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",
+    "post_attention_norm": "post_attention_layernorm",  # gpt-oss's norm before its MoE block
+    "attn_sinks": "self_attn.sinks",
 }
+# gpt-oss's router is transformers' mlp.router (the others' mlp.gate).
+_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}}
 # Every expert's matrix stacked in one tensor ([experts, outputs, inputs]): our FusedMoE's stacked
 # parameter and the part (0 gate, 1 up, None down) it fills (expert_part).
-_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13_weight", 0), "ffn_up_exps": ("mlp.experts.w13_weight", 1),
-                        "ffn_down_exps": ("mlp.experts.w2_weight", None)}
+_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13", 0), "ffn_up_exps": ("mlp.experts.w13", 1),
+                        "ffn_down_exps": ("mlp.experts.w2", None)}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """llama.cpp's tensor name → the HF Llama (Qwen2, Qwen3) name; biases as Qwen2's q/k/v have
-    them; stacked experts → the FusedMoE parameter they load into (expert_part says which part)."""
+def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str:
+    """llama.cpp's tensor name → the HF Llama (Qwen2, Qwen3, gpt-oss) name; biases as Qwen2's q/k/v
+    have them; stacked experts (and gpt-oss's stacked expert biases) → the FusedMoE parameter they
+    load into (expert_part says which part). `architecture`: the file's, where a name differs."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is not None and match.group(2) in _EXPERT_TENSOR_NAMES and match.group(3) == "weight":
-        return f"model.layers.{match.group(1)}.{_EXPERT_TENSOR_NAMES[match.group(2)][0]}"
-    if match is None or match.group(2) not in _LAYER_TENSOR_NAMES:
-        raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
-    return f"model.layers.{match.group(1)}.{_LAYER_TENSOR_NAMES[match.group(2)]}.{match.group(3)}"
+    if match is not None and match.group(2) in _EXPERT_TENSOR_NAMES:
+        return f"model.layers.{match.group(1)}.{_EXPERT_TENSOR_NAMES[match.group(2)][0]}_{match.group(3)}"
+    names = {**_LAYER_TENSOR_NAMES, **_ARCHITECTURE_NAMES.get(architecture, {})}
+    if match is None or match.group(2) not in names:
+        raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a {architecture or 'llama'} GGUF")
+    if match.group(2) == "attn_sinks":  # a parameter of its own in transformers, not a module's weight
+        return f"model.layers.{match.group(1)}.{names['attn_sinks']}"
+    return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
 
 def expert_part(gguf_name: str) -> tuple[bool, int | None]:

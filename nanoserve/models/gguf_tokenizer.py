@@ -17,8 +17,19 @@ _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"
 # also puts the text in NFC first.
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _QWEN2_PRE = {"qwen2"}
+# GPT-4o's (tiktoken's o200k_base; gpt-oss): words with their case runs and contractions, digits in
+# threes, punctuation runs with trailing newlines or slashes, then whitespace as GPT-2's.
+_LETTERS_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LETTERS_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = "|".join([
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS_UPPER}*{_LETTERS_LOWER}+{_CONTRACTIONS}",
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_LETTERS_UPPER}+{_LETTERS_LOWER}*{_CONTRACTIONS}",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+_GPT4O_PRE = {"gpt-4o"}
 # Pre-tokenizers that split by a regex before the byte-level mapping: the regex of each.
-_SPLIT_PRE = {**{pre: _LLAMA3_SPLIT for pre in _LLAMA3_PRE}, **{pre: _QWEN2_SPLIT for pre in _QWEN2_PRE}}
+_SPLIT_PRE = {**{pre: _LLAMA3_SPLIT for pre in _LLAMA3_PRE}, **{pre: _QWEN2_SPLIT for pre in _QWEN2_PRE},
+              **{pre: _GPT4O_SPLIT for pre in _GPT4O_PRE}}
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4

@@ -21,8 +21,9 @@ from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
-from nanoserve.models.gguf_reader import (GGUFImportError, expert_part, hf_tensor_name, rotary_rows_permuted,
-                                          unpermute_rotary_rows)
+from nanoserve.layers.fused_moe import FusedMoE
+from nanoserve.models.gguf_reader import (GGUFImportError, expert_part, hf_tensor_name, reader_architecture,
+                                          rotary_rows_permuted, unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -39,6 +40,23 @@ def _qtype(tensor) -> str | None:
         raise ValueError(f"{tensor.name}: {error}") from None
 
 
+def mxfp4_components(raw: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """GGUF MXFP4 rows (uint8 [rows, k / 32 * 17]: per block of 32 an E8M0 exponent byte, then 16
+    bytes holding element j in the low nibble of byte j and element j + 16 in its high one) -> the
+    kernels' MXFP4 components: the 4-bit codes "u" [rows, k] and "scale" 2^(exponent - 128) [rows,
+    k / 32], so that scale * (MXFP4_U[code] - 12) = ggml's value, 2^(e - 128) * 2 * E2M1."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, k // 32, 17)
+    quants = blocks[..., 1:]
+    codes = torch.cat([quants & 0x0F, quants >> 4], dim=-1).reshape(rows, k)
+    scale = torch.ldexp(torch.ones(rows, k // 32), blocks[..., 0].to(torch.int32) - 128)
+    return {"u": codes.contiguous(), "scale": scale}
+
+
+def _block(qtype: str) -> int:
+    return 32 if qtype == quant.MXFP4 else quant.GGUF_QTYPES[qtype][0]
+
+
 def _raw_rows(tensor) -> torch.Tensor:
     """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (a copy off the memory map)."""
     return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
@@ -50,7 +68,7 @@ def _dense(tensor, qtype: str | None, rows: slice | None = None) -> torch.Tensor
 
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
     data = tensor.data if rows is None else tensor.data[rows]
-    if qtype is None:
+    if qtype is None or qtype == quant.MXFP4:  # the gguf package's own (exact) dequantization
         values = gguf.quants.dequantize(np.asarray(data), tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1, *shape[1:]))
     raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
@@ -79,10 +97,14 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     packed = getattr(model, "packed_modules", {})
     missing = missing_prefixes(model)
     tied = bool(model.config.tie_word_embeddings)
+    architecture = reader_architecture(reader)
+    renames = getattr(model, "checkpoint_renames", {})  # gpt-oss's sinks beside its attention kernel
     staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, architecture)
+        for old, new in renames.items():
+            name = name.replace(old, new)
         targets = [name]
         if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
             targets.append("lm_head.weight")  # the tied head multiplies the embedding's blocks
@@ -98,7 +120,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
             stacked, part = expert_part(tensor.name)
-            if stacked:
+            if stacked and tensor.name.endswith(".bias"):
+                _load_expert_biases(module, params[target], tensor, part)
+            elif stacked:
                 _load_experts(module, params[target], tensor, part)
             else:
                 _load_tensor(model.config, module, params[target], tensor, shard_id,
@@ -126,21 +150,35 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None)
 
     qtype = _qtype(tensor)
     k = int(tensor.shape[0])
-    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel
-                                          or moe.inter % quant.GGUF_QTYPES[qtype][0] == 0)
+    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel or moe.inter % _block(qtype) == 0)
     quantized = whole_blocks and quant.takes_components(param.device)
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
         data = tensor.data[expert]
         if quantized:
-            moe.load_quantized(param, {"raw": torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))},
-                               qtype, (expert, part))
+            raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+            arrays = mxfp4_components(raw, k) if qtype == quant.MXFP4 else {"raw": raw}
+            moe.load_quantized(param, arrays, qtype, (expert, part))
             continue
-        if qtype is None:
+        if qtype is None or qtype == quant.MXFP4:
             values = torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(data), tensor.tensor_type),
                                                dtype=np.float32).reshape(-1, k))
         else:
             values = quant.dequantize(torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)), qtype, k)
         moe.weight_loader(param, values, (expert, part))
+
+
+def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:
+    """gpt-oss's stacked expert biases (ffn_gate_exps.bias / ffn_up_exps.bias [experts, inter],
+    ffn_down_exps.bias [experts, hidden]) into FusedMoE's w13_bias (gate part, then up part) and
+    w2_bias: this rank's experts, and with the intermediate dimension split its share of gate and
+    up, the down bias on rank 0 only (as layers/fused_moe.FusedMoE.bias_loader)."""
+    values = _dense(tensor, None)
+    if part is None:
+        FusedMoE.bias_loader(moe, param, values)
+        return
+    start = 0 if moe.expert_parallel else moe.tp_rank * moe.inter
+    rows = values[moe.first_expert : moe.first_expert + moe.num_local_experts, start : start + moe.inter]
+    param.data[:, part * moe.inter : (part + 1) * moe.inter].copy_(rows)
 
 
 def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: StagedLinear) -> None:
@@ -150,6 +188,17 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_i
     name = hf_tensor_name(tensor.name)
     heads = _rotary_heads(name, config)
     quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
+    if qtype == quant.MXFP4 and not quant.takes_components(param.device):
+        qtype = None  # (CUDA's kernel reads GGUF bytes of the other types): dequantized below
+    if qtype == quant.MXFP4 and quantized_module:
+        if parts.float_parts:
+            raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
+        k = int(tensor.shape[0])
+        raw = _raw_rows(tensor)
+        if heads is not None:
+            raw = unpermute_rotary_rows(raw, heads)
+        stage_quantized(module, tensor.name, mxfp4_components(raw, k), qtype, 32, k, shard_id, parts)
+        return
     if qtype is not None and quantized_module:
         if parts.float_parts:
             raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")

@@ -48,7 +48,7 @@ def test_dequantize_is_bit_exact_with_gguf(qtype):
 
 
 def test_unsupported_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match="Q3_K .*supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K$"):
+    with pytest.raises(ValueError, match="Q3_K .*supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4$"):
         quant.qtype_name(gguf.GGMLQuantizationType.Q3_K)
     assert quant.qtype_name(gguf.GGMLQuantizationType.Q4_K) == "q4_k"
     assert quant.qtype_name(gguf.GGMLQuantizationType.Q5_0) == "q5_0"

@@ -24,7 +24,7 @@ from nanoserve.models.gguf_reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
 from tests.gguf_models import teacher_forced, write_quantized_gguf
 
-PRESETS = ["q8_0", "q4_0", "q4_1", "q4_k_m", "llama_cpp_q4_k_m"]
+PRESETS = ["q8_0", "q4_0", "q4_1", "q4_k_m", "llama_cpp_q4_k_m", "mxfp4"]
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paris is the capital of", "import torch\nx ="]
 NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
@@ -126,7 +126,7 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
     at = data.index(name) + len(name) + 4 + 8  # the key, its value type (uint32), the string's length
     assert data[at:at + 5] == b"llama"
     path.write_bytes(data[:at] + b"gemma" + data[at + 5:])  # same length: the file stays well-formed
-    supported = "'llama', 'qwen2', 'qwen3', 'qwen3moe'"
+    supported = "'llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss'"
     with pytest.raises(ValueError, match=rf"architecture 'gemma' is not supported \(supported: {supported}\)"):
         build(path)
 
@@ -275,6 +275,7 @@ def _transformers_on_the_file(gguf_file):
     from transformers import AutoModelForCausalLM
 
     from nanoserve.models.gguf_reader import hf_tensor_name
+    from nanoserve.models.gguf_weights import mxfp4_components
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     permuted = model.config.model_type == "llama"
@@ -292,7 +293,13 @@ def _transformers_on_the_file(gguf_file):
                  "k_proj": model.config.num_key_value_heads}.get(name.split(".")[-2])
         if heads is not None and permuted:
             raw = unpermute_rotary_rows(raw, heads)
-        weight = quant.QuantWeight(quant.qtype_name(tensor.tensor_type), shape[0], shape[1], raw)
+        qtype = quant.qtype_name(tensor.tensor_type)
+        if qtype == quant.MXFP4:  # no GGUF-bytes form in kernels/quant.py: the components
+            parts = mxfp4_components(raw, shape[1])
+            weight = quant.QuantWeight(qtype, shape[0], shape[1], None,
+                                       components=quant.QuantComponents(parts["u"], parts["scale"]))
+        else:
+            weight = quant.QuantWeight(qtype, shape[0], shape[1], raw)
         owner, _, attribute = owner.rpartition(".")
         if name == "model.embed_tokens.weight":
             if not model.config.tie_word_embeddings:
@@ -321,14 +328,14 @@ def test_logprobs_match_transformers_on_the_files_blocks(gguf_file, exact_gemm):
 
 
 def test_unsupported_type_is_a_one_line_error(tmp_path):
-    path = write_quantized_gguf(tmp_path, "mxfp4")
-    with pytest.raises(ValueError, match=r"MXFP4 is not supported.*Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"):
+    path = write_quantized_gguf(tmp_path, "tq2_0")
+    with pytest.raises(ValueError, match=r"TQ2_0 is not supported.*Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4"):
         build(path)
     result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "MXFP4" in lines[0] and "Q5_K" in lines[0], result.stderr
+    assert len(lines) == 1 and "TQ2_0" in lines[0] and "MXFP4" in lines[0], result.stderr
 
 
 def test_quantization_flag(q4_1_file):
