@@ -1,5 +1,7 @@
-"""The tokenizer of a GGUF file, rebuilt as a `tokenizers` byte-level BPE (tokenizer.json) with its
-tokenizer_config.json, as llama.cpp's converters read the `tokenizer.ggml.*` metadata."""
+"""The tokenizer of a GGUF file, rebuilt as a `tokenizers` tokenizer (tokenizer.json) with its
+tokenizer_config.json, from the `tokenizer.ggml.*` metadata llama.cpp's converters write: a
+byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM, gpt-oss) or a SentencePiece BPE (`llama`: Llama 2,
+Mistral 7B and their kind, whose vocabulary comes with a score a piece and no merges)."""
 from __future__ import annotations
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -31,8 +33,12 @@ _GPT4O_PRE = {"gpt-4o"}
 _SPLIT_PRE = {**{pre: _LLAMA3_SPLIT for pre in _LLAMA3_PRE}, **{pre: _QWEN2_SPLIT for pre in _QWEN2_PRE},
               **{pre: _GPT4O_SPLIT for pre in _GPT4O_PRE}}
 
+_TOKEN_TYPE_NORMAL = 1
+_TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_BYTE = 6
+_SPM_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -64,13 +70,55 @@ def _pre_tokenizer(pre: str):
     raise GGUFImportError(f"GGUF pre-tokenizer {pre!r} is not supported")
 
 
+def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE vocabulary as BPE merges. SentencePiece merges, among adjacent pieces,
+    the pair whose union is the highest-scoring normal piece of the vocabulary (control, byte,
+    unused and user-defined pieces are never formed by merging); a BPE merge list ranked by that
+    score does the same. Every way to cut such a piece into two normal pieces is a merge of its
+    rank (the cuts of one piece in the order of their left part's id)."""
+    mergeable = {token: index for index, (token, kind) in enumerate(zip(tokens, token_types))
+                 if kind == _TOKEN_TYPE_NORMAL}
+    ranked = []
+    for piece, index in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-scores[index], index, mergeable[left], mergeable[right], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_tokenizer(metadata: dict, tokens: list[str], token_types: list[int]) -> BackendTokenizer:
+    """llama.cpp's `llama` (SentencePiece BPE) tokenizer: spaces as ▁ and one before the text
+    (`tokenizer.ggml.add_space_prefix`, default on), the pieces merged by score, characters outside
+    the vocabulary as their UTF-8 bytes' <0xXX> pieces where the vocabulary has them (byte
+    fallback), else the unknown piece."""
+    scores = metadata.get("tokenizer.ggml.scores")
+    if not scores or len(scores) != len(tokens):
+        raise GGUFImportError("GGUF SentencePiece tokenizer ('llama') lacks tokenizer.ggml.scores for its tokens")
+    unknown = next((token for token, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_UNKNOWN), None)
+    byte_fallback = _TOKEN_TYPE_BYTE in token_types
+    tokenizer = BackendTokenizer(models.BPE(
+        vocab={token: index for index, token in enumerate(tokens)}, merges=spm_merges(tokens, scores, token_types),
+        unk_token=unknown, fuse_unk=True, byte_fallback=byte_fallback, dropout=None))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", _SPM_SPACE)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace]) if prefix else replace
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tokenizer
+
+
 def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendTokenizer, dict]:
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise GGUFImportError(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    if model not in ("gpt2", "llama"):
+        raise GGUFImportError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', and "
+                              "SentencePiece BPE, 'llama')")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if model == "llama":
+        return _finish(_spm_tokenizer(metadata, tokens, token_types), metadata, tokens, token_types,
+                       model_max_length, spelled=set(tokens))
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
     if any(len(merge) != 2 for merge in merges):
         raise GGUFImportError("malformed entry in tokenizer.ggml.merges")
@@ -89,13 +137,20 @@ def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendToken
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return _finish(tokenizer, metadata, tokens, token_types, model_max_length,
+                   spelled={token for token in tokens if set(token) <= spelling})
 
+
+def _finish(tokenizer: BackendTokenizer, metadata: dict, tokens: list[str], token_types: list[int],
+            model_max_length: int, spelled: set[str]) -> tuple[BackendTokenizer, dict]:
+    """The control and user-defined tokens as added tokens, and tokenizer_config.json. `spelled`:
+    the tokens the model's vocabulary holds as they are written."""
     # Matched whole in text, never split by BPE. A "control" token outside the byte alphabet would
     # not map back to its id, so it is left out, as llama.cpp's converters do.
     tokenizer.add_special_tokens([
         AddedToken(token, special=True, normalized=False)
         for token, kind in zip(tokens, token_types)
-        if kind == _TOKEN_TYPE_CONTROL and set(token) <= spelling])
+        if kind == _TOKEN_TYPE_CONTROL and token in spelled])
     tokenizer.add_tokens([
         AddedToken(token, special=False, normalized=False)
         for token, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED])

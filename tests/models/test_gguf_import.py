@@ -128,11 +128,11 @@ def test_truncated_gguf_leaves_nothing_behind(tmp_path: Path, smollm2_gguf: Path
 
 
 def test_failure_after_weights_are_written_leaves_nothing_behind(tmp_path: Path):
-    # The weights convert fine; the sentencepiece tokenizer is refused afterwards, by which time
+    # The weights convert fine; the WordPiece tokenizer is refused afterwards, by which time
     # model.safetensors already sits in the staging directory.
-    tiny = _write_tiny_gguf(tmp_path / "tiny.gguf", tokenizer_model="llama")
+    tiny = _write_tiny_gguf(tmp_path / "tiny.gguf", tokenizer_model="bert")
     out_dir = tmp_path / "models" / "tiny"
-    with pytest.raises(GGUFImportError, match="tokenizer model 'llama'"):
+    with pytest.raises(GGUFImportError, match="tokenizer model 'bert'"):
         import_gguf(tiny, out_dir)
     assert list((tmp_path / "models").iterdir()) == []
 
