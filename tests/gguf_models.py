@@ -169,7 +169,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, pre: str = "default") 
     writer.add_eos_token_id(vocab[tokenizer_config["eos_token"]])
     writer.add_pad_token_id(vocab[tokenizer_config["pad_token"]])
     writer.add_add_bos_token(False)
-    writer.add_chat_template(tokenizer_config["chat_template"])
+    jinja = hf_dir / "chat_template.jinja"  # (Gemma's checkpoints keep it there)
+    writer.add_chat_template(tokenizer_config.get("chat_template") or jinja.read_text())
 
 
 def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = True, seed: int = 0,
@@ -358,6 +359,88 @@ def dequantized_gpt_oss(gguf_file: Path):
         hf_module = names[module]
         state[f"model.layers.{layer}.{hf_module}" if hf_module == "self_attn.sinks"
               else f"model.layers.{layer}.{hf_module}.{kind}"] = values
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+# Gemma's names where llama.cpp's differ from the Llama family's (four norms a layer).
+_GEMMA_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                     "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gemma_gguf(out_dir: Path, family: str, qtype: str = "q4_1", seed: int = 0) -> Path:
+    """`out_dir`/model.gguf from a random Gemma 2 or Gemma 3 (tests/models/family_checkpoints.py's
+    "gemma2-gguf" / "gemma3-gguf", in `out_dir`/hf) as llama.cpp's converter writes one: every
+    RMSNorm weight stored as 1 + w (F32), rows in HF's order, the embedding tied to the head (Q8_0),
+    the sliding window, Gemma 2's soft-capping, Gemma 3's linear rope scaling of its global layers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    hf_dir = write_random_checkpoint(out_dir / "hf", f"{family}-gguf", seed)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    config = model.config
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), family)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters
+    if family == "gemma2":
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    _add_tokenizer(writer, hf_dir, "default")
+    rng = np.random.default_rng(seed)
+    for name, weight in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.startswith("model.layers."):
+            stem, _, kind = name.rpartition(".")
+            layer, module = stem.split(".", 3)[2:]
+            gguf_name = f"blk.{layer}.{_GEMMA_GGUF_NAMES.get(module) or _GGUF_NAMES[module]}.{kind}"
+        else:
+            gguf_name = _gguf_name(name)
+        if name.endswith("norm.weight"):
+            writer.add_tensor(gguf_name, (weight.float() + 1).numpy())
+            continue
+        data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
+        writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
+    return _finish(writer, path)
+
+
+def dequantized_gemma(gguf_file: Path):
+    """transformers' Gemma 2 / 3 (float32) holding a Gemma file's tensors dequantized by the gguf
+    package, each norm's stored 1 + w back to w."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    names = {v: k for k, v in {**_GGUF_NAMES, **_GEMMA_GGUF_NAMES}.items()}
+    state = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                           dtype=np.float32).reshape(shape))
+        if tensor.name.endswith("norm.weight"):
+            values = values - 1
+        if tensor.name.startswith("blk."):
+            _, layer, module, kind = tensor.name.split(".")
+            state[f"model.layers.{layer}.{names[module]}.{kind}"] = values
+        else:
+            state[{"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}[
+                tensor.name]] = values
+    state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model
 

@@ -99,6 +99,9 @@ def gguf_tokenizer(gguf_file: Path):
     backend, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
     eos = config.get("eos_token_id")
     stops = [] if eos is None else [eos]
+    if config["architectures"] in (["Gemma2ForCausalLM"], ["Gemma3ForCausalLM"]):
+        vocab = backend.get_vocab(with_added_tokens=True)  # a chat turn ends with <end_of_turn>
+        stops += [vocab["<end_of_turn>"]] if vocab.get("<end_of_turn>", eos) != eos else []
     if config["architectures"] == ["GptOssForCausalLM"]:
         # The harmony format ends a turn with <|return|> (an answer) or <|call|> (a tool call), as
         # gpt-oss's generation_config.json and llama.cpp's end-of-generation tokens have it.

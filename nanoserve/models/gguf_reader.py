@@ -49,8 +49,15 @@ def _float32_value(value: float) -> float:
 # its experts in MXFP4.
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                       "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-                      "gpt-oss": ("GptOssForCausalLM", "gpt_oss")}
+                      "gpt-oss": ("GptOssForCausalLM", "gpt_oss"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 GPT_OSS = "gpt-oss"
+# Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
+# factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
+# takes the head size, hidden / heads for the 27B models), Gemma 2's sliding window on every other
+# layer from the first and Gemma 3's on five layers of six, the sliding layers' rope base 10,000.
+GEMMA = ("gemma2", "gemma3")
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 
@@ -98,6 +105,8 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
                         "beta_fast": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)),
                         "beta_slow": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)),
                         "truncate": False}
+    elif architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names:
+        rope_scaling = {"rope_type": "linear", "factor": _float32_value(get("rope.scaling.factor"))}  # global layers
     elif scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
     hidden_size = get("embedding_length")
@@ -124,6 +133,20 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     elif architecture in ("qwen3moe", GPT_OSS):
         raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
     family = {}
+    if architecture in GEMMA:
+        layers, window = get("block_count"), get("attention.sliding_window")
+        head_dim = metadata.get(f"{architecture}.attention.key_length", get("embedding_length") // get("attention.head_count"))
+        every = 2 if architecture == "gemma2" else 6
+        family = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
+                  "query_pre_attn_scalar": get("embedding_length") // get("attention.head_count")
+                  if layers == _GEMMA_27B_LAYERS[architecture] else head_dim,
+                  "layer_types": ["full_attention" if (index + 1) % every == 0 else "sliding_attention"
+                                  for index in range(layers)]}
+        if architecture == "gemma2":
+            family |= {"attn_logit_softcapping": _float32_value(get("attn_logit_softcapping")),
+                       "final_logit_softcapping": _float32_value(get("final_logit_softcapping"))}
+        else:
+            family |= {"rope_local_base_freq": 10000.0}
     if architecture == GPT_OSS:
         window = get("attention.sliding_window")
         layers = get("block_count")
@@ -186,8 +209,9 @@ _LAYER_TENSOR_NAMES = {
     "post_attention_norm": "post_attention_layernorm",  # gpt-oss's norm before its MoE block
     "attn_sinks": "self_attn.sinks",
 }
-# gpt-oss's router is transformers' mlp.router (the others' mlp.gate).
-_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}}
+# gpt-oss's router is transformers' mlp.router (the others' mlp.gate); Gemma's four norms a layer.
+_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
 # Every expert's matrix stacked in one tensor ([experts, outputs, inputs]): our FusedMoE's stacked
 # parameter and the part (0 gate, 1 up, None down) it fills (expert_part).
 _EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13", 0), "ffn_up_exps": ("mlp.experts.w13", 1),

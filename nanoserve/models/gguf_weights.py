@@ -22,7 +22,7 @@ from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
-from nanoserve.models.gguf_reader import (GGUFImportError, expert_part, hf_tensor_name, reader_architecture,
+from nanoserve.models.gguf_reader import (GEMMA, GGUFImportError, expert_part, hf_tensor_name, reader_architecture,
                                           rotary_rows_permuted, unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
@@ -119,6 +119,10 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             if target not in params:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
+            if architecture in GEMMA and tensor.name.endswith("norm.weight"):
+                _load_gemma_norm(params[target], tensor)
+                loaded.add(target)
+                continue
             stacked, part = expert_part(tensor.name)
             if stacked and tensor.name.endswith(".bias"):
                 _load_expert_biases(module, params[target], tensor, part)
@@ -165,6 +169,11 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None)
         else:
             values = quant.dequantize(torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)), qtype, k)
         moe.weight_loader(param, values, (expert, part))
+
+
+def _load_gemma_norm(param: nn.Parameter, tensor) -> None:
+    """A Gemma RMSNorm weight: the file holds the factor 1 + w, the model (as transformers) w."""
+    param.data.copy_(_dense(tensor, None).reshape(param.shape) - 1.0)
 
 
 def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:

@@ -47,6 +47,17 @@ def _configs(family: str, specials: dict, vocab: int):
         return hf.Gemma2Config(**gemma, **ids, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=12,
                                sliding_window=WINDOW, layer_types=layer_types, attn_logit_softcapping=4.0,
                                final_logit_softcapping=5.0), hf.Gemma2ForCausalLM
+    if family == "gemma2-gguf":  # what a GGUF file can say: the attention scale from the head size
+        return hf.Gemma2Config(**gemma, **ids, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+                               sliding_window=WINDOW, layer_types=layer_types, attn_logit_softcapping=4.0,
+                               final_logit_softcapping=5.0), hf.Gemma2ForCausalLM
+    if family == "gemma3-gguf":  # and llama.cpp's pattern of five sliding layers, then a global one
+        config = hf.Gemma3TextConfig(
+            **gemma, **ids, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"], rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})
+        return config, hf.Gemma3ForCausalLM
     if family == "gemma3":
         config = hf.Gemma3TextConfig(
             **gemma, **ids, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=12, sliding_window=WINDOW,

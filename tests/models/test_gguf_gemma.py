@@ -1,0 +1,66 @@
+"""Gemma 2 and Gemma 3 GGUF files served as they are (llama.cpp's gemma2 / gemma3: each norm stored
+as 1 + w, soft-capping, the sliding-window patterns, Gemma 3's q/k norms and linear rope scaling of
+its global layers), against transformers running the file's dequantized tensors. Files written by
+tests/gguf_models.py from random checkpoints of transformers' own classes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.models.gguf_model import gguf_hf_config
+from tests.gguf_models import dequantized_gemma, teacher_forced, write_gemma_gguf
+from tests.models.test_compressed_tensors import GREEDY, PROMPTS
+from tests.models.test_gguf_moe import build
+
+
+# The last prompt is longer than the files' sliding window (24 tokens): the window slides.
+LONG_PROMPTS = PROMPTS + ["In the morning the market opened early, and the traders who had waited all night "
+                          "for the news from the harbour began to shout their prices across the square"]
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma_file(request, tmp_path_factory):
+    return write_gemma_gguf(tmp_path_factory.mktemp(request.param), request.param, "q4_1", seed=7)
+
+
+def test_config_from_the_metadata(gemma_file):
+    config = gguf_hf_config(gemma_file)
+    hf = dequantized_gemma(gemma_file).config
+    assert config["architectures"] == hf.architectures
+    assert config["layer_types"] == hf.layer_types and config["sliding_window"] == hf.sliding_window
+    assert config["query_pre_attn_scalar"] == hf.query_pre_attn_scalar and config["head_dim"] == hf.head_dim
+    assert config["tie_word_embeddings"] is True and config["hidden_activation"] == hf.hidden_activation
+    if hf.model_type == "gemma2":
+        assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (
+            hf.attn_logit_softcapping, hf.final_logit_softcapping)
+    else:
+        full, sliding = hf.rope_parameters["full_attention"], hf.rope_parameters["sliding_attention"]
+        assert config["rope_theta"] == full["rope_theta"] and config["rope_local_base_freq"] == sliding["rope_theta"]
+        assert config["rope_scaling"] == {"rope_type": "linear", "factor": full["factor"]}
+
+
+def test_norms_are_the_files_factors_minus_one(gemma_file):
+    model = build(gemma_file, dtype="float32").llm_engine.runner.model
+    oracle = dequantized_gemma(gemma_file)
+    ours = {name: p for name, p in model.named_parameters() if "norm" in name}
+    assert len(ours) == len([name for name, _ in oracle.named_parameters() if "norm" in name]) > 0
+    for name, param in oracle.named_parameters():
+        if "norm" in name:
+            assert torch.equal(ours[name], param), name
+
+
+@torch.inference_mode()
+def test_logprobs_match_transformers_on_the_files_blocks(gemma_file, exact_gemm):
+    """The engine's greedy tokens teacher-forced through transformers' Gemma holding the file's
+    tensors dequantized, both sides' GEMMs the same exact product: every logprob to float32
+    rounding, each token the argmax (one prompt longer than the sliding window)."""
+    model = dequantized_gemma(gemma_file)
+    llm = build(gemma_file, dtype="float32")
+    assert len(llm.get_tokenizer().encode(LONG_PROMPTS[-1])) > model.config.sliding_window
+    outputs = llm.generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
+    forced = teacher_forced(model, llm.get_tokenizer(), LONG_PROMPTS, tokens)
+    for prompt, ours, (rows, theirs) in zip(LONG_PROMPTS, logprobs, forced):
+        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
+        assert all(row.max().item() - value < 1e-3 for row, value in zip(rows, theirs)), prompt
