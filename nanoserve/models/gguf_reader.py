@@ -147,6 +147,9 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
                        "final_logit_softcapping": _float32_value(get("final_logit_softcapping"))}
         else:
             family |= {"rope_local_base_freq": 10000.0}
+            cap = metadata.get(f"{architecture}.final_logit_softcapping")  # (written only when set)
+            if cap:
+                family["final_logit_softcapping"] = _float32_value(cap)
     if architecture == GPT_OSS:
         window = get("attention.sliding_window")
         layers = get("block_count")
