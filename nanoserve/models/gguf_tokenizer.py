@@ -117,8 +117,11 @@ def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendToken
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if model == "llama":
+        # With the space prefix, tokenizers would prepend ▁ to the added tokens' own text as well,
+        # so a user-defined run of spaces is only matched without it (Gemma's case).
+        prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
         return _finish(_spm_tokenizer(metadata, tokens, token_types), metadata, tokens, token_types,
-                       model_max_length, spelled=set(tokens))
+                       model_max_length, spelled=set(tokens), spaced=None if prefix else _SPM_SPACE)
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
     if any(len(merge) != 2 for merge in merges):
         raise GGUFImportError("malformed entry in tokenizer.ggml.merges")
@@ -142,9 +145,11 @@ def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendToken
 
 
 def _finish(tokenizer: BackendTokenizer, metadata: dict, tokens: list[str], token_types: list[int],
-            model_max_length: int, spelled: set[str]) -> tuple[BackendTokenizer, dict]:
+            model_max_length: int, spelled: set[str], spaced: str | None = None) -> tuple[BackendTokenizer, dict]:
     """The control and user-defined tokens as added tokens, and tokenizer_config.json. `spelled`:
-    the tokens the model's vocabulary holds as they are written."""
+    the tokens the model's vocabulary holds as they are written; `spaced`: SentencePiece's space
+    mark, which a user-defined token (a run of spaces, as Gemma's) holds where the text has spaces:
+    such a token is matched in the normalized text, the others in the text as written."""
     # Matched whole in text, never split by BPE. A "control" token outside the byte alphabet would
     # not map back to its id, so it is left out, as llama.cpp's converters do.
     tokenizer.add_special_tokens([
@@ -152,7 +157,7 @@ def _finish(tokenizer: BackendTokenizer, metadata: dict, tokens: list[str], toke
         for token, kind in zip(tokens, token_types)
         if kind == _TOKEN_TYPE_CONTROL and token in spelled])
     tokenizer.add_tokens([
-        AddedToken(token, special=False, normalized=False)
+        AddedToken(token, special=False, normalized=spaced is not None and spaced in token)
         for token, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED])
     if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
         raise GGUFImportError("rebuilt tokenizer does not have the GGUF vocabulary's size")

@@ -24,20 +24,24 @@ TEXTS = ["Hello world", "The import system  has   three spaces", "x = 12345 + 67
          "tabs\tand\u00a0no-break spaces"]
 
 
-def train(add_dummy_prefix: bool):
+def train(add_dummy_prefix: bool, user_defined: tuple[str, ...] = ()):
     model = io.BytesIO()
     lines = CORPUS.read_text().splitlines()[:2000]
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(lines), model_writer=model, vocab_size=800, model_type="bpe", byte_fallback=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
-        add_dummy_prefix=add_dummy_prefix, character_coverage=0.9995, minloglevel=2, num_threads=1)
-    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+        add_dummy_prefix=add_dummy_prefix, character_coverage=0.9995, minloglevel=2, num_threads=1,
+        user_defined_symbols=list(user_defined))
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    sp.user_defined = user_defined
+    return sp
 
 
 def gguf_metadata(sp, add_space_prefix: bool) -> dict:
     """The tokenizer.ggml.* fields llama.cpp's converter (_set_vocab_sentencepiece) writes."""
+    user_defined = getattr(sp, "user_defined", ())
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i)
-             else 1 for i in range(sp.get_piece_size())]
+             else 4 if sp.id_to_piece(i) in user_defined else 1 for i in range(sp.get_piece_size())]
     return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(len(types))],
             "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(types))], "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
@@ -65,6 +69,18 @@ def test_encodes_and_decodes_as_sentencepiece(pair):
 def test_any_text_encodes_as_sentencepiece(pair, text):
     sp, backend, _ = pair
     assert backend.encode(text, add_special_tokens=False).ids == sp.encode(text)
+
+
+def test_user_defined_runs_of_spaces_without_the_space_prefix():
+    """User-defined pieces holding SentencePiece's ▁ (runs of spaces, a double newline, as Gemma's
+    vocabulary has), no space prefix (Gemma's files): matched whole in the normalized text, as
+    SentencePiece does. (With the prefix they are left to the merges: tokenizers would prepend ▁
+    to their own text.)"""
+    sp = train(False, ("\u2581\u2581", "\u2581\u2581\u2581\u2581", "\n\n"))
+    backend, _ = build_tokenizer(gguf_metadata(sp, False), 512)
+    for text in TEXTS + ["a  b", "x    y\n\nz", "   three", "end  "] + CORPUS.read_text().splitlines()[2000:2200]:
+        assert backend.encode(text, add_special_tokens=False).ids == sp.encode(text), text
+    assert sp.piece_to_id("\u2581\u2581") in backend.encode("a  b", add_special_tokens=False).ids
 
 
 def test_from_a_file_with_bos_and_control_tokens(tmp_path):
