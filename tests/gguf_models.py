@@ -216,7 +216,9 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     return _finish(writer, path)
 
 
-def _write_header(writer: gguf.GGUFWriter, config) -> None:
+def _write_header(writer: gguf.GGUFWriter, config, rope_theta: float | None = None) -> None:
+    """The Llama family's hyperparameters; `rope_theta` where config.rope_parameters has one per layer
+    type (Gemma 3)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -227,7 +229,7 @@ def _write_header(writer: gguf.GGUFWriter, config) -> None:
     writer.add_value_length(config.head_dim)
     writer.add_rope_dimension_count(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_freq_base(rope_theta or config.rope_parameters["rope_theta"])
 
 
 def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: str = "q8_0", *, seed: int = 0,
@@ -382,23 +384,13 @@ def write_gemma_gguf(out_dir: Path, family: str, qtype: str = "q4_1", seed: int 
     config = model.config
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), family)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_sliding_window(config.sliding_window)
     rope = config.rope_parameters
+    _write_header(writer, config, rope.get("full_attention", rope)["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
     if family == "gemma2":
-        writer.add_rope_freq_base(rope["rope_theta"])
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
     else:
-        writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
     _add_tokenizer(writer, hf_dir, "default")
