@@ -412,6 +412,72 @@ def write_gemma_gguf(out_dir: Path, family: str, qtype: str = "q4_1", seed: int 
     return _finish(writer, path)
 
 
+def write_phi3_gguf(out_dir: Path, family: str = "phi3", qtype: str = "q4_1", seed: int = 0) -> Path:
+    """`out_dir`/model.gguf from a random Phi-3 or Phi-4-mini (tests/models/family_checkpoints.py,
+    in `out_dir`/hf) as llama.cpp's converter writes one: qkv_proj as attn_qkv and gate_up_proj as
+    ffn_up (fused, rows in HF's order), rope.dimension_count the rotated part of a head, the
+    sliding window, and Phi-4-mini's LongRoPE factors as rope_factors_short / rope_factors_long."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    hf_dir = write_random_checkpoint(out_dir / "hf", family, seed)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    config = model.config
+    path = out_dir / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    head_dim = config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    _add_tokenizer(writer, hf_dir, "default")
+    rng = np.random.default_rng(seed)
+    fused = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+    for name, weight in model.state_dict().items():
+        if name.startswith("model.layers."):
+            stem, _, kind = name.rpartition(".")
+            layer, module = stem.split(".", 3)[2:]
+            gguf_name = f"blk.{layer}.{fused.get(module) or _GGUF_NAMES[module]}.{kind}"
+        else:
+            gguf_name = _gguf_name(name)
+        if name.endswith("norm.weight"):
+            writer.add_tensor(gguf_name, weight.float().numpy())
+            continue
+        data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
+        writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
+    return _finish(writer, path)
+
+
+def dequantized_phi3(gguf_file: Path):
+    """transformers' Phi-3 (float32) holding a phi3 file's tensors dequantized by the gguf package."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.models.gguf_reader import ROPE_FACTOR_TENSORS, hf_tensor_name
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
+    state = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            continue
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        state[hf_tensor_name(tensor.name, "phi3")] = torch.from_numpy(values.reshape(shape))
+    model.load_state_dict(state, strict=True)
+    return model
+
+
 def dequantized_gemma(gguf_file: Path):
     """transformers' Gemma 2 / 3 (float32) holding a Gemma file's tensors dequantized by the gguf
     package, each norm's stored 1 + w back to w."""

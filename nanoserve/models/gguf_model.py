@@ -86,7 +86,20 @@ def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
 def gguf_hf_config(gguf_file: Path) -> dict:
     """The Hugging Face config.json a GGUF file of the Llama family (llama, qwen2) implies."""
     metadata, tensors = gguf_metadata(gguf_file)
-    return llama_config(metadata, set(tensors), Path(gguf_file).name)
+    config = llama_config(metadata, set(tensors), Path(gguf_file).name)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "longrope":  # Phi-3's factors, stored as two small F32 tensors
+        config["rope_scaling"] = {**scaling, **_rope_factors(Path(gguf_file))}
+    return config
+
+
+@functools.lru_cache(maxsize=4)
+def _rope_factors(gguf_file: Path) -> dict[str, list[float]]:
+    import gguf
+
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_file).tensors}
+    return {f"{kind}_factor": [float(str(value)) for value in tensors[f"rope_factors_{kind}.weight"].data]
+            for kind in ("short", "long")}  # (float32 in the file: the shortest decimal that rounds to it)
 
 
 def gguf_tokenizer(gguf_file: Path):

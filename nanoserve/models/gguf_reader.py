@@ -50,13 +50,19 @@ def _float32_value(value: float) -> float:
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                       "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
                       "gpt-oss": ("GptOssForCausalLM", "gpt_oss"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3")}
 GPT_OSS = "gpt-oss"
 # Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
 # factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
 # takes the head size, hidden / heads for the 27B models), Gemma 2's sliding window on every other
 # layer from the first and Gemma 3's on five layers of six, the sliding layers' rope base 10,000.
 GEMMA = ("gemma2", "gemma3")
+# Phi-3 / Phi-4-mini (models/phi3.py): q/k/v fused (attn_qkv) and gate/up fused (ffn_up) as the HF
+# checkpoint has them, rows in HF's order, rotary on rope.dimension_count of each head (Phi-4-mini:
+# three quarters), LongRoPE's factors as the tensors rope_factors_short / rope_factors_long (read
+# into the config by models/gguf_model.py), the sliding window on every layer when the file has one.
+PHI3 = "phi3"
+ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
@@ -105,6 +111,10 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
                         "beta_fast": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)),
                         "beta_slow": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)),
                         "truncate": False}
+    elif architecture == PHI3 and set(ROPE_FACTOR_TENSORS) <= tensor_names:
+        # LongRoPE: the factors themselves come from the tensors (gguf_model.gguf_hf_config)
+        rope_scaling = {"rope_type": "longrope",
+                        "original_max_position_embeddings": get("rope.scaling.original_context_length")}
     elif architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names:
         rope_scaling = {"rope_type": "linear", "factor": _float32_value(get("rope.scaling.factor"))}  # global layers
     elif scaling != "none" or "rope_freqs.weight" in tensor_names:
@@ -114,6 +124,8 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     num_kv_heads = get("attention.head_count_kv", num_heads)
     head_dim = metadata.get(f"{architecture}.attention.key_length",
                             metadata.get(f"{architecture}.rope.dimension_count", hidden_size // num_heads))
+    if architecture == PHI3:  # its rope.dimension_count may be part of a head
+        head_dim = metadata.get(f"{architecture}.attention.key_length", hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
     hf_class, model_type = GGUF_ARCHITECTURES[architecture]
@@ -150,6 +162,10 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
             cap = metadata.get(f"{architecture}.final_logit_softcapping")  # (written only when set)
             if cap:
                 family["final_logit_softcapping"] = _float32_value(cap)
+    if architecture == PHI3:
+        rotary = metadata.get(f"{architecture}.rope.dimension_count", head_dim)
+        family = {"sliding_window": metadata.get(f"{architecture}.attention.sliding_window") or None,
+                  "partial_rotary_factor": rotary / head_dim}
     if architecture == GPT_OSS:
         window = get("attention.sliding_window")
         layers = get("block_count")
@@ -214,7 +230,8 @@ _LAYER_TENSOR_NAMES = {
 }
 # gpt-oss's router is transformers' mlp.router (the others' mlp.gate); Gemma's four norms a layer.
 _GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES}
+_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
+                       PHI3: {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # Every expert's matrix stacked in one tensor ([experts, outputs, inputs]): our FusedMoE's stacked
 # parameter and the part (0 gate, 1 up, None down) it fills (expert_part).
 _EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13", 0), "ffn_up_exps": ("mlp.experts.w13", 1),

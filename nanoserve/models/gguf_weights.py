@@ -22,8 +22,8 @@ from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
-from nanoserve.models.gguf_reader import (GEMMA, GGUFImportError, expert_part, hf_tensor_name, reader_architecture,
-                                          rotary_rows_permuted, unpermute_rotary_rows)
+from nanoserve.models.gguf_reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
+                                          reader_architecture, rotary_rows_permuted, unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -102,6 +102,8 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
     for tensor in reader.tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            continue  # LongRoPE's factors: read into the config (models/gguf_model.py)
         name = hf_tensor_name(tensor.name, architecture)
         for old, new in renames.items():
             name = name.replace(old, new)
@@ -129,7 +131,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             elif stacked:
                 _load_experts(module, params[target], tensor, part)
             else:
-                _load_tensor(model.config, module, params[target], tensor, shard_id,
+                _load_tensor(model.config, module, params[target], tensor, name, shard_id,
                              staged.setdefault(target, StagedLinear()))
             loaded.add(target)
     shared = shared_parameter_ids(model)
@@ -190,11 +192,11 @@ def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int |
     param.data[:, part * moe.inter : (part + 1) * moe.inter].copy_(rows)
 
 
-def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, shard_id, parts: StagedLinear) -> None:
+def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: str, shard_id,
+                 parts: StagedLinear) -> None:
     """A linear layer's (or the head's) quantized part is staged in `parts`; anything else is
-    dequantized into `param` (this rank's share of it)."""
+    dequantized into `param` (this rank's share of it). `name`: the tensor's HF name."""
     qtype = _qtype(tensor)
-    name = hf_tensor_name(tensor.name)
     heads = _rotary_heads(name, config)
     quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
     if qtype == quant.MXFP4 and not quant.takes_components(param.device):
