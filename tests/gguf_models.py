@@ -216,9 +216,10 @@ def write_quantized_gguf(out_dir: Path, preset: str = "q4_1", *, tie: bool = Tru
     return _finish(writer, path)
 
 
-def _write_header(writer: gguf.GGUFWriter, config, rope_theta: float | None = None) -> None:
+def _write_header(writer: gguf.GGUFWriter, config, rope_theta: float | None = None,
+                  rotary_dims: int | None = None) -> None:
     """The Llama family's hyperparameters; `rope_theta` where config.rope_parameters has one per layer
-    type (Gemma 3)."""
+    type (Gemma 3); `rotary_dims` where rotary takes part of a head (Phi-4-mini)."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -227,7 +228,7 @@ def _write_header(writer: gguf.GGUFWriter, config, rope_theta: float | None = No
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(rotary_dims or config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(rope_theta or config.rope_parameters["rope_theta"])
 
@@ -394,18 +395,23 @@ def write_gemma_gguf(out_dir: Path, family: str, qtype: str = "q4_1", seed: int 
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["full_attention"]["factor"])
     _add_tokenizer(writer, hf_dir, "default")
-    rng = np.random.default_rng(seed)
-    for name, weight in model.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
+    state = {name: weight for name, weight in model.state_dict().items() if name != "lm_head.weight"}  # tied
+    return _write_tensors(writer, path, state, _GEMMA_GGUF_NAMES, qtype, np.random.default_rng(seed), norm_shift=1.0)
+
+
+def _write_tensors(writer: gguf.GGUFWriter, path: Path, state: dict, names: dict, qtype: str, rng,
+                   norm_shift: float = 0.0) -> Path:
+    """A dense model's tensors under llama.cpp's names (`names`: a family's own, over _GGUF_NAMES),
+    norms in F32 (plus `norm_shift`), the embedding Q8_0, the other matrices `qtype`; the file."""
+    for name, weight in state.items():
         if name.startswith("model.layers."):
             stem, _, kind = name.rpartition(".")
             layer, module = stem.split(".", 3)[2:]
-            gguf_name = f"blk.{layer}.{_GEMMA_GGUF_NAMES.get(module) or _GGUF_NAMES[module]}.{kind}"
+            gguf_name = f"blk.{layer}.{names.get(module) or _GGUF_NAMES[module]}.{kind}"
         else:
             gguf_name = _gguf_name(name)
         if name.endswith("norm.weight"):
-            writer.add_tensor(gguf_name, (weight.float() + 1).numpy())
+            writer.add_tensor(gguf_name, (weight.float() + norm_shift).numpy())
             continue
         data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
         writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
@@ -426,38 +432,17 @@ def write_phi3_gguf(out_dir: Path, family: str = "phi3", qtype: str = "q4_1", se
     config = model.config
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), "phi3")
-    head_dim = config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_rope_freq_base(rope["rope_theta"])
+    config.head_dim = config.hidden_size // config.num_attention_heads  # (Phi3Config has none)
+    _write_header(writer, config, rotary_dims=int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_sliding_window(config.sliding_window)
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
     _add_tokenizer(writer, hf_dir, "default")
-    rng = np.random.default_rng(seed)
     fused = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-    for name, weight in model.state_dict().items():
-        if name.startswith("model.layers."):
-            stem, _, kind = name.rpartition(".")
-            layer, module = stem.split(".", 3)[2:]
-            gguf_name = f"blk.{layer}.{fused.get(module) or _GGUF_NAMES[module]}.{kind}"
-        else:
-            gguf_name = _gguf_name(name)
-        if name.endswith("norm.weight"):
-            writer.add_tensor(gguf_name, weight.float().numpy())
-            continue
-        data, ggml_type = _tensor_bytes(name, weight, "q8_0" if "embed" in name else qtype, rng)
-        writer.add_tensor(gguf_name, data, raw_dtype=ggml_type)
-    return _finish(writer, path)
+    return _write_tensors(writer, path, model.state_dict(), fused, qtype, np.random.default_rng(seed))
 
 
 def dequantized_phi3(gguf_file: Path):
@@ -563,6 +548,19 @@ def dequantized_transformers(gguf_file: Path):
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model
+
+
+@torch.inference_mode()
+def assert_greedy_logprobs_match(model, llm, prompts: list[str], params) -> None:
+    """The engine's greedy tokens on `prompts` teacher-forced through `model` (transformers on the
+    file's dequantized tensors): every logprob within 1e-3 of the oracle's, each token its argmax."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
+    forced = teacher_forced(model, llm.get_tokenizer(), prompts, tokens)
+    for prompt, ours, (rows, theirs) in zip(prompts, logprobs, forced):
+        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
+        assert all(row.max().item() - value < 1e-3 for row, value in zip(rows, theirs)), prompt
 
 
 @torch.inference_mode()

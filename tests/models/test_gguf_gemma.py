@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve.models.gguf_model import gguf_hf_config
-from tests.gguf_models import dequantized_gemma, teacher_forced, write_gemma_gguf
+from tests.gguf_models import dequantized_gemma, assert_greedy_logprobs_match, write_gemma_gguf
 from tests.models.test_compressed_tensors import GREEDY, PROMPTS
 from tests.models.test_gguf_moe import build
 
@@ -57,10 +57,4 @@ def test_logprobs_match_transformers_on_the_files_blocks(gemma_file, exact_gemm)
     model = dequantized_gemma(gemma_file)
     llm = build(gemma_file, dtype="float32")
     assert len(llm.get_tokenizer().encode(LONG_PROMPTS[-1])) > model.config.sliding_window
-    outputs = llm.generate(LONG_PROMPTS, GREEDY, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outputs]
-    forced = teacher_forced(model, llm.get_tokenizer(), LONG_PROMPTS, tokens)
-    for prompt, ours, (rows, theirs) in zip(LONG_PROMPTS, logprobs, forced):
-        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs)), prompt
-        assert all(row.max().item() - value < 1e-3 for row, value in zip(rows, theirs)), prompt
+    assert_greedy_logprobs_match(model, llm, LONG_PROMPTS, GREEDY)
