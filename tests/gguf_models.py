@@ -44,10 +44,12 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
                "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
+               "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+               "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+               "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # Families whose GGUF files write_moe_gguf writes, and the llama.cpp architecture of each (a Mixtral
 # is a "llama" file with experts).
-MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+MOE_GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe"}
 # gpt-oss's names where llama.cpp's converter gives them others than the Llama family's.
 _GPT_OSS_GGUF_NAMES = {"post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp",
                        "self_attn.sinks": "attn_sinks"}
@@ -226,9 +228,10 @@ def _write_header(writer: gguf.GGUFWriter, config, rope_theta: float | None = No
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(rotary_dims or config.head_dim)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(rotary_dims or head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(rope_theta or config.rope_parameters["rope_theta"])
 
@@ -245,7 +248,7 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
     from tests.models.moe_checkpoints import EXPERT_INTER, NUM_EXPERTS, write_moe_checkpoint
 
     hf_dir = write_moe_checkpoint(out_dir / "hf", family, seed, expert_inter or EXPERT_INTER,
-                                  num_experts or NUM_EXPERTS)
+                                  num_experts or NUM_EXPERTS, dense_layers=False)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     config = model.config
     arch = MOE_GGUF_ARCHITECTURES[family]
@@ -254,11 +257,14 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
     if family == "gpt_oss":
         return _write_gpt_oss(writer, path, model, hf_dir, experts, others, np.random.default_rng(seed))
     _write_header(writer, config)
-    writer.add_expert_count(config.num_experts if family == "qwen3_moe" else config.num_local_experts)
+    qwen = family in ("qwen3_moe", "qwen2_moe")
+    writer.add_expert_count(config.num_experts if qwen else config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if family == "qwen3_moe":
+    if qwen:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    _add_tokenizer(writer, hf_dir, "qwen2" if family == "qwen3_moe" else "default")
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    _add_tokenizer(writer, hf_dir, "qwen2" if qwen else "default")
     rng = np.random.default_rng(seed)
 
     def quantized(name, values, qtype):
@@ -273,7 +279,7 @@ def write_moe_gguf(out_dir: Path, family: str, experts: str = "q4_1", others: st
             quantized(f"blk.{layer}.ffn_up_exps.weight", up, experts)
         elif name.endswith("experts.down_proj"):
             quantized(f"blk.{layer}.ffn_down_exps.weight", weight, experts)
-        elif name.endswith("norm.weight") or name.endswith("mlp.gate.weight"):
+        elif name.endswith(("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight", ".bias")):
             writer.add_tensor(_gguf_name(name), weight.float().numpy())
         else:
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -433,8 +439,8 @@ def write_phi3_gguf(out_dir: Path, family: str = "phi3", qtype: str = "q4_1", se
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), "phi3")
     rope = config.rope_parameters
-    config.head_dim = config.hidden_size // config.num_attention_heads  # (Phi3Config has none)
-    _write_header(writer, config, rotary_dims=int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))
+    head_dim = config.hidden_size // config.num_attention_heads
+    _write_header(writer, config, rotary_dims=int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_sliding_window(config.sliding_window)
     if rope.get("rope_type") == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])

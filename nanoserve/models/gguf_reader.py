@@ -50,7 +50,8 @@ def _float32_value(value: float) -> float:
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                       "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
                       "gpt-oss": ("GptOssForCausalLM", "gpt_oss"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3")}
+                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
+                      "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe")}
 GPT_OSS = "gpt-oss"
 # Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
 # factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
@@ -133,16 +134,20 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     if metadata.get(f"{architecture}.expert_count"):
         if architecture == "llama":
             hf_class, model_type = _MIXTRAL
-        elif architecture not in ("qwen3moe", GPT_OSS):
+        elif architecture not in ("qwen3moe", "qwen2moe", GPT_OSS):
             raise GGUFImportError(f"{file_name}: experts in a {architecture!r} file are not supported")
+        qwen = architecture in ("qwen3moe", "qwen2moe")
         experts = {
-            "num_experts" if architecture == "qwen3moe" else "num_local_experts": get("expert_count"),
+            "num_experts" if qwen else "num_local_experts": get("expert_count"),
             "num_experts_per_tok": get("expert_used_count"),
-            # Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe graph does.
-            **({"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "moe_intermediate_size": get("expert_feed_forward_length")} if architecture == "qwen3moe" else {}),
+            # Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe graph does; Qwen2-MoE
+            # (Qwen1.5-MoE, Qwen2-57B-A14B) does not, and adds a shared expert behind a sigmoid gate.
+            **({"norm_topk_prob": architecture == "qwen3moe", "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "moe_intermediate_size": get("expert_feed_forward_length")} if qwen else {}),
+            **({"shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
+               if architecture == "qwen2moe" else {}),
         }
-    elif architecture in ("qwen3moe", GPT_OSS):
+    elif architecture in ("qwen3moe", "qwen2moe", GPT_OSS):
         raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
     family = {}
     if architecture in GEMMA:
@@ -227,6 +232,10 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate_inp": "mlp.gate",
     "post_attention_norm": "post_attention_layernorm",  # gpt-oss's norm before its MoE block
     "attn_sinks": "self_attn.sinks",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # gpt-oss's router is transformers' mlp.router (the others' mlp.gate); Gemma's four norms a layer.
 _GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}

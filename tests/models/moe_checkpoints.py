@@ -18,7 +18,7 @@ MOE_FAMILIES = {"mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 8, "olmoe": 2, "gpt_o
 
 
 def moe_config(family: str, ids: dict, vocab: int, expert_inter: int = EXPERT_INTER,
-               num_experts: int = NUM_EXPERTS):
+               num_experts: int = NUM_EXPERTS, dense_layers: bool = True):
     import transformers as hf
 
     top_k = MOE_FAMILIES[family]
@@ -27,9 +27,9 @@ def moe_config(family: str, ids: dict, vocab: int, expert_inter: int = EXPERT_IN
                                 num_experts_per_tok=top_k, head_dim=16), hf.MixtralForCausalLM
     if family == "qwen2_moe":  # a shared expert; layer 1 dense (mlp_only_layers)
         return hf.Qwen2MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=expert_inter,
-                                 shared_expert_intermediate_size=48, num_experts=num_experts,
+                                 shared_expert_intermediate_size=48 if dense_layers else 64, num_experts=num_experts,
                                  num_experts_per_tok=top_k, norm_topk_prob=False,
-                                 mlp_only_layers=[1]), hf.Qwen2MoeForCausalLM
+                                 mlp_only_layers=[1] if dense_layers else []), hf.Qwen2MoeForCausalLM
     if family == "qwen3_moe":
         return hf.Qwen3MoeConfig(**SHAPE, **ids, intermediate_size=96, moe_intermediate_size=expert_inter,
                                  num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True,
@@ -47,7 +47,8 @@ def moe_config(family: str, ids: dict, vocab: int, expert_inter: int = EXPERT_IN
 
 
 def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter: int = EXPERT_INTER,
-                         num_experts: int = NUM_EXPERTS) -> Path:
+                         num_experts: int = NUM_EXPERTS, dense_layers: bool = True) -> Path:
+    """`dense_layers`: Qwen2-MoE's layer 1 dense (mlp_only_layers), as a GGUF file cannot say."""
     import torch
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,7 @@ def write_moe_checkpoint(out_dir: Path, family: str, seed: int = 0, expert_inter
     specials = {t["content"]: t["id"] for t in json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]}
     ids = dict(vocab_size=vocab, bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
                pad_token_id=specials["<|endoftext|>"])
-    config, model_class = moe_config(family, ids, vocab, expert_inter, num_experts)
+    config, model_class = moe_config(family, ids, vocab, expert_inter, num_experts, dense_layers)
     torch.manual_seed(seed)
     model = model_class(config).float()
     # Large weights make greedy choices (and the router's) decisive; norms off 1.

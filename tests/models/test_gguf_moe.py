@@ -1,5 +1,5 @@
 """GGUF files of the Qwen3 family and of mixtures of experts served as they are (llama.cpp's
-qwen3, qwen3moe, and a "llama" file with experts: Mixtral): config from the metadata, each
+qwen3, qwen3moe, qwen2moe with its shared expert, and a "llama" file with experts: Mixtral): config from the metadata, each
 expert's rows kept in the file's blocks (FusedMoE's quantized experts), and the model equal to
 transformers running the file's dequantized tensors. Files written by tests/gguf_models.py from
 random checkpoints of transformers' own classes."""
@@ -19,7 +19,7 @@ from tests.models.test_compressed_tensors import (PROMPTS, assert_moe_tensor_par
                                                   assert_same_greedy, greedy)
 
 MOE_FILES = {"qwen3_moe-q4_1": ("qwen3_moe", "q4_1"), "qwen3_moe-q8_0": ("qwen3_moe", "q8_0"),
-             "mixtral-q4_0": ("mixtral", "q4_0")}
+             "mixtral-q4_0": ("mixtral", "q4_0"), "qwen2_moe-q4_1": ("qwen2_moe", "q4_1")}
 
 
 @pytest.fixture(scope="module", params=list(MOE_FILES))
@@ -41,6 +41,10 @@ def test_config_from_the_metadata(tmp_path):
     assert mixtral["architectures"] == ["MixtralForCausalLM"]
     assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"], mixtral["intermediate_size"]) == (8, 2, 32)
     assert gguf_hf_config(write_qwen3_gguf(tmp_path / "qwen3"))["architectures"] == ["Qwen3ForCausalLM"]
+    qwen2 = gguf_hf_config(write_moe_gguf(tmp_path / "qwen2", "qwen2_moe"))
+    assert qwen2["architectures"] == ["Qwen2MoeForCausalLM"] and qwen2["norm_topk_prob"] is False
+    assert (qwen2["num_experts"], qwen2["moe_intermediate_size"], qwen2["shared_expert_intermediate_size"]) == (8, 32, 64)
+    assert qwen2["attention_bias"] is True and qwen2["mlp_only_layers"] == []
 
 
 def test_experts_hold_the_files_blocks(moe_file):

@@ -126,7 +126,7 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
     at = data.index(name) + len(name) + 4 + 8  # the key, its value type (uint32), the string's length
     assert data[at:at + 5] == b"llama"
     path.write_bytes(data[:at] + b"gemma" + data[at + 5:])  # same length: the file stays well-formed
-    supported = "'llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss', 'gemma2', 'gemma3', 'phi3'"
+    supported = "'llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss', 'gemma2', 'gemma3', 'phi3', 'qwen2moe'"
     with pytest.raises(ValueError, match=rf"architecture 'gemma' is not supported \(supported: {supported}\)"):
         build(path)
 
