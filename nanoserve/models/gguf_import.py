@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from nanoserve.envs import nanoserve_home
 from nanoserve.models.gguf_reader import (GGUFImportError, llama_config, llama_state_dict,
                                           read_metadata)
+from nanoserve.models.gguf_model import generation_stops, gguf_hf_config
 from nanoserve.models.gguf_tokenizer import build_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -202,6 +203,8 @@ def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {error}") from error
     metadata = read_metadata(reader)
     config = llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name)
+    if (config.get("rope_scaling") or {}).get("rope_type") == "longrope":  # Phi-3's factors: tensors
+        config = gguf_hf_config(gguf_path)
     state_dict = llama_state_dict(reader, config)
     save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state_dict
@@ -210,6 +213,9 @@ def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save(str(out_dir / "tokenizer.json"))
     generation_config = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
                          if config.get(key) is not None}
+    stops = generation_stops(config, tokenizer)
+    if len(stops) > 1:  # a family's turn ends too (Gemma, gpt-oss)
+        generation_config["eos_token_id"] = stops
     for name, content in (("config.json", config), ("generation_config.json", generation_config),
                           ("tokenizer_config.json", tokenizer_config)):
         (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")

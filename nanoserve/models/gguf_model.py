@@ -110,19 +110,26 @@ def gguf_tokenizer(gguf_file: Path):
     metadata, _ = gguf_metadata(gguf_file)
     config = gguf_hf_config(gguf_file)
     backend, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
+    return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=generation_stops(config, backend),
+                     chat_template=tokenizer_config.get("chat_template"))
+
+
+# Tokens that end a turn besides the file's eos, per family, where the vocabulary has them: Gemma's
+# <end_of_turn>; the harmony format's <|return|> (an answer) and <|call|> (a tool call), as
+# gpt-oss's generation_config.json and llama.cpp's end-of-generation tokens have them.
+_TURN_ENDS = {"Gemma2ForCausalLM": ("<end_of_turn>",), "Gemma3ForCausalLM": ("<end_of_turn>",),
+              "GptOssForCausalLM": ("<|return|>", "<|call|>", "<|endoftext|>")}
+
+
+def generation_stops(config: dict, backend) -> list[int]:
+    """The ids that end generation (generation_config.json's eos_token_id list)."""
     eos = config.get("eos_token_id")
     stops = [] if eos is None else [eos]
-    if config["architectures"] in (["Gemma2ForCausalLM"], ["Gemma3ForCausalLM"]):
-        vocab = backend.get_vocab(with_added_tokens=True)  # a chat turn ends with <end_of_turn>
-        stops += [vocab["<end_of_turn>"]] if vocab.get("<end_of_turn>", eos) != eos else []
-    if config["architectures"] == ["GptOssForCausalLM"]:
-        # The harmony format ends a turn with <|return|> (an answer) or <|call|> (a tool call), as
-        # gpt-oss's generation_config.json and llama.cpp's end-of-generation tokens have it.
-        vocab = backend.get_vocab(with_added_tokens=True)
-        stops += [vocab[token] for token in ("<|return|>", "<|call|>", "<|endoftext|>")
-                  if token in vocab and vocab[token] not in stops]
-    return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=stops,
-                     chat_template=tokenizer_config.get("chat_template"))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    for token in _TURN_ENDS.get(config["architectures"][0], ()):
+        if token in vocab and vocab[token] not in stops:
+            stops.append(vocab[token])
+    return stops
 
 
 def check_quantization(quantization: str | None, model: Path) -> None:

@@ -287,13 +287,18 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+    """The file's tensors dequantized (bf16) under their HF names; Gemma's norms back to w from the
+    stored 1 + w; Phi-3's LongRoPE factor tensors left to the config."""
     state_dict = {}
     permuted = rotary_rows_permuted(config)
+    architecture = reader_architecture(reader)
     for tensor in reader.tensors:
         if expert_part(tensor.name)[0]:
             raise GGUFImportError(f"{tensor.name}: a mixture-of-experts GGUF file is served as it is "
                                   "(--model FILE.gguf), not imported into a Hugging Face directory")
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            continue
+        name = hf_tensor_name(tensor.name, architecture)
         # GGUF lists dims fastest-first; torch wants them slowest-first.
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         try:
@@ -303,6 +308,8 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
                 f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported") from error
         # np.array copies: unquantized tensors come back as read-only views of the memory map.
         weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+        if architecture in GEMMA and name.endswith("norm.weight"):
+            weight = weight - 1.0
         if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight") and permuted:

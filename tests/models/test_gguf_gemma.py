@@ -58,3 +58,25 @@ def test_logprobs_match_transformers_on_the_files_blocks(gemma_file, exact_gemm)
     llm = build(gemma_file, dtype="float32")
     assert len(llm.get_tokenizer().encode(LONG_PROMPTS[-1])) > model.config.sliding_window
     assert_greedy_logprobs_match(model, llm, LONG_PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi4-mini"])
+def test_import_into_a_directory_transformers_loads(family, tmp_path):
+    """`nanoserve import-model --gguf FILE` of a Gemma 3 or Phi-4-mini file: a directory transformers
+    itself loads (its config.json read by transformers' own classes), every parameter the file's
+    value in bf16 (Gemma's norms back to w; Phi's fused layers and LongRoPE factors)."""
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve.models.gguf_import import import_gguf
+    from tests.gguf_models import dequantized_phi3, write_phi3_gguf
+
+    if family == "gemma3":
+        path, oracle = write_gemma_gguf(tmp_path / "file", family, "q8_0", seed=3), dequantized_gemma
+    else:
+        path, oracle = write_phi3_gguf(tmp_path / "file", family, "q8_0", seed=3), dequantized_phi3
+    out_dir = import_gguf(path, tmp_path / "models" / family)
+    imported = dict(AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).named_parameters())
+    expected = dict(oracle(path).named_parameters())
+    assert imported.keys() == expected.keys()
+    for name, param in expected.items():
+        assert torch.equal(imported[name], param.detach().bfloat16().float()), name
