@@ -107,3 +107,20 @@ def test_from_a_file_with_bos_and_control_tokens(tmp_path):
     assert tokenizer.encode("Hello world") == [sp.bos_id()] + sp.encode("Hello world")
     assert tokenizer.encode("</s>Hi<s>", add_special_tokens=False) == [sp.eos_id()] + sp.encode("Hi") + [sp.bos_id()]
     assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+
+
+def test_streamed_text_is_the_decoded_text(pair):
+    """The engine's incremental detokenizer on SentencePiece ids, one at a time: the deltas add up
+    to the whole decode (spaces before words, byte-fallback characters split over several ids
+    held back until complete), whatever the first generated id is."""
+    from nanoserve.tokenizer import IncrementalDetokenizer
+
+    sp, backend, config = pair
+    tokenizer = Tokenizer(backend, config)
+    for text in ["Hello world, naïve café 日本語 🙂 and  two spaces", "x = 12345\n\ndef f():\n    return 1"]:
+        ids = sp.encode(text)
+        for start in (0, 1, 3):  # the "prompt" ends at `start`; the rest is generated
+            detokenizer = IncrementalDetokenizer(tokenizer, ids[:start])
+            deltas = [detokenizer.step([token]) for token in ids[start:]] + [detokenizer.flush()]
+            assert "\ufffd" not in "".join(deltas)
+            assert "".join(deltas) == tokenizer.decode(ids[start:]), (text, start)
