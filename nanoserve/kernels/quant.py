@@ -96,6 +96,15 @@ class QuantWeight:
         return (self.components.u if self.components is not None else self.packed).device
 
 
+# A GGUF file's MXFP4 block: 32 values in an E8M0 exponent byte and 16 bytes of codes.
+_GGUF_MXFP4_BLOCK = (32, 17)
+
+
+def gguf_block(qtype: str) -> tuple[int, int]:
+    """(values, bytes) of one block of a GGUF file's tensor of type `qtype` (qtype_name's names)."""
+    return _GGUF_MXFP4_BLOCK if qtype == MXFP4 else GGUF_QTYPES[qtype]
+
+
 def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
     if qtype not in GGUF_QTYPES:
         qtype_name(qtype)

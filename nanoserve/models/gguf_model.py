@@ -75,7 +75,7 @@ def check_gguf_file(gguf_file: Path, tensor_parallel_size: int) -> None:
             qtype = quant.qtype_name(ggml_type)
         except ValueError as error:
             raise ValueError(f"{Path(gguf_file).name}: {name}: {error}") from None
-        block = 32 if qtype == quant.MXFP4 else quant.GGUF_QTYPES[qtype][0]
+        block = quant.gguf_block(qtype)[0]
         k = shape[0]
         if name.endswith(_ROW_PARALLEL) and (k % tensor_parallel_size or (k // tensor_parallel_size) % block):
             raise ValueError(

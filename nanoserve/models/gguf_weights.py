@@ -53,10 +53,6 @@ def mxfp4_components(raw: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return {"u": codes.contiguous(), "scale": scale}
 
 
-def _block(qtype: str) -> int:
-    return 32 if qtype == quant.MXFP4 else quant.GGUF_QTYPES[qtype][0]
-
-
 def _raw_rows(tensor) -> torch.Tensor:
     """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (a copy off the memory map)."""
     return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
@@ -156,7 +152,7 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None)
 
     qtype = _qtype(tensor)
     k = int(tensor.shape[0])
-    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel or moe.inter % _block(qtype) == 0)
+    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0)
     quantized = whole_blocks and quant.takes_components(param.device)
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
         data = tensor.data[expert]
@@ -201,26 +197,18 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
     quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
     if qtype == quant.MXFP4 and not quant.takes_components(param.device):
         qtype = None  # (CUDA's kernel reads GGUF bytes of the other types): dequantized below
-    if qtype == quant.MXFP4 and quantized_module:
-        if parts.float_parts:
-            raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
-        k = int(tensor.shape[0])
-        raw = _raw_rows(tensor)
-        if heads is not None:
-            raw = unpermute_rotary_rows(raw, heads)
-        stage_quantized(module, tensor.name, mxfp4_components(raw, k), qtype, 32, k, shard_id, parts)
-        return
     if qtype is not None and quantized_module:
         if parts.float_parts:
             raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
         raw = _raw_rows(tensor)
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)
-        block, block_bytes = quant.GGUF_QTYPES[qtype]
+        block, block_bytes = quant.gguf_block(qtype)
         k = int(tensor.shape[0])
         if raw.shape[1] != k // block * block_bytes or k % block:
             raise GGUFImportError(f"{tensor.name}: {raw.shape[1]} bytes a row do not hold {k} {qtype.upper()} values")
-        stage_quantized(module, tensor.name, {"raw": raw}, qtype, block, k, shard_id, parts)
+        arrays = mxfp4_components(raw, k) if qtype == quant.MXFP4 else {"raw": raw}
+        stage_quantized(module, tensor.name, arrays, qtype, block, k, shard_id, parts)
         return
     if parts.buffers and quantized_module:
         raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
