@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 from nanoserve.envs import nanoserve_home
 from nanoserve.models.gguf_reader import (GGUFImportError, llama_config, llama_state_dict,
-                                          read_metadata)
-from nanoserve.models.gguf_model import generation_stops, gguf_hf_config
+                                          read_metadata, with_rope_factors)
+from nanoserve.models.gguf_model import generation_stops
 from nanoserve.models.gguf_tokenizer import build_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -202,9 +202,8 @@ def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
     except Exception as error:  # the reader raises assorted types on a corrupt file
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {error}") from error
     metadata = read_metadata(reader)
-    config = llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name)
-    if (config.get("rope_scaling") or {}).get("rope_type") == "longrope":  # Phi-3's factors: tensors
-        config = gguf_hf_config(gguf_path)
+    config = with_rope_factors(llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name),
+                               reader.tensors)
     state_dict = llama_state_dict(reader, config)
     save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state_dict

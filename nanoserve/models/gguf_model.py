@@ -11,7 +11,8 @@ from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
 from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config
 from nanoserve.models.mxfp4 import MXFP4_METHOD
-from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
+from nanoserve.models.gguf_reader import (ROPE_FACTOR_TENSORS, GGUFImportError, llama_config, read_metadata,
+                                          with_rope_factors)
 
 GGUF_MAGIC = b"GGUF"
 
@@ -87,19 +88,16 @@ def gguf_hf_config(gguf_file: Path) -> dict:
     """The Hugging Face config.json a GGUF file of the Llama family (llama, qwen2) implies."""
     metadata, tensors = gguf_metadata(gguf_file)
     config = llama_config(metadata, set(tensors), Path(gguf_file).name)
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type") == "longrope":  # Phi-3's factors, stored as two small F32 tensors
-        config["rope_scaling"] = {**scaling, **_rope_factors(Path(gguf_file))}
+    if set(ROPE_FACTOR_TENSORS) <= tensors.keys():  # Phi-3's LongRoPE factors: two small F32 tensors
+        config = with_rope_factors(config, _factor_tensors(Path(gguf_file)))
     return config
 
 
 @functools.lru_cache(maxsize=4)
-def _rope_factors(gguf_file: Path) -> dict[str, list[float]]:
+def _factor_tensors(gguf_file: Path) -> list:
     import gguf
 
-    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_file).tensors}
-    return {f"{kind}_factor": [float(str(value)) for value in tensors[f"rope_factors_{kind}.weight"].data]
-            for kind in ("short", "long")}  # (float32 in the file: the shortest decimal that rounds to it)
+    return [tensor for tensor in gguf.GGUFReader(gguf_file).tensors if tensor.name in ROPE_FACTOR_TENSORS]
 
 
 def gguf_tokenizer(gguf_file: Path):

@@ -113,7 +113,7 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
                         "beta_slow": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)),
                         "truncate": False}
     elif architecture == PHI3 and set(ROPE_FACTOR_TENSORS) <= tensor_names:
-        # LongRoPE: the factors themselves come from the tensors (gguf_model.gguf_hf_config)
+        # LongRoPE: the factors themselves come from the tensors (with_rope_factors)
         rope_scaling = {"rope_type": "longrope",
                         "original_max_position_embeddings": get("rope.scaling.original_context_length")}
     elif architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names:
@@ -123,10 +123,9 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
     num_kv_heads = get("attention.head_count_kv", num_heads)
-    head_dim = metadata.get(f"{architecture}.attention.key_length",
-                            metadata.get(f"{architecture}.rope.dimension_count", hidden_size // num_heads))
-    if architecture == PHI3:  # its rope.dimension_count may be part of a head
-        head_dim = metadata.get(f"{architecture}.attention.key_length", hidden_size // num_heads)
+    # Phi's rope.dimension_count may be part of a head: not a head size for it.
+    rotated = None if architecture == PHI3 else metadata.get(f"{architecture}.rope.dimension_count")
+    head_dim = metadata.get(f"{architecture}.attention.key_length", rotated or hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
     hf_class, model_type = GGUF_ARCHITECTURES[architecture]
@@ -152,11 +151,10 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     family = {}
     if architecture in GEMMA:
         layers, window = get("block_count"), get("attention.sliding_window")
-        head_dim = metadata.get(f"{architecture}.attention.key_length", get("embedding_length") // get("attention.head_count"))
         every = 2 if architecture == "gemma2" else 6
         family = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
-                  "query_pre_attn_scalar": get("embedding_length") // get("attention.head_count")
-                  if layers == _GEMMA_27B_LAYERS[architecture] else head_dim,
+                  "query_pre_attn_scalar": hidden_size // num_heads if layers == _GEMMA_27B_LAYERS[architecture]
+                  else head_dim,
                   "layer_types": ["full_attention" if (index + 1) % every == 0 else "sliding_attention"
                                   for index in range(layers)]}
         if architecture == "gemma2":
@@ -208,6 +206,19 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         "torch_dtype": "bfloat16",
         **family,
     }
+
+
+def with_rope_factors(config: dict, tensors) -> dict:
+    """`config` with Phi-3's LongRoPE factors (rope_scaling's short_factor / long_factor) read from
+    the file's rope_factors_short / rope_factors_long tensors (`tensors`: the reader's), each
+    float32 value as the shortest decimal that rounds to it; `config` itself when it has none."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") != "longrope":
+        return config
+    by_name = {tensor.name: tensor for tensor in tensors if tensor.name in ROPE_FACTOR_TENSORS}
+    factors = {f"{kind}_factor": [float(str(value)) for value in by_name[f"rope_factors_{kind}.weight"].data]
+               for kind in ("short", "long")}
+    return {**config, "rope_scaling": {**scaling, **factors}}
 
 
 # ---------------------------------------------------------------------------------------- weights
