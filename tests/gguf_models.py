@@ -340,6 +340,17 @@ def _write_gpt_oss(writer: gguf.GGUFWriter, path: Path, model, hf_dir: Path, exp
     return _finish(writer, path)
 
 
+def _dequantized_tensors(gguf_file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized by the gguf package: GGUF name -> float32 in torch's
+    order of dims (GGUF lists them fastest first)."""
+    tensors = {}
+    for tensor in gguf.GGUFReader(gguf_file).tensors:
+        shape = tuple(reversed([int(d) for d in tensor.shape]))
+        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        tensors[tensor.name] = torch.from_numpy(values.reshape(shape))
+    return tensors
+
+
 def dequantized_gpt_oss(gguf_file: Path):
     """transformers' gpt-oss (float32, CPU) holding a gpt-oss file's tensors dequantized by the gguf
     package: the experts and their biases put back into gate_up_proj's interleaved columns."""
@@ -347,11 +358,7 @@ def dequantized_gpt_oss(gguf_file: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     names = {v: k for k, v in {**_GGUF_NAMES, **_GPT_OSS_GGUF_NAMES}.items()}
-    tensors = {}
-    for tensor in gguf.GGUFReader(gguf_file).tensors:
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
-        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        tensors[tensor.name] = torch.from_numpy(values.reshape(shape))
+    tensors = _dequantized_tensors(gguf_file)
     state = {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
              "model.norm.weight": tensors.pop("output_norm.weight"), "lm_head.weight": tensors.pop("output.weight")}
     for layer in range(model.config.num_hidden_layers):
@@ -459,12 +466,9 @@ def dequantized_phi3(gguf_file: Path):
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     state = {}
-    for tensor in gguf.GGUFReader(gguf_file).tensors:
-        if tensor.name in ROPE_FACTOR_TENSORS:
-            continue
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
-        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        state[hf_tensor_name(tensor.name, "phi3")] = torch.from_numpy(values.reshape(shape))
+    for name, values in _dequantized_tensors(gguf_file).items():
+        if name not in ROPE_FACTOR_TENSORS:
+            state[hf_tensor_name(name, "phi3")] = values
     model.load_state_dict(state, strict=True)
     return model
 
@@ -477,18 +481,15 @@ def dequantized_gemma(gguf_file: Path):
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     names = {v: k for k, v in {**_GGUF_NAMES, **_GEMMA_GGUF_NAMES}.items()}
     state = {}
-    for tensor in gguf.GGUFReader(gguf_file).tensors:
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
-        values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                                           dtype=np.float32).reshape(shape))
-        if tensor.name.endswith("norm.weight"):
+    for gguf_name, values in _dequantized_tensors(gguf_file).items():
+        if gguf_name.endswith("norm.weight"):
             values = values - 1
-        if tensor.name.startswith("blk."):
-            _, layer, module, kind = tensor.name.split(".")
+        if gguf_name.startswith("blk."):
+            _, layer, module, kind = gguf_name.split(".")
             state[f"model.layers.{layer}.{names[module]}.{kind}"] = values
         else:
             state[{"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}[
-                tensor.name]] = values
+                gguf_name]] = values
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model
@@ -530,19 +531,16 @@ def dequantized_transformers(gguf_file: Path):
     permuted = config.model_type in ("llama", "mixtral")
     state = {}
     gate_up: dict[str, dict] = {}  # a layer's stacked experts -> {0: gate, 1: up}
-    for tensor in gguf.GGUFReader(gguf_file).tensors:
-        shape = tuple(reversed([int(d) for d in tensor.shape]))
-        values = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        weight = torch.from_numpy(values.reshape(shape))
-        kind = tensor.name.split(".")[-2]
+    for gguf_name, weight in _dequantized_tensors(gguf_file).items():
+        kind = gguf_name.split(".")[-2]
         if kind.endswith("_exps"):  # transformers' stacked experts: gate_up_proj [E, 2 I, H], down_proj [E, H, I]
-            prefix = f"model.layers.{tensor.name.split('.')[1]}.mlp.experts."
+            prefix = f"model.layers.{gguf_name.split('.')[1]}.mlp.experts."
             if kind == "ffn_down_exps":
                 state[prefix + "down_proj"] = weight
             else:
                 gate_up.setdefault(prefix, {})[0 if kind == "ffn_gate_exps" else 1] = weight
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(gguf_name)
         if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config.num_attention_heads)
         elif name.endswith("k_proj.weight") and permuted:
