@@ -50,8 +50,11 @@ class EngineConfig:
     kv_cache_dtype: str = arg(
         "auto", "KV cache element type: auto (the activations' dtype), fp8 (= fp8_e4m3) or fp8_e5m2 "
                 "(half the bytes of bf16; values saturate at the format's largest)", choices=KV_CACHE_DTYPES)
-    # None: sized automatically
-    kv_cache_memory: float | None = arg(None, "KV cache size in GiB (CPU)")
+    # None: sized automatically (engine/kv_allocation.py's DEFAULT_CPU_KV_*)
+    kv_cache_memory: float | None = arg(
+        None, "CPU: the KV cache pool in GiB (default: room for 4 sequences of the context length at "
+              "the model's bytes a token, at most 2 GiB and a quarter of the memory available; its "
+              "pages are taken as requests first write them)")
     gpu_memory_utilization: float = arg(
         0.9, "fraction of GPU memory for weights, activations and KV cache")
     num_kv_blocks: int | None = arg(None, argparse.SUPPRESS)  # override the pool size (tests)

@@ -10,7 +10,8 @@ settings below. vLLM's CPU docs get the same effect by preloading tcmalloc.
 mallopt() with an explicit threshold turns glibc's dynamic threshold off, so this is opt-out:
 NANOSERVE_KEEP_CPU_MEMORY=0, or any MALLOC_*_ environment setting, leaves glibc as it is.
 
-zeros_on_huge_pages: the KV pool's memory on CPU, on transparent huge pages where Linux gives them."""
+zeros_on_huge_pages: the KV pool's memory on CPU, resident only where written, on transparent huge
+pages where Linux gives them."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +19,7 @@ import ctypes.util
 import functools
 import logging
 import math
+import mmap
 from collections.abc import Callable
 
 import torch
@@ -51,29 +53,32 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory the kernel may back with 2 MiB transparent huge pages:
-    its span, whole huge pages from a 2 MiB boundary, is madvise(MADV_HUGEPAGE)'d before its first
-    write (Linux's default THP mode, `madvise`, gives huge pages to such spans only). For the KV
-    pool: a decode step reads one 2 KiB block-head at a time from anywhere in it, a TLB miss each
+    """A zeroed CPU tensor that takes memory only where it is written, and whose memory the kernel
+    may back with 2 MiB transparent huge pages. The KV pool: its own anonymous mapping, which Linux
+    fills with zero pages on first write, so a pool sized for many long contexts is resident only
+    as far as requests have used it (a pool zeroed up front was all resident from start-up: 2 GiB
+    for a lone user's few hundred tokens). Its span, whole huge pages from a 2 MiB boundary, is
+    madvise(MADV_HUGEPAGE)'d (Linux's default THP mode, `madvise`, gives huge pages to such spans
+    only): a decode step reads one 2 KiB block-head at a time from anywhere in it, a TLB miss each
     on 4 KiB pages; the bf16 decode attention ran 1.07-1.16x faster on a Zen 4 EPYC with the pool
-    on huge pages (scripts/bench_decode_attention.py's layout). The layer weights, streamed in
-    order, gained nothing. Below 2 MiB, or without madvise, this is torch.zeros; where madvise is
-    refused, the same tensor on 4 KiB pages."""
+    on huge pages (scripts/bench_decode_attention.py's layout). Below 2 MiB this is torch.zeros;
+    where madvise is refused, the same tensor on 4 KiB pages."""
     nbytes = math.prod(shape) * dtype.itemsize
-    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
-    if madvise is None or nbytes < HUGE_PAGE:
+    if nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    buffer = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # room to start on a boundary
+    mapping = mmap.mmap(-1, span + HUGE_PAGE)  # room to start on a boundary; zero until written
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while it lives
     start = -buffer.data_ptr() % HUGE_PAGE
-    if madvise(buffer.data_ptr() + start, span, MADV_HUGEPAGE) != 0:
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, span)
+    except (AttributeError, OSError):
         logger.debug("madvise(MADV_HUGEPAGE) refused; the KV pool stays on 4 KiB pages")
-    return buffer[start:start + nbytes].zero_().view(dtype).view(shape)
+    return buffer[start:start + nbytes].view(dtype).view(shape)
 
 
 @functools.cache

@@ -42,3 +42,26 @@ def test_large_pools_start_on_a_huge_page_and_are_advised():
     # madvise(MADV_HUGEPAGE) shows as the mapping's "hg" flag, whatever THP mode the kernel runs.
     assert "hg" in _vm_flags(pool.data_ptr())
     assert "hg" in _vm_flags(pool.data_ptr() + pool.numel() * 2 - 1)
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the tensor's pages that are in memory (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+    pages = -(-length // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vector) * mmap.PAGESIZE
+
+
+def test_a_large_pool_is_resident_only_where_written():
+    pool = zeros_on_huge_pages((64, HUGE_PAGE // 2), torch.bfloat16)  # 128 MiB, 64 huge pages
+    assert _resident_bytes(pool) == 0
+    pool[5].fill_(1)  # one huge page's worth
+    resident = _resident_bytes(pool)
+    assert HUGE_PAGE <= resident <= 2 * HUGE_PAGE
+    assert torch.count_nonzero(pool) == HUGE_PAGE // 2  # the rest still reads as zeros

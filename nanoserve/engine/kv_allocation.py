@@ -18,7 +18,12 @@ from nanoserve.layers.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+# The CPU pool's default (no --kv-cache-memory): room for DEFAULT_CPU_KV_SEQUENCES sequences of
+# the context length served, at the model's bytes a token, at most DEFAULT_CPU_KV_CACHE_GIB and a
+# quarter of the memory available at start. Its pages are resident only once written
+# (cpu_malloc.zeros_on_huge_pages), so a lone user holds what the conversation has used.
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DEFAULT_CPU_KV_SEQUENCES = 4
 
 
 class KVCacheAllocation:
@@ -37,11 +42,30 @@ class KVCacheAllocation:
 
     def _kv_budget_bytes(self) -> int:
         if self.device.type == "cpu":
-            gib = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB
-            return int(gib * GIB)
+            if self.config.kv_cache_memory:
+                self.kv_sizing = "--kv-cache-memory"
+                return int(self.config.kv_cache_memory * GIB)
+            return self._default_cpu_kv_bytes()
         budget, self.memory_profile = kv_cache_budget(self.device, self.config.gpu_memory_utilization,
                                                       self.memory_at_start, self.profile_run)
         return budget
+
+    def _default_cpu_kv_bytes(self) -> int:
+        """DEFAULT_CPU_KV_SEQUENCES x the context length, in bytes, within the caps; how it was
+        reached goes into the start-up log line (self.kv_sizing)."""
+        context = self.config.max_model_len or self.model_config.max_position_embeddings
+        sequences = min(DEFAULT_CPU_KV_SEQUENCES, self.config.max_num_seqs)
+        per_token = self._kv_bytes_per_block() / self.block_size
+        wanted = int(sequences * context * per_token)
+        caps = {f"{DEFAULT_CPU_KV_CACHE_GIB:g} GiB": int(DEFAULT_CPU_KV_CACHE_GIB * GIB)}
+        available = available_memory_bytes()
+        if available is not None:
+            caps["a quarter of the memory available"] = available // 4
+        cap_name, cap = min(caps.items(), key=lambda item: item[1])
+        self.kv_sizing = (f"default: {sequences} sequences x {context} tokens x {per_token / 1024:.1f} KiB a token"
+                          + (f", capped at {cap_name}" if cap < wanted else "")
+                          + "; --kv-cache-memory GiB sets it")
+        return min(wanted, cap)
 
     def _host_blocks_wanted(self) -> int:
         if self.config.preemption_mode != "swap":
@@ -51,6 +75,7 @@ class KVCacheAllocation:
         return int(self.config.swap_space * GIB) // self._kv_bytes_per_block()
 
     def _allocate_kv_cache(self) -> int:
+        self.kv_sizing = "num_kv_blocks" if self.config.num_kv_blocks else "--gpu-memory-utilization"
         num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
         self.num_swap_blocks = self._host_blocks_wanted()
         if self.world_size > 1:
@@ -69,8 +94,9 @@ class KVCacheAllocation:
             attn = layer.self_attn.attn
             attn.key_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
             attn.value_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", num_blocks, self.block_size,
-                    num_blocks * self._kv_bytes_per_block() / GIB, str(self.kv_dtype).removeprefix("torch."))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s; %s)", num_blocks, self.block_size,
+                    num_blocks * self._kv_bytes_per_block() / GIB, str(self.kv_dtype).removeprefix("torch."),
+                    self.kv_sizing)
         return num_blocks
 
     def _allocate_host_pool(self) -> KVSwapper | None:
@@ -129,3 +155,15 @@ class KVCacheAllocation:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         del hidden
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -2,9 +2,12 @@
 
 Linear layers (and the LM head) keep the file's quantization blocks as they are in
 `quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages
-them); their bf16 `weight` then lives on the meta device and takes no memory. Every other tensor
-(norms, the token embedding, linear weights stored as F32 / F16 / BF16) is dequantized into its
-parameter in the activation dtype. Shards follow the bf16 loaders (layers/linear.py's
+them); their bf16 `weight` then lives on the meta device and takes no memory. On a CPU the token
+embedding stays in the file, mapped (layers/embedding.FileRows: rows read and dequantized as
+tokens ask for them); a tied head then takes the tensor as any other layer (its blocks, or a bf16
+copy that the CPU GEMM packs), so no module holds a bf16 table beside it. Every other tensor
+(norms, the token embedding on CUDA, linear weights stored as F32 / F16 / BF16) is dequantized
+into its parameter in the activation dtype. Shards follow the bf16 loaders (layers/linear.py's
 weight_loader, run on the raw block rows): column-parallel layers take whole rows, row-parallel
 layers whole blocks of each row.
 """
@@ -19,7 +22,7 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
-from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.models.gguf_reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
@@ -27,6 +30,7 @@ from nanoserve.models.gguf_reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImport
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+_ROWS_AT_ONCE = 8192  # vocabulary rows dequantized at a time into an embedding or head parameter
 
 
 def _qtype(tensor) -> str | None:
@@ -106,6 +110,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
         targets = [name]
         if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
             targets.append("lm_head.weight")  # the tied head multiplies the embedding's blocks
+        if name == "model.embed_tokens.weight" and _map_embedding(modules, params, tensor, gguf_file, missing):
+            loaded.add(name)
+            targets.remove(name)
         for target in targets:
             if is_missing_parameter(target, missing):
                 continue
@@ -130,7 +137,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
                 _load_tensor(model.config, module, params[target], tensor, name, shard_id,
                              staged.setdefault(target, StagedLinear()))
             loaded.add(target)
-    shared = shared_parameter_ids(model)
+    shared = shared_parameter_ids(model)  # (a mapped embedding no longer shares its table)
     for target, parts in staged.items():
         if parts.buffers:
             finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
@@ -141,6 +148,38 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     absent = sorted(expected - loaded)
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
+
+
+def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter], tensor, gguf_file: Path,
+                   missing) -> bool:
+    """The token embedding as FileRows over its own read-only mapping of the file (not the
+    reader's, whose pages the load touches throughout): a CPU model, a type a lookup dequantizes
+    (not MXFP4). Its bf16 parameter goes to the meta device; a tied head keeps its own (unshared)
+    one. False when the table is to be loaded as a parameter instead."""
+    module = modules.get("model.embed_tokens")
+    param = params.get("model.embed_tokens.weight")
+    if not isinstance(module, VocabParallelEmbedding) or param is None or param.device.type != "cpu":
+        return False
+    if is_missing_parameter("model.embed_tokens.weight", missing):
+        return False
+    qtype = _qtype(tensor)
+    if qtype == quant.MXFP4:
+        return False
+    k = int(tensor.shape[0])
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    row_bytes = tensor.n_bytes // rows
+    if qtype is not None:
+        block, block_bytes = quant.gguf_block(qtype)
+        if k % block or row_bytes != k // block * block_bytes:
+            raise GGUFImportError(f"{tensor.name}: {row_bytes} bytes a row do not hold {k} {qtype.upper()} values")
+    mapped = np.memmap(gguf_file, dtype=np.uint8, mode="c", offset=int(tensor.data_offset),
+                       shape=(rows, row_bytes))  # copy-on-write: nothing writes it; torch wants it writable
+    share = torch.from_numpy(mapped)[module.vocab_start : module.vocab_end]
+    file_dtype = None if qtype is not None else {"F32": torch.float32, "F16": torch.float16,
+                                                  "BF16": torch.bfloat16}[tensor.tensor_type.name]
+    module.file_rows = FileRows(share, qtype, file_dtype, k)
+    module.weight = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+    return True
 
 
 def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:
@@ -213,9 +252,11 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
     if parts.buffers and quantized_module:
         raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
     parts.float_parts += 1
-    if isinstance(module, VocabParallelEmbedding):  # the LM head too: this rank's vocabulary rows
-        values = _dense(tensor, qtype, slice(module.vocab_start, module.vocab_end))
-        param.data[: values.shape[0]].copy_(values)
+    if isinstance(module, VocabParallelEmbedding):  # the LM head too: this rank's vocabulary rows,
+        # a slice at a time (a whole 128k-token table in float32 would be 1 GiB at once)
+        for start in range(module.vocab_start, module.vocab_end, _ROWS_AT_ONCE):
+            end = min(start + _ROWS_AT_ONCE, module.vocab_end)
+            param.data[start - module.vocab_start : end - module.vocab_start].copy_(_dense(tensor, qtype, slice(start, end)))
         return
     values = _dense(tensor, qtype)
     if heads is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.distributed.pipeline import real_layers
+from nanoserve.layers.embedding import VocabParallelEmbedding
 from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gptq_awq import group_quant_config
@@ -86,6 +87,8 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
         weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or []),
                    *(w for experts in (getattr(module, "quant_experts", None) or {}).values() for w in experts)]
         total += sum(w.nbytes for w in weights if w is not None)
+        if isinstance(module, VocabParallelEmbedding) and module.file_rows is not None:
+            total += module.file_rows.nbytes  # mapped from a GGUF file
         packings = [getattr(module, "gemm_weight", None), getattr(module, "packed_weight", None),
                     *(getattr(module, "packed", None) or ())]
         total += sum(t.numel() * t.element_size() for t in packings if isinstance(t, torch.Tensor))

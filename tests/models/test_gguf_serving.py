@@ -148,12 +148,18 @@ def test_linear_layers_hold_the_files_blocks(q4_1_file):
     assert qkv.weight.device.type == "meta"  # no bf16 copy kept
     assert torch.equal(quant.dequantize_weight(layer.mlp.down_proj.quant_weight),
                        quant.dequantize(raw["blk.1.ffn_down.weight"], "q4_1", layer.mlp.down_proj.quant_weight.k))
-    # Tied head: the embedding's Q8_0 blocks; the embedding itself dequantized.
+    # Tied head: the embedding's Q8_0 blocks. The embedding reads the file's rows where they lie
+    # (no table of its own): each lookup gives the dequantized table's rows, rounded once.
     assert model.lm_head.quant_weight.qtype == "q8_0" and model.lm_head.quant_weight.raw is None
     assert torch.equal(quant.dequantize_weight(model.lm_head.quant_weight),
                        quant.dequantize(raw["token_embd.weight"], "q8_0", 256))
-    embedding = quant.dequantize(raw["token_embd.weight"], "q8_0", 256).to(model.model.embed_tokens.weight.dtype)
-    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    embed = model.model.embed_tokens
+    assert embed.weight.device.type == "meta" and model.lm_head.weight.device.type == "meta"
+    table = quant.dequantize(raw["token_embd.weight"], "q8_0", 256).to(embed.weight.dtype)
+    ids = torch.tensor([[0, 5, table.shape[0] - 1], [7, 7, 3]])
+    assert torch.equal(embed(ids), table[ids])
+    assert embed.file_rows.data.data_ptr() not in {t.data_ptr() for t in raw.values()}  # its own mapping
+    assert torch.equal(embed.file_rows.data, raw["token_embd.weight"])
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
 
 
