@@ -78,7 +78,6 @@ def nanoserve_worker(path: str) -> dict:
     llm = LLM(model=path, dtype="bfloat16", max_model_len=4096)
     load_s = time.perf_counter() - start
     rss_loaded = status_kib("VmRSS")
-    prompt = [200 + (i * 37) % 20000 for i in range(PROMPT_TOKENS)]
 
     def timed(ids, max_tokens):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -87,11 +86,12 @@ def nanoserve_worker(path: str) -> dict:
         assert len(out[0].outputs[0].token_ids) == max_tokens
         return time.perf_counter() - begin
 
-    short = prompt[:16]
-    timed(short, DECODE_TOKENS)
-    first = statistics.median(timed(short, 1) for _ in range(3))
-    decode = statistics.median(timed(short, DECODE_TOKENS + 1) for _ in range(3)) - first
-    prefill = statistics.median(timed(prompt, 1) for _ in range(3))
+    # Each run's prompt its own (the prefix cache would skip a repeated one's work).
+    prompts = iter([[200 + (run * 7919 + i * 37) % 20000 for i in range(PROMPT_TOKENS)] for run in range(16)])
+    timed(next(prompts)[:16], DECODE_TOKENS)
+    first = statistics.median(timed(next(prompts)[:16], 1) for _ in range(3))
+    decode = statistics.median(timed(next(prompts)[:16], DECODE_TOKENS + 1) for _ in range(3)) - first
+    prefill = statistics.median(timed(next(prompts), 1) for _ in range(3))
     return {"decode_tok_s": DECODE_TOKENS / decode, "prefill_tok_s": PROMPT_TOKENS / prefill, "load_s": load_s,
             "rss_loaded_mib": rss_loaded / 1024, "rss_mib": status_kib("VmRSS") / 1024,
             "peak_mib": status_kib("VmHWM") / 1024, "kv_resident_mib": kv_pool_resident_bytes(llm) / 2**20,

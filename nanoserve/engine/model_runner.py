@@ -14,7 +14,7 @@ import torch.distributed as dist
 from nanoserve import kernels
 from nanoserve.kernels import cpu_ops
 from nanoserve.config import EngineConfig
-from nanoserve.cpu_malloc import keep_freed_memory
+from nanoserve.cpu_malloc import keep_freed_memory, release_free_memory
 from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_pp_world_size, get_rank, get_world_size
 from nanoserve.distributed.rank import resolve_device_type
@@ -75,6 +75,7 @@ class ModelRunner(KVCacheAllocation):
             packed, slots = prepack_gemm_weights(self.model)
             self.pad_prompt_rows = packed < slots
             prepack_linear_weights(self.model, batch_size_hint=min(config.max_num_seqs, 64))
+            release_free_memory()  # the load's staging buffers
         # --enable-lora: the adapters this rank holds and the layers' slots (lora/manager.py).
         self.lora: LoRAManager | None = None
         if config.enable_lora and not self.pooling:

@@ -513,6 +513,12 @@ NS_QAVX2 void block_avx2(const Block& blk) {
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < a.nb; ++b) {
+        if constexpr (R == 1) {  // as block_vnni's
+            for (int c = 0; c < C; ++c) {
+                const char* ahead = reinterpret_cast<const char*>(blk.w + c * blk.group_stride + (b + 16) * T::bytes);
+                for (int line = 0; line < T::bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+            }
+        }
         for (int c = 0; c < C; ++c) {
             const uint8_t* group = blk.w + c * blk.group_stride;
             const uint8_t* p = quants_at<F>(group, b);
