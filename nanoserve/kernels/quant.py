@@ -472,9 +472,33 @@ def pack_for_cpu(w: QuantWeight) -> None:
         return
     if w.qtype in COMPACT and w.raw is None:  # the compact packing is made from the file's codes
         return
-    w.packed = pack_weight(w)
+    w.packed = _pack_in_slices(w)
     w.components = None
     w.raw = None
+
+
+_PACK_ROWS = 8192  # output rows packed at a time (a multiple of _COLS)
+
+
+def _pack_in_slices(w: QuantWeight) -> torch.Tensor:
+    """pack_weight a slice of _PACK_ROWS rows at a time into one packing: the same bytes (groups of
+    16 rows pack on their own), with the intermediates of one slice at a time (a 128k-row LM head
+    unpacked whole was several times its own size)."""
+    if w.n <= _PACK_ROWS:
+        return pack_weight(w)
+    packed = None
+    for start in range(0, w.n, _PACK_ROWS):
+        end = min(start + _PACK_ROWS, w.n)
+        parts = w.components
+        piece = QuantWeight(w.qtype, end - start, w.k, None if w.raw is None else w.raw[start:end],
+                            components=None if parts is None else QuantComponents(
+                                parts.u[start:end], parts.scale[start:end],
+                                None if parts.mins is None else parts.mins[start:end]))
+        slice_packing = pack_weight(piece)
+        if packed is None:
+            packed = slice_packing.new_empty((-(-w.n // _COLS), *slice_packing.shape[1:]))
+        packed[start // _COLS : start // _COLS + slice_packing.shape[0]] = slice_packing
+    return packed
 
 
 def takes_components(device: torch.device) -> bool:

@@ -40,10 +40,14 @@ def find_gguf_file(path: Path) -> Path | None:
     return files[0] if files else None
 
 
-@functools.lru_cache(maxsize=4)
-def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tuple]]:
-    """(metadata, {tensor name: (ggml type, GGUF shape)}); cached per file version, the engine
-    asks for it several times."""
+# The vocabulary's arrays: read by the tokenizer once, not cached (a 128k-token vocabulary and its
+# merges are ~130 MiB as Python objects, held for the server's life otherwise).
+_VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                      "tokenizer.ggml.scores")
+
+
+def read_gguf_file(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
+    """(metadata, {tensor name: (ggml type, GGUF shape)}), all of it, read now (not cached)."""
     import gguf
 
     try:
@@ -54,7 +58,20 @@ def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tup
     return read_metadata(reader), tensors
 
 
+@functools.lru_cache(maxsize=4)
+def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tuple]]:
+    """read_gguf_file without the vocabulary's arrays (their count stays as the vocabulary size, as
+    llama_config would take it); cached per file version, the engine asks for it several times."""
+    metadata, tensors = read_gguf_file(gguf_file)
+    small = {key: value for key, value in metadata.items() if key not in _VOCABULARY_ARRAYS}
+    architecture = metadata.get("general.architecture")
+    if "tokenizer.ggml.tokens" in metadata:
+        small.setdefault(f"{architecture}.vocab_size", len(metadata["tokenizer.ggml.tokens"]))
+    return small, tensors
+
+
 def gguf_metadata(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
+    """The file's metadata (less the vocabulary's arrays: gguf_tokenizer reads those) and tensors."""
     stat = Path(gguf_file).stat()
     return _read(Path(gguf_file), stat.st_size, stat.st_mtime)
 
@@ -105,7 +122,7 @@ def gguf_tokenizer(gguf_file: Path):
     from nanoserve.models.gguf_tokenizer import build_tokenizer
     from nanoserve.tokenizer import Tokenizer
 
-    metadata, _ = gguf_metadata(gguf_file)
+    metadata, _ = read_gguf_file(Path(gguf_file))
     config = gguf_hf_config(gguf_file)
     backend, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
     return Tokenizer(backend, tokenizer_config, generation_eos_token_ids=generation_stops(config, backend),

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanoserve.cpu_malloc import release_free_memory
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
@@ -57,9 +58,15 @@ def mxfp4_components(raw: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return {"u": codes.contiguous(), "scale": scale}
 
 
-def _raw_rows(tensor) -> torch.Tensor:
-    """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (a copy off the memory map)."""
-    return torch.from_numpy(np.array(tensor.data, dtype=np.uint8, copy=True))
+def _raw_rows(tensor, gguf_file: Path) -> torch.Tensor:
+    """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes], read from the file (not
+    through the reader's memory map, whose pages, once touched, would count as this process's
+    memory until the map is closed: the whole file by the end of a load)."""
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    data = np.fromfile(gguf_file, dtype=np.uint8, count=int(tensor.n_bytes), offset=int(tensor.data_offset))
+    if data.size != tensor.n_bytes:
+        raise GGUFImportError(f"{tensor.name}: the file ends inside the tensor's data")
+    return torch.from_numpy(data.reshape(rows, -1))
 
 
 def _dense(tensor, qtype: str | None, rows: slice | None = None) -> torch.Tensor:
@@ -98,10 +105,12 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     missing = missing_prefixes(model)
     tied = bool(model.config.tie_word_embeddings)
     architecture = reader_architecture(reader)
+    tensors = reader.tensors
+    del reader  # its metadata fields (a 128k-token vocabulary: ~200 MiB of arrays) are not needed here
     renames = getattr(model, "checkpoint_renames", {})  # gpt-oss's sinks beside its attention kernel
     staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:
             continue  # LongRoPE's factors: read into the config (models/gguf_model.py)
         name = hf_tensor_name(tensor.name, architecture)
@@ -134,13 +143,14 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             elif stacked:
                 _load_experts(module, params[target], tensor, part)
             else:
-                _load_tensor(model.config, module, params[target], tensor, name, shard_id,
-                             staged.setdefault(target, StagedLinear()))
+                parts = staged.setdefault(target, StagedLinear())
+                _load_tensor(model.config, module, params[target], tensor, name, shard_id, parts, gguf_file)
+                if parts.buffers and None not in parts.row_qtype:  # the layer is whole: packed now,
+                    _finish_layer(model, module, target, staged.pop(target))  # its staging freed
             loaded.add(target)
-    shared = shared_parameter_ids(model)  # (a mapped embedding no longer shares its table)
     for target, parts in staged.items():
         if parts.buffers:
-            finish_quantized(modules[target.rsplit(".", 1)[0]], target, parts, id(params[target]) in shared)
+            _finish_layer(model, modules[target.rsplit(".", 1)[0]], target, parts)
     for module in modules.values():
         if hasattr(module, "finish_quantized"):  # layers/fused_moe.FusedMoE: its quantized experts
             module.finish_quantized()
@@ -148,6 +158,17 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     absent = sorted(expected - loaded)
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
+
+
+def _finish_layer(model: nn.Module, module: nn.Module, target: str, parts: StagedLinear) -> None:
+    """A quantized layer's QuantWeight(s) from its staged parts, packed for the CPU kernels at
+    once (a no-op elsewhere), so a load holds one layer's file bytes at a time beside the packed
+    model, not the whole file's."""
+    shared = id(module.weight) in shared_parameter_ids(model)  # a tied head (unless the embedding is mapped)
+    finish_quantized(module, target, parts, shared)
+    for weight in [module.quant_weight] if module.quant_weight is not None else module.quant_parts:
+        quant.pack_for_cpu(weight)
+    release_free_memory()  # the staging, freed into the heap, back to the kernel before the next layer's
 
 
 def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter], tensor, gguf_file: Path,
@@ -228,7 +249,7 @@ def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int |
 
 
 def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: str, shard_id,
-                 parts: StagedLinear) -> None:
+                 parts: StagedLinear, gguf_file: Path) -> None:
     """A linear layer's (or the head's) quantized part is staged in `parts`; anything else is
     dequantized into `param` (this rank's share of it). `name`: the tensor's HF name."""
     qtype = _qtype(tensor)
@@ -239,7 +260,7 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
     if qtype is not None and quantized_module:
         if parts.float_parts:
             raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
-        raw = _raw_rows(tensor)
+        raw = _raw_rows(tensor, gguf_file)
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)
         block, block_bytes = quant.gguf_block(qtype)

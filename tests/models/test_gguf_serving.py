@@ -18,7 +18,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import cpu_ops, quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_metadata, gguf_tokenizer
+from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_tokenizer, read_gguf_file
 from nanoserve.models.gguf_tokenizer import build_tokenizer
 from nanoserve.models.gguf_reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
@@ -105,7 +105,7 @@ def test_qwen2_file_config_tokenizer_and_biases(tmp_path):
     for text in texts:
         assert tokenizer.encode(text) == oracle.encode(text, add_special_tokens=False), text
     # The comparison tells the pre-tokenizers apart: GPT-2's (the "default" one) splits otherwise.
-    metadata, _ = gguf_metadata(path)
+    metadata, _ = read_gguf_file(path)
     gpt2, _ = build_tokenizer({**metadata, "tokenizer.ggml.pre": "default"}, 512)
     assert any(gpt2.encode(text).ids != tokenizer.encode(text) for text in texts)
 
