@@ -1,7 +1,8 @@
 """Batch-1 GEMMs streaming from memory: a Llama-3.2-1B decode step's linear layers (16 layers of
 qkv, o_proj, gate_up, down; 1.5 GB of bf16, so nothing stays in cache between calls) in one
-format, called in order as a decode step calls them, one row of x. Prints microseconds a step and
-the rate the packed weights and the GGUF file's bytes are read at. Run on an idle machine:
+format, packed as a model's load packs it at this level, called in order as a decode step calls
+them, one row of x. Prints microseconds a step and the rate the packed weights and the GGUF
+file's bytes are read at. Run on an idle machine:
 
     .venv/bin/python benchmarks/quant/decode_stream.py [--formats q4_k q6_k q8_0 q4_0 q5_k] [--layers 16]
 """
@@ -14,7 +15,7 @@ import torch
 
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.kernels import cpu_ops
-from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight, pack_weight, quant_gemm
+from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight, pack_for_cpu, quant_gemm
 
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 
@@ -52,10 +53,9 @@ def main() -> None:
                     file_bytes += n * k * 2
                     continue
                 raw = random_raw(qtype, n, k, generator)
-                weight = QuantWeight(qtype, n, k, raw)
-                weight.packed = pack_weight(weight)
-                weight.raw = None
                 file_bytes += raw.numel()
+                weight = QuantWeight(qtype, n, k, raw)
+                pack_for_cpu(weight)  # as a model's load packs it at this level
                 packed_bytes += weight.packed.numel()
                 calls.append(lambda x=x, w=weight: quant_gemm(x, w, None))
         best = float("inf")
@@ -64,8 +64,9 @@ def main() -> None:
             for call in calls:
                 call()
             best = min(best, time.perf_counter() - start)
+        weights = sum(n * k for n, k in SHAPES.values()) * args.layers
         print(f"{qtype:6s} {best * 1e6:9.0f} us a step; packed {packed_bytes / best / 1e9:5.1f} GB/s "
-              f"({8 * packed_bytes / (file_bytes / (GGUF_QTYPES.get(qtype, (1, 2))[1] / GGUF_QTYPES.get(qtype, (1, 2))[0])) if qtype != 'bf16' else 16:.2f} bits a weight), "
+              f"({8 * packed_bytes / weights:.2f} bits a weight; file {8 * file_bytes / weights:.2f}), "
               f"file {file_bytes / best / 1e9:5.1f} GB/s", flush=True)
         del calls
 

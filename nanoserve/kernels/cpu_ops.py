@@ -58,6 +58,7 @@ _SIGNATURES = {
     "ns_bf16_dot_variant": [_I32],
     "ns_set_isa": [_I32],
     "ns_current_isa": [],
+    "ns_gemm_quant_vnni": [],
     "ns_decode_attention_amx": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _P, _I32, _I32,
                                 ctypes.c_float],
     "ns_prefill_attention": [_P, _P, _I64, _I64, _P, _P, _I32, _I32, _P, _I64, _P, _I32, _I32,
@@ -448,6 +449,13 @@ def _lora_arguments(lora) -> tuple:
         return None, None, 0, 0, None, None
     table, row_slots, num_slots, rank, shrink, delta = lora
     return table.data_ptr(), row_slots.data_ptr(), num_slots, rank, shrink.data_ptr(), delta.data_ptr()
+
+
+def vnni_gemm_quant() -> bool:
+    """Whether the quantized GEMMs run AVX-512 VNNI's vpdpbusd at the current level (which reads a
+    5- or 6-bit element as a byte; below it, they are packed in nibbles and bit planes)."""
+    lib = library()
+    return lib is not None and bool(lib.ns_gemm_quant_vnni())
 
 
 def _amx_attention() -> bool:

@@ -217,7 +217,7 @@ def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tenso
                         or weight.k != k or weight.packed.device.type != "cpu" or weight.packed.shape[0] * 16 != n
                         or weight.packed.shape[1] != k // 32):
                     return None
-                rows[e][column:column + 2] = [quant.format_code(weight.qtype), weight.packed.data_ptr()]
+                rows[e][column:column + 2] = [weight.kernel_format, weight.packed.data_ptr()]
         elif isinstance(packings, torch.Tensor):  # the bf16 packings, stacked
             if (packings.device.type != "cpu" or packings.shape[0] != experts or packings.shape[1] * 16 != n
                     or packings.shape[2] * 32 != k):

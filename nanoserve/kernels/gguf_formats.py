@@ -22,6 +22,9 @@ FORMATS: dict[str, tuple[bool, int, int, bool]] = {
     # Not a GGUF type here either: MXFP4 (models/mxfp4.py), `u` holds the 4-bit E2M1 codes, which
     # the kernels decode through a table to 12 + 2 x the value (kernels/quant.py's MXFP4_U).
     "mxfp4": (True, 32, 12, False),
+    # Q5_K and Q6_K packed in 4-bit nibbles and bit planes of the high bits (kernels/quant.py's
+    # PLANES): the same elements, scales and arithmetic, fewer bytes; AVX2 and portable kernels.
+    "q5_k/planes": (False, 32, 0, True), "q6_k/planes": (False, 16, 32, False),
 }
 
 

@@ -77,6 +77,12 @@ class QuantWeight:
     raw: torch.Tensor | None             # uint8 [n, row_bytes]: GGUF bytes, rows in output order
     packed: torch.Tensor | None = None   # the CPU kernel's own layout (pack_for_cpu)
     components: QuantComponents | None = None
+    planes: bool = False                 # packed as nibbles and bit planes (PLANES; Q5_K, Q6_K)
+
+    @property
+    def kernel_format(self) -> int:
+        """The format number the CPU kernels know the packing by."""
+        return format_code(PLANES[self.qtype] if self.planes else self.qtype)
 
     @property
     def nbytes(self) -> int:
@@ -225,7 +231,7 @@ def _stored_components(w: QuantWeight):
     """weight_components with `u` as the packing stores it (MXFP4: the codes)."""
     if w.raw is not None:
         return _components(w.raw.cpu(), w.qtype, w.k)
-    parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k)
+    parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k, w.planes)
     mins = None if parts.mins is None else parts.mins.cpu()
     return parts.u.cpu(), FORMATS[w.qtype][2], parts.scale.cpu(), mins
 
@@ -322,13 +328,23 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
 # then each block's scale codes [groups of the block][16 columns] (uint8; Q6_K's int8), the min
 # codes [8][16] (Q4_K, Q5_K), then fp32 d [16] and dmin [16].
 COMPACT = ("q4_k", "q5_k", "q6_k")
+# The 5- and 6-bit K types packed in their own bits, as the file holds them: each element's low
+# four bits as the 4-bit formats' nibbles, its fifth (and sixth) in bit planes, 5.75 and 6.6 bits a
+# weight instead of a byte's 8.75 and 8.6 (a batch-1 decode reads every weight once a token, so
+# that is its time); gguf_formats.py's "q5_k/planes" and "q6_k/planes" formats.
+PLANES = {"q5_k": "q5_k/planes", "q6_k": "q6_k/planes"}
 
 
-def packed_layout(qtype: str) -> tuple[int, int, int]:
+def _plane_bits(qtype: str, planes: bool) -> int:
+    """High bits a packed element keeps in bit planes (0 unless packed as PLANES)."""
+    return (2 if qtype == "q6_k" else 1) if planes else 0
+
+
+def packed_layout(qtype: str, planes: bool = False) -> tuple[int, int, int]:
     """Bytes of one packed block of 16 columns x 32 elements: (quants, scales, mins); a compact
     type's (per super-block / 8): (quants, scale codes, min codes and the fp32 d / dmin)."""
     nibbles, group, _, has_min = FORMATS[qtype]
-    quants = 256 if nibbles else 512
+    quants = 256 + 64 * _plane_bits(qtype, planes) if nibbles or planes else 512
     if qtype in COMPACT:
         codes = _COLS * (_BLOCK // group)
         return quants, codes, ((8 * _COLS if has_min else 0) + 4 * _COLS * (2 if has_min else 1)) // 8
@@ -342,6 +358,32 @@ def _pack_steps(u: torch.Tensor, groups: int, nb: int, nibbles: bool) -> torch.T
     if nibbles:
         quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
     return quants.reshape(groups, nb, -1)
+
+
+def _pack_planes(u: torch.Tensor, groups: int, nb: int, bits: int) -> torch.Tensor:
+    """u [groups * 16, k] -> [groups, nb, 256 + 64 * bits]: per block, the low four bits as
+    _pack_steps packs nibbles, then the high bits as planes of the 64 lanes (16 columns x 4
+    elements) a step holds: one bit (Q5_K) has byte lane i's bit s = step s's fifth bit; two
+    (Q6_K) take two planes, steps 0-3 then 4-7, bits 2s and 2s + 1 of step s's two high bits."""
+    steps = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 8, 64)
+    low = steps & 0x0F
+    high = (steps >> 4).to(torch.int32)
+    per_plane = 8 // bits  # steps a plane holds
+    shifts = (bits * torch.arange(per_plane, dtype=torch.int32)).reshape(1, 1, per_plane, 1)
+    planes = (high.reshape(groups, nb, bits, per_plane, 64) << shifts).sum(dim=3).to(torch.uint8)
+    return torch.cat([(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(groups, nb, -1),
+                      planes.reshape(groups, nb, -1)], dim=-1)
+
+
+def _unpack_planes(quants: torch.Tensor, groups: int, nb: int, bits: int) -> torch.Tensor:
+    """_pack_planes' inverse: -> u [groups * 16, k]."""
+    quants = quants.reshape(groups, nb, -1)
+    low = _unpack_steps(quants[..., :256], groups, nb, True).reshape(groups, _COLS, nb, 8, 4)
+    per_plane = 8 // bits
+    planes = quants[..., 256:].reshape(groups, nb, bits, 1, 64).to(torch.int32)
+    shifts = (bits * torch.arange(per_plane, dtype=torch.int32)).reshape(1, 1, 1, per_plane, 1)
+    high = ((planes >> shifts) & ((1 << bits) - 1)).reshape(groups, nb, 8, _COLS, 4).permute(0, 3, 1, 2, 4)
+    return (low | (high.to(torch.uint8) << 4)).reshape(groups * _COLS, nb * _BLOCK)
 
 
 def _unpack_steps(quants: torch.Tensor, groups: int, nb: int, nibbles: bool) -> torch.Tensor:
@@ -374,7 +416,11 @@ def _pack_compact(w: QuantWeight) -> torch.Tensor:
     def padded(t):
         return t if not pad else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
 
-    quants = _pack_steps(padded(u), groups, nb, FORMATS[w.qtype][0]).reshape(groups, nb // 8, -1)
+    if w.planes:
+        quants = _pack_planes(padded(u), groups, nb, _plane_bits(w.qtype, True))
+    else:
+        quants = _pack_steps(padded(u), groups, nb, FORMATS[w.qtype][0])
+    quants = quants.reshape(groups, nb // 8, -1)
     parts = [quants, _column_major(padded(codes.view(torch.uint8)), groups)]
     if dmin is not None:
         parts.append(_column_major(padded(min_codes), groups))
@@ -384,13 +430,16 @@ def _pack_compact(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(groups, nb, -1).contiguous()
 
 
-def _unpack_compact(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
+def _unpack_compact(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool) -> QuantComponents:
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, supers, nb = packed.shape[0], k // 256, k // _BLOCK
-    quant_bytes, code_bytes, _ = packed_layout(qtype)
+    quant_bytes, code_bytes, _ = packed_layout(qtype, planes)
     data = packed.reshape(groups, supers, -1)
     at = 8 * quant_bytes
-    u = _unpack_steps(data[..., :at], groups, nb, nibbles)[:n]
+    if planes:
+        u = _unpack_planes(data[..., :at], groups, nb, _plane_bits(qtype, True))[:n]
+    else:
+        u = _unpack_steps(data[..., :at], groups, nb, nibbles)[:n]
     codes = _from_column_major(data[..., at : at + 8 * code_bytes], groups, n, torch.uint8)
     at += 8 * code_bytes
     if qtype == "q6_k":
@@ -438,10 +487,10 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int) -> QuantComponents:
+def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool = False) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
     if qtype in COMPACT:
-        return _unpack_compact(packed, qtype, n, k)
+        return _unpack_compact(packed, qtype, n, k, planes)
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, nb = packed.shape[0], k // _BLOCK
     quants, scales_bytes, _ = packed_layout(qtype)
@@ -472,6 +521,9 @@ def pack_for_cpu(w: QuantWeight) -> None:
         return
     if w.qtype in COMPACT and w.raw is None:  # the compact packing is made from the file's codes
         return
+    # Bit planes where the level's kernels read them at their best: AVX2 and the portable loops
+    # (the AVX-512 VNNI level keeps a byte an element, its vpdpbusd steps' own operand).
+    w.planes = w.qtype in PLANES and not cpu_ops.vnni_gemm_quant()
     w.packed = _pack_in_slices(w)
     w.components = None
     w.raw = None
@@ -493,7 +545,7 @@ def _pack_in_slices(w: QuantWeight) -> torch.Tensor:
         piece = QuantWeight(w.qtype, end - start, w.k, None if w.raw is None else w.raw[start:end],
                             components=None if parts is None else QuantComponents(
                                 parts.u[start:end], parts.scale[start:end],
-                                None if parts.mins is None else parts.mins[start:end]))
+                                None if parts.mins is None else parts.mins[start:end]), planes=w.planes)
         slice_packing = pack_weight(piece)
         if packed is None:
             packed = slice_packing.new_empty((-(-w.n // _COLS), *slice_packing.shape[1:]))
@@ -519,7 +571,7 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
     if w.packed is not None:
         from nanoserve.kernels import cpu_ops
 
-        out = cpu_ops.gemm_quant(x, w.packed, format_code(w.qtype), w.n, w.k, bias)
+        out = cpu_ops.gemm_quant(x, w.packed, w.kernel_format, w.n, w.k, bias)
         if out is not None:
             return out
     return reference_gemm(x, w, bias)
@@ -538,7 +590,7 @@ def quant_gemm_many(x: torch.Tensor, weights: list[QuantWeight], spans: list[tup
         return None
     from nanoserve.kernels import cpu_ops
 
-    parts = [(format_code(w.qtype), w.packed, start, end, bias)
+    parts = [(w.kernel_format, w.packed, start, end, bias)
              for w, (start, end), bias in zip(weights, spans, biases)]
     return cpu_ops.gemm_quant_many(x.contiguous(), parts, n)
 

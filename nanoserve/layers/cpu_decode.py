@@ -42,7 +42,7 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
             return None
         entry = [len(parts)]
         for part in parts:
-            entry += [quant.format_code(part.qtype), part.packed.data_ptr(), part.n]
+            entry += [part.kernel_format, part.packed.data_ptr(), part.n]
     else:
         if linear.gemm_weight is None or linear.weight.dtype != torch.bfloat16 or linear.weight.shape[0] % 16:
             return None

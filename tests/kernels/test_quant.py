@@ -75,7 +75,7 @@ def test_reference_is_close_to_the_dequantized_product(qtype, dtype):
 
 
 def _kernel(x, w, bias=None):
-    out = cpu_ops.gemm_quant(x, w.packed, quant.format_code(w.qtype), w.n, w.k, bias)
+    out = cpu_ops.gemm_quant(x, w.packed, w.kernel_format, w.n, w.k, bias)
     assert out is not None
     return out
 
@@ -191,6 +191,59 @@ def test_unpack_reads_the_packing_back(qtype, n):
     x = torch.randn(3, 256)
     assert torch.equal(quant.reference_gemm(x, packed_only, None), quant.reference_gemm(x, weight, None))
     assert packed_only.nbytes == packed_only.packed.numel()
+
+
+@pytest.mark.parametrize("qtype", list(quant.PLANES))
+@pytest.mark.parametrize("n", [16, 37])
+def test_planes_packing_reads_back_and_is_smaller(qtype, n):
+    """Q5_K / Q6_K packed in nibbles and bit planes: unpack_weight gives the GGUF rows' components
+    bit for bit, in fewer bytes than a byte an element (5.75 and 6.6 bits a weight at 16 columns)."""
+    weight = _weight(qtype, n, 512, seed=n)
+    u, _, scale, mins = quant.weight_components(weight)
+    planes = QuantWeight(qtype, n, 512, weight.raw, planes=True)
+    packed = quant.pack_weight(planes)
+    unpacked = quant.unpack_weight(packed, qtype, n, 512, planes=True)
+    assert torch.equal(unpacked.u, u) and torch.equal(unpacked.scale, scale)
+    assert (mins is None) == (unpacked.mins is None) and (mins is None or torch.equal(unpacked.mins, mins))
+    bits = 8 * packed.numel() / (packed.shape[0] * 16 * 512)
+    assert bits == {"q5_k": 5.75, "q6_k": 6.625}[qtype]  # the files: 5.5, 6.5625
+    assert packed.numel() < quant.pack_weight(weight).numel()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", list(quant.PLANES))
+def test_planes_packing_multiplies_as_the_reference_at_every_level(qtype, cpu_isa):
+    """A planes packing at every level this machine runs (an AVX-512 VNNI level runs the AVX2
+    kernels on it), bit for bit the reference, at the bounds of the int16 sums too."""
+    n, k = 72, 768
+    weight = _weight(qtype, n, k, seed=9)
+    reference = QuantWeight(qtype, n, k, weight.raw)
+    planes = QuantWeight(qtype, n, k, None, packed=quant.pack_weight(QuantWeight(qtype, n, k, weight.raw, planes=True)),
+                         planes=True)
+    x = torch.randn(67, k, generator=torch.Generator().manual_seed(10))
+    for dtype in (torch.bfloat16, torch.float32):
+        for m in (1, 5, 67):
+            assert torch.equal(_kernel(x[:m].to(dtype), planes), quant.reference_gemm(x[:m].to(dtype), reference, None))
+    elements, nbytes = GGUF_QTYPES[qtype]
+    raw = torch.full((n, k // elements, nbytes), 0xFF, dtype=torch.uint8)
+    for offset in _SCALE_FIELDS[qtype]:
+        raw[..., offset:offset + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    raw = raw.reshape(n, -1)
+    extreme = QuantWeight(qtype, n, k, None, packed=quant.pack_weight(QuantWeight(qtype, n, k, raw, planes=True)),
+                          planes=True)
+    signs = torch.ones(4, k)
+    signs[1] = -1
+    signs[2, ::2] = -1
+    signs[3] = torch.linspace(-3, 3, k)
+    assert torch.equal(_kernel(signs, extreme), quant.reference_gemm(signs, QuantWeight(qtype, n, k, raw), None))
+
+
+@needs_kernels
+def test_pack_for_cpu_packs_k_types_in_planes_below_vnni(cpu_isa):
+    weight = _weight("q6_k", 32, 256)
+    quant.pack_for_cpu(weight)
+    assert weight.planes == (not cpu_ops.vnni_gemm_quant())
+    assert weight.kernel_format == quant.format_code("q6_k/planes" if weight.planes else "q6_k")
 
 
 # ---- MXFP4: 4-bit E2M1 codes through a table (gpt-oss's experts, models/mxfp4.py) ----------

@@ -55,7 +55,8 @@ enum Format : int {
     kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kQ5_0 = 5, kQ5_1 = 6, kQ5_K = 7,
     kF8_E4M3 = 8,  // FP8 weights: gemm_fp8.cpp (no integer kernels)
     kMxfp4 = 9,    // MXFP4: 4-bit E2M1 codes, u = kMxfp4Table[code] (12 + 2 x the value)
-    kFormats = 10
+    kQ5_KPlanes = 10, kQ6_KPlanes = 11,  // Q5_K / Q6_K in nibbles and bit planes (AVX2, portable)
+    kFormats = 12
 };
 
 // MXFP4's codes as the integers the dot products take: 12 + 2 x E2M1 (0, .5, 1, 1.5, 2, 3, 4, 6,
@@ -64,16 +65,23 @@ enum Format : int {
 // a register of codes.
 constexpr uint8_t kMxfp4Table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
+// The planes formats (kQ5_KPlanes, kQ6_KPlanes) are Q5_K and Q6_K with each element's low four
+// bits as the 4-bit formats' nibbles (256 bytes a block) and its high bits in planes after them:
+// byte lane i (16 columns x 4 elements of a step) of a one-bit plane holds step s's fifth bit in
+// bit s; Q6_K's two planes hold steps 0-3 and 4-7, step s's two high bits in bits 2 (s % 4) and
+// 2 (s % 4) + 1. 5.75 and 6.6 bits a weight where a byte an element is 8.75 and 8.6.
 template <int F>
 struct Traits {
+    static constexpr int base = F == kQ5_KPlanes ? kQ5_K : F == kQ6_KPlanes ? kQ6_K : F;  // the GGUF type
+    static constexpr int plane_bits = F == kQ5_KPlanes ? 1 : F == kQ6_KPlanes ? 2 : 0;
     static constexpr bool nibbles = F == kQ4_0 || F == kQ4_1 || F == kQ4_K || F == kMxfp4;
     static constexpr bool table = F == kMxfp4;  // codes decoded through kMxfp4Table
-    static constexpr int group = F == kQ6_K ? 16 : 32;  // elements per scale
-    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : F == kQ6_K ? 32
+    static constexpr int group = base == kQ6_K ? 16 : 32;  // elements per scale
+    static constexpr int offset = F == kQ8_0 ? 128 : F == kQ4_0 ? 8 : F == kQ5_0 ? 16 : base == kQ6_K ? 32
                                   : F == kMxfp4 ? 12 : 0;
-    static constexpr bool has_min = F == kQ4_1 || F == kQ4_K || F == kQ5_1 || F == kQ5_K;
-    static constexpr bool super_blocks = F == kQ4_K || F == kQ5_K || F == kQ6_K;  // K a multiple of 256
-    static constexpr int quant_bytes = nibbles ? 256 : 512;
+    static constexpr bool has_min = F == kQ4_1 || F == kQ4_K || F == kQ5_1 || base == kQ5_K;
+    static constexpr bool super_blocks = F == kQ4_K || base == kQ5_K || base == kQ6_K;  // K a multiple of 256
+    static constexpr int quant_bytes = nibbles ? 256 : plane_bits ? 256 + 64 * plane_bits : 512;
     static constexpr int scale_bytes = 4 * kCols * (kBlock / group);
     // The K types keep their scales as the file does (compact): per block, each scale group's
     // 6-bit (Q6_K: int8) code and the 6-bit min code, a byte a column; per super-block of 8 blocks,
@@ -124,7 +132,7 @@ inline float scale_of(const uint8_t* group, int64_t b, int g, int col) {
     using T = Traits<F>;
     if constexpr (T::compact) {
         const uint8_t code = scale_codes_at<F>(group, b, g)[col];
-        const float value = F == kQ6_K ? static_cast<float>(static_cast<int8_t>(code)) : static_cast<float>(code);
+        const float value = T::base == kQ6_K ? static_cast<float>(static_cast<int8_t>(code)) : static_cast<float>(code);
         return super_floats<F>(group, b, T::d_at)[col] * value;
     }
     float scale;
@@ -454,7 +462,7 @@ NS_QAVX2 inline __m256i pair_products_avx2(__m256i w, __m256i xq) {
 // 4 for the 5-bit ones and MXFP4 (u <= 24: 24,576), 2 for Q6_K, 1 for Q8_0. Fewer widening
 // multiplies: vpmaddwd shares its pipes with vpmaddubsw.
 template <int F>
-constexpr int kInt16StepsOf = Traits<F>::table ? 4 : Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : F == kQ6_K ? 2 : 4;
+constexpr int kInt16StepsOf = Traits<F>::table ? 4 : Traits<F>::nibbles ? 8 : F == kQ8_0 ? 1 : Traits<F>::base == kQ6_K ? 2 : 4;
 
 // A 4-bit format's steps j and j + 4 for one half (8 columns) of a group, from one load: the low
 // nibbles and the high ones (MXFP4's through its table).
@@ -471,6 +479,66 @@ NS_QAVX2 inline void load_step_pair_avx2(const uint8_t* p, int j, int h, __m256i
     }
 }
 
+// A planes format's steps j and j + 4 for one half of a group: the nibbles as load_step_pair_avx2
+// reads them, each with its high bits from the planes (`planes`: the half's 32 bytes of each
+// plane, loaded once a block) moved to bit 4 (and 5). The 16-bit shifts carry bits across bytes
+// only into places the mask clears.
+template <int bits, int from, int to>
+NS_QAVX2 inline __m256i move_bits(__m256i v) {
+    const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << bits) - 1) << to));
+    if constexpr (from < to) return _mm256_and_si256(_mm256_slli_epi16(v, to - from), mask);
+    else if constexpr (from > to) return _mm256_and_si256(_mm256_srli_epi16(v, from - to), mask);
+    else return _mm256_and_si256(v, mask);
+}
+
+template <int F, int j>
+NS_QAVX2 inline void load_planes_step_pair_avx2(const uint8_t* p, int h, const __m256i (&planes)[2], __m256i& first,
+                                                __m256i& second) {
+    constexpr int bits = Traits<F>::plane_bits;
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * h));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    if constexpr (bits == 1) {
+        first = _mm256_or_si256(_mm256_and_si256(v, low), move_bits<1, j, 4>(planes[0]));
+        second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), move_bits<1, j + 4, 4>(planes[0]));
+    } else {
+        first = _mm256_or_si256(_mm256_and_si256(v, low), move_bits<2, 2 * j, 4>(planes[0]));
+        second = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), move_bits<2, 2 * j, 4>(planes[1]));
+    }
+}
+
+// A planes format's integer phase for one group of columns and block: steps j and j + 4 from one
+// load, two values of j a run of int16 sums (4 steps of 5-bit values in one group; 2 steps of a
+// 6-bit group, steps j in group 0 and j + 4 in group 1), then one vpmaddwd.
+template <int F, int R, int j>
+NS_QAVX2 inline void planes_steps_avx2(const Block& blk, const uint8_t* p, int64_t b, const __m256i (&planes)[2][2],
+                                       __m256i (&pairs)[R][2][2], __m256i (&dot)[R][2][2]) {
+    using T = Traits<F>;
+    const Activations& a = *blk.a;
+    __m256i w[2][2];
+    for (int h = 0; h < 2; ++h) load_planes_step_pair_avx2<F, j>(p, h, planes[h], w[h][0], w[h][1]);
+    for (int r = 0; r < R; ++r) {
+        const int8_t* q = a.q + (blk.row + r) * a.k + b * kBlock;
+        const __m256i x0 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
+        const __m256i x1 = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * (j + 4)));
+        for (int h = 0; h < 2; ++h) {
+            const __m256i s0 = _mm256_maddubs_epi16(w[h][0], x0), s1 = _mm256_maddubs_epi16(w[h][1], x1);
+            if constexpr (T::group == 32) {
+                const __m256i s = _mm256_add_epi16(s0, s1);
+                pairs[r][h][0] = j % 2 == 0 ? s : _mm256_add_epi16(pairs[r][h][0], s);
+            } else {
+                pairs[r][h][0] = j % 2 == 0 ? s0 : _mm256_add_epi16(pairs[r][h][0], s0);
+                pairs[r][h][1] = j % 2 == 0 ? s1 : _mm256_add_epi16(pairs[r][h][1], s1);
+            }
+            if constexpr (j % 2 == 1) {
+                for (int g = 0; g < kBlock / T::group; ++g) {
+                    const __m256i wide = _mm256_madd_epi16(pairs[r][h][g], _mm256_set1_epi16(1));
+                    dot[r][h][g] = j == 1 ? wide : _mm256_add_epi32(dot[r][h][g], wide);
+                }
+            }
+        }
+    }
+}
+
 // R rows against C groups of 16 columns. Per block and group: the integer phase runs the block's
 // steps for all R rows with the weights in registers (a loaded step serves every row), pair sums
 // kept in int16 over kInt16Steps steps, then one vpmaddwd; then the fp32 fold, in the reference's
@@ -484,7 +552,7 @@ NS_QAVX2 inline __m256 scales_avx2(const uint8_t* group, int64_t b, int g, int h
     using T = Traits<F>;
     if constexpr (T::compact) {
         const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale_codes_at<F>(group, b, g) + 8 * h));
-        const __m256i ints = F == kQ6_K ? _mm256_cvtepi8_epi32(codes) : _mm256_cvtepu8_epi32(codes);
+        const __m256i ints = T::base == kQ6_K ? _mm256_cvtepi8_epi32(codes) : _mm256_cvtepu8_epi32(codes);
         return _mm256_mul_ps(_mm256_loadu_ps(super_floats<F>(group, b, T::d_at) + 8 * h), _mm256_cvtepi32_ps(ints));
     }
     return _mm256_loadu_ps(reinterpret_cast<const float*>(group + b * T::bytes + T::quant_bytes) + g * kCols + 8 * h);
@@ -523,7 +591,22 @@ NS_QAVX2 void block_avx2(const Block& blk) {
             const uint8_t* group = blk.w + c * blk.group_stride;
             const uint8_t* p = quants_at<F>(group, b);
             __m256i dot[R][2][kGroups];  // each group's int32 dot products, 8 columns a half
-            if constexpr (T::nibbles) {  // one group, kInt16Steps steps in int16: steps j and j + 4 together
+            if constexpr (T::plane_bits > 0) {
+                static_assert(2 * (2 / kGroups) <= kInt16Steps, "two values of j fit one int16 run");
+                __m256i planes[2][2];  // [half][plane]
+                for (int h = 0; h < 2; ++h)
+                    for (int plane = 0; plane < T::plane_bits; ++plane)
+                        planes[h][plane] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * plane + 32 * h));
+                if constexpr (T::plane_bits == 1) planes[0][1] = planes[1][1] = _mm256_setzero_si256();
+                __m256i pairs[R][2][2], dots[R][2][2];
+                planes_steps_avx2<F, R, 0>(blk, p, b, planes, pairs, dots);
+                planes_steps_avx2<F, R, 1>(blk, p, b, planes, pairs, dots);
+                planes_steps_avx2<F, R, 2>(blk, p, b, planes, pairs, dots);
+                planes_steps_avx2<F, R, 3>(blk, p, b, planes, pairs, dots);
+                for (int r = 0; r < R; ++r)
+                    for (int h = 0; h < 2; ++h)
+                        for (int g = 0; g < kGroups; ++g) dot[r][h][g] = dots[r][h][g];
+            } else if constexpr (T::nibbles) {  // one group, kInt16Steps steps in int16: steps j and j + 4 together
                 constexpr int kRun = kInt16Steps / 2;  // values of j a run of int16 sums takes
                 __m256i pairs[R][2];
                 for (int j = 0; j < 4; ++j) {
@@ -602,6 +685,12 @@ NS_QAVX2 void block_avx2(const Block& blk) {
 template <int F>
 inline int unpack(const uint8_t* quants, int k, int col) {  // element k of a block, one column
     const int step = k / 4, lane = col * 4 + k % 4;
+    if constexpr (Traits<F>::plane_bits > 0) {
+        constexpr int bits = Traits<F>::plane_bits, per_plane = 8 / bits;
+        const int low = step < 4 ? quants[64 * step + lane] & 0x0F : quants[64 * (step - 4) + lane] >> 4;
+        const int high = (quants[256 + 64 * (step / per_plane) + lane] >> (bits * (step % per_plane))) & ((1 << bits) - 1);
+        return low | (high << 4);
+    }
     if constexpr (Traits<F>::nibbles) {
         const int code = step < 4 ? quants[64 * step + lane] & 0x0F : quants[64 * (step - 4) + lane] >> 4;
         return Traits<F>::table ? kMxfp4Table[code] : code;
@@ -647,9 +736,19 @@ struct Kernels {
     BlockFn fn[kMaxR][kMaxC];
 };
 
-template <int F, int R, int C> struct Vnni { static void run(const Block& b) { block_vnni<F, R, C>(b); } };
-template <int F, int R, int C> struct Avx2 { static void run(const Block& b) { block_avx2<F, R, C>(b); } };
-template <int F, int R, int C> struct Portable { static void run(const Block& b) { block_portable<F, R, C>(b); } };
+// `planes`: whether the level has kernels for the planes formats (the VNNI level runs AVX2's).
+template <int F, int R, int C> struct Vnni {
+    static constexpr bool planes = false;
+    static void run(const Block& b) { block_vnni<F, R, C>(b); }
+};
+template <int F, int R, int C> struct Avx2 {
+    static constexpr bool planes = true;
+    static void run(const Block& b) { block_avx2<F, R, C>(b); }
+};
+template <int F, int R, int C> struct Portable {
+    static constexpr bool planes = true;
+    static void run(const Block& b) { block_portable<F, R, C>(b); }
+};
 
 template <template <int, int, int> class K, int F, int R, int C>
 void fill(Kernels& table) {
@@ -671,6 +770,10 @@ struct LevelKernels {
         fill<K, kQ5_1, 1, 1>(formats[kQ5_1]);
         fill<K, kQ5_K, 1, 1>(formats[kQ5_K]);
         fill<K, kMxfp4, 1, 1>(formats[kMxfp4]);  // (kF8_E4M3's entry stays empty: gemm_fp8.cpp)
+        if constexpr (K<kQ5_KPlanes, 1, 1>::planes) {
+            fill<K, kQ5_KPlanes, 1, 1>(formats[kQ5_KPlanes]);
+            fill<K, kQ6_KPlanes, 1, 1>(formats[kQ6_KPlanes]);
+        }
     }
 };
 
@@ -807,7 +910,8 @@ const Kernels& level_kernels(int level, int format) {
     static const LevelKernels<Vnni> vnni;
     static const LevelKernels<Avx2> avx2;
     static const LevelKernels<Portable> portable;
-    if (vnni_level(level)) return vnni.formats[format];
+    const bool planes = format == kQ5_KPlanes || format == kQ6_KPlanes;
+    if (vnni_level(level) && !planes) return vnni.formats[format];
     if (level >= ns_isa::kAvx2) return avx2.formats[format];
     return portable.formats[format];
 }
@@ -831,6 +935,8 @@ FormatInfo format_info(int format) {
         case kQ5_0: return info<kQ5_0>();
         case kQ5_1: return info<kQ5_1>();
         case kMxfp4: return info<kMxfp4>();
+        case kQ5_KPlanes: return info<kQ5_KPlanes>();
+        case kQ6_KPlanes: return info<kQ6_KPlanes>();
         default: return info<kQ5_K>();
     }
 }
@@ -875,7 +981,7 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
     if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
     else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store_avx2, M == 1 ? Shape{1, 2} : Shape{4, 1}};
-    run(level, call, a, x, ldx, format_traits.offset, format == kQ6_K);
+    run(level, call, a, x, ldx, format_traits.offset, format == kQ6_K || format == kQ6_KPlanes);
     return 0;
 }
 
@@ -884,6 +990,10 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
 // out's of stride N (a multiple of 16). One call instead of one a GEMM: at batch 1 the experts'
 // GEMMs take microseconds each, and Python's per-call cost was a third of a MoE layer's time.
 // 0 done; else the first GEMM's failing code (the ones before it are done).
+// Whether the quantized GEMMs run at a VNNI level (kernels/quant.py packs Q5_K and Q6_K in bit
+// planes below it).
+int ns_gemm_quant_vnni() { return vnni_level(ns_isa::current()) ? 1 : 0; }
+
 int ns_gemm_quant_many(int count, const int64_t* items, int64_t K, int dtype) {
     for (int i = 0; i < count; ++i) {
         const int64_t* item = items + 7 * i;
