@@ -32,6 +32,7 @@
 #include <cstring>
 #include <immintrin.h>
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -49,6 +50,7 @@ constexpr int64_t kParallelWeights = int64_t(1) << 18;
 constexpr int64_t kRowChunk = 64;
 constexpr int64_t kParallelQuantize = int64_t(1) << 13;  // elements of x quantized by all threads
 constexpr int64_t kWeightGroupBytes = int64_t(1) << 20;
+constexpr int64_t kExpandRows = 8;  // rows from which a planes packing is expanded for the byte kernels
 
 // Format codes: the order of gguf_formats.py's FORMATS (new ones appended; kFormats counts them).
 enum Format : int {
@@ -506,6 +508,44 @@ NS_QAVX2 inline void load_planes_step_pair_avx2(const uint8_t* p, int h, const _
     }
 }
 
+// A planes format's column group (`supers` super-blocks) in its byte-an-element format (the
+// codes and d after each super-block's quants are laid out alike): prompt GEMMs expand each group
+// once a call and run the byte kernels on it, instead of unpacking the planes for every 4 rows.
+template <int F>
+NS_QAVX2 void expand_planes_avx2(const uint8_t* src, uint8_t* dst, int64_t supers) {
+    using T = Traits<F>;
+    using B = Traits<T::base>;
+    static_assert(T::super_bytes - 8 * T::quant_bytes == B::super_bytes - 8 * B::quant_bytes, "same tails");
+    for (int64_t super = 0; super < supers; ++super) {
+        const uint8_t* from = src + super * T::super_bytes;
+        uint8_t* to = dst + super * B::super_bytes;
+        for (int block = 0; block < 8; ++block) {
+            const uint8_t* p = from + block * T::quant_bytes;
+            uint8_t* out = to + block * B::quant_bytes;
+            __m256i planes[2][2];
+            for (int h = 0; h < 2; ++h)
+                for (int plane = 0; plane < 2; ++plane)
+                    planes[h][plane] = plane < T::plane_bits
+                        ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * plane + 32 * h))
+                        : _mm256_setzero_si256();
+            auto steps = [&](auto j_constant) {
+                constexpr int j = decltype(j_constant)::value;
+                for (int h = 0; h < 2; ++h) {
+                    __m256i first, second;
+                    load_planes_step_pair_avx2<F, j>(p, h, planes[h], first, second);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j + 32 * h), first);
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * (j + 4) + 32 * h), second);
+                }
+            };
+            steps(std::integral_constant<int, 0>{});
+            steps(std::integral_constant<int, 1>{});
+            steps(std::integral_constant<int, 2>{});
+            steps(std::integral_constant<int, 3>{});
+        }
+        std::memcpy(to + 8 * B::quant_bytes, from + 8 * T::quant_bytes, T::super_bytes - 8 * T::quant_bytes);
+    }
+}
+
 // A planes format's integer phase for one group of columns and block: steps j and j + 4 from one
 // load, two values of j a run of int16 sums (4 steps of 5-bit values in one group; 2 steps of a
 // 6-bit group, steps j in group 0 and j + 4 in group 1), then one vpmaddwd.
@@ -781,6 +821,8 @@ struct Shape {
     int rows, cols;
 };
 
+using ExpandFn = void (*)(const uint8_t*, uint8_t*, int64_t);
+
 struct Call {
     void* out;
     int64_t ldo;
@@ -788,7 +830,9 @@ struct Call {
     const uint8_t* packed;
     const void* bias;
     int64_t M, N;
-    int block_bytes;
+    int block_bytes;      // of the packing the kernels read
+    ExpandFn expand;      // a planes packing expanded a column group at a time (else nullptr)
+    int packed_block_bytes;  // of `packed` itself
 };
 
 // Adds the bias and writes rows x cols of out from sums [rows][cols].
@@ -883,15 +927,24 @@ void run(const Level& level, const Call& call, const Activations& a, const void*
         const int64_t last = col_groups * (thread + 1) / threads;
         const int64_t group = std::max<int64_t>(shape.cols, kWeightGroupBytes / std::max<int64_t>(1, group_stride) / shape.cols * shape.cols);
         alignas(64) float sums[kMaxR * kMaxC * kCols];
+        thread_local std::vector<uint8_t> expanded;
         for (int64_t group_start = first; group_start < last; group_start += group) {
             const int64_t group_end = std::min(group_start + group, last);
+            const uint8_t* weights = call.packed + group_start * group_stride;  // column group group_start's
+            if (call.expand != nullptr) {
+                expanded.resize((group_end - group_start) * group_stride);
+                const int64_t packed_stride = a.nb * call.packed_block_bytes;
+                for (int64_t cg = group_start; cg < group_end; ++cg)
+                    call.expand(call.packed + cg * packed_stride, expanded.data() + (cg - group_start) * group_stride, a.nb / 8);
+                weights = expanded.data();
+            }
             for (int64_t chunk = 0; chunk < call.M; chunk += kRowChunk) {
                 const int64_t chunk_end = std::min(chunk + kRowChunk, call.M);
                 for (int64_t cg = group_start; cg < group_end; cg += shape.cols) {
                     const int cols = static_cast<int>(std::min<int64_t>(shape.cols, group_end - cg));
                     for (int64_t row = chunk; row < chunk_end; row += shape.rows) {
                         const int rows = static_cast<int>(std::min<int64_t>(shape.rows, chunk_end - row));
-                        const Block b{sums, &a, row, call.packed + cg * group_stride, group_stride};
+                        const Block b{sums, &a, row, weights + (cg - group_start) * group_stride, group_stride};
                         kernels.fn[rows - 1][cols - 1](b);
                         level.store(call, sums, row, rows, cg * kCols, cols * kCols);
                     }
@@ -971,13 +1024,23 @@ int ns_gemm_quant(int format, void* out, int64_t ldo, const void* x, int64_t ldx
     // This thread's buffers, by pointer: inside the parallel region the names would be each
     // worker's own thread_local vectors.
     const Activations a{q.data(), dx.data(), sx.data(), corr.data(), K, nb};
-    const Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, format_traits.bytes};
+    Call call{out, ldo, dtype, static_cast<const uint8_t*>(packed), bias, M, N, format_traits.bytes, nullptr,
+              format_traits.bytes};
+    const int isa = ns_isa::current();
+    // A planes packing's prompt rows: each column group expanded once to its byte format (the
+    // same values), then the byte kernels, whose unpacking is a load (measured on a Zen 3 EPYC:
+    // unpacking the planes for every 4 rows made 64-512-row GEMMs 13-20% slower).
+    if ((format == kQ5_KPlanes || format == kQ6_KPlanes) && M >= kExpandRows && isa >= ns_isa::kAvx2) {
+        const bool q5 = format == kQ5_KPlanes;
+        call.expand = q5 ? expand_planes_avx2<kQ5_KPlanes> : expand_planes_avx2<kQ6_KPlanes>;
+        format = q5 ? kQ5_K : kQ6_K;
+        call.block_bytes = format_info(format).bytes;
+    }
     // Register blocks by measurement on a Zen 5 EPYC (one thread, M = 64, SmolLM2's shapes): 4 x 2,
     // 6 x 2 and 4 x 3 within noise of each other (the per-block fp32 fold, not the weights' reuse,
     // bounds it), 3 x 3 and 2 x 4 slower; a lone row takes 4 groups to keep several weight
     // streams going. AVX2 on a Zen 3 EPYC (one thread, M = 64): 4 x 1 to 8 x 1 within noise,
     // 4 x 2 5%, 2 x 1 25% and 2 x 2 45% slower.
-    const int isa = ns_isa::current();
     Level level{&level_kernels(isa, format), quantize_row, store, Shape{1, 1}};
     if (vnni_level(isa)) level = {level.kernels, quantize_row_avx512, store_avx512, M == 1 ? Shape{1, 4} : Shape{4, 2}};
     else if (isa >= ns_isa::kAvx2) level = {level.kernels, quantize_row_avx2, store_avx2, M == 1 ? Shape{1, 2} : Shape{4, 1}};
