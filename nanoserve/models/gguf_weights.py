@@ -58,27 +58,29 @@ def mxfp4_components(raw: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return {"u": codes.contiguous(), "scale": scale}
 
 
-def _raw_rows(tensor, gguf_file: Path) -> torch.Tensor:
-    """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes], read from the file (not
-    through the reader's memory map, whose pages, once touched, would count as this process's
-    memory until the map is closed: the whole file by the end of a load)."""
-    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
-    data = np.fromfile(gguf_file, dtype=np.uint8, count=int(tensor.n_bytes), offset=int(tensor.data_offset))
-    if data.size != tensor.n_bytes:
+def _raw_rows(tensor, gguf_file: Path, rows: slice | None = None) -> torch.Tensor:
+    """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (`rows`: only these), read
+    from the file, not through the reader's memory map, whose pages, once touched, would count as
+    this process's memory until the map is closed: the whole file by the end of a load."""
+    count = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    row_bytes = int(tensor.n_bytes) // count
+    start, stop, _ = (rows or slice(None)).indices(count)
+    length = max(stop - start, 0) * row_bytes
+    data = np.fromfile(gguf_file, dtype=np.uint8, count=length, offset=int(tensor.data_offset) + start * row_bytes)
+    if data.size != length:
         raise GGUFImportError(f"{tensor.name}: the file ends inside the tensor's data")
-    return torch.from_numpy(data.reshape(rows, -1))
+    return torch.from_numpy(data.reshape(-1, row_bytes))
 
 
-def _dense(tensor, qtype: str | None, rows: slice | None = None) -> torch.Tensor:
+def _dense(tensor, qtype: str | None, gguf_file: Path, rows: slice | None = None) -> torch.Tensor:
     """float32, torch's shape (GGUF lists dims fastest first); `rows`: only these rows."""
     import gguf
 
     shape = tuple(int(dim) for dim in reversed(tensor.shape))
-    data = tensor.data if rows is None else tensor.data[rows]
+    raw = _raw_rows(tensor, gguf_file, rows)
     if qtype is None or qtype == quant.MXFP4:  # the gguf package's own (exact) dequantization
-        values = gguf.quants.dequantize(np.asarray(data), tensor.tensor_type)
+        values = gguf.quants.dequantize(raw.numpy(), tensor.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32).reshape(-1, *shape[1:]))
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
     return quant.dequantize(raw, qtype, shape[-1])
 
 
@@ -134,12 +136,12 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
             if architecture in GEMMA and tensor.name.endswith("norm.weight"):
-                _load_gemma_norm(params[target], tensor)
+                _load_gemma_norm(params[target], tensor, gguf_file)
                 loaded.add(target)
                 continue
             stacked, part = expert_part(tensor.name)
             if stacked and tensor.name.endswith(".bias"):
-                _load_expert_biases(module, params[target], tensor, part)
+                _load_expert_biases(module, params[target], tensor, part, gguf_file)
             elif stacked:
                 _load_experts(module, params[target], tensor, part)
             else:
@@ -229,17 +231,17 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None)
         moe.weight_loader(param, values, (expert, part))
 
 
-def _load_gemma_norm(param: nn.Parameter, tensor) -> None:
+def _load_gemma_norm(param: nn.Parameter, tensor, gguf_file: Path) -> None:
     """A Gemma RMSNorm weight: the file holds the factor 1 + w, the model (as transformers) w."""
-    param.data.copy_(_dense(tensor, None).reshape(param.shape) - 1.0)
+    param.data.copy_(_dense(tensor, None, gguf_file).reshape(param.shape) - 1.0)
 
 
-def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:
+def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path) -> None:
     """gpt-oss's stacked expert biases (ffn_gate_exps.bias / ffn_up_exps.bias [experts, inter],
     ffn_down_exps.bias [experts, hidden]) into FusedMoE's w13_bias (gate part, then up part) and
     w2_bias: this rank's experts, and with the intermediate dimension split its share of gate and
     up, the down bias on rank 0 only (as layers/fused_moe.FusedMoE.bias_loader)."""
-    values = _dense(tensor, None)
+    values = _dense(tensor, None, gguf_file)
     if part is None:
         FusedMoE.bias_loader(moe, param, values)
         return
@@ -277,9 +279,9 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
         # a slice at a time (a whole 128k-token table in float32 would be 1 GiB at once)
         for start in range(module.vocab_start, module.vocab_end, _ROWS_AT_ONCE):
             end = min(start + _ROWS_AT_ONCE, module.vocab_end)
-            param.data[start - module.vocab_start : end - module.vocab_start].copy_(_dense(tensor, qtype, slice(start, end)))
+            param.data[start - module.vocab_start : end - module.vocab_start].copy_(_dense(tensor, qtype, gguf_file, slice(start, end)))
         return
-    values = _dense(tensor, qtype)
+    values = _dense(tensor, qtype, gguf_file)
     if heads is not None:
         values = unpermute_rotary_rows(values, heads)
     load_parameter(param, values, shard_id)
