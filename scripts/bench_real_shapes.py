@@ -165,7 +165,25 @@ def main() -> None:
 
 
 def cpu_folder(cpu: str) -> str:
-    return "-".join(cpu.lower().replace("(r)", "").replace("(tm)", "").split())
+    """benchmarks/'s name for this CPU kind: the model name, with the Zen generation (AMD, whose
+    lscpu name is only "AMD EPYC" in these VMs) or whether AMX is usable (Intel)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    field = lambda name: next((line.split(":", 1)[1].strip() for line in info.splitlines()  # noqa: E731
+                               if line.startswith(name)), "")
+    name = "-".join(cpu.lower().replace("(r)", "").replace("(tm)", "").replace("processor", "").split())
+    if "amd" in name and field("cpu family").isdigit():
+        family, model = int(field("cpu family")), int(field("model") or 0)
+        zen = {23: "zen2", 26: "zen5"}.get(family, "zen3" if family == 25 and model < 0x10 else "zen4")
+        return f"{name}-{zen}"
+    if "intel" in name:
+        return f"{name}-{'amx' if 'amx_tile' in field('flags').split() else 'no-amx'}"
+    return name
+
+
+if len(sys.argv) == 2 and sys.argv[1] == "--cpu-folder":  # for scripts/bench_served.sh
+    print(cpu_folder(subprocess.run("lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True,
+                                    text=True).stdout.strip()))
+    sys.exit(0)
 
 
 def table_lines(gbs: float, rows) -> list[str]:

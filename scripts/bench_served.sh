@@ -5,9 +5,11 @@
 # machine from the project root after `make install`, ../shared/bench/setup-llamacpp-tools.sh and
 # ../shared/bench/real-shapes.sh:
 #   scripts/bench_served.sh [SHAPE] [TYPE]          (default llama-3.2-1b Q4_K_M)
-# Prints per server: the first token of a 128-token prompt (p50 of 8 requests of 1 token out), c=1
-# time per output token (p50 latency of 128 out less the first token's, / 127), output tokens/s
-# at c=1, 4 and 16, and the server's resident memory after the runs (VmRSS) and at its peak (VmHWM).
+# Prints per server: the first token of a 128-token prompt (p50 of 8 requests of 1 token out; the
+# client's prompts repeat from run to run, so 2 of the 8 are in either server's prefix cache), the
+# c=1 time per output token (1 / the c=1 output rate: 4 requests of 128 out whose prompts the
+# cache holds, as a chat's next turn), output tokens/s at c=1, 4 and 16, and the server's resident
+# memory after the runs (VmRSS) and at its peak (VmHWM).
 # Appends to benchmarks/real-shapes/<cpu>/served-SHAPE-TYPE.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +18,10 @@ TYPE=${2:-Q4_K_M}
 R=${REAL_SHAPES:-$HOME/.cache/llamacpp/real-shapes}
 BIN=${LLAMACPP_TOOLS:-$HOME/.cache/llamacpp/tools}/build/bin
 FILE=$R/$SHAPE/$TYPE.gguf
-CLIENT=${BENCH:-../shared/bench}/plain_client.py
+CLIENT=${BENCH:-$(pwd)/../shared/bench}/plain_client.py
 PORT=${PORT:-8177}
 CPU=$(lscpu | sed -n 's/^Model name: *//p')
-DIR=benchmarks/real-shapes/$(echo "$CPU" | tr 'A-Z' 'a-z' | sed 's/(r)//g; s/(tm)//g' | tr -s ' ' '-')
+DIR=benchmarks/real-shapes/$(python3 scripts/bench_real_shapes.py --cpu-folder)
 mkdir -p "$DIR"
 OUT=$DIR/served-$SHAPE-$TYPE.txt
 URL=http://127.0.0.1:$PORT
@@ -32,15 +34,13 @@ measure() {  # name pid
   local name=$1 pid=$2
   for _ in $(seq 1 600); do curl -sf "$URL/health" >/dev/null 2>&1 && break; sleep 1; done
   python3 "$CLIENT" "$URL" m 1 2 128 16 >/dev/null  # warm
-  local first full
+  local first c1 c4 c16
   first=$(p50 1 8 1)
-  full=$(p50 1 4 128)
-  local c1 c4 c16
   c1=$(rate 1 4); c4=$(rate 4 16); c16=$(rate 16 32)
   local rss hwm
   rss=$(awk '/VmRSS/{print int($2/1024)}' /proc/$pid/status)
   hwm=$(awk '/VmHWM/{print int($2/1024)}' /proc/$pid/status)
-  echo "$name first_token_ms=$first tpot_ms=$(python3 -c "print(round(($full - $first) / 127, 2))") c1_tok_s=$c1 c4_tok_s=$c4 c16_tok_s=$c16 rss_mib=$rss peak_mib=$hwm" | tee -a "$OUT"
+  echo "$name first_token_ms=$first tpot_ms=$(python3 -c "print(round(1000 / $c1, 1))") c1_tok_s=$c1 c4_tok_s=$c4 c16_tok_s=$c16 rss_mib=$rss peak_mib=$hwm" | tee -a "$OUT"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
