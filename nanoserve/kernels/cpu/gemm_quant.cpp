@@ -32,7 +32,6 @@
 #include <cstring>
 #include <immintrin.h>
 #include <omp.h>
-#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -511,6 +510,16 @@ NS_QAVX2 inline void load_planes_step_pair_avx2(const uint8_t* p, int h, const _
 // A planes format's column group (`supers` super-blocks) in its byte-an-element format (the
 // codes and d after each super-block's quants are laid out alike): prompt GEMMs expand each group
 // once a call and run the byte kernels on it, instead of unpacking the planes for every 4 rows.
+template <int F, int j>
+NS_QAVX2 inline void expand_step_pair_avx2(const uint8_t* p, const __m256i (&planes)[2][2], uint8_t* out) {
+    for (int h = 0; h < 2; ++h) {
+        __m256i first, second;
+        load_planes_step_pair_avx2<F, j>(p, h, planes[h], first, second);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j + 32 * h), first);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * (j + 4) + 32 * h), second);
+    }
+}
+
 template <int F>
 NS_QAVX2 void expand_planes_avx2(const uint8_t* src, uint8_t* dst, int64_t supers) {
     using T = Traits<F>;
@@ -528,19 +537,10 @@ NS_QAVX2 void expand_planes_avx2(const uint8_t* src, uint8_t* dst, int64_t super
                     planes[h][plane] = plane < T::plane_bits
                         ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * plane + 32 * h))
                         : _mm256_setzero_si256();
-            auto steps = [&](auto j_constant) {
-                constexpr int j = decltype(j_constant)::value;
-                for (int h = 0; h < 2; ++h) {
-                    __m256i first, second;
-                    load_planes_step_pair_avx2<F, j>(p, h, planes[h], first, second);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * j + 32 * h), first);
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 64 * (j + 4) + 32 * h), second);
-                }
-            };
-            steps(std::integral_constant<int, 0>{});
-            steps(std::integral_constant<int, 1>{});
-            steps(std::integral_constant<int, 2>{});
-            steps(std::integral_constant<int, 3>{});
+            expand_step_pair_avx2<F, 0>(p, planes, out);
+            expand_step_pair_avx2<F, 1>(p, planes, out);
+            expand_step_pair_avx2<F, 2>(p, planes, out);
+            expand_step_pair_avx2<F, 3>(p, planes, out);
         }
         std::memcpy(to + 8 * B::quant_bytes, from + 8 * T::quant_bytes, T::super_bytes - 8 * T::quant_bytes);
     }
