@@ -560,6 +560,13 @@ def takes_components(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def looks_up_file_rows(device: torch.device) -> bool:
+    """Whether a GGUF model's token embedding on `device` reads the file's rows where they lie
+    (layers/embedding.FileRows, dequantizing the rows a step asks for): on a CPU; CUDA keeps a
+    dequantized table on the device."""
+    return device.type == "cpu"
+
+
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
     dequantize-GEMM (GGUF bytes only: other sources are dequantized at load on CUDA), CPU through

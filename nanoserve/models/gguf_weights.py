@@ -181,7 +181,7 @@ def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter
     one. False when the table is to be loaded as a parameter instead."""
     module = modules.get("model.embed_tokens")
     param = params.get("model.embed_tokens.weight")
-    if not isinstance(module, VocabParallelEmbedding) or param is None or param.device.type != "cpu":
+    if not isinstance(module, VocabParallelEmbedding) or param is None or not quant.looks_up_file_rows(param.device):
         return False
     if is_missing_parameter("model.embed_tokens.weight", missing):
         return False
