@@ -58,12 +58,25 @@ def mxfp4_components(raw: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     return {"u": codes.contiguous(), "scale": scale}
 
 
+def _row_layout(tensor) -> tuple[int, int]:
+    """(rows, bytes a row) of a GGUF tensor as the file stores it."""
+    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
+    return rows, int(tensor.n_bytes) // rows
+
+
+def _check_row_bytes(tensor, qtype: str, row_bytes: int) -> None:
+    """A block type's rows hold whole blocks of the tensor's k values (one-line error else)."""
+    block, block_bytes = quant.gguf_block(qtype)
+    k = int(tensor.shape[0])
+    if row_bytes != k // block * block_bytes or k % block:
+        raise GGUFImportError(f"{tensor.name}: {row_bytes} bytes a row do not hold {k} {qtype.upper()} values")
+
+
 def _raw_rows(tensor, gguf_file: Path, rows: slice | None = None) -> torch.Tensor:
     """The tensor's bytes as GGUF stores them: uint8 [rows, row bytes] (`rows`: only these), read
     from the file, not through the reader's memory map, whose pages, once touched, would count as
     this process's memory until the map is closed: the whole file by the end of a load."""
-    count = int(np.prod([int(d) for d in tensor.shape[1:]]))
-    row_bytes = int(tensor.n_bytes) // count
+    count, row_bytes = _row_layout(tensor)
     start, stop, _ = (rows or slice(None)).indices(count)
     length = max(stop - start, 0) * row_bytes
     data = np.fromfile(gguf_file, dtype=np.uint8, count=length, offset=int(tensor.data_offset) + start * row_bytes)
@@ -189,12 +202,9 @@ def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter
     if qtype == quant.MXFP4:
         return False
     k = int(tensor.shape[0])
-    rows = int(np.prod([int(d) for d in tensor.shape[1:]]))
-    row_bytes = tensor.n_bytes // rows
+    rows, row_bytes = _row_layout(tensor)
     if qtype is not None:
-        block, block_bytes = quant.gguf_block(qtype)
-        if k % block or row_bytes != k // block * block_bytes:
-            raise GGUFImportError(f"{tensor.name}: {row_bytes} bytes a row do not hold {k} {qtype.upper()} values")
+        _check_row_bytes(tensor, qtype, row_bytes)
     mapped = np.memmap(gguf_file, dtype=np.uint8, mode="c", offset=int(tensor.data_offset),
                        shape=(rows, row_bytes))  # copy-on-write: nothing writes it; torch wants it writable
     share = torch.from_numpy(mapped)[module.vocab_start : module.vocab_end]
@@ -265,10 +275,8 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
         raw = _raw_rows(tensor, gguf_file)
         if heads is not None:
             raw = unpermute_rotary_rows(raw, heads)
-        block, block_bytes = quant.gguf_block(qtype)
-        k = int(tensor.shape[0])
-        if raw.shape[1] != k // block * block_bytes or k % block:
-            raise GGUFImportError(f"{tensor.name}: {raw.shape[1]} bytes a row do not hold {k} {qtype.upper()} values")
+        _check_row_bytes(tensor, qtype, raw.shape[1])
+        block, k = quant.gguf_block(qtype)[0], int(tensor.shape[0])
         arrays = mxfp4_components(raw, k) if qtype == quant.MXFP4 else {"raw": raw}
         stage_quantized(module, tensor.name, arrays, qtype, block, k, shard_id, parts)
         return
