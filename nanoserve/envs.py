@@ -52,6 +52,11 @@ _declare("MASTER_ADDR", None, """Default of --master-addr: rank 0's host for the
     rendezvous.""")
 _declare("MASTER_PORT", None, """Default of --master-port: the rendezvous port on rank 0's
     host.""")
+_declare("GLOO_SOCKET_IFNAME", None, """gloo's own: the network interface its sockets use. Unless set,
+    a single host's ranks (no --master-addr / --master-port) get the loopback interface.""")
+_declare("NCCL_SOCKET_IFNAME", None, """NCCL's own: the network interface its bootstrap sockets use.
+    Unless set, a single host's ranks (no --master-addr / --master-port) get the loopback
+    interface.""")
 _declare("NANOSERVE_PP_LAYER_PARTITION", None, """Decoder layers per pipeline stage, comma-separated
     (e.g. '10,14'); overrides EngineConfig.pp_layer_partition and the even split.""")
 _declare("VLLM_PP_LAYER_PARTITION", None, """vLLM's name for NANOSERVE_PP_LAYER_PARTITION, read when
@@ -211,3 +216,12 @@ def set_openmp_spin_default() -> bool:
 def set_triton_interpret_default() -> None:
     """TRITON_INTERPRET=1 unless set: Triton kernels on a CPU (before the first triton.jit)."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def set_loopback_sockets_default(interface: str) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME, each unless set: a single host's ranks (this
+    process's and those it spawns after this) connect over `interface` only, so their sockets
+    listen on no address another host can reach. gloo and NCCL read them when a group is made."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if read(name) is None:
+            os.environ[name] = interface

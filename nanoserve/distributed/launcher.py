@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 from multiprocessing import resource_tracker
@@ -23,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from nanoserve import envs
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.rank import Topology, keep_master_store, rank_main, resolve_device_type
 
@@ -34,17 +36,52 @@ logger = logging.getLogger(__name__)
 # binding 0 and closing it would leave a window in which another process (a second test suite,
 # another server) could take it before the rendezvous binds it.
 LOCAL_RENDEZVOUS = "tcp://127.0.0.1:0"
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_listener() -> tuple[int, int]:
+    """A socket listening on 127.0.0.1 only, on a port the OS picks: its descriptor, for the
+    store to take over, and the port. TCPStore given a port binds every interface (and has no authentication):
+    any host that reaches rank 0 could read and write the rendezvous."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((LOOPBACK, 0))
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    return listener.detach(), port
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (Linux: lo), for gloo's and NCCL's sockets."""
+    names = [name for _, name in socket.if_nameindex()]
+    if "lo" in names:
+        return "lo"
+    return next((name for name in names if name.startswith("lo")), None)
 
 
 def own_rendezvous(topology: Topology) -> Topology:
     """The topology with a single host's automatic rendezvous made concrete: rank 0's store is
     created here (in rank 0's process, before any other rank starts) and kept for init_rank;
-    the other ranks get its address. Any other topology is returned as it is."""
+    the other ranks get its address. Everything the ranks listen on is loopback only: the store's
+    socket, and gloo's and NCCL's (their interface, set before any rank starts). Any other
+    topology (--master-addr, several hosts) is returned as it is."""
     if topology.init_method != LOCAL_RENDEZVOUS or topology.world_size == 1:
         return topology
-    store = dist.TCPStore("127.0.0.1", 0, topology.world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(minutes=10))
-    init_method = f"tcp://127.0.0.1:{store.port}"
+    interface = loopback_interface()
+    if interface is not None:
+        envs.set_loopback_sockets_default(interface)
+    listen_fd, port = loopback_listener()
+    try:
+        store = dist.TCPStore(LOOPBACK, port, topology.world_size, is_master=True,
+                              wait_for_workers=False, timeout=timedelta(minutes=10),
+                              master_listen_fd=listen_fd)
+    except BaseException:
+        os.close(listen_fd)
+        raise
+    init_method = f"tcp://{LOOPBACK}:{store.port}"
     keep_master_store(init_method, store)
     return dataclasses.replace(topology, init_method=init_method, store_rendezvous=True)
 
