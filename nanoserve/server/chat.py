@@ -35,6 +35,13 @@ def template_kwargs_with_effort(kwargs: dict | None, effort: str | None, param: 
     return {"reasoning_effort": effort, **(kwargs or {})}
 
 
+def render_size(messages: list[dict], tools: list[dict] | None) -> int:
+    """What decides where the template renders: the bytes of every part of every message
+    (content parts, tool_calls' names and arguments, reasoning_content, names, ids) and of the
+    tools, since a template may print any of them. One C-speed pass, linear in the input."""
+    return len(encode_json(messages)) + (len(encode_json(tools)) if tools else 0)
+
+
 async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_generation_prompt: bool,
                              continue_final_message: bool, chat_template: str | None,
                              chat_template_kwargs: dict | None, add_special_tokens: bool,
@@ -61,11 +68,9 @@ async def render_chat_prompt(ctx: ServingContext, messages: list[dict], add_gene
     for reserved in ("messages", "add_generation_prompt", "chat_template", "continue_final_message",
                      "deadline", "tools"):
         kwargs.pop(reserved, None)
-    size = sum(len(str(message.get("content") or "")) + 16 for message in messages)
+    size = render_size(messages, tools)
     if chat_template is not None:  # its cost is not bounded by the size of its input
         size = max(size, SMALL_INPUT)
-    if tools:
-        size += len(str(tools))
     try:
         text = await ctx.off_loop(size, ctx.tokenizer.apply_chat_template, messages,
                                   add_generation_prompt=add_generation_prompt,

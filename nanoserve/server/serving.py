@@ -5,6 +5,7 @@ cache), what a streamed choice has sent, SSE, and the one map from errors to HTT
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from nanoserve.server.schemas import (APIError, ErrorInfo, ErrorResponse, Prompt
                                       SamplingFields, Usage)
 from nanoserve.server.structured_outputs import structured_outputs_params
 from nanoserve.server.tool_parsers import ToolParser
+
+logger = logging.getLogger("nanoserve.server")
 
 DONE = b"data: [DONE]\n\n"
 encode_json = msgspec.json.encode
@@ -66,6 +69,10 @@ def error_body(error: APIError) -> bytes:
 
 
 TOO_DEEP = "The request body is nested too deeply."
+# What a client is told of a failure inside the server: the cause (its repr may show paths,
+# tensors, addresses) goes to the log only.
+STEP_FAILED = "The request failed during a model step; the server log has the cause."
+INTERNAL_ERROR = "Internal server error."
 # Characters of a prompt list tokenized in one job: another request's large input waits behind at
 # most one such slice on the preprocessing pool (a single longer prompt is a slice of its own).
 PROMPT_SLICE_CHARS = 64 * 1024
@@ -82,7 +89,9 @@ def to_api_error(error: BaseException) -> APIError | None:
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error))
     if isinstance(error, StepError):  # this request's step failed; the engine serves on
-        return APIError(500, str(error))
+        logger.error("request(s) %s failed during a model step: %r",
+                     ", ".join(error.request_ids), error.cause)
+        return APIError(500, STEP_FAILED)
     if isinstance(error, RecursionError):  # nested input that decoded, then was too deep
         return APIError(400, TOO_DEEP)
     return None
@@ -90,7 +99,10 @@ def to_api_error(error: BaseException) -> APIError | None:
 
 def sse_error(error: BaseException) -> bytes:
     """A mid-stream error: the 200 went out, so the error is an event."""
-    api_error = to_api_error(error) or APIError(500, str(error) or type(error).__name__)
+    api_error = to_api_error(error)
+    if api_error is None:  # a bug: the client gets no detail of it
+        logger.error("a stream failed", exc_info=error)
+        api_error = APIError(500, INTERNAL_ERROR)
     return b"data: " + error_body(api_error) + b"\n\n"
 
 

@@ -4,6 +4,7 @@ every route, `n` is capped, and a step that fails because of its requests fails 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -143,18 +144,24 @@ def faulty_engine(tiny_llama_dir):
 
 
 POISON = [7, 7, 7, 7]
+STEP_FAILED = "The request failed during a model step; the server log has the cause."
 
 
-def test_step_failure_fails_only_its_requests(serve, faulty_engine):
+def test_step_failure_fails_only_its_requests(serve, faulty_engine, caplog):
+    """The client gets a generic message; the cause (its repr may show internals) is logged."""
     served = serve(faulty_engine)
     port = served.port
+    caplog.set_level(logging.ERROR, logger="nanoserve.server")
     status, _, raw = post(port, "/v1/completions", {"prompt": POISON, "max_tokens": 5})
     assert status == 500, raw[:300]
-    assert "Overflow when unpacking long long" in json.loads(raw)["error"]["message"]
+    assert json.loads(raw)["error"] == {"message": STEP_FAILED, "type": "InternalServerError",
+                                        "param": None, "code": 500}
     status, _, raw = post(port, "/v1/completions",
                           {"prompt": POISON + [8], "max_tokens": 5, "stream": True})
     events = sse_events(raw)
-    assert status == 200 and events[-1] == "[DONE]" and "error" in events[-2], events
+    assert status == 200 and events[-1] == "[DONE]", events
+    assert events[-2]["error"]["message"] == STEP_FAILED
+    assert "Overflow when unpacking long long" in caplog.text  # the cause, in the log only
     assert not served.server.engine.is_dead
     assert_healthy(port)
     assert not faulty_engine.requests and not faulty_engine.schedulers[0].running
