@@ -41,13 +41,17 @@ _declare("NANOSERVE_HOME", None, """Where nanoserve keeps what it builds or impo
     ~/.cache/nanoserve.""")
 _declare("NANOSERVE_DEBUG", None, """1: the CLI raises with a full traceback instead of printing a
     one-line error.""")
-_declare("NANOSERVE_API_KEY", None, """Require `Authorization: Bearer KEY` on /v1/* (--api-key wins
-    over it).""")
+_declare("NANOSERVE_API_KEY", None, """Require `Authorization: Bearer KEY` on every route but
+    /health, /ping, /version and the chat page (--api-key wins over it).""")
 _declare("VLLM_API_KEY", None, "vLLM's name for NANOSERVE_API_KEY, read when that is unset.")
 _declare("NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING", None, """1: with --enable-lora the server serves POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added and removed while it runs).""")
 _declare("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None, "vLLM's name for NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, "
          "read when that is unset.")
+_declare("NANOSERVE_SERVER_DEV_MODE", None, """1: the server also serves the routes for development
+    that change its state (POST /reset_prefix_cache); behind the API key like every route.""")
+_declare("VLLM_SERVER_DEV_MODE", None, "vLLM's name for NANOSERVE_SERVER_DEV_MODE, read when that is "
+         "unset.")
 _declare("MASTER_ADDR", None, """Default of --master-addr: rank 0's host for the torch.distributed
     rendezvous.""")
 _declare("MASTER_PORT", None, """Default of --master-port: the rendezvous port on rank 0's
@@ -125,6 +129,12 @@ def allow_runtime_lora_updating() -> bool:
     """NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, else VLLM_ALLOW_RUNTIME_LORA_UPDATING."""
     name = "NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING"
     return _flag(name if read(name) is not None else "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def server_dev_mode() -> bool:
+    """NANOSERVE_SERVER_DEV_MODE, else VLLM_SERVER_DEV_MODE."""
+    name = "NANOSERVE_SERVER_DEV_MODE"
+    return _flag(name if read(name) is not None else "VLLM_SERVER_DEV_MODE")
 
 
 def flag_default(name: str) -> str | None:

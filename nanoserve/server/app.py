@@ -1,6 +1,7 @@
 """The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info, /invocations and /reset_prefix_cache, and the chat page
-(server/ui.py). Maps every error to vLLM's {"error": {...}} body once, here."""
+/metrics, /load, /tokenizer_info, /invocations and (in development mode) /reset_prefix_cache, and
+the chat page (server/ui.py). With an API key every route but OPEN_PATHS needs it. Maps every
+error to vLLM's {"error": {...}} body once, here."""
 from __future__ import annotations
 
 import hmac
@@ -26,7 +27,7 @@ from nanoserve.server.schemas import (APIError, ChatCompletionRequest, Completio
 from nanoserve.server.serving import (TOO_DEEP, ServingContext, bad_request, encode_json,
                                       error_body, to_api_error)
 from nanoserve.server.tokenizer_info import tokenizer_info
-from nanoserve.server.ui import ui_routes
+from nanoserve.server.ui import CONFIG_PATH, PAGE_PATHS, ui_routes
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -134,14 +135,21 @@ class _ReleaseWhenDone:
 INVOCATION_TYPES = ("ChatCompletionRequest", "CompletionRequest")
 MODELS_PREFIX = "/v1/models/"
 RESPONSES_PREFIX = "/v1/responses/"
+# An allowlist: with --api-key, only these answer without the key (probes, the version, and the
+# chat page, which asks for the key and sends it with its API calls). Every other path, a route
+# added later or none at all, needs the key.
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", *PAGE_PATHS, CONFIG_PATH})
 
 
 class OpenAIApp:
     def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
                  api_key: str | None = None, server_load_tracking: bool = False,
-                 tokenizer_info: bool = False, ui: bool = True, runtime_lora: bool = False) -> None:
+                 tokenizer_info: bool = False, ui: bool = True, runtime_lora: bool = False,
+                 dev_routes: bool = False) -> None:
         """`runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora
-        with NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        with NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+        `dev_routes`: serve the routes that change server state for development
+        (NANOSERVE_SERVER_DEV_MODE or vLLM's VLLM_SERVER_DEV_MODE): POST /reset_prefix_cache."""
         self.ctx = ctx
         self.metrics = metrics
         self.api_key = api_key
@@ -162,8 +170,14 @@ class OpenAIApp:
             "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
-            "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
         }
+        # Paths under a prefix: the rest of the path is an id.
+        self.prefix_routes: dict[str, dict[str, Handler]] = {
+            MODELS_PREFIX: {"GET": self.model},
+            RESPONSES_PREFIX: {"GET": self.stored_response, "DELETE": self.delete_response},
+        }
+        if dev_routes:
+            self.routes["/reset_prefix_cache"] = {"POST": self.reset_prefix_cache}
         if tokenizer_info:
             self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
         if runtime_lora:
@@ -174,14 +188,17 @@ class OpenAIApp:
 
     def _methods(self, path: str) -> dict[str, Handler] | None:
         methods = self.routes.get(path)
-        if methods is None and path.startswith(MODELS_PREFIX) and len(path) > len(MODELS_PREFIX):
-            methods = {"GET": self.model}
-        if methods is None and path.startswith(RESPONSES_PREFIX) and len(path) > len(RESPONSES_PREFIX):
-            methods = {"GET": self.stored_response, "DELETE": self.delete_response}
-        return methods
+        if methods is not None:
+            return methods
+        for prefix, methods in self.prefix_routes.items():
+            if path.startswith(prefix) and len(path) > len(prefix):
+                return methods
+        return None
 
     async def __call__(self, request: HttpRequest) -> Response | StreamingResponse:
         try:
+            # Before the route is looked up: without the key, no route's existence shows.
+            self.authenticate(request.path, request.header("authorization"))
             methods = self._methods(request.path)
             if methods is None:
                 raise APIError(404, f"Route {request.path} not found.")
@@ -191,8 +208,6 @@ class OpenAIApp:
                 allow = ", ".join(sorted(methods))
                 raise APIError(405, f"Method {request.method} not allowed for {request.path}.",
                                headers=[("allow", allow)])
-            if self.api_key is not None and request.path.startswith("/v1/"):
-                self._authenticate(request)
             return await handler(request)
         except Exception as error:
             api_error = to_api_error(error)
@@ -200,9 +215,15 @@ class OpenAIApp:
                 raise  # the connection answers 500 and logs it
             return error_response(api_error)
 
-    def _authenticate(self, request: HttpRequest) -> None:
-        header = request.header("authorization") or ""
-        scheme, _, token = header.partition(" ")
+    def needs_key(self, path: str) -> bool:
+        return self.api_key is not None and path not in OPEN_PATHS
+
+    def authenticate(self, path: str, authorization: str | None) -> None:
+        """Raises the 401 unless the path is open or `authorization` (the header's value)
+        carries the key; the HTTP layer may call it as soon as the headers are in."""
+        if not self.needs_key(path):
+            return
+        scheme, _, token = (authorization or "").partition(" ")
         expected = self.api_key.encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
             raise APIError(401, "Unauthorized: a valid API key is required "

@@ -34,6 +34,7 @@ class ServerOptions:
     enable_log_requests: bool = False
     max_log_len: int | None = None  # prompt characters / token ids in the request log; None: all
     no_ui: bool = False  # serve the browser chat page at / unless set
+    server_dev_mode: bool = False  # NANOSERVE_SERVER_DEV_MODE / VLLM_SERVER_DEV_MODE: dev routes
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
@@ -123,8 +124,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=_default(ServerOptions, "port"),
                        help="port to listen on; 0 picks a free one (the bound address is printed)")
     group.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: "
-                            "$NANOSERVE_API_KEY or $VLLM_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on every route but /health, "
+                            "/ping, /version and the chat page (default: $NANOSERVE_API_KEY or "
+                            "$VLLM_API_KEY)")
     for flag, owner, name, kind, help_text in _FLAGS:
         default = _default(owner, name)
         if kind is bool:
@@ -167,6 +169,7 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     if lora_modules and not getattr(args, "enable_lora", False):
         raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(host=get(ServerOptions, "host"), port=port, api_key=api_key,
+                            server_dev_mode=envs.server_dev_mode(),
                             log_level=get(ServerOptions, "log_level"), lora_modules=lora_modules,
                             limits=HttpLimits(**values[HttpLimits]), **values[ServerOptions])
     ChatFeatures.from_options(options)  # a bad parser name or template file stops the start

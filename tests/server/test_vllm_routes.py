@@ -23,18 +23,18 @@ def flagged_server(tiny_llama_dir):
     handle.close()
 
 
+AUTH = {"Authorization": "Bearer secret"}
+
+
 def get_json(port: int, path: str, headers: dict | None = None) -> tuple[int, dict]:
     status, _, body = http_request(port, "GET", path, headers=headers)
     return status, json.loads(body)
 
 
 def load(port: int) -> int:
-    status, body = get_json(port, "/load")
+    status, body = get_json(port, "/load", AUTH)
     assert status == 200
     return body["server_load"]
-
-
-AUTH = {"Authorization": "Bearer secret"}
 
 
 def test_server_load_counts_requests_until_their_response_is_done(flagged_server):
@@ -74,7 +74,7 @@ def test_server_load_is_zero_without_the_flag(tiny_server):
 
 
 def test_tokenizer_info(flagged_server):
-    status, info = get_json(flagged_server.port, "/tokenizer_info")
+    status, info = get_json(flagged_server.port, "/tokenizer_info", AUTH)
     assert status == 200
     tokenizer = flagged_server.engine.tokenizer
     assert info["tokenizer_class"] == "GPT2Tokenizer"  # from tokenizer_config.json
@@ -94,24 +94,25 @@ def test_tokenizer_info_needs_its_flag(tiny_server):
 def test_invocations_dispatch_on_the_body(flagged_server):
     port = flagged_server.port
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
-    status, _, raw = http_request(port, "POST", "/invocations", json.dumps(chat))
+    status, _, raw = http_request(port, "POST", "/invocations", json.dumps(chat), headers=AUTH)
     direct = http_request(port, "POST", "/v1/chat/completions", json.dumps(chat), headers=AUTH)[2]
     assert status == 200 and json.loads(raw)["object"] == "chat.completion"
     assert json.loads(raw)["choices"] == json.loads(direct)["choices"]
     completion = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
-    status, _, raw = http_request(port, "POST", "/invocations", json.dumps(completion))
+    status, _, raw = http_request(port, "POST", "/invocations", json.dumps(completion), headers=AUTH)
     assert status == 200 and json.loads(raw)["object"] == "text_completion"
-    status, _, raw = http_request(port, "POST", "/invocations", json.dumps({**completion, "stream": True}))
+    status, _, raw = http_request(port, "POST", "/invocations", json.dumps({**completion, "stream": True}),
+                                  headers=AUTH)
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     for body in ({"model": "x"}, {"prompt": ""}, {"messages": "not a list"}):
-        status, _, raw = http_request(port, "POST", "/invocations", json.dumps(body))
+        status, _, raw = http_request(port, "POST", "/invocations", json.dumps(body), headers=AUTH)
         error = json.loads(raw)["error"]
         assert status == 400 and error["message"] == (
             "Cannot find suitable handler for request. Expected one of: "
             "['ChatCompletionRequest', 'CompletionRequest']")
     status, _, raw = http_request(port, "POST", "/invocations", "{}",
-                                  headers={"Content-Type": "text/plain"})
+                                  headers={"Content-Type": "text/plain", **AUTH})
     assert status == 400
 
 
