@@ -98,7 +98,8 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint,
                     ui=not options.no_ui, dev_routes=options.server_dev_mode)
-    http = HttpServer(app, options.limits, error_response=http_error_response)
+    http = HttpServer(app, options.limits, error_response=http_error_response,
+                      check_headers=app.refuse_headers)
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)
 

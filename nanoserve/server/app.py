@@ -230,6 +230,15 @@ class OpenAIApp:
                                 "(Authorization: Bearer <key>).",
                            headers=[("www-authenticate", "Bearer")])
 
+    def refuse_headers(self, request: HttpRequest) -> Response | None:
+        """The HTTP layer's check once a request's headers are in (`HttpServer`'s
+        `check_headers`): the 401 to send instead of reading its body, or None."""
+        try:
+            self.authenticate(request.path, request.header("authorization"))
+        except APIError as error:
+            return error_response(error)
+        return None
+
     # ---- plain endpoints ----
     async def health(self, request: HttpRequest) -> Response:
         if self.ctx.engine.is_dead:

@@ -3,15 +3,21 @@
 Bytes go to the `RequestParser` (http_parser.py: httptools, header and body limits, the
 server-wide body budget); the requests it completes queue in `pending` and are answered in order,
 one handler task at a time, through the `ResponseWriter` (http_writer.py: framing, write
-backpressure). Errors found while parsing (400, 408, 413, 431, 503) queue an error reply in order,
-then the connection closes. `connection_lost` cancels the running handler: that is how a
-disconnect reaches the OpenAI layer, which aborts its engine request. So reading goes on (bytes
-after the last request are discarded) until the answer is out: a paused socket would hide a
-disconnect. A client that half-closes after a complete request is still answered (`eof_received`).
+backpressure). Errors found while parsing (400, 401, 408, 413, 431, 503) queue an error reply in
+order, then the connection closes. `connection_lost` cancels the running handler: that is how a
+disconnect reaches the OpenAI layer, which aborts its engine request. So reading goes on while a
+request is answered (bytes after the last request are discarded): a paused socket would hide a
+disconnect. What reading may hold is bounded: `max_pipelined_requests` queued requests, and the
+body bytes of one connection (queued and partial) at most `max_body_bytes`; past either, reading
+pauses until an answer is out.
 
-Timers: the time to read one request (408; it waits while reading is paused for pipelining), the
-keep-alive idle time (not restarted by bytes that start no request), and, after an EOF, a probe
-that tells a half-closed client from a gone one (for a request that sent `Expect: 100-continue`).
+An EOF is a disconnect (the handler is cancelled at once, as uvicorn does), unless something can
+still tell a client that only half-closed from a gone one: the chunks of a stream under way, or
+the interim `100 Continue` probes of a request that sent `Expect: 100-continue`. A half-closed
+client is answered then; a gone one is found by those writes.
+
+Timers: the time to read one request (408; it waits while reading is paused by the server), the
+keep-alive idle time (not restarted by bytes that start no request), and the probe after an EOF.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import logging
 from dataclasses import dataclass
 
 from nanoserve.server.http_parser import RequestParser
-from nanoserve.server.http_types import HttpRequest, ServerState
+from nanoserve.server.http_types import HttpRequest, Response, ServerState
 from nanoserve.server.http_writer import ResponseWriter
 
 logger = logging.getLogger("nanoserve.server")
@@ -33,6 +39,7 @@ PEER_PROBE_INTERVAL = 0.5  # seconds between writes that check a client which se
 class _ErrorReply:
     status: int
     message: str
+    response: Response | None = None  # sent as it is (a refusal with its own headers)
 
 
 class HttpConnection(asyncio.Protocol):
@@ -55,6 +62,7 @@ class HttpConnection(asyncio.Protocol):
         self.stop_parsing = False  # after an error reply or `Connection: close`
         self.closing = False  # shutting down: finish the answer under way, then close
         self.lost = False
+        self.peer_eof = False  # the client shut its sending side
 
     # ---- connection lifecycle ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -75,24 +83,36 @@ class HttpConnection(asyncio.Protocol):
             self.task.cancel()  # the handler aborts its engine request
 
     def eof_received(self) -> bool | None:
-        """The client shut its sending side. Answer the requests it completed (returning True
-        keeps the socket open for that), then close; with nothing to answer, close now."""
+        """The client shut its sending side: it has left, or (rarely) only half-closed. Only a
+        write tells the two apart, so the connection stays open (returns True) only while one
+        will: a stream under way, or the `100 Continue` probes of a request that asked for
+        them. Otherwise the transport closes and the handler is cancelled, so a non-streamed
+        request of a client that left is aborted within a step, not run for nobody."""
+        self.peer_eof = True
         self._stop_parsing()
-        waiting = [self.current_request] if self.task is not None else []
-        waiting += [item for item in self.pending if isinstance(item, HttpRequest)]
-        # An HTTP/1.0 client cannot be probed (no 1xx for it): its EOF is taken as a disconnect.
-        if waiting and waiting[0].http_version == "1.1":
+        if self.task is not None:
+            request = self.current_request
+            streaming = self.writer.head_sent  # a whole answer is written and done at once
+        else:
+            request = next((item for item in self.pending if isinstance(item, HttpRequest)), None)
+            streaming = False
+        if request is None or not (streaming or self._can_probe(request)):
+            return None
+        if self._can_probe(request):
             self._probe_peer()
-            return True
-        return None
+        return True
+
+    @staticmethod
+    def _can_probe(request: HttpRequest) -> bool:
+        # Interim responses exist only in HTTP/1.1, and only a client that asked gets them.
+        return request.expects_continue and request.http_version == "1.1"
 
     def _probe_peer(self) -> None:
         """After an EOF only a write tells a half-closed client (waiting for its answer) from a
         gone one: a gone client's kernel answers with a reset and the next write fails, which
         ends the connection and so aborts the request. The probe is an interim `100 Continue`,
         sent until the response starts, and only to a request that asked for one (`Expect:
-        100-continue`). Without it nothing is written before the answer: a streamed answer's
-        first write finds a gone client, a whole one is computed and then fails to send."""
+        100-continue`); a stream's own chunks do the same."""
         self.probe_timer = None
         if self.lost or self.transport is None or self.transport.is_closing():
             return
@@ -112,12 +132,10 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.stop_parsing:
             self.discarded_bytes += len(data)
-            if self.discarded_bytes > self.limits.max_header_bytes and not self.reading_paused:
-                self.reading_paused = True  # a flood after the last request: stop reading it
-                self.transport.pause_reading()
-            return
-        self.parser.feed(data)
-        self._dispatch()
+        else:
+            self.parser.feed(data)
+            self._dispatch()
+        self._update_reading()
 
     # ---- what the parser finds (ParseEvents) ----
     def request_started(self) -> None:
@@ -136,29 +154,48 @@ class HttpConnection(asyncio.Protocol):
         self.pending.append(request)
         if not request.keep_alive:
             self._stop_parsing()
-        elif len(self.pending) >= self.limits.max_pipelined_requests and not self.reading_paused:
-            self.reading_paused = True
-            self.transport.pause_reading()
 
     def upgrade_requested(self) -> None:
         self._stop_parsing()  # upgrades are not offered: answer what was parsed, then close
 
     # ---- helpers ----
-    def queue_error(self, status: int, message: str) -> None:
+    def queue_error(self, status: int, message: str, response: Response | None = None) -> None:
         """Queue an error reply (answered in order, then the connection closes)."""
         if self.stop_parsing:
             return
         self.parser.drop_partial()
         self._cancel_read_timer()
-        self.pending.append(_ErrorReply(status, message))
+        self.pending.append(_ErrorReply(status, message, response))
         self._stop_parsing()
+
+    def queue_refusal(self, response: Response) -> None:
+        self.queue_error(response.status, "", response)
 
     def _stop_parsing(self) -> None:
         # Reading goes on (and discards) so that a disconnect still cancels the handler.
         self.stop_parsing = True
-        if self.reading_paused and self.transport is not None and not self.transport.is_closing():
-            self.reading_paused = False
-            self.transport.resume_reading()
+        self._update_reading()
+
+    def _reading_held(self) -> bool:
+        """Whether this connection holds as much as it may: reading waits (and an EOF with it)
+        until an answer under way or queued gives some back."""
+        if self.stop_parsing:  # a flood after the last request: read no more of it
+            return self.discarded_bytes > self.limits.max_header_bytes
+        if len(self.pending) >= self.limits.max_pipelined_requests:
+            return True
+        return (self.parser.held_body_bytes >= self.limits.max_body_bytes
+                and (self.task is not None or bool(self.pending)))
+
+    def _update_reading(self) -> None:
+        if self.lost or self.transport is None or self.transport.is_closing():
+            return
+        held = self._reading_held()
+        if held != self.reading_paused:
+            self.reading_paused = held
+            if held:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def _send_continue(self) -> None:
         self.writer.write_continue()
@@ -180,12 +217,12 @@ class HttpConnection(asyncio.Protocol):
                 self._arm_idle_timer()
             return
         item = self.pending.popleft()
-        if self.reading_paused and not self.stop_parsing:
-            self.reading_paused = False
-            self.transport.resume_reading()
         if isinstance(item, _ErrorReply):
-            self.writer.write_error(item.status, item.message)
+            self.writer.write_error(item.status, item.message, item.response)
             self._close()
+            return
+        if self.peer_eof and not self._can_probe(item):
+            self._close()  # after the EOF nothing could tell whether its client is still there
             return
         self.current_request = item
         self.writer.head_sent = False
@@ -203,6 +240,7 @@ class HttpConnection(asyncio.Protocol):
                 self.pending.clear()
             if not self.lost:
                 self._dispatch()
+                self._update_reading()
 
     def _close(self) -> None:
         self._cancel_timers()

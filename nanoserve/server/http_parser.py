@@ -1,11 +1,13 @@
 """Bytes in, `HttpRequest`s out: httptools' callbacks with the limits on what one request may hold.
 
 Limits: header bytes (431; counted raw as well, since httptools holds a header line until it
-ends), body bytes per request (413, before the body when its length is declared), and the body
-bytes held at once by all connections of the server (503): a declared length is reserved when the
-headers end, a chunked body as it arrives, and `release_body_bytes` gives them back once the
+ends), body bytes per request (413, at the end of the headers when the declared length is over
+it), and the body bytes held at once by all connections of the server (503). Only bytes that have
+arrived count against that budget, never a declared length (a declaration costs nothing to send),
+and none before the headers have passed the server's check (`ServerState.check_headers`: the API
+key), so a refused request's body is never buffered. `release_body_bytes` gives them back once the
 request is answered or dropped. What the parser finds goes to its connection (`ParseEvents`),
-which owns the timers, the queue of requests and the socket.
+which owns the timers, the queue of requests, the socket, and the per-connection ceiling.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Protocol
 
 import httptools
 
-from nanoserve.server.http_types import HttpRequest, ServerState
+from nanoserve.server.http_types import HttpRequest, Response, ServerState
 
 
 class ParseEvents(Protocol):
@@ -22,6 +24,7 @@ class ParseEvents(Protocol):
     def continue_wanted(self) -> None: ...  # the client waits for `100 Continue` to send a body
     def request_parsed(self, request: HttpRequest) -> None: ...
     def queue_error(self, status: int, message: str) -> None: ...  # then stop parsing
+    def queue_refusal(self, response: Response) -> None: ...  # the same, with a whole response
     def upgrade_requested(self) -> None: ...
 
 
@@ -39,7 +42,7 @@ class PartialRequest:
     expect_continue: bool = False  # a `100 Continue` is owed before the body comes
     asked_continue: bool = False  # the request sent `Expect: 100-continue` (kept once answered)
     headers_done: bool = False
-    reserved: int = 0  # body bytes counted against the server-wide budget
+    reserved: int = 0  # body bytes received, counted against the server-wide budget
 
 
 class RequestParser:
@@ -102,11 +105,12 @@ class RequestParser:
         partial = self.partial
         assert partial is not None
         partial.headers_done = True
+        self._check_headers()
         for name, value in partial.headers:
             if name == "content-length" and value.strip().isdigit():
+                # More than a request may ever hold: refused now, before any of it is read.
                 if int(value) > self.limits.max_body_bytes:
                     self._fail(413, "Request body too large.")
-                self._reserve_body_bytes(int(value))
             elif name == "expect" and value.strip().lower() == "100-continue":
                 partial.expect_continue = partial.asked_continue = True
         if partial.expect_continue:
@@ -118,29 +122,42 @@ class RequestParser:
         partial.body_bytes += len(body)
         if partial.body_bytes > self.limits.max_body_bytes:
             self._fail(413, "Request body too large.")
-        if partial.body_bytes > partial.reserved:  # no Content-Length (chunked): as it comes
-            self._reserve_body_bytes(partial.body_bytes - partial.reserved)
+        self._reserve_body_bytes(len(body))  # as it arrives, never on a declaration
         partial.body.append(body)
 
     def on_message_complete(self) -> None:
         partial = self.partial
         assert partial is not None
         self.partial = None
-        url = partial.url.decode("latin-1")
-        path, _, query = url.partition("?")
-        self.events.request_parsed(HttpRequest(
+        self.events.request_parsed(self._request(partial, b"".join(partial.body)))
+
+    def _request(self, partial: PartialRequest, body: bytes) -> HttpRequest:
+        path, _, query = partial.url.decode("latin-1").partition("?")
+        return HttpRequest(
             method=self.parser.get_method().decode("ascii"),
             path=path,
             query=query,
             http_version=self.parser.get_http_version(),
             headers=partial.headers,
-            body=b"".join(partial.body),
+            body=body,
             keep_alive=self.parser.should_keep_alive(),
             reserved_bytes=partial.reserved,
             expects_continue=partial.asked_continue,
-        ))
+        )
 
     # ---- limits ----
+    def _check_headers(self) -> None:
+        """The server's check of the headers alone (the API key), before any body byte is
+        held: a refused request is answered without its body being read."""
+        check = self.state.check_headers
+        if check is None:
+            return
+        assert self.partial is not None
+        refusal = check(self._request(self.partial, b""))
+        if refusal is not None:
+            self.events.queue_refusal(refusal)
+            raise _ParseFailure()
+
     def _reserve_body_bytes(self, count: int) -> None:
         """Count body bytes against the server-wide budget, or refuse the request (503)."""
         state = self.state

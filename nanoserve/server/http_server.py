@@ -5,8 +5,9 @@ requests through a `RequestParser` (http_parser.py: httptools, header and body l
 them in order through a `ResponseWriter` (http_writer.py: framing, write backpressure). The
 handler (`App`) returns a `Response` or a `StreamingResponse`; a client that goes away cancels its
 handler task, which is how the OpenAI layer learns to abort the engine request. Limits: header
-bytes (431), body bytes (413), the time allowed to read one request (408), the keep-alive idle
-time, the request bodies held at once across all connections (503), and write backpressure (a
+bytes (431), body bytes (413, at once for a declared length over it), the time allowed to read one request (408), the keep-alive idle
+time, the request body bytes held at once across all connections (503; counted as they arrive,
+after the headers passed `check_headers`) and by one connection, and write backpressure (a
 stream waits for the socket to drain instead of buffering, for at most the write timeout).
 """
 from __future__ import annotations
@@ -15,14 +16,18 @@ import asyncio
 from typing import Callable
 
 from nanoserve.server.http_connection import HttpConnection
-from nanoserve.server.http_types import (App, ErrorResponse, HttpLimits, ServerState,
-                                         plain_error)
+from nanoserve.server.http_types import (App, ErrorResponse, HeaderCheck, HttpLimits,
+                                         ServerState, plain_error)
 
 
 class HttpServer:
     def __init__(self, app: App, limits: HttpLimits | None = None,
-                 error_response: ErrorResponse | None = None) -> None:
-        self.state = ServerState(app, limits or HttpLimits(), error_response or plain_error)
+                 error_response: ErrorResponse | None = None,
+                 check_headers: HeaderCheck | None = None) -> None:
+        """`check_headers`: asked once each request's headers are in, before its body is read
+        (the API key); a response it returns is sent instead, then the connection closes."""
+        self.state = ServerState(app, limits or HttpLimits(), error_response or plain_error,
+                                 check_headers)
         self.loop = asyncio.get_running_loop()
         self.server: asyncio.AbstractServer | None = None
 

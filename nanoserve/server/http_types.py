@@ -27,7 +27,7 @@ class HttpRequest:
     headers: list[tuple[str, str]]  # names lower-cased, in arrival order
     body: bytes
     keep_alive: bool = True
-    reserved_bytes: int = 0  # this body's share of the server-wide body budget
+    reserved_bytes: int = 0  # this body's share of the server-wide body budget (bytes received)
     expects_continue: bool = False  # sent `Expect: 100-continue`: interim 100s are welcome
 
     def header(self, name: str) -> str | None:
@@ -55,6 +55,9 @@ class StreamingResponse:
 
 App = Callable[[HttpRequest], Awaitable["Response | StreamingResponse"]]
 ErrorResponse = Callable[[int, str], Response]  # the body of an error found by the HTTP layer
+# Asked once a request's headers are in (its body still empty): a refusal to send instead of
+# reading the body (the API key's 401), or None.
+HeaderCheck = Callable[[HttpRequest], "Response | None"]
 
 
 def plain_error(status: int, message: str) -> Response:
@@ -68,5 +71,6 @@ class ServerState:
     app: App
     limits: HttpLimits = field(default_factory=HttpLimits)
     error_response: ErrorResponse = plain_error
+    check_headers: HeaderCheck | None = None
     connections: set = field(default_factory=set)
     buffered_body_bytes: int = 0

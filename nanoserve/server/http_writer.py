@@ -192,12 +192,13 @@ class ResponseWriter:
             self.transport.write(b"0\r\n\r\n")
         return keep_alive
 
-    def write_error(self, status: int, message: str) -> None:
-        """An error reply, always with `Connection: close` (the caller closes)."""
+    def write_error(self, status: int, message: str, response: Response | None = None) -> None:
+        """An error reply, always with `Connection: close` (the caller closes); `response`, when
+        given, is sent as it is (a refusal with headers of its own, such as the 401's)."""
         if self.transport.is_closing():
             return
-        response = self.error_response(status, message)
+        response = response or self.error_response(status, message)
         response.headers.append(("connection", "close"))
-        head = encode_head("1.1", status, response.headers, response.content_type,
+        head = encode_head("1.1", response.status, response.headers, response.content_type,
                            len(response.body))
         self.transport.write(head + response.body)

@@ -505,28 +505,118 @@ async def test_bodies_held_at_once_across_connections_are_bounded():
     routes = Routes()
     state = new_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
     holder, other, chunked = Client(state), Client(state), Client(state)
-    holder.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 500)
-    assert state.buffered_body_bytes == 1000  # reserved when the length is declared
-    # a second 1000-byte body would hold 2000 at once: refused before its body comes
+    holder.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 900)
+    assert state.buffered_body_bytes == 900  # what arrived, not what was declared
+    # a declaration alone holds nothing: another 1000-byte body may start
     other.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
-    await other.settled()
-    assert other.transport.take() == error(
+    assert state.buffered_body_bytes == 900 and not other.closed
+    other.send(b"a" * 500)
+    assert state.buffered_body_bytes == 1400
+    # a chunked body counts as it arrives too; past the budget it is refused
+    chunked.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"c8\r\n" + b"a" * 200 + b"\r\n")  # 1600 held: over the 1500
+    await chunked.settled()
+    assert chunked.transport.take() == error(
         "503 Service Unavailable",
         "The server holds too many request bodies right now. Retry later.")
-    assert other.closed
-    # a chunked body counts as it arrives
-    chunked.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"190\r\n" + b"a" * 400 + b"\r\n")
-    assert state.buffered_body_bytes == 1400
-    chunked.send(b"c8\r\n" + b"a" * 200 + b"\r\n")
-    await chunked.settled()
-    assert chunked.transport.take().startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
-    assert state.buffered_body_bytes == 1000  # the refused request's bytes went back
+    assert chunked.closed and state.buffered_body_bytes == 1400  # its bytes never stayed
     # the first request completes and is answered; its bytes go back to the budget
-    holder.send(b"a" * 500)
+    holder.send(b"a" * 100)
     await holder.settled()
     assert holder.transport.take() == reply("200 OK", b"a" * 1000)
-    assert state.buffered_body_bytes == 0 and routes.started == ["/echo"]
+    assert state.buffered_body_bytes == 500 and routes.started == ["/echo"]
+    other.connection.connection_lost(None)  # a client that leaves mid-body gives its bytes back
+    assert state.buffered_body_bytes == 0
+
+
+@run_async
+async def test_a_declared_length_holds_nothing_until_its_bytes_come():
+    # Declaring costs a client nothing: connections that declare and send nothing must not take
+    # the budget from the rest (issue 52, row 3).
+    routes = Routes()
+    state = new_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
+    idle = [Client(state) for _ in range(4)]
+    for client in idle:
+        client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+    assert state.buffered_body_bytes == 0
+    other = Client(state)
+    other.send(post("/echo", b"abc"))
+    await other.settled()
+    assert other.transport.take() == reply("200 OK", b"abc")
+    assert not any(client.closed for client in idle)
+
+
+@run_async
+async def test_one_connection_holds_at_most_one_body_of_the_limit():
+    # Pipelined bodies behind an answer under way: reading pauses once the connection holds
+    # max_body_bytes, and goes on as answers give their bytes back.
+    routes = Routes()
+    state = new_state(routes, max_body_bytes=1000, max_buffered_body_bytes=10_000)
+    client = Client(state)
+    client.send(get("/wait"))
+    await client.until(lambda: routes.started == ["/wait"], "the handler")
+    client.send(post("/echo", b"a" * 600) + post("/echo", b"b" * 300))
+    assert client.transport.reading and state.buffered_body_bytes == 900
+    client.send(post("/echo", b"c" * 200))
+    assert not client.transport.reading and state.buffered_body_bytes == 1100
+    routes.release.set()
+    await client.settled()
+    assert client.transport.reading and state.buffered_body_bytes == 0
+    assert client.transport.take() == (reply("200 OK", b"waited") + reply("200 OK", b"a" * 600)
+                                       + reply("200 OK", b"b" * 300) + reply("200 OK", b"c" * 200))
+
+
+# ---- the check of the headers (the API key) ----
+def refusing_state(routes: Routes, **limits) -> tuple[ServerState, list[HttpRequest]]:
+    """A server whose header check refuses /echo without `Authorization: yes`."""
+    seen: list[HttpRequest] = []
+
+    def check(request: HttpRequest) -> Response | None:
+        seen.append(request)
+        if request.path == "/echo" and request.header("authorization") != "yes":
+            return Response(401, b"no key", content_type="text/plain",
+                            headers=[("www-authenticate", "Bearer")])
+        return None
+    state = new_state(routes, **limits)
+    state.check_headers = check
+    return state, seen
+
+
+UNAUTHORIZED_401 = reply("401 Unauthorized", b"no key", headers=(("www-authenticate", "Bearer"),
+                                                                 ("connection", "close")))
+
+
+@run_async
+async def test_a_refused_request_is_answered_at_the_end_of_its_headers():
+    routes = Routes()
+    state, seen = refusing_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
+    client = Client(state)
+    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                b"Expect: 100-continue\r\n\r\n")  # no body sent: the answer must not wait for it
+    await client.settled()
+    assert client.transport.take() == UNAUTHORIZED_401  # no `100 Continue`: it never sends it
+    assert client.closed and routes.started == [] and state.buffered_body_bytes == 0
+    assert [(r.method, r.path, r.body) for r in seen] == [("POST", "/echo", b"")]
+    # with the key, the same request is read and answered
+    client = Client(state)
+    client.send(post("/echo", b"abc", "Authorization: yes\r\n"))
+    await client.settled()
+    assert client.transport.take() == reply("200 OK", b"abc")
+
+
+@run_async
+async def test_a_refusal_waits_for_the_answers_before_it_and_reads_no_body():
+    routes = Routes()
+    state, _ = refusing_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
+    client = Client(state)
+    client.send(get("/wait") + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n"
+                + b"a" * 900)
+    await client.until(lambda: routes.started == ["/wait"], "the first handler")
+    assert state.buffered_body_bytes == 0 and client.transport.written == b""
+    routes.release.set()
+    await client.settled()
+    assert client.transport.take() == reply("200 OK", b"waited") + UNAUTHORIZED_401
+    assert client.closed and routes.started == ["/wait"]
 
 
 @run_async
@@ -554,7 +644,7 @@ async def test_a_disconnect_releases_the_body_budget():
     state = new_state(routes, max_buffered_body_bytes=1500)
     client = Client(state)
     client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
-    assert state.buffered_body_bytes == 1000
+    assert state.buffered_body_bytes == 3
     client.connection.connection_lost(None)
     assert state.buffered_body_bytes == 0 and not state.connections
 
@@ -582,18 +672,37 @@ async def test_disconnect_ends_a_stream_waiting_on_backpressure():
 
 
 @run_async
-async def test_half_closed_client_is_answered_then_closed():
-    client, routes = connect()
-    client.send(get("/wait"))
-    await client.until(lambda: routes.started == ["/wait"], "the handler")
-    assert client.connection.eof_received() is True  # keep the socket open to answer
-    client.clock.advance(0.5)
-    client.clock.advance(0.5)
-    assert client.transport.written == b""  # no `100 Continue` it did not ask for
-    routes.release.set()
+async def test_eof_during_a_whole_answer_is_a_disconnect():
+    # Nothing may be written before a whole answer, so nothing could tell a half-closed client
+    # from a gone one: the EOF is taken as a disconnect, and the handler cancelled at once
+    # (issue 52, row 11), for keep-alive and `Connection: close` alike.
+    for extra in ("", "Connection: close\r\n"):
+        client, routes = connect()
+        client.send(get("/wait", extra))
+        await client.until(lambda: routes.started == ["/wait"], "the handler")
+        assert client.connection.eof_received() is None  # the transport closes
+        client.connection.connection_lost(None)
+        await until(lambda: routes.cancelled == ["/wait"], "the handler to be cancelled")
+        assert client.transport.written == b""  # no `100 Continue` it did not ask for
+
+
+@run_async
+async def test_half_closed_client_of_a_stream_under_way_gets_the_rest():
+    # A stream's chunks are the writes that would find a gone client, so a half-closed one is
+    # answered to the end.
+    client, routes = connect(write_high_water=1000)
+    client.transport.reader_reads = False
+    client.send(get("/stream?400,10") + get("/hello"))
+    await client.until(lambda: client.transport.writing_paused, "the stream to start")
+    assert client.connection.eof_received() is True
+    client.transport.reader_reads = True
+    client.transport.drain()
     await client.settled()
-    assert client.transport.take() == reply("200 OK", b"waited")
-    assert client.closed
+    head, _, body = client.transport.take().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and body.endswith(b"0\r\n\r\n")
+    assert routes.chunks_produced == 10
+    # the request queued behind it has nothing to tell: it is not answered
+    assert client.closed and routes.started == ["/stream"]
 
 
 @run_async
