@@ -19,6 +19,7 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache
+from nanoserve.server.responses_input import ResponseStore
 from nanoserve.server.serving import ServingContext, load_generation_defaults
 from nanoserve.server.shutdown_signals import ShutdownSignals
 
@@ -98,6 +99,7 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
                     server_load_tracking=options.enable_server_load_tracking,
                     tokenizer_info=options.enable_tokenizer_info_endpoint,
                     ui=not options.no_ui, dev_routes=options.server_dev_mode)
+    app.response_store = ResponseStore(max_bytes=options.responses_store_max_bytes)
     http = HttpServer(app, options.limits, error_response=http_error_response,
                       check_headers=app.refuse_headers)
     host, port = await http.start(options.host, options.port)

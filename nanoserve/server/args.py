@@ -14,6 +14,7 @@ from nanoserve import envs
 from nanoserve.server.http_types import HttpLimits
 from nanoserve.server.reasoning_parsers import (DEFAULT_REASONING_PARSERS, REASONING_PARSERS,
                                                 ReasoningParser)
+from nanoserve.server.responses_input import DEFAULT_STORE_MAX_BYTES
 from nanoserve.server.tool_parsers import TOOL_PARSERS, ToolParser
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -40,6 +41,7 @@ class ServerOptions:
     max_preprocess_in_flight: int = 64
     response_cache_size: float = 0.0  # MiB of finished responses kept for repeats; 0: off
     response_cache_ttl: float = 3600.0  # seconds a cached response stays valid
+    responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES  # /v1/responses' store, JSON bytes
     chat_template: str | None = None  # a file, or the template itself; None: the model's
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (with tool_call_parser)
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
@@ -92,6 +94,9 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "without running the model; LRU by bytes; 0 turns the cache off"),
     ("--response-cache-ttl", ServerOptions, "response_cache_ttl", float,
      "seconds a cached response may answer repeats"),
+    ("--responses-store-max-bytes", ServerOptions, "responses_store_max_bytes", int,
+     "bytes of stored /v1/responses (their JSON and conversations) kept for previous_response_id "
+     "and GET; the oldest go first; a larger response is not stored (store: false)"),
     ("--chat-template", ServerOptions, "chat_template", str,
      "the chat template to render messages with, instead of the model's: a Jinja file, or the "
      "template itself"),

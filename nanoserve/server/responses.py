@@ -121,7 +121,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
         if previous is None:
             raise APIError(404, f"Response with id '{request.previous_response_id}' not found "
                                 "(it was not stored, or it expired).", "previous_response_id")
-        history = previous.conversation
+        history = previous.conversation()
     messages = input_messages(request, history)
     chat = as_chat_request(request, messages)
     tool_use = check_tool_use(chat.tools, chat.tool_choice, chat.parallel_tool_calls,
@@ -145,10 +145,21 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     items, reasoning = _output_items(reader, choice.text)
     status, reason = _status(choice.finish_reason)
     usage = _usage(ctx, prompt_tokens, len(choice.token_ids), final.num_cached_tokens, reasoning)
-    body = encode_json(shell.build(status, items, usage, reason))
+    response = shell.build(status, items, usage, reason)
     if request.store is not False:
-        store.put(shell.id, body, conversation + _as_messages(items))
-    return Response(200, body)
+        return Response(200, _keep(store, response, conversation + _as_messages(items))[1])
+    return Response(200, encode_json(response))
+
+
+def _keep(store: ResponseStore, response: dict[str, Any],
+          conversation: list[dict[str, Any]]) -> tuple[dict[str, Any], bytes]:
+    """Stores the response; one larger than the store's whole byte budget is not kept, and
+    the response returned says so (`store: false`), as a later previous_response_id gets 404."""
+    body = encode_json(response)
+    if store.put(response["id"], body, conversation):
+        return response, body
+    response = dict(response, store=False)
+    return response, encode_json(response)
 
 
 class StreamWriter:
@@ -281,7 +292,7 @@ class StreamWriter:
         body = self.shell.build(status, self.items, _usage(self.ctx, prompt_tokens, tokens, cached, reasoning),
                                 reason)
         if store is not None:
-            store.put(self.shell.id, encode_json(body), conversation + _as_messages(self.items))
+            body = _keep(store, body, conversation + _as_messages(self.items))[0]
         name = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self.event(name, response=body))
         return b"".join(events)

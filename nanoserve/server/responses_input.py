@@ -12,7 +12,8 @@ from typing import Any
 
 import msgspec
 
-from nanoserve.server.schemas import APIError, ChatCompletionRequest
+from nanoserve.server.schemas import (MAX_METADATA_KEY_CHARS, APIError, ChatCompletionRequest,
+                                      Metadata)
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -29,7 +30,7 @@ class ResponsesRequest(msgspec.Struct):
     stream: bool | None = False
     store: bool | None = True
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # OpenAI's limits: the decoder's, and check_unsupported's
     user: str | None = None
     service_tier: str | None = None  # accepted: one tier here
     truncation: str | None = None  # "disabled" (the default) only
@@ -87,6 +88,8 @@ def check_unsupported(request: ResponsesRequest) -> None:
         raise bad("only truncation \"disabled\" is supported", "truncation")
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise bad("max_output_tokens must be at least 1", "max_output_tokens")
+    if request.metadata and max(map(len, request.metadata)) > MAX_METADATA_KEY_CHARS:
+        raise bad(f"`metadata` keys may hold at most {MAX_METADATA_KEY_CHARS} characters", "metadata")
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -157,7 +160,8 @@ def input_messages(request: ResponsesRequest, history: list[dict[str, Any]]) -> 
         previous = merged[-1] if merged else None
         if (previous is not None and message.get("tool_calls") and previous.get("tool_calls")
                 and previous.get("content") is None):
-            previous["tool_calls"] = previous["tool_calls"] + message["tool_calls"]
+            # A new dict: `previous` may be the caller's (never change what was handed in).
+            merged[-1] = dict(previous, tool_calls=previous["tool_calls"] + message["tool_calls"])
         else:
             merged.append(message)
     return merged
@@ -215,34 +219,77 @@ def as_chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -
         request_id=request.request_id)
 
 
+DEFAULT_STORE_MAX_BYTES = 256 * 2 ** 20  # --responses-store-max-bytes
+
+
 @dataclass(slots=True)
 class StoredResponse:
+    """A response as bytes: its JSON as returned and its conversation's JSON. Bytes cannot be
+    changed by a later request, and their length is what the store counts."""
     body: bytes  # the response object as returned
-    conversation: list[dict[str, Any]]  # its input messages and its output, for continuations
+    conversation_json: bytes  # its input messages and its output, for continuations
     expires: float
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + len(self.conversation_json)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """A fresh copy of the conversation, for one continuation to extend as it likes."""
+        return msgspec.json.decode(self.conversation_json)
 
 
 class ResponseStore:
     """Responses kept for `previous_response_id` and GET /v1/responses/{id}: at most
-    `max_entries` (the oldest go first), each for `ttl` seconds. In memory: a restart forgets
+    `max_entries` and `max_bytes` (the stored JSON's bytes; the oldest go first), each for `ttl`
+    seconds. A response larger than the whole budget is not kept. In memory: a restart forgets
     them (the error then says the id is unknown)."""
 
-    def __init__(self, max_entries: int = 1000, ttl: float = 3600.0, clock=time.monotonic) -> None:
-        self.max_entries, self.ttl, self.clock = max_entries, ttl, clock
+    def __init__(self, max_entries: int = 1000, ttl: float = 3600.0, clock=time.monotonic,
+                 max_bytes: int = DEFAULT_STORE_MAX_BYTES) -> None:
+        self.max_entries, self.max_bytes, self.ttl, self.clock = max_entries, max_bytes, ttl, clock
+        self.total_bytes = 0  # the sizes of the entries held
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response_id: str, body: bytes, conversation: list[dict[str, Any]]) -> None:
-        self._entries[response_id] = StoredResponse(body, conversation, self.clock() + self.ttl)
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+    def put(self, response_id: str, body: bytes, conversation: list[dict[str, Any]]) -> bool:
+        """Keeps the response, evicting the oldest while over a bound; False (nothing kept) when
+        it alone is larger than `max_bytes`."""
+        self.delete(response_id)
+        entry = StoredResponse(body, msgspec.json.encode(conversation), self.clock() + self.ttl)
+        if entry.size > self.max_bytes:
+            return False
+        self._entries[response_id] = entry
+        self.total_bytes += entry.size
+        self._drop_expired()
+        while len(self._entries) > self.max_entries or self.total_bytes > self.max_bytes:
+            self._pop(next(iter(self._entries)))
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
         if entry is not None and entry.expires < self.clock():
-            del self._entries[response_id]
+            self._pop(response_id)
             return None
         return entry
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        return self._pop(response_id) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _pop(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.total_bytes -= entry.size
+        return entry
+
+    def _drop_expired(self) -> None:
+        """Entries expire in the order they were put (one ttl): drop them from the front, so
+        that bytes nobody can read do not push out live entries."""
+        now = self.clock()
+        while self._entries:
+            response_id, entry = next(iter(self._entries.items()))
+            if entry.expires >= now:
+                break
+            self._pop(response_id)

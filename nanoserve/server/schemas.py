@@ -40,6 +40,12 @@ StopStrings = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRIN
 StopTokenIds = Annotated[list[int], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS)]
 LogitBias = Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 Choices = Annotated[list[str], msgspec.Meta(max_length=MAX_CHOICES)]
+# OpenAI's limits on `metadata` (the Responses API stores it with the response): 16 pairs,
+# keys of at most 64 characters (checked by responses_input.py: msgspec's message for a key does
+# not name the field), string values of at most 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_CHARS)]],
+                     msgspec.Meta(max_length=MAX_METADATA_PAIRS)]
 
 
 class StreamOptions(msgspec.Struct):

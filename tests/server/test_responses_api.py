@@ -212,3 +212,122 @@ def test_store_is_bounded_and_expires():
     assert store.get("a") is None and store.get("b") is not None  # the oldest went first
     now[0] = 10.5
     assert store.get("b") is None and store.get("c") is None  # expired
+
+
+def test_continuations_leave_the_stored_conversation_unchanged(server):
+    """Issue 52 row 5: a continuation's input items once merged into the stored conversation's
+    last tool-call turn (shared dicts), so every later request on X, failed or not, changed X.
+    The oracle: the chat endpoint's prompt for X's conversation plus a tool output."""
+    first = respond(server, input="What is the weather in Paris?", tools=[WEATHER],
+                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=200)
+    assert [item.type for item in first.output] == ["function_call"]  # X ends in a tool-call turn
+    call = first.output[0]
+    tool_output = {"type": "function_call_output", "call_id": call.call_id, "output": "21 C"}
+    oracle = chat(server, [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "21 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        max_tokens=1).usage.prompt_tokens
+    extra_call = {"type": "function_call", "call_id": "call_other", "name": "get_weather",
+                  "arguments": '{"city": "Oslo", "unit": "f"}'}
+    for _ in range(3):
+        respond(server, previous_response_id=first.id, input=[extra_call], tools=[WEATHER],
+                max_output_tokens=1)
+        with pytest.raises(openai.BadRequestError):  # refused after its input was read
+            respond(server, previous_response_id=first.id, input=[extra_call],
+                    tool_choice="required", max_output_tokens=1)
+    follow_up = respond(server, previous_response_id=first.id, input=[tool_output], tools=[WEATHER],
+                        max_output_tokens=1)
+    assert follow_up.usage.input_tokens == oracle
+    stored = server.server.app.response_store.get(first.id).conversation()
+    assert stored[-1]["tool_calls"] == [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}]
+
+
+def test_metadata_within_openais_limits_is_stored_and_returned(server):
+    metadata = {f"{index:02d}".ljust(64, "k"): "v" * 512 for index in range(16)}
+    result = respond(server, input="Hello", max_output_tokens=1, metadata=metadata)
+    assert result.metadata == metadata
+    assert server.client().responses.retrieve(result.id).metadata == metadata
+
+
+@pytest.mark.parametrize("metadata", [
+    {f"key{index}": "v" for index in range(17)},  # 17 pairs
+    {"k" * 65: "v"},  # a 65-character key
+    {"key": "v" * 513},  # a 513-character value
+    {"key": 1},  # a value that is not a string
+], ids=["pairs", "key", "value", "type"])
+def test_metadata_over_openais_limits_is_refused_naming_it(server, metadata):
+    """Issue 52 row 4: metadata is stored with the response; unbounded, 16 MiB went into
+    every entry."""
+    status, _, payload = http_request(server.port, "POST", "/v1/responses", json.dumps(
+        {"model": server.engine.served_model_name, "input": "x", "max_output_tokens": 1,
+         "metadata": metadata}))
+    assert status == 400, payload
+    assert json.loads(payload)["error"]["param"] == "metadata"
+
+
+def test_store_is_bounded_in_bytes_oldest_first():
+    store = ResponseStore(max_entries=100, max_bytes=100)
+    for name in ("a", "b", "c", "d"):
+        assert store.put(name, b"x" * 30, [])  # 30 bytes and b"[]": 32 each
+        assert store.total_bytes <= 100
+    assert store.get("a") is None and [store.get(name).size for name in "bcd"] == [32, 32, 32]
+    assert store.total_bytes == 96
+    assert not store.put("e", b"x" * 99, [])  # larger than the whole budget: not kept
+    assert store.get("e") is None and store.total_bytes == 96 and len(store) == 3
+    assert store.delete("b") and store.total_bytes == 64
+
+
+@pytest.fixture(scope="module")
+def capped_server(tiny_llama_dir):
+    handle = ServerHandle(tiny_llama_dir, responses_store_max_bytes=CAPPED_STORE_BYTES)
+    yield handle
+    handle.close()
+
+
+CAPPED_STORE_BYTES = 4096
+
+
+def test_a_byte_capped_store_evicts_oldest_first_and_never_exceeds_its_cap(capped_server):
+    """--responses-store-max-bytes: the store's bytes (each response's JSON as returned plus its
+    conversation's JSON) never pass the cap; the oldest go first; a response larger than the
+    whole cap is not stored, says `store: false`, and cannot be continued."""
+    client, store = capped_server.client(), capped_server.server.app.response_store
+    model = capped_server.engine.served_model_name
+    ids = []
+    for index in range(12):
+        result = client.responses.create(model=model, input=f"Hello {index}", max_output_tokens=1,
+                                         temperature=0)
+        ids.append(result.id)
+        sizes = [store.get(response_id).size for response_id in ids if store.get(response_id)]
+        assert store.total_bytes == sum(sizes) <= CAPPED_STORE_BYTES
+    kept = [response_id for response_id in ids if store.get(response_id) is not None]
+    assert 1 < len(kept) < len(ids) and kept == ids[-len(kept):]  # the newest, in order
+    for response_id in kept:  # counted: the bytes GET returns, and the conversation's JSON
+        entry = store.get(response_id)
+        status, _, body = http_request(capped_server.port, "GET", f"/v1/responses/{response_id}")
+        assert status == 200 and body == entry.body
+        conversation = json.dumps(entry.conversation(), separators=(",", ":"), ensure_ascii=False)
+        assert entry.size == len(body) + len(conversation.encode())
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model, input="x", previous_response_id=ids[0])
+    metadata = {f"{index:02d}".ljust(64, "k"): "v" * 512 for index in range(16)}  # ~9 KiB
+    for stream in (False, True):
+        if stream:
+            events = list(client.responses.create(model=model, input="Hi", max_output_tokens=1,
+                                                  metadata=metadata, stream=True))
+            result = events[-1].response
+        else:
+            result = client.responses.create(model=model, input="Hi", max_output_tokens=1,
+                                             metadata=metadata)
+        assert result.store is False and result.metadata == metadata
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(result.id)
+        assert store.total_bytes <= CAPPED_STORE_BYTES and store.get(kept[-1]) is not None
