@@ -43,33 +43,62 @@ class ChatOutputReader:
 
 
 class ChoiceOutput:
+    """One choice read delta by delta. The reasoning parser's reader (or, without one, `split` on
+    the whole text) and the tool stream keep their place, so a delta costs work in proportion to
+    its length; the last delta is read with `split` on the whole text once."""
+
     def __init__(self, reader: ChatOutputReader) -> None:
         self.reader = reader
-        self.text = ""
-        self.reasoning = ""
+        self.chunks: list[str] = []  # the text so far
+        self._reasoning: list[str] = []  # the reasoning sent so far
+        self._reasoning_length = 0
         self._rest_seen = 0  # characters of the non-reasoning text handed to the tool stream
+        parser = reader.reasoning_parser
+        self.reasoning_reader = parser.reader() if parser is not None else None
         self.tool_stream = (ToolCallStream(reader.tool_parser, reader.max_calls)
                             if reader.tool_parser is not None else None)
-        self.content = ""
+        self._content: list[str] = []
+
+    @property
+    def reasoning(self) -> str:
+        return _joined(self._reasoning)
+
+    @property
+    def content(self) -> str:
+        return _joined(self._content)
 
     def feed(self, delta: str, final: bool) -> ChoiceDelta:
-        self.text += delta
-        if self.reader.reasoning_parser is not None:
-            reasoning, rest = self.reader.reasoning_parser.split(self.text, final)
-        else:
-            reasoning, rest = "", self.text
-        result = ChoiceDelta(reasoning[len(self.reasoning):])
-        self.reasoning = reasoning
-        new_rest = rest[self._rest_seen:]
-        self._rest_seen = len(rest)
+        self.chunks.append(delta)
+        reasoning, new_rest = self._split(delta, final)
+        result = ChoiceDelta(reasoning)
         if self.tool_stream is None:
             result.content = new_rest
         elif self.tool_stream.parser.reads_whole_output:
             result.content, result.tool_calls = self.tool_stream.feed(delta, final)
         else:
             result.content, result.tool_calls = self.tool_stream.feed(new_rest, final)
-        self.content += result.content
+        if result.content:
+            self._content.append(result.content)
         return result
+
+    def _split(self, delta: str, final: bool) -> tuple[str, str]:
+        """The reasoning and the non-reasoning text this delta adds."""
+        parser = self.reader.reasoning_parser
+        if parser is None:
+            return "", delta
+        if self.reasoning_reader is not None and not final:
+            reasoning, rest = self.reasoning_reader.feed(delta)
+            if reasoning:
+                self._reasoning.append(reasoning)
+                self._reasoning_length += len(reasoning)
+            self._rest_seen += len(rest)
+            return reasoning, rest
+        whole_reasoning, whole_rest = parser.split(_joined(self.chunks), final)
+        reasoning = whole_reasoning[self._reasoning_length:]
+        self._reasoning, self._reasoning_length = [whole_reasoning], len(whole_reasoning)
+        rest = whole_rest[self._rest_seen:]
+        self._rest_seen = len(whole_rest)
+        return reasoning, rest
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -85,6 +114,13 @@ class ChoiceOutput:
         if not content and (self.tool_calls or self.reasoning):
             content = None
         return content, (self.reasoning or None) if self.reader.reasoning_parser else None
+
+
+def _joined(pieces: list[str]) -> str:
+    """The pieces as one string, kept as one piece from then on."""
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""
 
 
 def delta_messages(delta: ChoiceDelta) -> list[DeltaMessage]:

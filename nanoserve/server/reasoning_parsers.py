@@ -1,11 +1,14 @@
 """Reasoning parsers (vLLM's --reasoning-parser): the thinking part of a model's output goes to
-`reasoning_content`, the rest to `content`. `split(text, final)` is called again as the text grows
-and both parts only grow, so a stream sends their differences."""
+`reasoning_content`, the rest to `content`. `split(text, final)` reads a whole output (the
+non-streamed answer, a stream's last delta); both parts only grow as the text grows, so a stream
+sends their differences. A stream reads its other deltas with the parser's `reader()`, which keeps
+its place between deltas (a delta costs work in proportion to its length, not the text so far)."""
 from __future__ import annotations
 
 from typing import ClassVar
 
 from nanoserve.server.tool_parsers import harmony
+from nanoserve.server.tool_parsers.incremental import MarkerSearch
 from nanoserve.server.tool_parsers.json_scan import held_back
 
 THINK_START = "<think>"
@@ -21,12 +24,61 @@ class ReasoningParser:
         """(reasoning, content) of the output so far."""
         raise NotImplementedError
 
+    def reader(self) -> "ThinkReader | harmony.HarmonyReader | None":
+        """What reads a stream's deltas as they come (the same parts as `split(text so far,
+        False)`); None: the stream splits the whole text after each delta."""
+        return None
+
+
+class ThinkReader:
+    """`split(text, False)` of the think-tag parsers a delta at a time: the first characters
+    decide whether the output opens with `<think>`, then reasoning up to `</think>` (what may be
+    its start held back), then content. `content_unless_opened`: Qwen3's output without `<think>`
+    is all content; DeepSeek-R1's is all reasoning."""
+
+    def __init__(self, content_unless_opened: bool) -> None:
+        self.content_unless_opened = content_unless_opened
+        self.start = ""  # the output while it may still be the start of `<think>`
+        self.state = "start"
+        self.search = MarkerSearch(THINK_END)
+
+    @property
+    def steps(self) -> int:
+        """Characters looked at for `</think>`."""
+        return self.search.steps
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning, content) the delta adds."""
+        if self.state == "content":
+            return "", delta
+        if self.state == "start":
+            text = self.start + delta
+            if text.startswith(THINK_START):
+                delta = text[len(THINK_START):]
+            elif THINK_START.startswith(text):
+                self.start = text
+                return "", ""
+            elif self.content_unless_opened:
+                self.state = "content"
+                return "", text
+            else:
+                delta = text
+            self.state, self.start = "reasoning", ""
+        reasoning, after = self.search.feed(delta)
+        if after is None:
+            return reasoning, ""
+        self.state = "content"
+        return reasoning, after
+
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1: the template opens `<think>` in the prompt, so the output is reasoning until
     `</think>` (an output without it is all reasoning); a `<think>` the model writes itself is
     dropped."""
     name = "deepseek_r1"
+
+    def reader(self) -> ThinkReader:
+        return ThinkReader(content_unless_opened=False)
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         start = 0
@@ -47,6 +99,9 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
     an empty block in the prompt and the output, starting without `<think>`, is all content."""
     name = "qwen3"
 
+    def reader(self) -> ThinkReader:
+        return ThinkReader(content_unless_opened=True)
+
     def split(self, text: str, final: bool) -> tuple[str, str]:
         if text.startswith(THINK_START) or (not final and THINK_START.startswith(text)):
             return super().split(text, final)
@@ -59,6 +114,9 @@ class GptOssReasoningParser(ReasoningParser):
     parser, which reads the whole output."""
     name = "openai_gptoss"
     keeps_special_tokens = True
+
+    def reader(self) -> harmony.HarmonyReader:
+        return harmony.HarmonyReader()
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         messages = harmony.read_messages(text, final)

@@ -40,8 +40,45 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> ToolCallParse:
         raise NotImplementedError
 
+    def reader(self) -> "ToolCallReader | None":
+        """What reads a stream's deltas as they come (the same answers as `parse(text so far,
+        False)`, each character read once); None: the stream re-parses the whole text."""
+        return None
+
     def new_call_id(self) -> str:
         return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolCallReader:
+    """A parser's non-final reading of a growing output, one delta at a time. `feed` returns the
+    content the delta adds; `calls` are the calls so far (objects with `name`, None while it is
+    not whole; `arguments`, the pieces of the arguments' text; `arguments_length`; `generation`,
+    changed when the arguments start over; `status`, OPEN until the call is read), in order,
+    only the last one open or without a name."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.seen: list[str] = []  # every delta, for the formats that turn back into plain text
+        self._done_steps = 0  # of calls dropped (closed without a name)
+        # `parse` finds no calls from this delta on (what was sent stays sent): where the output
+        # turns out not to be calls after all
+        self.no_more_calls = False
+
+    def feed(self, delta: str) -> str:
+        raise NotImplementedError
+
+    @property
+    def steps(self) -> int:
+        """Characters the JSON scanners examined, to show each is read once."""
+        return sum(getattr(call, "steps", 0) for call in self.calls) + self._done_steps
+
+    def drop_if_nameless(self) -> None:
+        """A call object that closed without a name is not a call (`parse` skips it)."""
+        if self.calls and self.calls[-1].name is None:
+            self._done_steps += getattr(self.calls.pop(), "steps", 0)
+
+    def text_so_far(self) -> str:
+        return "".join(self.seen)
 
 
 def arguments_of(text: str, span: Span | None, object_closed: bool) -> tuple[str, bool] | None:

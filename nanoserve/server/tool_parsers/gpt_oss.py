@@ -10,8 +10,8 @@ content would be harmony markup, and the call's pieces have already been streame
 from __future__ import annotations
 
 from nanoserve.server.tool_parsers import harmony
-from nanoserve.server.tool_parsers.base import (NO_ARGUMENTS, ToolCallParse, ToolCallSoFar,
-                                                ToolParser)
+from nanoserve.server.tool_parsers.base import (NO_ARGUMENTS, ToolCallParse, ToolCallReader,
+                                                ToolCallSoFar, ToolParser)
 from nanoserve.server.tool_parsers.json_scan import WHITESPACE
 
 
@@ -19,6 +19,9 @@ class OpenAIToolParser(ToolParser):
     name = "openai"
     keeps_special_tokens = True
     reads_whole_output = True
+
+    def reader(self) -> "HarmonyToolReader":
+        return HarmonyToolReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         messages = harmony.read_messages(text, final)
@@ -35,3 +38,19 @@ def _call(message: harmony.HarmonyMessage, final: bool) -> ToolCallSoFar:
     if message.complete or final:
         return ToolCallSoFar(message.function_name, arguments or NO_ARGUMENTS, True)
     return ToolCallSoFar(message.function_name, arguments, False)
+
+
+class HarmonyToolReader(ToolCallReader):
+    """`parse(text, False)` a delta at a time: harmony.HarmonyReader's content and calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.harmony = harmony.HarmonyReader()
+        self.calls = self.harmony.calls
+
+    @property
+    def steps(self) -> int:
+        return self.harmony.steps
+
+    def feed(self, delta: str) -> str:
+        return self.harmony.feed(delta)[1]

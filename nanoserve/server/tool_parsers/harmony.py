@@ -118,3 +118,140 @@ def _body_end(text: str, start: int) -> tuple[int, str]:
         if found >= 0 and (best < 0 or found < best):
             best, marker = found, ending
     return best, marker
+
+
+class _EndSearch:
+    """The first of several markers in text that arrives in pieces (MarkerSearch for many)."""
+
+    def __init__(self, markers: tuple[str, ...]) -> None:
+        self.markers = markers
+        self.tail = ""
+        self.steps = 0
+
+    def feed(self, delta: str) -> tuple[str, str | None, str]:
+        """(the text before the first marker that can be shown now, the marker found or None,
+        the text after it)."""
+        text = self.tail + delta
+        self.steps += len(text)
+        best, marker = -1, ""
+        for ending in self.markers:
+            found = text.find(ending)
+            if found >= 0 and (best < 0 or found < best):
+                best, marker = found, ending
+        if best >= 0:
+            self.tail = ""
+            return text[:best], marker, text[best + len(marker):]
+        held = max(held_back(text, ending) for ending in self.markers)
+        self.tail = text[len(text) - held:]
+        return text[:len(text) - held], None, ""
+
+
+class HarmonyCall:
+    """A message to `functions.NAME` as the `openai` tool parser streams it: its body with the
+    whitespace around it left out (trailing whitespace waits), "{}" when it ends empty."""
+
+    def __init__(self, name: str) -> None:
+        self.name: str | None = name
+        self.arguments: list[str] = []
+        self.arguments_length = 0
+        self.generation = 0
+        self.status = "open"
+        self.started = False
+        self.trailing = ""
+
+    def add(self, piece: str) -> None:
+        if not self.started:
+            piece = piece.lstrip(WHITESPACE_CHARS)
+            self.started = bool(piece)
+        shown = piece.rstrip(WHITESPACE_CHARS)
+        if shown:
+            self.arguments.append(self.trailing + shown)
+            self.arguments_length += len(self.trailing) + len(shown)
+            self.trailing = ""
+        self.trailing += piece[len(shown):]
+
+    def end(self) -> None:
+        self.status = "closed"
+        if not self.arguments:
+            self.arguments, self.arguments_length = ["{}"], 2
+
+
+WHITESPACE_CHARS = " \t\n\r"
+
+
+class HarmonyReader:
+    """`read_messages(text, False)` a delta at a time, as the parts the parsers show: `feed`
+    returns the (reasoning, content) it adds; the calls to functions go to `calls`."""
+
+    def __init__(self) -> None:
+        self.state = "start"
+        self.start: str = ""  # the output while it may be a header's first characters
+        self.header: list[str] = []
+        self.search = _EndSearch((MESSAGE,))
+        self._done_steps = 0
+        self.kind = OTHER
+        self.counts = {REASONING: 0, CONTENT: 0}  # messages of each kind so far
+        self.calls: list[HarmonyCall] = []
+
+    @property
+    def steps(self) -> int:
+        """Characters looked at for markers."""
+        return self.search.steps + self._done_steps
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        if self.state == "plain":
+            return "", delta
+        parts = {REASONING: [], CONTENT: []}
+        if self.state == "start":
+            text = self.start + delta
+            if not text.startswith(HEADER_STARTS):
+                if any(start.startswith(text) for start in HEADER_STARTS):
+                    self.start = text
+                    return "", ""
+                self.state = "plain"
+                return "", text
+            self.state, self.start, delta = "header", "", text
+        while delta:
+            before, marker, after = self.search.feed(delta)
+            if self.state == "header":
+                self.header.append(before)
+                if marker is None:
+                    break
+                self._open_message(parts)
+            else:
+                self._add_body(before, parts)
+                if marker is None:
+                    break
+                self._end_message()
+                if marker == START:
+                    after = START + after
+            delta = after
+        return "".join(parts[REASONING]), "".join(parts[CONTENT])
+
+    def _open_message(self, parts: dict[str, list[str]]) -> None:
+        channel, recipient = _header("".join(self.header))
+        self.header = []
+        message = HarmonyMessage(channel, recipient, "", False)
+        self.kind = message.kind
+        if self.kind in self.counts:
+            if self.counts[self.kind]:
+                parts[self.kind].append("\n")
+            self.counts[self.kind] += 1
+        elif self.kind == CALL_KIND:
+            self.calls.append(HarmonyCall(message.function_name))
+        self._switch("body", BODY_ENDS)
+
+    def _add_body(self, piece: str, parts: dict[str, list[str]]) -> None:
+        if self.kind in parts:
+            parts[self.kind].append(piece)
+        elif self.kind == CALL_KIND:
+            self.calls[-1].add(piece)
+
+    def _end_message(self) -> None:
+        if self.kind == CALL_KIND:
+            self.calls[-1].end()
+        self._switch("header", (MESSAGE,))
+
+    def _switch(self, state: str, markers: tuple[str, ...]) -> None:
+        self._done_steps += self.search.steps
+        self.state, self.search = state, _EndSearch(markers)

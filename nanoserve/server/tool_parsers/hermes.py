@@ -3,9 +3,11 @@ block per call, after optional text. The text before the first block is the cont
 between or after the blocks is dropped (as vLLM does). A last block may lack its closing tag."""
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolParser, call_in_object,
-                                                is_valid_call_object)
-from nanoserve.server.tool_parsers.json_scan import held_back, skip_whitespace
+from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolParser,
+                                                call_in_object, is_valid_call_object)
+from nanoserve.server.tool_parsers.incremental import MarkerSearch, first_non_whitespace
+from nanoserve.server.tool_parsers.json_scan import (DEAD, OPEN, CallObjectReader, held_back,
+                                                     skip_whitespace)
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -13,6 +15,9 @@ END = "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+
+    def reader(self) -> "HermesReader":
+        return HermesReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         first = text.find(START)
@@ -35,3 +40,49 @@ class HermesToolParser(ToolParser):
                 break
             start = text.find(START, end)
         return result
+
+
+_CONTENT, _BODY, _OBJECT, _BETWEEN, _DONE = range(5)
+
+
+class HermesReader(ToolCallReader):
+    """`parse(text, False)` a delta at a time: the content up to the first block, then each
+    block's object; text between blocks is skipped while the next START is looked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = _CONTENT
+        self.search = MarkerSearch(START)
+
+    def feed(self, delta: str) -> str:
+        content = ""
+        text, index = delta, 0
+        while True:
+            if self.state in (_CONTENT, _BETWEEN):
+                before, after = self.search.feed(text[index:])
+                if self.state == _CONTENT:
+                    content += before
+                if after is None:
+                    return content
+                text, index, self.state = after, 0, _BODY
+            elif self.state == _BODY:
+                index = first_non_whitespace(text, index)
+                if index >= len(text):
+                    return content
+                if text[index] != "{":  # not a call: what came stays as it is
+                    self.state = _DONE
+                    return content
+                self.calls.append(CallObjectReader(("arguments", "parameters")))
+                index, self.state = index + 1, _OBJECT
+            elif self.state == _OBJECT:
+                call = self.calls[-1]
+                index = call.feed(text, index)
+                if call.status == OPEN:
+                    return content
+                if call.status == DEAD:
+                    self.state = _DONE
+                    return content
+                self.drop_if_nameless()
+                self.state, self.search = _BETWEEN, MarkerSearch(START)
+            else:
+                return content

@@ -7,7 +7,9 @@ from __future__ import annotations
 import ast
 import json
 
-from nanoserve.server.tool_parsers.base import ToolCallParse, ToolCallSoFar, ToolParser
+from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolCallSoFar,
+                                                ToolParser)
+from nanoserve.server.tool_parsers.json_scan import CLOSED
 
 START = "<|python_start|>"
 END = "<|python_end|>"
@@ -15,6 +17,9 @@ END = "<|python_end|>"
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
+
+    def reader(self) -> "PythonicReader":
+        return PythonicReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         body = text.strip()
@@ -91,3 +96,117 @@ def _whole_calls_so_far(body: str) -> list[ToolCallSoFar]:
     if last_closed < 0:
         return []
     return _calls_in(body[:last_closed + 1] + "]") or []
+
+
+class WholeCall:
+    """A call read once its closing parenthesis came: its arguments whole."""
+
+    def __init__(self, call: ToolCallSoFar) -> None:
+        self.name: str | None = call.name
+        self.arguments = [call.arguments]
+        self.arguments_length = len(call.arguments)
+        self.generation = 0
+        self.status = CLOSED
+
+
+class PythonicReader(ToolCallReader):
+    """`parse(text, False)` a delta at a time: the list's characters are scanned once (depth,
+    quotes) and each call is read when its closing parenthesis comes at the list's top level,
+    from its own text (the text since the previous one, after its comma), not the whole list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start: list[str] = []  # the output until its first characters decide its kind
+        self.state = "start"
+        self.depth = 0
+        self.quote = ""
+        self.escaped = False
+        self.segment: list[str] = []  # the text since the last call read
+        self.first_segment = True
+        self.scanned = 0
+        self.body: str | None = None  # plain text: its stripped body while it may be END alone
+        self.spaced = False
+        self.held: list[str] = []
+
+    @property
+    def steps(self) -> int:
+        return self.scanned
+
+    def feed(self, delta: str) -> str:
+        self.seen.append(delta)
+        if self.state == "plain":
+            return self._plain(delta)
+        if self.state == "start":
+            self.start.append(delta)
+            head = "".join(self.start).lstrip()
+            if head.startswith(START):
+                head = head[len(START):].lstrip()
+            elif START.startswith(head.rstrip()) or head.rstrip() == END:
+                return ""
+            if not head.rstrip():
+                return ""
+            if head[0] != "[":
+                self.state, self.body = "plain", head.rstrip()
+                self.spaced = len(self.body) < len(head)
+                return self.text_so_far()
+            self.state, self.start = "list", []
+            delta = head[1:]
+        if self.state == "list":
+            self._scan(delta)
+        return ""
+
+    def _plain(self, delta: str) -> str:
+        """All of the output is content, except while it is `<|python_end|>` alone (the body
+        `parse` strips to nothing): held back until more comes."""
+        if self.body is not None and delta.strip():
+            self.body = None if self.spaced else self.body + delta.rstrip()
+            if self.body is not None and len(self.body) > len(END):
+                self.body = None
+        if self.body is not None and delta:
+            self.spaced = self.spaced or len(delta.rstrip()) < len(delta)
+        if self.body == END:
+            self.held.append(delta)
+            return ""
+        delta, self.held = "".join(self.held) + delta, []
+        return delta
+
+    def _scan(self, text: str) -> None:
+        """Depth and quotes as `_whole_calls_so_far` counts them; a call is read at each `)`
+        that closes at the top level."""
+        begin = 0
+        for index, char in enumerate(text):
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == self.quote:
+                    self.quote = ""
+            elif char in "'\"":
+                self.quote = char
+            elif char in "([{":
+                self.depth += 1
+            elif char in ")]}":
+                self.depth -= 1
+                if self.depth == 0 and char == ")":
+                    self.segment.append(text[begin:index + 1])
+                    begin = index + 1
+                    self._read_call()
+                if self.depth < 0:
+                    self.state = "done"
+                    break
+        self.scanned += len(text)
+        if self.state == "list":
+            self.segment.append(text[begin:])
+
+    def _read_call(self) -> None:
+        source = "".join(self.segment).lstrip()
+        self.segment = []
+        if not self.first_segment:
+            source = source[1:] if source.startswith(",") else "?"
+        self.first_segment = False
+        calls = _calls_in("[" + source + "]")
+        if calls is None or self.no_more_calls:
+            self.no_more_calls = True
+            return
+        self.calls.extend(WholeCall(call) for call in calls)
