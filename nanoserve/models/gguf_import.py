@@ -26,8 +26,8 @@ import gguf
 from safetensors.torch import save_file
 
 from nanoserve.envs import nanoserve_home
-from nanoserve.models.gguf_reader import (GGUFImportError, llama_config, llama_state_dict,
-                                          read_metadata, with_rope_factors)
+from nanoserve.models.gguf_header import read_gguf_header
+from nanoserve.models.gguf_reader import GGUFImportError, llama_config, llama_state_dict, with_rope_factors
 from nanoserve.models.gguf_model import generation_stops
 from nanoserve.models.gguf_tokenizer import build_tokenizer
 
@@ -197,11 +197,12 @@ def _matches_marker(out_dir: Path, source: dict) -> bool:
 
 
 def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
+    # The header checked first (models/gguf_header.py): the gguf package's reader trusts the file.
+    metadata = read_gguf_header(gguf_path).metadata
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as error:  # the reader raises assorted types on a corrupt file
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {error}") from error
-    metadata = read_metadata(reader)
     config = with_rope_factors(llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name),
                                reader.tensors)
     state_dict = llama_state_dict(reader, config)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from nanoserve.models.compressed_tensors import QUANT_METHOD, checkpoint_quant_method, compressed_tensors_config
 from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
 from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config
 from nanoserve.models.mxfp4 import MXFP4_METHOD
-from nanoserve.models.gguf_reader import (ROPE_FACTOR_TENSORS, GGUFImportError, llama_config, read_metadata,
-                                          with_rope_factors)
+from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, GGUFHeader, read_gguf_header
+from nanoserve.models.gguf_reader import ROPE_FACTOR_TENSORS, llama_config, with_rope_factors
 
 GGUF_MAGIC = b"GGUF"
 
@@ -40,34 +43,28 @@ def find_gguf_file(path: Path) -> Path | None:
     return files[0] if files else None
 
 
-# The vocabulary's arrays: read by the tokenizer once, not cached (a 128k-token vocabulary and its
-# merges are ~130 MiB as Python objects, held for the server's life otherwise).
-_VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                      "tokenizer.ggml.scores")
+def _tensor_table(header: GGUFHeader) -> dict[str, tuple]:
+    return {tensor.name: (tensor.tensor_type, tensor.shape) for tensor in header.tensors}
 
 
 def read_gguf_file(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
-    """(metadata, {tensor name: (ggml type, GGUF shape)}), all of it, read now (not cached)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(gguf_file)
-    except Exception as error:  # the reader raises assorted types on a corrupt file
-        raise GGUFImportError(f"cannot read {gguf_file} as GGUF: {error}") from error
-    tensors = {tensor.name: (tensor.tensor_type, tuple(int(d) for d in tensor.shape)) for tensor in reader.tensors}
-    return read_metadata(reader), tensors
+    """(metadata, {tensor name: (ggml type, GGUF shape)}), all of it, read now (not cached);
+    GGUFImportError, one line, for a malformed file (models/gguf_header.py checks every count)."""
+    header = read_gguf_header(gguf_file)
+    return header.metadata, _tensor_table(header)
 
 
 @functools.lru_cache(maxsize=4)
 def _read(gguf_file: Path, size: int, mtime: float) -> tuple[dict, dict[str, tuple]]:
-    """read_gguf_file without the vocabulary's arrays (their count stays as the vocabulary size, as
-    llama_config would take it); cached per file version, the engine asks for it several times."""
-    metadata, tensors = read_gguf_file(gguf_file)
-    small = {key: value for key, value in metadata.items() if key not in _VOCABULARY_ARRAYS}
+    """read_gguf_file without the vocabulary's arrays (checked, not kept; the tokens' count stays
+    as the vocabulary size, as llama_config would take it); cached per file version, the engine
+    asks for it several times."""
+    header = read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS)
+    metadata = dict(header.metadata)
     architecture = metadata.get("general.architecture")
-    if "tokenizer.ggml.tokens" in metadata:
-        small.setdefault(f"{architecture}.vocab_size", len(metadata["tokenizer.ggml.tokens"]))
-    return small, tensors
+    if "tokenizer.ggml.tokens" in header.array_lengths and isinstance(architecture, str):
+        metadata.setdefault(f"{architecture}.vocab_size", header.array_lengths["tokenizer.ggml.tokens"])
+    return metadata, _tensor_table(header)
 
 
 def gguf_metadata(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
@@ -110,11 +107,23 @@ def gguf_hf_config(gguf_file: Path) -> dict:
     return config
 
 
+class _FactorTensor(NamedTuple):
+    name: str
+    data: np.ndarray  # float32 values
+
+
 @functools.lru_cache(maxsize=4)
-def _factor_tensors(gguf_file: Path) -> list:
+def _factor_tensors(gguf_file: Path) -> list[_FactorTensor]:
+    """Phi-3's LongRoPE factor tensors as float32, read from the checked header's places."""
     import gguf
 
-    return [tensor for tensor in gguf.GGUFReader(gguf_file).tensors if tensor.name in ROPE_FACTOR_TENSORS]
+    factors = []
+    for tensor in read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS).tensors:
+        if tensor.name in ROPE_FACTOR_TENSORS:
+            raw = np.fromfile(gguf_file, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+            values = gguf.quants.dequantize(raw, tensor.tensor_type)
+            factors.append(_FactorTensor(tensor.name, np.asarray(values, dtype=np.float32).reshape(-1)))
+    return factors
 
 
 def gguf_tokenizer(gguf_file: Path):

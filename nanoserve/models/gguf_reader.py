@@ -90,10 +90,59 @@ def rotary_rows_permuted(config) -> bool:
     return architecture in (GGUF_ARCHITECTURES["llama"][0], _MIXTRAL[0])
 
 
+# The hyperparameters llama_config reads, by the kind of value each must hold (a file whose bits
+# changed a type or a count gets one line, not a TypeError or a layer list of 2^32 entries).
+_WHOLE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "vocab_size",
+               "expert_count", "expert_used_count", "expert_feed_forward_length",
+               "expert_shared_feed_forward_length", "attention.sliding_window",
+               "rope.scaling.original_context_length")
+_POSITIVE_KEYS = ("embedding_length", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                  "block_count")
+_NUMBER_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
+                "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "attn_logit_softcapping",
+                "final_logit_softcapping")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id")
+
+
+def _check_value_kinds(metadata: dict, architecture: str, tensor_names: set[str], file_name: str) -> None:
+    """Whole numbers (positive where a model divides by them or builds one thing each), numbers and
+    token ids where llama_config reads them; no more layers than the file has tensors."""
+    def bad(key: str, value, kind: str) -> GGUFImportError:
+        return GGUFImportError(f"{file_name}: GGUF metadata {key} is {str(value)[:60]!r}, not {kind}")
+
+    for suffix in _WHOLE_KEYS:
+        key = f"{architecture}.{suffix}"
+        value = metadata.get(key)
+        if value is None:
+            continue
+        positive = suffix in _POSITIVE_KEYS
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if positive else 0):
+            raise bad(key, value, "a positive whole number" if positive else "a whole number")
+    for key in (f"{architecture}.{suffix}" for suffix in _NUMBER_KEYS):
+        value = metadata.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise bad(key, value, "a number")
+    for key in (f"tokenizer.ggml.{suffix}" for suffix in _TOKEN_ID_KEYS):
+        value = metadata.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad(key, value, "a token id")
+    if not isinstance(metadata.get("tokenizer.ggml.tokens", []), list):
+        raise bad("tokenizer.ggml.tokens", metadata["tokenizer.ggml.tokens"], "an array")
+    if not isinstance(metadata.get(f"{architecture}.rope.scaling.type", ""), str):
+        raise bad(f"{architecture}.rope.scaling.type", metadata[f"{architecture}.rope.scaling.type"], "a string")
+    layers = metadata.get(f"{architecture}.block_count")
+    if layers is not None and layers > len(tensor_names):
+        raise GGUFImportError(f"{file_name}: GGUF metadata {architecture}.block_count {layers} is more layers than "
+                              f"the file's {len(tensor_names)} tensors hold")
+
+
 def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
     """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES;
-    GGUFImportError, one line naming `file_name`, for another architecture)."""
+    GGUFImportError, one line naming `file_name`, for another architecture or a value of the
+    wrong kind)."""
     architecture = gguf_architecture(metadata, file_name)
+    _check_value_kinds(metadata, architecture, tensor_names, file_name)
 
     def get(key: str, default=None):
         value = metadata.get(f"{architecture}.{key}", default)

@@ -4,6 +4,8 @@ byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM, gpt-oss) or a SentencePiece BPE (
 Mistral 7B and their kind, whose vocabulary comes with a score a piece and no merges)."""
 from __future__ import annotations
 
+import itertools
+
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -78,14 +80,43 @@ def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -
     rank (the cuts of one piece in the order of their left part's id)."""
     mergeable = {token: index for index, (token, kind) in enumerate(zip(tokens, token_types))
                  if kind == _TOKEN_TYPE_NORMAL}
+    # Each cut is looked up by the rolling hashes of its two sides, kept as the cut moves, so a
+    # piece costs its length in time and nothing in memory, not its length squared (slicing
+    # every cut of a 10^5-character piece took minutes).
+    by_hash: dict[tuple[int, int], list[str]] = {}
+    for piece in mergeable:
+        by_hash.setdefault((len(piece), _hash(piece)), []).append(piece)
     ranked = []
     for piece, index in mergeable.items():
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in mergeable and right in mergeable:
-                ranked.append((-scores[index], index, mergeable[left], mergeable[right], left, right))
+        length, whole = len(piece), _hash(piece)
+        prefix, scale = 0, pow(_HASH_BASE, length, _HASH_MODULUS)  # scale: BASE^(length - cut)
+        for cut, code in enumerate(itertools.islice(map(ord, piece), length - 1), 1):
+            prefix = (prefix * _HASH_BASE + code) % _HASH_MODULUS
+            scale = scale * _HASH_BASE_INVERSE % _HASH_MODULUS
+            lefts = by_hash.get((cut, prefix))
+            rights = lefts and by_hash.get((length - cut, (whole - prefix * scale) % _HASH_MODULUS))
+            if rights:  # equal hashes: the sides themselves compared (a collision is possible)
+                left = next((token for token in lefts if piece.startswith(token)), None)
+                right = next((token for token in rights if piece.endswith(token)), None)
+                if left is not None and right is not None:
+                    ranked.append((-scores[index], index, mergeable[left], mergeable[right], left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
+
+
+_HASH_MODULUS = (1 << 61) - 1  # a prime: polynomial hashes of distinct strings rarely meet
+_HASH_BASE = 1_000_003
+_HASH_BASE_INVERSE = pow(_HASH_BASE, -1, _HASH_MODULUS)
+
+
+def _hash(text: str) -> int:
+    """The polynomial hash of `text`: that of text[:cut] is that of its last character plus BASE
+    times that of text[:cut - 1]; that of text[cut:] is hash(text) - hash(text[:cut]) *
+    BASE^(len(text) - cut), modulo the modulus."""
+    value = 0
+    for code in map(ord, text):
+        value = (value * _HASH_BASE + code) % _HASH_MODULUS
+    return value
 
 
 def _spm_tokenizer(metadata: dict, tokens: list[str], token_types: list[int]) -> BackendTokenizer:
@@ -109,11 +140,27 @@ def _spm_tokenizer(metadata: dict, tokens: list[str], token_types: list[int]) ->
     return tokenizer
 
 
+# The vocabulary's arrays and the kind of element each holds (tokens required).
+_ARRAY_KINDS = {"tokenizer.ggml.tokens": (str,), "tokenizer.ggml.merges": (str,),
+                "tokenizer.ggml.token_type": (int,), "tokenizer.ggml.scores": (int, float)}
+
+
+def _check_arrays(metadata: dict) -> None:
+    """Each vocabulary array is a list of its kind of element (GGUFImportError, one line, else)."""
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise GGUFImportError("GGUF metadata lacks tokenizer.ggml.tokens")
+    for key, kinds in _ARRAY_KINDS.items():
+        value = metadata.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, kinds) for item in value):
+            raise GGUFImportError(f"GGUF metadata {key} is not an array of {' or '.join(k.__name__ for k in kinds)}")
+
+
 def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendTokenizer, dict]:
     model = metadata.get("tokenizer.ggml.model")
     if model not in ("gpt2", "llama"):
         raise GGUFImportError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', and "
                               "SentencePiece BPE, 'llama')")
+    _check_arrays(metadata)
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if model == "llama":

@@ -26,8 +26,9 @@ from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
+from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, read_gguf_header
 from nanoserve.models.gguf_reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
-                                          reader_architecture, rotary_rows_permuted, unpermute_rotary_rows)
+                                          rotary_rows_permuted, unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -111,17 +112,16 @@ def _rotary_heads(name: str, config) -> int | None:
 def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     """Each tensor to its parameter as models/weights.load_weights does (fused parts, pipeline
     stages, the tied head), then each quantized layer's staged parts into its QuantWeight."""
-    import gguf
-
-    reader = gguf.GGUFReader(gguf_file)
+    # The checked header (models/gguf_header.py), not the gguf package's reader, which trusts the
+    # file; the vocabulary's arrays (~200 MiB as Python objects for 128k tokens) checked, not kept.
+    header = read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     missing = missing_prefixes(model)
     tied = bool(model.config.tie_word_embeddings)
-    architecture = reader_architecture(reader)
-    tensors = reader.tensors
-    del reader  # its metadata fields (a 128k-token vocabulary: ~200 MiB of arrays) are not needed here
+    architecture = header.metadata.get("general.architecture")
+    tensors = header.tensors
     renames = getattr(model, "checkpoint_renames", {})  # gpt-oss's sinks beside its attention kernel
     staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
@@ -156,7 +156,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             if stacked and tensor.name.endswith(".bias"):
                 _load_expert_biases(module, params[target], tensor, part, gguf_file)
             elif stacked:
-                _load_experts(module, params[target], tensor, part)
+                _load_experts(module, params[target], tensor, part, gguf_file)
             else:
                 parts = staged.setdefault(target, StagedLinear())
                 _load_tensor(model.config, module, params[target], tensor, name, shard_id, parts, gguf_file)
@@ -215,7 +215,7 @@ def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter
     return True
 
 
-def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None) -> None:
+def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path) -> None:
     """A stacked expert tensor (ffn_gate_exps / ffn_up_exps / ffn_down_exps: [experts, outputs,
     inputs]) into layers/fused_moe.FusedMoE, expert by expert (this rank's): each expert's rows
     kept in their blocks where the quantized kernels run (a CPU) and this rank's share of the
@@ -226,18 +226,18 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None)
     k = int(tensor.shape[0])
     whole_blocks = qtype is not None and (part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0)
     quantized = whole_blocks and quant.takes_components(param.device)
+    outputs = int(tensor.shape[1])  # rows an expert
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
-        data = tensor.data[expert]
+        raw = _raw_rows(tensor, gguf_file, slice(expert * outputs, (expert + 1) * outputs))
         if quantized:
-            raw = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
             arrays = mxfp4_components(raw, k) if qtype == quant.MXFP4 else {"raw": raw}
             moe.load_quantized(param, arrays, qtype, (expert, part))
             continue
         if qtype is None or qtype == quant.MXFP4:
-            values = torch.from_numpy(np.array(gguf.quants.dequantize(np.asarray(data), tensor.tensor_type),
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), tensor.tensor_type),
                                                dtype=np.float32).reshape(-1, k))
         else:
-            values = quant.dequantize(torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)), qtype, k)
+            values = quant.dequantize(raw, qtype, k)
         moe.weight_loader(param, values, (expert, part))
 
 
