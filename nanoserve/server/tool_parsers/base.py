@@ -2,7 +2,9 @@
 so far. `parse(text, final=False)` is called again as the text grows; everything it returns must
 only grow (content and each call's arguments are prefixes of what a later call returns), so the
 stream can send differences. `final=True` is the whole output: a malformed call makes the whole
-output plain content, as vLLM's parsers do."""
+output plain content, as vLLM's parsers do. A stream does not call `parse` after every delta (that
+is quadratic in the output): the parser's `reader()` gives the same answers a delta at a time,
+reading each character once; `parse` is the oracle its tests compare it with."""
 from __future__ import annotations
 
 import json

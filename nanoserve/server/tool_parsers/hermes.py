@@ -6,8 +6,8 @@ from __future__ import annotations
 from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolParser,
                                                 call_in_object, is_valid_call_object)
 from nanoserve.server.tool_parsers.incremental import MarkerSearch, first_non_whitespace
-from nanoserve.server.tool_parsers.json_scan import (DEAD, OPEN, CallObjectReader, held_back,
-                                                     skip_whitespace)
+from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN, CallObjectReader
+from nanoserve.server.tool_parsers.json_scan import held_back, skip_whitespace
 
 START = "<tool_call>"
 END = "</tool_call>"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 
-from nanoserve.server.tool_parsers.json_scan import (CLOSED, DEAD, OPEN, CallObjectReader,
-                                                     held_back)
+from nanoserve.server.tool_parsers.json_reader import CLOSED, DEAD, OPEN, CallObjectReader
+from nanoserve.server.tool_parsers.json_scan import held_back
 
 _NOT_WHITESPACE = re.compile(r"[^ \t\n\r]")
 _VALUE_STOP = re.compile(r'["\\{}\[\]]')

@@ -6,8 +6,8 @@ from __future__ import annotations
 from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolParser,
                                                 call_in_object, is_valid_call_object)
 from nanoserve.server.tool_parsers.incremental import first_non_whitespace
-from nanoserve.server.tool_parsers.json_scan import (DEAD, OPEN, CallObjectReader,
-                                                     skip_whitespace)
+from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN, CallObjectReader
+from nanoserve.server.tool_parsers.json_scan import skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -12,8 +12,8 @@ from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, T
                                                 ToolParser, calls_in_json_array)
 from nanoserve.server.tool_parsers.incremental import (CallArrayReader, MarkerSearch, RawValueCall,
                                                        first_non_whitespace)
-from nanoserve.server.tool_parsers.json_scan import (CLOSED, DEAD, OPEN, held_back, skip_whitespace,
-                                                     value_end)
+from nanoserve.server.tool_parsers.json_reader import CLOSED, DEAD, OPEN
+from nanoserve.server.tool_parsers.json_scan import held_back, skip_whitespace, value_end
 
 MARKER = "[TOOL_CALLS]"
 ARGS_MARKER = "[ARGS]"

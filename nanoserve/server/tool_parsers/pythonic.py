@@ -9,7 +9,7 @@ import json
 
 from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolCallSoFar,
                                                 ToolParser)
-from nanoserve.server.tool_parsers.json_scan import CLOSED
+from nanoserve.server.tool_parsers.json_reader import CLOSED
 
 START = "<|python_start|>"
 END = "<|python_end|>"

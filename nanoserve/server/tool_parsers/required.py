@@ -6,7 +6,8 @@ from __future__ import annotations
 from nanoserve.server.tool_parsers.base import (NO_ARGUMENTS, ToolCallParse, ToolCallReader,
                                                 ToolCallSoFar, ToolParser, calls_in_json_array)
 from nanoserve.server.tool_parsers.incremental import CallArrayReader, first_non_whitespace
-from nanoserve.server.tool_parsers.json_scan import DEAD, OPEN, WHITESPACE, skip_whitespace
+from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN
+from nanoserve.server.tool_parsers.json_scan import WHITESPACE, skip_whitespace
 
 
 class RequiredToolParser(ToolParser):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nanoserve.server.tool_parsers.base import ToolCallReader, ToolParser
-from nanoserve.server.tool_parsers.json_scan import OPEN
+from nanoserve.server.tool_parsers.json_reader import OPEN
 
 
 @dataclass(slots=True)
