@@ -119,6 +119,16 @@ def _hash(text: str) -> int:
     return value
 
 
+def _bpe(**options) -> BackendTokenizer:
+    """tokenizers' BPE model over the file's vocabulary and merges (GGUFImportError, one line, where
+    they do not make one: a merge of a token the vocabulary lacks)."""
+    try:
+        return BackendTokenizer(models.BPE(**options))
+    except Exception as error:  # tokenizers raises a plain Exception
+        reason = " ".join(str(error).split())[:200]
+        raise GGUFImportError(f"GGUF vocabulary does not make a BPE tokenizer: {reason}") from None
+
+
 def _spm_tokenizer(metadata: dict, tokens: list[str], token_types: list[int]) -> BackendTokenizer:
     """llama.cpp's `llama` (SentencePiece BPE) tokenizer: spaces as ▁ and one before the text
     (`tokenizer.ggml.add_space_prefix`, default on), the pieces merged by score, characters outside
@@ -129,9 +139,9 @@ def _spm_tokenizer(metadata: dict, tokens: list[str], token_types: list[int]) ->
         raise GGUFImportError("GGUF SentencePiece tokenizer ('llama') lacks tokenizer.ggml.scores for its tokens")
     unknown = next((token for token, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_UNKNOWN), None)
     byte_fallback = _TOKEN_TYPE_BYTE in token_types
-    tokenizer = BackendTokenizer(models.BPE(
-        vocab={token: index for index, token in enumerate(tokens)}, merges=spm_merges(tokens, scores, token_types),
-        unk_token=unknown, fuse_unk=True, byte_fallback=byte_fallback, dropout=None))
+    tokenizer = _bpe(vocab={token: index for index, token in enumerate(tokens)},
+                     merges=spm_merges(tokens, scores, token_types), unk_token=unknown, fuse_unk=True,
+                     byte_fallback=byte_fallback, dropout=None)
     prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
     replace = normalizers.Replace(" ", _SPM_SPACE)
     tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), replace]) if prefix else replace
@@ -178,9 +188,8 @@ def build_tokenizer(metadata: dict, model_max_length: int) -> tuple[BackendToken
     # llama.cpp sometimes stores a token in plain UTF-8; BPE needs it in the byte alphabet.
     vocab = {token if set(token) <= spelling else "".join(alphabet[b] for b in token.encode()): index
              for index, token in enumerate(tokens)}
-    tokenizer = BackendTokenizer(models.BPE(
-        vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-        end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tokenizer = _bpe(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                     end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
     pre = metadata.get("tokenizer.ggml.pre", "default")
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     if pre in _QWEN2_PRE:

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, read_gguf_header
-from nanoserve.models.gguf_model import gguf_hf_config, gguf_metadata, read_gguf_file
-from nanoserve.models.gguf_reader import GGUFImportError, read_metadata
+from nanoserve.models.gguf_model import gguf_hf_config, gguf_metadata, gguf_tokenizer, read_gguf_file
+from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
 from nanoserve.models.gguf_tokenizer import build_tokenizer, spm_merges
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,14 +78,43 @@ def write_all_types(path: Path) -> Path:
     return path
 
 
+def write_sentencepiece_llama(path: Path) -> Path:
+    """A one-layer "llama" file with a SentencePiece vocabulary (llama.cpp's tokenizer model
+    "llama": scores, token types, byte pieces), as its converter writes one."""
+    tokens = ["<unk>", "<s>", "</s>", "<0x41>", "<0xC3>", "▁", "a", "b", "é", "▁a", "ab", "▁ab", "▁é"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0])
+    writer.add_token_types([2, 3, 3, 6, 6, 1, 1, 1, 1, 1, 1, 1, 1])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    rng = np.random.default_rng(1)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((len(tokens), 32), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", rng.standard_normal((32, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[Path]:
     """Real headers: the tests' own writers' (a llama.cpp Q4_K_M mix with a byte-level BPE
-    vocabulary, a Qwen2 file with biases) and every value type."""
+    vocabulary, a Qwen2 file with biases), a SentencePiece vocabulary, every value type."""
     from tests.gguf_models import write_quantized_gguf
 
     return [write_quantized_gguf(tmp_path_factory.mktemp("q4_k_m"), "llama_cpp_q4_k_m", seed=3),
             write_quantized_gguf(tmp_path_factory.mktemp("qwen2"), "q8_0", seed=3, arch="qwen2"),
+            write_sentencepiece_llama(tmp_path_factory.mktemp("spm") / "spm.gguf"),
             write_all_types(tmp_path_factory.mktemp("types") / "types.gguf")]
 
 
@@ -101,11 +130,13 @@ def _limit_memory() -> None:
 
 def _outcome(path: Path) -> str:
     """LOADED, ONE_LINE, or what else happened, through the loader's header and metadata reads
-    (all of the file, the engine's cached read that skips the vocabulary, the config from it)."""
+    (all of the file, the engine's cached read that skips the vocabulary, the config and the
+    tokenizer from them)."""
     try:
         read_gguf_file(path)
         gguf_metadata(path)
         gguf_hf_config(path)
+        gguf_tokenizer(path)
     except GGUFImportError as error:
         message = str(error)
         return ONE_LINE if message and "\n" not in message else f"a GGUFImportError of lines: {message!r}"
@@ -258,6 +289,51 @@ def test_tensor_entries_are_checked(tmp_path):
         path.write_bytes(_gguf(tensors=1) + entry + bytes(64))
         with pytest.raises(GGUFImportError, match=match):
             read_gguf_file(path)
+
+
+GEMMA2 = {"general.architecture": "gemma2", "gemma2.context_length": 512, "gemma2.embedding_length": 64,
+          "gemma2.block_count": 2, "gemma2.feed_forward_length": 128, "gemma2.attention.head_count": 4,
+          "gemma2.attention.head_count_kv": 2, "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
+          "gemma2.attention.sliding_window": 16, "gemma2.attn_logit_softcapping": 50.0,
+          "gemma2.final_logit_softcapping": 30.0, "tokenizer.ggml.bos_token_id": 2}
+GEMMA2_TENSORS = {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight"}
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("gemma2.attention.head_count", 0, "head_count is '0', not a positive whole number"),
+    ("gemma2.block_count", "2", "block_count is '2', not a positive whole number"),
+    ("gemma2.block_count", 10**6, "block_count 1000000 is more layers than the file's 4 tensors hold"),
+    ("gemma2.attention.layer_norm_rms_epsilon", "x", "epsilon is 'x', not a number"),
+    ("gemma2.attention.sliding_window", [16], r"sliding_window is '\[16\]', not a whole number"),
+    ("tokenizer.ggml.bos_token_id", 2.5, "bos_token_id is '2.5', not a token id"),
+])
+def test_a_hyperparameter_of_the_wrong_kind_is_one_line(key, value, match):
+    """A value whose type or size a changed bit made wrong: one line naming the key, not a
+    ZeroDivisionError, a TypeError or a list of a million layer types."""
+    assert llama_config(GEMMA2, GEMMA2_TENSORS, "m.gguf")["num_hidden_layers"] == 2
+    with pytest.raises(GGUFImportError, match=match):
+        llama_config({**GEMMA2, key: value}, GEMMA2_TENSORS, "m.gguf")
+
+
+@pytest.mark.parametrize("key, value", [("tokenizer.ggml.tokens", [1, 2]), ("tokenizer.ggml.token_type", ["1"]),
+                                        ("tokenizer.ggml.scores", "x"), ("tokenizer.ggml.merges", [3])])
+def test_a_vocabulary_array_of_the_wrong_kind_is_one_line(key, value):
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], key: value}
+    with pytest.raises(GGUFImportError, match=f"{key} is not an array of"):
+        build_tokenizer(metadata, 512)
+
+
+def test_merges_of_tokens_the_vocabulary_lacks_are_one_line():
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                "tokenizer.ggml.merges": ["a b", "a )"]}
+    with pytest.raises(GGUFImportError, match="does not make a BPE tokenizer: .*out of vocabulary"):
+        build_tokenizer(metadata, 512)
+
+
+def test_the_corpus_files_load(corpus):
+    """Every corpus file but the value-type one (no hyperparameters) loads whole: the fuzz starts
+    from files the loader takes."""
+    assert [_outcome(path) for path in corpus[:-1]] == [LOADED] * (len(corpus) - 1)
 
 
 def test_the_header_equals_the_gguf_packages_reading(corpus):
