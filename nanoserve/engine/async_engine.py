@@ -4,7 +4,9 @@ Requests and aborts enter an asyncio.Queue (a constrained request once its gramm
 a large schema never holds up the step loop). One step coroutine owns the engine: between steps it
 drains the queue into `add_request` / `abort_request`, then runs `engine.step()` on a worker
 thread so the event loop keeps answering (torch releases the GIL in its kernels), and hands each
-request's output to that request's `RequestStream`. With no work it sleeps on the queue.
+request's output to that request's `RequestStream`. With no work it sleeps on the queue. Reading a
+LoRA adapter from disk (a request's, or `call_between_steps`) also runs on the step thread,
+between two steps, never on the event loop.
 
 A step that fails because of its requests (`StepError`) fails only those requests. Any other
 failure (a dead rank, a device fault), or `MAX_CONSECUTIVE_STEP_ERRORS` failed steps in a row,
@@ -285,9 +287,9 @@ class AsyncLLMEngine:
         try:
             while True:
                 if self.intake.empty() and not self.engine.has_unfinished_requests():
-                    self._handle(await self.intake.get())
+                    await self._take(await self.intake.get())
                 while not self.intake.empty():
-                    self._handle(self.intake.get_nowait())
+                    await self._take(self.intake.get_nowait())
                 if not self.engine.has_unfinished_requests():
                     self.stats = self.engine.stats()
                     continue
@@ -313,14 +315,39 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; the engine is dead")
             self._die(exc)
 
-    def _handle(self, item: _Add | _Abort | _ResetPrefixCache | _EngineCall) -> None:
+    async def _take(self, item: _Add | _Abort | _ResetPrefixCache | _EngineCall) -> None:
+        """Handle one intake item between steps. What may read files (an engine call, a
+        request whose LoRA adapter the engine does not hold) runs on the step thread, so the
+        event loop answers meanwhile; the next step waits for it."""
         if isinstance(item, _EngineCall):
             if not item.done.done():
                 try:
-                    item.done.set_result(item.call(self.engine))
+                    result = await self._on_step_thread(item.call, self.engine)
                 except Exception as error:  # the caller's to report
-                    item.done.set_exception(error)
+                    if not item.done.done():
+                        item.done.set_exception(error)
+                else:
+                    if not item.done.done():
+                        item.done.set_result(result)
             return
+        if (isinstance(item, _Add) and item.lora_request is not None and not item.accepted.done()
+                and item.lora_request.lora_int_id not in self.engine.loras):
+            try:  # read now; add_request then finds it held
+                await self._on_step_thread(self.engine.add_lora, item.lora_request)
+            except Exception as exc:  # a bad adapter: InvalidRequestError naming what is wrong
+                self.num_queued_adds -= 1
+                self.streams.pop(item.request_id, None)
+                if not item.accepted.done():
+                    item.accepted.set_exception(exc)
+                return
+        self._handle(item)
+
+    async def _on_step_thread(self, fn, *args):
+        """fn(*args) on the thread that runs the steps (torch's one thread: see
+        new_step_executor); no step runs meanwhile, since the step loop awaits it."""
+        return await asyncio.get_running_loop().run_in_executor(self._step_thread, fn, *args)
+
+    def _handle(self, item: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(item, _ResetPrefixCache):
             if not item.done.done():
                 item.done.set_result(self.engine.reset_prefix_cache())
