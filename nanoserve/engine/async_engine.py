@@ -1,7 +1,8 @@
 """AsyncLLMEngine: the one LLMEngine driven from an asyncio server.
 
 Requests and aborts enter an asyncio.Queue (a constrained request once its grammar compiled, so
-a large schema never holds up the step loop). One step coroutine owns the engine: between steps it
+a large schema never holds up the step loop; while it waits for the compile it counts as waiting,
+and past `compile_timeout` it is refused). One step coroutine owns the engine: between steps it
 drains the queue into `add_request` / `abort_request`, then runs `engine.step()` on a worker
 thread so the event loop keeps answering (torch releases the GIL in its kernels), and hands each
 request's output to that request's `RequestStream`. With no work it sleeps on the queue. Reading a
@@ -160,8 +161,11 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, observer: Observer | None = None,
                  overlap_streaming: bool | None = None,
                  step_executor: concurrent.futures.ThreadPoolExecutor | None = None,
-                 log_stats: bool = False) -> None:
+                 log_stats: bool = False, compile_timeout: float | None = None) -> None:
+        """`compile_timeout`: seconds a constrained request may wait for its grammar before it
+        is refused (a 400 naming its field); None waits as long as the compile takes."""
         self.engine = engine
+        self.compile_timeout = compile_timeout
         if overlap_streaming is None:
             overlap_streaming = engine.device.type != "cpu"
         # On an accelerator the handlers' work (JSON, socket writes) overlaps the next step. On
@@ -174,6 +178,7 @@ class AsyncLLMEngine:
         self.dead_error: BaseException | None = None
         self.stats = engine.stats()
         self.num_queued_adds = 0
+        self.num_compiling = 0  # requests waiting for their grammar, not yet queued
         self.consecutive_step_errors = 0
         self._step_thread = step_executor or new_step_executor()
         self._task: asyncio.Task | None = None
@@ -188,7 +193,9 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.stats.num_waiting + self.num_queued_adds
+        """Requests not running yet: in the engine's queue, in the intake, or waiting for their
+        grammar (so --max-waiting-requests bounds the compile queue too)."""
+        return self.stats.num_waiting + self.num_queued_adds + self.num_compiling
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -240,15 +247,37 @@ class AsyncLLMEngine:
 
     async def _compile_grammar(self, params: SamplingParams) -> None:
         """A constrained request waits here, off the step loop, while its grammar compiles on
-        the compiler's thread; a bad schema, regex or grammar raises InvalidRequestError
-        before the engine sees the request."""
-        if params.structured_outputs is None:
+        the compiler's thread; a bad schema, regex or grammar, or a compile still unfinished at
+        the deadline, raises InvalidRequestError naming the request's field before the engine
+        sees the request."""
+        spec = params.structured_outputs
+        if spec is None:
             return
         future = self.engine.prepare_structured_output(params)
-        if future is not None:
-            # Shielded: a client that goes away must not cancel a compile that other requests
-            # with the same grammar share (through the cache).
-            await asyncio.shield(asyncio.wrap_future(future))
+        if future is None:
+            return
+        try:
+            if not future.done():
+                await self._wait_for_compile(future, spec.field)
+            future.result()  # a failed compile's InvalidRequestError
+        finally:
+            self.engine.release_structured_output(future)
+
+    async def _wait_for_compile(self, future: concurrent.futures.Future, field: str) -> None:
+        self.num_compiling += 1
+        try:
+            # Shielded: a client that goes away, or a deadline, must not cancel a compile that
+            # other requests with the same grammar share (through the cache); `release` drops
+            # it when no one waits any more.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   self.compile_timeout)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"{field}: the grammar was not compiled within {self.compile_timeout:g} s "
+                "(--structured-outputs-compile-timeout); simplify it or retry later",
+                field) from None
+        finally:
+            self.num_compiling -= 1
 
     def abort(self, request_id: str) -> None:
         """Abort a request that has not finished; freed within one step."""

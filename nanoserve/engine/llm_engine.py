@@ -500,6 +500,11 @@ class LLMEngine:
                     self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         return self.structured_output.compile(params.structured_outputs)
 
+    def release_structured_output(self, future: concurrent.futures.Future) -> None:
+        """A caller of prepare_structured_output stopped waiting for `future` (a deadline, a
+        client gone): with no one else waiting, a compile not started yet is dropped."""
+        self.structured_output.release(future)
+
     def _fail_compiled_grammars(self) -> None:
         """Requests added before their grammar compiled: a failed compile fails the request
         (StepError, as a failed step would); the rest wait in the queue."""

@@ -4,7 +4,9 @@ one matcher per sequence, and each step's token bitmask for the constrained rows
 xgrammar is imported here only, and only once a constrained request arrives: the engine, the
 models and the kernels run without it. Compiling happens on this module's own thread; a request
 whose grammar is not compiled yet waits in the scheduler's queue (Sequence.is_schedulable) while
-the others decode.
+the others decode. A compile no request waits for any more is dropped before it starts
+(`release`); xgrammar cannot be stopped once it runs, so a deadline (the async engine's) answers
+its requests and lets it finish into the cache.
 """
 from __future__ import annotations
 
@@ -85,6 +87,16 @@ class SequenceGrammar:
         return self.matcher.is_terminated()
 
 
+class _Compile(Future):
+    """One grammar's compile: the spec until the compile thread takes it, and how many
+    requests wait for it (`compile` adds one, `release` takes one away)."""
+
+    def __init__(self, spec: StructuredOutputsParams) -> None:
+        super().__init__()
+        self.spec: StructuredOutputsParams | None = spec
+        self.waiters = 1
+
+
 class StructuredOutputManager:
     """Compiles grammars for one tokenizer (on its own thread) and fills bitmasks."""
 
@@ -100,12 +112,14 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self.num_compiles = 0
         self.num_cache_hits = 0
+        self.num_cancelled = 0  # compiles dropped before they started (release)
 
     # ---- compiling (any thread submits; the compile thread compiles) ------------------------
     def compile(self, spec: StructuredOutputsParams) -> Future:
         """The compiled grammar for `spec`, as a future: from the cache when the same text was
         compiled (or is being compiled), else queued on the compile thread. A failed compile
-        is not kept: the future raises InvalidRequestError naming spec.field."""
+        is not kept: the future raises InvalidRequestError naming spec.field. Each call counts
+        as one waiter until `release`."""
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
@@ -113,13 +127,43 @@ class StructuredOutputManager:
                     future.done() and future.exception() is not None)):
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
+                future.waiters += 1
                 return future
-            future = self.executor.submit(self._compile, spec)
+            future = _Compile(spec)
+            work = self.executor.submit(self._run, future)
+            # shutdown() cancels the queued work: its compile is then cancelled for its waiters
+            work.add_done_callback(lambda work: work.cancelled() and future.cancel())
             self._cache[key] = future
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
             self.num_compiles += 1
         return future
+
+    def release(self, future: Future) -> None:
+        """One waiter gave up on `future` (its deadline passed, its client left, or it got the
+        grammar). With no waiter left, a compile that has not started is cancelled and its
+        text dropped, so abandoned requests never leave a queue of compiles behind them; one
+        already running cannot be stopped: it finishes and its grammar stays in the cache."""
+        with self._lock:
+            future.waiters -= 1
+            if future.waiters > 0 or not future.cancel():
+                return
+            future.spec = None
+            self.num_cancelled += 1
+            for key, cached in self._cache.items():
+                if cached is future:
+                    del self._cache[key]
+                    break
+
+    def _run(self, future: "_Compile") -> None:
+        """The compile thread: skip a compile every waiter gave up on, else compile it."""
+        if not future.set_running_or_notify_cancel():
+            return
+        spec, future.spec = future.spec, None
+        try:
+            future.set_result(self._compile(spec))
+        except BaseException as error:  # InvalidRequestError, or the waiters' to see
+            future.set_exception(error)
 
     def _tokenizer_info(self, xgrammar):
         from transformers import PreTrainedTokenizerFast

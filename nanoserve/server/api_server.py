@@ -73,7 +73,8 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
         "kv_cache_max_concurrency": kv_cache_size_tokens / engine.max_model_len},
         response_cache)
     async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
-                                  log_stats=not config.disable_log_stats)
+                                  log_stats=not config.disable_log_stats,
+                                  compile_timeout=options.structured_outputs_compile_timeout)
     async_engine.start()
     preprocessor = Preprocessor(options.preprocess_threads, options.preprocess_timeout,
                                 options.max_preprocess_in_flight)

@@ -39,6 +39,7 @@ class ServerOptions:
     preprocess_threads: int = 2  # tokenizing / template rendering of large inputs
     preprocess_timeout: float = 30.0
     max_preprocess_in_flight: int = 64
+    structured_outputs_compile_timeout: float = 10.0  # seconds a request waits for its grammar
     response_cache_size: float = 0.0  # MiB of finished responses kept for repeats; 0: off
     response_cache_ttl: float = 3600.0  # seconds a cached response stays valid
     responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES  # /v1/responses' store, JSON bytes
@@ -89,6 +90,9 @@ _FLAGS: list[tuple[str, type, str, type, str]] = [
      "seconds one input may take to tokenize / render before a 400"),
     ("--max-preprocess-in-flight", ServerOptions, "max_preprocess_in_flight", int,
      "large inputs queued or being prepared at once; 503 beyond"),
+    ("--structured-outputs-compile-timeout", ServerOptions, "structured_outputs_compile_timeout",
+     float, "seconds a request may wait for its schema, regex or grammar to compile (queued "
+     "compiles included) before a 400 naming its field; the compile finishes into the cache"),
     ("--response-cache-size", ServerOptions, "response_cache_size", float,
      "MiB of finished responses kept to answer identical requests (greedy, or with a seed) "
      "without running the model; LRU by bytes; 0 turns the cache off"),
