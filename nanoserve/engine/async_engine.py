@@ -39,6 +39,10 @@ class EngineDeadError(RuntimeError):
     """The engine failed during a step; no request can be served any more."""
 
 
+# What clients are told (vLLM says as much): the cause is logged with its stack, never sent.
+ENGINE_DEAD = "The engine failed and serves no more requests; the server's log has the cause."
+
+
 @dataclass(slots=True)
 class FinishedRequestStats:
     """One request's life, for request-level metrics (vLLM's phases: queued from arrival to the
@@ -226,7 +230,7 @@ class AsyncLLMEngine:
         InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
         asks for DELTA outputs: each one carries only what is new."""
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         if request_id in self.streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         arrival_time = time.time()
@@ -289,7 +293,7 @@ class AsyncLLMEngine:
         """`call(engine)`'s result, run on the step loop while no step runs (what it raises is
         raised here). Raises EngineDeadError."""
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         done = asyncio.get_running_loop().create_future()
         self.intake.put_nowait(_EngineCall(call, done))
         return await done
@@ -298,7 +302,7 @@ class AsyncLLMEngine:
         """Clear the engine's prefix cache between two steps (the step loop does it, never
         while a step runs). Raises EngineDeadError."""
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead_error!r}")
+            raise EngineDeadError(ENGINE_DEAD)
         done = asyncio.get_running_loop().create_future()
         self.intake.put_nowait(_ResetPrefixCache(done))
         return await done
@@ -490,7 +494,7 @@ class AsyncLLMEngine:
 
     def _die(self, exc: BaseException) -> None:
         self.dead_error = exc
-        error = EngineDeadError(f"the engine failed: {exc!r}")
+        error = EngineDeadError(ENGINE_DEAD)  # the cause is in the log, not sent to clients
         while not self.intake.empty():
             item = self.intake.get_nowait()
             if isinstance(item, _Add) and not item.accepted.done():
