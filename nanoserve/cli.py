@@ -107,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_import_model(args: argparse.Namespace) -> int:
-    from nanoserve.models.gguf_import import ensure_default_gguf, ensure_default_model
+    from nanoserve.models.gguf.importer import ensure_default_gguf, ensure_default_model
 
     print(ensure_default_gguf() if args.gguf else ensure_default_model())
     return 0

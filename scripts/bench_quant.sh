@@ -24,7 +24,7 @@ LV=${LLAMACPP_VENV:-$HOME/.cache/llamacpp/venv}
 G=$(dirname "$LV")/gguf
 PY=.venv/bin/python
 PPL_TEXT=${PPL_TEXT:-benchmarks/quant/perplexity_text.txt}
-MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf_import import ensure_default_model; print(ensure_default_model())' 2>/dev/null)}
+MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf.importer import ensure_default_model; print(ensure_default_model())' 2>/dev/null)}
 mkdir -p "$OUT"
 RUN="$OUT/run.txt"
 # llama.cpp's Q4_K_M of the default model (mostly Q5_0 at its row length), written once from the BF16 file

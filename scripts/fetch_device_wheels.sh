@@ -23,7 +23,7 @@ mkdir -p "$WHEELS/tokenizer"
     --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d "$WHEELS" msgspec httptools gguf
-model_dir=$("$PY" -c "from nanoserve.models.gguf_import import ensure_default_model; print(ensure_default_model())")
+model_dir=$("$PY" -c "from nanoserve.models.gguf.importer import ensure_default_model; print(ensure_default_model())")
 for name in tokenizer.json tokenizer_config.json generation_config.json; do
     cp "$model_dir/$name" "$WHEELS/tokenizer/"
 done
@@ -34,7 +34,7 @@ if [ "${1:-}" = --with-smollm2 ]; then
     "$PY" -c "
 import sys
 from pathlib import Path
-from nanoserve.models.gguf_import import download_default_gguf
+from nanoserve.models.gguf.importer import download_default_gguf
 print(download_default_gguf(Path(sys.argv[1]), progress=False))" .device-model >/dev/null
     rm -f .device-model/*.whl
     gguf=$(ls .device-model/*.gguf)

@@ -156,7 +156,7 @@ print(d if (d / '.nanoserve-import.json').is_file() and (d / 'model.safetensors'
             # Imported into a NANOSERVE_HOME of this run's own, where the tests look for it too.
             export NANOSERVE_HOME=$WORK/home
             local target=$NANOSERVE_HOME/models/SmolLM2-135M-Instruct
-            $PY -c "import sys; from nanoserve.models.gguf_import import import_gguf; import_gguf(sys.argv[1], sys.argv[2])" \
+            $PY -c "import sys; from nanoserve.models.gguf.importer import import_gguf; import_gguf(sys.argv[1], sys.argv[2])" \
                 "$models/$name" "$target" && SMOL=$target
         else
             echo "gpu_check: .device-model/ does not hold the whole GGUF (both parts are needed)"

@@ -51,7 +51,7 @@ def main() -> None:
             setattr(args, name, value)
     tokenizer_dir = args.tokenizer_from
     if tokenizer_dir is None:
-        from nanoserve.models.gguf_import import ensure_default_model
+        from nanoserve.models.gguf.importer import ensure_default_model
 
         tokenizer_dir = ensure_default_model()
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -462,7 +462,7 @@ def dequantized_phi3(gguf_file: Path):
     """transformers' Phi-3 (float32) holding a phi3 file's tensors dequantized by the gguf package."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_reader import ROPE_FACTOR_TENSORS, hf_tensor_name
+    from nanoserve.models.gguf.reader import ROPE_FACTOR_TENSORS, hf_tensor_name
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     state = {}
@@ -524,7 +524,7 @@ def dequantized_transformers(gguf_file: Path):
     the arithmetic of the CUDA path (kernels/quant_triton.py), which quantizes no activations."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_reader import hf_tensor_name, unpermute_rotary_rows
+    from nanoserve.models.gguf.reader import hf_tensor_name, unpermute_rotary_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     config = model.config

@@ -28,7 +28,7 @@ def main() -> None:
 
     from nanoserve import LLM
     from nanoserve.kernels import cpu_ops
-    from nanoserve.models.gguf_import import ensure_default_model
+    from nanoserve.models.gguf.importer import ensure_default_model
 
     model = args.model or str(ensure_default_model())
     engines = {kv: LLM(model=model, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory)

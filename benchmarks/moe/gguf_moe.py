@@ -94,8 +94,8 @@ def _random_mxfp4(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
 def write_gguf(path: Path, layers: int, mix: str, seed: int = 0, arch: str = "qwen3moe") -> Path:
     import gguf
 
-    from nanoserve.models.gguf_import import ensure_default_gguf
-    from nanoserve.models.gguf_reader import read_metadata
+    from nanoserve.models.gguf.importer import ensure_default_gguf
+    from nanoserve.models.gguf.reader import read_metadata
 
     if path.exists():
         return path

@@ -8,7 +8,7 @@ here. Prints every round, the medians and the ratio. Run on an idle machine:
     .venv/bin/python benchmarks/quant/offline_ratio.py [--rounds 4] [--quantized FILE.gguf] [--bf16 DIR]
         [--kv-cache-dtypes auto,fp8]
 
-Defaults: the default model's Q4_1 file and its bf16 import (nanoserve.models.gguf_import).
+Defaults: the default model's Q4_1 file and its bf16 import (nanoserve.models.gguf.importer).
 --kv-cache-dtypes with several values loads both models once per KV cache dtype (all engines take
 turns in each round) and prints the quantized / bf16 ratio per dtype and each dtype's speed-up
 over the first one's, per model.
@@ -35,7 +35,7 @@ def main() -> None:
 
     from nanoserve import LLM, SamplingParams
     from nanoserve.kernels import cpu_ops
-    from nanoserve.models.gguf_import import ensure_default_gguf, ensure_default_model
+    from nanoserve.models.gguf.importer import ensure_default_gguf, ensure_default_model
 
     paths = {"bf16": args.bf16 or str(ensure_default_model()), "quantized": args.quantized or str(ensure_default_gguf())}
     engines = {}

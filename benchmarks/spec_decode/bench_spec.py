@@ -31,7 +31,7 @@ def workloads() -> dict[str, list]:
 
 def child(config: str) -> None:
     from nanoserve import LLM, SamplingParams
-    from nanoserve.models.gguf_import import ensure_default_model
+    from nanoserve.models.gguf.importer import ensure_default_model
 
     spec = NGRAM if config == "ngram" else None
     llm = LLM(model=str(ensure_default_model()), dtype="bfloat16", speculative_config=spec)

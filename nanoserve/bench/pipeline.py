@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from nanoserve.models.gguf_import import ensure_default_model
+        from nanoserve.models.gguf.importer import ensure_default_model
 
         model_dir = str(ensure_default_model())
     from nanoserve.models.config import ModelConfig

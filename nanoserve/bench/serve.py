@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         except VllmResultsError as error:  # `nanoserve bench serve` prints it as one line
             raise VllmResultsError(f"--vllm-results: {error}") from None
     if args.model is None and args.base_url is None:
-        from nanoserve.models.gguf_import import ensure_default_model
+        from nanoserve.models.gguf.importer import ensure_default_model
         args.model = str(ensure_default_model())
     counts = args.prompts_per_level or [max(8, 2 * c) for c in args.concurrency]
     if len(counts) != len(args.concurrency):

@@ -60,7 +60,7 @@ def run_nanoserve(model_dir: str, prompts, output_len: int, dtype: str, tp: int,
 def run_transformers(model_dir: str, prompts, output_len: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_model import find_gguf_file
+    from nanoserve.models.gguf.model import find_gguf_file
 
     gguf_file = find_gguf_file(Path(model_dir))
     if gguf_file is not None:  # transformers dequantizes a GGUF file itself
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = args.model
     if model_dir is None:
-        from nanoserve.models.gguf_import import ensure_default_model
+        from nanoserve.models.gguf.importer import ensure_default_model
 
         model_dir = str(ensure_default_model())
     from nanoserve.models.config import ModelConfig

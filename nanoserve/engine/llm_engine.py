@@ -41,7 +41,7 @@ from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.lora.adapter import LoRAError
 from nanoserve.lora.request import LoRARequest
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
+from nanoserve.models.gguf.model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
@@ -109,7 +109,7 @@ class InFlightStep:
 
 def resolve_model_dir(model: str | None) -> Path:
     if model is None:
-        from nanoserve.models.gguf_import import ensure_default_model
+        from nanoserve.models.gguf.importer import ensure_default_model
 
         return ensure_default_model()
     path = Path(model).expanduser()

@@ -48,7 +48,7 @@ MXFP4_U = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 
 
 def qtype_name(ggml_type) -> str:
     """gguf.GGMLQuantizationType -> our name ("q8_0", ..., "mxfp4": a GGUF file's MXFP4, which
-    models/gguf_weights.py turns into the kernels' MXFP4 components); ValueError for any other type."""
+    models/gguf/weights.py turns into the kernels' MXFP4 components); ValueError for any other type."""
     name = getattr(ggml_type, "name", str(ggml_type)).lower()
     if name not in GGUF_QTYPES and name != MXFP4:
         raise ValueError(f"GGUF tensor type {name.upper()} is not supported for linear layers; "

@@ -53,7 +53,7 @@ def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
 
 def shared_parameter_ids(model: nn.Module) -> set[int]:
     """ids of the parameters more than one module holds (a tied LM head and embedding): those
-    a layer must not give up (here, and models/gguf_weights.py's quantized layers)."""
+    a layer must not give up (here, and models/gguf/weights.py's quantized layers)."""
     counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     return {key for key, count in counts.items() if count > 1}
 

@@ -47,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.data[self.vocab_end - self.vocab_start:].zero_()
         self.weight.weight_loader = self.weight_loader
-        # A GGUF model's table read from the file on lookup (models/gguf_weights.py); `weight`
+        # A GGUF model's table read from the file on lookup (models/gguf/weights.py); `weight`
         # then lives on the meta device.
         self.file_rows: FileRows | None = None
 

@@ -71,7 +71,7 @@ class LinearBase(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
-        # A GGUF model's layer (models/gguf_weights.py; a compressed-tensors, GPTQ or AWQ
+        # A GGUF model's layer (models/gguf/weights.py; a compressed-tensors, GPTQ or AWQ
         # checkpoint's too, models/quant_staging.py): the weight in its quantization blocks, multiplied by
         # kernels/quant.py; `weight` is then on the meta device. A fused layer whose
         # parts come in different block types (Q4_K_M's Q4_K q/k beside a Q6_K v) has one per

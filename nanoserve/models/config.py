@@ -121,8 +121,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
-        config.json it implies; models/gguf_model.py)."""
-        from nanoserve.models.gguf_model import find_gguf_file, gguf_hf_config
+        config.json it implies; models/gguf/model.py)."""
+        from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config
 
         gguf_file = find_gguf_file(Path(model_dir))
         if gguf_file is not None:

@@ -1,5 +1,5 @@
 """A quantized linear layer's parts as a loader stages them, and the QuantWeight(s) made of them
-(kernels/quant.py); shared by the GGUF loader (models/gguf_weights.py, the file's bytes) and the
+(kernels/quant.py); shared by the GGUF loader (models/gguf/weights.py, the file's bytes) and the
 loaders of checkpoints that hold integers and scales (compressed-tensors:
 models/compressed_tensors.py; GPTQ and AWQ: models/gptq_awq.py), whose common part is here:
 `IntegerWeight` (one layer's integers, scales and zero points, in one convention) and

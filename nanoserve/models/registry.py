@@ -13,8 +13,8 @@ from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gptq_awq import group_quant_config
 from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import find_gguf_file
-from nanoserve.models.gguf_weights import load_gguf_weights
+from nanoserve.models.gguf.model import find_gguf_file
+from nanoserve.models.gguf.weights import load_gguf_weights
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.gpt_oss import GptOssForCausalLM
 from nanoserve.models.llama import LlamaForCausalLM

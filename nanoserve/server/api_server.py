@@ -14,7 +14,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.lora.request import LoRARequest
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ChatFeatures, ServerOptions
-from nanoserve.server.http_server import HttpServer
+from nanoserve.server.http.server import HttpServer
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger

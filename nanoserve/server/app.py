@@ -19,7 +19,7 @@ from nanoserve.server.completions import create_completion
 from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
 from nanoserve.server.responses import create_response
 from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
-from nanoserve.server.http_types import HttpRequest, Response, StreamingResponse
+from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
 from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
                                       DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest,
                                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse,

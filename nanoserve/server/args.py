@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from nanoserve import envs
-from nanoserve.server.http_types import HttpLimits
+from nanoserve.server.http.types import HttpLimits
 from nanoserve.server.reasoning_parsers import (DEFAULT_REASONING_PARSERS, REASONING_PARSERS,
                                                 ReasoningParser)
 from nanoserve.server.responses_input import DEFAULT_STORE_MAX_BYTES

@@ -12,7 +12,7 @@ from nanoserve.beam_search import BeamSearch, BeamSearchParams
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import TokensPrompt
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.server.http_types import Response
+from nanoserve.server.http.types import Response
 from nanoserve.server.schemas import CompletionChoice, CompletionRequest, CompletionResponse
 from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 

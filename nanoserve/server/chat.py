@@ -10,7 +10,7 @@ from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput, delta_messages
-from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.http.types import Response, StreamingResponse
 from nanoserve.server.logprobs import chat_logprobs, prompt_logprobs_body
 from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.schemas import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse,

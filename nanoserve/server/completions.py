@@ -8,7 +8,7 @@ from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.beam_completions import beam_params, create_beam_completion
-from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.http.types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
 from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
                                       CompletionStreamChoice, CompletionStreamResponse, Usage)

@@ -16,7 +16,7 @@ import msgspec
 from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.server.http_types import Response
+from nanoserve.server.http.types import Response
 from nanoserve.server.schemas import APIError
 from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 

@@ -13,7 +13,7 @@ from nanoserve.outputs import CompletionOutput
 from nanoserve.server.chat import (constrain_for_tools, output_reader, render_chat_prompt,
                                    template_kwargs_with_effort)
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput
-from nanoserve.server.http_types import Response, StreamingResponse
+from nanoserve.server.http.types import Response, StreamingResponse
 from nanoserve.server.responses_input import (ResponsesRequest, ResponseStore, as_chat_request,
                                               check_unsupported, input_messages, reasoning_effort)
 from nanoserve.server.schemas import APIError

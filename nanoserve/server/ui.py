@@ -7,7 +7,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Awaitable, Callable
 
-from nanoserve.server.http_types import HttpRequest, Response
+from nanoserve.server.http.types import HttpRequest, Response
 from nanoserve.server.serving import encode_json
 
 PAGE_PATHS = ("/", "/index.html")

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism on a quantized GGUF model (CPU, gloo): the same greedy tokens
 as one rank. Column-parallel layers take whole block rows, row-parallel layers whole blocks of
-each row (models/gguf_weights.py), the tied Q8_0 head its vocabulary rows."""
+each row (models/gguf/weights.py), the tied Q8_0 head its vocabulary rows."""
 from __future__ import annotations
 
 import pytest

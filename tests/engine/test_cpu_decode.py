@@ -190,7 +190,7 @@ def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cp
     """A GGUF model served as it is (its layers' quant_weight / quant_parts): the fused steps
     and the modules' path give the same tokens and logprobs. The llama.cpp mixes on their own
     shape (hidden 384: Q5_0 / Q5_1 beside Q4_K / Q5_K, Q6_K and Q8_0)."""
-    gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving (models/gguf_weights.py) not here")
+    gguf_models = pytest.importorskip("tests.gguf_models", reason="GGUF serving (models/gguf/weights.py) not here")
     shape = {} if preset in gguf_models.LLAMA_CPP_MIXES else dict(
         hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
     assert_fused_gives_the_modules_bits(gguf_models.write_quantized_gguf(tmp_path, preset, seed=3, **shape))

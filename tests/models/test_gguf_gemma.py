@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.models.gguf_model import gguf_hf_config
+from nanoserve.models.gguf.model import gguf_hf_config
 from tests.gguf_models import dequantized_gemma, assert_greedy_logprobs_match, write_gemma_gguf
 from tests.models.test_compressed_tensors import GREEDY, PROMPTS
 from tests.models.test_gguf_moe import build
@@ -67,7 +67,7 @@ def test_import_into_a_directory_transformers_loads(family, tmp_path):
     value in bf16 (Gemma's norms back to w; Phi's fused layers and LongRoPE factors)."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_import import import_gguf
+    from nanoserve.models.gguf.importer import import_gguf
     from tests.gguf_models import dequantized_phi3, write_phi3_gguf
 
     if family == "gemma3":

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nanoserve.kernels import quant
-from nanoserve.models.gguf_model import gguf_hf_config, gguf_tokenizer
-from nanoserve.models.gguf_tokenizer import _pre_tokenizer
-from nanoserve.models.gguf_weights import mxfp4_components
+from nanoserve.models.gguf.model import gguf_hf_config, gguf_tokenizer
+from nanoserve.models.gguf.tokenizer import _pre_tokenizer
+from nanoserve.models.gguf.weights import mxfp4_components
 from tests.gguf_models import dequantized_gpt_oss, teacher_forced, write_moe_gguf
 from tests.models.test_compressed_tensors import PROMPTS, assert_moe_tensor_parallel_equals_one_rank, greedy
 from tests.models.test_gguf_moe import build

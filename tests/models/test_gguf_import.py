@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nanoserve.models.gguf_import import (
+from nanoserve.models.gguf.importer import (
     IMPORT_MARKER,
     MODEL_FILES,
     GGUFImportError,
@@ -21,7 +21,7 @@ from nanoserve.models.gguf_import import (
     import_gguf,
     is_complete_model_dir,
 )
-from nanoserve.models.gguf_reader import unpermute_rotary_rows
+from nanoserve.models.gguf.reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.kernels import quant
-from nanoserve.models.gguf_model import gguf_hf_config
-from nanoserve.models.gguf_import import import_gguf
+from nanoserve.models.gguf.model import gguf_hf_config
+from nanoserve.models.gguf.importer import import_gguf
 from tests.gguf_models import dequantized_transformers, teacher_forced, write_moe_gguf, write_qwen3_gguf
 from tests.models.test_compressed_tensors import (PROMPTS, assert_moe_tensor_parallel_equals_one_rank,
                                                   assert_same_greedy, greedy)

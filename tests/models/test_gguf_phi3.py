@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.models.gguf_model import gguf_hf_config
+from nanoserve.models.gguf.model import gguf_hf_config
 from tests.gguf_models import dequantized_phi3, assert_greedy_logprobs_match, write_phi3_gguf
 from tests.models.test_compressed_tensors import GREEDY, PROMPTS
 from tests.models.family_checkpoints import LONGROPE_SWITCH

@@ -18,9 +18,9 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import cpu_ops, quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf_model import check_gguf_file, find_gguf_file, gguf_tokenizer, read_gguf_file
-from nanoserve.models.gguf_tokenizer import build_tokenizer
-from nanoserve.models.gguf_reader import unpermute_rotary_rows
+from nanoserve.models.gguf.model import check_gguf_file, find_gguf_file, gguf_tokenizer, read_gguf_file
+from nanoserve.models.gguf.tokenizer import build_tokenizer
+from nanoserve.models.gguf.reader import unpermute_rotary_rows
 from nanoserve.tokenizer import Tokenizer
 from tests.gguf_models import teacher_forced, write_quantized_gguf
 
@@ -282,8 +282,8 @@ def _transformers_on_the_file(gguf_file):
     GEMM arithmetic nanoserve promises."""
     from transformers import AutoModelForCausalLM
 
-    from nanoserve.models.gguf_reader import hf_tensor_name
-    from nanoserve.models.gguf_weights import mxfp4_components
+    from nanoserve.models.gguf.reader import hf_tensor_name
+    from nanoserve.models.gguf.weights import mxfp4_components
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf_file.parent / "hf"), dtype=torch.float32).eval()
     permuted = model.config.model_type == "llama"
@@ -373,7 +373,7 @@ def test_a_split_that_is_not_whole_blocks_is_refused(tmp_path):
 
 
 def test_default_gguf_file_is_kept_and_printed(tmp_path, monkeypatch, smollm2_gguf):
-    from nanoserve.models.gguf_import import default_gguf_path, ensure_default_gguf
+    from nanoserve.models.gguf.importer import default_gguf_path, ensure_default_gguf
 
     monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
     path = ensure_default_gguf(progress=False)

@@ -1,5 +1,5 @@
 """GGUF files whose vocabulary is SentencePiece BPE (llama.cpp's tokenizer model "llama": Llama 2,
-Mistral 7B, ...: pieces with scores, no merges), rebuilt by models/gguf_tokenizer.py. Oracle: the
+Mistral 7B, ...: pieces with scores, no merges), rebuilt by models/gguf/tokenizer.py. Oracle: the
 `sentencepiece` package itself, on a model it trains here (byte fallback, digits split, identity
 normalization, as Llama 2's) and writes into the metadata the way llama.cpp's converter does."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.models.gguf_reader import read_metadata
-from nanoserve.models.gguf_tokenizer import build_tokenizer
+from nanoserve.models.gguf.reader import read_metadata
+from nanoserve.models.gguf.tokenizer import build_tokenizer
 from nanoserve.tokenizer import Tokenizer
 
 spm = pytest.importorskip("sentencepiece")

@@ -1,5 +1,5 @@
 """GGUF files from untrusted hands (issue 52 rows 7 and 8): every count and length in the header is
-checked against the bytes left before anything is read (models/gguf_header.py), so a malformed
+checked against the bytes left before anything is read (models/gguf/header.py), so a malformed
 file is one GGUFImportError line, never a raw exception, a spin or a memory blow-up; and the
 SentencePiece merges cost a piece's length, not its square. Oracles: the gguf package's own
 reader on well-formed files, the plain every-cut merge construction on small vocabularies. Files
@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, read_gguf_header
-from nanoserve.models.gguf_model import gguf_hf_config, gguf_metadata, gguf_tokenizer, read_gguf_file
-from nanoserve.models.gguf_reader import GGUFImportError, llama_config, read_metadata
-from nanoserve.models.gguf_tokenizer import build_tokenizer, spm_merges
+from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, read_gguf_header
+from nanoserve.models.gguf.model import gguf_hf_config, gguf_metadata, gguf_tokenizer, read_gguf_file
+from nanoserve.models.gguf.reader import GGUFImportError, llama_config, read_metadata
+from nanoserve.models.gguf.tokenizer import build_tokenizer, spm_merges
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMORY_HEADROOM = 1 << 30  # address space a child may add to what its imports took

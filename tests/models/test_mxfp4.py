@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.models.gguf_model import check_quantization
+from nanoserve.models.gguf.model import check_quantization
 from nanoserve.models.mxfp4 import dequantize_mxfp4
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_engine_tiny import random_prompts

@@ -25,7 +25,7 @@ class ServerHandle:
         from nanoserve.engine.llm_engine import LLMEngine
         from nanoserve.server.api_server import start_server
         from nanoserve.server.args import ServerOptions
-        from nanoserve.server.http_types import HttpLimits
+        from nanoserve.server.http.types import HttpLimits
 
         limits = options.pop("limits", None) or HttpLimits()
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **(engine_kwargs or {})))

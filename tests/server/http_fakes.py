@@ -7,8 +7,8 @@ import asyncio
 import functools
 from typing import Callable
 
-from nanoserve.server.http_connection import HttpConnection
-from nanoserve.server.http_types import ServerState
+from nanoserve.server.http.connection import HttpConnection
+from nanoserve.server.http.types import ServerState
 
 
 def run_async(test):

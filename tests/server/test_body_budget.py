@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nanoserve.server.http_types import HttpLimits
+from nanoserve.server.http.types import HttpLimits
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import connect, is_closed, read_response
 

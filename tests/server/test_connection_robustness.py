@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from nanoserve.server.http_types import HttpLimits
+from nanoserve.server.http.types import HttpLimits
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import (StepSpy, connect, is_closed, letter_bias, read_response,
                                          scrape_metrics)

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from nanoserve.server.http_server import HttpServer
-from nanoserve.server.http_types import HttpLimits, HttpRequest, Response, StreamingResponse
+from nanoserve.server.http.server import HttpServer
+from nanoserve.server.http.types import HttpLimits, HttpRequest, Response, StreamingResponse
 
 from tests.server.server_helpers import connect, is_closed, read_response
 

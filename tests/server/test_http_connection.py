@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from nanoserve.server import http_writer
-from nanoserve.server.http_types import (HttpLimits, HttpRequest, Response, ServerState,
+from nanoserve.server.http import writer as http_writer
+from nanoserve.server.http.types import (HttpLimits, HttpRequest, Response, ServerState,
                                          StreamingResponse)
 
 from tests.server.http_fakes import Client, run_async, until

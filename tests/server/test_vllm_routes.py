@@ -8,7 +8,7 @@ from urllib.parse import quote
 import openai
 import pytest
 
-from nanoserve.server.http_types import HttpRequest, StreamingResponse
+from nanoserve.server.http.types import HttpRequest, StreamingResponse
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 from tests.server.test_async_engine import sse_events

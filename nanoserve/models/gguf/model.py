@@ -1,6 +1,6 @@
 """Serving a GGUF file as it is (vLLM's `--model FILE.gguf`): which path is one, the config and
 tokenizer its metadata implies, and the `--quantization` it goes with. The weights are loaded by
-models/gguf_weights.py, linear layers keeping their quantization blocks."""
+models/gguf/weights.py, linear layers keeping their quantization blocks."""
 from __future__ import annotations
 
 import functools
@@ -14,8 +14,8 @@ from nanoserve.models.gptq_awq import FLAG_ALIASES, group_quant_config
 from nanoserve.models.gptq_awq import METHODS as GROUP_METHODS, GPTQ
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config
 from nanoserve.models.mxfp4 import MXFP4_METHOD
-from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, GGUFHeader, read_gguf_header
-from nanoserve.models.gguf_reader import ROPE_FACTOR_TENSORS, llama_config, with_rope_factors
+from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, GGUFHeader, read_gguf_header
+from nanoserve.models.gguf.reader import ROPE_FACTOR_TENSORS, llama_config, with_rope_factors
 
 GGUF_MAGIC = b"GGUF"
 
@@ -49,7 +49,7 @@ def _tensor_table(header: GGUFHeader) -> dict[str, tuple]:
 
 def read_gguf_file(gguf_file: Path) -> tuple[dict, dict[str, tuple]]:
     """(metadata, {tensor name: (ggml type, GGUF shape)}), all of it, read now (not cached);
-    GGUFImportError, one line, for a malformed file (models/gguf_header.py checks every count)."""
+    GGUFImportError, one line, for a malformed file (models/gguf/header.py checks every count)."""
     header = read_gguf_header(gguf_file)
     return header.metadata, _tensor_table(header)
 
@@ -127,8 +127,8 @@ def _factor_tensors(gguf_file: Path) -> list[_FactorTensor]:
 
 
 def gguf_tokenizer(gguf_file: Path):
-    """The tokenizer and chat template stored in the file's metadata (models/gguf_tokenizer.py)."""
-    from nanoserve.models.gguf_tokenizer import build_tokenizer
+    """The tokenizer and chat template stored in the file's metadata (models/gguf/tokenizer.py)."""
+    from nanoserve.models.gguf.tokenizer import build_tokenizer
     from nanoserve.tokenizer import Tokenizer
 
     metadata, _ = read_gguf_file(Path(gguf_file))

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import httptools
 
-from nanoserve.server.http_types import HttpRequest, Response, ServerState
+from nanoserve.server.http.types import HttpRequest, Response, ServerState
 
 
 class ParseEvents(Protocol):

@@ -4,8 +4,8 @@ The output directory holds exactly what an HF Llama checkpoint holds (config.jso
 generation_config.json, model.safetensors in bfloat16, tokenizer.json, tokenizer_config.json), so the
 rest of nanoserve never needs to know a model came from GGUF. Every write goes to a staging directory
 that is renamed into place at the end: an interrupted or failed import leaves nothing half-written.
-What is written comes from gguf_reader.py (metadata, config, dequantized weights) and
-gguf_tokenizer.py (the rebuilt BPE tokenizer).
+What is written comes from reader.py (metadata, config, dequantized weights) and
+tokenizer.py (the rebuilt BPE tokenizer).
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ import gguf
 from safetensors.torch import save_file
 
 from nanoserve.envs import nanoserve_home
-from nanoserve.models.gguf_header import read_gguf_header
-from nanoserve.models.gguf_reader import GGUFImportError, llama_config, llama_state_dict, with_rope_factors
-from nanoserve.models.gguf_model import generation_stops
-from nanoserve.models.gguf_tokenizer import build_tokenizer
+from nanoserve.models.gguf.header import read_gguf_header
+from nanoserve.models.gguf.reader import GGUFImportError, llama_config, llama_state_dict, with_rope_factors
+from nanoserve.models.gguf.model import generation_stops
+from nanoserve.models.gguf.tokenizer import build_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Pinned so that every machine imports byte-identical weights.
@@ -197,7 +197,7 @@ def _matches_marker(out_dir: Path, source: dict) -> bool:
 
 
 def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
-    # The header checked first (models/gguf_header.py): the gguf package's reader trusts the file.
+    # The header checked first (models/gguf/header.py): the gguf package's reader trusts the file.
     metadata = read_gguf_header(gguf_path).metadata
     try:
         reader = gguf.GGUFReader(gguf_path)

@@ -61,7 +61,7 @@ GEMMA = ("gemma2", "gemma3")
 # Phi-3 / Phi-4-mini (models/phi3.py): q/k/v fused (attn_qkv) and gate/up fused (ffn_up) as the HF
 # checkpoint has them, rows in HF's order, rotary on rope.dimension_count of each head (Phi-4-mini:
 # three quarters), LongRoPE's factors as the tensors rope_factors_short / rope_factors_long (read
-# into the config by models/gguf_model.py), the sliding window on every layer when the file has one.
+# into the config by models/gguf/model.py), the sliding window on every layer when the file has one.
 PHI3 = "phi3"
 ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}

@@ -26,8 +26,8 @@ from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
-from nanoserve.models.gguf_header import VOCABULARY_ARRAYS, read_gguf_header
-from nanoserve.models.gguf_reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
+from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, read_gguf_header
+from nanoserve.models.gguf.reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
                                           rotary_rows_permuted, unpermute_rotary_rows)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
@@ -112,7 +112,7 @@ def _rotary_heads(name: str, config) -> int | None:
 def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     """Each tensor to its parameter as models/weights.load_weights does (fused parts, pipeline
     stages, the tied head), then each quantized layer's staged parts into its QuantWeight."""
-    # The checked header (models/gguf_header.py), not the gguf package's reader, which trusts the
+    # The checked header (models/gguf/header.py), not the gguf package's reader, which trusts the
     # file; the vocabulary's arrays (~200 MiB as Python objects for 128k tokens) checked, not kept.
     header = read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -127,7 +127,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     loaded: set[str] = set()
     for tensor in tensors:
         if tensor.name in ROPE_FACTOR_TENSORS:
-            continue  # LongRoPE's factors: read into the config (models/gguf_model.py)
+            continue  # LongRoPE's factors: read into the config (models/gguf/model.py)
         name = hf_tensor_name(tensor.name, architecture)
         for old, new in renames.items():
             name = name.replace(old, new)

@@ -19,7 +19,7 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Callable
 
-from nanoserve.server.http_types import (App, ErrorResponse, HttpLimits, HttpRequest, Response,
+from nanoserve.server.http.types import (App, ErrorResponse, HttpLimits, HttpRequest, Response,
                                          StreamingResponse)
 
 logger = logging.getLogger("nanoserve.server")

@@ -1,8 +1,8 @@
 """A small HTTP/1.1 server on asyncio + httptools: listen, track connections, shut down gracefully.
 
-One `HttpConnection` per connection (http_connection.py: keep-alive, pipelining, timers) reads
-requests through a `RequestParser` (http_parser.py: httptools, header and body limits) and answers
-them in order through a `ResponseWriter` (http_writer.py: framing, write backpressure). The
+One `HttpConnection` per connection (connection.py: keep-alive, pipelining, timers) reads
+requests through a `RequestParser` (parser.py: httptools, header and body limits) and answers
+them in order through a `ResponseWriter` (writer.py: framing, write backpressure). The
 handler (`App`) returns a `Response` or a `StreamingResponse`; a client that goes away cancels its
 handler task, which is how the OpenAI layer learns to abort the engine request. Limits: header
 bytes (431), body bytes (413, at once for a declared length over it), the time allowed to read one request (408), the keep-alive idle
@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from nanoserve.server.http_connection import HttpConnection
-from nanoserve.server.http_types import (App, ErrorResponse, HeaderCheck, HttpLimits,
+from nanoserve.server.http.connection import HttpConnection
+from nanoserve.server.http.types import (App, ErrorResponse, HeaderCheck, HttpLimits,
                                          ServerState, plain_error)
 
 

@@ -1,8 +1,8 @@
 """One HTTP/1.1 connection: keep-alive, pipelining, the timers, and the order of answers.
 
-Bytes go to the `RequestParser` (http_parser.py: httptools, header and body limits, the
+Bytes go to the `RequestParser` (parser.py: httptools, header and body limits, the
 server-wide body budget); the requests it completes queue in `pending` and are answered in order,
-one handler task at a time, through the `ResponseWriter` (http_writer.py: framing, write
+one handler task at a time, through the `ResponseWriter` (writer.py: framing, write
 backpressure). Errors found while parsing (400, 401, 408, 413, 431, 503) queue an error reply in
 order, then the connection closes. `connection_lost` cancels the running handler: that is how a
 disconnect reaches the OpenAI layer, which aborts its engine request. So reading goes on while a
@@ -26,9 +26,9 @@ import collections
 import logging
 from dataclasses import dataclass
 
-from nanoserve.server.http_parser import RequestParser
-from nanoserve.server.http_types import HttpRequest, Response, ServerState
-from nanoserve.server.http_writer import ResponseWriter
+from nanoserve.server.http.parser import RequestParser
+from nanoserve.server.http.types import HttpRequest, Response, ServerState
+from nanoserve.server.http.writer import ResponseWriter
 
 logger = logging.getLogger("nanoserve.server")
 

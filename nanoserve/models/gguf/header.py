@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nanoserve.models.gguf_reader import GGUFImportError
+from nanoserve.models.gguf.reader import GGUFImportError
 
 # The vocabulary's arrays: read by the tokenizer once, not cached (a 128k-token vocabulary and its
 # merges are ~130 MiB as Python objects, held for the server's life otherwise); other reads skip them.

@@ -9,7 +9,7 @@ import itertools
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from nanoserve.models.gguf_reader import GGUFImportError
+from nanoserve.models.gguf.reader import GGUFImportError
 
 # llama.cpp's `tokenizer.ggml.pre` names the pre-tokenizer regex the vocabulary was trained with.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
