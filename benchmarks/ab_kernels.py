@@ -17,6 +17,7 @@ format: 98-270 MB, read from memory as a real step reads them), on --rows rows. 
 (attention, decode) or best (GEMM) time of each side, old / new, and whether the outputs are the
 same bits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,15 +44,20 @@ def sources(side: str, scratch: Path) -> Path:
         return Path(side).resolve()
     out = scratch / side.replace("/", "_")
     out.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", side, "nanoserve/kernels/cpu"],
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", side, "nanoserve/kernels/cpu"],
+        capture_output=True,
+        check=True,
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out / "nanoserve" / "kernels" / "cpu"
 
 
 def build(source_dir: Path, output: Path, isa: str) -> ctypes.CDLL:
-    command = [str(source_dir / Path(part).name) if part.startswith(str(KERNELS)) else part
-               for part in cpu_ops.build_command(cpu_ops.compiler(), output)]
+    command = [
+        str(source_dir / Path(part).name) if part.startswith(str(KERNELS)) else part
+        for part in cpu_ops.build_command(cpu_ops.compiler(), output)
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"building {source_dir} failed:\n{result.stderr[-2000:]}")
@@ -72,8 +78,12 @@ def attention(libs: dict[str, ctypes.CDLL], seqs: int, rounds: int) -> None:
             cache = zeros_on_huge_pages((pool, kv_heads, block, dim), torch.bfloat16)
             cache.copy_(torch.randn(pool, kv_heads, block, dim, generator=generator))
             caches.append(cache)
-        tables = [torch.randperm(pool, generator=generator)[: seqs * blocks].to(torch.int32).reshape(seqs, blocks)
-                  for _ in range(8)]
+        tables = [
+            torch.randperm(pool, generator=generator)[: seqs * blocks]
+            .to(torch.int32)
+            .reshape(seqs, blocks)
+            for _ in range(8)
+        ]
         query = torch.randn(seqs, heads, dim, generator=generator).to(torch.bfloat16)
         cu_seqlens = torch.arange(seqs + 1, dtype=torch.int32)
         seq_lens = torch.full((seqs,), context, dtype=torch.int32)
@@ -81,20 +91,39 @@ def attention(libs: dict[str, ctypes.CDLL], seqs: int, rounds: int) -> None:
         times: dict[str, list[float]] = {name: [] for name in libs}
 
         def call(lib: ctypes.CDLL, out: torch.Tensor, table: torch.Tensor) -> None:
-            lib.ns_paged_attention(cpu_ops._DTYPES[torch.bfloat16], out.data_ptr(), query.data_ptr(), query.stride(0),
-                                   query.stride(1), caches[0].data_ptr(), caches[1].data_ptr(), kv_heads, block, dim,
-                                   table.data_ptr(), table.stride(0), cu_seqlens.data_ptr(), seq_lens.data_ptr(),
-                                   seqs, heads, dim ** -0.5, cpu_ops._ROWS_PER_ITEM)
+            lib.ns_paged_attention(
+                cpu_ops._DTYPES[torch.bfloat16],
+                out.data_ptr(),
+                query.data_ptr(),
+                query.stride(0),
+                query.stride(1),
+                caches[0].data_ptr(),
+                caches[1].data_ptr(),
+                kv_heads,
+                block,
+                dim,
+                table.data_ptr(),
+                table.stride(0),
+                cu_seqlens.data_ptr(),
+                seq_lens.data_ptr(),
+                seqs,
+                heads,
+                dim**-0.5,
+                cpu_ops._ROWS_PER_ITEM,
+            )
 
         for round_ in range(rounds):
-            for name in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+            for name in list(libs) if round_ % 2 == 0 else list(reversed(libs)):
                 start = time.perf_counter()
                 for index in range(16):
                     call(libs[name], outs[name], tables[index % 8])
                 times[name].append((time.perf_counter() - start) / 16 * 1e6)
         old, new = (statistics.median(times[name]) for name in libs)
-        print(f"decode attention, {seqs} sequences x {context} keys: old {old:.0f} us, new {new:.0f} us, "
-              f"{old / new:.2f}x; same bits: {torch.equal(outs['old'], outs['new'])}", flush=True)
+        print(
+            f"decode attention, {seqs} sequences x {context} keys: old {old:.0f} us, new {new:.0f} us, "
+            f"{old / new:.2f}x; same bits: {torch.equal(outs['old'], outs['new'])}",
+            flush=True,
+        )
 
 
 def gemm(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: int) -> None:
@@ -116,24 +145,45 @@ def gemm(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: in
             calls = max(3, int(1e8 / (rows * n * k)))
             times: dict[str, list[float]] = {side: [] for side in libs}
             for round_ in range(rounds):
-                for side in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+                for side in list(libs) if round_ % 2 == 0 else list(reversed(libs)):
+
                     def call() -> None:
-                        code = libs[side].ns_gemm_quant(format_code(qtype), outs[side].data_ptr(), n, x.data_ptr(),
-                                                        x.stride(0), 1, weight.packed.data_ptr(), None, rows, n, k)
+                        code = libs[side].ns_gemm_quant(
+                            format_code(qtype),
+                            outs[side].data_ptr(),
+                            n,
+                            x.data_ptr(),
+                            x.stride(0),
+                            1,
+                            weight.packed.data_ptr(),
+                            None,
+                            rows,
+                            n,
+                            k,
+                        )
                         assert code == 0, code
+
                     call()
                     start = time.perf_counter()
                     for _ in range(calls):
                         call()
                     times[side].append((time.perf_counter() - start) / calls * 1e6)
             old, new = min(times["old"]), min(times["new"])
-            print(f"{qtype} {name} x {rows} rows: old {old:.1f} us, new {new:.1f} us, {old / new:.3f}x "
-                  f"({rows * n * k / new / 1e3:.0f} GMAC/s); same bits: {torch.equal(outs['old'], outs['new'])}",
-                  flush=True)
+            print(
+                f"{qtype} {name} x {rows} rows: old {old:.1f} us, new {new:.1f} us, {old / new:.3f}x "
+                f"({rows * n * k / new / 1e3:.0f} GMAC/s); same bits: {torch.equal(outs['old'], outs['new'])}",
+                flush=True,
+            )
 
 
-def decode(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: int, layers: int = 30,
-           model: str = "smollm2") -> None:
+def decode(
+    libs: dict[str, ctypes.CDLL],
+    rows: int,
+    formats: list[str],
+    rounds: int,
+    layers: int = 30,
+    model: str = "smollm2",
+) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks" / "quant"))
     from gemm_shapes import SHAPES, random_blocks
 
@@ -143,45 +193,83 @@ def decode(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: 
     from nanoserve.kernels.quant import QuantWeight, pack_weight
 
     generator = torch.Generator().manual_seed(0)
-    order = [name for name in SHAPES if name != "lm_head"] * layers + [name for name in SHAPES if name == "lm_head"]
+    order = [name for name in SHAPES if name != "lm_head"] * layers + [
+        name for name in SHAPES if name == "lm_head"
+    ]
     for qtype in formats:
         weights = []
         for name in order:
             n, k = SHAPES[name]
             if qtype == "bf16":
-                packed = cpu_ops.pack_gemm_weight((torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16))
+                packed = cpu_ops.pack_gemm_weight(
+                    (torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16)
+                )
             else:
                 weight = QuantWeight(qtype, n, k, random_blocks(qtype, n, k, generator))
                 packed = pack_weight(weight)
             weights.append((n, k, packed))
-        xs = {k: torch.randn(rows, k, generator=generator).to(torch.bfloat16) for _, k, _ in weights}
-        outs = {side: [torch.empty(rows, n, dtype=torch.bfloat16) for n, _, _ in weights] for side in libs}
+        xs = {
+            k: torch.randn(rows, k, generator=generator).to(torch.bfloat16) for _, k, _ in weights
+        }
+        outs = {
+            side: [torch.empty(rows, n, dtype=torch.bfloat16) for n, _, _ in weights]
+            for side in libs
+        }
 
         def step(side: str) -> None:
             lib = libs[side]
             for (n, k, packed), out in zip(weights, outs[side]):
                 x = xs[k]
-                code = (lib.ns_gemm_bf16(out.data_ptr(), n, x.data_ptr(), x.stride(0), packed.data_ptr(), None, rows, n, k)
-                        if qtype == "bf16" else
-                        lib.ns_gemm_quant(format_code(qtype), out.data_ptr(), n, x.data_ptr(), x.stride(0), 1,
-                                          packed.data_ptr(), None, rows, n, k))
+                code = (
+                    lib.ns_gemm_bf16(
+                        out.data_ptr(),
+                        n,
+                        x.data_ptr(),
+                        x.stride(0),
+                        packed.data_ptr(),
+                        None,
+                        rows,
+                        n,
+                        k,
+                    )
+                    if qtype == "bf16"
+                    else lib.ns_gemm_quant(
+                        format_code(qtype),
+                        out.data_ptr(),
+                        n,
+                        x.data_ptr(),
+                        x.stride(0),
+                        1,
+                        packed.data_ptr(),
+                        None,
+                        rows,
+                        n,
+                        k,
+                    )
+                )
                 assert code == 0, code
 
         times: dict[str, list[float]] = {side: [] for side in libs}
         for side in libs:
             step(side)
         for round_ in range(rounds):
-            for side in (list(libs) if round_ % 2 == 0 else list(reversed(libs))):
+            for side in list(libs) if round_ % 2 == 0 else list(reversed(libs)):
                 start = time.perf_counter()
                 step(side)
                 times[side].append((time.perf_counter() - start) * 1e3)
         old, new = statistics.median(times["old"]), statistics.median(times["new"])
         # Bit patterns (random K-type blocks hold NaN scales: NaN != NaN as values).
-        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs["old"], outs["new"]))
+        same = all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for a, b in zip(outs["old"], outs["new"])
+        )
         megabytes = sum(p.numel() * p.element_size() for _, _, p in weights) / 1e6
         head = " + LM head" if "lm_head" in SHAPES else ""
-        print(f"{qtype} decode step's GEMMs ({layers} layers{head}, {megabytes:.0f} MB) x {rows} rows: "
-              f"old {old:.2f} ms, new {new:.2f} ms, {old / new:.3f}x; same bits: {same}", flush=True)
+        print(
+            f"{qtype} decode step's GEMMs ({layers} layers{head}, {megabytes:.0f} MB) x {rows} rows: "
+            f"old {old:.2f} ms, new {new:.2f} ms, {old / new:.3f}x; same bits: {same}",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -189,14 +277,22 @@ def main() -> None:
     parser.add_argument("kernel", choices=("attention", "gemm", "decode"))
     parser.add_argument("old", help="a commit, or a directory of kernel sources")
     parser.add_argument("new", help="a commit, or a directory of kernel sources")
-    parser.add_argument("--isa", default=None, help="the level both run (default: the best this CPU runs)")
+    parser.add_argument(
+        "--isa", default=None, help="the level both run (default: the best this CPU runs)"
+    )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--rows", type=int, default=None, help="default: 64 (gemm), 1 (decode)")
     parser.add_argument("--formats", nargs="+", default=["q4_1"])
-    parser.add_argument("--model", default="smollm2", help="decode: the layer shapes (gemm_shapes.py: smollm2, 1b; "
-                        "1b's inputs are whole K-type super-blocks)")
-    parser.add_argument("--layers", type=int, default=30, help="decode: layers of weights (read from memory)")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="decode: the layer shapes (gemm_shapes.py: smollm2, 1b; "
+        "1b's inputs are whole K-type super-blocks)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=30, help="decode: layers of weights (read from memory)"
+    )
     parser.add_argument("--rounds", type=int, default=16)
     args = parser.parse_args()
     if cpu_ops.library() is None:
@@ -207,10 +303,14 @@ def main() -> None:
     isa = args.isa or cpu_ops.isa()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        libs = {side: build(sources(where, scratch), scratch / f"{side}.so", isa)
-                for side, where in (("old", args.old), ("new", args.new))}
-        print(f"# {cpu_ops.describe_isa()}; both at {isa}; {torch.get_num_threads()} threads; "
-              f"old {args.old}, new {args.new}")
+        libs = {
+            side: build(sources(where, scratch), scratch / f"{side}.so", isa)
+            for side, where in (("old", args.old), ("new", args.new))
+        }
+        print(
+            f"# {cpu_ops.describe_isa()}; both at {isa}; {torch.get_num_threads()} threads; "
+            f"old {args.old}, new {args.new}"
+        )
         if args.kernel == "attention":
             attention(libs, args.seqs, args.rounds)
         elif args.kernel == "decode":

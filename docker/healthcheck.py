@@ -5,6 +5,7 @@
 
 /health needs no API key. Proxy variables are ignored: the server is on this container's loopback.
 """
+
 import sys
 import urllib.request
 

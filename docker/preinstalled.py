@@ -7,6 +7,7 @@
 Used by docker/install.sh so that installing nanoserve keeps the base image's torch and triton.
 Standard library only: it runs before anything else is installed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,9 +24,11 @@ def installed_version(name: str) -> str | None:
 def pin(names: list[str]) -> int:
     missing = [name for name in names if installed_version(name) is None]
     if missing:
-        print(f"preinstalled.py: {', '.join(missing)} not installed in {sys.prefix}; the base image "
-              "must ship them (nanoserve keeps the base's builds rather than installing its own)",
-              file=sys.stderr)
+        print(
+            f"preinstalled.py: {', '.join(missing)} not installed in {sys.prefix}; the base image "
+            "must ship them (nanoserve keeps the base's builds rather than installing its own)",
+            file=sys.stderr,
+        )
         return 1
     for name in names:
         print(f"{name}=={installed_version(name)}")

@@ -1,8 +1,9 @@
 """nanoserve: a small, fast LLM inference server."""
+
+from nanoserve.beam_search import BeamSearchParams
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.beam_search import BeamSearchParams
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -25,6 +26,16 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput", "LoRARequest",
-           "TextPrompt", "TokensPrompt", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "PoolingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LoRARequest",
+    "TextPrompt",
+    "TokensPrompt",
+    "__version__",
+]

@@ -16,6 +16,7 @@ finished and the best running beam, at its current length, can no longer beat th
 `BeamSearch` is the state machine: `pending()` lists the token sequences to extend, `advance()`
 takes their next-token logprobs; `LLM.beam_search` and the server drive it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ NEG_INF = float("-inf")
 @dataclass(slots=True)
 class BeamSearchParams:
     """vLLM's names."""
+
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
@@ -45,6 +47,7 @@ class BeamSearchParams:
 @dataclass(slots=True)
 class BeamSearchSequence:
     """One beam: `tokens` are the prompt's and the generated ones (vLLM's shape)."""
+
     tokens: list[int]
     logprobs: list[float] = field(default_factory=list)  # each generated token's logprob
     cum_logprob: float = 0.0
@@ -60,7 +63,9 @@ class BeamSearchOutput:
 
 
 class BeamSearch:
-    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int]):
+    def __init__(
+        self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int]
+    ):
         self.params = params
         self.prompt_len = len(prompt_token_ids)
         self.eos = set() if params.ignore_eos else set(eos_token_ids)
@@ -85,12 +90,14 @@ class BeamSearch:
         """`next_logprobs[i]`: token id -> logprob for the i-th pending beam's next token (at
         least its `num_logprobs` best)."""
         width = self.params.beam_width
-        candidates = [(beam.cum_logprob + logprob, index, token)
-                      for index, (beam, options) in enumerate(zip(self.running, next_logprobs))
-                      for token, logprob in options.items()]
+        candidates = [
+            (beam.cum_logprob + logprob, index, token)
+            for index, (beam, options) in enumerate(zip(self.running, next_logprobs))
+            for token, logprob in options.items()
+        ]
         # Best first; equal sums keep the lower (beam, token) first, as a flat topk scan would.
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        candidates = candidates[:self.keep]
+        candidates = candidates[: self.keep]
         length = self._generated(self.running[0]) + 1
         at_limit = length >= self.params.max_tokens
         new_running = []
@@ -103,7 +110,7 @@ class BeamSearch:
                 if rank < width and self.improvable:
                     child.finish_reason = "stop" if token in self.eos else "length"
                     child.stop_reason = token if token in self.eos else None
-                    child.score = cum / (length ** self.params.length_penalty)
+                    child.score = cum / (length**self.params.length_penalty)
                     self.finished.append(child)
             elif len(new_running) < width:
                 new_running.append(child)
@@ -115,7 +122,7 @@ class BeamSearch:
     def _check_stop(self, length: int, at_limit: bool) -> None:
         width = self.params.beam_width
         if self.improvable and len(self.finished) >= width and self.running:
-            best_possible = self.running[0].cum_logprob / (length ** self.params.length_penalty)
+            best_possible = self.running[0].cum_logprob / (length**self.params.length_penalty)
             self.improvable = best_possible > self.finished[-1].score
         self.done = at_limit or not self.running or not self.improvable
 

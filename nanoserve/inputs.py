@@ -2,10 +2,11 @@
 and `TokensPrompt` (token ids, with the text they came from when it is known, for echo and logs).
 `LLM.generate` also takes what vLLM users pass: a string, a list of token ids, or a dict
 `{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `parse_prompt` turns each into one of the two."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from nanoserve.errors import InvalidRequestError
 
@@ -21,7 +22,7 @@ class TokensPrompt:
     prompt: str | None = None  # the text the ids came from, when known
 
 
-PromptType = Union[str, list[int], dict, TextPrompt, TokensPrompt]
+PromptType = str | list[int] | dict | TextPrompt | TokensPrompt
 
 
 def parse_prompt(prompt: Any) -> TextPrompt | TokensPrompt:
@@ -37,5 +38,7 @@ def parse_prompt(prompt: Any) -> TextPrompt | TokensPrompt:
         raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return TokensPrompt(list(prompt))
-    raise InvalidRequestError("a prompt is a string, a list of token ids, {'prompt_token_ids': "
-                              "[...]}, a TextPrompt or a TokensPrompt")
+    raise InvalidRequestError(
+        "a prompt is a string, a list of token ids, {'prompt_token_ids': "
+        "[...]}, a TextPrompt or a TokensPrompt"
+    )

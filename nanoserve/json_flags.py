@@ -1,5 +1,6 @@
 """A command-line flag whose value is a JSON object (--speculative-config, --pooler-config), or
 the same as a dict from LLM(...): parsed, and checked for fields nobody reads."""
+
 from __future__ import annotations
 
 import json

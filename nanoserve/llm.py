@@ -1,8 +1,9 @@
 """vLLM's offline API: LLM(model=...).generate(prompts, sampling_params) and .chat(...)."""
+
 from __future__ import annotations
 
 import itertools
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,12 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.inputs import TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
-from nanoserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from nanoserve.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    RequestOutputKind,
+)
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
@@ -20,8 +26,9 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 **engine_args):
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, **engine_args
+    ):
         """`LLM(model=..., **EngineConfig fields)`, or `LLM(config=EngineConfig(...))` taken as
         it is (the command line builds one from its flags)."""
         if config is None:
@@ -31,14 +38,17 @@ class LLM:
             raise TypeError("LLM takes either config= or model= and engine arguments, not both")
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
-        self.stat_logger = None if self.llm_engine.config.disable_log_stats else \
-            LoggingStatLogger(self.llm_engine.stats())
+        self.stat_logger = (
+            None
+            if self.llm_engine.config.disable_log_stats
+            else LoggingStatLogger(self.llm_engine.stats())
+        )
 
     def shutdown(self) -> None:
         """Stop tensor-parallel worker ranks (a no-op with one rank)."""
         self.llm_engine.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -55,12 +65,17 @@ class LLM:
     @staticmethod
     def _prompt_list(prompts) -> list:
         if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         return list(prompts)
 
-    def embed(self, prompts, pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed` on a pooling model (--runner pooling / runner="pooling"): one
         embedding per prompt (prompts as in generate), pooled and normalized as the checkpoint
         says (nanoserve/pooling.py)."""
@@ -70,23 +85,34 @@ class LLM:
         else:
             params_list = list(pooling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} pooling params for {len(prompts)} prompts")
+                raise ValueError(
+                    f"got {len(params_list)} pooling params for {len(prompts)} prompts"
+                )
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(
+                    request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY
+                )
                 ids.append(request_id)
             outputs = self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
             self.llm_engine.abort_request(ids)
             raise
-        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
-                for o in outputs]
+        return [
+            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
+            for o in outputs
+        ]
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None,
-                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """`prompts`: one prompt or a list of them, each a string, a list of token ids, a dict
         (`{"prompt_token_ids": [...]}` or `{"prompt": ...}`), a TextPrompt or a TokensPrompt.
         `lora_request`: the LoRA adapter every prompt runs with, or one (or None) per prompt
@@ -105,7 +131,9 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts"
+                )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         for params in params_list:  # start every grammar compiling; a bad one raises here
@@ -116,8 +144,14 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = str(next(self._counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority[i] if priority else 0,
-                                            output_kind=RequestOutputKind.FINAL_ONLY, lora_request=loras[i])
+                self.llm_engine.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    priority[i] if priority else 0,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    lora_request=loras[i],
+                )
                 ids.append(request_id)
             return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
@@ -126,7 +160,11 @@ class LLM:
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if show_progress else None
+        bar = (
+            tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            if show_progress
+            else None
+        )
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
                 if output.finished:
@@ -139,8 +177,9 @@ class LLM:
             bar.close()
         return [finished[i] for i in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None
+    ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: per prompt, the `beam_width` best sequences (nanoserve/
         beam_search.py: transformers' beam search arithmetic). Each step sends every running beam
         of every prompt as one request for one token; the prefix cache shares their blocks.
@@ -149,22 +188,33 @@ class LLM:
         if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)):
             prompts = [prompts]
         tokenizer = self.llm_engine.tokenizer
-        searches = [BeamSearch(self._prompt_ids(prompt), params, self.llm_engine.eos_token_ids)
-                    for prompt in prompts]
+        searches = [
+            BeamSearch(self._prompt_ids(prompt), params, self.llm_engine.eos_token_ids)
+            for prompt in prompts
+        ]
         while True:
             work = [(search, tokens) for search in searches for tokens in search.pending()]
             if not work:
                 break
-            step = SamplingParams(max_tokens=1, temperature=0, logprobs=searches[0].num_logprobs,
-                                  ignore_eos=True)
-            outputs = self.generate([TokensPrompt(tokens) for _, tokens in work], step, use_tqdm=False,
-                                    lora_request=lora_request)
+            step = SamplingParams(
+                max_tokens=1, temperature=0, logprobs=searches[0].num_logprobs, ignore_eos=True
+            )
+            outputs = self.generate(
+                [TokensPrompt(tokens) for _, tokens in work],
+                step,
+                use_tqdm=False,
+                lora_request=lora_request,
+            )
             cursor = 0
             for search in searches:
                 count = len(search.pending())
                 if count:
-                    search.advance([{token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
-                                    for out in outputs[cursor:cursor + count]])
+                    search.advance(
+                        [
+                            {token: lp.logprob for token, lp in out.outputs[0].logprobs[0].items()}
+                            for out in outputs[cursor : cursor + count]
+                        ]
+                    )
                     cursor += count
         results = [search.output() for search in searches]
         for result in results:
@@ -177,15 +227,27 @@ class LLM:
             return list(prompt.prompt_token_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return list(prompt["prompt_token_ids"])
-        text = prompt.prompt if isinstance(prompt, TextPrompt) else \
-            prompt["prompt"] if isinstance(prompt, dict) else prompt
+        text = (
+            prompt.prompt
+            if isinstance(prompt, TextPrompt)
+            else prompt["prompt"]
+            if isinstance(prompt, dict)
+            else prompt
+        )
         return self.llm_engine.tokenizer.encode(text)
 
-    def chat(self, messages, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None,
-             lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
         """`messages` is one conversation (a list of {"role", "content"}) or a list of them.
         `tools` (OpenAI's function tools) reach the template as `tools`, as in vLLM; the output
         is the model's text (the server's tool parsers read calls out of it)."""
@@ -194,9 +256,12 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                **{**(chat_template_kwargs or {}), "tools": tools})
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+                **{**(chat_template_kwargs or {}), "tools": tools},
+            )
             # The template already carries BOS where the model wants it.
             prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

@@ -1,4 +1,5 @@
 """What the engine returns per step, with vLLM's names."""
+
 from __future__ import annotations
 
 import enum
@@ -10,6 +11,7 @@ class RequestOutputKind(enum.Enum):
     every step. DELTA: only what is new since the previous output (the server's streams;
     stop-string hold-back applied, so no text that a stop string may still take back goes
     out). FINAL_ONLY: one cumulative output, when the request finishes (`LLM.generate`)."""
+
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
@@ -40,7 +42,7 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def add(self, delta: "CompletionOutput") -> None:
+    def add(self, delta: CompletionOutput) -> None:
         """Append a later delta of the same output."""
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
@@ -84,7 +86,7 @@ class RequestOutput:
     embedding: list[float] | None = None
     lora_request: object | None = None  # the LoRARequest it ran with (nanoserve.lora), if any
 
-    def add(self, delta: "RequestOutput") -> None:
+    def add(self, delta: RequestOutput) -> None:
         """Fold a later DELTA output of the same request into this one (vLLM's
         `RequestOutput.add`): a reader that fell behind, or one that wants the whole answer,
         sees the deltas so far as one. A delta names only the outputs that changed."""
@@ -116,6 +118,7 @@ class EmbeddingOutput:
 @dataclass(slots=True)
 class EmbeddingRequestOutput:
     """vLLM's: what LLM.embed returns per prompt."""
+
     request_id: str
     outputs: EmbeddingOutput
     prompt_token_ids: list[int]

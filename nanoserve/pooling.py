@@ -8,6 +8,7 @@ module means unit-length output); without them a decoder embedder pools its last
 normalizes (vLLM's default for decoder models). `--pooler-config` ('{"pooling_type": "MEAN",
 "normalize": false}') overrides either field.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,14 +42,18 @@ class PoolerConfig:
         if "pooling_type" in fields:
             fields["pooling_type"] = str(fields["pooling_type"]).upper()
             if fields["pooling_type"] not in POOLING_TYPES:
-                raise ValueError(f"--pooler-config: pooling_type must be one of {list(POOLING_TYPES)}, "
-                                 f"got {value['pooling_type']!r}")
+                raise ValueError(
+                    f"--pooler-config: pooling_type must be one of {list(POOLING_TYPES)}, "
+                    f"got {value['pooling_type']!r}"
+                )
         if "normalize" in fields and not isinstance(fields["normalize"], bool):
             raise ValueError("--pooler-config: normalize must be true or false")
         return fields
 
     @classmethod
-    def for_model(cls, model_dir: str | Path | None, override: str | dict | None = None) -> "PoolerConfig":
+    def for_model(
+        cls, model_dir: str | Path | None, override: str | dict | None = None
+    ) -> PoolerConfig:
         found = _sentence_transformers_config(Path(model_dir)) if model_dir is not None else {}
         if model_dir is not None:
             found.update(_matryoshka(Path(model_dir)))
@@ -60,13 +65,17 @@ class PoolerConfig:
         if dimensions is None:
             return
         if not self.matryoshka:
-            raise ValueError("Model does not support matryoshka representation, changing output "
-                             "dimensions will lead to poor results.")
+            raise ValueError(
+                "Model does not support matryoshka representation, changing output "
+                "dimensions will lead to poor results."
+            )
         if not 1 <= dimensions <= hidden_size:
             raise ValueError(f"dimensions must be from 1 to {hidden_size}, got {dimensions}")
         if self.matryoshka_dimensions and dimensions not in self.matryoshka_dimensions:
-            raise ValueError(f"Model only supports {list(self.matryoshka_dimensions)} matryoshka "
-                             f"dimensions, use other output dimensions will lead to poor results.")
+            raise ValueError(
+                f"Model only supports {list(self.matryoshka_dimensions)} matryoshka "
+                f"dimensions, use other output dimensions will lead to poor results."
+            )
 
 
 def _matryoshka(model_dir: Path) -> dict:
@@ -92,7 +101,9 @@ def _sentence_transformers_config(model_dir: Path) -> dict:
             fields["normalize"] = True
         elif kind.endswith("Pooling"):
             try:
-                pooling = json.loads((model_dir / module.get("path", "") / "config.json").read_text())
+                pooling = json.loads(
+                    (model_dir / module.get("path", "") / "config.json").read_text()
+                )
             except (OSError, ValueError):
                 continue
             if pooling.get("pooling_mode_lasttoken"):
@@ -132,8 +143,10 @@ class PoolingState:
             raise ValueError("nothing was pooled")
         vector = self.kept / self.count if self.config.pooling_type == "MEAN" else self.kept
         if self.params.dimensions is not None:
-            vector = vector[:self.params.dimensions]
-        normalize = self.config.normalize if self.params.normalize is None else self.params.normalize
+            vector = vector[: self.params.dimensions]
+        normalize = (
+            self.config.normalize if self.params.normalize is None else self.params.normalize
+        )
         if normalize:
             vector = torch.nn.functional.normalize(vector, dim=0)
         return vector

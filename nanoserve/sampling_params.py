@@ -1,5 +1,6 @@
 """Per-request sampling settings, with vLLM's names and defaults. Bad values raise
 InvalidRequestError (a ValueError) whose `param` names the field."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from dataclasses import dataclass, field
 
 from nanoserve.errors import InvalidRequestError
 
-INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
-INT32_MAX = 2 ** 31 - 1  # counts and token ids: far above any real value, inside every index type
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1  # counts and token ids: far above any real value, inside every index type
 
 # The lists one request may carry. Each costs work per step (every stop string is searched for
 # after each new token; the logit biases and stop ids are applied to every row of the request)
@@ -28,6 +29,7 @@ class StructuredOutputsParams:
     """Constrain the output (vLLM's names): exactly one of a JSON schema (`json`, a dict or its
     text), any JSON object (`json_object=True`), a `regex`, one of the strings in `choice`, or
     an EBNF `grammar`. `field` names the request field it came from, for error messages."""
+
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -37,29 +39,45 @@ class StructuredOutputsParams:
     field: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
-        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        kinds = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
         if len(kinds) != 1:
-            raise InvalidRequestError(f"{self.field} must set exactly one of json, regex, choice, "
-                                      f"grammar or json_object, got {kinds or 'none'}", self.field)
+            raise InvalidRequestError(
+                f"{self.field} must set exactly one of json, regex, choice, "
+                f"grammar or json_object, got {kinds or 'none'}",
+                self.field,
+            )
         if isinstance(self.choice, (list, tuple)) and len(self.choice) > MAX_CHOICES:
-            raise InvalidRequestError(f"{self.field} choice may hold at most {MAX_CHOICES} "
-                                      f"strings, got {len(self.choice)}", self.field)
+            raise InvalidRequestError(
+                f"{self.field} choice may hold at most {MAX_CHOICES} "
+                f"strings, got {len(self.choice)}",
+                self.field,
+            )
         if self.choice is not None and (
-                not isinstance(self.choice, (list, tuple)) or not self.choice
-                or any(not isinstance(c, str) for c in self.choice)):
-            raise InvalidRequestError(f"{self.field} choice must be a non-empty list of strings",
-                                      self.field)
+            not isinstance(self.choice, (list, tuple))
+            or not self.choice
+            or any(not isinstance(c, str) for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                f"{self.field} choice must be a non-empty list of strings", self.field
+            )
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise InvalidRequestError(f"{self.field} {name} must be a string", self.field)
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise InvalidRequestError(f"{self.field} json must be a JSON schema (an object or its text)",
-                                      self.field)
+            raise InvalidRequestError(
+                f"{self.field} json must be a JSON schema (an object or its text)", self.field
+            )
         size = len(self.key[1])
         if size > MAX_GRAMMAR_CHARS:
-            raise InvalidRequestError(f"{self.field} is too large to compile: {size} characters "
-                                      f"(at most {MAX_GRAMMAR_CHARS})", self.field)
+            raise InvalidRequestError(
+                f"{self.field} is too large to compile: {size} characters "
+                f"(at most {MAX_GRAMMAR_CHARS})",
+                self.field,
+            )
 
     @property
     def key(self) -> tuple[str, str]:
@@ -118,17 +136,23 @@ class SamplingParams:
 
     def _check_sizes(self) -> None:
         """The lists' sizes first: everything after walks them."""
-        for name, limit, what in (("stop", MAX_STOP_STRINGS, "strings"),
-                                  ("stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids"),
-                                  ("logit_bias", MAX_LOGIT_BIAS, "entries")):
+        for name, limit, what in (
+            ("stop", MAX_STOP_STRINGS, "strings"),
+            ("stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids"),
+            ("logit_bias", MAX_LOGIT_BIAS, "entries"),
+        ):
             value = getattr(self, name)
             if isinstance(value, (list, tuple, dict)) and len(value) > limit:
-                raise InvalidRequestError(f"{name} may hold at most {limit} {what}, got "
-                                          f"{len(value)}", name)
+                raise InvalidRequestError(
+                    f"{name} may hold at most {limit} {what}, got {len(value)}", name
+                )
         for stop in self.stop if isinstance(self.stop, (list, tuple)) else [self.stop]:
             if isinstance(stop, str) and len(stop) > MAX_STOP_STRING_CHARS:
-                raise InvalidRequestError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} "
-                                          f"characters long, got one of {len(stop)}", "stop")
+                raise InvalidRequestError(
+                    f"stop strings may be at most {MAX_STOP_STRING_CHARS} "
+                    f"characters long, got one of {len(stop)}",
+                    "stop",
+                )
 
     def _validate(self) -> None:
         self._check_sizes()
@@ -157,8 +181,9 @@ class SamplingParams:
             fail("temperature", "must be >= 0")
         if not 0.0 < check_float("top_p") <= 1.0:
             fail("top_p", "must be in (0, 1]")
-        check_int("top_k", 0, INT32_MAX,
-                  f"must be -1 (off), 0 (off) or an integer in [1, {INT32_MAX}]")
+        check_int(
+            "top_k", 0, INT32_MAX, f"must be -1 (off), 0 (off) or an integer in [1, {INT32_MAX}]"
+        )
         if not 0.0 <= check_float("min_p") <= 1.0:
             fail("min_p", "must be in [0, 1]")
         if not -2.0 <= check_float("presence_penalty") <= 2.0:
@@ -181,18 +206,26 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", -1, INT32_MAX, f"must be -1 or an integer in [0, {INT32_MAX}]")
         if self.prompt_logprobs is not None:
-            check_int("prompt_logprobs", -1, INT32_MAX,
-                      f"must be -1 or an integer in [0, {INT32_MAX}]")
+            check_int(
+                "prompt_logprobs", -1, INT32_MAX, f"must be -1 or an integer in [0, {INT32_MAX}]"
+            )
         if self.seed is not None:
             # Any signed 64-bit value seeds a generator (each of the n outputs adds its index).
             # The bound it broke is named as pydantic names it (vLLM's test_long_seed reads it).
-            broken = "greater_than_equal" if is_int(self.seed) and self.seed < INT64_MIN \
+            broken = (
+                "greater_than_equal"
+                if is_int(self.seed) and self.seed < INT64_MIN
                 else "less_than_equal"
-            check_int("seed", INT64_MIN, INT64_MAX,
-                      f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit; "
-                      f"{broken})")
-        if self.structured_outputs is not None and \
-                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            )
+            check_int(
+                "seed",
+                INT64_MIN,
+                INT64_MAX,
+                f"must be an integer in [{INT64_MIN}, {INT64_MAX}] (signed 64-bit; {broken})",
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
             fail("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -200,13 +233,19 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if not is_int(token):
                     raise InvalidRequestError(
-                        f"logit_bias keys must be integer token ids, got {token!r}", "logit_bias")
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
-                        not -100.0 <= bias <= 100.0:
-                    raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got "
-                                              f"{bias!r} for {token}", "logit_bias")
+                        f"logit_bias keys must be integer token ids, got {token!r}", "logit_bias"
+                    )
+                if (
+                    isinstance(bias, bool)
+                    or not isinstance(bias, (int, float))
+                    or not -100.0 <= bias <= 100.0
+                ):
+                    raise InvalidRequestError(
+                        f"logit_bias values must be in [-100, 100], got {bias!r} for {token}",
+                        "logit_bias",
+                    )
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         from dataclasses import replace
 
         return replace(self)

@@ -1,4 +1,5 @@
 """Tokenizer: a `tokenizers` wrapper for HF-layout model dirs, chat templates, incremental detokenizing."""
+
 from __future__ import annotations
 
 import functools
@@ -62,14 +63,21 @@ def _load_chat_template(path: Path, tokenizer_config: dict) -> str | None:
 class Tokenizer:
     """Encode/decode and chat templates for one model directory (needs a tokenizer.json)."""
 
-    def __init__(self, backend: BackendTokenizer, tokenizer_config: dict | None = None,
-                 generation_eos_token_ids: list[int] | None = None,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        tokenizer_config: dict | None = None,
+        generation_eos_token_ids: list[int] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
         self._backend = backend
         config = tokenizer_config or {}
         self.config = dict(config)  # tokenizer_config.json as read (GET /tokenizer_info shows it)
-        self.truncation_side = config.get("truncation_side") if config.get("truncation_side") in (
-            "left", "right") else "right"
+        self.truncation_side = (
+            config.get("truncation_side")
+            if config.get("truncation_side") in ("left", "right")
+            else "right"
+        )
         self.bos_token = _token_content(config.get("bos_token"))
         self.eos_token = _token_content(config.get("eos_token"))
         self.pad_token = _token_content(config.get("pad_token"))
@@ -78,24 +86,34 @@ class Tokenizer:
         self._generation_eos_token_ids = list(generation_eos_token_ids or [])
         bos_id = self.bos_token_id
         # Some tokenizer.json post-processors (Llama 3) add BOS themselves; never add a second one.
-        adds_bos_itself = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
-        self._prepend_bos = bool(config.get("add_bos_token", False)) and bos_id is not None \
-            and not adds_bos_itself
+        adds_bos_itself = bos_id is not None and backend.encode("", add_special_tokens=True).ids[
+            :1
+        ] == [bos_id]
+        self._prepend_bos = (
+            bool(config.get("add_bos_token", False)) and bos_id is not None and not adds_bos_itself
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(
-                f"{path} has no tokenizer.json (only fast-tokenizer model dirs are supported)")
+                f"{path} has no tokenizer.json (only fast-tokenizer model dirs are supported)"
+            )
         tokenizer_config = _read_json(path / "tokenizer_config.json")
         generation_config = _read_json(path / "generation_config.json")
-        eos_source = generation_config if "eos_token_id" in generation_config \
+        eos_source = (
+            generation_config
+            if "eos_token_id" in generation_config
             else _read_json(path / "config.json")
-        return cls(BackendTokenizer.from_file(str(tokenizer_file)), tokenizer_config,
-                   generation_eos_token_ids=_as_id_list(eos_source.get("eos_token_id")),
-                   chat_template=_load_chat_template(path, tokenizer_config))
+        )
+        return cls(
+            BackendTokenizer.from_file(str(tokenizer_file)),
+            tokenizer_config,
+            generation_eos_token_ids=_as_id_list(eos_source.get("eos_token_id")),
+            chat_template=_load_chat_template(path, tokenizer_config),
+        )
 
     # ------------------------------------------------------------------ ids and text
 
@@ -165,8 +183,11 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        ids = {index for index, token in self._backend.get_added_tokens_decoder().items()
-               if token.special}
+        ids = {
+            index
+            for index, token in self._backend.get_added_tokens_decoder().items()
+            if token.special
+        }
         for token in (self.bos_token, self.eos_token, self.pad_token, self.unk_token):
             index = self._backend.token_to_id(token) if token else None
             if index is not None:
@@ -175,40 +196,63 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, continue_final_message: bool = False,
-                            deadline: float | None = None, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        deadline: float | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """`deadline` (time.monotonic()): rendering stops with ChatTemplateError once past it."""
         template = chat_template or self.chat_template
         if not template:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json 'chat_template' or "
-                "chat_template.jinja); pass chat_template=... or use the completions API")
+                "chat_template.jinja); pass chat_template=... or use the completions API"
+            )
         if add_generation_prompt and continue_final_message:
             raise ChatTemplateError(
-                "add_generation_prompt and continue_final_message cannot both be true")
-        messages = [_assistant_fields(_decode_tool_arguments(_flatten_content(message))) for message in messages]
+                "add_generation_prompt and continue_final_message cannot both be true"
+            )
+        messages = [
+            _assistant_fields(_decode_tool_arguments(_flatten_content(message)))
+            for message in messages
+        ]
         # A marker after the last message's text shows where that text ends once rendered, so the
         # template's end-of-turn tokens after it can be cut off. It ends in a space: if the template
         # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
         continue_marker = "NANOSERVE_CONTINUE_FINAL_MESSAGE "
         if continue_final_message:
             if not messages or not isinstance(messages[-1].get("content"), str):
-                raise ChatTemplateError("continue_final_message needs a final message with text content")
+                raise ChatTemplateError(
+                    "continue_final_message needs a final message with text content"
+                )
             messages[-1]["content"] += continue_marker
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token,
-                   "pad_token": self.pad_token, "unk_token": self.unk_token,
-                   "tools": None, "documents": None, **template_kwargs}
+        context = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
+            "tools": None,
+            "documents": None,
+            **template_kwargs,
+        }
         try:
-            rendered = _render(_compile_template(template), deadline, dict(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context))
+            rendered = _render(
+                _compile_template(template),
+                deadline,
+                dict(messages=messages, add_generation_prompt=add_generation_prompt, **context),
+            )
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template failed to render: {error}") from error
         if continue_final_message:
             cut = rendered.rfind(continue_marker.rstrip())
             if cut < 0:
                 raise ChatTemplateError(
-                    "continue_final_message: the chat template dropped the final message's text")
+                    "continue_final_message: the chat template dropped the final message's text"
+                )
             trimmed = not rendered.startswith(continue_marker, cut)
             rendered = rendered[:cut].rstrip() if trimmed else rendered[:cut]
         return rendered
@@ -227,8 +271,10 @@ def _flatten_content(message: dict) -> dict:
                 texts.append(part["text"])
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ChatTemplateError(f"unsupported message content part of type {kind!r}; "
-                                        "only text parts are supported")
+                raise ChatTemplateError(
+                    f"unsupported message content part of type {kind!r}; "
+                    "only text parts are supported"
+                )
         message["content"] = "\n".join(texts)
     return message
 
@@ -272,11 +318,17 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson HTML-escapes; chat templates expect plain JSON, as transformers renders it.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(format: str) -> str:
@@ -297,7 +349,8 @@ def _render(template: jinja2.Template, deadline: float | None, context: dict) ->
             size += len(part)
             if size > MAX_TEMPLATE_OUTPUT:
                 raise ChatTemplateError(
-                    f"the chat template's output exceeds {MAX_TEMPLATE_OUTPUT} characters")
+                    f"the chat template's output exceeds {MAX_TEMPLATE_OUTPUT} characters"
+                )
             _check_deadline(deadline)
             parts.append(part)
     return "".join(parts)
@@ -335,18 +388,26 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, plus bounds on what `*`, `+` and `**` can build (a huge string or integer).
     Not a memory bound: `~` and filters (`center`, `format`) can still build large strings, which
     is why templates sent in requests are refused unless the operator trusts their senders."""
+
     intercepted_binops = frozenset(["*", "**", "+"])
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         _check_deadline(_current_deadline())
         if operator == "**":
-            if isinstance(right, int) and abs(right) > 64 and \
-                    not (isinstance(left, (int, float)) and abs(left) <= 1):
+            if (
+                isinstance(right, int)
+                and abs(right) > 64
+                and not (isinstance(left, (int, float)) and abs(left) <= 1)
+            ):
                 raise ChatTemplateError("exponent too large in the chat template")
         elif isinstance(left, int) and isinstance(right, (str, list, tuple)):
             left, right = right, left
-        if operator == "+" and isinstance(left, (str, list, tuple)) and \
-                isinstance(right, (str, list, tuple)) and len(left) + len(right) > MAX_TEMPLATE_OUTPUT:
+        if (
+            operator == "+"
+            and isinstance(left, (str, list, tuple))
+            and isinstance(right, (str, list, tuple))
+            and len(left) + len(right) > MAX_TEMPLATE_OUTPUT
+        ):
             raise ChatTemplateError("the chat template builds a value that is too large")
         if operator == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int):
             if len(left) * right > MAX_TEMPLATE_OUTPUT:
@@ -359,7 +420,8 @@ def _compile_template(template: str) -> jinja2.Template:
     # Chat templates come with downloaded models: untrusted code, so sandboxed. trim_blocks and
     # lstrip_blocks match transformers, which is what template authors test against.
     environment = _BoundedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     environment.globals["range"] = _bounded_range
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
@@ -376,8 +438,9 @@ class IncrementalDetokenizer:
     to `tokenizer.decode(generated_ids)`; prompt_token_ids just mark where generation starts.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._num_prompt_tokens = len(prompt_token_ids)
@@ -398,11 +461,11 @@ class IncrementalDetokenizer:
         """Add generated ids; return the text they complete (possibly "")."""
         self._token_ids.extend(new_token_ids)
         window_start = self._prefix_offset
-        prefix_text = self._decode(self._token_ids[window_start:self._read_offset])
+        prefix_text = self._decode(self._token_ids[window_start : self._read_offset])
         new_text = self._decode(self._token_ids[window_start:])
         if new_text.endswith("\ufffd"):
             return ""  # the last ids end inside a multi-byte character: wait for the rest
-        delta = new_text[len(prefix_text):]
+        delta = new_text[len(prefix_text) :]
         if delta:
             self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
@@ -411,12 +474,16 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever is still held back (an incomplete character)."""
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._token_ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):]
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._token_ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset = len(self._token_ids)
         self._text_parts.append(delta)
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens) if ids else ""
+        return (
+            self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+            if ids
+            else ""
+        )

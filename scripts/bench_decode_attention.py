@@ -11,6 +11,7 @@ The `portable` level runs the plain loops of kernels/cpu/ops.cpp (what the `avx2
 decodes before its own kernel); `avx2` its AVX2 + FMA decode kernel; `avx512bf16` the two-pass
 VDPBF16PS kernel; `amx` the AMX tiles of attention_amx.cpp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,17 @@ def main() -> None:
     for context in args.context:
         blocks = (context + BLOCK - 1) // BLOCK
         pool = SEQS * blocks * 8
-        k_phys, v_phys = (torch.randn(pool, KV_HEADS, BLOCK, HEAD_DIM, generator=generator).to(torch.bfloat16)
-                          for _ in range(2))
+        k_phys, v_phys = (
+            torch.randn(pool, KV_HEADS, BLOCK, HEAD_DIM, generator=generator).to(torch.bfloat16)
+            for _ in range(2)
+        )
         key_cache, value_cache = k_phys.permute(0, 2, 1, 3), v_phys.permute(0, 2, 1, 3)
-        tables = [torch.randperm(pool, generator=generator)[: SEQS * blocks].to(torch.int32).reshape(SEQS, blocks)
-                  for _ in range(8)]
+        tables = [
+            torch.randperm(pool, generator=generator)[: SEQS * blocks]
+            .to(torch.int32)
+            .reshape(SEQS, blocks)
+            for _ in range(8)
+        ]
         query = torch.randn(SEQS, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
         cu_seqlens = torch.arange(SEQS + 1, dtype=torch.int32)
         seq_lens = torch.full((SEQS,), context, dtype=torch.int32)
@@ -55,15 +62,28 @@ def main() -> None:
                     cpu_ops.set_isa(level)
                     start = time.perf_counter()
                     for call in range(16):
-                        cpu_ops.paged_attention(query, key_cache, value_cache, tables[call % 8], cu_seqlens,
-                                                seq_lens, HEAD_DIM ** -0.5, out=out)
+                        cpu_ops.paged_attention(
+                            query,
+                            key_cache,
+                            value_cache,
+                            tables[call % 8],
+                            cu_seqlens,
+                            seq_lens,
+                            HEAD_DIM**-0.5,
+                            out=out,
+                        )
                     times[level].append((time.perf_counter() - start) / 16 * 1e6)
         finally:
             cpu_ops.set_isa(chosen)
         medians = {level: sorted(t)[len(t) // 2] for level, t in times.items()}
         base = medians[levels[0]]
-        print(f"context {context}: " + ", ".join(
-            f"{level} {us:.0f} us ({base / us:.2f}x {levels[0]})" for level, us in medians.items()))
+        print(
+            f"context {context}: "
+            + ", ".join(
+                f"{level} {us:.0f} us ({base / us:.2f}x {levels[0]})"
+                for level, us in medians.items()
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ run it at each (the CPU kernels are built per source, so both builds stay cached
     .venv/bin/python scripts/bench_long_prompts.py            # default model, 8 x 1900
     .venv/bin/python scripts/bench_long_prompts.py --num-prompts 16 --input-len 1900 --model DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,14 @@ def main() -> None:
     greedy_timed(llm, random_prompts(2, 256, vocab_size, seed=0), 16)  # warm-up
     print(cpu_ops.describe_isa())
     for repeat in range(1, args.repeats + 1):
-        _, seconds = greedy_timed(llm, random_prompts(args.num_prompts, args.input_len, vocab_size, seed=repeat), 16)
-        print(f"{args.num_prompts} x ({args.input_len}, 16): {seconds:.2f} s, "
-              f"{args.num_prompts * args.input_len / seconds:.0f} prompt tok/s", flush=True)
+        _, seconds = greedy_timed(
+            llm, random_prompts(args.num_prompts, args.input_len, vocab_size, seed=repeat), 16
+        )
+        print(
+            f"{args.num_prompts} x ({args.input_len}, 16): {seconds:.2f} s, "
+            f"{args.num_prompts * args.input_len / seconds:.0f} prompt tok/s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ Writes benchmarks/real-shapes/<cpu>/<shape>.txt (raw lines) and .md (the table).
 - memory: VmRSS after the runs, the KV pool's resident part (pages written), VmHWM (peak);
 - llama.cpp: `llama-bench -p 512 -n 128 -t 2 -r 3 -o csv` on the same file (pp512, tg128).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,7 +64,9 @@ def gemv_read_gbs(gib: float = 2.0, rounds: int = 3) -> float:
 
     torch.set_num_threads(2)
     n, k = 8192, int(gib * (1 << 30)) // 16 // 8192 // 2
-    weights = [cpu_ops.pack_gemm_weight(torch.full((n, k), 0.01, dtype=torch.bfloat16)) for _ in range(16)]
+    weights = [
+        cpu_ops.pack_gemm_weight(torch.full((n, k), 0.01, dtype=torch.bfloat16)) for _ in range(16)
+    ]
     x = torch.ones(1, k, dtype=torch.bfloat16)
     best = float("inf")
     for _ in range(rounds):
@@ -110,21 +113,52 @@ def nanoserve_worker(path: str) -> dict:
         return time.perf_counter() - begin
 
     # Each run's prompt its own (the prefix cache would skip a repeated one's work).
-    prompts = iter([[200 + (run * 7919 + i * 37) % 20000 for i in range(PROMPT_TOKENS)] for run in range(16)])
+    prompts = iter(
+        [[200 + (run * 7919 + i * 37) % 20000 for i in range(PROMPT_TOKENS)] for run in range(16)]
+    )
     timed(next(prompts)[:16], DECODE_TOKENS)
     first = statistics.median(timed(next(prompts)[:16], 1) for _ in range(3))
-    decode = statistics.median(timed(next(prompts)[:16], DECODE_TOKENS + 1) for _ in range(3)) - first
+    decode = (
+        statistics.median(timed(next(prompts)[:16], DECODE_TOKENS + 1) for _ in range(3)) - first
+    )
     prefill = statistics.median(timed(next(prompts), 1) for _ in range(3))
-    return {"decode_tok_s": DECODE_TOKENS / decode, "prefill_tok_s": PROMPT_TOKENS / prefill, "load_s": load_s,
-            "rss_loaded_mib": rss_loaded / 1024, "rss_mib": status_kib("VmRSS") / 1024,
-            "peak_mib": status_kib("VmHWM") / 1024, "kv_resident_mib": kv_pool_resident_bytes(llm) / 2**20,
-            "weight_mib": llm.llm_engine.runner.weight_bytes / 2**20}
+    return {
+        "decode_tok_s": DECODE_TOKENS / decode,
+        "prefill_tok_s": PROMPT_TOKENS / prefill,
+        "load_s": load_s,
+        "rss_loaded_mib": rss_loaded / 1024,
+        "rss_mib": status_kib("VmRSS") / 1024,
+        "peak_mib": status_kib("VmHWM") / 1024,
+        "kv_resident_mib": kv_pool_resident_bytes(llm) / 2**20,
+        "weight_mib": llm.llm_engine.runner.weight_bytes / 2**20,
+    }
 
 
 def llama_bench(tools: Path, path: Path) -> dict:
-    out = subprocess.run([str(tools / "llama-bench"), "-m", str(path), "-p", str(PROMPT_TOKENS), "-n",
-                          str(DECODE_TOKENS), "-t", "2", "-r", "3", "-o", "csv"],
-                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    out = (
+        subprocess.run(
+            [
+                str(tools / "llama-bench"),
+                "-m",
+                str(path),
+                "-p",
+                str(PROMPT_TOKENS),
+                "-n",
+                str(DECODE_TOKENS),
+                "-t",
+                "2",
+                "-r",
+                "3",
+                "-o",
+                "csv",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .splitlines()
+    )
     header = [h.strip('"') for h in out[0].split(",")]
     result = {}
     for line in out[1:]:
@@ -138,23 +172,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.2-1b")
     parser.add_argument("--types", nargs="+", default=list(TYPES))
-    parser.add_argument("--shapes-dir", default=os.environ.get("REAL_SHAPES",
-                                                               str(Path.home() / ".cache/llamacpp/real-shapes")))
-    parser.add_argument("--tools", default=str(Path(os.environ.get("LLAMACPP_TOOLS", Path.home() / ".cache/llamacpp/tools"))
-                                               / "build" / "bin"))
-    parser.add_argument("--out", default=None, help="folder for the results (default benchmarks/real-shapes/<cpu>)")
+    parser.add_argument(
+        "--shapes-dir",
+        default=os.environ.get("REAL_SHAPES", str(Path.home() / ".cache/llamacpp/real-shapes")),
+    )
+    parser.add_argument(
+        "--tools",
+        default=str(
+            Path(os.environ.get("LLAMACPP_TOOLS", Path.home() / ".cache/llamacpp/tools"))
+            / "build"
+            / "bin"
+        ),
+    )
+    parser.add_argument(
+        "--out", default=None, help="folder for the results (default benchmarks/real-shapes/<cpu>)"
+    )
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(nanoserve_worker(args.worker)), flush=True)
         return
-    cpu = subprocess.run("lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True, text=True).stdout.strip()
+    cpu = subprocess.run(
+        "lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True, text=True
+    ).stdout.strip()
     from nanoserve.kernels import cpu_ops
 
     folder = Path(args.out or Path("benchmarks/real-shapes") / cpu_folder(cpu))
     folder.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     raw = open(folder / f"{args.shape}.txt", "a")
 
     def log(line: str) -> None:
@@ -162,7 +210,9 @@ def main() -> None:
         raw.write(line + "\n")
         raw.flush()
 
-    log(f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {cpu}, {os.cpu_count()} CPUs, nanoserve {commit}")
+    log(
+        f"# {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {cpu}, {os.cpu_count()} CPUs, nanoserve {commit}"
+    )
     log(f"# {cpu_ops.describe_isa()}")
     first_gbs = bandwidth_gbs()
     log(f"bandwidth {first_gbs:.1f} GB/s")
@@ -172,7 +222,9 @@ def main() -> None:
     for qtype in args.types:
         path = Path(args.shapes_dir) / args.shape / f"{qtype}.gguf"
         size = path.stat().st_size
-        worker = subprocess.run([sys.executable, __file__, "--worker", str(path)], capture_output=True, text=True)
+        worker = subprocess.run(
+            [sys.executable, __file__, "--worker", str(path)], capture_output=True, text=True
+        )
         if worker.returncode != 0:
             log(f"nanoserve {qtype}: failed: {worker.stderr.strip().splitlines()[-1:]}")
             continue
@@ -191,19 +243,29 @@ def main() -> None:
     for line in table:
         log(line)
     (folder / f"{args.shape}.md").write_text(
-        f"# {args.shape}, {cpu}, nanoserve {commit}\n\nmeasured read bandwidth {gbs:.1f} GB/s\n\n" + "\n".join(table) + "\n")
+        f"# {args.shape}, {cpu}, nanoserve {commit}\n\nmeasured read bandwidth {gbs:.1f} GB/s\n\n"
+        + "\n".join(table)
+        + "\n"
+    )
 
 
 def cpu_folder(cpu: str) -> str:
     """benchmarks/'s name for this CPU kind: the model name, with the Zen generation (AMD, whose
     lscpu name is only "AMD EPYC" in these VMs) or whether AMX is usable (Intel)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    field = lambda name: next((line.split(":", 1)[1].strip() for line in info.splitlines()  # noqa: E731
-                               if line.startswith(name)), "")
-    name = "-".join(cpu.lower().replace("(r)", "").replace("(tm)", "").replace("processor", "").split())
+
+    def field(name: str) -> str:
+        lines = (line for line in info.splitlines() if line.startswith(name))
+        return next((line.split(":", 1)[1].strip() for line in lines), "")
+
+    name = "-".join(
+        cpu.lower().replace("(r)", "").replace("(tm)", "").replace("processor", "").split()
+    )
     if "amd" in name and field("cpu family").isdigit():
         family, model = int(field("cpu family")), int(field("model") or 0)
-        zen = {23: "zen2", 26: "zen5"}.get(family, "zen3" if family == 25 and model < 0x10 else "zen4")
+        zen = {23: "zen2", 26: "zen5"}.get(
+            family, "zen3" if family == 25 and model < 0x10 else "zen4"
+        )
         return f"{name}-{zen}"
     if "intel" in name:
         return f"{name}-{'amx' if 'amx_tile' in field('flags').split() else 'no-amx'}"
@@ -211,14 +273,22 @@ def cpu_folder(cpu: str) -> str:
 
 
 if len(sys.argv) == 2 and sys.argv[1] == "--cpu-folder":  # for scripts/bench_served.sh
-    print(cpu_folder(subprocess.run("lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True,
-                                    text=True).stdout.strip()))
+    print(
+        cpu_folder(
+            subprocess.run(
+                "lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True, text=True
+            ).stdout.strip()
+        )
+    )
     sys.exit(0)
 
 
 def table_lines(gbs: float, rows) -> list[str]:
-    lines = ["| file | MB | decode tok/s nanoserve / llama.cpp | of bandwidth nanoserve / llama.cpp | pp512 tok/s "
-             "nanoserve / llama.cpp | RSS MiB (KV resident) / peak |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| file | MB | decode tok/s nanoserve / llama.cpp | of bandwidth nanoserve / llama.cpp | pp512 tok/s "
+        "nanoserve / llama.cpp | RSS MiB (KV resident) / peak |",
+        "|---|---|---|---|---|---|",
+    ]
     for qtype, size, ours, peer in rows:
         theirs = peer.get("decode_tok_s")
         fraction = lambda tok_s: f"{size * tok_s / 1e9 / gbs:.0%}"  # noqa: E731
@@ -226,7 +296,8 @@ def table_lines(gbs: float, rows) -> list[str]:
             f"| {qtype} | {size / 1e6:.0f} | {ours['decode_tok_s']:.1f} / {theirs or float('nan'):.1f} | "
             f"{fraction(ours['decode_tok_s'])} / {fraction(theirs) if theirs else '-'} | "
             f"{ours['prefill_tok_s']:.1f} / {peer.get('prefill_tok_s', float('nan')):.1f} | "
-            f"{ours['rss_mib']:.0f} ({ours['kv_resident_mib']:.0f}) / {ours['peak_mib']:.0f} |")
+            f"{ours['rss_mib']:.0f} ({ours['kv_resident_mib']:.0f}) / {ours['peak_mib']:.0f} |"
+        )
     return lines
 
 

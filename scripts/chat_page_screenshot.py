@@ -5,6 +5,7 @@ a short conversation on its chat page in headless Chromium, and screenshot it.
 
 Needs Debian's chromium (apt-get install chromium) and playwright (pip install playwright).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,17 @@ def start_server(model: str | None) -> tuple[subprocess.Popen, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", default=str(ROOT / "docs" / "chat-page.png"))
     args = parser.parse_args()
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
-        print("chat_page_screenshot: no chromium on PATH (apt-get install chromium)",
-              file=sys.stderr)
+        print(
+            "chat_page_screenshot: no chromium on PATH (apt-get install chromium)", file=sys.stderr
+        )
         return 1
     from playwright.sync_api import sync_playwright
 
@@ -46,8 +49,7 @@ def main() -> int:
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium)
-            page = browser.new_page(viewport={"width": 1200, "height": 720},
-                                    color_scheme="light")
+            page = browser.new_page(viewport={"width": 1200, "height": 720}, color_scheme="light")
             page.set_default_timeout(120_000)
             page.goto(url + "/")
             page.fill("#temperature", "0.3")
@@ -57,7 +59,8 @@ def main() -> int:
                 page.fill("#prompt", question)
                 page.click("#send")
                 page.locator(".msg.assistant").nth(index).and_(
-                    page.locator("[data-done]")).wait_for()
+                    page.locator("[data-done]")
+                ).wait_for()
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=args.out)
             browser.close()

@@ -5,6 +5,7 @@ runs), for the benchmarks' Q4_K_M row. It runs in llama.cpp's venv:
 
 For SmolLM2-135M (rows of 576, not a multiple of 256) llama.cpp writes most tensors of a Q4_K_M file
 as Q5_0, as it does for any model whose rows don't split into 256-element super-blocks."""
+
 import ctypes
 import sys
 

@@ -8,6 +8,7 @@ the tokenizer files of a reference model dir, for benchmarks that need a shape S
 --shape takes a real model's shape (throughput depends on the shape, not on the weights);
 explicit flags override it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,23 +19,51 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-
-DEFAULT_SHAPE = {"hidden": 512, "intermediate": 1536, "layers": 30, "heads": 8, "kv_heads": 2,
-                 "vocab": 49152, "rope_theta": 100000.0}
+DEFAULT_SHAPE = {
+    "hidden": 512,
+    "intermediate": 1536,
+    "layers": 30,
+    "heads": 8,
+    "kv_heads": 2,
+    "vocab": 49152,
+    "rope_theta": 100000.0,
+}
 SHAPES = {
-    "smollm2-135m": {"hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3,
-                     "vocab": 49152, "rope_theta": 100000.0},
-    "llama-3.2-1b": {"hidden": 2048, "intermediate": 8192, "layers": 16, "heads": 32, "kv_heads": 8,
-                     "vocab": 128256, "rope_theta": 500000.0},
+    "smollm2-135m": {
+        "hidden": 576,
+        "intermediate": 1536,
+        "layers": 30,
+        "heads": 9,
+        "kv_heads": 3,
+        "vocab": 49152,
+        "rope_theta": 100000.0,
+    },
+    "llama-3.2-1b": {
+        "hidden": 2048,
+        "intermediate": 8192,
+        "layers": 16,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 128256,
+        "rope_theta": 500000.0,
+    },
 }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--tokenizer-from", type=Path, default=None,
-                        help="copy tokenizer files from this dir (default: the imported SmolLM2)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="a real model's shape")
+    parser.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        default=None,
+        help="copy tokenizer files from this dir (default: the imported SmolLM2)",
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="a real model's shape"
+    )
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--intermediate", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
@@ -44,7 +73,9 @@ def main() -> None:
     parser.add_argument("--rope-theta", type=float, default=None)
     parser.add_argument("--max-position", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="where to draw the weights (cuda is faster)")
+    parser.add_argument(
+        "--device", default="cpu", help="where to draw the weights (cuda is faster)"
+    )
     args = parser.parse_args()
     for name, value in (SHAPES[args.shape] if args.shape else DEFAULT_SHAPE).items():
         if getattr(args, name) is None:
@@ -62,32 +93,49 @@ def main() -> None:
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
 
     def weight(rows: int, cols: int) -> torch.Tensor:
-        drawn = torch.randn(rows, cols, generator=generator, device=args.device) / cols ** 0.5
+        drawn = torch.randn(rows, cols, generator=generator, device=args.device) / cols**0.5
         return drawn.to(torch.bfloat16).cpu()
 
-    tensors = {"model.embed_tokens.weight": weight(args.vocab, args.hidden),
-               "model.norm.weight": torch.ones(args.hidden, dtype=torch.bfloat16)}
+    tensors = {
+        "model.embed_tokens.weight": weight(args.vocab, args.hidden),
+        "model.norm.weight": torch.ones(args.hidden, dtype=torch.bfloat16),
+    }
     for i in range(args.layers):
         prefix = f"model.layers.{i}."
-        tensors.update({
-            prefix + "self_attn.q_proj.weight": weight(args.heads * head_dim, args.hidden),
-            prefix + "self_attn.k_proj.weight": weight(args.kv_heads * head_dim, args.hidden),
-            prefix + "self_attn.v_proj.weight": weight(args.kv_heads * head_dim, args.hidden),
-            prefix + "self_attn.o_proj.weight": weight(args.hidden, args.heads * head_dim),
-            prefix + "mlp.gate_proj.weight": weight(args.intermediate, args.hidden),
-            prefix + "mlp.up_proj.weight": weight(args.intermediate, args.hidden),
-            prefix + "mlp.down_proj.weight": weight(args.hidden, args.intermediate),
-            prefix + "input_layernorm.weight": torch.ones(args.hidden, dtype=torch.bfloat16),
-            prefix + "post_attention_layernorm.weight": torch.ones(args.hidden, dtype=torch.bfloat16),
-        })
+        tensors.update(
+            {
+                prefix + "self_attn.q_proj.weight": weight(args.heads * head_dim, args.hidden),
+                prefix + "self_attn.k_proj.weight": weight(args.kv_heads * head_dim, args.hidden),
+                prefix + "self_attn.v_proj.weight": weight(args.kv_heads * head_dim, args.hidden),
+                prefix + "self_attn.o_proj.weight": weight(args.hidden, args.heads * head_dim),
+                prefix + "mlp.gate_proj.weight": weight(args.intermediate, args.hidden),
+                prefix + "mlp.up_proj.weight": weight(args.intermediate, args.hidden),
+                prefix + "mlp.down_proj.weight": weight(args.hidden, args.intermediate),
+                prefix + "input_layernorm.weight": torch.ones(args.hidden, dtype=torch.bfloat16),
+                prefix + "post_attention_layernorm.weight": torch.ones(
+                    args.hidden, dtype=torch.bfloat16
+                ),
+            }
+        )
     save_file(tensors, str(args.out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab,
-        "hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-        "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "head_dim": head_dim,
-        "rms_norm_eps": 1e-5, "rope_theta": args.rope_theta, "max_position_embeddings": args.max_position,
-        "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "bos_token_id": 1, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_position,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
     }
     (args.out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(args.out_dir)

@@ -23,6 +23,7 @@ on how many windows the first file scored worse.
 The llama.cpp branch imports only llama_cpp and numpy (it runs in llama.cpp's own venv), the vLLM
 one only vllm (in vLLM-CPU's venv); `compare` only the standard library.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,7 @@ CTX = 1024
 
 
 def windows(ids: list[int]) -> list[list[int]]:
-    return [ids[start:start + CTX] for start in range(0, len(ids) - CTX + 1, CTX)]
+    return [ids[start : start + CTX] for start in range(0, len(ids) - CTX + 1, CTX)]
 
 
 def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
@@ -47,14 +48,24 @@ def tokenize(model_dir: str, text_path: str, out_path: str) -> None:
     print(f"{len(ids)} tokens, {len(windows(ids))} windows of {CTX}", file=sys.stderr)
 
 
-def score_nanoserve(model: str, ids: list[int], dtype: str = "bfloat16",
-                    kv_cache_dtype: str = "auto", quantization: str | None = None) -> list[list[float]]:
+def score_nanoserve(
+    model: str,
+    ids: list[int],
+    dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+) -> list[list[float]]:
     """Each window's scored tokens' negative log-likelihoods (the prompt's attention reads the KV
     cache, so an fp8 cache's rounding is in them)."""
     from nanoserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=CTX + 16, kv_cache_dtype=kv_cache_dtype,
-              quantization=quantization)
+    llm = LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=CTX + 16,
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+    )
     return score_prompts(llm, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), ids)
 
 
@@ -64,8 +75,12 @@ def score_prompts(llm, params, ids: list[int]) -> list[list[float]]:
     nll = []
     for window in windows(ids):
         output = llm.generate([{"prompt_token_ids": window}], params, use_tqdm=False)[0]
-        nll.append([-output.prompt_logprobs[position][window[position]].logprob
-                    for position in range(CTX // 2, CTX)])
+        nll.append(
+            [
+                -output.prompt_logprobs[position][window[position]].logprob
+                for position in range(CTX // 2, CTX)
+            ]
+        )
     return nll
 
 
@@ -85,17 +100,19 @@ def score_llamacpp(path: str, ids: list[int]) -> list[list[float]]:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=path, n_ctx=CTX, n_batch=CTX, n_threads=2, logits_all=True, verbose=False)
+    llm = Llama(
+        model_path=path, n_ctx=CTX, n_batch=CTX, n_threads=2, logits_all=True, verbose=False
+    )
     nll = []
     for window in windows(ids):
         llm.reset()
         llm.eval(window)
         logits = np.asarray(llm.scores[:CTX], dtype=np.float64)
         # row p predicts token p + 1
-        rows = logits[CTX // 2 - 1:CTX - 1]
+        rows = logits[CTX // 2 - 1 : CTX - 1]
         top = rows.max(axis=1, keepdims=True)
-        log_norm = (top[:, 0] + np.log(np.exp(rows - top).sum(axis=1)))
-        targets = np.asarray(window[CTX // 2:CTX])
+        log_norm = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
+        targets = np.asarray(window[CTX // 2 : CTX])
         nll.append([float(v) for v in log_norm - rows[np.arange(len(targets)), targets]])
     return nll
 
@@ -111,9 +128,14 @@ def compare(ours_path: str, peer_path: str) -> dict:
     diffs = [sum(a - b for a, b in zip(x, y)) / len(x) for x, y in zip(ours["nll"], peer["nll"])]
     mean = sum(diffs) / len(diffs)
     spread = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-    return {"compare": f"{ours['label']} / {peer['label']}", "ppl_ratio": round(math.exp(mean), 5),
-            "low": round(math.exp(mean - 1.96 * spread), 5), "high": round(math.exp(mean + 1.96 * spread), 5),
-            "windows": len(diffs), "windows_worse": sum(d > 0 for d in diffs)}
+    return {
+        "compare": f"{ours['label']} / {peer['label']}",
+        "ppl_ratio": round(math.exp(mean), 5),
+        "low": round(math.exp(mean - 1.96 * spread), 5),
+        "high": round(math.exp(mean + 1.96 * spread), 5),
+        "windows": len(diffs),
+        "windows_worse": sum(d > 0 for d in diffs),
+    }
 
 
 def _option(argv: list[str], flag: str, default):
@@ -121,15 +143,22 @@ def _option(argv: list[str], flag: str, default):
     if flag not in argv[:-1]:
         return default, argv
     at = argv.index(flag)
-    return argv[at + 1], argv[:at] + argv[at + 2:]
+    return argv[at + 1], argv[:at] + argv[at + 2 :]
 
 
 def main(argv: list[str]) -> None:
     nll_path, argv = _option(argv, "--nll", None)
     kv_cache_dtype, argv = _option(argv, "--kv-cache-dtype", "auto")
-    quantization, argv = _option(argv, "--quantization", None)  # nanoserve: fp8 on an unquantized model
-    if not argv or len(argv) not in {"tokenize": (4,), "nanoserve": (3, 4), "vllm": (3, 4), "llamacpp": (3,),
-                                     "compare": (3,)}.get(argv[0], ()):
+    quantization, argv = _option(
+        argv, "--quantization", None
+    )  # nanoserve: fp8 on an unquantized model
+    if not argv or len(argv) not in {
+        "tokenize": (4,),
+        "nanoserve": (3, 4),
+        "vllm": (3, 4),
+        "llamacpp": (3,),
+        "compare": (3,),
+    }.get(argv[0], ()):
         sys.exit(__doc__)
     if argv[0] == "tokenize":
         tokenize(*argv[1:])
@@ -157,8 +186,17 @@ def main(argv: list[str]) -> None:
     if nll_path:
         with open(nll_path, "w") as f:
             json.dump({"label": f"{argv[0]} {model} {dtype}", "nll": nll}, f)
-    print(json.dumps({"engine": argv[0], "model": model, "dtype": dtype,
-                      "tokens_scored": count, "ppl": round(math.exp(total / count), 4)}))
+    print(
+        json.dumps(
+            {
+                "engine": argv[0],
+                "model": model,
+                "dtype": dtype,
+                "tokens_scored": count,
+                "ppl": round(math.exp(total / count), 4),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

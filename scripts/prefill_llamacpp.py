@@ -5,6 +5,7 @@ evaluations after a warm-up, 2 threads; prints prompt tokens/s. It runs in llama
 
 scripts/bench_quant.sh's `prefill` part puts it beside nanoserve's prompt-only offline run, to
 compare how much each engine gains from a quantized file where the work is compute-bound."""
+
 import statistics
 import sys
 import time
@@ -24,4 +25,6 @@ def run() -> float:
 
 
 run()
-print(f"llama.cpp prefill {sys.argv[1].rsplit('/', 1)[-1]}: {TOKENS / statistics.median(run() for _ in range(3)):.1f} tokens/s")
+print(
+    f"llama.cpp prefill {sys.argv[1].rsplit('/', 1)[-1]}: {TOKENS / statistics.median(run() for _ in range(3)):.1f} tokens/s"
+)

@@ -3,6 +3,7 @@ classes (tests/conftest.write_random_llama), its linear layers quantized and com
 `compressed-tensors` package's own code (calculate_qparams for the scales, the registered
 compressor of the format for the stored tensors, QuantizationConfig for config.json), lm_head
 ignored as llm-compressor's recipes do. The float checkpoint stays beside it in `hf/`."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import write_random_llama
 
-DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+DEFAULT_SHAPE = dict(
+    hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2
+)
 # name -> (weight bits, strategy, group size, symmetric, format, activations)
 SCHEMES = {
     "w8a16-channel": (8, "channel", None, True, "int-quantized", None),
@@ -38,15 +41,29 @@ def _scheme(name: str):
 
     bits, strategy, group_size, symmetric, form, activations = SCHEMES[name]
     kind = "float" if form == "float-quantized" else "int"
-    weights = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
-                               group_size=group_size, block_structure=FP8_BLOCK if strategy == "block" else None)
+    weights = QuantizationArgs(
+        num_bits=bits,
+        type=kind,
+        symmetric=symmetric,
+        strategy=strategy,
+        group_size=group_size,
+        block_structure=FP8_BLOCK if strategy == "block" else None,
+    )
     inputs = None
     if activations is not None:
         dynamic = activations == "dynamic"
         strategy = ("group" if strategy == "block" else "token") if dynamic else "tensor"
-        inputs = QuantizationArgs(num_bits=8, type=kind, symmetric=True, dynamic=dynamic, strategy=strategy,
-                                  group_size=FP8_BLOCK[1] if strategy == "group" else None)
-    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs, format=form)
+        inputs = QuantizationArgs(
+            num_bits=8,
+            type=kind,
+            symmetric=True,
+            dynamic=dynamic,
+            strategy=strategy,
+            group_size=FP8_BLOCK[1] if strategy == "group" else None,
+        )
+    return QuantizationScheme(
+        targets=["Linear"], weights=weights, input_activations=inputs, format=form
+    )
 
 
 def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
@@ -61,12 +78,23 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
         grouped = weight.reshape(1, 1, -1)
     elif args.strategy == "block":
         (rows, inputs), (n, k) = args.block_structure, weight.shape
-        grouped = weight.reshape(n // rows, rows, k // inputs, inputs).transpose(1, 2).reshape(n // rows, k // inputs, -1)
+        grouped = (
+            weight.reshape(n // rows, rows, k // inputs, inputs)
+            .transpose(1, 2)
+            .reshape(n // rows, k // inputs, -1)
+        )
     else:
-        grouped = weight.reshape(rows, -1, args.group_size) if args.strategy == "group" else weight.reshape(rows, 1, -1)
+        grouped = (
+            weight.reshape(rows, -1, args.group_size)
+            if args.strategy == "group"
+            else weight.reshape(rows, 1, -1)
+        )
     scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-    layer = {"weight": weight, "weight_scale": scale.to(torch.bfloat16),
-             "weight_zero_point": zero_point.to(torch.int8)}
+    layer = {
+        "weight": weight,
+        "weight_scale": scale.to(torch.bfloat16),
+        "weight_zero_point": zero_point.to(torch.int8),
+    }
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     compressed = compressor.compress(layer, scheme)
     if scheme.input_activations is not None and not scheme.input_activations.dynamic:
@@ -75,13 +103,16 @@ def _compressed_layer(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     return compressed
 
 
-def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str,
-                        ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+def compress_checkpoint(
+    source: Path, model_dir: Path, scheme_name: str, ignore: tuple[str, ...] = ("lm_head",)
+) -> Path:
     """A copy of the float checkpoint `source` with every linear layer (the *_proj ones and the
     LM head) but `ignore`d ones quantized by `scheme_name` (SCHEMES), as llm-compressor saves one."""
     from compressed_tensors.quantization import QuantizationConfig
 
-    shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    shutil.copytree(
+        source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json")
+    )
     scheme = _scheme(scheme_name)
     tensors = {}
     for file in sorted(source.glob("*.safetensors")):
@@ -95,15 +126,23 @@ def compress_checkpoint(source: Path, model_dir: Path, scheme_name: str,
                 tensors[name] = tensor
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
-    quant_config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore), format=scheme.format,
-                                      quantization_status="compressed")
-    config["quantization_config"] = {"quant_method": "compressed-tensors", **quant_config.model_dump(mode="json")}
+    quant_config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        ignore=list(ignore),
+        format=scheme.format,
+        quantization_status="compressed",
+    )
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        **quant_config.model_dump(mode="json"),
+    }
     (model_dir / "config.json").write_text(json.dumps(config, indent=2))
     return model_dir
 
 
-def write_compressed_llama(out_dir: Path, scheme_name: str, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",),
-                           **shape) -> Path:
+def write_compressed_llama(
+    out_dir: Path, scheme_name: str, seed: int = 0, ignore: tuple[str, ...] = ("lm_head",), **shape
+) -> Path:
     """out_dir/model: the quantized checkpoint (config.json with its quantization_config);
     out_dir/hf: the float one it was made from."""
     hf_dir = write_random_llama(out_dir / "hf", seed=seed, **{**DEFAULT_SHAPE, **shape})
@@ -115,7 +154,11 @@ def quantized_layers(model_dir: Path) -> set[str]:
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        return {name.removesuffix(".weight_scale") for name in f.keys() if name.endswith(".weight_scale")}
+        return {
+            name.removesuffix(".weight_scale")
+            for name in f.keys()
+            if name.endswith(".weight_scale")
+        }
 
 
 def dequantized_transformers(model_dir: Path):
@@ -145,10 +188,15 @@ def decompressed(stored: dict[str, torch.Tensor], scheme) -> dict[str, torch.Ten
     for name in stored:
         if name.endswith(".weight_scale"):
             layer = name.removesuffix(".weight_scale")
-            parts = {key.removeprefix(layer + "."): value for key, value in stored.items()
-                     if key.startswith(layer + ".")}
+            parts = {
+                key.removeprefix(layer + "."): value
+                for key, value in stored.items()
+                if key.startswith(layer + ".")
+            }
             parts["weight_scale"] = parts["weight_scale"].float()
-            weights[f"{layer}.weight"] = compressor.decompress(parts, scheme)["weight"].float().contiguous()
+            weights[f"{layer}.weight"] = (
+                compressor.decompress(parts, scheme)["weight"].float().contiguous()
+            )
     return weights
 
 
@@ -166,7 +214,12 @@ def transformers_with_weights(float_dir: Path, tensors: dict[str, torch.Tensor],
     from transformers import AutoModelForCausalLM
 
     shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.copytree(float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    save_file({name: t.contiguous() for name, t in tensors.items()}, out_dir / "model.safetensors",
-              metadata={"format": "pt"})
+    shutil.copytree(
+        float_dir, out_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json")
+    )
+    save_file(
+        {name: t.contiguous() for name, t in tensors.items()},
+        out_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     return AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32).eval()

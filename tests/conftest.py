@@ -1,4 +1,5 @@
 """Shared fixtures: a small random Llama written to safetensors (fast), and the real SmolLM2."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def _hypothesis_line(config: pytest.Config) -> str:
     profile = config.getoption("hypothesis_profile", None) or "ci"
     seed = config.getoption("hypothesis_seed", None)
-    return (f"hypothesis: profile {profile!r}, seed {seed} (reproduce with "
-            f"--hypothesis-profile={profile} --hypothesis-seed={seed})")
+    return (
+        f"hypothesis: profile {profile!r}, seed {seed} (reproduce with "
+        f"--hypothesis-profile={profile} --hypothesis-seed={seed})"
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -67,9 +70,11 @@ def _forget_kernel_choice():
     if choice is not None:
         choice.reset_kernel_choice()
 
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -88,20 +93,43 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 400) -> int:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>", "add_bos_token": False, "chat_template": CHATML_TEMPLATE,
-        "model_max_length": 512, "tokenizer_class": "GPT2Tokenizer",
-    }))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "add_bos_token": False,
+                "chat_template": CHATML_TEMPLATE,
+                "model_max_length": 512,
+                "tokenizer_class": "GPT2Tokenizer",
+            }
+        )
+    )
     return tokenizer.get_vocab_size()
 
 
-def write_random_llama(out_dir: Path, *, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128, tie=False, seed=0, dtype="float32", **extra) -> Path:
+def write_random_llama(
+    out_dir: Path,
+    *,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    tie=False,
+    seed=0,
+    dtype="float32",
+    **extra,
+) -> Path:
     """A random Llama checkpoint in Hugging Face layout, written by transformers itself."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -111,11 +139,21 @@ def write_random_llama(out_dir: Path, *, hidden_size=64, num_layers=2, num_heads
     tokenizer_json = json.loads((out_dir / "tokenizer.json").read_text())
     specials = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie,
-        bos_token_id=specials["<|im_start|>"], eos_token_id=specials["<|im_end|>"],
-        pad_token_id=specials["<|endoftext|>"], **extra)
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=specials["<|im_start|>"],
+        eos_token_id=specials["<|im_end|>"],
+        pad_token_id=specials["<|endoftext|>"],
+        **extra,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(getattr(torch, dtype))
     # Larger-than-default weights make the random model's greedy choices decisive, not near-ties.
@@ -144,7 +182,9 @@ def _cpu_isas() -> list:
     from nanoserve.kernels import cpu_ops
 
     levels = cpu_ops.supported_isas()
-    return levels or [pytest.param(None, marks=pytest.mark.skip(reason="the CPU kernels don't load here"))]
+    return levels or [
+        pytest.param(None, marks=pytest.mark.skip(reason="the CPU kernels don't load here"))
+    ]
 
 
 @pytest.fixture(params=_cpu_isas())

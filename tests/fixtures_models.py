@@ -1,4 +1,5 @@
 """Shared model fixtures. Registered from tests/conftest.py with pytest_plugins = ["tests.fixtures_models"]."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -8,6 +8,7 @@ checkpoint stays beside it in `hf/`; `meaning.safetensors` beside the checkpoint
 layer means (float32: torch's FP8 -> float32 times the scale). compressed-tensors' FP8
 (`float-quantized`) checkpoints are written by the package's own compressor
 (tests/compressed_tensors_models.py, the fp8-* schemes)."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,16 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import write_random_llama
 
-DEFAULT_SHAPE = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2)
+DEFAULT_SHAPE = dict(
+    hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, num_layers=2
+)
 FP8_MAX = 448.0
 # name -> (weight_block_size or None (per tensor), activation_scheme, scale dtype)
 SCHEMES = {
-    "fp8-block128": ((128, 128), "dynamic", torch.float32),      # DeepSeek / Qwen3-FP8
+    "fp8-block128": ((128, 128), "dynamic", torch.float32),  # DeepSeek / Qwen3-FP8
     "fp8-block128-bf16": ((128, 128), "dynamic", torch.bfloat16),
     "fp8-block64x32": ((64, 32), "dynamic", torch.float32),
-    "fp8-tensor-static": (None, "static", torch.float32),         # AutoFP8
+    "fp8-tensor-static": (None, "static", torch.float32),  # AutoFP8
 }
 
 
@@ -40,11 +43,17 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None, scale_dtyp
         blocks = torch.zeros(-(-n // rows), -(-k // inputs))
         for i in range(blocks.shape[0]):
             for j in range(blocks.shape[1]):
-                blocks[i, j] = weight[i * rows:(i + 1) * rows, j * inputs:(j + 1) * inputs].abs().amax() / FP8_MAX
+                blocks[i, j] = (
+                    weight[i * rows : (i + 1) * rows, j * inputs : (j + 1) * inputs].abs().amax()
+                    / FP8_MAX
+                )
         scale = blocks
     scale = scale.clamp(min=1e-12).to(scale_dtype)
-    full = scale.float().expand(n, k) if block is None else \
-        scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    full = (
+        scale.float().expand(n, k)
+        if block is None
+        else scale.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    )
     q = (weight / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale, q.float() * full
 
@@ -52,7 +61,9 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int] | None, scale_dtyp
 def quantize_checkpoint(source: Path, model_dir: Path, scheme_name: str) -> Path:
     """A copy of the float checkpoint `source` with every *_proj layer in FP8 by `scheme_name`."""
     block, activations, scale_dtype = SCHEMES[scheme_name]
-    shutil.copytree(source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    shutil.copytree(
+        source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json")
+    )
     tensors, meaning = {}, {}
     for file in sorted(source.glob("*.safetensors")):
         for name, tensor in load_file(file).items():

@@ -3,6 +3,7 @@
 hidden]) rounded to E2M1 values with a power-of-two scale per 32 inputs and stored as `_blocks` /
 `_scales` ([experts, outputs, inputs / 32, 16] / [..., inputs / 32], the outputs first); the rest
 as it is. Used by tests/models/test_mxfp4.py and benchmarks/moe/bench_gpt_oss.py."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,15 @@ from pathlib import Path
 
 import torch
 
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
-    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 # Midpoints between the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: the nearest one's code.
@@ -27,15 +35,20 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = [quantize_mxfp4(expert) for expert in weight]
         return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     groups = weight.float().unflatten(-1, (-1, 32))
-    amax = groups.abs().amax(-1).clamp(min=2.0 ** -100)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent)[..., None]
-    codes = torch.bucketize(scaled.abs().contiguous(), _MIDPOINTS).to(torch.uint8) | (scaled < 0).to(torch.uint8) << 3
+    codes = (
+        torch.bucketize(scaled.abs().contiguous(), _MIDPOINTS).to(torch.uint8)
+        | (scaled < 0).to(torch.uint8) << 3
+    )
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def mxfp4_checkpoint(float_dir: Path, out_dir: Path, meaning: bool = True) -> dict[str, torch.Tensor]:
+def mxfp4_checkpoint(
+    float_dir: Path, out_dir: Path, meaning: bool = True
+) -> dict[str, torch.Tensor]:
     """out_dir: float_dir's checkpoint with its experts in MXFP4; returns the float tensors the
     MXFP4 ones mean, in the float checkpoint's layout (transformers' own dequantization), unless
     not `meaning`."""
@@ -49,7 +62,9 @@ def mxfp4_checkpoint(float_dir: Path, out_dir: Path, meaning: bool = True) -> di
             blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # [experts, outputs, inputs]
             quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
             if meaning:
-                meant[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+                meant[name] = convert_moe_packed_tensors(
+                    blocks, scales, dtype=torch.float32
+                ).contiguous()
         else:
             quantized[name] = tensor
     save_file(quantized, out_dir / "model.safetensors")

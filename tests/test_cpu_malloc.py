@@ -1,4 +1,5 @@
 """cpu_malloc.zeros_on_huge_pages: the KV pool's allocation on CPU."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def _vm_flags(address: int) -> list[str]:
     return flags
 
 
-@pytest.mark.parametrize("shape, dtype", [((300, 3, 16, 64), torch.bfloat16), ((1 << 20,), torch.float32),
-                                          ((7, 5), torch.bfloat16)])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [((300, 3, 16, 64), torch.bfloat16), ((1 << 20,), torch.float32), ((7, 5), torch.bfloat16)],
+)
 def test_zeroed_with_the_shape_and_dtype(shape, dtype):
     pool = zeros_on_huge_pages(shape, dtype)
     assert pool.shape == shape and pool.dtype == dtype and pool.is_contiguous()
@@ -34,8 +37,10 @@ def test_zeroed_with_the_shape_and_dtype(shape, dtype):
     assert pool.sum().item() == pool.numel()
 
 
-@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
-                    reason="a Linux kernel with transparent huge pages (and /proc/self/smaps)")
+@pytest.mark.skipif(
+    not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+    reason="a Linux kernel with transparent huge pages (and /proc/self/smaps)",
+)
 def test_large_pools_start_on_a_huge_page_and_are_advised():
     pool = zeros_on_huge_pages((4 * HUGE_PAGE // 2,), torch.bfloat16)  # 4 MiB
     assert pool.data_ptr() % HUGE_PAGE == 0
@@ -54,7 +59,9 @@ def _resident_bytes(tensor: torch.Tensor) -> int:
     length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
     pages = -(-length // mmap.PAGESIZE)
     vector = (ctypes.c_ubyte * pages)()
-    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) == 0, ctypes.get_errno()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vector) == 0, (
+        ctypes.get_errno()
+    )
     return sum(v & 1 for v in vector) * mmap.PAGESIZE
 
 

@@ -1,4 +1,5 @@
 """Thread sizing from the affinity mask and the cgroup CPU quota, on cgroup trees written here."""
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,13 @@ def _spincount_after(code: str, env: dict) -> str:
 
     code += "\nimport os\nprint(os.environ.get('GOMP_SPINCOUNT', '-'))"
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 # The CLI's entry (`nanoserve --help` parses nothing else) and the library's (`from nanoserve

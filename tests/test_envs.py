@@ -1,6 +1,7 @@
 """nanoserve/envs.py is the one place that reads the environment: no other module of the package
 touches os.environ / os.getenv, every variable it declares is documented (there and in the
 README), and the accessors read what the environment says."""
+
 from __future__ import annotations
 
 import ast
@@ -23,20 +24,33 @@ def _environment_reads(path: Path) -> list[str]:
     syntax tree (comments and strings do not count)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Attribute) and node.attr in ("environ", "environb", "getenv", "putenv",
-                                                             "unsetenv"):
+        if isinstance(node, ast.Attribute) and node.attr in (
+            "environ",
+            "environb",
+            "getenv",
+            "putenv",
+            "unsetenv",
+        ):
             found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: .{node.attr}")
         elif isinstance(node, ast.ImportFrom) and node.module == "os":
             for alias in node.names:
                 if alias.name in ("environ", "environb", "getenv", "putenv", "unsetenv"):
-                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from os import {alias.name}")
+                    found.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from os import {alias.name}"
+                    )
     return found
 
 
 def test_only_envs_py_reads_the_environment():
-    offenders = [hit for path in sorted(PACKAGE.rglob("*.py")) if path.name != "envs.py" or path.parent != PACKAGE
-                 for hit in _environment_reads(path)]
-    assert offenders == [], "read the environment through nanoserve/envs.py:\n" + "\n".join(offenders)
+    offenders = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "envs.py" or path.parent != PACKAGE
+        for hit in _environment_reads(path)
+    ]
+    assert offenders == [], "read the environment through nanoserve/envs.py:\n" + "\n".join(
+        offenders
+    )
 
 
 def test_the_check_finds_a_read():
@@ -84,7 +98,9 @@ def test_accessors_read_the_environment_each_call(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOSERVE_KERNELS", "Reference")
     assert envs.kernels() == "reference"
     monkeypatch.setenv("NANOSERVE_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="NANOSERVE_KERNELS must be one of auto, triton, reference, got 'cuda'"):
+    with pytest.raises(
+        ValueError, match="NANOSERVE_KERNELS must be one of auto, triton, reference, got 'cuda'"
+    ):
         envs.kernels()
 
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", "mkl")
@@ -113,11 +129,19 @@ def test_keep_cpu_memory_steps_aside(monkeypatch):
 
 def _run(code: str, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True, cwd=PACKAGE.parent).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=PACKAGE.parent,
+    ).stdout.strip()
 
 
 def test_importing_nanoserve_leaves_the_environment_alone():
-    code = ("import os; before = dict(os.environ); import nanoserve; from nanoserve import SamplingParams; "
-            "print(dict(os.environ) == before)")
+    code = (
+        "import os; before = dict(os.environ); import nanoserve; from nanoserve import SamplingParams; "
+        "print(dict(os.environ) == before)"
+    )
     assert _run(code) == "True"

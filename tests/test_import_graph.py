@@ -2,6 +2,7 @@
 imports (module-level, the lazy ones inside functions and those under ``if TYPE_CHECKING:``, all
 counted) has no cycle, so a lower layer never imports a higher one. An annotation-only import is
 still an arrow between layers: a circle hidden under TYPE_CHECKING is a circle all the same."""
+
 from __future__ import annotations
 
 import ast
@@ -65,7 +66,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state:
                 cycle = walk(target)
                 if cycle:
@@ -108,11 +109,15 @@ def test_find_cycle_finds_one():
 def test_type_checking_imports_count():
     """A circle closed by an annotation-only import is found."""
     known = {"nanoserve.engine.llm_engine", "nanoserve.engine.request"}
-    source = ("from typing import TYPE_CHECKING\n"
-              "if TYPE_CHECKING:\n"
-              "    from nanoserve.engine.llm_engine import LLMEngine\n")
-    graph = {"nanoserve.engine.request": imported_modules("nanoserve.engine.request", known, source),
-             "nanoserve.engine.llm_engine": {"nanoserve.engine.request"}}
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from nanoserve.engine.llm_engine import LLMEngine\n"
+    )
+    graph = {
+        "nanoserve.engine.request": imported_modules("nanoserve.engine.request", known, source),
+        "nanoserve.engine.llm_engine": {"nanoserve.engine.request"},
+    }
     assert graph["nanoserve.engine.request"] == {"nanoserve.engine.llm_engine"}
     assert find_cycle(graph) is not None
 
@@ -140,10 +145,12 @@ def test_distributed_never_imports_the_engine_or_the_models():
     """distributed/ knows process groups and launching; the engine hands the launcher its
     worker entry point (engine/worker.py), not the other way round."""
     higher = ("nanoserve.engine", "nanoserve.models")
-    arrows = sorted(f"{path.relative_to(PACKAGE_DIR.parent)} imports {name}"
-                    for path in (PACKAGE_DIR / "distributed").rglob("*.py")
-                    for name in _every_import(path)
-                    if any(name == top or name.startswith(top + ".") for top in higher))
+    arrows = sorted(
+        f"{path.relative_to(PACKAGE_DIR.parent)} imports {name}"
+        for path in (PACKAGE_DIR / "distributed").rglob("*.py")
+        for name in _every_import(path)
+        if any(name == top or name.startswith(top + ".") for top in higher)
+    )
     assert arrows == []
 
 
@@ -151,7 +158,9 @@ def test_every_import_sees_lazy_and_type_checking_imports(tmp_path):
     sample = PACKAGE_DIR / "engine" / "worker.py"  # imports the launcher at module level
     assert "nanoserve.distributed.launcher" in _every_import(sample)
     source = tmp_path / "probe.py"  # as if in nanoserve/distributed/
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine import worker\n"
-                      "def f():\n    import nanoserve.models.llama\n")
+    source.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..engine import worker\n"
+        "def f():\n    import nanoserve.models.llama\n"
+    )
     found = _every_import(source, "nanoserve.distributed")
     assert {"nanoserve.engine.worker", "nanoserve.models.llama"} <= found

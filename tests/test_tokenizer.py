@@ -1,4 +1,5 @@
 """Tokenizer wrapper, chat templates and the incremental detokenizer, on the default model's tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,17 @@ def tokenizer(smollm2_dir: Path) -> Tokenizer:
     return Tokenizer.from_pretrained(smollm2_dir)
 
 
-def _stream(tokenizer: Tokenizer, ids: list[int], chunk: int = 1, prompt: list[int] | None = None,
-            skip_special_tokens: bool = True) -> tuple[list[str], IncrementalDetokenizer]:
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt or [], skip_special_tokens=skip_special_tokens)
-    deltas = [detokenizer.step(ids[start:start + chunk]) for start in range(0, len(ids), chunk)]
+def _stream(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    chunk: int = 1,
+    prompt: list[int] | None = None,
+    skip_special_tokens: bool = True,
+) -> tuple[list[str], IncrementalDetokenizer]:
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, prompt or [], skip_special_tokens=skip_special_tokens
+    )
+    deltas = [detokenizer.step(ids[start : start + chunk]) for start in range(0, len(ids), chunk)]
     return deltas, detokenizer
 
 
@@ -111,22 +119,36 @@ def test_convert_ids_to_tokens(tokenizer: Tokenizer):
 
 
 def test_chat_template_text_parts_and_errors(tokenizer: Tokenizer):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "first"},
-                                          {"type": "text", "text": "second"}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}],
+        }
+    ]
     assert tokenizer.apply_chat_template(parts).endswith(
-        "<|im_start|>user\nfirst\nsecond<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nfirst\nsecond<|im_end|>\n<|im_start|>assistant\n"
+    )
     with pytest.raises(ValueError, match="image_url"):
         tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image_url"}]}])
     with pytest.raises(ChatTemplateError, match="not allowed"):
-        tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
-                                      chat_template="{{ raise_exception('role not allowed') }}")
-    custom = "{{ bos_token }}{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{{ extra }}"
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hé"}], chat_template=custom,
-                                         extra="!") == "<|im_start|>HÉ!"
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}],
+            chat_template="{{ raise_exception('role not allowed') }}",
+        )
+    custom = (
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{{ extra }}"
+    )
+    assert (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hé"}], chat_template=custom, extra="!"
+        )
+        == "<|im_start|>HÉ!"
+    )
 
 
-def test_missing_chat_template_is_a_clear_error(tokenizer: Tokenizer, smollm2_dir: Path,
-                                                tmp_path: Path):
+def test_missing_chat_template_is_a_clear_error(
+    tokenizer: Tokenizer, smollm2_dir: Path, tmp_path: Path
+):
     config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     del config["chat_template"]
     shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -135,8 +157,10 @@ def test_missing_chat_template_is_a_clear_error(tokenizer: Tokenizer, smollm2_di
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "hi"}])
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    assert Tokenizer.from_pretrained(tmp_path).apply_chat_template(
-        [{"role": "user", "content": "hi"}]) == "hi"
+    assert (
+        Tokenizer.from_pretrained(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+        == "hi"
+    )
 
 
 def test_missing_tokenizer_json_is_a_clear_error(tmp_path: Path):
@@ -153,14 +177,17 @@ def test_add_bos_token_and_eos_lists(smollm2_dir: Path, tmp_path: Path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     with_bos = Tokenizer.from_pretrained(tmp_path)
-    assert with_bos.encode("hi there") == [1] + with_bos.encode("hi there", add_special_tokens=False)
+    assert with_bos.encode("hi there") == [1] + with_bos.encode(
+        "hi there", add_special_tokens=False
+    )
     assert with_bos.eos_token_ids == {0, 2}
     assert with_bos.eos_token_id == 2
 
     # Llama 3 style: the post-processor adds BOS itself.
     backend = BackendTokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     backend.post_processor = processors.TemplateProcessing(
-        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+    )
     backend.save(str(tmp_path / "tokenizer.json"))
     post_processed = Tokenizer.from_pretrained(tmp_path)
     ids = post_processed.encode("hi there")
@@ -174,23 +201,38 @@ def test_encode_each_gives_encodes_ids(tokenizer: Tokenizer):
     short texts and long ones, with and without special tokens."""
     texts = ["hello", "", "The quick brown fox jumps. " * 400, "é\n\t<|im_end|> x"]
     for special in (True, False):
-        assert tokenizer.encode_each(texts, special) == [tokenizer.encode(t, special) for t in texts]
+        assert tokenizer.encode_each(texts, special) == [
+            tokenizer.encode(t, special) for t in texts
+        ]
 
 
 def test_assistant_call_without_text_and_its_reasoning_reach_the_template(tokenizer: Tokenizer):
     """As gpt-oss's template reads an assistant turn with a tool call: `"x" in message.content`
     (a call without text has content "", not None, as vLLM renders it) and the reasoning as
     `thinking` (sent back as reasoning_content or reasoning)."""
-    template = ("{% for m in messages %}{% if m.role == 'assistant' %}"
-                "{% if 'content' in m and '<|channel|>' in m.content %}{{ raise_exception('tags') }}{% endif %}"
-                "[{{ m.thinking }}|{{ m.content }}|{{ m.tool_calls[0].function.arguments | tojson }}]"
-                "{% else %}{{ m.content }}{% endif %}{% endfor %}")
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% if 'content' in m and '<|channel|>' in m.content %}{{ raise_exception('tags') }}{% endif %}"
+        "[{{ m.thinking }}|{{ m.content }}|{{ m.tool_calls[0].function.arguments | tojson }}]"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     for field in ("reasoning_content", "reasoning"):
-        messages = [{"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": None, field: "think", "tool_calls": [call]}]
-        assert tokenizer.apply_chat_template(messages, chat_template=template) == 'hi[think||{"a": 1}]'
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, field: "think", "tool_calls": [call]},
+        ]
+        assert (
+            tokenizer.apply_chat_template(messages, chat_template=template) == 'hi[think||{"a": 1}]'
+        )
     # An explicit thinking field is kept; other roles and plain assistant turns are untouched.
-    messages = [{"role": "assistant", "content": "x", "thinking": "mine", "reasoning_content": "other",
-                 "tool_calls": [call]}]
+    messages = [
+        {
+            "role": "assistant",
+            "content": "x",
+            "thinking": "mine",
+            "reasoning_content": "other",
+            "tool_calls": [call],
+        }
+    ]
     assert tokenizer.apply_chat_template(messages, chat_template=template) == '[mine|x|{"a": 1}]'

@@ -8,6 +8,7 @@ bits (they must be: the bf16 pool holds the fp8 values). Run on an idle machine:
 
     .venv/bin/python benchmarks/kv-fp8/attention.py [--seqs 64] [--contexts 128 256 512] [--isa avx512bf16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,9 @@ def main() -> None:
     keep_freed_memory()
     if args.isa:
         cpu_ops.set_isa(args.isa)
-    print(f"# {cpu_ops.describe_isa()}; {args.seqs} decodes, {LAYERS} layers' pools, KV cache {args.kv}")
+    print(
+        f"# {cpu_ops.describe_isa()}; {args.seqs} decodes, {LAYERS} layers' pools, KV cache {args.kv}"
+    )
     fp8 = KV_CACHE_DTYPES[args.kv]
     generator = torch.Generator().manual_seed(0)
     for context in args.contexts:
@@ -51,11 +54,15 @@ def main() -> None:
         for _ in range(LAYERS):
             pair = []
             for _ in range(2):  # K, V
-                values = to_cache(torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=generator), fp8)
+                values = to_cache(
+                    torch.randn(num_blocks, KV_HEADS, BLOCK, DIM, generator=generator), fp8
+                )
                 pair.append((pool(values.to(torch.bfloat16), torch.bfloat16), pool(values, fp8)))
             layers["bf16"].append((pair[0][0], pair[1][0]))
             layers[args.kv].append((pair[0][1], pair[1][1]))
-        table = torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks].to(torch.int32)
+        table = torch.randperm(num_blocks - 1, generator=generator)[: args.seqs * blocks].to(
+            torch.int32
+        )
         table = table.reshape(args.seqs, blocks)
         query = torch.randn(args.seqs, HEADS, DIM, generator=generator).to(torch.bfloat16)
         cu_seqlens = torch.arange(args.seqs + 1, dtype=torch.int32)
@@ -63,15 +70,19 @@ def main() -> None:
         outs = {name: torch.empty_like(query) for name in layers}
         times: dict[str, list[float]] = {name: [] for name in layers}
         for round_ in range(args.rounds):
-            for name in (list(layers) if round_ % 2 == 0 else list(reversed(layers))):
+            for name in list(layers) if round_ % 2 == 0 else list(reversed(layers)):
                 start = time.perf_counter()
                 for keys, values in layers[name]:
-                    cpu_ops.paged_attention(query, keys, values, table, cu_seqlens, seq_lens, DIM ** -0.5,
-                                            out=outs[name])
+                    cpu_ops.paged_attention(
+                        query, keys, values, table, cu_seqlens, seq_lens, DIM**-0.5, out=outs[name]
+                    )
                 times[name].append((time.perf_counter() - start) * 1e3)
         bf16, other = statistics.median(times["bf16"]), statistics.median(times[args.kv])
-        print(f"{args.seqs} x {context} keys, {LAYERS} layers: bf16 pool {bf16:.2f} ms, {args.kv} pool {other:.2f} ms "
-              f"a step: {bf16 / other:.2f}x; same bits: {torch.equal(outs['bf16'], outs[args.kv])}", flush=True)
+        print(
+            f"{args.seqs} x {context} keys, {LAYERS} layers: bf16 pool {bf16:.2f} ms, {args.kv} pool {other:.2f} ms "
+            f"a step: {bf16 / other:.2f}x; same bits: {torch.equal(outs['bf16'], outs[args.kv])}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

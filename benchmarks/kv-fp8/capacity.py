@@ -7,6 +7,7 @@ preemptions and the output tokens/s of each. Run on an idle machine:
     .venv/bin/python benchmarks/kv-fp8/capacity.py [--kv-cache-memory 0.11] [--num-prompts 32]
         [--input-len 512] [--output-len 128] [--model DIR] [--kv fp8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,8 +18,12 @@ from nanoserve.bench.throughput import greedy_timed, random_prompts
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory or GGUF file (default: the default model's bf16 import)")
-    parser.add_argument("--kv-cache-memory", type=float, default=0.11, help="GiB, the same for both pools")
+    parser.add_argument(
+        "--model", help="model directory or GGUF file (default: the default model's bf16 import)"
+    )
+    parser.add_argument(
+        "--kv-cache-memory", type=float, default=0.11, help="GiB, the same for both pools"
+    )
     parser.add_argument("--kv", default="fp8")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=512)
@@ -31,16 +36,22 @@ def main() -> None:
     from nanoserve.models.gguf.importer import ensure_default_model
 
     model = args.model or str(ensure_default_model())
-    engines = {kv: LLM(model=model, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory)
-               for kv in ("auto", args.kv)}
+    engines = {
+        kv: LLM(
+            model=model, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory
+        )
+        for kv in ("auto", args.kv)
+    }
     print(f"# {cpu_ops.describe_isa()}")
-    print(f"# {model}; {args.num_prompts} x ({args.input_len}, {args.output_len}); "
-          f"--kv-cache-memory {args.kv_cache_memory} GiB")
+    print(
+        f"# {model}; {args.num_prompts} x ({args.input_len}, {args.output_len}); "
+        f"--kv-cache-memory {args.kv_cache_memory} GiB"
+    )
     vocab = engines["auto"].llm_engine.model_config.vocab_size
     rates: dict[str, list[float]] = {kv: [] for kv in engines}
     for round_ in range(args.rounds):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=2000 + round_)
-        for kv in (list(engines) if round_ % 2 == 0 else list(reversed(engines))):
+        for kv in list(engines) if round_ % 2 == 0 else list(reversed(engines)):
             engine = engines[kv].llm_engine
             before = engine.stats()
             most_running = 0
@@ -60,10 +71,15 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             rates[kv].append(tokens / elapsed)
             preemptions = engine.stats().num_preemptions_total - before.num_preemptions_total
-            print(f"round {round_ + 1} KV {kv:8s} {engine.block_managers[0].num_blocks} blocks, at most {most_running} "
-                  f"running, {preemptions} preemptions, {tokens / elapsed:6.1f} output tokens/s", flush=True)
+            print(
+                f"round {round_ + 1} KV {kv:8s} {engine.block_managers[0].num_blocks} blocks, at most {most_running} "
+                f"running, {preemptions} preemptions, {tokens / elapsed:6.1f} output tokens/s",
+                flush=True,
+            )
     base, other = statistics.median(rates["auto"]), statistics.median(rates[args.kv])
-    print(f"median: bf16 pool {base:.1f}, {args.kv} pool {other:.1f} output tokens/s: {other / base:.2f}x")
+    print(
+        f"median: bf16 pool {base:.1f}, {args.kv} pool {other:.1f} output tokens/s: {other / base:.2f}x"
+    )
 
 
 if __name__ == "__main__":

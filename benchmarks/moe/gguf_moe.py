@@ -16,6 +16,7 @@ MXFP4 (random codes, exponents giving values about 1 / sqrt(k)), the other matri
     .venv/bin/python benchmarks/moe/gguf_moe.py --layers 4 --out-dir /tmp/qwen3moe-gguf
     .venv/bin/python benchmarks/moe/gguf_moe.py --arch gpt-oss --layers 4 --out-dir /tmp/gpt-oss-gguf
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,10 +30,26 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-QWEN3_30B_A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8, expert_inter=768,
-                     dense_inter=6144)
-GPT_OSS_20B = dict(hidden=2880, heads=64, kv_heads=8, head_dim=64, experts=32, top_k=4, expert_inter=2880,
-                   sliding_window=128)
+QWEN3_30B_A3B = dict(
+    hidden=2048,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    top_k=8,
+    expert_inter=768,
+    dense_inter=6144,
+)
+GPT_OSS_20B = dict(
+    hidden=2880,
+    heads=64,
+    kv_heads=8,
+    head_dim=64,
+    experts=32,
+    top_k=4,
+    expert_inter=2880,
+    sliding_window=128,
+)
 LLAMACPP_VENV = Path(os.environ.get("LLAMACPP_VENV", Path.home() / ".cache/llamacpp/venv"))
 BATCH1_LLAMACPP = ROOT.parent / "shared/bench/batch1_llamacpp.py"
 
@@ -87,7 +104,9 @@ def _random_mxfp4(rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Random MXFP4 blocks (ggml's: an E8M0 byte, 16 bytes of codes) of values about 1 / sqrt(k):
     2^(e - 128) x 2 x E2M1 with E2M1 up to 6."""
     raw = rng.integers(0, 256, size=(rows, k // 32, 17), dtype=np.uint8)
-    raw[..., 0] = 128 - 4 - int(np.ceil(np.log2(np.sqrt(k)))) + rng.integers(0, 2, size=(rows, k // 32))
+    raw[..., 0] = (
+        128 - 4 - int(np.ceil(np.log2(np.sqrt(k)))) + rng.integers(0, 2, size=(rows, k // 32))
+    )
     return raw.reshape(rows, -1)
 
 
@@ -102,7 +121,7 @@ def write_gguf(path: Path, layers: int, mix: str, seed: int = 0, arch: str = "qw
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = read_metadata(gguf.GGUFReader(ensure_default_gguf()))
     s = GPT_OSS_20B if arch == "gpt-oss" else QWEN3_30B_A3B
-    hidden, q_size, kv_size = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    hidden = s["hidden"]
     vocab = len(meta["tokenizer.ggml.tokens"])
     writer = gguf.GGUFWriter(str(path) + ".partial", arch)
     writer.add_block_count(layers)
@@ -128,21 +147,31 @@ def write_gguf(path: Path, layers: int, mix: str, seed: int = 0, arch: str = "qw
     writer.add_token_list(meta["tokenizer.ggml.tokens"])
     writer.add_token_types(meta["tokenizer.ggml.token_type"])
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("padding", writer.add_pad_token_id)):
+    for key, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("padding", writer.add_pad_token_id),
+    ):
         if f"tokenizer.ggml.{key}_token_id" in meta:
             add(meta[f"tokenizer.ggml.{key}_token_id"])
     writer.add_chat_template(meta["tokenizer.chat_template"])
     rng = np.random.default_rng(seed)
 
-    def add(name: str, rows: int, k: int, qtype: str, experts: int = 0, shape: tuple | None = None) -> None:
+    def add(
+        name: str, rows: int, k: int, qtype: str, experts: int = 0, shape: tuple | None = None
+    ) -> None:
         if qtype == "f32":  # norms (and, for gpt-oss, biases and sinks: small) or a matrix
             one = name.endswith("norm.weight")
-            values = (np.ones(rows, np.float32) if one else rng.normal(0, 0.02, rows).astype(np.float32)) if k == 0 \
-                else rng.normal(0, k ** -0.5, (rows, k)).astype(np.float32)
+            values = (
+                (np.ones(rows, np.float32) if one else rng.normal(0, 0.02, rows).astype(np.float32))
+                if k == 0
+                else rng.normal(0, k**-0.5, (rows, k)).astype(np.float32)
+            )
             writer.add_tensor(name, values.reshape(shape) if shape else values)
             return
-        blocks = _random_mxfp4 if qtype == "mxfp4" else lambda r, c, g: _random_blocks(r, c, qtype, g)
+        blocks = (
+            _random_mxfp4 if qtype == "mxfp4" else lambda r, c, g: _random_blocks(r, c, qtype, g)
+        )
         if experts:
             data = np.stack([blocks(rows, k, rng) for _ in range(experts)])
         else:
@@ -172,14 +201,21 @@ def _add_gpt_oss_tensors(add, layers: int, vocab: int, s: dict, mix: str) -> Non
         add(f"blk.{i}.attn_norm.weight", hidden, 0, "f32")
         add(f"blk.{i}.post_attention_norm.weight", hidden, 0, "f32")
         add(f"blk.{i}.attn_sinks.weight", s["heads"], 0, "f32")
-        for name, rows, k in (("attn_q", q_size, hidden), ("attn_k", kv_size, hidden), ("attn_v", kv_size, hidden),
-                              ("attn_output", hidden, q_size)):
+        for name, rows, k in (
+            ("attn_q", q_size, hidden),
+            ("attn_k", kv_size, hidden),
+            ("attn_v", kv_size, hidden),
+            ("attn_output", hidden, q_size),
+        ):
             add(f"blk.{i}.{name}.weight", rows, k, "q8_0")
             add(f"blk.{i}.{name}.bias", rows, 0, "f32")
         add(f"blk.{i}.ffn_gate_inp.weight", s["experts"], hidden, "f32")
         add(f"blk.{i}.ffn_gate_inp.bias", s["experts"], 0, "f32")
-        for name, rows, k in (("ffn_gate_exps", s["expert_inter"], hidden), ("ffn_up_exps", s["expert_inter"], hidden),
-                              ("ffn_down_exps", hidden, s["expert_inter"])):
+        for name, rows, k in (
+            ("ffn_gate_exps", s["expert_inter"], hidden),
+            ("ffn_up_exps", s["expert_inter"], hidden),
+            ("ffn_down_exps", hidden, s["expert_inter"]),
+        ):
             add(f"blk.{i}.{name}.weight", rows, k, mix, s["experts"])
             add(f"blk.{i}.{name}.bias", s["experts"] * rows, 0, "f32", shape=(s["experts"], rows))
 
@@ -203,7 +239,13 @@ def _add_qwen3moe_tensors(add, layers: int, vocab: int, s: dict, mix: str) -> No
         add(f"blk.{i}.ffn_gate_inp.weight", s["experts"], hidden, "f32")
         add(f"blk.{i}.ffn_gate_exps.weight", s["expert_inter"], hidden, base, s["experts"])
         add(f"blk.{i}.ffn_up_exps.weight", s["expert_inter"], hidden, base, s["experts"])
-        add(f"blk.{i}.ffn_down_exps.weight", hidden, s["expert_inter"], "q6_k" if more else base, s["experts"])
+        add(
+            f"blk.{i}.ffn_down_exps.weight",
+            hidden,
+            s["expert_inter"],
+            "q6_k" if more else base,
+            s["experts"],
+        )
 
 
 def run(command: list[str], cwd: Path = ROOT) -> str:
@@ -218,32 +260,60 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/nanoserve-bench-qwen3moe-gguf"))
-    parser.add_argument("--mixes", default=None, help="qwen3moe: q4_k_m,q8_0 (default); gpt-oss: mxfp4")
-    parser.add_argument("--arch", default="qwen3moe", choices=["qwen3moe", "gpt-oss"],
-                        help="gpt-oss: gpt-oss-20b's shape (hidden 2880, 64 / 8 heads of 64, 32 experts of "
-                             "2880, top-4, YaRN, sliding window 128), experts MXFP4, the rest Q8_0")
+    parser.add_argument(
+        "--mixes", default=None, help="qwen3moe: q4_k_m,q8_0 (default); gpt-oss: mxfp4"
+    )
+    parser.add_argument(
+        "--arch",
+        default="qwen3moe",
+        choices=["qwen3moe", "gpt-oss"],
+        help="gpt-oss: gpt-oss-20b's shape (hidden 2880, 64 / 8 heads of 64, 32 experts of "
+        "2880, top-4, YaRN, sliding window 128), experts MXFP4, the rest Q8_0",
+    )
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--baseline", type=Path, default=None,
-                        help="another nanoserve checkout (e.g. `git worktree add /tmp/base COMMIT`) run beside "
-                             "this one each round, by the same Python (its nanoserve imported from its folder)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another nanoserve checkout (e.g. `git worktree add /tmp/base COMMIT`) run beside "
+        "this one each round, by the same Python (its nanoserve imported from its folder)",
+    )
     args = parser.parse_args()
-    subprocess.run(["bash", "-c", "lscpu | sed -n 's/^Model name: */cpu: /p'; git log -1 --format='nanoserve %h'"],
-                   cwd=ROOT)
+    subprocess.run(
+        [
+            "bash",
+            "-c",
+            "lscpu | sed -n 's/^Model name: */cpu: /p'; git log -1 --format='nanoserve %h'",
+        ],
+        cwd=ROOT,
+    )
     if args.baseline:
         subprocess.run(["git", "log", "-1", "--format=baseline nanoserve %h"], cwd=args.baseline)
     print(f"llama.cpp: {LLAMACPP_VENV}", flush=True)
     mixes = args.mixes or ("mxfp4" if args.arch == "gpt-oss" else "q4_k_m,q8_0")
-    files = [write_gguf(args.out_dir / f"{args.arch}-{args.layers}l-{mix}.gguf", args.layers, mix, arch=args.arch)
-             for mix in mixes.split(",")]
+    files = [
+        write_gguf(
+            args.out_dir / f"{args.arch}-{args.layers}l-{mix}.gguf",
+            args.layers,
+            mix,
+            arch=args.arch,
+        )
+        for mix in mixes.split(",")
+    ]
     python = str(ROOT / ".venv/bin/python")
     for round_ in range(1, args.rounds + 1):
         for path in files:
-            print(f"round {round_}: {run([str(LLAMACPP_VENV / 'bin/python'), str(BATCH1_LLAMACPP), str(path)])}",
-                  flush=True)
+            print(
+                f"round {round_}: {run([str(LLAMACPP_VENV / 'bin/python'), str(BATCH1_LLAMACPP), str(path)])}",
+                flush=True,
+            )
             for checkout in [ROOT] + ([args.baseline.resolve()] if args.baseline else []):
                 label = "" if checkout == ROOT else f" (baseline {checkout})"
                 for script in (NANOSERVE_BATCH1, NANOSERVE_OFFLINE):
-                    print(f"round {round_}{label}: {run([python, '-c', script, str(path)], checkout)}", flush=True)
+                    print(
+                        f"round {round_}{label}: {run([python, '-c', script, str(path)], checkout)}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

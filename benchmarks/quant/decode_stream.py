@@ -6,6 +6,7 @@ file's bytes are read at. Run on an idle machine:
 
     .venv/bin/python benchmarks/quant/decode_stream.py [--formats q4_k q6_k q8_0 q4_0 q5_k] [--layers 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,12 @@ from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight, pack_for_cpu, quant_gemm
 
-SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
+SHAPES = {
+    "qkv": (3072, 2048),
+    "o_proj": (2048, 2048),
+    "gate_up": (16384, 2048),
+    "down": (2048, 8192),
+}
 
 
 def random_raw(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.Tensor:
@@ -25,16 +31,26 @@ def random_raw(qtype: str, n: int, k: int, generator: torch.Generator) -> torch.
     elements, nbytes = GGUF_QTYPES[qtype]
     raw = torch.randint(0, 256, (n, k // elements, nbytes), dtype=torch.uint8, generator=generator)
     half = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-    at = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (nbytes - 2,), "q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2),
-          "q5_0": (0,), "q5_1": (0, 2)}[qtype]
+    at = {
+        "q4_k": (0, 2),
+        "q5_k": (0, 2),
+        "q6_k": (nbytes - 2,),
+        "q8_0": (0,),
+        "q4_0": (0,),
+        "q4_1": (0, 2),
+        "q5_0": (0,),
+        "q5_1": (0, 2),
+    }[qtype]
     for offset in at:
-        raw[..., offset:offset + 2] = half
+        raw[..., offset : offset + 2] = half
     return raw.reshape(n, -1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", nargs="+", default=["q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "bf16"])
+    parser.add_argument(
+        "--formats", nargs="+", default=["q4_k", "q6_k", "q5_k", "q8_0", "q4_0", "bf16"]
+    )
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -47,7 +63,9 @@ def main() -> None:
             for n, k in SHAPES.values():
                 x = torch.randn(1, k, generator=generator).to(torch.bfloat16)
                 if qtype == "bf16":
-                    weight = cpu_ops.pack_gemm_weight((torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16))
+                    weight = cpu_ops.pack_gemm_weight(
+                        (torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16)
+                    )
                     calls.append(lambda x=x, w=weight, n=n: cpu_ops.gemm(x, w, None, n))
                     packed_bytes += weight.numel() * 2
                     file_bytes += n * k * 2
@@ -65,9 +83,12 @@ def main() -> None:
                 call()
             best = min(best, time.perf_counter() - start)
         weights = sum(n * k for n, k in SHAPES.values()) * args.layers
-        print(f"{qtype:6s} {best * 1e6:9.0f} us a step; packed {packed_bytes / best / 1e9:5.1f} GB/s "
-              f"({8 * packed_bytes / weights:.2f} bits a weight; file {8 * file_bytes / weights:.2f}), "
-              f"file {file_bytes / best / 1e9:5.1f} GB/s", flush=True)
+        print(
+            f"{qtype:6s} {best * 1e6:9.0f} us a step; packed {packed_bytes / best / 1e9:5.1f} GB/s "
+            f"({8 * packed_bytes / weights:.2f} bits a weight; file {8 * file_bytes / weights:.2f}), "
+            f"file {file_bytes / best / 1e9:5.1f} GB/s",
+            flush=True,
+        )
         del calls
 
 

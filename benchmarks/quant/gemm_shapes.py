@@ -12,6 +12,7 @@ fp8_e4m3: FP8 weights (kernels/cpu/gemm_fp8.cpp). `--shapes 1b`: a Llama-3.2-1B 
 Best of five timings of repeated calls each; the CPU memory settings the engine uses
 (nanoserve/cpu_malloc.py) are applied, so the output buffers are not fresh pages every call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,30 @@ import torch
 
 from nanoserve.cpu_malloc import keep_freed_memory
 from nanoserve.kernels import cpu_ops
-from nanoserve.kernels.quant import FP8, GGUF_QTYPES, QuantComponents, QuantWeight, pack_weight, quant_gemm
+from nanoserve.kernels.quant import (
+    FP8,
+    GGUF_QTYPES,
+    QuantComponents,
+    QuantWeight,
+    pack_weight,
+    quant_gemm,
+)
 
-SHAPES = {"smollm2": {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-                      "lm_head": (49152, 576)},
-          "1b": {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}}
+SHAPES = {
+    "smollm2": {
+        "qkv": (960, 576),
+        "o_proj": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+    },
+    "1b": {
+        "qkv": (3072, 2048),
+        "o_proj": (2048, 2048),
+        "gate_up": (16384, 2048),
+        "down": (2048, 8192),
+    },
+}
 FORMATS = ("q4_1", "q8_0", "q4_0")
 
 
@@ -33,7 +53,9 @@ def random_weight(qtype: str, n: int, k: int, generator: torch.Generator) -> Qua
     if qtype == FP8:  # random E4M3 bytes (no NaN), scales of 0.01
         u = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=generator)
         u = torch.where((u & 0x7F) == 0x7F, u ^ 1, u)
-        return QuantWeight(FP8, n, k, None, components=QuantComponents(u, torch.full((n, k // 32), 0.01)))
+        return QuantWeight(
+            FP8, n, k, None, components=QuantComponents(u, torch.full((n, k // 32), 0.01))
+        )
     return QuantWeight(qtype, n, k, random_blocks(qtype, n, k, generator))
 
 
@@ -71,12 +93,18 @@ def main() -> None:
     keep_freed_memory()
     generator = torch.Generator().manual_seed(0)
     print(f"# {cpu_ops.describe_isa()}; {torch.get_num_threads()} threads")
-    print("| shape | M | bf16 us | " + " | ".join(f"{f.upper()} us (x bf16)" for f in args.formats) + " |")
+    print(
+        "| shape | M | bf16 us | "
+        + " | ".join(f"{f.upper()} us (x bf16)" for f in args.formats)
+        + " |"
+    )
     print("|---|---|---|" + "---|" * len(args.formats))
     for m in args.rows:
         for name, (n, k) in SHAPES[args.shapes].items():
             x = torch.randn(m, k, generator=generator).to(torch.bfloat16)
-            packed = cpu_ops.pack_gemm_weight((torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16))
+            packed = cpu_ops.pack_gemm_weight(
+                (torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16)
+            )
             calls = max(3, int(2e8 / (m * n * k)))
             bf16 = best_of(lambda: cpu_ops.gemm(x, packed, None, n), calls)
             cells = []

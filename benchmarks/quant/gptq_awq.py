@@ -17,6 +17,7 @@ prompts of --input-len tokens, --output-len greedy tokens each (ignore_eos), as
 each run's output tokens/s (and ms per token at batch 1), the medians, nanoserve / vLLM per
 model and each engine's quantized / bf16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,9 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
 
     paths = {"bf16": model}
     config = json.loads((model / "config.json").read_text())
-    if "GptOssForCausalLM" in config.get("architectures", []):  # gpt-oss: its experts in MXFP4, as OpenAI's
+    if "GptOssForCausalLM" in config.get(
+        "architectures", []
+    ):  # gpt-oss: its experts in MXFP4, as OpenAI's
         from tests import mxfp4_models
 
         paths["mxfp4"] = out_dir / "mxfp4" / "model"
@@ -71,24 +74,40 @@ def write_checkpoints(model: Path, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def child(engine: str, model: str, num_prompts: int, input_len: int, output_len: int,
-          quantization: str | None = None) -> None:
+def child(
+    engine: str,
+    model: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    quantization: str | None = None,
+) -> None:
     """One engine on one model in this process: prints 'RESULT <output tokens/s>'."""
     import torch
 
     if engine == "vllm":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         from vllm import LLM, SamplingParams
-        llm = LLM(model=model, dtype="bfloat16", max_model_len=max(2048, input_len + output_len),
-                  quantization=quantization)
+
+        llm = LLM(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=max(2048, input_len + output_len),
+            quantization=quantization,
+        )
     else:
         from nanoserve import LLM, SamplingParams
+
         llm = LLM(model=model, dtype="bfloat16", quantization=quantization)
-        print(f"WEIGHTS {sum(llm.llm_engine.runner.rank_weight_bytes)}", flush=True)  # as held, packed
+        print(
+            f"WEIGHTS {sum(llm.llm_engine.runner.rank_weight_bytes)}", flush=True
+        )  # as held, packed
     vocab = llm.get_tokenizer().vocab_size
     generator = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": p}
-               for p in torch.randint(100, vocab, (num_prompts, input_len), generator=generator).tolist()]
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in torch.randint(100, vocab, (num_prompts, input_len), generator=generator).tolist()
+    ]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)
     started = time.perf_counter()
@@ -99,17 +118,33 @@ def child(engine: str, model: str, num_prompts: int, input_len: int, output_len:
 
 def run(engine: str, model: Path, args, quantization: str | None = None) -> float:
     python = str(VLLM_PYTHON) if engine == "vllm" else sys.executable
-    command = [python, __file__, "--child", engine, "--model", str(model), "--num-prompts", str(args.num_prompts),
-               "--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    command = [
+        python,
+        __file__,
+        "--child",
+        engine,
+        "--model",
+        str(model),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--input-len",
+        str(args.input_len),
+        "--output-len",
+        str(args.output_len),
+    ]
     if quantization is not None:
         command += ["--quantization", quantization]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    weights = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("WEIGHTS ")]
+    weights = [
+        line.split()[1] for line in result.stdout.splitlines() if line.startswith("WEIGHTS ")
+    ]
     if weights:
         print(f"# {engine} on {model}: weights held {int(weights[-1]) / 2**30:.2f} GiB", flush=True)
     if result.returncode != 0 or not lines:
-        print(f"# {engine} on {model} failed: {result.stderr.strip().splitlines()[-1:]}", flush=True)
+        print(
+            f"# {engine} on {model} failed: {result.stderr.strip().splitlines()[-1:]}", flush=True
+        )
         return float("nan")
     return float(lines[-1].split()[1])
 
@@ -125,12 +160,22 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--engines", default="nanoserve,vllm")
-    parser.add_argument("--models", default="bf16,gptq,awq",
-                        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8, fp8_online; "
-                             "for a gpt-oss model: bf16, mxfp4")
+    parser.add_argument(
+        "--models",
+        default="bf16,gptq,awq",
+        help="of bf16, gptq, awq, gptq_act (GPTQ with activation order, desc_act), fp8, fp8_online; "
+        "for a gpt-oss model: bf16, mxfp4",
+    )
     args = parser.parse_args()
     if args.child:
-        child(args.child, str(args.model), args.num_prompts, args.input_len, args.output_len, args.quantization)
+        child(
+            args.child,
+            str(args.model),
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.quantization,
+        )
         return
     paths = write_checkpoints(args.model, args.out_dir)
     engines, models = args.engines.split(","), args.models.split(",")
@@ -141,21 +186,34 @@ def main() -> None:
                 value = run(engine, paths[name], args, "fp8" if name == "fp8_online" else None)
                 results.setdefault((engine, name), []).append(value)
                 ms = f" ({1000 / value:.1f} ms/token)" if args.num_prompts == 1 else ""
-                print(f"round {round_index + 1}: {engine:9s} {name:10s} {value:8.1f} output tokens/s{ms}", flush=True)
+                print(
+                    f"round {round_index + 1}: {engine:9s} {name:10s} {value:8.1f} output tokens/s{ms}",
+                    flush=True,
+                )
     median = {key: statistics.median(values) for key, values in results.items()}
-    written = ("MXFP4: E2M1 and a power-of-two scale per 32, nearest value (tests/mxfp4_models.py)" if "mxfp4" in paths
-               else "4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks)")
-    print(f"\n{args.num_prompts} x ({args.input_len}, {args.output_len}), medians of {args.rounds} round(s); "
-          f"{written} from {args.model}")
+    written = (
+        "MXFP4: E2M1 and a power-of-two scale per 32, nearest value (tests/mxfp4_models.py)"
+        if "mxfp4" in paths
+        else "4-bit, groups of 64, written by RTN (fp8: E4M3, 128 x 128 blocks)"
+    )
+    print(
+        f"\n{args.num_prompts} x ({args.input_len}, {args.output_len}), medians of {args.rounds} round(s); "
+        f"{written} from {args.model}"
+    )
     for engine in engines:
         line = "  ".join(f"{name} {median[engine, name]:8.1f}" for name in models)
         if "bf16" in models:
-            line += "  " + "  ".join(f"{name}/bf16 {median[engine, name] / median[engine, 'bf16']:.2f}x"
-                                     for name in models if name != "bf16")
+            line += "  " + "  ".join(
+                f"{name}/bf16 {median[engine, name] / median[engine, 'bf16']:.2f}x"
+                for name in models
+                if name != "bf16"
+            )
         print(f"{engine:9s} {line}")
     if "nanoserve" in engines and "vllm" in engines:
         for name in models:
-            print(f"nanoserve / vllm, {name}: {median['nanoserve', name] / median['vllm', name]:.2f}x")
+            print(
+                f"nanoserve / vllm, {name}: {median['nanoserve', name] / median['vllm', name]:.2f}x"
+            )
 
 
 if __name__ == "__main__":

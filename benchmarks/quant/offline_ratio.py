@@ -13,6 +13,7 @@ Defaults: the default model's Q4_1 file and its bf16 import (nanoserve.models.gg
 turns in each round) and prints the quantized / bf16 ratio per dtype and each dtype's speed-up
 over the first one's, per model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,7 +30,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--kv-cache-dtypes", default="auto", help="comma-separated --kv-cache-dtype values")
+    parser.add_argument(
+        "--kv-cache-dtypes", default="auto", help="comma-separated --kv-cache-dtype values"
+    )
     args = parser.parse_args()
     kv_dtypes = args.kv_cache_dtypes.split(",")
 
@@ -37,7 +40,10 @@ def main() -> None:
     from nanoserve.kernels import cpu_ops
     from nanoserve.models.gguf.importer import ensure_default_gguf, ensure_default_model
 
-    paths = {"bf16": args.bf16 or str(ensure_default_model()), "quantized": args.quantized or str(ensure_default_gguf())}
+    paths = {
+        "bf16": args.bf16 or str(ensure_default_model()),
+        "quantized": args.quantized or str(ensure_default_gguf()),
+    }
     engines = {}
     for kv in kv_dtypes:
         for name, path in paths.items():
@@ -45,10 +51,14 @@ def main() -> None:
             engines[label] = LLM(model=path, dtype="bfloat16", kv_cache_dtype=kv)
     vocab = min(engine.llm_engine.model_config.vocab_size for engine in engines.values())
     for engine in engines.values():  # warm-up: kernels built, first pages touched
-        engine.generate([{"prompt_token_ids": [100, 200, 300]}], SamplingParams(max_tokens=2), use_tqdm=False)
+        engine.generate(
+            [{"prompt_token_ids": [100, 200, 300]}], SamplingParams(max_tokens=2), use_tqdm=False
+        )
     print(f"# {cpu_ops.describe_isa()}")
-    print(f"# {args.num_prompts} x ({args.input_len}, {args.output_len}); bf16: {paths['bf16']}; "
-          f"quantized: {paths['quantized']}; KV cache: {', '.join(kv_dtypes)}")
+    print(
+        f"# {args.num_prompts} x ({args.input_len}, {args.output_len}); bf16: {paths['bf16']}; "
+        f"quantized: {paths['quantized']}; KV cache: {', '.join(kv_dtypes)}"
+    )
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(args.rounds):
         prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=1000 + round_)
@@ -57,14 +67,18 @@ def main() -> None:
             outputs, elapsed = greedy_timed(engines[name], prompts, args.output_len)
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             rates[name].append(tokens / elapsed)
-            print(f"round {round_ + 1} {name:9s} {tokens / elapsed:7.1f} output tokens/s ({tokens} in {elapsed:.1f} s)",
-                  flush=True)
+            print(
+                f"round {round_ + 1} {name:9s} {tokens / elapsed:7.1f} output tokens/s ({tokens} in {elapsed:.1f} s)",
+                flush=True,
+            )
 
     def compare(over: str, under: str, what: str) -> None:
         ratios = [a / b for a, b in zip(rates[over], rates[under])]
-        print(f"{what}: median {statistics.median(rates[over]):.1f} over {statistics.median(rates[under]):.1f} "
-              f"output tokens/s: {statistics.median(rates[over]) / statistics.median(rates[under]):.2f}x "
-              f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)")
+        print(
+            f"{what}: median {statistics.median(rates[over]):.1f} over {statistics.median(rates[under]):.1f} "
+            f"output tokens/s: {statistics.median(rates[over]) / statistics.median(rates[under]):.2f}x "
+            f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)"
+        )
 
     if len(kv_dtypes) == 1:
         compare("quantized", "bf16", "quantized / bf16")

@@ -7,6 +7,7 @@ its own, one after the other; outputs are compared token for token.
 
     .venv/bin/python benchmarks/spec_decode/bench_spec.py [--out benchmarks/spec_decode/<cpu>]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,21 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 4,
+}
 MAX_TOKENS = 160
 
 
 def workloads() -> dict[str, list]:
     grounded = json.loads((HERE / "prompts.json").read_text())
     rng = random.Random(0)
-    randoms = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(300)]} for _ in range(6)]
+    randoms = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(300)]} for _ in range(6)
+    ]
     return {"grounded": [[{"role": "user", "content": p}] for p in grounded], "random": randoms}
 
 
@@ -38,9 +46,17 @@ def child(config: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     result = {}
     for name, items in workloads().items():
-        run = (lambda item: llm.chat(item, params, use_tqdm=False)[0]) if name == "grounded" else \
-            (lambda item: llm.generate([item], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
-                                                              ignore_eos=True), use_tqdm=False)[0])
+        run = (
+            (lambda item: llm.chat(item, params, use_tqdm=False)[0])
+            if name == "grounded"
+            else (
+                lambda item: llm.generate(
+                    [item],
+                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                    use_tqdm=False,
+                )[0]
+            )
+        )
         run(items[0])  # warm-up
         tpots, tokens = [], []
         for item in items:
@@ -68,20 +84,30 @@ def main() -> None:
         return
     results = {}
     for config in ("plain", "ngram"):
-        done = subprocess.run([sys.executable, __file__, "--child", config], capture_output=True, text=True,
-                              check=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", config],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[config] = json.loads(done.stdout.strip().splitlines()[-1])
     plain, ngram = results["plain"], results["ngram"]
-    lines = [f"spec decode, {json.dumps(NGRAM)}, c=1, greedy, max_tokens {MAX_TOKENS}, SmolLM2 bf16"]
+    lines = [
+        f"spec decode, {json.dumps(NGRAM)}, c=1, greedy, max_tokens {MAX_TOKENS}, SmolLM2 bf16"
+    ]
     for name, target in (("grounded", 0.6), ("random", 1.05)):
         ratio = ngram[name]["tpot_ms_p50"] / plain[name]["tpot_ms_p50"]
         same = ngram[name]["tokens"] == plain[name]["tokens"]
-        lines.append(f"{name}: TPOT p50 plain {plain[name]['tpot_ms_p50']:.2f} ms, ngram "
-                     f"{ngram[name]['tpot_ms_p50']:.2f} ms, ratio {ratio:.3f} (target <= {target}: "
-                     f"{'met' if ratio <= target else 'MISSED'}); outputs identical: {same}")
-    lines.append(f"acceptance rate {ngram['acceptance_rate']:.3f}, mean acceptance length "
-                 f"{ngram['mean_acceptance_length']:.2f}, accepted per position {ngram['accepted_per_pos']}, "
-                 f"drafts {ngram['drafts']}")
+        lines.append(
+            f"{name}: TPOT p50 plain {plain[name]['tpot_ms_p50']:.2f} ms, ngram "
+            f"{ngram[name]['tpot_ms_p50']:.2f} ms, ratio {ratio:.3f} (target <= {target}: "
+            f"{'met' if ratio <= target else 'MISSED'}); outputs identical: {same}"
+        )
+    lines.append(
+        f"acceptance rate {ngram['acceptance_rate']:.3f}, mean acceptance length "
+        f"{ngram['mean_acceptance_length']:.2f}, accepted per position {ngram['accepted_per_pos']}, "
+        f"drafts {ngram['drafts']}"
+    )
     print("\n".join(lines))
     if args.out:
         out = Path(args.out)

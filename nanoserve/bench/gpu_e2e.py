@@ -14,6 +14,7 @@ throughput: offline decode speed at batch 1 (TPOT) and at batch 64, eager and wi
 --smoke: tiny workloads on a CPU, to check this script without a GPU (graphs are CUDA-only).
 Imports nothing from nanoserve.server: it runs where msgspec and httptools are missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,9 @@ def first_mismatches(got: list[list[int]], want: list[list[int]]) -> list[dict]:
     found = []
     for index, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            position = next(
+                (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+            )
             found.append({"prompt": index, "position": position})
     return found
 
@@ -88,8 +91,11 @@ def hf_greedy(model, prompt: list[int], num_tokens: int, device: str) -> list[in
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < num_tokens:
-        out = model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(
+            input_ids=torch.tensor([[tokens[-1]]], device=device),
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 
@@ -107,8 +113,12 @@ def stage_tokens(args) -> dict:
     del reference_llm
     release()
     result = {"prompts": len(prompts), "max_tokens": max_tokens, "graph_steps": {}}
-    for label, dtype, eager in (("cuda_eager_fp32", "float32", True), ("cuda_graphs_fp32", "float32", False),
-                                ("cuda_eager_bf16", "bfloat16", True), ("cuda_graphs_bf16", "bfloat16", False)):
+    for label, dtype, eager in (
+        ("cuda_eager_fp32", "float32", True),
+        ("cuda_graphs_fp32", "float32", False),
+        ("cuda_eager_bf16", "bfloat16", True),
+        ("cuda_graphs_bf16", "bfloat16", False),
+    ):
         llm = make_llm(args, dtype=dtype, enforce_eager=eager, **engine)
         runs[label] = greedy(llm, prompts, max_tokens)
         graphs = llm.llm_engine.runner.decode_graphs
@@ -116,22 +126,35 @@ def stage_tokens(args) -> dict:
         del llm, graphs
         release()
     reference = runs["cpu_reference_fp32"]
-    checks = {label: first_mismatches(runs[label], reference) for label in ("cuda_eager_fp32", "cuda_graphs_fp32")}
+    checks = {
+        label: first_mismatches(runs[label], reference)
+        for label in ("cuda_eager_fp32", "cuda_graphs_fp32")
+    }
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         result["transformers"] = "not installed"
     else:
         device = cuda_device(args)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-        runs["transformers_fp32"] = [hf_greedy(model, p, n, device) for p, n in zip(prompts, max_tokens)]
+        model = (
+            AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
+        )
+        runs["transformers_fp32"] = [
+            hf_greedy(model, p, n, device) for p, n in zip(prompts, max_tokens)
+        ]
         checks["transformers_fp32"] = first_mismatches(runs["transformers_fp32"], reference)
         del model
         release()
     bf16 = first_mismatches(runs["cuda_graphs_bf16"], runs["cuda_eager_bf16"])
-    result.update(runs=runs, mismatches=checks, bf16_graphs_vs_eager_mismatches=bf16,
-                  ok=all(not found for found in checks.values()))
-    if not args.smoke and not any(result["graph_steps"][k] for k in ("cuda_graphs_fp32", "cuda_graphs_bf16")):
+    result.update(
+        runs=runs,
+        mismatches=checks,
+        bf16_graphs_vs_eager_mismatches=bf16,
+        ok=all(not found for found in checks.values()),
+    )
+    if not args.smoke and not any(
+        result["graph_steps"][k] for k in ("cuda_graphs_fp32", "cuda_graphs_bf16")
+    ):
         result["ok"] = False
         result["error"] = "no decode step went through the CUDA graphs"
     return result
@@ -141,12 +164,14 @@ def engine_memory(llm) -> dict:
     runner = llm.llm_engine.runner
     free_now = torch.cuda.mem_get_info(runner.device)[0]
     capture = runner.graph_capture
-    return {"num_kv_blocks": runner.num_kv_blocks,
-            "kv_bytes": runner.num_kv_blocks * runner._kv_bytes_per_block(),
-            "used_bytes": runner.memory_at_start.free - free_now,
-            "graph_bytes": capture.memory_bytes if capture else 0,
-            "graph_capture_s": capture.seconds if capture else 0.0,
-            "profile": runner.memory_profile}
+    return {
+        "num_kv_blocks": runner.num_kv_blocks,
+        "kv_bytes": runner.num_kv_blocks * runner._kv_bytes_per_block(),
+        "used_bytes": runner.memory_at_start.free - free_now,
+        "graph_bytes": capture.memory_bytes if capture else 0,
+        "graph_capture_s": capture.seconds if capture else 0.0,
+        "profile": runner.memory_profile,
+    }
 
 
 def stage_memory(args) -> dict:
@@ -154,7 +179,11 @@ def stage_memory(args) -> dict:
         return {"ok": True, "skipped": "needs a CUDA device"}
     total = torch.cuda.get_device_properties(0).total_memory
     engine = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 64}
-    result = {"total_bytes": total, "free_at_start_bytes": torch.cuda.mem_get_info()[0], "engines": {}}
+    result = {
+        "total_bytes": total,
+        "free_at_start_bytes": torch.cuda.mem_get_info()[0],
+        "engines": {},
+    }
     for utilization in (0.3, 0.6):
         llm = make_llm(args, gpu_memory_utilization=utilization, **engine)
         result["engines"][str(utilization)] = engine_memory(llm)
@@ -163,14 +192,20 @@ def stage_memory(args) -> dict:
     low, high = result["engines"]["0.3"], result["engines"]["0.6"]
     result["kv_difference_fraction"] = (high["kv_bytes"] - low["kv_bytes"]) / total
     # Each engine holds its share, less the activation headroom it leaves free, plus its graphs.
-    result["used_fraction"] = {u: (e["used_bytes"] - e["graph_bytes"]) / total for u, e in result["engines"].items()}
-    checks = {"kv_pool_tracks_utilization": abs(result["kv_difference_fraction"] - 0.3) <= 0.01,
-              # (1% slack: the kernel tests run beside this stage, in processes of their own)
-              "within_share": all(f <= float(u) + 0.01 for u, f in result["used_fraction"].items())}
+    result["used_fraction"] = {
+        u: (e["used_bytes"] - e["graph_bytes"]) / total for u, e in result["engines"].items()
+    }
+    checks = {
+        "kv_pool_tracks_utilization": abs(result["kv_difference_fraction"] - 0.3) <= 0.01,
+        # (1% slack: the kernel tests run beside this stage, in processes of their own)
+        "within_share": all(f <= float(u) + 0.01 for u, f in result["used_fraction"].items()),
+    }
     # Two engines of 0.3 side by side fit; a third asking for 0.5 is refused, not run out of memory.
     first = make_llm(args, gpu_memory_utilization=0.3, **engine)
     second = make_llm(args, gpu_memory_utilization=0.3, **engine)
-    checks["second_engine_same_pool"] = second.llm_engine.runner.num_kv_blocks >= 0.98 * first.llm_engine.runner.num_kv_blocks
+    checks["second_engine_same_pool"] = (
+        second.llm_engine.runner.num_kv_blocks >= 0.98 * first.llm_engine.runner.num_kv_blocks
+    )
     try:
         make_llm(args, gpu_memory_utilization=0.5, **engine)
         checks["over_asking_refused"] = False
@@ -185,11 +220,17 @@ def stage_memory(args) -> dict:
 
 def timed_requests(llm, prompts: list[list[int]], output_len: int) -> dict:
     outputs, elapsed = greedy_timed(llm, prompts, output_len)
-    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-             for o in outputs]
+    tpots = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
+        for o in outputs
+    ]
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "tpot_ms_median": 1e3 * statistics.median(tpots)}
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "tpot_ms_median": 1e3 * statistics.median(tpots),
+    }
 
 
 def stage_throughput(args) -> dict:
@@ -202,18 +243,28 @@ def stage_throughput(args) -> dict:
     result = {"batch": batch, "input_len": input_len, "output_len": output_len, "modes": {}}
     for mode in ("eager", "graphs"):
         started = time.perf_counter()
-        llm = make_llm(args, dtype="float32" if args.smoke else "bfloat16", enforce_eager=mode == "eager",
-                       gpu_memory_utilization=0.5, max_model_len=2048, max_num_seqs=64)
+        llm = make_llm(
+            args,
+            dtype="float32" if args.smoke else "bfloat16",
+            enforce_eager=mode == "eager",
+            gpu_memory_utilization=0.5,
+            max_model_len=2048,
+            max_num_seqs=64,
+        )
         startup = time.perf_counter() - started
         timed_requests(llm, prompts[-4:], 8)  # warm-up
         single = [timed_requests(llm, [prompts[i]], 16 if args.smoke else 256) for i in range(3)]
         capture = llm.llm_engine.runner.graph_capture
         result["modes"][mode] = {
-            "startup_s": startup, "graph_capture_s": capture.seconds if capture else None,
+            "startup_s": startup,
+            "graph_capture_s": capture.seconds if capture else None,
             "graph_bytes": capture.memory_bytes if capture else None,
             "batch1_tpot_ms": statistics.median(run["tpot_ms_median"] for run in single),
-            f"batch{batch}": timed_requests(llm, prompts[:batch], output_len)}
-        result["modes"][mode]["batch1_decode_tokens_per_s"] = 1e3 / result["modes"][mode]["batch1_tpot_ms"]
+            f"batch{batch}": timed_requests(llm, prompts[:batch], output_len),
+        }
+        result["modes"][mode]["batch1_decode_tokens_per_s"] = (
+            1e3 / result["modes"][mode]["batch1_tpot_ms"]
+        )
         del llm
         release()
     eager, graphs = result["modes"]["eager"], result["modes"]["graphs"]
@@ -234,8 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny workloads on a CPU")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
-        print("nanoserve.bench.gpu_e2e: no CUDA device (use --smoke to check the script on a CPU)",
-              file=sys.stderr)
+        print(
+            "nanoserve.bench.gpu_e2e: no CUDA device (use --smoke to check the script on a CPU)",
+            file=sys.stderr,
+        )
         return 2
     started = time.perf_counter()
     try:
@@ -243,15 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         result = {"ok": False, "error": traceback.format_exc()}
         print(result["error"], file=sys.stderr)
-    result.update(stage=args.stage, name=args.name, model=args.model, seconds=time.perf_counter() - started)
+    result.update(
+        stage=args.stage, name=args.name, model=args.model, seconds=time.perf_counter() - started
+    )
     if torch.cuda.is_available():
         result["device"] = torch.cuda.get_device_name(0)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     (work / f"{args.stage}-{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     summary = {k: v for k, v in result.items() if k not in ("runs", "engines", "modes", "error")}
-    print(f"{args.stage} {args.name}: {'ok' if result['ok'] else 'FAILED'} {json.dumps(summary)[:2000]}",
-          flush=True)
+    print(
+        f"{args.stage} {args.name}: {'ok' if result['ok'] else 'FAILED'} {json.dumps(summary)[:2000]}",
+        flush=True,
+    )
     return 0 if result["ok"] else 1
 
 

@@ -6,6 +6,7 @@ Reads WORK/<stage>-<name>.json (nanoserve.bench.gpu_e2e), OUT/kernels.json
 (nanoserve.bench.kernels) and WORK/serve/*.json (nanoserve bench serve); --stage-status is the
 script's "name status seconds" lines. Exit status 0 when every stage and check passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,36 +32,67 @@ def targets(stages: list[dict], kernels: dict | None) -> list[dict]:
         name = stage["name"]
         if stage["stage"] == "tokens" and "mismatches" in stage:
             for label, found in stage["mismatches"].items():
-                rows.append({"target": f"{name}: greedy tokens of {label} = CPU reference (fp32)",
-                             "value": "identical" if not found else f"{len(found)} prompts differ: {found[:3]}",
-                             "met": not found})
+                rows.append(
+                    {
+                        "target": f"{name}: greedy tokens of {label} = CPU reference (fp32)",
+                        "value": "identical"
+                        if not found
+                        else f"{len(found)} prompts differ: {found[:3]}",
+                        "met": not found,
+                    }
+                )
         if stage["stage"] == "memory" and "checks" in stage:
             for check, met in stage["checks"].items():
-                rows.append({"target": f"{name}: KV pool, {check.replace('_', ' ')}",
-                             "value": f"pool difference 0.6 - 0.3: {stage['kv_difference_fraction']:.3f} of memory"
-                             if check == "kv_pool_tracks_utilization" else "", "met": met})
+                rows.append(
+                    {
+                        "target": f"{name}: KV pool, {check.replace('_', ' ')}",
+                        "value": f"pool difference 0.6 - 0.3: {stage['kv_difference_fraction']:.3f} of memory"
+                        if check == "kv_pool_tracks_utilization"
+                        else "",
+                        "met": met,
+                    }
+                )
         if stage["stage"] == "throughput" and "modes" in stage:
-            rows.append({"target": f"{name}: decode tok/s at batch 1, graphs ≥ {BATCH1_SPEEDUP_TARGET:g}x eager",
-                         "value": f"{stage['batch1_speedup']:.2f}x "
-                                  f"({stage['modes']['eager']['batch1_decode_tokens_per_s']:.0f} → "
-                                  f"{stage['modes']['graphs']['batch1_decode_tokens_per_s']:.0f} tok/s)",
-                         "met": stage["batch1_speedup"] >= BATCH1_SPEEDUP_TARGET})
+            rows.append(
+                {
+                    "target": f"{name}: decode tok/s at batch 1, graphs ≥ {BATCH1_SPEEDUP_TARGET:g}x eager",
+                    "value": f"{stage['batch1_speedup']:.2f}x "
+                    f"({stage['modes']['eager']['batch1_decode_tokens_per_s']:.0f} → "
+                    f"{stage['modes']['graphs']['batch1_decode_tokens_per_s']:.0f} tok/s)",
+                    "met": stage["batch1_speedup"] >= BATCH1_SPEEDUP_TARGET,
+                }
+            )
             if name in TPOT_TARGET_MS:
                 tpot = stage["modes"]["graphs"]["batch1_tpot_ms"]
-                rows.append({"target": f"{name}: TPOT at batch 1 ≤ {TPOT_TARGET_MS[name]:g} ms",
-                             "value": f"{tpot:.2f} ms", "met": tpot <= TPOT_TARGET_MS[name]})
+                rows.append(
+                    {
+                        "target": f"{name}: TPOT at batch 1 ≤ {TPOT_TARGET_MS[name]:g} ms",
+                        "value": f"{tpot:.2f} ms",
+                        "met": tpot <= TPOT_TARGET_MS[name],
+                    }
+                )
     for result in (kernels or {}).get("results", []):
         if "target_fraction" in result:
-            rows.append({"target": f"kernel {result['name']}: ≥ {result['target_fraction']:.0%} of copy bandwidth",
-                         "value": f"{result['fraction_of_copy_bandwidth']:.0%} "
-                                  f"({result['gbps']:.0f} of {kernels['copy_bandwidth_gbps']:.0f} GB/s)",
-                         "met": result["meets_target"]})
+            rows.append(
+                {
+                    "target": f"kernel {result['name']}: ≥ {result['target_fraction']:.0%} of copy bandwidth",
+                    "value": f"{result['fraction_of_copy_bandwidth']:.0%} "
+                    f"({result['gbps']:.0f} of {kernels['copy_bandwidth_gbps']:.0f} GB/s)",
+                    "met": result["meets_target"],
+                }
+            )
     return rows
 
 
 def to_markdown(report: dict) -> str:
-    lines = ["# GPU end-to-end check", "", f"Device: {report.get('device') or 'unknown'}.", "",
-             "| stage | status | seconds |", "| --- | --- | --- |"]
+    lines = [
+        "# GPU end-to-end check",
+        "",
+        f"Device: {report.get('device') or 'unknown'}.",
+        "",
+        "| stage | status | seconds |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {s['name']} | {s['status']} | {s['seconds']} |" for s in report["stage_status"]]
     lines += ["", "## Targets", "", "| target | measured | met |", "| --- | --- | --- |"]
     for row in report["targets"]:
@@ -68,23 +100,47 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {row['target']} | {row['value']} | {met} |")
     for stage in report["stages"]:
         if stage["stage"] == "throughput" and "modes" in stage:
-            lines += ["", f"## Offline throughput: {stage['name']}", "",
-                      f"| mode | startup s | graph capture s / GiB | TPOT batch 1 ms | "
-                      f"batch {stage['batch']} output tok/s |", "| --- | --- | --- | --- | --- |"]
+            lines += [
+                "",
+                f"## Offline throughput: {stage['name']}",
+                "",
+                f"| mode | startup s | graph capture s / GiB | TPOT batch 1 ms | "
+                f"batch {stage['batch']} output tok/s |",
+                "| --- | --- | --- | --- | --- |",
+            ]
             for mode, m in stage["modes"].items():
-                capture = (f"{m['graph_capture_s']:.1f} / {m['graph_bytes'] / (1 << 30):.2f}"
-                           if m["graph_capture_s"] is not None else "")
+                capture = (
+                    f"{m['graph_capture_s']:.1f} / {m['graph_bytes'] / (1 << 30):.2f}"
+                    if m["graph_capture_s"] is not None
+                    else ""
+                )
                 batch = m[f"batch{stage['batch']}"]
-                lines.append(f"| {mode} | {m['startup_s']:.1f} | {capture} | {m['batch1_tpot_ms']:.2f} | "
-                             f"{batch['output_tokens_per_s']:.0f} |")
+                lines.append(
+                    f"| {mode} | {m['startup_s']:.1f} | {capture} | {m['batch1_tpot_ms']:.2f} | "
+                    f"{batch['output_tokens_per_s']:.0f} |"
+                )
         if stage.get("error"):
-            lines += ["", f"## Error in {stage['stage']} {stage['name']}", "", "```", stage["error"][-3000:], "```"]
+            lines += [
+                "",
+                f"## Error in {stage['stage']} {stage['name']}",
+                "",
+                "```",
+                stage["error"][-3000:],
+                "```",
+            ]
     for serve in report["serve"]:
-        lines += ["", f"## Served: {serve.get('title', '')}", "",
-                  "| concurrency | output tok/s | TTFT median ms | TPOT median ms | failed |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {lv['concurrency']} | {lv['output_throughput']:.0f} | {lv['ttft_ms']['median']:.1f} | "
-                  f"{lv['tpot_ms']['median']:.2f} | {lv['failed']} |" for lv in serve["levels"]]
+        lines += [
+            "",
+            f"## Served: {serve.get('title', '')}",
+            "",
+            "| concurrency | output tok/s | TTFT median ms | TPOT median ms | failed |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {lv['concurrency']} | {lv['output_throughput']:.0f} | {lv['ttft_ms']['median']:.1f} | "
+            f"{lv['tpot_ms']['median']:.2f} | {lv['failed']} |"
+            for lv in serve["levels"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -97,14 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     work, out = Path(args.work), Path(args.out)
     stages = [s for s in (load(p) for p in sorted(work.glob("*-*.json"))) if s and "stage" in s]
     kernels = load(out / "kernels.json")
-    serve = [s for s in (load(p) for p in sorted((work / "serve").glob("*.json"))) if s and "levels" in s]
+    serve = [
+        s for s in (load(p) for p in sorted((work / "serve").glob("*.json"))) if s and "levels" in s
+    ]
     status = []
     if args.stage_status and Path(args.stage_status).exists():
         for line in Path(args.stage_status).read_text().splitlines():
             name, result, seconds = line.split()
             status.append({"name": name, "status": result, "seconds": int(seconds)})
-    report = {"device": next((s["device"] for s in stages if "device" in s), None), "stage_status": status,
-              "targets": targets(stages, kernels), "stages": stages, "serve": serve}
+    report = {
+        "device": next((s["device"] for s in stages if "device" in s), None),
+        "stage_status": status,
+        "targets": targets(stages, kernels),
+        "stages": stages,
+        "serve": serve,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "e2e.md").write_text(to_markdown(report))

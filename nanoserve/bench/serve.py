@@ -10,6 +10,7 @@ per level) the plot and the summary (JSON and markdown) show vLLM's figures besi
 Without --base-url it measures offline throughput first, then starts `nanoserve serve` in a
 subprocess (so the two never compete for cores), runs the load, and stops the server.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,12 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {"dtype": args.dtype, "device": args.device, "seed": args.seed,
-              "enforce_eager": args.enforce_eager}
+    kwargs = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
+    }
     for name in ("max_num_batched_tokens", "max_model_len", "gpu_memory_utilization"):
         if getattr(args, name):
             kwargs[name] = getattr(args, name)
@@ -48,8 +53,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def timed_generate(llm, prompts: list[list[int]], output_len: int) -> dict:
     outputs, elapsed = greedy_timed(llm, prompts, output_len)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"num_prompts": len(prompts), "elapsed_s": elapsed, "output_tokens": tokens,
-            "output_throughput": tokens / elapsed}
+    return {
+        "num_prompts": len(prompts),
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_throughput": tokens / elapsed,
+    }
 
 
 def offline_worker(spec: dict) -> int:
@@ -72,14 +81,17 @@ class OfflineWorker:
         spec = {"model": args.model, "batch": batch, "kwargs": engine_kwargs(args)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "nanoserve.bench.serve", "--offline-worker", json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, prompts: list[list[int]], output_len: int) -> dict:
         self.process.stdin.write(json.dumps({"prompts": prompts, "output_len": output_len}) + "\n")
         self.process.stdin.flush()
         for line in self.process.stdout:
             if line.startswith("OFFLINE "):
-                return json.loads(line[len("OFFLINE "):])
+                return json.loads(line[len("OFFLINE ") :])
         raise RuntimeError(f"the offline worker exited with {self.process.wait()}")
 
     def close(self) -> None:
@@ -88,9 +100,24 @@ class OfflineWorker:
 
 
 def launch_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "nanoserve", "serve", "--model", args.model, "--port", "0",
-               "--dtype", args.dtype, "--device", args.device, "--seed", str(args.seed),
-               "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "nanoserve",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        "0",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--seed",
+        str(args.seed),
+        "--log-level",
+        "warning",
+    ]
     for name in ("max_num_batched_tokens", "max_model_len", "gpu_memory_utilization"):
         if getattr(args, name):
             command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
@@ -118,11 +145,17 @@ def print_level(concurrency: int, summary: dict) -> None:
     print(f"Request throughput (req/s):              {summary['request_throughput']:.2f}")
     print(f"Output token throughput (tok/s):         {summary['output_throughput']:.2f}")
     print(f"Total token throughput (tok/s):          {summary['total_token_throughput']:.2f}")
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"),
-                       ("e2el_ms", "E2EL")):
+    for key, label in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2el_ms", "E2EL"),
+    ):
         stats = summary[key]
-        print(f"{label:5s} mean / median / P99 (ms):   {stats['mean']:8.2f} {stats['median']:8.2f} "
-              f"{stats['p99']:8.2f}")
+        print(
+            f"{label:5s} mean / median / P99 (ms):   {stats['mean']:8.2f} {stats['median']:8.2f} "
+            f"{stats['p99']:8.2f}"
+        )
     if summary["failed"]:
         print(f"Failed requests: {summary['failed']} {summary['errors']}")
 
@@ -134,33 +167,57 @@ def median(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nanoserve bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="nanoserve bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", default=None, help="model dir (default: the imported SmolLM2)")
     parser.add_argument("--base-url", default=None, help="a running server (else one is started)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prompts-per-level", type=int, nargs="+", default=None,
-                        help="requests at each level (default: max(8, 2 x concurrency))")
-    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128)
-    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
-                        default=128)
+    parser.add_argument(
+        "--prompts-per-level",
+        type=int,
+        nargs="+",
+        default=None,
+        help="requests at each level (default: max(8, 2 x concurrency))",
+    )
+    parser.add_argument(
+        "--input-len", "--random-input-len", dest="input_len", type=int, default=128
+    )
+    parser.add_argument(
+        "--output-len", "--random-output-len", dest="output_len", type=int, default=128
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
-                        help="per engine: the server and the offline baseline run side by side")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="per engine: the server and the offline baseline run side by side",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="alternate offline and served runs at the top concurrency this many "
-                             "times and compare medians (for noisy, shared machines)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="alternate offline and served runs at the top concurrency this many "
+        "times and compare medians (for noisy, shared machines)",
+    )
     parser.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     parser.add_argument("--result-dir", default=None, help="write result JSON (and PNG) here")
     parser.add_argument("--label", default=None, help="file name stem for the results")
-    parser.add_argument("--vllm-results", nargs="+", default=None, metavar="FILE",
-                        help="`vllm bench serve --save-result` JSON files (one per concurrency "
-                             "level) to plot and summarize beside nanoserve's results")
+    parser.add_argument(
+        "--vllm-results",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="`vllm bench serve --save-result` JSON files (one per concurrency "
+        "level) to plot and summarize beside nanoserve's results",
+    )
     parser.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.offline_worker:
@@ -174,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             raise VllmResultsError(f"--vllm-results: {error}") from None
     if args.model is None and args.base_url is None:
         from nanoserve.models.gguf.importer import ensure_default_model
+
         args.model = str(ensure_default_model())
     counts = args.prompts_per_level or [max(8, 2 * c) for c in args.concurrency]
     if len(counts) != len(args.concurrency):
@@ -181,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 10000
     if args.model is not None:
         from nanoserve.models.config import ModelConfig
+
         vocab = ModelConfig.from_dir(args.model).vocab_size
     top = max(args.concurrency)
     run_offline = not args.no_offline and args.model is not None
@@ -194,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     def prompts_for(concurrency: int, count: int, repeat: int) -> list[list[int]]:
         seed = args.seed + 1000 * concurrency + repeat
         return random_prompts(count, args.input_len, vocab, seed)
+
     try:
         if base_url is None:
             process, base_url = launch_server(args)
@@ -213,12 +273,19 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = prompts_for(concurrency, count, repeat)
                 if concurrency == top and worker is not None:  # the server is idle meanwhile
                     offline_runs.append(worker.run(prompts, args.output_len))
-                    print(f"offline LLM.generate: {offline_runs[-1]['output_throughput']:.2f} "
-                          f"output tok/s ({len(prompts)} prompts, batch {top})", flush=True)
-                results, duration = asyncio.run(run_load(base_url, model, prompts,
-                                                          args.output_len, concurrency))
-                summary = {"concurrency": concurrency, "num_prompts": count,
-                           **summarize(results, duration)}
+                    print(
+                        f"offline LLM.generate: {offline_runs[-1]['output_throughput']:.2f} "
+                        f"output tok/s ({len(prompts)} prompts, batch {top})",
+                        flush=True,
+                    )
+                results, duration = asyncio.run(
+                    run_load(base_url, model, prompts, args.output_len, concurrency)
+                )
+                summary = {
+                    "concurrency": concurrency,
+                    "num_prompts": count,
+                    **summarize(results, duration),
+                }
                 print_level(concurrency, summary)
                 runs.append(summary)
             if concurrency == top:
@@ -233,20 +300,30 @@ def main(argv: list[str] | None = None) -> int:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
 
-    result = {"title": f"nanoserve serve: {Path(root).name}, {args.input_len} in / "
-                       f"{args.output_len} out, {platform.machine()} {os.cpu_count()} cpus",
-              "command": "nanoserve bench serve " + " ".join(argv or sys.argv[1:]),
-              "model": root, "input_len": args.input_len, "output_len": args.output_len,
-              "levels": levels, "offline": None}
+    result = {
+        "title": f"nanoserve serve: {Path(root).name}, {args.input_len} in / "
+        f"{args.output_len} out, {platform.machine()} {os.cpu_count()} cpus",
+        "command": "nanoserve bench serve " + " ".join(argv or sys.argv[1:]),
+        "model": root,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "levels": levels,
+        "offline": None,
+    }
     if offline_runs:
         offline_tps = [run["output_throughput"] for run in offline_runs]
-        result["offline"] = {**offline_runs[0], "output_throughput": median(offline_tps),
-                             "runs_output_throughput": offline_tps}
+        result["offline"] = {
+            **offline_runs[0],
+            "output_throughput": median(offline_tps),
+            "runs_output_throughput": offline_tps,
+        }
         result["served_runs_output_throughput"] = served_runs
         result["served_over_offline"] = median(served_runs) / median(offline_tps)
         result["served_over_offline_per_pair"] = [s / o for s, o in zip(served_runs, offline_tps)]
-        print(f"served / offline output tok/s at concurrency {top} (medians of {len(served_runs)}):"
-              f" {result['served_over_offline']:.3f}")
+        print(
+            f"served / offline output tok/s at concurrency {top} (medians of {len(served_runs)}):"
+            f" {result['served_over_offline']:.3f}"
+        )
     if vllm_levels is not None:
         result["vllm"] = {"files": args.vllm_results, "levels": vllm_levels}
         print(to_markdown(result))

@@ -1,6 +1,7 @@
 """The load generator of `nanoserve bench serve`: a small asyncio HTTP/1.1 client that streams
 /v1/completions and measures as vLLM's `bench serve` client does (TTFT at the first chunk with
 non-empty `choices`, ITL between such chunks, output length from the final `usage`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,8 +37,9 @@ class Connection:
 
     async def _ensure(self) -> None:
         if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
-                                                                     limit=1 << 20)
+            self.reader, self.writer = await asyncio.open_connection(
+                self.host, self.port, limit=1 << 20
+            )
 
     async def close(self) -> None:
         if self.writer is not None:
@@ -50,9 +52,11 @@ class Connection:
     async def stream_completion(self, path: str, payload: dict, prompt_len: int) -> RequestResult:
         result = RequestResult(prompt_len=prompt_len)
         body = msgspec.json.encode(payload)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
         try:
             await self._ensure()
             start = time.perf_counter()
@@ -70,8 +74,10 @@ class Connection:
         status_and_headers = await reader.readuntil(b"\r\n\r\n")
         lines = status_and_headers.decode("latin-1").split("\r\n")
         status = int(lines[0].split()[1])
-        headers = {k.strip().lower(): v.strip() for k, _, v in
-                   (line.partition(":") for line in lines[1:] if line)}
+        headers = {
+            k.strip().lower(): v.strip()
+            for k, _, v in (line.partition(":") for line in lines[1:] if line)
+        }
         if headers.get("transfer-encoding") != "chunked":
             length = int(headers.get("content-length", "0"))
             data = await reader.readexactly(length)
@@ -115,8 +121,9 @@ class Connection:
             self.writer = None
 
 
-async def run_load(base_url: str, model: str, prompts: list[list[int]], output_len: int,
-                   concurrency: int) -> tuple[list[RequestResult], float]:
+async def run_load(
+    base_url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int
+) -> tuple[list[RequestResult], float]:
     """Send every prompt with at most `concurrency` in flight; (results, wall seconds)."""
     queue: asyncio.Queue = asyncio.Queue()
     for prompt in prompts:
@@ -128,11 +135,18 @@ async def run_load(base_url: str, model: str, prompts: list[list[int]], output_l
         try:
             while not queue.empty():
                 prompt = queue.get_nowait()
-                payload = {"model": model, "prompt": prompt, "max_tokens": output_len,
-                           "temperature": 0.0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}
-                results.append(await connection.stream_completion("/v1/completions", payload,
-                                                                  len(prompt)))
+                payload = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": output_len,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                results.append(
+                    await connection.stream_completion("/v1/completions", payload, len(prompt))
+                )
         finally:
             await connection.close()
 
@@ -151,8 +165,12 @@ def _percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float]
         low = int(position)
         high = min(low + 1, len(ordered) - 1)
         return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-    return {"mean": sum(ordered) / len(ordered) * scale, "median": percentile(0.5) * scale,
-            "p99": percentile(0.99) * scale}
+
+    return {
+        "mean": sum(ordered) / len(ordered) * scale,
+        "median": percentile(0.5) * scale,
+        "p99": percentile(0.99) * scale,
+    }
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -161,9 +179,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     input_tokens = sum(r.prompt_len for r in done)
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     return {
-        "completed": len(done), "failed": len(results) - len(done),
+        "completed": len(done),
+        "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "duration_s": duration, "total_input_tokens": input_tokens,
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(done) / duration,
         "output_throughput": output_tokens / duration,

@@ -1,6 +1,7 @@
 """Process-group state: this rank's place among tp x pp ranks. With one rank every collective is
 a no-op. Ranks are laid out as vLLM's: global rank = pp_rank * tp_size + tp_rank, so each pipeline
 stage's tensor-parallel group is a run of consecutive ranks."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,8 +65,14 @@ def parallel_state() -> ParallelState:
     return _state
 
 
-def set_parallel_state(rank: int, world_size: int, tp_size: int | None = None, pp_size: int = 1,
-                       tp_group=None, layer_partition: tuple = ()) -> None:
+def set_parallel_state(
+    rank: int,
+    world_size: int,
+    tp_size: int | None = None,
+    pp_size: int = 1,
+    tp_group=None,
+    layer_partition: tuple = (),
+) -> None:
     _state.rank = rank
     _state.world_size = world_size
     _state.tp_size = world_size // pp_size if tp_size is None else tp_size

@@ -7,6 +7,7 @@ and processes, not models. With
 only that host's ranks; all join through torch.distributed's TCP rendezvous at
 --master-addr:--master-port.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,9 @@ import signal
 import socket
 import sys
 import threading
-from multiprocessing import resource_tracker
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
+from multiprocessing import resource_tracker
 
 import torch
 import torch.distributed as dist
@@ -75,9 +76,15 @@ def own_rendezvous(topology: Topology) -> Topology:
         envs.set_loopback_sockets_default(interface)
     listen_fd, port = loopback_listener()
     try:
-        store = dist.TCPStore(LOOPBACK, port, topology.world_size, is_master=True,
-                              wait_for_workers=False, timeout=timedelta(minutes=10),
-                              master_listen_fd=listen_fd)
+        store = dist.TCPStore(
+            LOOPBACK,
+            port,
+            topology.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(minutes=10),
+            master_listen_fd=listen_fd,
+        )
     except BaseException:
         os.close(listen_fd)
         raise
@@ -94,7 +101,9 @@ def check_topology(config: EngineConfig, layer_partition: tuple = ()) -> Topolog
     tp_size = config.tensor_parallel_size
     world = tp_size * pp_size
     if config.nnodes < 1 or world % config.nnodes:
-        raise ValueError(f"--nnodes {config.nnodes} must divide the {world} ranks (tensor x pipeline parallel size)")
+        raise ValueError(
+            f"--nnodes {config.nnodes} must divide the {world} ranks (tensor x pipeline parallel size)"
+        )
     if not 0 <= config.node_rank < config.nnodes:
         raise ValueError(f"--node-rank must be in [0, {config.nnodes}), got {config.node_rank}")
     ranks_per_node = world // config.nnodes
@@ -102,35 +111,55 @@ def check_topology(config: EngineConfig, layer_partition: tuple = ()) -> Topolog
     if device_type == "cuda":
         available = torch.cuda.device_count()
         if ranks_per_node > available:
-            raise ValueError(f"{ranks_per_node} ranks per node need {ranks_per_node} GPUs; this host has {available}")
+            raise ValueError(
+                f"{ranks_per_node} ranks per node need {ranks_per_node} GPUs; this host has {available}"
+            )
         backend = "nccl"
     else:
         # CPU ranks share the cores; beyond a few per core they only thrash.
         limit = 4 * (os.cpu_count() or 1)
         if ranks_per_node > limit:
-            raise ValueError(f"{ranks_per_node} CPU ranks on a host with {os.cpu_count()} cores is too many "
-                             f"(at most {limit})")
+            raise ValueError(
+                f"{ranks_per_node} CPU ranks on a host with {os.cpu_count()} cores is too many "
+                f"(at most {limit})"
+            )
         backend = "gloo"
     if world > 1:
         if not dist.is_available():
-            raise ValueError("this torch build has no torch.distributed; tensor and pipeline parallelism need it")
+            raise ValueError(
+                "this torch build has no torch.distributed; tensor and pipeline parallelism need it"
+            )
         if backend == "nccl" and not dist.is_nccl_available():
             raise ValueError("the NCCL backend is not available in this torch build")
         if backend == "gloo" and not dist.is_gloo_available():
             raise ValueError("the gloo backend is not available in this torch build")
     if config.nnodes > 1:
         if not config.master_addr or not config.master_port:
-            raise ValueError("--nnodes > 1 needs --master-addr and --master-port (rank 0's host and a free port)")
+            raise ValueError(
+                "--nnodes > 1 needs --master-addr and --master-port (rank 0's host and a free port)"
+            )
         init_method = f"tcp://{config.master_addr}:{config.master_port}"
     elif config.master_addr and config.master_port:
         init_method = f"tcp://{config.master_addr}:{config.master_port}"
     else:
         init_method = LOCAL_RENDEZVOUS  # made concrete by own_rendezvous when the ranks start
-    return Topology(world, ranks_per_node, config.node_rank, backend, init_method, device_type, config.cpu_threads,
-                    tp_size, pp_size, tuple(layer_partition))
+    return Topology(
+        world,
+        ranks_per_node,
+        config.node_rank,
+        backend,
+        init_method,
+        device_type,
+        config.cpu_threads,
+        tp_size,
+        pp_size,
+        tuple(layer_partition),
+    )
 
 
-_groups: set[WorkerGroup] = set()  # the groups this process started whose ranks are not all reaped yet
+_groups: set[WorkerGroup] = (
+    set()
+)  # the groups this process started whose ranks are not all reaped yet
 
 
 def kill_every_rank() -> None:
@@ -145,24 +174,39 @@ class WorkerGroup:
     Each joins the process group, then runs `target(device, *args)` (rank.rank_main); `target` is
     a module-level function (spawn pickles it by name)."""
 
-    def __init__(self, topology: Topology, target: Callable[..., None], args: tuple = (),
-                 skip_rank_zero: bool = True):
+    def __init__(
+        self,
+        topology: Topology,
+        target: Callable[..., None],
+        args: tuple = (),
+        skip_rank_zero: bool = True,
+    ):
         topology = self.topology = own_rendezvous(topology)  # rank 0 joins through self.topology
         context = multiprocessing.get_context("spawn")
         ranks = [rank for rank in topology.local_ranks if not (rank == 0 and skip_rank_zero)]
-        to_start = [context.Process(target=rank_main, args=(target, args, topology, rank),
-                                    name=f"nanoserve-rank{rank}", daemon=True) for rank in ranks]
+        to_start = [
+            context.Process(
+                target=rank_main,
+                args=(target, args, topology, rank),
+                name=f"nanoserve-rank{rank}",
+                daemon=True,
+            )
+            for rank in ranks
+        ]
         self.processes: list[multiprocessing.Process] = []
         self.failure: str | None = None
         self._on_failure = []
         self._stopping = False
-        self._lock = threading.Lock()  # kill() from another thread while the ranks are being started
+        self._lock = (
+            threading.Lock()
+        )  # kill() from another thread while the ranks are being started
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         # Started now, not by the first spawn: starting the tracker unblocks SIGINT (see _start).
         resource_tracker.ensure_running()
-        self._watchdog = threading.Thread(target=self._watch, args=(to_start,), name="nanoserve-tp-watchdog",
-                                          daemon=True)
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(to_start,), name="nanoserve-tp-watchdog", daemon=True
+        )
         _groups.add(self)
         self._watchdog.start()
         self._started.wait()
@@ -266,11 +310,18 @@ def run_ranks(topology: Topology, target: Callable[..., None], args: tuple = ())
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     nnodes = topology.world_size // topology.ranks_per_node
-    print(f"nanoserve: node {topology.node_rank}/{nnodes} running ranks "
-          f"{list(topology.local_ranks)}, rendezvous {topology.init_method}", flush=True)
+    print(
+        f"nanoserve: node {topology.node_rank}/{nnodes} running ranks "
+        f"{list(topology.local_ranks)}, rendezvous {topology.init_method}",
+        flush=True,
+    )
     group.wait()
     codes = {p.name: p.exitcode for p in group.processes}
     if any(code != 0 for code in codes.values()):
-        print(f"nanoserve: node {topology.node_rank}: rank exit codes {codes}", file=sys.stderr, flush=True)
+        print(
+            f"nanoserve: node {topology.node_rank}: rank exit codes {codes}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     return 0

@@ -1,15 +1,16 @@
 """One rank's place in the tensor x pipeline layout (Topology), its device, joining the process
 group (init_rank), and the main function of a rank's process (rank_main): what both the launcher
 and a worker rank need."""
+
 from __future__ import annotations
 
 import ctypes
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,14 +71,32 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
     if topology.world_size > 1:
         timeout = timedelta(minutes=10)
         if topology.store_rendezvous:
-            store = _master_stores.pop(topology.init_method) if rank == 0 else dist.TCPStore(
-                "127.0.0.1", int(topology.init_method.rsplit(":", 1)[1]), topology.world_size,
-                is_master=False, timeout=timeout)
-            dist.init_process_group(topology.backend, store=store, rank=rank,
-                                    world_size=topology.world_size, timeout=timeout)
+            store = (
+                _master_stores.pop(topology.init_method)
+                if rank == 0
+                else dist.TCPStore(
+                    "127.0.0.1",
+                    int(topology.init_method.rsplit(":", 1)[1]),
+                    topology.world_size,
+                    is_master=False,
+                    timeout=timeout,
+                )
+            )
+            dist.init_process_group(
+                topology.backend,
+                store=store,
+                rank=rank,
+                world_size=topology.world_size,
+                timeout=timeout,
+            )
         else:
-            dist.init_process_group(topology.backend, init_method=topology.init_method, rank=rank,
-                                    world_size=topology.world_size, timeout=timeout)
+            dist.init_process_group(
+                topology.backend,
+                init_method=topology.init_method,
+                rank=rank,
+                world_size=topology.world_size,
+                timeout=timeout,
+            )
         if topology.pp_size > 1 and topology.tp_size > 1:
             # Every rank creates every stage's group, in the same order (new_group is collective).
             for stage in range(topology.pp_size):
@@ -85,8 +104,14 @@ def init_rank(topology: Topology, rank: int) -> torch.device:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     tp_group = group
-    set_parallel_state(rank, topology.world_size, topology.tp_size, topology.pp_size, tp_group,
-                       topology.layer_partition)
+    set_parallel_state(
+        rank,
+        topology.world_size,
+        topology.tp_size,
+        topology.pp_size,
+        tp_group,
+        topology.layer_partition,
+    )
     return device
 
 

@@ -13,6 +13,7 @@ A step that fails because of its requests (`StepError`) fails only those request
 failure (a dead rank, a device fault), or `MAX_CONSECUTIVE_STEP_ERRORS` failed steps in a row,
 means the engine is dead: every stream gets the error and `is_dead` turns true.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,7 @@ ENGINE_DEAD = "The engine failed and serves no more requests; the server's log h
 class FinishedRequestStats:
     """One request's life, for request-level metrics (vLLM's phases: queued from arrival to the
     first schedule, prefill until the first token, decode until the last one)."""
+
     finish_reason: str  # "stop" | "length" | "abort" | "error"
     e2e_seconds: float
     num_prompt_tokens: int
@@ -77,12 +79,27 @@ class RequestStream:
     yet read folded into one (DELTA), so a reader that falls behind (a slow SSE client) gets a
     larger delta next time instead of a growing queue."""
 
-    __slots__ = ("request_id", "arrival_time", "latest", "error", "finished", "event",
-                 "first_token_time", "last_token_time", "num_generated", "params", "output_kind")
+    __slots__ = (
+        "request_id",
+        "arrival_time",
+        "latest",
+        "error",
+        "finished",
+        "event",
+        "first_token_time",
+        "last_token_time",
+        "num_generated",
+        "params",
+        "output_kind",
+    )
 
-    def __init__(self, request_id: str, arrival_time: float,
-                 params: SamplingParams | None = None,
-                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        arrival_time: float,
+        params: SamplingParams | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
         self.request_id = request_id
         self.arrival_time = arrival_time
         self.params = params
@@ -108,7 +125,7 @@ class RequestStream:
         self.finished = True
         self.event.set()
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
@@ -144,6 +161,7 @@ class _Abort:
 @dataclass(slots=True)
 class _EngineCall:
     """Run `call(engine)` between two steps (loading a LoRA adapter on every rank)."""
+
     call: Any
     done: asyncio.Future
 
@@ -162,10 +180,15 @@ def new_step_executor() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, observer: Observer | None = None,
-                 overlap_streaming: bool | None = None,
-                 step_executor: concurrent.futures.ThreadPoolExecutor | None = None,
-                 log_stats: bool = False, compile_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        observer: Observer | None = None,
+        overlap_streaming: bool | None = None,
+        step_executor: concurrent.futures.ThreadPoolExecutor | None = None,
+        log_stats: bool = False,
+        compile_timeout: float | None = None,
+    ) -> None:
         """`compile_timeout`: seconds a constrained request may wait for its grammar before it
         is refused (a 400 naming its field); None waits as long as the compile takes."""
         self.engine = engine
@@ -177,7 +200,9 @@ class AsyncLLMEngine:
         # than running that work between steps costs (measured: ~5% of served throughput).
         self.overlap_streaming = overlap_streaming
         self.observer = observer
-        self.intake: asyncio.Queue[_Add | _Abort | _ResetPrefixCache | _EngineCall] = asyncio.Queue()
+        self.intake: asyncio.Queue[_Add | _Abort | _ResetPrefixCache | _EngineCall] = (
+            asyncio.Queue()
+        )
         self.streams: dict[str, RequestStream] = {}
         self.dead_error: BaseException | None = None
         self.stats = engine.stats()
@@ -222,10 +247,15 @@ class AsyncLLMEngine:
         self._step_thread.shutdown(wait=True)
         gc.unfreeze()  # the engine's objects back under the collector (llm_engine.freeze_startup_heap)
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams,
-                          priority: int = 0,
-                          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                          lora_request=None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request=None,
+    ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises
         InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
         asks for DELTA outputs: each one carries only what is new."""
@@ -240,8 +270,9 @@ class AsyncLLMEngine:
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id] = stream
         self.num_queued_adds += 1
-        self.intake.put_nowait(_Add(request_id, prompt, params, priority, stream, accepted, output_kind,
-                                    lora_request))
+        self.intake.put_nowait(
+            _Add(request_id, prompt, params, priority, stream, accepted, output_kind, lora_request)
+        )
         try:
             await accepted
         except asyncio.CancelledError:
@@ -273,13 +304,15 @@ class AsyncLLMEngine:
             # Shielded: a client that goes away, or a deadline, must not cancel a compile that
             # other requests with the same grammar share (through the cache); `release` drops
             # it when no one waits any more.
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
-                                   self.compile_timeout)
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), self.compile_timeout
+            )
         except TimeoutError:
             raise InvalidRequestError(
                 f"{field}: the grammar was not compiled within {self.compile_timeout:g} s "
                 "(--structured-outputs-compile-timeout); simplify it or retry later",
-                field) from None
+                field,
+            ) from None
         finally:
             self.num_compiling -= 1
 
@@ -332,8 +365,12 @@ class AsyncLLMEngine:
                     self.consecutive_step_errors += 1
                     if self.consecutive_step_errors >= MAX_CONSECUTIVE_STEP_ERRORS:
                         raise
-                    self._fail_requests(error.request_ids, error, "error",
-                                        {output.request_id: output for output in error.outputs})
+                    self._fail_requests(
+                        error.request_ids,
+                        error,
+                        "error",
+                        {output.request_id: output for output in error.outputs},
+                    )
                     self.stats = self.engine.stats()
                     continue
                 self.consecutive_step_errors = 0
@@ -363,8 +400,12 @@ class AsyncLLMEngine:
                     if not item.done.done():
                         item.done.set_result(result)
             return
-        if (isinstance(item, _Add) and item.lora_request is not None and not item.accepted.done()
-                and item.lora_request.lora_int_id not in self.engine.loras):
+        if (
+            isinstance(item, _Add)
+            and item.lora_request is not None
+            and not item.accepted.done()
+            and item.lora_request.lora_int_id not in self.engine.loras
+        ):
             try:  # read now; add_request then finds it held
                 await self._on_step_thread(self.engine.add_lora, item.lora_request)
             except Exception as exc:  # a bad adapter: InvalidRequestError naming what is wrong
@@ -402,9 +443,15 @@ class AsyncLLMEngine:
             self.streams.pop(item.request_id, None)
             return
         try:
-            self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                    arrival_time=item.stream.arrival_time,
-                                    output_kind=item.output_kind, lora_request=item.lora_request)
+            self.engine.add_request(
+                item.request_id,
+                item.prompt,
+                item.params,
+                item.priority,
+                arrival_time=item.stream.arrival_time,
+                output_kind=item.output_kind,
+                lora_request=item.lora_request,
+            )
         except Exception as exc:  # user-facing validation errors
             self.streams.pop(item.request_id, None)
             item.accepted.set_exception(exc)
@@ -439,18 +486,40 @@ class AsyncLLMEngine:
         if observer is not None and step_tokens:
             observer.on_step(step_tokens)
 
-    def _observe_finished(self, stream: RequestStream, output: RequestOutput | None, reason: str,
-                          now: float | None = None) -> None:
+    def _observe_finished(
+        self,
+        stream: RequestStream,
+        output: RequestOutput | None,
+        reason: str,
+        now: float | None = None,
+    ) -> None:
         if self.observer is None:
             return
         now = time.time() if now is None else now
         e2e = now - stream.arrival_time
-        params = stream.params if isinstance(stream.params, SamplingParams) else None  # None: pooling
+        params = (
+            stream.params if isinstance(stream.params, SamplingParams) else None
+        )  # None: pooling
         n = params.n if params is not None else 1
         if output is None:  # never reached the engine
-            self.observer.on_finished(FinishedRequestStats(
-                reason, e2e, 0, 0, 0, 0, n, params.max_tokens if params else None, 0, e2e,
-                0.0, 0.0, 0.0, 0.0))
+            self.observer.on_finished(
+                FinishedRequestStats(
+                    reason,
+                    e2e,
+                    0,
+                    0,
+                    0,
+                    0,
+                    n,
+                    params.max_tokens if params else None,
+                    0,
+                    e2e,
+                    0.0,
+                    0.0,
+                    0.0,
+                    0.0,
+                )
+            )
             return
         num_prompt = len(output.prompt_token_ids)
         max_tokens = params.max_tokens if params is not None else None
@@ -467,14 +536,32 @@ class AsyncLLMEngine:
         # The engine's counts: a DELTA output's token ids are the last delta's only.
         total = metrics.num_generation_tokens if metrics else 0
         generated = metrics.max_num_generation_tokens if metrics else 0
-        self.observer.on_finished(FinishedRequestStats(
-            reason, e2e, num_prompt, output.num_cached_tokens, total, generated, n,
-            max_tokens, metrics.num_preemptions if metrics else 0, max(queued, 0.0),
-            max(prefill, 0.0), max(decode, 0.0), max(inference, 0.0),
-            decode / (generated - 1) if generated > 1 else 0.0))
+        self.observer.on_finished(
+            FinishedRequestStats(
+                reason,
+                e2e,
+                num_prompt,
+                output.num_cached_tokens,
+                total,
+                generated,
+                n,
+                max_tokens,
+                metrics.num_preemptions if metrics else 0,
+                max(queued, 0.0),
+                max(prefill, 0.0),
+                max(decode, 0.0),
+                max(inference, 0.0),
+                decode / (generated - 1) if generated > 1 else 0.0,
+            )
+        )
 
-    def _fail_requests(self, request_ids: list[str], error: BaseException, reason: str = "abort",
-                       outputs: dict[str, RequestOutput] | None = None) -> None:
+    def _fail_requests(
+        self,
+        request_ids: list[str],
+        error: BaseException,
+        reason: str = "abort",
+        outputs: dict[str, RequestOutput] | None = None,
+    ) -> None:
         """The engine already dropped (or will drop) these requests; their readers get the
         error."""
         for request_id in request_ids:

@@ -4,6 +4,7 @@ A full block is keyed by a hash chained over every token before it, so equal key
 prefixes. Freed cached blocks stay findable until a new allocation needs the space; the least
 recently freed go first.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -12,6 +12,7 @@ Everything but the capture runs on a CPU as well (``capture=False``): the same s
 the same padding, and the same forward on them, called eagerly. The tests use that to check
 that the padded static-buffer step computes what the plain eager step computes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,9 +75,16 @@ class DecodeGraphs:
     """Static buffers, bucket choice and padding for decode steps; with ``capture`` (the
     default on CUDA) one CUDA graph per bucket, replayed by :meth:`run`."""
 
-    def __init__(self, model: nn.Module, device: torch.device, max_num_seqs: int,
-                 max_model_len: int, block_size: int, prefill_row_tile: int = 0,
-                 capture: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        prefill_row_tile: int = 0,
+        capture: bool | None = None,
+    ) -> None:
         self.model = model
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
@@ -92,8 +100,9 @@ class DecodeGraphs:
         self.static = DecodeBuffers(self.max_batch, device)
         # Entries past a sequence's own blocks may be stale from an earlier step; they are never
         # read past seq_lens, and hold only block ids (or 0), so any read stays in bounds.
-        self.block_table = torch.zeros((self.max_batch, self.max_blocks_per_seq), dtype=torch.int32,
-                                       device=device)
+        self.block_table = torch.zeros(
+            (self.max_batch, self.max_blocks_per_seq), dtype=torch.int32, device=device
+        )
         self.cu_seqlens_q = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.row_indices = torch.arange(self.max_batch, dtype=torch.long, device=device)
         self.host: DecodeBuffers | None = None
@@ -122,19 +131,29 @@ class DecodeGraphs:
         return self.bucket_for(batch) is not None and max_blocks <= self.max_blocks_per_seq
 
     # ---- one step's inputs ------------------------------------------------------------------
-    def load(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-             seq_lens: list[int], block_rows: list[list[int]]) -> int:
+    def load(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_rows: list[list[int]],
+    ) -> int:
         """Write one decode step (n rows; block_rows all of one width) into the static
         buffers, padded up to its bucket, which is returned."""
         batch = len(input_ids)
         size = self.bucket_for(batch)
         width = len(block_rows[0]) if block_rows else 0
         if size is None or width > self.max_blocks_per_seq:
-            raise ValueError(f"a decode step of {batch} rows and {width} blocks does not fit the "
-                             f"captured sizes (up to {self.max_batch} rows, {self.max_blocks_per_seq} blocks)")
+            raise ValueError(
+                f"a decode step of {batch} rows and {width} blocks does not fit the "
+                f"captured sizes (up to {self.max_batch} rows, {self.max_blocks_per_seq} blocks)"
+            )
         rows = torch.tensor(block_rows, dtype=torch.int32)
         if self.host is None:  # the static buffers are on the host: write them in place
-            self._write_rows(self.static, batch, size, (input_ids, positions, slot_mapping, seq_lens))
+            self._write_rows(
+                self.static, batch, size, (input_ids, positions, slot_mapping, seq_lens)
+            )
             self.block_table[:batch, :width].copy_(rows)
         else:
             self._copied.synchronize()
@@ -151,7 +170,9 @@ class DecodeGraphs:
         return size
 
     @staticmethod
-    def _write_rows(buffers: DecodeBuffers, batch: int, size: int, values: tuple[list[int], ...]) -> None:
+    def _write_rows(
+        buffers: DecodeBuffers, batch: int, size: int, values: tuple[list[int], ...]
+    ) -> None:
         for buffer, column, pad in zip(buffers.vectors(), values, PADDING):
             buffer[:batch].copy_(torch.tensor(column, dtype=buffer.dtype))
             buffer[batch:size].fill_(pad)
@@ -159,10 +180,15 @@ class DecodeGraphs:
     def _make_metadata(self, size: int) -> AttentionMetadata:
         static = self.static
         return AttentionMetadata(
-            slot_mapping=static.slot_mapping[:size], block_table=self.block_table[:size],
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=static.seq_lens[:size],
-            max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k, num_decode_seqs=size,
-            prefill_row_tile=self.prefill_row_tile)
+            slot_mapping=static.slot_mapping[:size],
+            block_table=self.block_table[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seq_lens=static.seq_lens[:size],
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_seqlen_k,
+            num_decode_seqs=size,
+            prefill_row_tile=self.prefill_row_tile,
+        )
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) of a step of this bucket: views of the static
@@ -206,8 +232,16 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # what the warm-ups left cached is not the graphs' memory
-        stats = CaptureStats(list(self.sizes), time.perf_counter() - started,
-                             free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.2f GiB",
-                    len(stats.sizes), self.max_batch, stats.seconds, stats.memory_bytes / (1 << 30))
+        stats = CaptureStats(
+            list(self.sizes),
+            time.perf_counter() - started,
+            free_before - torch.cuda.mem_get_info(self.device)[0],
+        )
+        logger.info(
+            "CUDA graphs: captured %d decode batch sizes (1 to %d) in %.1f s, %.2f GiB",
+            len(stats.sizes),
+            self.max_batch,
+            stats.seconds,
+            stats.memory_bytes / (1 << 30),
+        )
         return stats

@@ -1,6 +1,7 @@
 """Sizing and allocating a ModelRunner's KV cache: the device pool (from --kv-cache-memory on a
 CPU, from a profiled forward pass and --gpu-memory-utilization on CUDA, the same on every rank)
 and the host pool that swapped-out sequences' blocks go to (preemption mode "swap")."""
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class KVCacheAllocation:
                 self.kv_sizing = "--kv-cache-memory"
                 return int(self.config.kv_cache_memory * GIB)
             return self._default_cpu_kv_bytes()
-        budget, self.memory_profile = kv_cache_budget(self.device, self.config.gpu_memory_utilization,
-                                                      self.memory_at_start, self.profile_run)
+        budget, self.memory_profile = kv_cache_budget(
+            self.device, self.config.gpu_memory_utilization, self.memory_at_start, self.profile_run
+        )
         return budget
 
     def _default_cpu_kv_bytes(self) -> int:
@@ -62,9 +64,11 @@ class KVCacheAllocation:
         if available is not None:
             caps["a quarter of the memory available"] = available // 4
         cap_name, cap = min(caps.items(), key=lambda item: item[1])
-        self.kv_sizing = (f"default: {sequences} sequences x {context} tokens x {per_token / 1024:.1f} KiB a token"
-                          + (f", capped at {cap_name}" if cap < wanted else "")
-                          + "; --kv-cache-memory GiB sets it")
+        self.kv_sizing = (
+            f"default: {sequences} sequences x {context} tokens x {per_token / 1024:.1f} KiB a token"
+            + (f", capped at {cap_name}" if cap < wanted else "")
+            + "; --kv-cache-memory GiB sets it"
+        )
         return min(wanted, cap)
 
     def _host_blocks_wanted(self) -> int:
@@ -75,28 +79,42 @@ class KVCacheAllocation:
         return int(self.config.swap_space * GIB) // self._kv_bytes_per_block()
 
     def _allocate_kv_cache(self) -> int:
-        self.kv_sizing = "num_kv_blocks" if self.config.num_kv_blocks else "--gpu-memory-utilization"
-        num_blocks = self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
+        self.kv_sizing = (
+            "num_kv_blocks" if self.config.num_kv_blocks else "--gpu-memory-utilization"
+        )
+        num_blocks = (
+            self.config.num_kv_blocks or self._kv_budget_bytes() // self._kv_bytes_per_block()
+        )
         self.num_swap_blocks = self._host_blocks_wanted()
         if self.world_size > 1:
             # Every rank must hold the same blocks (the min over stages too); also collect each
             # rank's weight bytes.
-            local = torch.tensor([num_blocks, self.weight_bytes, self.num_swap_blocks], dtype=torch.long,
-                                 device=self.device)
+            local = torch.tensor(
+                [num_blocks, self.weight_bytes, self.num_swap_blocks],
+                dtype=torch.long,
+                device=self.device,
+            )
             gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local)
             num_blocks = min(int(g[0]) for g in gathered)
             self.rank_weight_bytes = [int(g[1]) for g in gathered]
             self.num_swap_blocks = min(int(g[2]) for g in gathered)
         if num_blocks < 1:
-            raise ValueError("the KV cache budget does not hold a single block; raise --kv-cache-memory")
+            raise ValueError(
+                "the KV cache budget does not hold a single block; raise --kv-cache-memory"
+            )
         for layer in self.stage_layers():
             attn = layer.self_attn.attn
             attn.key_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
             attn.value_cache = self._new_cache(num_blocks, attn.num_kv_heads, attn.head_dim)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s; %s)", num_blocks, self.block_size,
-                    num_blocks * self._kv_bytes_per_block() / GIB, str(self.kv_dtype).removeprefix("torch."),
-                    self.kv_sizing)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, %s; %s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self._kv_bytes_per_block() / GIB,
+            str(self.kv_dtype).removeprefix("torch."),
+            self.kv_sizing,
+        )
         return num_blocks
 
     def _allocate_host_pool(self) -> KVSwapper | None:
@@ -106,8 +124,12 @@ class KVCacheAllocation:
         for layer in self.stage_layers():
             pools += [layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache]
         swapper = KVSwapper(pools, self.num_swap_blocks)
-        logger.info("swap space: %d blocks of %d tokens (%.2f GiB)", self.num_swap_blocks, self.block_size,
-                    swapper.host_bytes / GIB)
+        logger.info(
+            "swap space: %d blocks of %d tokens (%.2f GiB)",
+            self.num_swap_blocks,
+            self.block_size,
+            swapper.host_bytes / GIB,
+        )
         return swapper
 
     def _new_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -117,10 +139,15 @@ class KVCacheAllocation:
         so the pool need not be zeroed. On CPU it lies on transparent huge pages where the kernel
         gives them (cpu_malloc.zeros_on_huge_pages)."""
         if self.device.type == "cpu":
-            physical = zeros_on_huge_pages((num_blocks, num_kv_heads, self.block_size, head_dim), self.kv_dtype)
+            physical = zeros_on_huge_pages(
+                (num_blocks, num_kv_heads, self.block_size, head_dim), self.kv_dtype
+            )
             return physical.permute(0, 2, 1, 3)
-        return torch.empty((num_blocks, self.block_size, num_kv_heads, head_dim), dtype=self.kv_dtype,
-                           device=self.device)
+        return torch.empty(
+            (num_blocks, self.block_size, num_kv_heads, head_dim),
+            dtype=self.kv_dtype,
+            device=self.device,
+        )
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -137,17 +164,25 @@ class KVCacheAllocation:
             attn.value_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         tokens = torch.zeros(num_seqs * seq_len, dtype=torch.long, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
-        block_table = torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(num_seqs, 1)
+        block_table = torch.arange(blocks_per_seq, dtype=torch.int32, device=self.device).repeat(
+            num_seqs, 1
+        )
         metadata = AttentionMetadata(
             slot_mapping=torch.full((tokens.numel(),), -1, dtype=torch.long, device=self.device),
             block_table=block_table,
-            cu_seqlens_q=torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device) * seq_len,
+            cu_seqlens_q=torch.arange(0, num_seqs + 1, dtype=torch.int32, device=self.device)
+            * seq_len,
             seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=self.device),
-            max_seqlen_q=seq_len, max_seqlen_k=seq_len)
+            max_seqlen_q=seq_len,
+            max_seqlen_k=seq_len,
+        )
         intermediate = None
         if get_pp_rank() > 0:  # a later stage: the previous stage's (hidden, residual)
-            zeros = torch.zeros((tokens.numel(), self.model_config.hidden_size), dtype=self.dtype,
-                                device=self.device)
+            zeros = torch.zeros(
+                (tokens.numel(), self.model_config.hidden_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
             intermediate = (zeros, zeros.clone())
         hidden = self.model(tokens, positions, metadata, intermediate)
         if isinstance(hidden, torch.Tensor):  # the last stage (or the only one)

@@ -6,6 +6,7 @@ their block-major storage: on CPU the device pool is head-major underneath a per
 (ModelRunner._new_cache), and a block there is still one contiguous run of memory. On a CPU device
 the host pool is a second pool in memory, copied by the same code.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,9 @@ from nanoserve.kernels.kv_dtype import FP8_DTYPES
 def block_major_storage(cache: torch.Tensor) -> torch.Tensor:
     """The contiguous tensor under a pool view, blocks along dim 0 (an fp8 pool as its bytes:
     torch's indexed copies don't all take fp8)."""
-    storage = cache if cache.is_contiguous() else cache.permute(0, 2, 1, 3)  # undoes _new_cache's permutation
+    storage = (
+        cache if cache.is_contiguous() else cache.permute(0, 2, 1, 3)
+    )  # undoes _new_cache's permutation
     assert storage.is_contiguous(), "a KV pool whose storage is not block-major"
     return storage.view(torch.uint8) if storage.dtype in FP8_DTYPES else storage
 
@@ -30,9 +33,10 @@ class KVSwapper:
         self.device = self.device_pools[0].device
         # Pinned on CUDA, so the copies are DMA transfers (as vLLM's CPU swap cache).
         pin = self.device.type == "cuda"
-        self.host_pools = [torch.empty((num_host_blocks, *pool.shape[1:]), dtype=pool.dtype,
-                                       pin_memory=pin)
-                           for pool in self.device_pools]
+        self.host_pools = [
+            torch.empty((num_host_blocks, *pool.shape[1:]), dtype=pool.dtype, pin_memory=pin)
+            for pool in self.device_pools
+        ]
         self.blocks_swapped_out = self.blocks_swapped_in = 0
         self.swap_seconds = 0.0  # host time in swap(), copies included (they synchronize)
 
@@ -47,7 +51,9 @@ class KVSwapper:
         self.blocks_swapped_out += len(plan.swap_out)
         self.blocks_swapped_in += len(plan.swap_in)
         if plan.swap_out:
-            device_index, host_index = self._indices(plan.swap_out, self.device, torch.device("cpu"))
+            device_index, host_index = self._indices(
+                plan.swap_out, self.device, torch.device("cpu")
+            )
             for device_pool, host_pool in zip(self.device_pools, self.host_pools):
                 host_pool[host_index] = device_pool[device_index].to("cpu")
         if plan.swap_in:
@@ -57,7 +63,8 @@ class KVSwapper:
         self.swap_seconds += time.perf_counter() - started
 
     @staticmethod
-    def _indices(pairs: list[tuple[int, int]], source: torch.device,
-                 destination: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _indices(
+        pairs: list[tuple[int, int]], source: torch.device, destination: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.tensor(pairs, dtype=torch.long).T
         return both[0].to(source), both[1].to(destination)

@@ -1,5 +1,6 @@
 """LLMEngine: add_request / abort_request / step. The offline LLM and the async server both
 drive exactly this."""
+
 from __future__ import annotations
 
 import atexit
@@ -12,9 +13,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,13 +25,13 @@ from nanoserve.distributed import set_parallel_state
 from nanoserve.distributed.launcher import WorkerGroup
 from nanoserve.distributed.rank import init_rank
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import OutputProcessor
-from nanoserve.engine.request import Request, stop_string_holdback
-from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.pipeline_stage import LaunchedStep
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.request import Request, stop_string_holdback
 from nanoserve.engine.sampling_batch import build_sampling_batch
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
@@ -41,14 +42,19 @@ from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.lora.adapter import LoRAError
 from nanoserve.lora.request import LoRARequest
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.gguf.model import check_gguf_file, check_quantization, find_gguf_file, gguf_tokenizer
+from nanoserve.models.gguf.model import (
+    check_gguf_file,
+    check_quantization,
+    find_gguf_file,
+    gguf_tokenizer,
+)
 from nanoserve.models.registry import check_pipeline_support
 from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
-from nanoserve.sampling_params import SamplingParams
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
-from nanoserve.spec_decode.metrics import SpecDecodingStats
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.draft import DraftProposer
+from nanoserve.spec_decode.metrics import SpecDecodingStats
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -59,8 +65,12 @@ class StepError(RuntimeError):
     """A step failed because of what the requests in it asked for (not a dead device or rank).
     Those requests were aborted; the engine serves on. `request_ids`: the requests that failed."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException,
-                 outputs: list[RequestOutput] | None = None) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        cause: BaseException,
+        outputs: list[RequestOutput] | None = None,
+    ) -> None:
         super().__init__(f"the request failed during a model step: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
@@ -100,6 +110,7 @@ class EngineStats:
 @dataclass(slots=True)
 class InFlightStep:
     """A pipelined step launched and not yet sampled (one per virtual engine at most)."""
+
     scheduler_output: SchedulerOutput
     model_input: ModelInput
     launched: LaunchedStep
@@ -120,7 +131,8 @@ def resolve_model_dir(model: str | None) -> Path:
         raise FileNotFoundError(
             f"model {model!r} is not a directory or a GGUF file; nanoserve loads Hugging "
             "Face-layout directories (config.json, *.safetensors, tokenizer.json) and GGUF files, "
-            "and never downloads from a hub")
+            "and never downloads from a hub"
+        )
     return path
 
 
@@ -190,11 +202,16 @@ class LLMEngine:
         self.max_prompt_chars = self._max_prompt_chars()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, self.max_model_len
+        )
         # Speculative decoding (--speculative-config): n-gram proposals verified each step.
         self.proposer = self._make_proposer(config.speculative)
-        self.spec_stats = (SpecDecodingStats(config.speculative.num_speculative_tokens)
-                           if self.proposer is not None else None)
+        self.spec_stats = (
+            SpecDecodingStats(config.speculative.num_speculative_tokens)
+            if self.proposer is not None
+            else None
+        )
         # Structured outputs: made on the first constrained request.
         self.structured_output: StructuredOutputManager | None = None
         self._compiling: dict[str, concurrent.futures.Future] = {}  # request id → its grammar
@@ -211,8 +228,10 @@ class LLMEngine:
         config, model_config = self.config, self.model_config
         if config.resolve_runner(model_config.headless) == "generate":
             if model_config.headless:
-                raise ValueError(f"{model_config.architecture.removesuffix('ForCausalLM')}Model checkpoints have no "
-                                 "LM head: serve them with --runner pooling (or --task embed)")
+                raise ValueError(
+                    f"{model_config.architecture.removesuffix('ForCausalLM')}Model checkpoints have no "
+                    "LM head: serve them with --runner pooling (or --task embed)"
+                )
             return None
         if config.speculative is not None:
             raise ValueError("--speculative-config is for generating models, not --runner pooling")
@@ -230,9 +249,17 @@ class LLMEngine:
         if spec is None:
             return None
         if spec.method == "ngram":
-            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return DraftProposer(self.config, resolve_model_dir(spec.model), self.model_config, self.runner.num_kv_blocks,
-                             self.runner.device, spec.num_speculative_tokens)
+            return NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        return DraftProposer(
+            self.config,
+            resolve_model_dir(spec.model),
+            self.model_config,
+            self.runner.num_kv_blocks,
+            self.runner.device,
+            spec.num_speculative_tokens,
+        )
 
     def _requested_max_model_len(self) -> int:
         """--max-model-len, or the model's own limit; never past the model's positions."""
@@ -240,8 +267,10 @@ class LLMEngine:
         requested = self.config.max_model_len
         if requested is not None:
             if requested > max_len:
-                raise ValueError(f"max_model_len {requested} exceeds the model's "
-                                 f"max_position_embeddings {max_len}")
+                raise ValueError(
+                    f"max_model_len {requested} exceeds the model's "
+                    f"max_position_embeddings {max_len}"
+                )
             max_len = requested
         return max_len
 
@@ -253,21 +282,36 @@ class LLMEngine:
         num_virtual_engines = config.pipeline_parallel_size
         blocks_each = self.runner.num_kv_blocks // num_virtual_engines
         if blocks_each < 1:
-            raise ValueError("the KV cache holds fewer blocks than pipeline stages; raise --kv-cache-memory")
+            raise ValueError(
+                "the KV cache holds fewer blocks than pipeline stages; raise --kv-cache-memory"
+            )
         capacity = blocks_each * config.block_size
         if capacity < max_len:
-            logger.warning("KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len)
+            logger.warning(
+                "KV cache holds %d tokens; max_model_len lowered from %d", capacity, max_len
+            )
             max_len = capacity
-        self.host_pool = (HostBlockPool(self.runner.num_swap_blocks)
-                          if config.preemption_mode == "swap" else None)
+        self.host_pool = (
+            HostBlockPool(self.runner.num_swap_blocks) if config.preemption_mode == "swap" else None
+        )
         # Pooling reads every prompt row's hidden state: nothing may come from the prefix cache.
         prefix_caching = config.enable_prefix_caching and self.pooler is None
-        self.block_managers = [BlockManager(blocks_each, config.block_size, prefix_caching)
-                               for _ in range(num_virtual_engines)]
-        self.schedulers = [Scheduler(manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                     config.scheduling_policy, self.host_pool, virtual_engine,
-                                     max_loras=config.max_loras if config.enable_lora else 0)
-                           for virtual_engine, manager in enumerate(self.block_managers)]
+        self.block_managers = [
+            BlockManager(blocks_each, config.block_size, prefix_caching)
+            for _ in range(num_virtual_engines)
+        ]
+        self.schedulers = [
+            Scheduler(
+                manager,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.scheduling_policy,
+                self.host_pool,
+                virtual_engine,
+                max_loras=config.max_loras if config.enable_lora else 0,
+            )
+            for virtual_engine, manager in enumerate(self.block_managers)
+        ]
         self.in_flight: list[InFlightStep | None] = [None] * num_virtual_engines
         self._next_virtual_engine = 0
         return max_len
@@ -315,19 +359,31 @@ class LLMEngine:
         set_parallel_state(0, 1)
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
-                    priority: int = 0, arrival_time: float | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    lora_request: LoRARequest | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams | PoolingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """A generating request (SamplingParams), or on a pooling model an embedding request
         (PoolingParams): its prompt is run once and pooled, and its one output is the embedding.
         `lora_request`: the LoRA adapter it runs with (--enable-lora)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
-            raise InvalidRequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
-        if lora_request is not None and (isinstance(sampling_params, PoolingParams) or self.pooler is not None):
-            raise InvalidRequestError("LoRA adapters are served for generating models only, not --runner pooling")
+            raise InvalidRequestError(
+                f"Got priority {priority} but Priority scheduling is not enabled."
+            )
+        if lora_request is not None and (
+            isinstance(sampling_params, PoolingParams) or self.pooler is not None
+        ):
+            raise InvalidRequestError(
+                "LoRA adapters are served for generating models only, not --runner pooling"
+            )
         if isinstance(sampling_params, PoolingParams) or self.pooler is not None:
             self._add_pooling_request(request_id, prompt, sampling_params, priority, arrival_time)
             return
@@ -343,13 +399,25 @@ class LLMEngine:
         seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
         for seq in seqs:
             seq.lora_id = lora_request.lora_int_id if lora_request is not None else 0
-        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), params, seqs, metrics,
-                                            output_kind=output_kind, holdback=stop_string_holdback(params),
-                                            lora_request=lora_request)
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.time()
+        )
+        self.requests[request_id] = Request(
+            request_id,
+            prompt_text,
+            list(token_ids),
+            params,
+            seqs,
+            metrics,
+            output_kind=output_kind,
+            holdback=stop_string_holdback(params),
+            lora_request=lora_request,
+        )
         if grammar is not None and not grammar.done():
             self._compiling[request_id] = grammar
-        virtual_engine = min(range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished)
+        virtual_engine = min(
+            range(len(self.schedulers)), key=lambda v: self.schedulers[v].num_unfinished
+        )
         for seq in seqs:
             seq.virtual_engine = virtual_engine
             self.schedulers[virtual_engine].add(seq)
@@ -359,15 +427,24 @@ class LLMEngine:
         """Make every rank hold the adapter (read from lora.lora_path the first time its id is
         seen; a bad adapter is an InvalidRequestError naming what is wrong). vLLM's add_lora."""
         if not self.config.enable_lora:
-            raise InvalidRequestError("LoRA is not enabled: start the engine with --enable-lora "
-                                      "(LLM(..., enable_lora=True))")
+            raise InvalidRequestError(
+                "LoRA is not enabled: start the engine with --enable-lora "
+                "(LLM(..., enable_lora=True))"
+            )
         if self.runner.lora is None:
-            raise InvalidRequestError("LoRA adapters are served for generating models only, not --runner pooling")
+            raise InvalidRequestError(
+                "LoRA adapters are served for generating models only, not --runner pooling"
+            )
         known = self.loras.get(lora.lora_int_id)
         if known is not None:
-            if Path(known.lora_path).expanduser().resolve() != Path(lora.lora_path).expanduser().resolve():
-                raise InvalidRequestError(f"LoRA id {lora.lora_int_id} is already loaded from {known.lora_path!r}; "
-                                          f"another adapter ({lora.lora_path!r}) needs another lora_int_id")
+            if (
+                Path(known.lora_path).expanduser().resolve()
+                != Path(lora.lora_path).expanduser().resolve()
+            ):
+                raise InvalidRequestError(
+                    f"LoRA id {lora.lora_int_id} is already loaded from {known.lora_path!r}; "
+                    f"another adapter ({lora.lora_path!r}) needs another lora_int_id"
+                )
             self.loras.move_to_end(lora.lora_int_id)
             self._lora_removals.discard(lora.lora_int_id)
             self._trim_loras(lora.lora_int_id, 0)
@@ -385,7 +462,7 @@ class LLMEngine:
         capacity = self.config.max_cpu_loras or self.config.max_loras
         in_use = self._loras_in_use() | {keep}
         victims = [i for i in self.loras if i not in in_use]
-        for victim in victims[:max(0, len(self.loras) + room - capacity)]:
+        for victim in victims[: max(0, len(self.loras) + room - capacity)]:
             self._drop_lora(victim)
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -403,7 +480,9 @@ class LLMEngine:
         return set(self.loras) - self._lora_removals
 
     def _loras_in_use(self) -> set[int]:
-        return {seq.lora_id for request in self.requests.values() for seq in request.seqs if seq.lora_id}
+        return {
+            seq.lora_id for request in self.requests.values() for seq in request.seqs if seq.lora_id
+        }
 
     def _drop_lora(self, lora_int_id: int) -> None:
         del self.loras[lora_int_id]
@@ -414,14 +493,19 @@ class LLMEngine:
         for lora_int_id in self._lora_removals - self._loras_in_use():
             self._drop_lora(lora_int_id)
 
-    def _add_pooling_request(self, request_id: str, prompt: PromptType, params, priority: int,
-                             arrival_time: float | None) -> None:
+    def _add_pooling_request(
+        self, request_id: str, prompt: PromptType, params, priority: int, arrival_time: float | None
+    ) -> None:
         if self.pooler is None:
-            raise InvalidRequestError("This model generates text; it does not embed (start a pooling model, "
-                                      "--runner pooling, to embed).")
+            raise InvalidRequestError(
+                "This model generates text; it does not embed (start a pooling model, "
+                "--runner pooling, to embed)."
+            )
         if not isinstance(params, PoolingParams):
-            raise InvalidRequestError("This model is served as a pooling model (--runner pooling): it embeds, "
-                                      "it does not generate text.")
+            raise InvalidRequestError(
+                "This model is served as a pooling model (--runner pooling): it embeds, "
+                "it does not generate text."
+            )
         try:
             self.pooler.check_dimensions(params.dimensions, self.model_config.hidden_size)
         except ValueError as error:
@@ -432,13 +516,27 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {len(token_ids)} tokens in the input for embedding generation. Please "
-                "reduce the length of the input.", "input_tokens")
+                "reduce the length of the input.",
+                "input_tokens",
+            )
         placeholder = SamplingParams(max_tokens=1)  # what the scheduler and outputs read
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(token_ids), len(token_ids), placeholder,
-                       priority, next(self._arrivals))
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            0,
+            list(token_ids),
+            len(token_ids),
+            placeholder,
+            priority,
+            next(self._arrivals),
+        )
         seq.pooling = PoolingState(self.pooler, params)
-        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.time())
-        self.requests[request_id] = Request(request_id, prompt_text, list(token_ids), placeholder, [seq], metrics)
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.time()
+        )
+        self.requests[request_id] = Request(
+            request_id, prompt_text, list(token_ids), placeholder, [seq], metrics
+        )
         self.schedulers[0].add(seq)
 
     def _check_prompt_tokens(self, token_ids: list[int]) -> None:
@@ -458,33 +556,57 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"This model's maximum context length is {max_len} tokens. However, your request "
                 f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
-                "input_tokens")
+                "input_tokens",
+            )
         if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
             raise InvalidRequestError(  # vLLM blames the input too
                 f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{max_len} tokens and your request has {num_prompt} input tokens "
-                f"({params.max_tokens} > {max_len} - {num_prompt}).", "input_tokens")
+                f"({params.max_tokens} > {max_len} - {num_prompt}).",
+                "input_tokens",
+            )
         if params.max_tokens is None and params.min_tokens > max_len - num_prompt:
             raise InvalidRequestError(
                 f"min_tokens must be <= {max_len - num_prompt} (the context left after "
-                f"{num_prompt} prompt tokens), got {params.min_tokens}")
+                f"{num_prompt} prompt tokens), got {params.min_tokens}"
+            )
 
-    def _make_sequences(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                        priority: int, grammar: concurrent.futures.Future | None) -> list[Sequence]:
+    def _make_sequences(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        grammar: concurrent.futures.Future | None,
+    ) -> list[Sequence]:
         """The request's n sequences, each with its detokenizer, seeded generator and grammar
         matcher; the first scores the prompt when prompt logprobs are asked for."""
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(token_ids), len(token_ids), params,
-                           priority, arrival)
+            seq = Sequence(
+                next(self._seq_ids),
+                request_id,
+                index,
+                list(token_ids),
+                len(token_ids),
+                params,
+                priority,
+                arrival,
+            )
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed + index)
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(
+                    params.seed + index
+                )
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
             if grammar is not None:  # one matcher per sequence, one compiled grammar per request
                 seq.grammar = SequenceGrammar(grammar)
             seqs.append(seq)
-        if params.prompt_logprobs is not None:  # once per request: the first sequence scores the prompt
+        if (
+            params.prompt_logprobs is not None
+        ):  # once per request: the first sequence scores the prompt
             seqs[0].prompt_logprobs = [None]
         return seqs
 
@@ -497,7 +619,8 @@ class LLMEngine:
         with self._structured_output_lock:
             if self.structured_output is None:
                 self.structured_output = StructuredOutputManager(
-                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+                    self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+                )
         return self.structured_output.compile(params.structured_outputs)
 
     def release_structured_output(self, future: concurrent.futures.Future) -> None:
@@ -519,36 +642,49 @@ class LLMEngine:
         """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
         with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
         params._validate()  # fields may have been assigned after construction
         if params.n > self.config.max_n_sequences:
-            raise InvalidRequestError(f"n must be <= {self.config.max_n_sequences} (max_n_sequences), "
-                                      f"got {params.n}", "n")
+            raise InvalidRequestError(
+                f"n must be <= {self.config.max_n_sequences} (max_n_sequences), got {params.n}", "n"
+            )
         max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
         for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
             value = getattr(params, name)
             if value is not None and (vocab if value == -1 else value) > max_logprobs:
                 raise InvalidRequestError(
                     f"Requested {what} of {vocab if value == -1 else value}, which is greater than "
-                    f"max allowed: {max_logprobs}", name)
-        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
-                                ("logit_bias", list(params.logit_bias or ()))):
+                    f"max allowed: {max_logprobs}",
+                    name,
+                )
+        for name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+        ):
             invalid = [t for t in token_ids if not 0 <= t < vocab]
             if invalid:
                 raise InvalidRequestError(
                     f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
-                    f"Vocabulary size: {vocab}", name)
+                    f"Vocabulary size: {vocab}",
+                    name,
+                )
         if params.logprobs == -1 or params.prompt_logprobs == -1:
             params = params.clone()
             params.logprobs = vocab if params.logprobs == -1 else params.logprobs
-            params.prompt_logprobs = vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
+            params.prompt_logprobs = (
+                vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
+            )
         return params
 
     def _max_prompt_chars(self) -> int:
         """No text longer than this fits in the context: each token covers at most as many
         characters as the longest vocabulary entry. Checked before tokenizing, which is slow."""
         backend = self.tokenizer.backend
-        longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+        longest = max(
+            (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
+        )
         return self.max_model_len * max(longest, 1)
 
     def check_prompt_text(self, text: str) -> None:
@@ -556,7 +692,9 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"request has {len(text)} characters of input, more than any {self.max_model_len} "
-                f"tokens can hold. Please reduce the length of the input messages.", "input_tokens")
+                f"tokens can hold. Please reduce the length of the input messages.",
+                "input_tokens",
+            )
 
     def _encode(self, text: str) -> list[int]:
         self.check_prompt_text(text)
@@ -628,7 +766,8 @@ class LLMEngine:
             num_swap_outs_total=sum(x.num_swap_outs for x in schedulers),
             cpu_cache_usage=self.host_pool.usage if self.host_pool is not None else 0.0,
             spec_decoding=self.spec_stats.snapshot() if self.spec_stats is not None else None,
-            lora=self._lora_stats() if self.config.enable_lora else None)
+            lora=self._lora_stats() if self.config.enable_lora else None,
+        )
 
     def _lora_stats(self) -> tuple[int, list[str], list[str]]:
         def names(queue: str) -> list[str]:
@@ -651,12 +790,17 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose(scheduler.running)
         scheduler_output = scheduler.schedule()
-        if scheduler_output.swap_plan:  # before the forward pass that may overwrite the freed blocks
+        if (
+            scheduler_output.swap_plan
+        ):  # before the forward pass that may overwrite the freed blocks
             self.runner.swap(scheduler_output.swap_plan)
         if not scheduler_output.scheduled_seqs:
             if self._compiling:  # only grammars to wait for: not a busy loop
-                concurrent.futures.wait(list(self._compiling.values()), timeout=0.1,
-                                        return_when=concurrent.futures.FIRST_COMPLETED)
+                concurrent.futures.wait(
+                    list(self._compiling.values()),
+                    timeout=0.1,
+                    return_when=concurrent.futures.FIRST_COMPLETED,
+                )
             return []
         try:
             return self._run_step(scheduler_output)
@@ -665,8 +809,9 @@ class LLMEngine:
             if self.dead_reason is not None or self.workers is not None or _is_device_fault(error):
                 raise
             request_ids = scheduler_output.request_ids
-            logger.exception("a step failed; failing its %d request(s), the engine goes on",
-                             len(request_ids))
+            logger.exception(
+                "a step failed; failing its %d request(s), the engine goes on", len(request_ids)
+            )
             outputs = self.abort_request(request_ids)
             raise StepError(request_ids, error, outputs) from error
 
@@ -684,11 +829,21 @@ class LLMEngine:
             received = self.runner.pipeline.wait(in_flight.launched)
             if in_flight.launched.tokens_only:
                 result = SamplerOutput(received, None, None, None)
-                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, None,
-                                            in_flight.started, result=result)
+                outputs = self._finish_step(
+                    in_flight.scheduler_output,
+                    in_flight.model_input,
+                    None,
+                    in_flight.started,
+                    result=result,
+                )
             else:
-                outputs = self._finish_step(in_flight.scheduler_output, in_flight.model_input, received,
-                                            in_flight.started, sampling=in_flight.sampling)
+                outputs = self._finish_step(
+                    in_flight.scheduler_output,
+                    in_flight.model_input,
+                    received,
+                    in_flight.started,
+                    sampling=in_flight.sampling,
+                )
         scheduler_output = self.schedulers[virtual_engine].schedule()
         if scheduler_output.scheduled_seqs:  # (no swap plan: swapping is off with pipelines)
             started = time.time()
@@ -698,11 +853,15 @@ class LLMEngine:
             # Built now (nothing it reads changes while in flight): a plain greedy step only
             # needs the last stage's argmax, not its logits (a constrained one needs them).
             sampling = self._sampling_batch(model_input)
-            tokens_only = (sampling is not None and sampling.plain_greedy
-                           and not model_input.prompt_logprob_seqs)
+            tokens_only = (
+                sampling is not None
+                and sampling.plain_greedy
+                and not model_input.prompt_logprob_seqs
+            )
             launched = self.runner.pipeline.launch(model_input, virtual_engine, tokens_only)
-            self.in_flight[virtual_engine] = InFlightStep(scheduler_output, model_input, launched, started,
-                                                          sampling)
+            self.in_flight[virtual_engine] = InFlightStep(
+                scheduler_output, model_input, launched, started, sampling
+            )
         return outputs
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
@@ -713,8 +872,9 @@ class LLMEngine:
             return self._finish_pooling_step(scheduler_output, logits, now)
         return self._finish_step(scheduler_output, model_input, logits, now)
 
-    def _finish_pooling_step(self, scheduler_output: SchedulerOutput, hidden: torch.Tensor,
-                             now: float) -> list[RequestOutput]:
+    def _finish_pooling_step(
+        self, scheduler_output: SchedulerOutput, hidden: torch.Tensor, now: float
+    ) -> list[RequestOutput]:
         """Each scheduled prompt chunk's rows (in schedule order: every row of a pooling step is
         a prompt row) into its sequence's pooling; a prompt done is an embedding, its request
         finished and its blocks freed."""
@@ -723,7 +883,7 @@ class LLMEngine:
             seq, count = item.seq, item.num_new_tokens
             request = self.requests[seq.request_id]
             request.record_scheduled(seq, now)
-            seq.pooling.add(hidden[row:row + count])
+            seq.pooling.add(hidden[row : row + count])
             row += count
             seq.num_computed_tokens += count
             if seq.num_computed_tokens < seq.num_tokens:
@@ -733,8 +893,17 @@ class LLMEngine:
             request.record_tokens(now)
             self.schedulers[seq.virtual_engine].remove(seq)
             del self.requests[seq.request_id]
-            outputs.append(RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], True,
-                                         request.metrics, embedding=seq.pooling.result().tolist()))
+            outputs.append(
+                RequestOutput(
+                    request.request_id,
+                    request.prompt,
+                    request.prompt_token_ids,
+                    [],
+                    True,
+                    request.metrics,
+                    embedding=seq.pooling.result().tolist(),
+                )
+            )
         return outputs
 
     def _after_verification(self, seqs: list[Sequence], result: SamplerOutput | None) -> None:
@@ -765,30 +934,49 @@ class LLMEngine:
             limit = min(self.proposer.k, self.max_model_len - seq.num_tokens - 1)
             if params.max_tokens is not None:
                 limit = min(limit, params.max_tokens - seq.num_output_tokens - 1)
-            if (limit <= 0 or seq.num_computed_tokens != seq.num_tokens - 1
-                    or seq.num_computed_tokens < seq.num_prompt_tokens or seq.needs_prompt_logprobs
-                    or seq.num_output_tokens < params.min_tokens or params.repetition_penalty != 1.0
-                    or params.frequency_penalty or params.presence_penalty):
+            if (
+                limit <= 0
+                or seq.num_computed_tokens != seq.num_tokens - 1
+                or seq.num_computed_tokens < seq.num_prompt_tokens
+                or seq.needs_prompt_logprobs
+                or seq.num_output_tokens < params.min_tokens
+                or params.repetition_penalty != 1.0
+                or params.frequency_penalty
+                or params.presence_penalty
+            ):
                 continue
             wanted.append((seq, limit))
         self.proposer.propose_for(wanted, self._rows_batch, self.model_config.vocab_size)
 
     def _rows_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
         """The sampler's batch for these rows (one per sequence given)."""
-        return build_sampling_batch(seqs, self.runner.device, self.model_config.vocab_size,
-                                    self.eos_token_ids, self.generator)
+        return build_sampling_batch(
+            seqs,
+            self.runner.device,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            self.generator,
+        )
 
     def _sampling_batch(self, model_input: ModelInput) -> SamplingBatch | None:
         """The step's SamplingBatch, with the bitmask of its constrained rows. Their matchers
         only advance when this step's tokens are appended, so it may be built at launch."""
         sampling = self._rows_batch(model_input.sampling_seqs)
         if sampling is not None and self.structured_output is not None:
-            self.structured_output.constrain(sampling, model_input.sampling_seqs, self.runner.device)
+            self.structured_output.constrain(
+                sampling, model_input.sampling_seqs, self.runner.device
+            )
         return sampling
 
-    def _finish_step(self, scheduler_output: SchedulerOutput, model_input: ModelInput,
-                     logits: torch.Tensor | None, now: float, sampling: SamplingBatch | None = None,
-                     result: SamplerOutput | None = None) -> list[RequestOutput]:
+    def _finish_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_input: ModelInput,
+        logits: torch.Tensor | None,
+        now: float,
+        sampling: SamplingBatch | None = None,
+        result: SamplerOutput | None = None,
+    ) -> list[RequestOutput]:
         """Sample (unless `result` holds the tokens already) and append the tokens. With pipeline
         parallelism a request may have been aborted while its step was in flight: its sequences
         are skipped."""
@@ -797,7 +985,9 @@ class LLMEngine:
                 # On CUDA the forward pass is only queued: the sampling tensors are built meanwhile.
                 sampling = self._sampling_batch(model_input)
             # Verification rows: a sequence's k + 1 rows each processed as its plain decode row.
-            spec_rows = [seq for seq in model_input.spec_seqs for _ in range(len(seq.spec_token_ids) + 1)]
+            spec_rows = [
+                seq for seq in model_input.spec_seqs for _ in range(len(seq.spec_token_ids) + 1)
+            ]
             result = self.runner.sample(logits, sampling, model_input, self._rows_batch(spec_rows))
         for item in scheduler_output.scheduled_seqs:
             seq = item.seq
@@ -809,8 +999,13 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.
             self.block_managers[seq.virtual_engine].register_full_blocks(seq)
-        processed = self.output_processor.process(self.requests, model_input.sampling_seqs, result,
-                                                  model_input.prompt_logprob_seqs, model_input.spec_seqs)
+        processed = self.output_processor.process(
+            self.requests,
+            model_input.sampling_seqs,
+            result,
+            model_input.prompt_logprob_seqs,
+            model_input.spec_seqs,
+        )
         if model_input.spec_seqs:
             self._after_verification(model_input.spec_seqs, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them

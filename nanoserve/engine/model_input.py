@@ -2,6 +2,7 @@
 its wire format for the other ranks. The step's inputs travel as two broadcasts: a fixed-size
 header and one flat int64 tensor holding every per-step array. A step that swaps KV blocks
 between the device and the host pool sends its copies the same way first (CMD_SWAP)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,22 +61,27 @@ HEADER_SIZE = 11
 CMD_STEP, CMD_STOP, CMD_SWAP, CMD_LORA = 1, 2, 3, 4
 
 
-def pack_lora(adapter_id: int, path: str | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_lora(
+    adapter_id: int, path: str | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Register an adapter on every rank (its path's UTF-8 bytes), or with path None remove it."""
     data = list((path or "").encode())
     header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
     header[:4] = torch.tensor([CMD_LORA, adapter_id, len(data), int(path is None)])
-    return header, torch.tensor(data or [0], dtype=torch.long).to(device)  # never an empty broadcast
+    return header, torch.tensor(data or [0], dtype=torch.long).to(
+        device
+    )  # never an empty broadcast
 
 
 def unpack_lora(header: list[int], payload: torch.Tensor) -> tuple[int, str | None]:
     if header[3]:
         return header[1], None
-    return header[1], bytes(payload[:header[2]].tolist()).decode()
+    return header[1], bytes(payload[: header[2]].tolist()).decode()
 
 
-def pack_swap(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_swap(
+    swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(source, destination) block pairs copied out (device → host) and in (host → device)."""
     header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
     header[:3] = torch.tensor([CMD_SWAP, len(swap_out), len(swap_in)])
@@ -83,28 +89,53 @@ def pack_swap(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
     return header, torch.tensor(pairs, dtype=torch.long).to(device)
 
 
-def unpack_swap(header: list[int], payload: torch.Tensor) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+def unpack_swap(
+    header: list[int], payload: torch.Tensor
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     num_out = header[1]
     blocks = payload.tolist()
     pairs = list(zip(blocks[0::2], blocks[1::2]))
     return pairs[:num_out], pairs[num_out:]
 
 
-def pack_step(model_input: ModelInput, device: torch.device, virtual_engine: int = 0,
-              tokens_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_step(
+    model_input: ModelInput,
+    device: torch.device,
+    virtual_engine: int = 0,
+    tokens_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     metadata = model_input.metadata
-    parts = [model_input.input_ids, model_input.positions, metadata.slot_mapping,
-             metadata.block_table.flatten(), metadata.cu_seqlens_q, metadata.seq_lens,
-             model_input.logits_indices]
+    parts = [
+        model_input.input_ids,
+        model_input.positions,
+        metadata.slot_mapping,
+        metadata.block_table.flatten(),
+        metadata.cu_seqlens_q,
+        metadata.seq_lens,
+        model_input.logits_indices,
+    ]
     num_lora_slots = 0
     if model_input.lora_slots is not None:
         num_lora_slots = len(model_input.lora_slots)
         parts += [torch.tensor(model_input.lora_slots), model_input.lora_rows]
     num_seqs, max_blocks = metadata.block_table.shape
-    header = torch.tensor([CMD_STEP, model_input.input_ids.numel(), num_seqs, max_blocks,
-                           model_input.logits_indices.numel(), metadata.max_seqlen_q, metadata.max_seqlen_k,
-                           metadata.num_decode_seqs, num_lora_slots, virtual_engine, int(tokens_only)],
-                          dtype=torch.long, device=device)
+    header = torch.tensor(
+        [
+            CMD_STEP,
+            model_input.input_ids.numel(),
+            num_seqs,
+            max_blocks,
+            model_input.logits_indices.numel(),
+            metadata.max_seqlen_q,
+            metadata.max_seqlen_k,
+            metadata.num_decode_seqs,
+            num_lora_slots,
+            virtual_engine,
+            int(tokens_only),
+        ],
+        dtype=torch.long,
+        device=device,
+    )
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header, payload
 
@@ -112,19 +143,45 @@ def pack_step(model_input: ModelInput, device: torch.device, virtual_engine: int
 def _part_sizes(header: list[int]) -> list[int]:
     """Lengths of the payload's parts, in pack_step's order."""
     _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, num_lora_slots, _, _ = header
-    sizes = [num_tokens, num_tokens, num_tokens, num_seqs * max_blocks, num_seqs + 1, num_seqs, num_logits]
+    sizes = [
+        num_tokens,
+        num_tokens,
+        num_tokens,
+        num_seqs * max_blocks,
+        num_seqs + 1,
+        num_seqs,
+        num_logits,
+    ]
     return sizes + [num_lora_slots, num_tokens] if num_lora_slots else sizes
 
 
 def unpack_step(header: list[int], payload: torch.Tensor) -> ModelInput:
-    _, _, num_seqs, max_blocks, _, max_seqlen_q, max_seqlen_k, num_decode_seqs, num_lora_slots, _, _ = header
+    (
+        _,
+        _,
+        num_seqs,
+        max_blocks,
+        _,
+        max_seqlen_q,
+        max_seqlen_k,
+        num_decode_seqs,
+        num_lora_slots,
+        _,
+        _,
+    ) = header
     input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices, *lora = payload.split(
-        _part_sizes(header))
+        _part_sizes(header)
+    )
     metadata = AttentionMetadata(
-        slot_mapping=slots, block_table=table.view(num_seqs, max_blocks).to(torch.int32),
-        cu_seqlens_q=cu_seqlens.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_decode_seqs=num_decode_seqs,
-        prefill_row_tile=prefill_row_tile(payload.device))
+        slot_mapping=slots,
+        block_table=table.view(num_seqs, max_blocks).to(torch.int32),
+        cu_seqlens_q=cu_seqlens.to(torch.int32),
+        seq_lens=seq_lens.to(torch.int32),
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        num_decode_seqs=num_decode_seqs,
+        prefill_row_tile=prefill_row_tile(payload.device),
+    )
     model_input = ModelInput(input_ids, positions, metadata, logits_indices, [])
     if num_lora_slots:
         model_input.lora_slots, model_input.lora_rows = lora[0].tolist(), lora[1]

@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors (token ids, positions, block tables, slot mapping),
 runs the model once for the whole batch, and samples. Sizing and allocating the KV cache is in
 engine/kv_allocation.py; the step's wire format for the other ranks in engine/model_input.py."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from nanoserve import kernels
-from nanoserve.kernels import cpu_ops
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_malloc import keep_freed_memory, release_free_memory
 from nanoserve.cpu_threads import threads_per_rank
@@ -21,20 +21,40 @@ from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
-from nanoserve.kernels.kv_dtype import cache_dtype
-from nanoserve.engine.model_input import (CMD_LORA, CMD_STOP, CMD_SWAP, HEADER_SIZE, ModelInput, broadcast_stop,
-                                          pack_lora, pack_step, pack_swap, payload_size, prefill_row_tile,
-                                          unpack_lora, unpack_step, unpack_swap)
+from nanoserve.engine.model_input import (
+    CMD_LORA,
+    CMD_STOP,
+    CMD_SWAP,
+    HEADER_SIZE,
+    ModelInput,
+    broadcast_stop,
+    pack_lora,
+    pack_step,
+    pack_swap,
+    payload_size,
+    prefill_row_tile,
+    unpack_lora,
+    unpack_step,
+    unpack_swap,
+)
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.swap import SwapPlan
+from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.kv_dtype import cache_dtype
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights
+from nanoserve.layers.sampler import (
+    LogprobsTensors,
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+    sample,
+)
 from nanoserve.lora.layers import lora_batch
 from nanoserve.lora.manager import LoRAManager
-from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput, SamplingBatch, gather_logprobs, sample
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.registry import build_model, model_weight_bytes
 from nanoserve.spec_decode.verify import verify
@@ -43,8 +63,13 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner(KVCacheAllocation):
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir: Path,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        model_dir: Path,
+        device: torch.device | None = None,
+    ):
         self.config = config
         self.model_config = model_config
         self.device = device if device is not None else torch.device(resolve_device_type(config))
@@ -60,12 +85,19 @@ class ModelRunner(KVCacheAllocation):
         # row, no logits (the engine pools them); it never decodes.
         self.pooling = config.resolve_runner(model_config.headless) == "pooling"
         self.block_size = config.block_size
-        self.memory_at_start = MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
+        self.memory_at_start = (
+            MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
+        )
         self.memory_profile: dict[str, int] | None = None  # CUDA: how the KV pool was sized (bytes)
-        self.model = build_model(model_config, self.dtype, self.device, model_dir,
-                                 config.max_model_len or model_config.max_position_embeddings,
-                                 enable_expert_parallel=config.enable_expert_parallel,
-                                 quantization=config.quantization)
+        self.model = build_model(
+            model_config,
+            self.dtype,
+            self.device,
+            model_dir,
+            config.max_model_len or model_config.max_position_embeddings,
+            enable_expert_parallel=config.enable_expert_parallel,
+            quantization=config.quantization,
+        )
         # Prompt rows are padded to PREFILL_ROW_TILE on CPU unless every linear layer multiplies
         # through kernels/cpu/gemm*.cpp, whose rows are invariant to M without padding.
         self.pad_prompt_rows = False
@@ -79,9 +111,13 @@ class ModelRunner(KVCacheAllocation):
         # --enable-lora: the adapters this rank holds and the layers' slots (lora/manager.py).
         self.lora: LoRAManager | None = None
         if config.enable_lora and not self.pooling:
-            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            self.lora = LoRAManager(
+                self.model, config.max_loras, config.max_lora_rank, self.dtype, self.device
+            )
             if self.device.type == "cpu" and not self.lora.all_on_cpu_gemm:
-                self.pad_prompt_rows = True  # the LoRA GEMMs' rows are invariant in whole tiles only
+                self.pad_prompt_rows = (
+                    True  # the LoRA GEMMs' rows are invariant in whole tiles only
+                )
         self.weight_bytes = model_weight_bytes(self.model)
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0
@@ -93,16 +129,23 @@ class ModelRunner(KVCacheAllocation):
         self.swapper = self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
         # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
-        self.fused_decode = (FusedDecode.build(self.model, self.world_size)
-                             if self.device.type == "cpu" and not self.pooling else None)
+        self.fused_decode = (
+            FusedDecode.build(self.model, self.world_size)
+            if self.device.type == "cpu" and not self.pooling
+            else None
+        )
         self.decode_graphs: DecodeGraphs | None = None
         self.graph_capture: CaptureStats | None = None
         if self.device.type == "cuda" and not config.enforce_eager and not self.pooling:
             if self.world_size > 1:
-                logger.info("CUDA graphs are off with tensor or pipeline parallelism: every step runs eagerly")
+                logger.info(
+                    "CUDA graphs are off with tensor or pipeline parallelism: every step runs eagerly"
+                )
             elif not kernels.graph_safe(self.device):
-                logger.info("CUDA graphs are off with NANOSERVE_KERNELS=reference (the torch "
-                            "references sync with the host): every step runs eagerly")
+                logger.info(
+                    "CUDA graphs are off with NANOSERVE_KERNELS=reference (the torch "
+                    "references sync with the host): every step runs eagerly"
+                )
             else:
                 self.decode_graphs = self.make_decode_graphs()
                 self.graph_capture = self.decode_graphs.capture()
@@ -116,8 +159,15 @@ class ModelRunner(KVCacheAllocation):
         """Static decode buffers for this runner's model (captured as CUDA graphs on CUDA,
         unless ``capture=False``). Decode batches never exceed max_num_batched_tokens either."""
         max_batch = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        return DecodeGraphs(self.model, self.device, max_batch, self.max_model_len, self.block_size,
-                            prefill_row_tile(self.device), capture=capture)
+        return DecodeGraphs(
+            self.model,
+            self.device,
+            max_batch,
+            self.max_model_len,
+            self.block_size,
+            prefill_row_tile(self.device),
+            capture=capture,
+        )
 
     def swap(self, plan: SwapPlan) -> None:
         """Make a step's block copies, on every rank, before its forward pass."""
@@ -168,15 +218,22 @@ class ModelRunner(KVCacheAllocation):
         decodes: list[ScheduledSequence] = []
         specs: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []
-        for item in scheduled:  # a decode computes one generated token; prompt rows never count as one
-            is_decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+        for (
+            item
+        ) in scheduled:  # a decode computes one generated token; prompt rows never count as one
+            is_decode = (
+                item.num_new_tokens == 1
+                and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+            )
             (specs if item.seq.spec_token_ids else decodes if is_decode else prompts).append(item)
         rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
         lora_slots = None
         adapters = {item.seq.lora_id for item in scheduled if item.seq.lora_id}
         if adapters:  # the step's slot table; each row gets its sequence's slot
             lora_slots = self.lora.assign(adapters)
-            rows.lora_slot_of = {adapter: slot for slot, adapter in enumerate(lora_slots) if adapter in adapters}
+            rows.lora_slot_of = {
+                adapter: slot for slot, adapter in enumerate(lora_slots) if adapter in adapters
+            }
             rows.lora_rows = []
         for item in decodes:
             rows.add(item, block_offset, self.block_size)
@@ -186,14 +243,26 @@ class ModelRunner(KVCacheAllocation):
         for item in prompts:
             rows.add(item, block_offset, self.block_size)
         graphs = self.decode_graphs
-        if (graphs is not None and not prompts and not adapters and len(rows.logits_indices) == len(decodes)
-                and graphs.fits(num_decode_rows, rows.max_blocks)):
-            size = graphs.load(rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens,
-                               rows.block_rows)
+        if (
+            graphs is not None
+            and not prompts
+            and not adapters
+            and len(rows.logits_indices) == len(decodes)
+            and graphs.fits(num_decode_rows, rows.max_blocks)
+        ):
+            size = graphs.load(
+                rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens, rows.block_rows
+            )
             graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
-            return ModelInput(input_ids=graph_ids, positions=graph_positions, metadata=graph_metadata,
-                              logits_indices=graphs.row_indices[:num_decode_rows],
-                              sampling_seqs=rows.sampling_seqs, graph_size=size, spec_seqs=rows.spec_seqs)
+            return ModelInput(
+                input_ids=graph_ids,
+                positions=graph_positions,
+                metadata=graph_metadata,
+                logits_indices=graphs.row_indices[:num_decode_rows],
+                sampling_seqs=rows.sampling_seqs,
+                graph_size=size,
+                spec_seqs=rows.spec_seqs,
+            )
         tile = prefill_row_tile(self.device)
         if tile and self.pad_prompt_rows:
             rows.pad_prompt_rows(num_decode_rows, tile)
@@ -204,7 +273,9 @@ class ModelRunner(KVCacheAllocation):
             model_input.lora_rows = self._to_device(rows.lora_rows, torch.long)
         return model_input
 
-    def _eager_input(self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int) -> ModelInput:
+    def _eager_input(
+        self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int
+    ) -> ModelInput:
         """The step's host rows as device tensors (an eager step, not a captured graph)."""
         to_device = self._to_device
         metadata = AttentionMetadata(
@@ -215,13 +286,18 @@ class ModelRunner(KVCacheAllocation):
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max(rows.seq_lens),
             num_decode_seqs=num_decodes,
-            prefill_row_tile=tile)
+            prefill_row_tile=tile,
+        )
         model_input = ModelInput(
             input_ids=to_device(rows.input_ids, torch.long),
             positions=to_device(rows.positions, torch.long),
             metadata=metadata,
-            logits_indices=to_device(rows.logits_indices + rows.spec_rows + rows.prompt_rows, torch.long),
-            sampling_seqs=rows.sampling_seqs, spec_seqs=rows.spec_seqs)
+            logits_indices=to_device(
+                rows.logits_indices + rows.spec_rows + rows.prompt_rows, torch.long
+            ),
+            sampling_seqs=rows.sampling_seqs,
+            spec_seqs=rows.spec_seqs,
+        )
         if rows.prompt_logprob_seqs:
             model_input.prompt_logprob_seqs = rows.prompt_logprob_seqs
             model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
@@ -237,7 +313,9 @@ class ModelRunner(KVCacheAllocation):
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, model_input: ModelInput, sampling: SamplingBatch | None) -> SamplerOutput | None:
+    def execute(
+        self, model_input: ModelInput, sampling: SamplingBatch | None
+    ) -> SamplerOutput | None:
         return self.sample(self.forward(model_input), sampling, model_input)
 
     @torch.inference_mode()
@@ -254,8 +332,13 @@ class ModelRunner(KVCacheAllocation):
         return self._forward(model_input)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor | None, sampling: SamplingBatch | None,
-               model_input: ModelInput, spec_sampling: SamplingBatch | None = None) -> SamplerOutput | None:
+    def sample(
+        self,
+        logits: torch.Tensor | None,
+        sampling: SamplingBatch | None,
+        model_input: ModelInput,
+        spec_sampling: SamplingBatch | None = None,
+    ) -> SamplerOutput | None:
         """Sample the rows of the sequences that completed their prompt; verify the proposals of
         those that speculate (their rows follow the sampled ones; `spec_sampling` is the sampler's
         batch over those rows); score the prompt rows of those that asked for prompt logprobs
@@ -265,9 +348,11 @@ class ModelRunner(KVCacheAllocation):
         num_sampled, num_spec = len(model_input.sampling_seqs), model_input.num_spec_rows
         prompt_logprobs = spec = None
         if model_input.prompt_logprob_seqs:
-            prompt_logprobs = self._prompt_logprobs(logits[num_sampled + num_spec:], model_input)
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampled + num_spec :], model_input)
         if num_spec:
-            spec = verify(logits[num_sampled:num_sampled + num_spec], model_input.spec_seqs, spec_sampling)
+            spec = verify(
+                logits[num_sampled : num_sampled + num_spec], model_input.spec_seqs, spec_sampling
+            )
         logits = logits[:num_sampled]
         if sampling is None:  # no sequence completes its prompt or decodes as usual this step
             if prompt_logprobs is None and spec is None:
@@ -282,8 +367,9 @@ class ModelRunner(KVCacheAllocation):
     def _prompt_logprobs(logits: torch.Tensor, model_input: ModelInput) -> LogprobsTensors:
         """Raw (unprocessed) logprobs of each prompt row's next token, and the top k."""
         num_top = max(seq.params.prompt_logprobs for seq, _ in model_input.prompt_logprob_seqs)
-        return gather_logprobs(logits.float().log_softmax(dim=-1), model_input.prompt_logprob_targets,
-                               num_top)
+        return gather_logprobs(
+            logits.float().log_softmax(dim=-1), model_input.prompt_logprob_targets, num_top
+        )
 
     def _forward(self, model_input: ModelInput) -> torch.Tensor | None:
         num_logits = model_input.logits_indices.shape[0]
@@ -300,10 +386,16 @@ class ModelRunner(KVCacheAllocation):
                 lora = (table, model_input.lora_rows) if table is not None else False
             if lora is not False:
                 inputs = (model_input.input_ids, model_input.positions, model_input.metadata)
-                hidden = self.fused_decode.run(*inputs) if lora is None else self.fused_decode.run(*inputs, lora)
+                hidden = (
+                    self.fused_decode.run(*inputs)
+                    if lora is None
+                    else self.fused_decode.run(*inputs, lora)
+                )
         if hidden is None:
             with self.lora_context(model_input):
-                hidden = self.model(model_input.input_ids, model_input.positions, model_input.metadata)
+                hidden = self.model(
+                    model_input.input_ids, model_input.positions, model_input.metadata
+                )
         if self.pooling:
             return hidden
         if num_logits == 0:
@@ -343,13 +435,16 @@ class ModelRunner(KVCacheAllocation):
 class _HostRows:
     """One step's per-row and per-sequence lists, built on the host before they go to the
     device (or into the decode graphs' buffers)."""
+
     max_blocks: int  # the widest block table: every row of block_rows is padded to it
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     cu_seqlens_q: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
-    block_rows: list[list[int]] = field(default_factory=list)  # padded with block 0, never read past seq_lens
+    block_rows: list[list[int]] = field(
+        default_factory=list
+    )  # padded with block 0, never read past seq_lens
     logits_indices: list[int] = field(default_factory=list)
     sampling_seqs: list[Sequence] = field(default_factory=list)
     # Prompt logprobs: the rows scored, each one's next prompt token, (sequence, its row count).
@@ -377,12 +472,16 @@ class _HostRows:
         start = seq.num_computed_tokens
         tokens = [seq.token_ids[start], *seq.spec_token_ids]
         assert start == seq.num_tokens - 1 and len(tokens) == item.num_new_tokens
-        table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
+        table = (
+            [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
+        )
         padded = table + [0] * (self.max_blocks - len(table))
         for position, token in enumerate(tokens, start):
             self.input_ids.append(token)
             self.positions.append(position)
-            self.slot_mapping.append(table[position // block_size] * block_size + position % block_size)
+            self.slot_mapping.append(
+                table[position // block_size] * block_size + position % block_size
+            )
             self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + 1)
             self.seq_lens.append(position + 1)
             self.block_rows.append(padded)
@@ -400,8 +499,12 @@ class _HostRows:
         self.input_ids.extend(seq.token_ids[start:end])
         self._add_lora_rows(seq, end - start)
         self.positions.extend(range(start, end))
-        table = [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
-        self.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        table = (
+            [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
+        )
+        self.slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
         self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + item.num_new_tokens)
         self.seq_lens.append(end)
         self.block_rows.append(table + [0] * (self.max_blocks - len(table)))

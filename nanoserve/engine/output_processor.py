@@ -6,6 +6,7 @@ As vLLM v1's `OutputProcessor`, an object with its own state (the tokenizer's to
 token totals) that touches only the requests and sequences it is handed: `process` returns the
 sequences that finished, and the engine frees them in their own virtual engine's scheduler.
 The stop checks are plain functions (`check_stop`, `check_stop_strings`)."""
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,9 @@ logger = logging.getLogger(__name__)
 LogprobRow = tuple[int, list[int], list[float]]
 
 
-def check_stop(seq: Sequence, token: int, eos_token_ids: set[int],
-               max_model_len: int) -> tuple[str | None, int | None]:
+def check_stop(
+    seq: Sequence, token: int, eos_token_ids: set[int], max_model_len: int
+) -> tuple[str | None, int | None]:
     """Why `token`, just appended, ends `seq`, by id: (finish reason, stop reason) or
     (None, None). Stop strings are checked on the text afterwards (`check_stop_strings`)."""
     params = seq.params
@@ -58,7 +60,9 @@ def check_stop_strings(seq: Sequence, delta_len: int) -> tuple[str | None, str |
     if best is None:
         return None, None
     index, stop = best
-    seq.text = seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+    seq.text = (
+        seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+    )
     return "stop", stop
 
 
@@ -67,6 +71,7 @@ class ProcessedStep:
     """What one step's tokens did: the sequences that finished (to be freed by their
     scheduler), the requests whose every sequence finished (to leave the engine's table), and
     the outputs to hand back."""
+
     finished_seqs: list[Sequence] = field(default_factory=list)
     finished_requests: list[Request] = field(default_factory=list)
     outputs: list[RequestOutput] = field(default_factory=list)
@@ -82,10 +87,14 @@ class OutputProcessor:
         self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
 
-    def process(self, requests: dict[str, Request], sampling_seqs: list[Sequence],
-                result: SamplerOutput | None,
-                prompt_logprob_seqs: list[tuple[Sequence, int]],
-                spec_seqs: list[Sequence] = ()) -> ProcessedStep:
+    def process(
+        self,
+        requests: dict[str, Request],
+        sampling_seqs: list[Sequence],
+        result: SamplerOutput | None,
+        prompt_logprob_seqs: list[tuple[Sequence, int]],
+        spec_seqs: list[Sequence] = (),
+    ) -> ProcessedStep:
         """Append one step's sampled tokens (row i is `sampling_seqs[i]`), its prompt logprobs,
         and the tokens each verified sequence (`spec_seqs`, result.spec) emits, one at a time
         with every stop check, as if decoded one per step. A sequence finished before (aborted
@@ -136,31 +145,44 @@ class OutputProcessor:
     def _logprob_rows(result: SamplerOutput) -> list[LogprobRow] | None:
         if result.logprobs is None:
             return None
-        return list(zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist()))
+        return list(
+            zip(result.ranks.tolist(), result.logprob_token_ids.tolist(), result.logprobs.tolist())
+        )
 
     @functools.cached_property
     def _token_text(self):
         """One token's text, as logprobs show it (decoded alone, special tokens kept); cached."""
         decode = self.tokenizer.decode
         return functools.lru_cache(maxsize=1 << 17)(
-            lambda token: decode([token], skip_special_tokens=False))
+            lambda token: decode([token], skip_special_tokens=False)
+        )
 
-    def _logprob_entry(self, rank: int, ids: list[int], values: list[float],
-                       num_top: int) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, rank: int, ids: list[int], values: list[float], num_top: int
+    ) -> dict[int, Logprob]:
         """The given token first (as vLLM orders it), then the top `num_top` by rank."""
         text = self._token_text
         entry = {ids[0]: Logprob(values[0], rank, text(ids[0]))}
         for position in range(1, 1 + num_top):
-            entry.setdefault(ids[position], Logprob(values[position], position, text(ids[position])))
+            entry.setdefault(
+                ids[position], Logprob(values[position], position, text(ids[position]))
+            )
         return entry
 
-    def _append_prompt_logprobs(self, seqs: list[tuple[Sequence, int]], tensors: LogprobsTensors) -> None:
-        values, ids, ranks = tensors.logprobs.tolist(), tensors.token_ids.tolist(), tensors.ranks.tolist()
+    def _append_prompt_logprobs(
+        self, seqs: list[tuple[Sequence, int]], tensors: LogprobsTensors
+    ) -> None:
+        values, ids, ranks = (
+            tensors.logprobs.tolist(),
+            tensors.token_ids.tolist(),
+            tensors.ranks.tolist(),
+        )
         row = 0
         for seq, num_rows in seqs:
             for r in range(row, row + num_rows):
-                seq.prompt_logprobs.append(self._logprob_entry(ranks[r], ids[r], values[r],
-                                                               seq.params.prompt_logprobs))
+                seq.prompt_logprobs.append(
+                    self._logprob_entry(ranks[r], ids[r], values[r], seq.params.prompt_logprobs)
+                )
             row += num_rows
 
     # ---- one token ----------------------------------------------------------------------------
@@ -169,8 +191,9 @@ class OutputProcessor:
         if seq.grammar is not None and not seq.grammar.accept(token):
             # The grammar allowed nothing it could take (min_tokens or a logit bias had masked
             # its stop tokens): end the output where the grammar ended it.
-            logger.warning("request %s: token %d does not fit its grammar; finishing it",
-                           seq.request_id, token)
+            logger.warning(
+                "request %s: token %d does not fit its grammar; finishing it", seq.request_id, token
+            )
             seq.text += seq.detokenizer.flush()
             seq.finish_reason = "stop"
             seq.status = SequenceStatus.FINISHED
@@ -183,8 +206,11 @@ class OutputProcessor:
             seq.cumulative_logprob += values[0]
             seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
         reason, stop_reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
-        if (reason == "stop" and not params.include_stop_str_in_output
-                and (token in params.stop_token_ids or token in self.eos_token_ids)):
+        if (
+            reason == "stop"
+            and not params.include_stop_str_in_output
+            and (token in params.stop_token_ids or token in self.eos_token_ids)
+        ):
             # A stop token's own text stays out of the output, as vLLM's (it shows when special
             # tokens are kept: a tool parser's, or skip_special_tokens=false).
             delta = seq.detokenizer.flush()
@@ -204,7 +230,9 @@ class OutputProcessor:
         return True
 
     # ---- outputs ------------------------------------------------------------------------------
-    def make_output(self, request: Request, kind: RequestOutputKind | None = None) -> RequestOutput | None:
+    def make_output(
+        self, request: Request, kind: RequestOutputKind | None = None
+    ) -> RequestOutput | None:
         """The request's output of its kind; None when there is nothing to send (FINAL_ONLY
         before the end, DELTA with nothing new)."""
         kind = request.output_kind if kind is None else kind
@@ -212,8 +240,11 @@ class OutputProcessor:
             return None
         with_logprobs = request.params.logprobs is not None
         if kind is RequestOutputKind.DELTA:
-            outputs = [output for seq in request.seqs
-                       if (output := _delta(seq, request.holdback, with_logprobs)) is not None]
+            outputs = [
+                output
+                for seq in request.seqs
+                if (output := _delta(seq, request.holdback, with_logprobs)) is not None
+            ]
             if not outputs and not request.finished:
                 return None
         else:
@@ -221,9 +252,17 @@ class OutputProcessor:
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
         request.update_counts()
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, request.metrics, request.metrics.num_cached_tokens,
-                             prompt_logprobs, lora_request=request.lora_request)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            outputs,
+            request.finished,
+            request.metrics,
+            request.metrics.num_cached_tokens,
+            prompt_logprobs,
+            lora_request=request.lora_request,
+        )
 
 
 def _cumulative(seq: Sequence, with_logprobs: bool) -> CompletionOutput:
@@ -234,7 +273,8 @@ def _cumulative(seq: Sequence, with_logprobs: bool) -> CompletionOutput:
         cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
         logprobs=list(seq.logprobs) if with_logprobs else None,
         finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason)
+        stop_reason=seq.stop_reason,
+    )
 
 
 def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
@@ -250,11 +290,12 @@ def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutpu
     sent = seq.num_tokens_sent
     output = CompletionOutput(
         index=seq.index,
-        text=seq.text[seq.num_chars_sent:text_end],
-        token_ids=seq.token_ids[seq.num_prompt_tokens + sent:],
+        text=seq.text[seq.num_chars_sent : text_end],
+        token_ids=seq.token_ids[seq.num_prompt_tokens + sent :],
         cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
         logprobs=seq.logprobs[sent:] if with_logprobs else None,
         finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason)
+        stop_reason=seq.stop_reason,
+    )
     seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
     return output

@@ -8,6 +8,7 @@ on this one: stage k runs micro-batch i while stage k+1 runs i-1. Every rank run
 the order they were broadcast, so KV writes and reads keep the driver's order without any other
 synchronisation; only the sampled tokens make the driver wait (`wait_logits`).
 """
+
 from __future__ import annotations
 
 import time
@@ -18,9 +19,23 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.distributed import parallel_state
-from nanoserve.distributed.pipeline import (irecv_from_last_stage, is_first_stage, is_last_stage,
-                                            recv_intermediate, send_intermediate, send_to_driver)
-from nanoserve.engine.model_input import CMD_LORA, CMD_STEP, CMD_STOP, HEADER_SIZE, pack_step, payload_size, unpack_step
+from nanoserve.distributed.pipeline import (
+    irecv_from_last_stage,
+    is_first_stage,
+    is_last_stage,
+    recv_intermediate,
+    send_intermediate,
+    send_to_driver,
+)
+from nanoserve.engine.model_input import (
+    CMD_LORA,
+    CMD_STEP,
+    CMD_STOP,
+    HEADER_SIZE,
+    pack_step,
+    payload_size,
+    unpack_step,
+)
 from nanoserve.kernels import greedy_argmax
 
 
@@ -28,6 +43,7 @@ from nanoserve.kernels import greedy_argmax
 class LaunchedStep:
     """A step in flight: where its logits, or its greedy token ids, will land (None: no row
     samples this step)."""
+
     virtual_engine: int
     tokens_only: bool = False
     result: torch.Tensor | None = None
@@ -74,7 +90,9 @@ class PipelineStage:
             shape, dtype = (num_rows,), torch.long
             if not tokens_only:
                 shape, dtype = (num_rows, self.runner.model_config.vocab_size), self.runner.dtype
-            launched.result, launched.receive = irecv_from_last_stage(shape, dtype, self.device, virtual_engine)
+            launched.result, launched.receive = irecv_from_last_stage(
+                shape, dtype, self.device, virtual_engine
+            )
         self.steps_launched += 1
         return launched
 
@@ -89,8 +107,9 @@ class PipelineStage:
     # ---- every rank -----------------------------------------------------------------------------
     def _run_stage(self, model_input, virtual_engine: int, intermediate, tokens_only: bool) -> None:
         with self.runner.lora_context(model_input):
-            out = self.runner.model(model_input.input_ids, model_input.positions, model_input.metadata,
-                                    intermediate)
+            out = self.runner.model(
+                model_input.input_ids, model_input.positions, model_input.metadata, intermediate
+            )
         if not is_last_stage():
             hidden, residual = out
             message, work = send_intermediate(hidden, residual, virtual_engine)
@@ -101,7 +120,9 @@ class PipelineStage:
             return
         logits = self.runner.model.compute_logits(out[model_input.logits_indices])
         if logits is not None:  # this stage's tp rank 0
-            self._keep(*send_to_driver(greedy_argmax(logits) if tokens_only else logits, virtual_engine))
+            self._keep(
+                *send_to_driver(greedy_argmax(logits) if tokens_only else logits, virtual_engine)
+            )
 
     @torch.inference_mode()
     def worker_loop(self) -> None:
@@ -126,7 +147,8 @@ class PipelineStage:
             virtual_engine, tokens_only = values[-2], bool(values[-1])
             intermediate = None
             if not is_first_stage():
-                intermediate = recv_intermediate(values[1], hidden_size, self.runner.dtype, self.device,
-                                                 virtual_engine)
+                intermediate = recv_intermediate(
+                    values[1], hidden_size, self.runner.dtype, self.device, virtual_engine
+                )
             self._run_stage(model_input, virtual_engine, intermediate, tokens_only)
             self.steps_launched += 1

@@ -1,6 +1,7 @@
 """One request in the engine (vLLM v1's `Request`): its prompt, its sampling params, its n
 sequences and its metrics. The engine's table of unfinished requests holds these; the output
 processor turns them into RequestOutputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,7 @@
 """Builds the per-step SamplingBatch tensors from the sequences that sample this step.
 Tensors that no sequence needs stay None, so the common case (greedy or plain temperature)
 costs nothing extra."""
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,9 @@ def _token_matrix(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def _logit_bias(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int]) -> torch.Tensor | None:
+def _logit_bias(
+    seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int]
+) -> torch.Tensor | None:
     """[rows, vocab] additive biases: each request's logit_bias, and -inf on its stop and EOS
     tokens until min_tokens are out. The entries are gathered by list extends (no Python work
     per entry) and written by two index_put_ calls for the whole batch: one tensor store per
@@ -70,8 +73,13 @@ def _logit_bias(seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int]) 
     return logit_bias
 
 
-def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size: int,
-                         eos_token_ids: set[int], default_generator: torch.Generator) -> SamplingBatch | None:
+def build_sampling_batch(
+    seqs: list[Sequence],
+    device: torch.device,
+    vocab_size: int,
+    eos_token_ids: set[int],
+    default_generator: torch.Generator,
+) -> SamplingBatch | None:
     if not seqs:
         return None
     params = [s.params for s in seqs]
@@ -86,10 +94,14 @@ def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size:
 
     output_counts = prompt_mask = None
     if use_presence or use_frequency or use_repetition:
-        output_counts = _to_device(_token_matrix([s.output_token_ids for s in seqs], vocab_size), device)
+        output_counts = _to_device(
+            _token_matrix([s.output_token_ids for s in seqs], vocab_size), device
+        )
     if use_repetition:
-        prompt_mask = _to_device(_token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0,
-                                 device)
+        prompt_mask = _to_device(
+            _token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0,
+            device,
+        )
 
     logit_bias = _logit_bias(seqs, vocab_size, eos_token_ids)
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
@@ -98,13 +110,20 @@ def build_sampling_batch(seqs: list[Sequence], device: torch.device, vocab_size:
         top_p=_column([p.top_p for p in params], torch.float32, device) if use_top_p else None,
         top_k=_column([p.top_k for p in params], torch.long, device) if use_top_k else None,
         min_p=_column([p.min_p for p in params], torch.float32, device) if use_min_p else None,
-        presence_penalty=_column([p.presence_penalty for p in params], torch.float32, device) if use_presence else None,
-        frequency_penalty=_column([p.frequency_penalty for p in params], torch.float32, device) if use_frequency else None,
-        repetition_penalty=_column([p.repetition_penalty for p in params], torch.float32, device) if use_repetition else None,
+        presence_penalty=_column([p.presence_penalty for p in params], torch.float32, device)
+        if use_presence
+        else None,
+        frequency_penalty=_column([p.frequency_penalty for p in params], torch.float32, device)
+        if use_frequency
+        else None,
+        repetition_penalty=_column([p.repetition_penalty for p in params], torch.float32, device)
+        if use_repetition
+        else None,
         output_counts=output_counts,
         prompt_mask=prompt_mask,
         logit_bias=_to_device(logit_bias, device) if logit_bias is not None else None,
         generators=[s.generator for s in seqs],
         default_generator=default_generator,
         all_greedy=all_greedy,
-        max_logprobs=max_logprobs)
+        max_logprobs=max_logprobs,
+    )

@@ -15,6 +15,7 @@ adapters run at once than --max-loras allows (it waits until one of theirs finis
 `schedule()` returns one `SchedulerOutput` (vLLM's name): the sequences and how many tokens each
 computes, the block copies to make before the forward pass, and which virtual engine planned it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -42,6 +43,7 @@ class SchedulerOutput:
     (blocks freed by a swap-out this step may be overwritten by it). `virtual_engine`: the
     scheduler that made it (pipeline parallelism; else 0), whose share of the pool its block
     ids index."""
+
     scheduled_seqs: list[ScheduledSequence] = field(default_factory=list)
     swap_plan: SwapPlan = field(default_factory=SwapPlan)
     virtual_engine: int = 0
@@ -65,9 +67,16 @@ def _priority_key(seq: Sequence) -> tuple[int, int, int]:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: str = "fcfs", host_pool: HostBlockPool | None = None, virtual_engine: int = 0,
-                 max_loras: int = 0):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        host_pool: HostBlockPool | None = None,
+        virtual_engine: int = 0,
+        max_loras: int = 0,
+    ):
         """`host_pool`: preempt by swapping into it (None: by recompute). `virtual_engine`: which
         share of the pool `block_manager` hands out (pipeline parallelism). `max_loras`: distinct
         LoRA adapters among the running sequences at most (0: LoRA is off)."""
@@ -183,7 +192,7 @@ class Scheduler:
         is cut, never the cause of a preemption."""
         num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
         if seq.spec_token_ids:
-            del seq.spec_token_ids[max(0, num_new - 1):]
+            del seq.spec_token_ids[max(0, num_new - 1) :]
             if not self.block_manager.can_allocate(seq, num_new):
                 seq.clear_proposal()
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -209,8 +218,12 @@ class Scheduler:
         budget, the sequence cap and the pool allow."""
         loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next((s for s in self.waiting if s.is_schedulable and self._lora_fits(s, loras)), None)
-            if seq is None:  # every waiting sequence's grammar is still compiling, or its adapter waits
+            seq = next(
+                (s for s in self.waiting if s.is_schedulable and self._lora_fits(s, loras)), None
+            )
+            if (
+                seq is None
+            ):  # every waiting sequence's grammar is still compiling, or its adapter waits
                 break
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
@@ -239,5 +252,7 @@ class Scheduler:
         return not seq.lora_id or seq.lora_id in running or len(running) < self.max_loras
 
     def _largest_chunk(self, seq: Sequence, num_new: int) -> int:
-        free_tokens = (len(seq.block_table) + self.block_manager.num_free_blocks) * self.block_manager.block_size
+        free_tokens = (
+            len(seq.block_table) + self.block_manager.num_free_blocks
+        ) * self.block_manager.block_size
         return max(0, min(num_new, free_tokens - seq.num_computed_tokens))

@@ -1,4 +1,5 @@
 """One generated sequence (a request with n > 1 owns n of them) and its progress."""
+
 from __future__ import annotations
 
 import enum
@@ -87,7 +88,9 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt positions still lack their logprobs: this sequence's prompt rows must be
         computed (not taken from the prefix cache) and their logits kept."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def is_schedulable(self) -> bool:

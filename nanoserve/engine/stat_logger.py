@@ -8,6 +8,7 @@ between them. "Preemptions: N" joins the line when the interval had any. A line 
 and the one before it moved no tokens goes to DEBUG, so an idle server stays quiet at INFO.
 The KV cache is named "GPU KV cache" on every device, as vLLM's CPU backend names it too.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,7 @@ logger = logging.getLogger("nanoserve.stats")
 
 
 class LoggingStatLogger:
-    def __init__(self, stats: EngineStats, engine_index: int = 0,
-                 now: float | None = None) -> None:
+    def __init__(self, stats: EngineStats, engine_index: int = 0, now: float | None = None) -> None:
         self.engine_index = engine_index
         self.interval = envs.log_stats_interval()  # VLLM_LOG_STATS_INTERVAL
         self._mark(stats, time.monotonic() if now is None else now)
@@ -46,16 +46,24 @@ class LoggingStatLogger:
         now = time.monotonic() if now is None else now
         elapsed = now - self.last_log_time
         prompt = (stats.prompt_tokens_total - self.prompt_tokens) / elapsed if elapsed > 0 else 0.0
-        generation = ((stats.generation_tokens_total - self.generation_tokens) / elapsed
-                      if elapsed > 0 else 0.0)
+        generation = (
+            (stats.generation_tokens_total - self.generation_tokens) / elapsed
+            if elapsed > 0
+            else 0.0
+        )
         preemptions = stats.num_preemptions_total - self.preemptions
         previous_spec = self.spec
         self._mark(stats, now)
-        idle = not any((prompt, generation, self.last_prompt_throughput,
-                        self.last_generation_throughput))
+        idle = not any(
+            (prompt, generation, self.last_prompt_throughput, self.last_generation_throughput)
+        )
         self.last_prompt_throughput, self.last_generation_throughput = prompt, generation
-        parts = ["Avg prompt throughput: %.1f tokens/s", "Avg generation throughput: %.1f tokens/s",
-                 "Running: %d reqs", "Waiting: %d reqs"]
+        parts = [
+            "Avg prompt throughput: %.1f tokens/s",
+            "Avg generation throughput: %.1f tokens/s",
+            "Running: %d reqs",
+            "Waiting: %d reqs",
+        ]
         args: list[float] = [prompt, generation, stats.num_running, stats.num_waiting]
         if preemptions > 0:
             parts.append("Preemptions: %d")
@@ -65,7 +73,8 @@ class LoggingStatLogger:
         parts += ["GPU KV cache usage: %.1f%%", "Prefix cache hit rate: %.1f%%"]
         args += [stats.kv_cache_usage * 100, hit_rate * 100]
         (logger.debug if idle else logger.info)(
-            f"Engine {self.engine_index:03d}: " + ", ".join(parts), *args)
+            f"Engine {self.engine_index:03d}: " + ", ".join(parts), *args
+        )
         if stats.spec_decoding is not None and not idle:
             self._log_spec(stats.spec_decoding, previous_spec)
 
@@ -78,10 +87,17 @@ class LoggingStatLogger:
             return
         drafted = now.num_draft_tokens - (before.num_draft_tokens if before else 0)
         accepted = now.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
-        per_pos = [(count - (before.accepted_per_pos[i] if before else 0)) / drafts
-                   for i, count in enumerate(now.accepted_per_pos)]
-        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
-                    "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
-                    "rate: %.1f%%", 1 + accepted / drafts, accepted, drafted,
-                    ", ".join(f"{rate:.3f}" for rate in per_pos),
-                    100 * accepted / drafted if drafted else 0.0)
+        per_pos = [
+            (count - (before.accepted_per_pos[i] if before else 0)) / drafts
+            for i, count in enumerate(now.accepted_per_pos)
+        ]
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+            "Drafted: %d tokens, Per-position acceptance rate: %s, Avg Draft acceptance "
+            "rate: %.1f%%",
+            1 + accepted / drafts,
+            accepted,
+            drafted,
+            ", ".join(f"{rate:.3f}" for rate in per_pos),
+            100 * accepted / drafted if drafted else 0.0,
+        )

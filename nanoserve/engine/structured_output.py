@@ -8,6 +8,7 @@ the others decode. A compile no request waits for any more is dropped before it 
 (`release`); xgrammar cannot be stopped once it runs, so a deadline (the async engine's) answers
 its requests and lets it finish into the cache.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,11 @@ def _import_xgrammar():
     try:
         import xgrammar
     except ImportError as error:  # an install without the runtime dependency
-        raise InvalidRequestError("structured outputs need the xgrammar package, which is not "
-                                  f"installed on this server ({error})", None) from None
+        raise InvalidRequestError(
+            "structured outputs need the xgrammar package, which is not "
+            f"installed on this server ({error})",
+            None,
+        ) from None
     return xgrammar
 
 
@@ -100,8 +104,13 @@ class _Compile(Future):
 class StructuredOutputManager:
     """Compiles grammars for one tokenizer (on its own thread) and fills bitmasks."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_cached: int = MAX_CACHED_GRAMMARS,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
@@ -123,8 +132,9 @@ class StructuredOutputManager:
         key = spec.key
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.cancelled() or (
-                    future.done() and future.exception() is not None)):
+            if future is not None and not (
+                future.cancelled() or (future.done() and future.exception() is not None)
+            ):
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 future.waiters += 1
@@ -155,7 +165,7 @@ class StructuredOutputManager:
                     del self._cache[key]
                     break
 
-    def _run(self, future: "_Compile") -> None:
+    def _run(self, future: _Compile) -> None:
         """The compile thread: skip a compile every waiter gave up on, else compile it."""
         if not future.set_running_or_notify_cancel():
             return
@@ -170,13 +180,15 @@ class StructuredOutputManager:
 
         wrapped = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
         return xgrammar.TokenizerInfo.from_huggingface(
-            wrapped, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None)
+            wrapped, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+        )
 
     def _get_compiler(self):
         if self._compiler is None:
             xgrammar = _import_xgrammar()
-            self._compiler = xgrammar.GrammarCompiler(self._tokenizer_info(xgrammar),
-                                                      max_threads=COMPILER_THREADS)
+            self._compiler = xgrammar.GrammarCompiler(
+                self._tokenizer_info(xgrammar), max_threads=COMPILER_THREADS
+            )
         return self._compiler
 
     def _compile(self, spec: StructuredOutputsParams):
@@ -185,7 +197,8 @@ class StructuredOutputManager:
             if spec.json is not None:
                 text = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
                 return compiler.compile_json_schema(
-                    text, any_whitespace=not spec.disable_any_whitespace)
+                    text, any_whitespace=not spec.disable_any_whitespace
+                )
             if spec.json_object:
                 return compiler.compile_builtin_json_grammar()
             if spec.regex is not None:
@@ -195,8 +208,9 @@ class StructuredOutputManager:
             return compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as error:
             kind = spec.key[0].split("_any_whitespace")[0]
-            raise InvalidRequestError(f"Invalid {kind} for {spec.field}: {_clean_message(error)}",
-                                      spec.field) from None
+            raise InvalidRequestError(
+                f"Invalid {kind} for {spec.field}: {_clean_message(error)}", spec.field
+            ) from None
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -208,17 +222,20 @@ class StructuredOutputManager:
         if rows:
             sampling.token_bitmask, sampling.bitmask_rows = self.fill_bitmask(rows, device)
 
-    def fill_bitmask(self, rows: list[tuple[int, SequenceGrammar]],
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def fill_bitmask(
+        self, rows: list[tuple[int, SequenceGrammar]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One bitmask for the constrained rows of a step: ([C, words] int32, [C] their rows in
         the batch), on `device`."""
         words = -(-self.vocab_size // 32)
-        bitmask = torch.empty((len(rows), words), dtype=torch.int32,
-                              pin_memory=device.type == "cuda")
+        bitmask = torch.empty(
+            (len(rows), words), dtype=torch.int32, pin_memory=device.type == "cuda"
+        )
         for index, (_, grammar) in enumerate(rows):
             grammar.matcher.fill_next_token_bitmask(bitmask, index)
-        row_ids = torch.tensor([row for row, _ in rows], dtype=torch.long,
-                               pin_memory=device.type == "cuda")
+        row_ids = torch.tensor(
+            [row for row, _ in rows], dtype=torch.long, pin_memory=device.type == "cuda"
+        )
         if device.type == "cpu":
             return bitmask, row_ids
         return bitmask.to(device, non_blocking=True), row_ids.to(device, non_blocking=True)

@@ -7,6 +7,7 @@ cached ones stay findable by later requests. Swapping in allocates fresh device 
 the host blocks back; the sequence's full blocks are then hashed and registered again, as if it had
 just computed them. No host block is ever shared, so the host pool needs no ref counts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from nanoserve.engine.block_manager import BlockCounts
 class SwapPlan:
     """(source block, destination block) pairs. Out: device → host; in: host → device. A step's
     copies out are made before its copies in, and both before its forward pass."""
+
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
 

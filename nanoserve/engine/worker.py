@@ -8,6 +8,7 @@ A worker builds the same model on its weight shard, then runs every step that ra
 until it says stop (ModelRunner.worker_loop; the step's wire format is beside ModelInput, in
 engine/model_input.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,11 +39,15 @@ def plan_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
     else even)."""
     check_tensor_parallel_support(model_config, config.tensor_parallel_size)
     if model_config.moe is not None:  # experts split by their MLP features, or placed whole (EP)
-        model_config.moe.check_tensor_parallel(config.tensor_parallel_size, config.enable_expert_parallel)
+        model_config.moe.check_tensor_parallel(
+            config.tensor_parallel_size, config.enable_expert_parallel
+        )
     partition = ()
     if config.pipeline_parallel_size > 1:
         spec = config.pp_layer_partition or envs.pp_layer_partition()
-        partition = tuple(layer_partition(model_config.num_hidden_layers, config.pipeline_parallel_size, spec))
+        partition = tuple(
+            layer_partition(model_config.num_hidden_layers, config.pipeline_parallel_size, spec)
+        )
     return check_topology(config, partition)
 
 

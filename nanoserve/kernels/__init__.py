@@ -8,9 +8,10 @@ dispatch (kernels/choice.py; ``reset_kernel_choice()`` makes the next dispatch r
 
 Importing this package never imports Triton; the first Triton launch does (see triton_utils).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,16 @@ from nanoserve.kernels.rmsnorm import (
     rms_norm_reference,
     rms_norm_triton,
 )
-from nanoserve.kernels.rotary import apply_rotary_reference, apply_rotary_triton, build_cos_sin_cache
-from nanoserve.kernels.token_bitmask import (apply_token_bitmask_cpu, apply_token_bitmask_reference,
-                                             apply_token_bitmask_triton)
+from nanoserve.kernels.rotary import (
+    apply_rotary_reference,
+    apply_rotary_triton,
+    build_cos_sin_cache,
+)
+from nanoserve.kernels.token_bitmask import (
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_reference,
+    apply_token_bitmask_triton,
+)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -53,25 +61,70 @@ def store_kvcache(key, value, key_cache, value_cache, slot_mapping) -> None:
         store_kvcache_reference(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                    max_seqlen_q=None, max_seqlen_k=None, sliding_window=None, softcap=None,
-                    sinks=None) -> torch.Tensor:
+def paged_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+) -> torch.Tensor:
     """``max_seqlen_q == 1`` (an int from the caller, no sync) selects the split-KV decode
     configuration of the Triton kernel; ``None`` is computed on the host (a sync).
     ``sliding_window`` / ``softcap`` / ``sinks``: None for Llama (see kernels/attention.py)."""
     if use_triton(query):
-        return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                      seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                      sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                     seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                     sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+        return paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            max_seqlen_q,
+            max_seqlen_k,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    return paged_attention_reference(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
-def paged_attention_step(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                         max_seqlen_q: int, max_seqlen_k: int, num_decode_seqs: int,
-                         prefill_spans: Callable[[], list[PrefillSpan]], sliding_window=None,
-                         softcap=None, sinks=None) -> torch.Tensor:
+def paged_attention_step(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_decode_seqs: int,
+    prefill_spans: Callable[[], list[PrefillSpan]],
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+) -> torch.Tensor:
     """Attention of an engine step's rows over the cache (their K/V already stored): the first
     num_decode_seqs sequences are decodes, one row each; prompt rows follow; rows past the last
     prompt row are padding (CPU: see AttentionMetadata.prefill_row_tile) and come back zero.
@@ -80,35 +133,93 @@ def paged_attention_step(query, key_cache, value_cache, block_table, cu_seqlens_
     depend on the batch (cpu_attention.py; torch's SDPA in position-fixed tiles for what they
     don't take, the torch reference for a sliding window, a softcap or sinks)."""
     if use_triton(query):
-        return paged_attention_triton(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                      scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
-                                      softcap=softcap, sinks=sinks)
+        return paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            max_seqlen_q,
+            max_seqlen_k,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     if not query.is_cuda:
-        return paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                   scale, num_decode_seqs, prefill_spans(), max_seqlen_q, max_seqlen_k,
-                                   sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    return paged_attention_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                     scale, max_seqlen_q, max_seqlen_k, sliding_window=sliding_window,
-                                     softcap=softcap, sinks=sinks)
+        return paged_attention_cpu(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            num_decode_seqs,
+            prefill_spans(),
+            max_seqlen_q,
+            max_seqlen_k,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+    return paged_attention_reference(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
-def rotary_and_store_kvcache(qkv, num_heads: int, num_kv_heads: int, head_dim: int, positions,
-                             cos_sin_cache, key_cache, value_cache, slot_mapping) -> torch.Tensor:
+def rotary_and_store_kvcache(
+    qkv,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions,
+    cos_sin_cache,
+    key_cache,
+    value_cache,
+    slot_mapping,
+) -> torch.Tensor:
     """The fused QKV projection's rows [tokens, (heads + 2 * kv_heads) * head_dim]: rotary on the
     q and k heads, k and v written to the cache at slot_mapping (-1: skipped). Returns q as
     [tokens, heads, head_dim], rotated. On a CPU one C++ pass over the rows, in place; elsewhere
     (or when it can't take them) apply_rotary then store_kvcache."""
     tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if not qkv.is_cuda and cpu_ops.available() and cpu_ops.rotary_store(
-            qkv, num_heads, num_kv_heads, head_dim, positions, cos_sin_cache, key_cache, value_cache,
-            slot_mapping):
+    if (
+        not qkv.is_cuda
+        and cpu_ops.available()
+        and cpu_ops.rotary_store(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            positions,
+            cos_sin_cache,
+            key_cache,
+            value_cache,
+            slot_mapping,
+        )
+    ):
         return qkv[:, :q_size].view(tokens, num_heads, head_dim)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(tokens, num_heads, head_dim)
     k = k.reshape(tokens, num_kv_heads, head_dim)
     apply_rotary(q, k, positions, cos_sin_cache)
-    store_kvcache(k, v.reshape(tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+    store_kvcache(
+        k, v.reshape(tokens, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping
+    )
     return q
 
 
@@ -118,17 +229,47 @@ def fused_decode_layers_available() -> bool:
     return cpu_ops.gemm_available()
 
 
-def fused_decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads, num_kv_heads,
-                        head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format: int = 0,
-                        lora=None) -> int:
+def fused_decode_layers(
+    layer_table,
+    addresses,
+    rows,
+    hidden,
+    qkv_n,
+    inter,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    eps,
+    scale,
+    positions,
+    cos_sin_cache,
+    metadata,
+    kv_format: int = 0,
+    lora=None,
+) -> int:
     """kernels/cpu/decode_layers.cpp over every layer: the index of the residual among the
     buffers, 0 when it can't run here (then the modules run the step). kv_format: the pools'
     (kv_dtype.fused_decode_kv_format); lora: the step's adapters (layers/cpu_decode.py)."""
     if not cpu_ops.available():
         return 0
-    return cpu_ops.decode_layers(layer_table, addresses, rows, hidden, qkv_n, inter, num_heads,
-                                 num_kv_heads, head_dim, eps, scale, positions, cos_sin_cache, metadata, kv_format,
-                                 lora)
+    return cpu_ops.decode_layers(
+        layer_table,
+        addresses,
+        rows,
+        hidden,
+        qkv_n,
+        inter,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        eps,
+        scale,
+        positions,
+        cos_sin_cache,
+        metadata,
+        kv_format,
+        lora,
+    )
 
 
 def rms_norm(x, weight, eps):

@@ -10,6 +10,7 @@ Inputs (shared by the Triton kernels and the torch reference):
 The new tokens of a sequence sit at its last positions: query row j of sequence i has position
 seq_lens[i] - q_len[i] + j and attends causally to keys 0..position.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,14 +37,36 @@ MAX_NUM_SPLITS = 16
 
 @lazy_jit
 def _paged_attention_kernel(
-    query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-    out_ptr, split_acc_ptr, split_max_ptr, split_sum_ptr, sinks_ptr,
-    query_stride_token, query_stride_head, query_stride_dim,
-    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
-    out_stride_token, out_stride_head, out_stride_dim,
-    block_table_stride, max_blocks_per_seq,
-    num_seqs, num_heads, num_splits,
-    scale_log2, scale, softcap, window,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    split_acc_ptr,
+    split_max_ptr,
+    split_sum_ptr,
+    sinks_ptr,
+    query_stride_token,
+    query_stride_head,
+    query_stride_dim,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    cache_stride_dim,
+    out_stride_token,
+    out_stride_head,
+    out_stride_dim,
+    block_table_stride,
+    max_blocks_per_seq,
+    num_seqs,
+    num_heads,
+    num_splits,
+    scale_log2,
+    scale,
+    softcap,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
@@ -98,10 +121,14 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
     token = (q_start + q_index).to(tl.int64)
-    q = tl.load(query_ptr + token[:, None] * query_stride_token
-                + head[:, None].to(tl.int64) * query_stride_head
-                + dims[None, :] * query_stride_dim,
-                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    q = tl.load(
+        query_ptr
+        + token[:, None] * query_stride_token
+        + head[:, None].to(tl.int64) * query_stride_head
+        + dims[None, :] * query_stride_dim,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
 
     # Causal: no row of this block looks past its last query's position.
     last_position = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
@@ -135,13 +162,18 @@ def _paged_attention_kernel(
         # Key tiles need not align with cache blocks: map each key through the block table.
         # (A table narrower than seq_lens claims reads block 0 rather than out of bounds.)
         table_index = keys // BLOCK_SIZE
-        block = tl.load(table_row + table_index, mask=key_valid & (table_index < max_blocks_per_seq),
-                        other=0).to(tl.int64)
-        key_offset = (block * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset
-                      + head_offset)
+        block = tl.load(
+            table_row + table_index, mask=key_valid & (table_index < max_blocks_per_seq), other=0
+        ).to(tl.int64)
+        key_offset = (
+            block * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_offset + head_offset
+        )
         # Masked loads, not only masked scores: unwritten slots may hold NaN.
-        k = tl.load(key_cache_ptr + key_offset[None, :] + dims[:, None] * cache_stride_dim,
-                    mask=key_valid[None, :] & dim_valid[:, None], other=0.0)
+        k = tl.load(
+            key_cache_ptr + key_offset[None, :] + dims[:, None] * cache_stride_dim,
+            mask=key_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )
         if KV_FP8:
             # Through fp32: the interpreter's direct fp8e5 -> fp16 conversion gets subnormals wrong
             # (on a GPU both ways are exact).
@@ -163,8 +195,11 @@ def _paged_attention_kernel(
         p = tl.exp2(scores - safe_max[:, None])
         correction = tl.exp2(row_max - safe_max)
         row_sum = row_sum * correction + tl.sum(p, axis=1)
-        v = tl.load(value_cache_ptr + key_offset[:, None] + dims[None, :] * cache_stride_dim,
-                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)
+        v = tl.load(
+            value_cache_ptr + key_offset[:, None] + dims[None, :] * cache_stride_dim,
+            mask=key_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
         if KV_FP8:
             v = v.to(tl.float32).to(q.dtype)
         acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -176,20 +211,34 @@ def _paged_attention_kernel(
         state = (token * num_heads + head) * num_splits + split
         tl.store(split_max_ptr + state, row_max, mask=row_valid)
         tl.store(split_sum_ptr + state, row_sum, mask=row_valid)
-        tl.store(split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(
+            split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
     else:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(out_ptr + token[:, None] * out_stride_token
-                 + head[:, None].to(tl.int64) * out_stride_head + dims[None, :] * out_stride_dim,
-                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(
+            out_ptr
+            + token[:, None] * out_stride_token
+            + head[:, None].to(tl.int64) * out_stride_head
+            + dims[None, :] * out_stride_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
 
 
 @lazy_jit
 def _merge_splits_kernel(
-    split_acc_ptr, split_max_ptr, split_sum_ptr, out_ptr,
-    out_stride_token, out_stride_head, out_stride_dim,
-    num_heads, num_splits,
+    split_acc_ptr,
+    split_max_ptr,
+    split_sum_ptr,
+    out_ptr,
+    out_stride_token,
+    out_stride_head,
+    out_stride_dim,
+    num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     SPLITS_PADDED: tl.constexpr,
@@ -208,16 +257,24 @@ def _merge_splits_kernel(
     total_max = tl.where(total_max == float("-inf"), 0.0, total_max)
     weight = tl.exp2(split_max - total_max)  # 0 for empty splits
     total_sum = tl.sum(split_sum * weight, axis=0)
-    acc = tl.load(split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
+    acc = tl.load(
+        split_acc_ptr + state[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total_sum == 0.0, 1.0, total_sum)
-    tl.store(out_ptr + token * out_stride_token + head * out_stride_head + dims * out_stride_dim,
-             out.to(out_ptr.dtype.element_ty), mask=dim_valid)
+    tl.store(
+        out_ptr + token * out_stride_token + head * out_stride_head + dims * out_stride_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_valid,
+    )
 
 
 def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens):
     if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
     check_kv_cache_pair(key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
@@ -227,19 +284,32 @@ def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqle
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     check_float_dtype("query", query)
     check_cache_dtype("key_cache", key_cache)
-    if value_cache.dtype != key_cache.dtype or (key_cache.dtype != query.dtype
-                                                and fp8_format(key_cache.dtype) is None):
-        raise ValueError(f"query, key_cache and value_cache must share a dtype (or the caches an fp8 one), "
-                         f"got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}")
+    if value_cache.dtype != key_cache.dtype or (
+        key_cache.dtype != query.dtype and fp8_format(key_cache.dtype) is None
+    ):
+        raise ValueError(
+            f"query, key_cache and value_cache must share a dtype (or the caches an fp8 one), "
+            f"got {query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
+        )
     num_seqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32:
-        raise ValueError(f"seq_lens must be 1-D int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+        raise ValueError(
+            f"seq_lens must be 1-D int32, got {tuple(seq_lens.shape)} {seq_lens.dtype}"
+        )
     if cu_seqlens_q.dtype != torch.int32 or tuple(cu_seqlens_q.shape) != (num_seqs + 1,):
-        raise ValueError(f"cu_seqlens_q must be int32 [{num_seqs + 1}], got "
-                         f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != num_seqs:
-        raise ValueError(f"block_table must be int32 [{num_seqs}, max_blocks_per_seq], got "
-                         f"{tuple(block_table.shape)} {block_table.dtype}")
+        raise ValueError(
+            f"cu_seqlens_q must be int32 [{num_seqs + 1}], got "
+            f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}"
+        )
+    if (
+        block_table.dtype != torch.int32
+        or block_table.dim() != 2
+        or block_table.shape[0] != num_seqs
+    ):
+        raise ValueError(
+            f"block_table must be int32 [{num_seqs}, max_blocks_per_seq], got "
+            f"{tuple(block_table.shape)} {block_table.dtype}"
+        )
     if block_table.shape[1] > 0 and block_table.stride(1) != 1:
         raise ValueError("block_table rows must be contiguous")
     if not (cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous()):
@@ -247,8 +317,9 @@ def _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqle
     return check_triton_device(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens)
 
 
-def _choose_tiles(device: torch.device, dtype: torch.dtype, group: int, head_dim_padded: int,
-                  max_seqlen_q: int) -> tuple[int, int, int, int]:
+def _choose_tiles(
+    device: torch.device, dtype: torch.dtype, group: int, head_dim_padded: int, max_seqlen_q: int
+) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_M rows = query tokens x group heads;
     every tl.dot dimension stays >= 16 (BLOCK_M, BLOCK_N, HEAD_DIM_PADDED)."""
     min_block_m = max(16, next_power_of_2(group))
@@ -298,8 +369,9 @@ def paged_attention_triton(
     Rows of ``query`` past ``cu_seqlens_q[-1]`` are left unwritten in the output.
     ``num_splits``, ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override the
     heuristics (tests, benchmarks)."""
-    device = _check_attention_inputs(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                     seq_lens)
+    device = _check_attention_inputs(
+        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens
+    )
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -318,51 +390,96 @@ def paged_attention_triton(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
     head_dim_padded = max(16, next_power_of_2(head_dim))
-    tile_m, tile_n, default_warps, default_stages = _choose_tiles(device, query.dtype, group,
-                                                          head_dim_padded, max_seqlen_q)
+    tile_m, tile_n, default_warps, default_stages = _choose_tiles(
+        device, query.dtype, group, head_dim_padded, max_seqlen_q
+    )
     tile_m = block_m or tile_m
     tile_n = block_n or tile_n
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
-    if tile_m < group or tile_m < 16 or tile_n < 16 or tile_m & (tile_m - 1) or tile_n & (tile_n - 1):
-        raise ValueError(f"block_m ({tile_m}) and block_n ({tile_n}) must be powers of two >= 16 "
-                         f"and block_m >= the query heads per KV head ({group})")
+    if (
+        tile_m < group
+        or tile_m < 16
+        or tile_n < 16
+        or tile_m & (tile_m - 1)
+        or tile_n & (tile_n - 1)
+    ):
+        raise ValueError(
+            f"block_m ({tile_m}) and block_n ({tile_n}) must be powers of two >= 16 "
+            f"and block_m >= the query heads per KV head ({group})"
+        )
     if num_splits is None:
-        num_splits = (_choose_num_splits(device, num_seqs, num_kv_heads, max_seqlen_k, tile_n)
-                      if max_seqlen_q == 1 else 1)
+        num_splits = (
+            _choose_num_splits(device, num_seqs, num_kv_heads, max_seqlen_k, tile_n)
+            if max_seqlen_q == 1
+            else 1
+        )
     if not 1 <= num_splits <= MAX_NUM_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_NUM_SPLITS}], got {num_splits}")
     block_q = tile_m // group
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     split = num_splits > 1
     if split:
-        split_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
-                                device=device)
-        split_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                                device=device)
+        split_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+        )
+        split_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=device
+        )
         split_sum = torch.empty_like(split_max)
     else:
         split_acc = split_max = split_sum = out  # unused
     _paged_attention_kernel[grid](
-        query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-        out, split_acc, split_max, split_sum, sinks if sinks is not None else out,
-        *query.stride(), *key_cache.stride(), *out.stride(),
-        block_table.stride(0), block_table.shape[1],
-        num_seqs, num_heads, num_splits,
-        float(scale) * _LOG2_E, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_SIZE=block_size,
-        BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=tile_n, SPLIT=split,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        out,
+        split_acc,
+        split_max,
+        split_sum,
+        sinks if sinks is not None else out,
+        *query.stride(),
+        *key_cache.stride(),
+        *out.stride(),
+        block_table.stride(0),
+        block_table.shape[1],
+        num_seqs,
+        num_heads,
+        num_splits,
+        float(scale) * _LOG2_E,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=tile_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=tile_n,
+        SPLIT=split,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        HAS_WINDOW=bool(sliding_window), HAS_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None,
+        HAS_WINDOW=bool(sliding_window),
+        HAS_SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
         KV_FP8=key_cache.dtype != query.dtype,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            split_acc, split_max, split_sum, out,
+            split_acc,
+            split_max,
+            split_sum,
+            out,
             *out.stride(),
-            num_heads, num_splits,
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded,
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
             SPLITS_PADDED=next_power_of_2(num_splits),
             num_warps=4 if head_dim_padded >= 128 else 2,
         )
@@ -404,26 +521,75 @@ def paged_attention_reference(
     if max_seqlen_q is None:
         max_seqlen_q = int(q_lens.max())
     if max_seqlen_q == 1 and num_tokens == num_seqs:
-        return _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
-                                 sliding_window, softcap, sinks)
+        return _decode_reference(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            scale,
+            max_seqlen_k,
+            sliding_window,
+            softcap,
+            sinks,
+        )
     is_decode = q_lens == 1
     if not bool(is_decode.any()):
-        return _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q.long(), q_lens,
-                                  seq_lens, scale, max_seqlen_q, sliding_window, softcap, sinks)
+        return _prefill_reference(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q.long(),
+            q_lens,
+            seq_lens,
+            scale,
+            max_seqlen_q,
+            sliding_window,
+            softcap,
+            sinks,
+        )
     out = query.new_empty(query.shape)
     starts = cu_seqlens_q[:-1].long()
     decode_seqs = is_decode.nonzero().flatten()
     decode_rows = starts[decode_seqs]
-    out[decode_rows] = _decode_reference(query[decode_rows], key_cache, value_cache, block_table[decode_seqs],
-                                         seq_lens[decode_seqs], scale, None, sliding_window, softcap, sinks)
+    out[decode_rows] = _decode_reference(
+        query[decode_rows],
+        key_cache,
+        value_cache,
+        block_table[decode_seqs],
+        seq_lens[decode_seqs],
+        scale,
+        None,
+        sliding_window,
+        softcap,
+        sinks,
+    )
     prefill_seqs = (~is_decode).nonzero().flatten()
     prefill_lens = q_lens[prefill_seqs]
     prefill_cu = F.pad(prefill_lens.cumsum(0), (1, 0))
-    owner = torch.repeat_interleave(torch.arange(prefill_seqs.numel(), device=query.device), prefill_lens)
-    prefill_rows = starts[prefill_seqs][owner] + torch.arange(owner.numel(), device=query.device) - prefill_cu[owner]
-    out[prefill_rows] = _prefill_reference(query[prefill_rows], key_cache, value_cache, block_table[prefill_seqs],
-                                           prefill_cu, prefill_lens, seq_lens[prefill_seqs], scale, max_seqlen_q,
-                                           sliding_window, softcap, sinks)
+    owner = torch.repeat_interleave(
+        torch.arange(prefill_seqs.numel(), device=query.device), prefill_lens
+    )
+    prefill_rows = (
+        starts[prefill_seqs][owner]
+        + torch.arange(owner.numel(), device=query.device)
+        - prefill_cu[owner]
+    )
+    out[prefill_rows] = _prefill_reference(
+        query[prefill_rows],
+        key_cache,
+        value_cache,
+        block_table[prefill_seqs],
+        prefill_cu,
+        prefill_lens,
+        seq_lens[prefill_seqs],
+        scale,
+        max_seqlen_q,
+        sliding_window,
+        softcap,
+        sinks,
+    )
     return out
 
 
@@ -455,8 +621,10 @@ def _soft_cap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
     if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.device != query.device):
-        raise ValueError(f"sinks must be [num_heads] = [{query.shape[1]}] on the query's device, got "
-                         f"{tuple(sinks.shape)} on {sinks.device}")
+        raise ValueError(
+            f"sinks must be [num_heads] = [{query.shape[1]}] on the query's device, got "
+            f"{tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -483,7 +651,9 @@ def _gather_window(key_cache, value_cache, block_table, seq_lens, window, dtype)
     max_k = num_blocks * block_size
     keys = _gather_cache(key_cache, table, max_k, dtype)
     values = _gather_cache(value_cache, table, max_k, dtype)
-    positions = first_block[:, None] * block_size + torch.arange(max_k, device=seq_lens.device)[None, :]
+    positions = (
+        first_block[:, None] * block_size + torch.arange(max_k, device=seq_lens.device)[None, :]
+    )
     invalid = (positions >= seq_lens[:, None]) | (positions < seq_lens[:, None] - window)
     invalid_rows = invalid.nonzero(as_tuple=True)  # zeroed: unwritten slots may hold NaN
     keys.transpose(1, 2).index_put_(invalid_rows, keys.new_zeros(()))
@@ -491,17 +661,29 @@ def _gather_window(key_cache, value_cache, block_table, seq_lens, window, dtype)
     return keys, values, invalid
 
 
-def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scale, max_seqlen_k,
-                      sliding_window=None, softcap=None, sinks=None):
+def _decode_reference(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    scale,
+    max_seqlen_k,
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+):
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if sliding_window:
-        keys, values, invalid = _gather_window(key_cache, value_cache, block_table, seq_lens, sliding_window,
-                                               query.dtype)
+        keys, values, invalid = _gather_window(
+            key_cache, value_cache, block_table, seq_lens, sliding_window, query.dtype
+        )
     else:
-        keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, max_seqlen_k,
-                                              query.dtype)
+        keys, values, invalid = _gather_valid(
+            key_cache, value_cache, block_table, seq_lens, max_seqlen_k, query.dtype
+        )
     max_k = keys.shape[2]
     batch = num_seqs * num_kv_heads
     q = query.reshape(batch, group, head_dim)
@@ -515,19 +697,35 @@ def _decode_reference(query, key_cache, value_cache, block_table, seq_lens, scal
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q, q_lens, seq_lens, scale,
-                       max_seqlen_q, sliding_window=None, softcap=None, sinks=None):
+def _prefill_reference(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    q_lens,
+    seq_lens,
+    scale,
+    max_seqlen_q,
+    sliding_window=None,
+    softcap=None,
+    sinks=None,
+):
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     device = query.device
-    keys, values, invalid = _gather_valid(key_cache, value_cache, block_table, seq_lens, None, query.dtype)
+    keys, values, invalid = _gather_valid(
+        key_cache, value_cache, block_table, seq_lens, None, query.dtype
+    )
     max_k = keys.shape[2]
     token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
     token_offset = torch.arange(num_tokens, device=device) - cu_seqlens_q[token_seq]
     padded_q = query.new_zeros(num_seqs, max_seqlen_q, num_heads, head_dim)
     padded_q[token_seq, token_offset] = query
-    query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[None, :]
+    query_positions = (seq_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)[
+        None, :
+    ]
     key_positions = torch.arange(max_k, device=device)
     allowed = (key_positions[None, None, :] <= query_positions[:, :, None]) & ~invalid[:, None, :]
     if sliding_window:
@@ -535,11 +733,18 @@ def _prefill_reference(query, key_cache, value_cache, block_table, cu_seqlens_q,
     # Padded query rows would be fully masked (NaN after softmax); let them see key 0.
     allowed[:, :, 0] |= torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]
     if softcap or sinks is not None:
-        out = _attention_explicit(padded_q.permute(0, 2, 1, 3), keys, values, allowed, scale, softcap, sinks)
+        out = _attention_explicit(
+            padded_q.permute(0, 2, 1, 3), keys, values, allowed, scale, softcap, sinks
+        )
     else:
         out = F.scaled_dot_product_attention(
-            padded_q.permute(0, 2, 1, 3), keys, values, attn_mask=allowed[:, None, :, :], scale=scale,
-            enable_gqa=num_heads != num_kv_heads)  # [S, H, Q, D]
+            padded_q.permute(0, 2, 1, 3),
+            keys,
+            values,
+            attn_mask=allowed[:, None, :, :],
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # [S, H, Q, D]
     return out.permute(0, 2, 1, 3)[token_seq, token_offset]
 
 
@@ -554,7 +759,9 @@ def _attention_explicit(q, keys, values, allowed, scale, softcap, sinks):
     return torch.matmul(_softmax_with_sinks(scores, sinks).to(values.dtype), values)
 
 
-def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int, dtype: torch.dtype) -> torch.Tensor:
+def _gather_cache(
+    cache: torch.Tensor, table: torch.Tensor, max_k: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Each sequence's cache rows as [num_seqs, num_kv_heads, max_k, head_dim] in `dtype` (an fp8
     pool's values exactly: kernels/kv_dtype.py). index_select
     with a flat index is the gather: on CPU it is far faster than advanced indexing. A head-major
@@ -563,7 +770,10 @@ def _gather_cache(cache: torch.Tensor, table: torch.Tensor, max_k: int, dtype: t
     num_seqs = table.shape[0]
     head_major = cache.permute(0, 2, 1, 3)
     if head_major.is_contiguous():
-        rows = table[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=table.device)[None, :, None]
+        rows = (
+            table[:, None, :] * num_kv_heads
+            + torch.arange(num_kv_heads, device=table.device)[None, :, None]
+        )
         flat = head_major.reshape(num_blocks * num_kv_heads, block_size * head_dim)
         gathered = from_cache(flat.index_select(0, rows.flatten()), dtype)
         return gathered.view(num_seqs, num_kv_heads, max_k, head_dim)

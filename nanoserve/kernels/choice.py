@@ -5,6 +5,7 @@ the C++ CPU kernels); "triton" forces Triton (``TRITON_INTERPRET=1`` on a CPU); 
 forces the torch references. Code that changes the variable in a running process (tests) calls
 ``reset_kernel_choice()`` afterwards so that the next dispatch reads it again.
 """
+
 from __future__ import annotations
 
 from nanoserve import envs

@@ -16,6 +16,7 @@ the tiles it lands in, so on the SDPA path the tiles are made a function of the 
   masked, and a masked tile adds exact zeros.
 Decode rows are one query each; the C++ kernel's result for a row never depends on the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,15 +37,20 @@ SHORT_KEY_LENGTHS = (128, 256)
 class PrefillSpan:
     """Rows [row_start, row_start + q_len) of the batch are the last q_len tokens of sequence
     seq_index, whose KV length (these tokens included) is seq_len."""
+
     seq_index: int
     row_start: int
     q_len: int
     seq_len: int
 
 
-def prefill_spans(cu_seqlens_q: list[int], seq_lens: list[int], num_decode_seqs: int) -> list[PrefillSpan]:
-    return [PrefillSpan(i, cu_seqlens_q[i], cu_seqlens_q[i + 1] - cu_seqlens_q[i], seq_lens[i])
-            for i in range(num_decode_seqs, len(seq_lens))]
+def prefill_spans(
+    cu_seqlens_q: list[int], seq_lens: list[int], num_decode_seqs: int
+) -> list[PrefillSpan]:
+    return [
+        PrefillSpan(i, cu_seqlens_q[i], cu_seqlens_q[i + 1] - cu_seqlens_q[i], seq_lens[i])
+        for i in range(num_decode_seqs, len(seq_lens))
+    ]
 
 
 def key_length_for(position: int) -> int:
@@ -71,8 +77,9 @@ def _calls(context: int, q_len: int) -> list[tuple[int, int, int]]:
     return calls
 
 
-def _gather_keys(cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq_len: int,
-                 dtype: torch.dtype) -> torch.Tensor:
+def _gather_keys(
+    cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq_len: int, dtype: torch.dtype
+) -> torch.Tensor:
     """[B, kv_heads, key_length, dim] in `dtype`: the cached rows of B sequences of the same length
     (one block table row each; an fp8 pool's values exactly), zero past seq_len."""
     _, block_size, num_kv_heads, head_dim = cache.shape
@@ -81,14 +88,17 @@ def _gather_keys(cache: torch.Tensor, tables: torch.Tensor, key_length: int, seq
     physical = cache.permute(0, 2, 1, 3)  # [blocks, kv_heads, block_size, dim], contiguous
     out = torch.zeros((batch, num_kv_heads, key_length, head_dim), dtype=dtype)
     rows = physical.index_select(0, tables[:, :num_blocks].reshape(-1).long())
-    out[:, :, : num_blocks * block_size].view(batch, num_kv_heads, num_blocks, block_size, head_dim).copy_(
-        rows.view(batch, num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2))
+    out[:, :, : num_blocks * block_size].view(
+        batch, num_kv_heads, num_blocks, block_size, head_dim
+    ).copy_(rows.view(batch, num_blocks, num_kv_heads, block_size, head_dim).transpose(1, 2))
     if num_blocks * block_size > seq_len:  # slots after the last written one
         out[:, :, seq_len : num_blocks * block_size] = 0
     return out
 
 
-def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan], scale: float) -> None:
+def _prefill(
+    query, out, key_cache, value_cache, tables, spans: list[PrefillSpan], scale: float
+) -> None:
     """Spans of the same shape (context and q_len), batched: each row's tiles are the same as
     alone (the flash kernel works on each batch entry and head separately)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -111,47 +121,111 @@ def _prefill(query, out, key_cache, value_cache, tables, spans: list[PrefillSpan
         mask[:rows] = torch.arange(key_length)[None, :] <= positions[:, None]
         mask[rows:, 0] = True  # padding rows see one key (their output is dropped)
         result = F.scaled_dot_product_attention(
-            q, keys[:, :, :key_length], values[:, :, :key_length], attn_mask=mask, scale=scale,
-            enable_gqa=num_heads != num_kv_heads)
+            q,
+            keys[:, :, :key_length],
+            values[:, :, :key_length],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
         for index, item in enumerate(spans):
             start = item.row_start + first
             out[start : start + rows] = result[index, :, :rows].transpose(0, 1)
 
 
-def _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                              num_decode_seqs, spans, max_seqlen_q, max_seqlen_k, sliding_window,
-                              softcap, sinks) -> torch.Tensor:
+def _reference_over_real_rows(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    num_decode_seqs,
+    spans,
+    max_seqlen_q,
+    max_seqlen_k,
+    sliding_window,
+    softcap,
+    sinks,
+) -> torch.Tensor:
     """A windowed or capped layer, or one with sinks (the C++ kernels do none of them): the torch
     reference over the real rows; the padding rows come back zero."""
     real = spans[-1].row_start + spans[-1].q_len if spans else num_decode_seqs
-    out = paged_attention_reference(query[:real], key_cache, value_cache, block_table, cu_seqlens_q,
-                                    seq_lens, scale, max_seqlen_q, max_seqlen_k,
-                                    sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    out = paged_attention_reference(
+        query[:real],
+        key_cache,
+        value_cache,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        max_seqlen_q,
+        max_seqlen_k,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+    )
     if real == query.shape[0]:
         return out
     return torch.cat([out, out.new_zeros((query.shape[0] - real, *out.shape[1:]))])
 
 
-def paged_attention_cpu(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens, scale,
-                        num_decode_seqs: int, spans: list[PrefillSpan], max_seqlen_q: int | None = None,
-                        max_seqlen_k: int | None = None, *, sliding_window: int | None = None,
-                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_cpu(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    cu_seqlens_q,
+    seq_lens,
+    scale,
+    num_decode_seqs: int,
+    spans: list[PrefillSpan],
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The first num_decode_seqs sequences are decodes (one query row each, rows 0..n); `spans`
     are the others. Rows past the last span are padding and come back zero."""
     if sliding_window or softcap or sinks is not None:
-        return _reference_over_real_rows(query, key_cache, value_cache, block_table, cu_seqlens_q, seq_lens,
-                                         scale, num_decode_seqs, spans, max_seqlen_q, max_seqlen_k,
-                                         sliding_window, softcap, sinks)
+        return _reference_over_real_rows(
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            cu_seqlens_q,
+            seq_lens,
+            scale,
+            num_decode_seqs,
+            spans,
+            max_seqlen_q,
+            max_seqlen_k,
+            sliding_window,
+            softcap,
+            sinks,
+        )
     out = query.new_empty(query.shape)
     n = num_decode_seqs
     if n:
-        args = (query[:n], key_cache, value_cache, block_table[:n], cu_seqlens_q[: n + 1], seq_lens[:n], scale)
+        args = (
+            query[:n],
+            key_cache,
+            value_cache,
+            block_table[:n],
+            cu_seqlens_q[: n + 1],
+            seq_lens[:n],
+            scale,
+        )
         if not cpu_ops.available() or cpu_ops.paged_attention(*args, out=out[:n]) is None:
             out[:n] = paged_attention_reference(*args, 1, None)
     # At the AMX and AVX-512 BF16 levels: every prompt row in one call (kernels/cpu/attention_amx.cpp);
     # else torch's SDPA below.
-    on_tiles = cpu_ops.available() and cpu_ops.prefill_attention(query, key_cache, value_cache, block_table,
-                                                                  spans, scale, out)
+    on_tiles = cpu_ops.available() and cpu_ops.prefill_attention(
+        query, key_cache, value_cache, block_table, spans, scale, out
+    )
     groups: dict[tuple[int, int], list[PrefillSpan]] = {}
     for span in [] if on_tiles else spans:  # fresh prompts of one length go together
         groups.setdefault((span.seq_len, span.q_len), []).append(span)

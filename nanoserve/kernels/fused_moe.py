@@ -28,31 +28,36 @@ quant_gemm, whose rows are invariant to the batch too; the loop reads them dequa
 `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul unless a family
 says otherwise: gpt-oss's `swiglu_oai`).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from nanoserve.kernels import cpu_ops, quant, silu_and_mul
-from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.choice import kernel_choice
+from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
 BLOCK_N, BLOCK_K = 64, 32  # the grouped GEMM's output columns and depth per step (BLOCK_M: by rows)
 
 
-def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in fp32, the top_k largest in descending order, renormalised to
     sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's norm_topk_prob says).
     Returns (weights fp32 [tokens, k], expert ids int64). On CPU kernels/cpu/moe.cpp's
     ns_moe_topk (arithmetic of our own, which the fused decode step shares:
     layers/cpu_decode.py), else fused_topk_reference."""
     if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
-        raise ValueError(f"router logits [tokens, experts] with top_k in 1..experts, got "
-                         f"{tuple(router_logits.shape)} and top_k {top_k}")
+        raise ValueError(
+            f"router logits [tokens, experts] with top_k in 1..experts, got "
+            f"{tuple(router_logits.shape)} and top_k {top_k}"
+        )
     if not router_logits.is_cuda and cpu_ops.available():
         done = cpu_ops.moe_topk(router_logits, top_k, renormalize)
         if done is not None:
@@ -60,8 +65,9 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return fused_topk_reference(router_logits, top_k, renormalize)
 
 
-def fused_topk_reference(router_logits: torch.Tensor, top_k: int,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_topk_reference(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_topk in torch (torch.topk, as transformers)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -93,19 +99,30 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 
 def check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
-                         f"got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+        raise ValueError(
+            f"hidden [tokens, hidden], w13 [experts, 2 * inter, hidden], w2 [experts, hidden, inter]; "
+            f"got {tuple(hidden.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
     experts, two_inter, size = w13.shape
     if size != hidden.shape[1] or w2.shape != (experts, size, two_inter // 2) or two_inter % 2:
-        raise ValueError(f"expert weights do not fit hidden size {hidden.shape[1]}: w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
-        raise ValueError(f"topk_ids and topk_weights must both be [tokens, k], got {tuple(topk_ids.shape)} "
-                         f"and {tuple(topk_weights.shape)} for {hidden.shape[0]} tokens")
+        raise ValueError(
+            f"expert weights do not fit hidden size {hidden.shape[1]}: w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}"
+        )
+    if (
+        topk_ids.shape != topk_weights.shape
+        or topk_ids.dim() != 2
+        or topk_ids.shape[0] != hidden.shape[0]
+    ):
+        raise ValueError(
+            f"topk_ids and topk_weights must both be [tokens, k], got {tuple(topk_ids.shape)} "
+            f"and {tuple(topk_weights.shape)} for {hidden.shape[0]} tokens"
+        )
 
 
-def fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
-                            activation=None) -> torch.Tensor:
+def fused_experts_reference(
+    hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None, activation=None
+) -> torch.Tensor:
     """The oracle: expert by expert, the tokens that picked it, weighted and added in fp32."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     activation = activation or silu_and_mul
@@ -131,7 +148,9 @@ def pack_expert_weights(weights: torch.Tensor) -> torch.Tensor | None:
     return torch.stack(packed)
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _expert_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """One expert's matrix as a linear layer's: `packed` a QuantWeight (a quantized expert):
     kernels/quant.quant_gemm; else our GEMM on its packing (the only copy once
     FusedMoE.prepack_gemm packed it), else F.linear."""
@@ -148,10 +167,14 @@ def unpacked_experts(weights: torch.Tensor, packed) -> torch.Tensor:
         return weights
     if isinstance(packed, (list, tuple)):
         return torch.stack([quant.dequantize_weight(w) for w in packed]).to(weights.dtype)
-    return torch.stack([cpu_ops.unpack_gemm_weight(packed[e], weights.shape[1]) for e in range(weights.shape[0])])
+    return torch.stack(
+        [cpu_ops.unpack_gemm_weight(packed[e], weights.shape[1]) for e in range(weights.shape[0])]
+    )
 
 
-def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine_topk(
+    expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """sum_j weight[t, j] * rows[t, j] in fp32, slot by slot: elementwise, so a token's sum is
     the same whatever the number of tokens. expert_rows [tokens, k, hidden]."""
     out = expert_rows[:, 0].float() * topk_weights[:, :1]
@@ -160,39 +183,59 @@ def combine_topk(expert_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: t
     return out.to(dtype)
 
 
-def fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
-                          activation=None) -> torch.Tensor:
+def fused_experts_grouped(
+    hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None, activation=None
+) -> torch.Tensor:
     """Rows grouped by expert: one gather of every local row in expert order, one gate/up GEMM
     and one down GEMM per expert that has rows (each on a contiguous run of the gathered rows),
     SiLU x mul and the scatter back once for all. `packed`: (pack_expert_weights(w13),
     pack_expert_weights(w2)) or None."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     tokens, top_k = topk_ids.shape
-    expert_rows = hidden.new_zeros((tokens * top_k, hidden.shape[1]))  # rows of remote experts stay zero
+    expert_rows = hidden.new_zeros(
+        (tokens * top_k, hidden.shape[1])
+    )  # rows of remote experts stay zero
     sorted_rows, offsets = moe_align(topk_ids, w13.shape[0])
     bounds = offsets.tolist()
-    local_rows = sorted_rows[bounds[0]:]
-    spans = [(e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0]) for e in range(w13.shape[0])
-             if bounds[e + 1] > bounds[e]]
+    local_rows = sorted_rows[bounds[0] :]
+    spans = [
+        (e, bounds[e] - bounds[0], bounds[e + 1] - bounds[0])
+        for e in range(w13.shape[0])
+        if bounds[e + 1] > bounds[e]
+    ]
     if not spans:
-        return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+        return combine_topk(
+            expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype
+        )
     packed13, packed2 = packed if packed is not None else (None, None)
     b13, b2 = bias if bias is not None else (None, None)
     part = lambda tensors, e: None if tensors is None else tensors[e]  # noqa: E731
     x = hidden[local_rows // top_k]
 
     def linear(rows, weights, packings, biases):
-        if isinstance(part(packings, spans[0][0]), quant.QuantWeight):  # quantized: every expert's GEMM in one call
-            out = quant.quant_gemm_many(rows, [packings[e] for e, _, _ in spans],
-                                        [(start, end) for _, start, end in spans], [part(biases, e) for e, _, _ in spans])
+        if isinstance(
+            part(packings, spans[0][0]), quant.QuantWeight
+        ):  # quantized: every expert's GEMM in one call
+            out = quant.quant_gemm_many(
+                rows,
+                [packings[e] for e, _, _ in spans],
+                [(start, end) for _, start, end in spans],
+                [part(biases, e) for e, _, _ in spans],
+            )
             if out is not None:
                 return out
-        return torch.cat([_expert_linear(rows[start:end], weights[e], part(packings, e), part(biases, e))
-                          for e, start, end in spans])
+        return torch.cat(
+            [
+                _expert_linear(rows[start:end], weights[e], part(packings, e), part(biases, e))
+                for e, start, end in spans
+            ]
+        )
 
     act = (activation or silu_and_mul)(linear(x, w13, packed13, b13))
     expert_rows[local_rows] = linear(act, w2, packed2, b2)
-    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+    return combine_topk(
+        expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype
+    )
 
 
 def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tensor | None:
@@ -206,24 +249,37 @@ def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tenso
         return None
     experts, two_inter, hidden = w13.shape
     rows = [[0, 0, 0, 0] for _ in range(experts)]
-    for column, packings, n, k in ((0, packed[0], two_inter, hidden), (2, packed[1], hidden, two_inter // 2)):
+    for column, packings, n, k in (
+        (0, packed[0], two_inter, hidden),
+        (2, packed[1], hidden, two_inter // 2),
+    ):
         if n % 16 or k % 32:
             return None
         if isinstance(packings, (list, tuple)):  # quantized experts: one QuantWeight each
             if len(packings) != experts:
                 return None
             for e, weight in enumerate(packings):
-                if (not isinstance(weight, quant.QuantWeight) or weight.packed is None or weight.n != n
-                        or weight.k != k or weight.packed.device.type != "cpu" or weight.packed.shape[0] * 16 != n
-                        or weight.packed.shape[1] != k // 32):
+                if (
+                    not isinstance(weight, quant.QuantWeight)
+                    or weight.packed is None
+                    or weight.n != n
+                    or weight.k != k
+                    or weight.packed.device.type != "cpu"
+                    or weight.packed.shape[0] * 16 != n
+                    or weight.packed.shape[1] != k // 32
+                ):
                     return None
-                rows[e][column:column + 2] = [weight.kernel_format, weight.packed.data_ptr()]
+                rows[e][column : column + 2] = [weight.kernel_format, weight.packed.data_ptr()]
         elif isinstance(packings, torch.Tensor):  # the bf16 packings, stacked
-            if (packings.device.type != "cpu" or packings.shape[0] != experts or packings.shape[1] * 16 != n
-                    or packings.shape[2] * 32 != k):
+            if (
+                packings.device.type != "cpu"
+                or packings.shape[0] != experts
+                or packings.shape[1] * 16 != n
+                or packings.shape[2] * 32 != k
+            ):
                 return None
             for e in range(experts):
-                rows[e][column:column + 2] = [-1, packings[e].data_ptr()]
+                rows[e][column : column + 2] = [-1, packings[e].data_ptr()]
         else:
             return None
     return torch.tensor(rows, dtype=torch.int64)
@@ -231,11 +287,25 @@ def cpu_expert_table(w13: torch.Tensor, w2: torch.Tensor, packed) -> torch.Tenso
 
 @lazy_jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_rows_ptr, block_experts_ptr,
-    n, k, num_rows, a_rows_per_row,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sorted_rows_ptr,
+    block_experts_ptr,
+    n,
+    k,
+    num_rows,
+    a_rows_per_row,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
     num_experts,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # c[row] = a[row // a_rows_per_row] @ b[expert].T for the BLOCK_M sorted rows of this
     # program's block (all of one expert) and BLOCK_N output columns. Padding rows (>= num_rows)
@@ -253,16 +323,30 @@ def _grouped_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         k_mask = (k0 + depth) < k
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + depth)[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + depth)[:, None] * stride_bk,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + depth)[None, :],
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr
+            + expert * stride_be
+            + cols[None, :] * stride_bn
+            + (k0 + depth)[:, None] * stride_bk,
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
-    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_rows, block_experts): sorted_rows [max_rows] holds the flattened (token, slot) row
     indices expert by expert, each expert's run padded to a multiple of block_m with the
     sentinel tokens * k; block_experts [max_rows / block_m] the expert of each block
@@ -277,12 +361,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     padded_ends = torch.cumsum(padded, 0)
     order = torch.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
-    rank_in_bucket = torch.arange(num_rows, device=flat.device) - (torch.cumsum(counts, 0) - counts)[sorted_bucket]
+    rank_in_bucket = (
+        torch.arange(num_rows, device=flat.device)
+        - (torch.cumsum(counts, 0) - counts)[sorted_bucket]
+    )
     max_rows = cdiv(num_rows + (num_experts + 1) * (block_m - 1), block_m) * block_m
     sorted_rows = torch.full((max_rows,), num_rows, dtype=torch.int64, device=flat.device)
     sorted_rows[(padded_ends - padded)[sorted_bucket] + rank_in_bucket] = order
     block_starts = torch.arange(0, max_rows, block_m, device=flat.device)
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)  # num_experts (+1) past the end
+    block_experts = torch.searchsorted(
+        padded_ends, block_starts, right=True
+    )  # num_experts (+1) past the end
     return sorted_rows, torch.clamp(block_experts, max=num_experts)
 
 
@@ -290,13 +379,32 @@ def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m
     num_experts, n, k = weights.shape
     grid = (block_experts.shape[0], cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, weights, out, sorted_rows, block_experts, n, k, out.shape[0], a_rows_per_row,
-        a.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), num_experts,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+        a,
+        weights,
+        out,
+        sorted_rows,
+        block_experts,
+        n,
+        k,
+        out.shape[0],
+        a_rows_per_row,
+        a.stride(0),
+        weights.stride(0),
+        weights.stride(1),
+        weights.stride(2),
+        out.stride(0),
+        num_experts,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
 
 
-def _add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor | None, topk_ids: torch.Tensor) -> None:
+def _add_expert_bias_(
+    rows: torch.Tensor, bias: torch.Tensor | None, topk_ids: torch.Tensor
+) -> None:
     """rows [tokens * k, n] in (token, slot) order += their expert's bias row (none for slots of
     experts on other ranks, id -1)."""
     if bias is None:
@@ -305,8 +413,9 @@ def _add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor | None, topk_ids: t
     rows += torch.where((ids >= 0)[:, None], bias[ids.clamp(min=0)], 0).to(rows.dtype)
 
 
-def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
-                         activation=None) -> torch.Tensor:
+def fused_experts_triton(
+    hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None, activation=None
+) -> torch.Tensor:
     """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
     check_triton_device(hidden, w13, w2, topk_weights, topk_ids)
@@ -322,21 +431,38 @@ def fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, packed=None, b
     b13, b2 = bias if bias is not None else (None, None)
     _add_expert_bias_(gate_up, b13, topk_ids)
     act = (activation or silu_and_mul)(gate_up)
-    expert_rows = torch.zeros((tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    expert_rows = torch.zeros(
+        (tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device
+    )
     _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
     _add_expert_bias_(expert_rows, b2, topk_ids)
-    return combine_topk(expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype)
+    return combine_topk(
+        expert_rows.view(tokens, top_k, hidden.shape[1]), topk_weights, hidden.dtype
+    )
 
 
-def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None,
-                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  table: torch.Tensor | None = None) -> torch.Tensor:
+def fused_experts(
+    hidden,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    packed=None,
+    bias=None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Dispatch (see kernels/__init__.py): Triton on CUDA (or NANOSERVE_KERNELS=triton), the
     loop under NANOSERVE_KERNELS=reference, on CPU the grouped path in one C++ call when `table`
     (cpu_expert_table of `packed`) is given and it can take the layer, else the grouped path."""
     choice = kernel_choice()
-    if (table is not None and choice not in ("reference", "triton") and not hidden.is_cuda and bias is None
-            and activation is None):
+    if (
+        table is not None
+        and choice not in ("reference", "triton")
+        and not hidden.is_cuda
+        and bias is None
+        and activation is None
+    ):
         # kernels/cpu/moe.cpp: the grouped path's arithmetic in one C++ call, the same bits
         # (SiLU x mul, no biases, bf16 activations; None: it can't take them).
         out = cpu_ops.moe_experts(hidden, table, topk_ids, topk_weights, w13.shape[1] // 2)
@@ -346,15 +472,27 @@ def fused_experts(hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=Non
         packed13, packed2 = packed if packed is not None else (None, None)
         w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
     if choice == "reference":
-        return fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, None, bias, activation)
+        return fused_experts_reference(
+            hidden, w13, w2, topk_weights, topk_ids, None, bias, activation
+        )
     if choice == "triton" or hidden.is_cuda:
         return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, None, bias, activation)
     return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation)
 
 
-def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              top_k: int, renormalize: bool, expert_map: torch.Tensor | None = None,
-              packed=None, bias=None, activation=None, table: torch.Tensor | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert_map: torch.Tensor | None = None,
+    packed=None,
+    bias=None,
+    activation=None,
+    table: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Router top-k then the experts. `expert_map` [global experts]: local index or -1 (expert
     parallelism); None: every expert is local. This rank's part of the output (the caller
     all-reduces across tensor-parallel ranks). `table`: see fused_experts."""

@@ -11,6 +11,7 @@ packings made of it at load (layers/cpu_prepack.py); the first one that takes th
 The packings are made here too (``gemm_packing``, ``onednn_packing``), each None where its kernel
 can't take the weight: the layers keep what they are given.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,11 +31,14 @@ logger = logging.getLogger(__name__)
 class RowTiling:
     """Rows [0, num_free_rows) are multiplied in one GEMM; the rest, a whole number of tiles,
     tile by tile (see AttentionMetadata.prefill_row_tile)."""
+
     num_free_rows: int
     tile: int
 
 
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(
+    x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ weight.T (+ bias) on oneDNN's prepacked weight (the private, stable since torch 2.1,
     op that inductor's CPU freezing uses)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
@@ -55,8 +59,13 @@ def onednn_available() -> bool:
     if not envs.cpu_prepack():
         return False
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    return (mkldnn is not None and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")
-            and torch.backends.mkldnn.is_available() and bool(mkldnn._is_mkldnn_bf16_supported()))
+    return (
+        mkldnn is not None
+        and hasattr(mkldnn, "_reorder_linear_weight")
+        and hasattr(mkldnn, "_linear_pointwise")
+        and torch.backends.mkldnn.is_available()
+        and bool(mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 def onednn_packing(weight: torch.Tensor, batch_size_hint: int = 64) -> torch.Tensor | None:
@@ -81,19 +90,28 @@ def _one_gemm(x, weight, bias, packed_weight) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def gemm_on_packing(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+def gemm_on_packing(
+    x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
     """x in a form cpu_ops.gemm takes (2-D, contiguous rows, bf16: the packed weight's dtype, which
     F.linear would have demanded of x too), multiplied, and given back x's shape and dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
     out = cpu_ops.gemm(rows, gemm_weight, None if bias is None else bias.to(torch.bfloat16), n)
     if out is None:
-        raise RuntimeError(f"the packed bf16 GEMM refused x {list(x.shape)} {x.dtype} for a weight of {n} rows")
+        raise RuntimeError(
+            f"the packed bf16 GEMM refused x {list(x.shape)} {x.dtype} for a weight of {n} rows"
+        )
     return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
-def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     gemm_weight: torch.Tensor | None = None, packed_weight: torch.Tensor | None = None,
-                     rows: RowTiling | None = None) -> torch.Tensor:
+def unquantized_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemm_weight: torch.Tensor | None = None,
+    packed_weight: torch.Tensor | None = None,
+    rows: RowTiling | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight.T (+ bias) for a weight [N, K] and its packings (None: not packed)."""
     if gemm_weight is not None:
         out = cpu_ops.gemm(x, gemm_weight, bias, weight.shape[0])
@@ -119,29 +137,39 @@ def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out
 
 
-def _quant_parts(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None) -> torch.Tensor:
+def _quant_parts(
+    x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None
+) -> torch.Tensor:
     if len(parts) == 1:
         return quant_gemm(x, parts[0], bias)
     outs, start = [], 0
     for part in parts:
-        outs.append(quant_gemm(x, part, None if bias is None else bias[start:start + part.n]))
+        outs.append(quant_gemm(x, part, None if bias is None else bias[start : start + part.n]))
         start += part.n
     return torch.cat(outs, dim=-1)
 
 
-def quantized_gemm(x: torch.Tensor, parts: list[QuantWeight], bias: torch.Tensor | None = None,
-                   rows: RowTiling | None = None) -> torch.Tensor:
+def quantized_gemm(
+    x: torch.Tensor,
+    parts: list[QuantWeight],
+    bias: torch.Tensor | None = None,
+    rows: RowTiling | None = None,
+) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) for a weight kept in GGUF blocks, as one or several parts stacked
     along the output (a QKV whose parts have different formats). The CPU kernels (a part's
     `packed` set) sum each output in one order whatever M; the torch reference may not, and
     then multiplies prompt rows tile by tile, as unquantized_gemm does for oneDNN."""
-    if (all(part.packed is not None for part in parts) or rows is None or rows.tile == 0
-            or x.shape[0] <= rows.num_free_rows):
+    if (
+        all(part.packed is not None for part in parts)
+        or rows is None
+        or rows.tile == 0
+        or x.shape[0] <= rows.num_free_rows
+    ):
         return _quant_parts(x, parts, bias)
     out = x.new_empty((x.shape[0], sum(part.n for part in parts)))
     free = rows.num_free_rows
     if free:
         out[:free] = _quant_parts(x[:free], parts, bias)
     for start in range(free, x.shape[0], rows.tile):
-        out[start:start + rows.tile] = _quant_parts(x[start:start + rows.tile], parts, bias)
+        out[start : start + rows.tile] = _quant_parts(x[start : start + rows.tile], parts, bias)
     return out

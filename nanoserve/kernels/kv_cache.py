@@ -3,6 +3,7 @@
 Cache layout: ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot ``s`` is row
 ``s % block_size`` of block ``s // block_size``. A slot of -1 marks padding and is skipped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,10 +27,21 @@ tl = None  # triton.language, bound on the first Triton launch (see triton_utils
 
 @lazy_jit
 def _store_kvcache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    key_stride_token, key_stride_head, key_stride_dim,
-    value_stride_token, value_stride_head, value_stride_dim,
-    cache_stride_block, cache_stride_offset, cache_stride_head, cache_stride_dim,
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    key_stride_token,
+    key_stride_head,
+    key_stride_dim,
+    value_stride_token,
+    value_stride_head,
+    value_stride_dim,
+    cache_stride_block,
+    cache_stride_offset,
+    cache_stride_head,
+    cache_stride_dim,
     row_size,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -49,12 +61,20 @@ def _store_kvcache_kernel(
     dim = (offs % HEAD_DIM).to(tl.int64)
     safe_slot = tl.maximum(slot, 0)
     block = safe_slot // BLOCK_SIZE
-    cache_offs = (block * cache_stride_block + (safe_slot % BLOCK_SIZE) * cache_stride_offset
-                  + head * cache_stride_head + dim * cache_stride_dim)
-    k = tl.load(key_ptr + token * key_stride_token + head * key_stride_head + dim * key_stride_dim,
-                mask=mask)
-    v = tl.load(value_ptr + token * value_stride_token + head * value_stride_head
-                + dim * value_stride_dim, mask=mask)
+    cache_offs = (
+        block * cache_stride_block
+        + (safe_slot % BLOCK_SIZE) * cache_stride_offset
+        + head * cache_stride_head
+        + dim * cache_stride_dim
+    )
+    k = tl.load(
+        key_ptr + token * key_stride_token + head * key_stride_head + dim * key_stride_dim,
+        mask=mask,
+    )
+    v = tl.load(
+        value_ptr + token * value_stride_token + head * value_stride_head + dim * value_stride_dim,
+        mask=mask,
+    )
     if FP8_MANTISSA > 0:
         k = _fp8_bits(k.to(tl.float32), FP8_MAX, FP8_MANTISSA, FP8_BIAS)
         v = _fp8_bits(v.to(tl.float32), FP8_MAX, FP8_MANTISSA, FP8_BIAS)
@@ -74,12 +94,15 @@ def _fp8_bits(x, MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
     # Normal: rebias the exponent, then drop 23 - MANTISSA mantissa bits rounding to nearest even;
     # a carry out of the mantissa steps the exponent, as it should (never past MAX, which is exact).
     rebiased = magnitude - ((127 - BIAS) << 23)
-    normal = (rebiased + ((1 << (22 - MANTISSA)) - 1) + ((rebiased >> (23 - MANTISSA)) & 1)) >> (23 - MANTISSA)
+    normal = (rebiased + ((1 << (22 - MANTISSA)) - 1) + ((rebiased >> (23 - MANTISSA)) & 1)) >> (
+        23 - MANTISSA
+    )
     # Below the smallest normal 2^(1 - BIAS): fp32 addition of 2^(24 - BIAS - MANTISSA), whose ulp
     # is the smallest fp8 subnormal, rounds |x| to nearest even on the subnormal grid; what is
     # added above that power of two is the fp8 byte (2^MANTISSA when |x| rounds up to a normal).
-    subnormal = ((tl.abs(x) + (1 << (24 - BIAS - MANTISSA))).to(tl.int32, bitcast=True)
-                 - ((151 - BIAS - MANTISSA) << 23))
+    subnormal = (tl.abs(x) + (1 << (24 - BIAS - MANTISSA))).to(tl.int32, bitcast=True) - (
+        (151 - BIAS - MANTISSA) << 23
+    )
     byte = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
     byte = tl.where(magnitude > 0x7F800000, 0x7F, byte)  # NaN: all exponent and mantissa bits set
     return byte | ((bits >> 24) & 0x80)
@@ -103,8 +126,10 @@ def store_kvcache_triton(
     num_tokens = key.shape[0] if key.dim() == 3 else -1
     expected = (num_tokens, num_kv_heads, head_dim)
     if key.dim() != 3 or tuple(key.shape) != expected or tuple(value.shape) != expected:
-        raise ValueError(f"key and value must be [num_tokens, {num_kv_heads}, {head_dim}], got "
-                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+        raise ValueError(
+            f"key and value must be [num_tokens, {num_kv_heads}, {head_dim}], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     check_int_dtype("slot_mapping", slot_mapping)
@@ -114,8 +139,10 @@ def store_kvcache_triton(
     check_cache_dtype("value_cache", value_cache)
     fp8 = fp8_format(key_cache.dtype)
     if (fp8 or fp8_format(value_cache.dtype)) and key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"an fp8 key_cache and value_cache must share a dtype, got {key_cache.dtype} "
-                         f"and {value_cache.dtype}")
+        raise ValueError(
+            f"an fp8 key_cache and value_cache must share a dtype, got {key_cache.dtype} "
+            f"and {value_cache.dtype}"
+        )
     check_triton_device(key, value, key_cache, value_cache, slot_mapping)
     if num_tokens == 0:
         return
@@ -127,11 +154,21 @@ def store_kvcache_triton(
     tile = min(next_power_of_2(row_size), 1024)
     grid = (num_tokens, cdiv(row_size, tile))
     _store_kvcache_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(),
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
         row_size,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, TILE=tile,
-        FP8_MAX=fp8_max, FP8_MANTISSA=mantissa, FP8_BIAS=bias,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        TILE=tile,
+        FP8_MAX=fp8_max,
+        FP8_MANTISSA=mantissa,
+        FP8_BIAS=bias,
         num_warps=4 if tile >= 512 else 1,
     )
 
@@ -165,7 +202,9 @@ def store_kvcache_reference(
     if head_major_k.is_contiguous() and head_major_v.is_contiguous():
         # [blocks, heads, block_size, dim] underneath: row (block * heads + head) * block_size + offset.
         heads = torch.arange(num_kv_heads, device=slots.device)
-        rows = ((blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]).flatten()
+        rows = (
+            (blocks[:, None] * num_kv_heads + heads[None, :]) * block_size + offsets[:, None]
+        ).flatten()
         head_major_k.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim))
         head_major_v.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim))
         return

@@ -12,6 +12,7 @@ stored value back into the query's dtype, which holds every fp8 value exactly, a
 what it does on a bf16 (or fp32) cache: an fp8 kernel's output is, bit for bit, the same kernel's
 on a cache in the query's dtype holding the same values.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,9 @@ def cache_dtype(name: str, activation_dtype: torch.dtype) -> torch.dtype:
     """The pool's torch dtype for a ``--kv-cache-dtype`` name; ValueError naming the supported
     ones for any other."""
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"unsupported kv_cache_dtype {name!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
+        raise ValueError(
+            f"unsupported kv_cache_dtype {name!r}; supported: {', '.join(KV_CACHE_DTYPES)}"
+        )
     return KV_CACHE_DTYPES[name] or activation_dtype
 
 

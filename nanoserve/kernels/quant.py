@@ -29,6 +29,7 @@ keeps the activations in their float dtype (no int8 rounding); its reference is 
 dequantize-then-matmul product in fp32, and the kernel agrees with it to fp32 rounding, not bit
 for bit (tests/kernels/test_fp8_gemm.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,13 +38,15 @@ import torch
 
 from nanoserve.kernels.gguf_formats import FORMATS, GGUF_QTYPES, format_code
 
-_COLS = 16   # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
+_COLS = 16  # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
 FP8 = "fp8_e4m3"  # the FP8 weight format (see the module's docstring)
-MXFP4 = "mxfp4"   # 4-bit E2M1 codes through MXFP4_U (see the module's docstring)
+MXFP4 = "mxfp4"  # 4-bit E2M1 codes through MXFP4_U (see the module's docstring)
 # An MXFP4 code (sign, 2 exponent bits, 1 mantissa bit) -> 12 + 2 x its value: gemm_quant.cpp's
 # kMxfp4Table.
-MXFP4_U = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
+MXFP4_U = torch.tensor(
+    [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8
+)
 
 
 def qtype_name(ggml_type) -> str:
@@ -51,8 +54,10 @@ def qtype_name(ggml_type) -> str:
     models/gguf/weights.py turns into the kernels' MXFP4 components); ValueError for any other type."""
     name = getattr(ggml_type, "name", str(ggml_type)).lower()
     if name not in GGUF_QTYPES and name != MXFP4:
-        raise ValueError(f"GGUF tensor type {name.upper()} is not supported for linear layers; "
-                         f"supported: {', '.join(t.upper() for t in (*GGUF_QTYPES, MXFP4))}")
+        raise ValueError(
+            f"GGUF tensor type {name.upper()} is not supported for linear layers; "
+            f"supported: {', '.join(t.upper() for t in (*GGUF_QTYPES, MXFP4))}"
+        )
     return name
 
 
@@ -60,9 +65,10 @@ def qtype_name(ggml_type) -> str:
 class QuantComponents:
     """A weight as the kernel sees it, from a format other than GGUF's bytes: weight =
     scale * (u - offset) (+ min), offset the one its kernel format (`QuantWeight.qtype`) implies."""
-    u: torch.Tensor                    # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4; MXFP4: codes)
-    scale: torch.Tensor                # fp32 [n, k / 32]: one scale per block of 32 (repeated)
-    mins: torch.Tensor | None = None   # fp32 [n, k / 32] (the Q4_1 format only)
+
+    u: torch.Tensor  # uint8 [n, k] (0..255 for 8 bits, 0..15 for 4; MXFP4: codes)
+    scale: torch.Tensor  # fp32 [n, k / 32]: one scale per block of 32 (repeated)
+    mins: torch.Tensor | None = None  # fp32 [n, k / 32] (the Q4_1 format only)
 
 
 @dataclass
@@ -71,13 +77,14 @@ class QuantWeight:
     checkpoint of another format, `components` in the kernel format named by `qtype` (q8_0:
     offset 128; q4_0: offset 8; q4_1: offset 0 and a min; fp8_e4m3; mxfp4: codes) and `raw` None. Once packed for the
     CPU kernel (pack_for_cpu) the packing is its only copy: `raw` and `components` are dropped."""
+
     qtype: str
     n: int
     k: int
-    raw: torch.Tensor | None             # uint8 [n, row_bytes]: GGUF bytes, rows in output order
-    packed: torch.Tensor | None = None   # the CPU kernel's own layout (pack_for_cpu)
+    raw: torch.Tensor | None  # uint8 [n, row_bytes]: GGUF bytes, rows in output order
+    packed: torch.Tensor | None = None  # the CPU kernel's own layout (pack_for_cpu)
     components: QuantComponents | None = None
-    planes: bool = False                 # packed as nibbles and bit planes (PLANES; Q5_K, Q6_K)
+    planes: bool = False  # packed as nibbles and bit planes (PLANES; Q5_K, Q6_K)
 
     @property
     def kernel_format(self) -> int:
@@ -93,7 +100,11 @@ class QuantWeight:
         if self.components is None:
             return self.packed.numel()
         parts = self.components
-        return sum(t.numel() * t.element_size() for t in (parts.u, parts.scale, parts.mins) if t is not None)
+        return sum(
+            t.numel() * t.element_size()
+            for t in (parts.u, parts.scale, parts.mins)
+            if t is not None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -118,8 +129,10 @@ def _check(raw: torch.Tensor, qtype: str, k: int) -> tuple[int, int]:
     if k % elements:
         raise ValueError(f"{qtype}: k={k} is not a multiple of its block of {elements}")
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // elements * nbytes:
-        raise ValueError(f"{qtype}: raw must be uint8 [n, {k // elements * nbytes}], got {raw.dtype} "
-                         f"{list(raw.shape)}")
+        raise ValueError(
+            f"{qtype}: raw must be uint8 [n, {k // elements * nbytes}], got {raw.dtype} "
+            f"{list(raw.shape)}"
+        )
     return elements, nbytes
 
 
@@ -162,8 +175,8 @@ def _k_parts(raw: torch.Tensor, qtype: str, k: int):
     n = raw.shape[0]
     blocks = raw.reshape(n, k // 256, nbytes)
     if qtype in ("q4_k", "q5_k"):
-        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])       # [n, nb, 1]
-        codes, min_codes = _q4_k_scale_min(blocks[..., 4:16])              # [n, nb, 8] each
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [n, nb, 1]
+        codes, min_codes = _q4_k_scale_min(blocks[..., 4:16])  # [n, nb, 8] each
         if qtype == "q4_k":
             u = _nibbles(blocks[..., 16:].reshape(n, -1, 4, 32), 32).reshape(n, k)
         else:
@@ -171,11 +184,18 @@ def _k_parts(raw: torch.Tensor, qtype: str, k: int):
         return u, 0, d, codes, dmin, min_codes
     # q6_k: ql [128], qh [64], scales int8 [16], d fp16
     ql, qh = blocks[..., :128], blocks[..., 128:192]
-    low = _nibbles(ql.reshape(n, -1, 2, 64), 64)                        # [n, nb, 2, 128]
+    low = _nibbles(ql.reshape(n, -1, 2, 64), 64)  # [n, nb, 2, 128]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
     high = ((qh.reshape(n, -1, 2, 1, 32) >> shifts) & 3).reshape(n, -1, 2, 128)
     u = (low | (high << 4)).reshape(n, k)
-    return u, 32, _half(blocks[..., 208:210]), blocks[..., 192:208].contiguous().view(torch.int8), None, None
+    return (
+        u,
+        32,
+        _half(blocks[..., 208:210]),
+        blocks[..., 192:208].contiguous().view(torch.int8),
+        None,
+        None,
+    )
 
 
 def _k_scales(d, codes, dmin, min_codes):
@@ -190,8 +210,8 @@ def _q5_k_values(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Q5_K's u: sub-block j's element l has bit j of qh[l] and the low (j even) or high nibble
     of qs[32 * (j // 2) + l]."""
     bits = torch.arange(8, dtype=torch.uint8)
-    qh = blocks[..., 16:48].unsqueeze(-2)                               # [n, nb, 1, 32]
-    high = (qh >> bits.reshape(8, 1)) & 1                               # [n, nb, 8, 32]
+    qh = blocks[..., 16:48].unsqueeze(-2)  # [n, nb, 1, 32]
+    high = (qh >> bits.reshape(8, 1)) & 1  # [n, nb, 8, 32]
     low = _nibbles(blocks[..., 48:].reshape(n, -1, 4, 32), 32).reshape(high.shape)
     return (low | (high << 4)).reshape(n, k)
 
@@ -202,9 +222,9 @@ def _q5_components(blocks: torch.Tensor, qtype: str, n: int, k: int):
     its nibble the low one of qs[i] (i < 16) or the high one of qs[i - 16]."""
     bits = torch.arange(8, dtype=torch.uint8)
     start = 2 if qtype == "q5_0" else 4
-    qh = blocks[..., start:start + 4].unsqueeze(-1)                          # [n, nb, 4, 1]
+    qh = blocks[..., start : start + 4].unsqueeze(-1)  # [n, nb, 4, 1]
     high = ((qh >> bits) & 1).reshape(n, -1, 32)
-    u = (_nibbles(blocks[..., start + 4:], 16) | (high << 4)).reshape(n, k)
+    u = (_nibbles(blocks[..., start + 4 :], 16) | (high << 4)).reshape(n, k)
     scale = _half(blocks[..., :2]).reshape(n, -1)
     if qtype == "q5_0":
         return u, 16, scale, None
@@ -231,7 +251,11 @@ def _stored_components(w: QuantWeight):
     """weight_components with `u` as the packing stores it (MXFP4: the codes)."""
     if w.raw is not None:
         return _components(w.raw.cpu(), w.qtype, w.k)
-    parts = w.components if w.components is not None else unpack_weight(w.packed, w.qtype, w.n, w.k, w.planes)
+    parts = (
+        w.components
+        if w.components is not None
+        else unpack_weight(w.packed, w.qtype, w.n, w.k, w.planes)
+    )
     mins = None if parts.mins is None else parts.mins.cpu()
     return parts.u.cpu(), FORMATS[w.qtype][2], parts.scale.cpu(), mins
 
@@ -265,6 +289,7 @@ def _dequantize_components(u, offset, scale, mins) -> torch.Tensor:
 
 # ---- activations, as the kernel quantizes them ----------------------------------------------
 
+
 def quantize_activations(x: torch.Tensor):
     """Each row per block of 32: (q int8 [m, k], dx fp32 [m, k/32], sums int32 [m, k/16]).
     dx = amax / 127, q = round-half-even(x * (1 / dx)) (0 where the block is ~0), as the kernel."""
@@ -272,8 +297,9 @@ def quantize_activations(x: torch.Tensor):
     blocks = x.float().reshape(m, k // _BLOCK, _BLOCK)
     amax = blocks.abs().amax(dim=-1)
     dx = amax / 127.0
-    inverse = torch.where(amax >= 2.0 ** -100, 1.0 / torch.where(dx > 0, dx, torch.ones_like(dx)),
-                          torch.zeros_like(dx))
+    inverse = torch.where(
+        amax >= 2.0**-100, 1.0 / torch.where(dx > 0, dx, torch.ones_like(dx)), torch.zeros_like(dx)
+    )
     q = torch.round(blocks * inverse.unsqueeze(-1)).to(torch.int8)
     sums = q.reshape(m, -1, 16).to(torch.int32).sum(dim=-1, dtype=torch.int32)
     return q.reshape(m, k), dx, sums
@@ -305,15 +331,18 @@ def reference_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -
         cols = slice(start, min(n, start + step))
         acc = torch.zeros(m, cols.stop - start)
         # exact integer dots of every scale group, as float64 (all well below 2^53)
-        dots = torch.einsum("mgc,ngc->mng", q.reshape(m, -1, group).double(),
-                            u[cols].reshape(-1, k // group, group).double())
+        dots = torch.einsum(
+            "mgc,ngc->mng",
+            q.reshape(m, -1, group).double(),
+            u[cols].reshape(-1, k // group, group).double(),
+        )
         dots = dots - offset * sums.reshape(m, -1, group // 16).sum(-1).double().unsqueeze(1)
         dots = dots.float()
         for g in range(k // group):
             b = g * group // _BLOCK
             acc = acc + (scale[cols, g].unsqueeze(0) * dx[:, b].unsqueeze(1)) * dots[:, :, g]
             if mins is not None:
-                block_sum = dx[:, b] * sums[:, 2 * b:2 * b + 2].sum(-1).float()
+                block_sum = dx[:, b] * sums[:, 2 * b : 2 * b + 2].sum(-1).float()
                 acc = acc + mins[cols, b].unsqueeze(0) * block_sum.unsqueeze(1)
         out[:, cols] = acc
     if bias is not None:
@@ -347,14 +376,20 @@ def packed_layout(qtype: str, planes: bool = False) -> tuple[int, int, int]:
     quants = 256 + 64 * _plane_bits(qtype, planes) if nibbles or planes else 512
     if qtype in COMPACT:
         codes = _COLS * (_BLOCK // group)
-        return quants, codes, ((8 * _COLS if has_min else 0) + 4 * _COLS * (2 if has_min else 1)) // 8
+        return (
+            quants,
+            codes,
+            ((8 * _COLS if has_min else 0) + 4 * _COLS * (2 if has_min else 1)) // 8,
+        )
     return quants, 4 * _COLS * (_BLOCK // group), (4 * _COLS if has_min else 0)
 
 
 def _pack_steps(u: torch.Tensor, groups: int, nb: int, nibbles: bool) -> torch.Tensor:
     """u [groups * 16, k] -> [groups, nb, quant bytes]: each block's quants as the VNNI steps read
     them (see pack_weight)."""
-    quants = u.reshape(groups, _COLS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [.., nb, 8 steps, 16 cols, 4]
+    quants = u.reshape(groups, _COLS, nb, 8, 4).permute(
+        0, 2, 3, 1, 4
+    )  # [.., nb, 8 steps, 16 cols, 4]
     if nibbles:
         quants = quants[:, :, :4] | (quants[:, :, 4:] << 4)
     return quants.reshape(groups, nb, -1)
@@ -371,8 +406,13 @@ def _pack_planes(u: torch.Tensor, groups: int, nb: int, bits: int) -> torch.Tens
     per_plane = 8 // bits  # steps a plane holds
     shifts = (bits * torch.arange(per_plane, dtype=torch.int32)).reshape(1, 1, per_plane, 1)
     planes = (high.reshape(groups, nb, bits, per_plane, 64) << shifts).sum(dim=3).to(torch.uint8)
-    return torch.cat([(low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(groups, nb, -1),
-                      planes.reshape(groups, nb, -1)], dim=-1)
+    return torch.cat(
+        [
+            (low[:, :, :4] | (low[:, :, 4:] << 4)).reshape(groups, nb, -1),
+            planes.reshape(groups, nb, -1),
+        ],
+        dim=-1,
+    )
 
 
 def _unpack_planes(quants: torch.Tensor, groups: int, nb: int, bits: int) -> torch.Tensor:
@@ -382,7 +422,11 @@ def _unpack_planes(quants: torch.Tensor, groups: int, nb: int, bits: int) -> tor
     per_plane = 8 // bits
     planes = quants[..., 256:].reshape(groups, nb, bits, 1, 64).to(torch.int32)
     shifts = (bits * torch.arange(per_plane, dtype=torch.int32)).reshape(1, 1, 1, per_plane, 1)
-    high = ((planes >> shifts) & ((1 << bits) - 1)).reshape(groups, nb, 8, _COLS, 4).permute(0, 3, 1, 2, 4)
+    high = (
+        ((planes >> shifts) & ((1 << bits) - 1))
+        .reshape(groups, nb, 8, _COLS, 4)
+        .permute(0, 3, 1, 2, 4)
+    )
     return (low | (high.to(torch.uint8) << 4)).reshape(groups * _COLS, nb * _BLOCK)
 
 
@@ -430,7 +474,9 @@ def _pack_compact(w: QuantWeight) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(groups, nb, -1).contiguous()
 
 
-def _unpack_compact(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool) -> QuantComponents:
+def _unpack_compact(
+    packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool
+) -> QuantComponents:
     nibbles, group, _, has_min = FORMATS[qtype]
     groups, supers, nb = packed.shape[0], k // 256, k // _BLOCK
     quant_bytes, code_bytes, _ = packed_layout(qtype, planes)
@@ -452,7 +498,9 @@ def _unpack_compact(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bo
     if has_min:
         dmin = _from_column_major(data[..., at + 4 * _COLS :], groups, n, torch.float32)
     scale, mins = _k_scales(d, codes, dmin, min_codes)
-    return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
+    return QuantComponents(
+        u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous()
+    )
 
 
 def pack_weight(w: QuantWeight) -> torch.Tensor:
@@ -479,15 +527,27 @@ def pack_weight(w: QuantWeight) -> torch.Tensor:
         quants = _pack_steps(u, groups, nb, nibbles)
     parts = [quants.reshape(groups, nb, -1)]
     per_block = _BLOCK // group
-    parts.append(scale.reshape(groups, _COLS, nb, per_block).permute(0, 2, 3, 1).contiguous()
-                 .view(torch.uint8).reshape(groups, nb, -1))
+    parts.append(
+        scale.reshape(groups, _COLS, nb, per_block)
+        .permute(0, 2, 3, 1)
+        .contiguous()
+        .view(torch.uint8)
+        .reshape(groups, nb, -1)
+    )
     if has_min:
-        parts.append(mins.reshape(groups, _COLS, nb).permute(0, 2, 1).contiguous()
-                     .view(torch.uint8).reshape(groups, nb, -1))
+        parts.append(
+            mins.reshape(groups, _COLS, nb)
+            .permute(0, 2, 1)
+            .contiguous()
+            .view(torch.uint8)
+            .reshape(groups, nb, -1)
+        )
     return torch.cat(parts, dim=-1).contiguous()
 
 
-def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool = False) -> QuantComponents:
+def unpack_weight(
+    packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool = False
+) -> QuantComponents:
     """pack_weight's inverse: the components of the first n columns of a packing."""
     if qtype in COMPACT:
         return _unpack_compact(packed, qtype, n, k, planes)
@@ -500,13 +560,27 @@ def unpack_weight(packed: torch.Tensor, qtype: str, n: int, k: int, planes: bool
         u = _unpack_steps(packed[..., :quants], groups, nb, nibbles)
     u = u.reshape(groups * _COLS, k)[:n]
     per_block = _BLOCK // group
-    scale = (packed[..., quants:quants + scales_bytes].contiguous().view(torch.float32)
-             .reshape(groups, nb, per_block, _COLS).permute(0, 3, 1, 2).reshape(groups * _COLS, -1)[:n])
+    scale = (
+        packed[..., quants : quants + scales_bytes]
+        .contiguous()
+        .view(torch.float32)
+        .reshape(groups, nb, per_block, _COLS)
+        .permute(0, 3, 1, 2)
+        .reshape(groups * _COLS, -1)[:n]
+    )
     mins = None
     if has_min:
-        mins = (packed[..., quants + scales_bytes:].contiguous().view(torch.float32)
-                .reshape(groups, nb, _COLS).permute(0, 2, 1).reshape(groups * _COLS, nb)[:n])
-    return QuantComponents(u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous())
+        mins = (
+            packed[..., quants + scales_bytes :]
+            .contiguous()
+            .view(torch.float32)
+            .reshape(groups, nb, _COLS)
+            .permute(0, 2, 1)
+            .reshape(groups * _COLS, nb)[:n]
+        )
+    return QuantComponents(
+        u.contiguous(), scale.contiguous(), None if mins is None else mins.contiguous()
+    )
 
 
 def pack_for_cpu(w: QuantWeight) -> None:
@@ -542,10 +616,20 @@ def _pack_in_slices(w: QuantWeight) -> torch.Tensor:
     for start in range(0, w.n, _PACK_ROWS):
         end = min(start + _PACK_ROWS, w.n)
         parts = w.components
-        piece = QuantWeight(w.qtype, end - start, w.k, None if w.raw is None else w.raw[start:end],
-                            components=None if parts is None else QuantComponents(
-                                parts.u[start:end], parts.scale[start:end],
-                                None if parts.mins is None else parts.mins[start:end]), planes=w.planes)
+        piece = QuantWeight(
+            w.qtype,
+            end - start,
+            w.k,
+            None if w.raw is None else w.raw[start:end],
+            components=None
+            if parts is None
+            else QuantComponents(
+                parts.u[start:end],
+                parts.scale[start:end],
+                None if parts.mins is None else parts.mins[start:end],
+            ),
+            planes=w.planes,
+        )
         slice_packing = pack_weight(piece)
         if packed is None:
             packed = slice_packing.new_empty((-(-w.n // _COLS), *slice_packing.shape[1:]))
@@ -584,8 +668,12 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
     return reference_gemm(x, w, bias)
 
 
-def quant_gemm_many(x: torch.Tensor, weights: list[QuantWeight], spans: list[tuple[int, int]],
-                    biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+def quant_gemm_many(
+    x: torch.Tensor,
+    weights: list[QuantWeight],
+    spans: list[tuple[int, int]],
+    biases: list[torch.Tensor | None],
+) -> torch.Tensor | None:
     """Rows start..end of x (span i) through weights[i] (+ biases[i]), all in one C++ call: [rows,
     n] in x.dtype, each row's bits those of quant_gemm on it. None where the C++ kernels can't take
     them all (not every weight packed, different n, n not a multiple of 16): then quant_gemm
@@ -597,7 +685,8 @@ def quant_gemm_many(x: torch.Tensor, weights: list[QuantWeight], spans: list[tup
         return None
     from nanoserve.kernels import cpu_ops
 
-    parts = [(w.kernel_format, w.packed, start, end, bias)
-             for w, (start, end), bias in zip(weights, spans, biases)]
+    parts = [
+        (w.kernel_format, w.packed, start, end, bias)
+        for w, (start, end), bias in zip(weights, spans, biases)
+    ]
     return cpu_ops.gemm_quant_many(x.contiguous(), parts, n)
-

@@ -26,6 +26,7 @@ Byte layouts (per row, blocks after one another; d, m, dmin are f16):
         2 high bits at bits 2t of byte 128 + 32h + l, scale 192 + 8h + l // 16 + 2t
                                                                      w = d * sc * (q - 32)
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,9 +40,22 @@ tl = None  # triton.language, bound on the first Triton launch (see triton_utils
 
 @lazy_jit
 def _gguf_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_om, row_bytes,
-    QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # QTYPE: kernels/gguf_formats.format_code (0 Q8_0, 1 Q4_0, 2 Q4_1, 3 Q4_K, 4 Q6_K, 5 Q5_0, 6 Q5_1, 7 Q5_K).
     rows_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -147,7 +161,9 @@ def _q5_k_chunk(base, sub, kk, wmask):
 def _q6_k_chunk(base, sub, kk, wmask):
     """Values 32 * sub .. 32 * sub + 31 of the Q6_K super-blocks at `base`: [BLOCK_N, 32] fp32."""
     half, quarter = sub // 4, sub % 4
-    low = tl.load(base + 64 * half + 32 * (quarter % 2) + kk[None, :], mask=wmask, other=0).to(tl.int32)
+    low = tl.load(base + 64 * half + 32 * (quarter % 2) + kk[None, :], mask=wmask, other=0).to(
+        tl.int32
+    )
     high = tl.load(base + 128 + 32 * half + kk[None, :], mask=wmask, other=0).to(tl.int32)
     q = ((low >> (4 * (quarter // 2))) & 15) | (((high >> (2 * quarter)) & 3) << 4)
     scale = tl.load(base + 192 + 8 * half + kk[None, :] // 16 + 2 * quarter, mask=wmask, other=0)
@@ -156,7 +172,9 @@ def _q6_k_chunk(base, sub, kk, wmask):
 
 
 def _bind_helpers() -> None:
-    bind_helpers(globals(), "_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk")
+    bind_helpers(
+        globals(), "_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk"
+    )
 
 
 def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
@@ -170,8 +188,14 @@ def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"x must be fp32, fp16 or bf16, got {x.dtype}")
     raw = w.raw
-    if raw.dtype != torch.uint8 or tuple(raw.shape) != (w.n, w.k // block * block_bytes) or w.k % block:
-        raise ValueError(f"raw must be uint8 [{w.n}, {w.k // block * block_bytes}], got {raw.dtype} {tuple(raw.shape)}")
+    if (
+        raw.dtype != torch.uint8
+        or tuple(raw.shape) != (w.n, w.k // block * block_bytes)
+        or w.k % block
+    ):
+        raise ValueError(
+            f"raw must be uint8 [{w.n}, {w.k // block * block_bytes}], got {raw.dtype} {tuple(raw.shape)}"
+        )
     tensors = [x, raw] + ([bias] if bias is not None else [])
     check_triton_device(*tensors)
     if bias is not None and tuple(bias.shape) != (w.n,):
@@ -186,10 +210,24 @@ def gguf_gemm(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
     block_n = 64
     grid = (cdiv(x.shape[0], block_m), cdiv(w.n, block_n))
     _gguf_gemm_kernel[grid](
-        x, raw, bias if bias is not None else x, out, x.shape[0], w.n, w.k, x.stride(0), out.stride(0),
-        raw.shape[1], QTYPE=code, BLOCK_BYTES=block_bytes, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4)
+        x,
+        raw,
+        bias if bias is not None else x,
+        out,
+        x.shape[0],
+        w.n,
+        w.k,
+        x.stride(0),
+        out.stride(0),
+        raw.shape[1],
+        QTYPE=code,
+        BLOCK_BYTES=block_bytes,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
+    )
     return out
 
 

@@ -1,19 +1,32 @@
 """RMSNorm and fused residual-add + RMSNorm. Statistics are computed in fp32."""
+
 from __future__ import annotations
 
 import torch
 
-from nanoserve.kernels.triton_utils import check_float_dtype, check_triton_device, lazy_jit, \
-    next_power_of_2
+from nanoserve.kernels.triton_utils import (
+    check_float_dtype,
+    check_triton_device,
+    lazy_jit,
+    next_power_of_2,
+)
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
 
 
 @lazy_jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
-    x_stride, residual_stride, out_stride, new_residual_stride,
-    hidden_size, eps,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    new_residual_ptr,
+    x_stride,
+    residual_stride,
+    out_stride,
+    new_residual_stride,
+    hidden_size,
+    eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -65,11 +78,19 @@ def _launch(x, residual, weight, eps):
     if rows.shape[0] > 0:
         block = next_power_of_2(hidden_size)
         _rms_norm_kernel[(rows.shape[0],)](
-            rows, residual_rows if residual is not None else rows, weight, out, new_residual,
-            rows.stride(0), residual_rows.stride(0) if residual is not None else 0,
-            out.stride(0), new_residual.stride(0),
-            hidden_size, float(eps),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            rows,
+            residual_rows if residual is not None else rows,
+            weight,
+            out,
+            new_residual,
+            rows.stride(0),
+            residual_rows.stride(0) if residual is not None else 0,
+            out.stride(0),
+            new_residual.stride(0),
+            hidden_size,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
             num_warps=min(16, max(1, block // 512)),
         )
     return out.view(x.shape), new_residual.view(x.shape)

@@ -1,12 +1,18 @@
 """Rotary position embedding, rotate-half layout (as Hugging Face Llama), applied in place."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-from nanoserve.kernels.triton_utils import check_float_dtype, check_int_dtype, \
-    check_triton_device, lazy_jit, next_power_of_2
+from nanoserve.kernels.triton_utils import (
+    check_float_dtype,
+    check_int_dtype,
+    check_triton_device,
+    lazy_jit,
+    next_power_of_2,
+)
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
 
@@ -32,7 +38,9 @@ def build_cos_sin_cache(
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention).float()
 
 
-def _longrope_cache(head_dim: int, max_position: int, base: float, rope_scaling: dict) -> torch.Tensor:
+def _longrope_cache(
+    head_dim: int, max_position: int, base: float, rope_scaling: dict
+) -> torch.Tensor:
     """Phi-3 / Phi-4-mini's LongRoPE: per-frequency factors, `short_factor` for positions below
     original_max_position_embeddings and `long_factor` from there on (per position, so a token's
     rotation never depends on the batch; transformers picks one set for a whole forward by its
@@ -48,8 +56,10 @@ def _longrope_cache(head_dim: int, max_position: int, base: float, rope_scaling:
     for name in ("short_factor", "long_factor"):
         factors = torch.tensor(rope_scaling[name], dtype=torch.float64)
         if factors.shape != exponents.shape:
-            raise ValueError(f"rope_scaling {name} has {factors.numel()} values, expected {exponents.numel()}")
-        halves.append(torch.outer(positions, 1.0 / (factors * base ** exponents)))
+            raise ValueError(
+                f"rope_scaling {name} has {factors.numel()} values, expected {exponents.numel()}"
+            )
+        halves.append(torch.outer(positions, 1.0 / (factors * base**exponents)))
     freqs = torch.where(positions[:, None] < original, halves[0], halves[1])
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * float(attention)).float()
 
@@ -58,8 +68,9 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, max_position: int, base: float,
-                   rope_scaling: dict) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, max_position: int, base: float, rope_scaling: dict
+) -> tuple[torch.Tensor, float]:
     """YaRN (Qwen2.5 / Qwen3 long context, gpt-oss, DeepSeek): frequencies that turn fewer than
     beta_slow times over the original context are divided by `factor`, those that turn more than
     beta_fast times are kept, a linear ramp (over the frequency index) between. Returns the
@@ -74,7 +85,9 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, max_position: int, bas
         else:
             attention = _yarn_mscale(factor)
 
-    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+    def correction_dim(
+        rotations: float,
+    ) -> float:  # the dim whose wavelength fits `rotations` times
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = correction_dim(float(rope_scaling.get("beta_fast") or 32))
@@ -108,7 +121,9 @@ def _scale_inv_freq(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, yarn)")
+    raise ValueError(
+        f"unsupported rope_scaling type {kind!r} (supported: linear, llama3, longrope, yarn)"
+    )
 
 
 def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -131,7 +146,9 @@ def _heads_side_by_side(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor 
         return None
     if key.data_ptr() != query.data_ptr() + query.shape[1] * head_dim * query.element_size():
         return None
-    return query.as_strided((query.shape[0], query.shape[1] + key.shape[1], head_dim), query.stride())
+    return query.as_strided(
+        (query.shape[0], query.shape[1] + key.shape[1], head_dim), query.stride()
+    )
 
 
 def apply_rotary_reference(
@@ -156,11 +173,19 @@ def apply_rotary_reference(
 
 @lazy_jit
 def _rotary_kernel(
-    query_ptr, key_ptr, positions_ptr, cos_sin_ptr,
-    query_stride_token, query_stride_head, query_stride_dim,
-    key_stride_token, key_stride_head, key_stride_dim,
+    query_ptr,
+    key_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    query_stride_token,
+    query_stride_head,
+    query_stride_dim,
+    key_stride_token,
+    key_stride_head,
+    key_stride_dim,
     cos_sin_stride,
-    num_heads, num_kv_heads,
+    num_heads,
+    num_kv_heads,
     HALF: tl.constexpr,
     HALF_PADDED: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
@@ -179,8 +204,12 @@ def _rotary_kernel(
 
     heads = tl.arange(0, HEADS_PADDED)
     mask = (heads[:, None] < num_heads) & dim_mask[None, :]
-    first = (query_ptr + token * query_stride_token + heads[:, None] * query_stride_head
-             + dims[None, :] * query_stride_dim)
+    first = (
+        query_ptr
+        + token * query_stride_token
+        + heads[:, None] * query_stride_head
+        + dims[None, :] * query_stride_dim
+    )
     second = first + HALF * query_stride_dim
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=mask, other=0.0).to(tl.float32)
@@ -189,8 +218,12 @@ def _rotary_kernel(
 
     kv_heads = tl.arange(0, KV_HEADS_PADDED)
     kv_mask = (kv_heads[:, None] < num_kv_heads) & dim_mask[None, :]
-    first = (key_ptr + token * key_stride_token + kv_heads[:, None] * key_stride_head
-             + dims[None, :] * key_stride_dim)
+    first = (
+        key_ptr
+        + token * key_stride_token
+        + kv_heads[:, None] * key_stride_head
+        + dims[None, :] * key_stride_dim
+    )
     second = first + HALF * key_stride_dim
     x1 = tl.load(first, mask=kv_mask, other=0.0).to(tl.float32)
     x2 = tl.load(second, mask=kv_mask, other=0.0).to(tl.float32)
@@ -206,8 +239,10 @@ def apply_rotary_triton(
 ) -> None:
     """Same contract as :func:`apply_rotary_reference`; query and key may be strided views."""
     if query.dim() != 3 or key.dim() != 3:
-        raise ValueError(f"query and key must be [num_tokens, heads, head_dim], got "
-                         f"{tuple(query.shape)} and {tuple(key.shape)}")
+        raise ValueError(
+            f"query and key must be [num_tokens, heads, head_dim], got "
+            f"{tuple(query.shape)} and {tuple(key.shape)}"
+        )
     num_tokens, num_heads, head_dim = query.shape
     if key.shape[0] != num_tokens or key.shape[2] != head_dim:
         raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}")
@@ -216,8 +251,9 @@ def apply_rotary_triton(
     if positions.dim() != 1 or positions.shape[0] != num_tokens:
         raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be [max_position, {head_dim}], got "
-                         f"{tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, {head_dim}], got {tuple(cos_sin_cache.shape)}"
+        )
     if cos_sin_cache.stride(1) != 1:
         raise ValueError("cos_sin_cache must be contiguous along head_dim")
     check_int_dtype("positions", positions)
@@ -229,10 +265,18 @@ def apply_rotary_triton(
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        query, key, positions, cos_sin_cache,
-        *query.stride(), *key.stride(), cos_sin_cache.stride(0),
-        num_heads, key.shape[1],
-        HALF=half, HALF_PADDED=next_power_of_2(half),
-        HEADS_PADDED=next_power_of_2(num_heads), KV_HEADS_PADDED=next_power_of_2(key.shape[1]),
+        query,
+        key,
+        positions,
+        cos_sin_cache,
+        *query.stride(),
+        *key.stride(),
+        cos_sin_cache.stride(0),
+        num_heads,
+        key.shape[1],
+        HALF=half,
+        HALF_PADDED=next_power_of_2(half),
+        HEADS_PADDED=next_power_of_2(num_heads),
+        KV_HEADS_PADDED=next_power_of_2(key.shape[1]),
         num_warps=4,
     )

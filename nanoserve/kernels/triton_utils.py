@@ -18,10 +18,11 @@ dependency (pyproject), so a top-level import would make the CPU path need a wor
 never runs; and ``triton.jit`` picks interpreter or compiler when it decorates, so an eager
 decorator would fix that choice at the first ``import nanoserve`` rather than the first launch.
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -88,16 +89,19 @@ def check_triton_device(*tensors: torch.Tensor) -> torch.device:
     if device.type != "cuda" and not envs.triton_interpret():
         raise RuntimeError(
             f"Triton kernels need CUDA tensors (got {device}); on a CPU set TRITON_INTERPRET=1 "
-            "before the first Triton kernel runs, or use NANOSERVE_KERNELS=reference")
+            "before the first Triton kernel runs, or use NANOSERVE_KERNELS=reference"
+        )
     return device
 
 
 def check_kv_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Both caches [num_blocks, block_size, num_kv_heads, head_dim] with one shape and strides."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache and value_cache must be the same 4-D shape [num_blocks, "
-                         f"block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
-                         f"and {tuple(value_cache.shape)}")
+        raise ValueError(
+            f"key_cache and value_cache must be the same 4-D shape [num_blocks, "
+            f"block_size, num_kv_heads, head_dim], got {tuple(key_cache.shape)} "
+            f"and {tuple(value_cache.shape)}"
+        )
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same strides")
 
@@ -116,9 +120,15 @@ def fp8_format(dtype: torch.dtype) -> tuple[float, int, int] | None:
 
 def check_cache_dtype(name: str, tensor: torch.Tensor) -> None:
     """A KV cache may also be fp8 (kernels/kv_dtype.py); what is written to it or read from it may not."""
-    if fp8_format(tensor.dtype) is None and tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{name} must be float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, "
-                         f"got {tensor.dtype}")
+    if fp8_format(tensor.dtype) is None and tensor.dtype not in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+    ):
+        raise ValueError(
+            f"{name} must be float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, "
+            f"got {tensor.dtype}"
+        )
 
 
 def check_int_dtype(name: str, tensor: torch.Tensor) -> None:

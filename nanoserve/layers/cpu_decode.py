@@ -11,14 +11,14 @@ with the same inputs from C++, so its hidden states have the same bits as the mo
 (tests/engine/test_cpu_decode.py checks that), and everything else (embedding, final norm, LM
 head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available, quant
+from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 from nanoserve.kernels.kv_dtype import fused_decode_kv_format
-
 
 _MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
 _LINEAR_ENTRIES = 2 + 3 * _MAX_PARTS  # count, (format, weights, n) a part, input order
@@ -44,15 +44,26 @@ def _linear_entry(linear: nn.Module) -> list[int] | None:
         for part in parts:
             entry += [part.kernel_format, part.packed.data_ptr(), part.n]
     else:
-        if linear.gemm_weight is None or linear.weight.dtype != torch.bfloat16 or linear.weight.shape[0] % 16:
+        if (
+            linear.gemm_weight is None
+            or linear.weight.dtype != torch.bfloat16
+            or linear.weight.shape[0] % 16
+        ):
             return None
         entry = [1, -1, linear.gemm_weight.data_ptr(), linear.weight.shape[0]]
     # Last: GPTQ's activation order (LinearBase.input_perm, int64 [k], kept alive by the layer), or 0.
     order = getattr(linear, "input_perm", None)
-    if order is not None and (order.dtype != torch.int64 or not order.is_contiguous()
-                              or order.shape[0] != linear.weight.shape[1]):
+    if order is not None and (
+        order.dtype != torch.int64
+        or not order.is_contiguous()
+        or order.shape[0] != linear.weight.shape[1]
+    ):
         return None
-    return entry + [0] * (_LINEAR_ENTRIES - 1 - len(entry)) + [0 if order is None else order.data_ptr()]
+    return (
+        entry
+        + [0] * (_LINEAR_ENTRIES - 1 - len(entry))
+        + [0 if order is None else order.data_ptr()]
+    )
 
 
 _MOE_ENTRIES = _LINEAR_ENTRIES + 5  # decode_layers.cpp's kMoeEntries: the router, then the experts
@@ -68,14 +79,24 @@ def _moe_entry(mlp: nn.Module) -> list[int] | None:
     experts = getattr(mlp, "experts", None)
     if experts is None:
         return [0] * _MOE_ENTRIES
-    if (getattr(mlp, "shared_expert", None) is not None or experts.cpu_table is None or experts.expert_map is not None
-            or experts.activation is not None or experts.w13_bias is not None):
+    if (
+        getattr(mlp, "shared_expert", None) is not None
+        or experts.cpu_table is None
+        or experts.expert_map is not None
+        or experts.activation is not None
+        or experts.w13_bias is not None
+    ):
         return None
     router = _linear_entry(mlp.gate)
     if router is None or mlp.gate.weight.shape[0] != experts.num_experts:
         return None
-    return router + [experts.cpu_table.data_ptr(), experts.num_experts, experts.top_k, int(experts.renormalize),
-                     experts.inter]
+    return router + [
+        experts.cpu_table.data_ptr(),
+        experts.num_experts,
+        experts.top_k,
+        int(experts.renormalize),
+        experts.inter,
+    ]
 
 
 def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
@@ -85,8 +106,13 @@ def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
     if q_norm is None and k_norm is None:
         return [0, 0]
     for norm in (q_norm, k_norm):
-        if (norm is None or norm.weight.dtype != torch.bfloat16 or norm.weight.shape != (attn.head_dim,)
-                or not norm.weight.is_contiguous() or norm.eps != eps):
+        if (
+            norm is None
+            or norm.weight.dtype != torch.bfloat16
+            or norm.weight.shape != (attn.head_dim,)
+            or not norm.weight.is_contiguous()
+            or norm.eps != eps
+        ):
             return None
     return [q_norm.weight.data_ptr(), k_norm.weight.data_ptr()]
 
@@ -94,15 +120,25 @@ def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
 class FusedDecode:
     def __init__(self, model: nn.Module, layer_table: torch.Tensor, config, kv_format: int) -> None:
         self.model = model
-        self.kv_format = kv_format  # the pools' elements (kv_dtype.fused_decode_kv_format): bf16 or fp8
+        self.kv_format = (
+            kv_format  # the pools' elements (kv_dtype.fused_decode_kv_format): bf16 or fp8
+        )
         # [layers, 6 + 4 * _LINEAR_ENTRIES + _MOE_ENTRIES] (addresses kept alive by the model)
         self.layer_table = layer_table
         self.hidden = config.hidden_size
         layers = model.model.layers
         attn = layers[0].self_attn
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+        )
         self.qkv_n = attn.q_size + 2 * attn.kv_size
-        dense = [layer.mlp.down_proj.weight.shape[1] for layer in layers if hasattr(layer.mlp, "down_proj")]
+        dense = [
+            layer.mlp.down_proj.weight.shape[1]
+            for layer in layers
+            if hasattr(layer.mlp, "down_proj")
+        ]
         self.inter = max(dense, default=0)
         # MoE layers: the widest router, top_k and expert intermediate size (the scratch's sizes).
         sparse = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
@@ -111,14 +147,19 @@ class FusedDecode:
         self.moe_inter = max((e.inter for e in sparse), default=0)
         # Scratch columns for inputs gathered in a layer's input order (GPTQ's activation order,
         # the last entry of a linear's row in the table); 0: no layer has one, no scratch.
-        entries = layer_table[:, 6 : 6 + 4 * _LINEAR_ENTRIES].reshape(layer_table.shape[0], 4, _LINEAR_ENTRIES)
-        self.gather_width = max(self.hidden, self.num_heads * self.head_dim, self.inter) \
-            if bool(entries[:, :, -1].any()) else 0
+        entries = layer_table[:, 6 : 6 + 4 * _LINEAR_ENTRIES].reshape(
+            layer_table.shape[0], 4, _LINEAR_ENTRIES
+        )
+        self.gather_width = (
+            max(self.hidden, self.num_heads * self.head_dim, self.inter)
+            if bool(entries[:, :, -1].any())
+            else 0
+        )
         self.eps = layers[0].input_layernorm.eps
         self.scale = attn.attn.scale
 
     @classmethod
-    def build(cls, model: nn.Module, world_size: int) -> "FusedDecode | None":
+    def build(cls, model: nn.Module, world_size: int) -> FusedDecode | None:
         """None unless every condition for the fused path holds for this model here."""
         from nanoserve.models.llama import LlamaForCausalLM
         from nanoserve.models.qwen3 import Qwen3ForCausalLM
@@ -126,8 +167,11 @@ class FusedDecode:
 
         # Exactly Llama's, Qwen3's and Qwen3-MoE's layers (not another family's subclass), no
         # sliding window (decode_layers.cpp attends to every key).
-        if (world_size != 1 or type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
-                or not fused_decode_layers_available()):
+        if (
+            world_size != 1
+            or type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+            or not fused_decode_layers_available()
+        ):
             return None
         if any(layer.self_attn.attn.sliding_window for layer in model.model.layers):
             return None
@@ -140,9 +184,14 @@ class FusedDecode:
         if kv_format is None:
             return None
         eps = model.model.layers[0].input_layernorm.eps
-        dense_inters = {layer.mlp.down_proj.weight.shape[1] for layer in model.model.layers
-                        if hasattr(layer.mlp, "down_proj")}
-        if len(dense_inters) > 1:  # one intermediate size for every dense layer (decode_layers.cpp's `inter`)
+        dense_inters = {
+            layer.mlp.down_proj.weight.shape[1]
+            for layer in model.model.layers
+            if hasattr(layer.mlp, "down_proj")
+        }
+        if (
+            len(dense_inters) > 1
+        ):  # one intermediate size for every dense layer (decode_layers.cpp's `inter`)
             return None
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -158,19 +207,33 @@ class FusedDecode:
             pool = attn.attn.key_cache
             if pool is None or pool.shape[1] != 16 or pool.dtype != cache.dtype:
                 return None
-            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                         attn.attn.key_cache.data_ptr(), attn.attn.value_cache.data_ptr(), *norms,
-                         *(value for entry in linears for value in entry), *moe])
+            rows.append(
+                [
+                    layer.input_layernorm.weight.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    attn.attn.key_cache.data_ptr(),
+                    attn.attn.value_cache.data_ptr(),
+                    *norms,
+                    *(value for entry in linears for value in entry),
+                    *moe,
+                ]
+            )
         return cls(model, torch.tensor(rows, dtype=torch.int64), config, kv_format)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, lora=None) -> torch.Tensor | None:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, lora=None
+    ) -> torch.Tensor | None:
         """The final-normed hidden states of a step of decodes only, or None (then use the model).
         `lora`: the step's LoRA rows, as (lora/manager.py's fused_table(), each row's slot)."""
         rows = input_ids.shape[0]
         if rows == 0 or metadata.num_decode_seqs != rows or metadata.seq_lens.shape[0] != rows:
             return None
-        if not (positions.dtype == torch.long and metadata.slot_mapping.dtype == torch.long
-                and metadata.block_table.is_contiguous() and metadata.block_table.dtype == torch.int32):
+        if not (
+            positions.dtype == torch.long
+            and metadata.slot_mapping.dtype == torch.long
+            and metadata.block_table.is_contiguous()
+            and metadata.block_table.dtype == torch.int32
+        ):
             return None
         if lora is not None and self.num_experts:  # adapters on a MoE model: the modules
             return None
@@ -179,12 +242,22 @@ class FusedDecode:
         if x.dtype != torch.bfloat16:
             return None
         new = x.new_empty
-        buffers = [x, new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden), new(rows, self.hidden),
-                   new(rows, self.qkv_n), new(rows, self.num_heads * self.head_dim), new(rows, 2 * self.inter),
-                   new(rows, self.inter), new(rows, self.gather_width),
-                   new(rows, self.num_experts), torch.empty(rows, self.top_k, dtype=torch.float32),
-                   torch.empty(rows, self.top_k, dtype=torch.int64),
-                   new(rows * self.top_k * (2 * self.hidden + 3 * self.moe_inter))]
+        buffers = [
+            x,
+            new(rows, self.hidden),
+            new(rows, self.hidden),
+            new(rows, self.hidden),
+            new(rows, self.hidden),
+            new(rows, self.qkv_n),
+            new(rows, self.num_heads * self.head_dim),
+            new(rows, 2 * self.inter),
+            new(rows, self.inter),
+            new(rows, self.gather_width),
+            new(rows, self.num_experts),
+            torch.empty(rows, self.top_k, dtype=torch.float32),
+            torch.empty(rows, self.top_k, dtype=torch.int64),
+            new(rows * self.top_k * (2 * self.hidden + 3 * self.moe_inter)),
+        ]
         addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         cos_sin = self.model.cos_sin_cache
         lora_arguments = None
@@ -192,12 +265,32 @@ class FusedDecode:
             (table, num_slots, rank, width), row_slots = lora
             if row_slots.dtype != torch.long or row_slots.shape[0] != rows:
                 return None
-            lora_arguments = (table, row_slots, num_slots, rank, new(rows, width),
-                              new(rows, max(self.qkv_n, self.hidden, 2 * self.inter)))
+            lora_arguments = (
+                table,
+                row_slots,
+                num_slots,
+                rank,
+                new(rows, width),
+                new(rows, max(self.qkv_n, self.hidden, 2 * self.inter)),
+            )
         which = fused_decode_layers(
-            self.layer_table, addresses, rows, self.hidden, self.qkv_n, self.inter, self.num_heads,
-            self.num_kv_heads, self.head_dim, self.eps, self.scale, positions, cos_sin, metadata, self.kv_format,
-            lora_arguments)
+            self.layer_table,
+            addresses,
+            rows,
+            self.hidden,
+            self.qkv_n,
+            self.inter,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+            positions,
+            cos_sin,
+            metadata,
+            self.kv_format,
+            lora_arguments,
+        )
         if which == 0:
             return None
         hidden, _ = model.norm(x, buffers[which])

@@ -10,11 +10,11 @@ nothing is packed.
 A weight our GEMM has packed is held once: the packing is every multiplication's operand from then
 on, so the bf16 parameter moves to the meta device (its shape and dtype stay for the fused decode
 step's tables), unless another module shares it (a tied LM head is the embedding's table)."""
+
 from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch import nn
 
 from nanoserve.kernels import quant

@@ -1,4 +1,5 @@
 """Vocab-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,9 @@ class FileRows:
     where its Q6_K rows in the file are 215 MB, paged in only as tokens use them). `qtype`: a
     kernels/quant.py block type, or None for rows of `file_dtype` (F32, F16, BF16)."""
 
-    def __init__(self, data: torch.Tensor, qtype: str | None, file_dtype: torch.dtype | None, k: int):
+    def __init__(
+        self, data: torch.Tensor, qtype: str | None, file_dtype: torch.dtype | None, k: int
+    ):
         self.data, self.qtype, self.file_dtype, self.k = data, qtype, file_dtype, k
 
     @property
@@ -44,8 +47,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.shard_size, vocab_size)
         # Empty: a loader writes every row this rank holds (pages never written take no memory);
         # the last rank's padding rows beyond the vocabulary are zeros.
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
-        self.weight.data[self.vocab_end - self.vocab_start:].zero_()
+        self.weight = nn.Parameter(
+            torch.empty(self.shard_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.weight.data[self.vocab_end - self.vocab_start :].zero_()
         self.weight.weight_loader = self.weight_loader
         # A GGUF model's table read from the file on lookup (models/gguf/weights.py); `weight`
         # then lives on the meta device.
@@ -91,7 +96,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             if logits.shape[-1] < self.shard_size:  # the last rank's padding rows: zero logits
                 logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
         else:
-            logits = unquantized_gemm(hidden, self.weight, None, self.gemm_weight, self.packed_weight)
+            logits = unquantized_gemm(
+                hidden, self.weight, None, self.gemm_weight, self.packed_weight
+            )
         if self.tp_size == 1:
             return logits
         gathered = gather_to_first(logits.contiguous(), dim=-1)

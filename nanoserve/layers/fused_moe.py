@@ -2,10 +2,11 @@
 with tensor parallelism over each expert's intermediate dimension (vLLM's default) or, with
 --enable-expert-parallel, whole experts per rank. Either way each rank computes its part of
 every token's output and one all-reduce sums the parts."""
+
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,8 +19,14 @@ from nanoserve.layers.quant_experts import BLOCK, QuantExpertStaging, shard_colu
 
 # Checkpoint names of an expert's three matrices -> (our stacked parameter, part): Mixtral's
 # w1 / w3 / w2, and Qwen-MoE's / OLMoE's gate_proj / up_proj / down_proj.
-EXPERT_PARTS = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", None),
-                "gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1), "down_proj": ("w2_weight", None)}
+EXPERT_PARTS = {
+    "w1": ("w13_weight", 0),
+    "w3": ("w13_weight", 1),
+    "w2": ("w2_weight", None),
+    "gate_proj": ("w13_weight", 0),
+    "up_proj": ("w13_weight", 1),
+    "down_proj": ("w2_weight", None),
+}
 
 
 class ReplicatedLinear(LinearBase):
@@ -33,9 +40,18 @@ class FusedMoE(nn.Module):
     """Every expert's gate/up and down matrices stacked ([experts, 2 * inter, hidden] and
     [experts, hidden, inter]), loaded expert by expert from the checkpoint's per-expert tensors."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype, expert_parallel: bool = False, bias: bool = False,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        dtype: torch.dtype,
+        expert_parallel: bool = False,
+        bias: bool = False,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         """`bias`: each expert's gate/up and down outputs have one (gpt-oss: w13_bias, w2_bias);
         `activation`: of the gate/up rows (None: SiLU x mul)."""
         super().__init__()
@@ -44,49 +60,70 @@ class FusedMoE(nn.Module):
         self.expert_parallel = expert_parallel and tp_size > 1
         if self.expert_parallel:
             if num_experts % tp_size:
-                raise ValueError(f"{num_experts} experts are not divisible by tensor parallel size {tp_size} "
-                                 f"(--enable-expert-parallel)")
+                raise ValueError(
+                    f"{num_experts} experts are not divisible by tensor parallel size {tp_size} "
+                    f"(--enable-expert-parallel)"
+                )
             local = num_experts // tp_size
-            self.first_expert, self.num_local_experts, self.inter = tp_rank * local, local, intermediate_size
+            self.first_expert, self.num_local_experts, self.inter = (
+                tp_rank * local,
+                local,
+                intermediate_size,
+            )
             expert_map = torch.full((num_experts,), -1, dtype=torch.long)
             expert_map[self.first_expert : self.first_expert + local] = torch.arange(local)
             self.register_buffer("expert_map", expert_map, persistent=False)
         else:
             if intermediate_size % tp_size:
-                raise ValueError(f"expert intermediate size {intermediate_size} is not divisible by tensor "
-                                 f"parallel size {tp_size}")
+                raise ValueError(
+                    f"expert intermediate size {intermediate_size} is not divisible by tensor "
+                    f"parallel size {tp_size}"
+                )
             self.first_expert, self.num_local_experts = 0, num_experts
             self.inter = intermediate_size // tp_size
             self.expert_map = None
         self.tp_rank = tp_rank
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, hidden_size, dtype=dtype),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.inter, dtype=dtype),
-                                      requires_grad=False)
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, 2 * self.inter, hidden_size, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_local_experts, hidden_size, self.inter, dtype=dtype),
+            requires_grad=False,
+        )
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.activation = activation
         self.w13_bias = self.w2_bias = None
         if bias:
-            self.w13_bias = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.inter, dtype=dtype),
-                                         requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, dtype=dtype),
-                                        requires_grad=False)
+            self.w13_bias = nn.Parameter(
+                torch.empty(self.num_local_experts, 2 * self.inter, dtype=dtype),
+                requires_grad=False,
+            )
+            self.w2_bias = nn.Parameter(
+                torch.empty(self.num_local_experts, hidden_size, dtype=dtype), requires_grad=False
+            )
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
         self.packed: tuple | None = None  # see prepack_gemm
         self.cpu_table: torch.Tensor | None = None  # kernels/fused_moe.cpu_expert_table of `packed`
         # A quantized checkpoint's experts kept in a kernel format (layers/quant_experts.py):
         # "w13" / "w2" -> one QuantWeight per local expert, for the matrices that are.
-        self.quant_staging = QuantExpertStaging(self.num_local_experts, {"w13": hidden_size, "w2": self.inter})
+        self.quant_staging = QuantExpertStaging(
+            self.num_local_experts, {"w13": hidden_size, "w2": self.inter}
+        )
         self.quant_experts: dict[str, list] = {}
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]
+    ) -> None:
         """`shard_id`: (global expert index, 0 gate / 1 up / None down), or (None, None) for all
         experts in one tensor (transformers 5's own layout: gate_up_proj [experts, 2 * inter,
         hidden], down_proj [experts, hidden, inter]). Experts of other ranks are skipped; with
         the intermediate dimension split, this rank's rows (gate, up) or columns (down)."""
         expert, part = shard_id
-        if hasattr(loaded, "kernel_components"):  # a quantized stacked tensor (models/mxfp4.Mxfp4Weight)
+        if hasattr(
+            loaded, "kernel_components"
+        ):  # a quantized stacked tensor (models/mxfp4.Mxfp4Weight)
             self._load_stacked_quantized(param, loaded)
             return
         if expert is None:
@@ -106,14 +143,18 @@ class FusedMoE(nn.Module):
         if part is None:
             param.data[local].copy_(loaded[:, start : start + self.inter])
         else:
-            param.data[local, part * self.inter : (part + 1) * self.inter].copy_(loaded[start : start + self.inter])
+            param.data[local, part * self.inter : (part + 1) * self.inter].copy_(
+                loaded[start : start + self.inter]
+            )
 
     def _load_stacked_quantized(self, param: nn.Parameter, loaded) -> None:
         """Every expert's matrix in one quantized tensor, [experts, outputs (gate rows then up rows
         for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU) and
         the shard is whole blocks, dequantized into the parameter otherwise."""
         if not quant.takes_components(param.device) or not self.takes_quantized(param):
-            FusedMoE.weight_loader(self, param, loaded.dequantized(param.dtype), (None, None))  # our layout
+            FusedMoE.weight_loader(
+                self, param, loaded.dequantized(param.dtype), (None, None)
+            )  # our layout
             return
         for local in range(self.num_local_experts):
             expert = self.first_expert + local
@@ -123,16 +164,25 @@ class FusedMoE(nn.Module):
                 continue
             total = one["u"].shape[0] // 2
             for part in (0, 1):
-                self.load_quantized(param, {key: a[part * total : (part + 1) * total] for key, a in one.items()},
-                                    qtype, (expert, part))
+                self.load_quantized(
+                    param,
+                    {key: a[part * total : (part + 1) * total] for key, a in one.items()},
+                    qtype,
+                    (expert, part),
+                )
 
     def takes_quantized(self, param: nn.Parameter) -> bool:
         """Whether this rank's shard of the matrix is whole blocks of 32 inputs (down's inputs
         are the split intermediate dimension)."""
         return param is self.w13_weight or self.expert_parallel or self.inter % BLOCK == 0
 
-    def load_quantized(self, param: nn.Parameter, arrays: dict[str, torch.Tensor], qtype: str,
-                       shard_id: tuple[int, int | None]) -> None:
+    def load_quantized(
+        self,
+        param: nn.Parameter,
+        arrays: dict[str, torch.Tensor],
+        qtype: str,
+        shard_id: tuple[int, int | None],
+    ) -> None:
         """One expert's matrix (or its gate / up part) as kernel components (kernels/quant.py:
         "u" [rows, k], "scale" and "mins" [rows, k / 32]), kept in that format: this rank's rows
         (gate, up) or whole blocks of 32 of its columns (down; see takes_quantized)."""
@@ -145,7 +195,9 @@ class FusedMoE(nn.Module):
             arrays = shard_columns(arrays, start, self.inter, qtype)
         else:
             arrays = {key: a[start : start + self.inter] for key, a in arrays.items()}
-        self.quant_staging.add("w13" if param is self.w13_weight else "w2", local, part, qtype, arrays)
+        self.quant_staging.add(
+            "w13" if param is self.w13_weight else "w2", local, part, qtype, arrays
+        )
 
     def finish_quantized(self) -> None:
         """The staged quantized experts into QuantWeights (models/weights.load_weights calls it once
@@ -155,7 +207,11 @@ class FusedMoE(nn.Module):
             weights = self.quant_staging.finish(matrix)
             if weights is not None:
                 self.quant_experts[matrix] = weights
-                setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))
+                setattr(
+                    self,
+                    f"{matrix}_weight",
+                    nn.Parameter(param.detach().to("meta"), requires_grad=False),
+                )
 
     def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """Every expert's biases in one tensor: w13_bias [experts, 2 * inter] (gate, then up) or
@@ -163,7 +219,9 @@ class FusedMoE(nn.Module):
         gate and up parts, and the down bias on rank 0 only (the all-reduce adds it once)."""
         loaded = loaded[self.first_expert : self.first_expert + self.num_local_experts]
         if param is self.w2_bias:
-            param.data.copy_(loaded if self.expert_parallel or self.tp_rank == 0 else torch.zeros_like(loaded))
+            param.data.copy_(
+                loaded if self.expert_parallel or self.tp_rank == 0 else torch.zeros_like(loaded)
+            )
             return
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         total = loaded.shape[1] // 2
@@ -187,7 +245,11 @@ class FusedMoE(nn.Module):
             else:
                 packings.append(pack_expert_weights(param))
                 if packings[-1] is not None:
-                    setattr(self, f"{matrix}_weight", nn.Parameter(param.detach().to("meta"), requires_grad=False))
+                    setattr(
+                        self,
+                        f"{matrix}_weight",
+                        nn.Parameter(param.detach().to("meta"), requires_grad=False),
+                    )
         self.packed = tuple(packings) if any(p is not None for p in packings) else None
         self.cpu_table = cpu_expert_table(self.w13_weight, self.w2_weight, self.packed)
         return all(p is not None for p in packings)
@@ -195,8 +257,19 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         packed = self.packed or (self.quant_experts.get("w13"), self.quant_experts.get("w2"))
-        out = fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                        self.expert_map, packed, bias, self.activation, self.cpu_table)
+        out = fused_moe(
+            hidden,
+            router_logits,
+            self.w13_weight,
+            self.w2_weight,
+            self.top_k,
+            self.renormalize,
+            self.expert_map,
+            packed,
+            bias,
+            self.activation,
+            self.cpu_table,
+        )
         return all_reduce(out)
 
 

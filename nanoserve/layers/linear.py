@@ -4,6 +4,7 @@ Each parameter owns a ``weight_loader(param, loaded, shard_id=None)``; the loade
 lazy slice object (safetensors ``get_slice``) or a tensor, and reads only this rank's rows or
 columns, so a rank holds about 1/N of the weights.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +32,10 @@ def qkv_heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple
     if num_kv_heads >= tp_size:
         return heads, divide(num_kv_heads, tp_size, "the model's {} KV heads")
     if tp_size % num_kv_heads:
-        raise ValueError(f"tensor parallel size {tp_size} is not a multiple of the model's {num_kv_heads} "
-                         "KV heads (needed to replicate them)")
+        raise ValueError(
+            f"tensor parallel size {tp_size} is not a multiple of the model's {num_kv_heads} "
+            "KV heads (needed to replicate them)"
+        )
     return heads, 1
 
 
@@ -67,7 +70,9 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_world_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
         self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
@@ -92,7 +97,9 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         param.data.copy_(_read(loaded, None))
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None) -> torch.Tensor:
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None
+    ) -> torch.Tensor:
         # The kernel (our CPU GEMMs, oneDNN, cuBLAS; for GGUF blocks kernels/quant.py's) is
         # kernels/gemm.py's choice.
         if self.quant_weight is not None or self.quant_parts is not None:
@@ -105,13 +112,16 @@ class LinearBase(nn.Module):
         return out if self.lora is None else self.lora.add_to(x, out, rows)
 
 
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        super().__init__(input_size, divide(output_size, get_tp_world_size(), "a layer's {} output features"),
-                         bias, dtype)
+        super().__init__(
+            input_size,
+            divide(output_size, get_tp_world_size(), "a layer's {} output features"),
+            bias,
+            dtype,
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         rows = param.shape[0]
@@ -138,7 +148,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard_size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         start = self.tp_rank * shard_size
-        param.data[offset : offset + shard_size].copy_(_read(loaded, slice(start, start + shard_size)))
+        param.data[offset : offset + shard_size].copy_(
+            _read(loaded, slice(start, start + shard_size))
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -146,8 +158,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     split when there are at least as many as ranks, otherwise each is replicated on
     tp_size / num_kv_heads ranks (GQA with few KV heads)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype: torch.dtype,
+    ):
         tp_size = get_tp_world_size()
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp_size)
@@ -176,8 +195,12 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
-        super().__init__(divide(input_size, get_tp_world_size(), "a layer's {} input features"), output_size,
-                         bias, dtype)
+        super().__init__(
+            divide(input_size, get_tp_world_size(), "a layer's {} input features"),
+            output_size,
+            bias,
+            dtype,
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias is added once, after the reduction

@@ -5,6 +5,7 @@ here as its loaders read them (this rank's rows of gate and up; of down, whole b
 columns: 32, or a GGUF type's block), each expert's weight made and packed once its parts are in;
 `finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
 other may stay float: a down matrix whose shard is not whole blocks)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,9 @@ class QuantExpertStaging:
         self.parts: dict[str, list[dict]] = {}
         self.weights: dict[str, list[quant.QuantWeight | None]] = {}
 
-    def add(self, matrix: str, local: int, part: int | None, qtype: str, arrays: dict[str, torch.Tensor]) -> None:
+    def add(
+        self, matrix: str, local: int, part: int | None, qtype: str, arrays: dict[str, torch.Tensor]
+    ) -> None:
         """`arrays`: kernel components ("u", "scale", optional "mins") or a GGUF file's rows ("raw")."""
         experts = self.parts.setdefault(matrix, [{} for _ in range(self.num_local_experts)])
         experts[local][part] = (qtype, {key: array.contiguous() for key, array in arrays.items()})
@@ -36,7 +39,9 @@ class QuantExpertStaging:
         expert, experts[local] = experts[local], {}
         qtypes = {expert[p][0] for p in MATRICES[matrix]}
         if len(qtypes) != 1:
-            raise ValueError(f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}")
+            raise ValueError(
+                f"an expert's gate and up matrices are in different formats: {sorted(qtypes)}"
+            )
         ordered = [expert[p][1] for p in MATRICES[matrix]]
         if {frozenset(a) for a in ordered} != {frozenset(ordered[0])}:
             raise ValueError("an expert's gate and up matrices are stored in different kinds")
@@ -58,18 +63,26 @@ class QuantExpertStaging:
         if weights is None and pending is None:
             return None
         if weights is None or any(w is None for w in weights) or any(pending or ()):
-            raise ValueError("a quantized MoE checkpoint must hold every expert's gate, up and down "
-                             "matrices in one kind (quantized or float) each")
+            raise ValueError(
+                "a quantized MoE checkpoint must hold every expert's gate, up and down "
+                "matrices in one kind (quantized or float) each"
+            )
         return weights
 
 
-def shard_columns(arrays: dict[str, torch.Tensor], start: int, size: int, qtype: str) -> dict[str, torch.Tensor]:
+def shard_columns(
+    arrays: dict[str, torch.Tensor], start: int, size: int, qtype: str
+) -> dict[str, torch.Tensor]:
     """Columns start..start + size of components (whole blocks of 32: u's, and the per-block
     arrays' blocks) or of a GGUF file's rows ("raw": whole blocks of the type's size)."""
     if "raw" in arrays:
         block, nbytes = quant.GGUF_QTYPES[qtype]
         if start % block or size % block:
-            raise ValueError(f"{qtype.upper()} rows split at {start}..{start + size}: not whole blocks of {block}")
+            raise ValueError(
+                f"{qtype.upper()} rows split at {start}..{start + size}: not whole blocks of {block}"
+            )
         return {"raw": arrays["raw"][:, start // block * nbytes : (start + size) // block * nbytes]}
     blocks = slice(start // BLOCK, (start + size) // BLOCK)
-    return {key: a[:, start : start + size] if key == "u" else a[:, blocks] for key, a in arrays.items()}
+    return {
+        key: a[:, start : start + size] if key == "u" else a[:, blocks] for key, a in arrays.items()
+    }

@@ -4,6 +4,7 @@ Randomness is an exponential race (argmax of p / E with E ~ Exp(1)), which equal
 from p. Each seeded request draws its noise from its own generator, so its tokens do not depend
 on what else is in the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,9 +39,14 @@ class SamplingBatch:
     def argmax_only(self) -> bool:
         """Greedy with nothing else asked for: once any bitmask is applied, the tokens are the
         logits' argmax."""
-        return (self.all_greedy and self.max_logprobs < 0 and self.logit_bias is None
-                and self.repetition_penalty is None and self.frequency_penalty is None
-                and self.presence_penalty is None)
+        return (
+            self.all_greedy
+            and self.max_logprobs < 0
+            and self.logit_bias is None
+            and self.repetition_penalty is None
+            and self.frequency_penalty is None
+            and self.presence_penalty is None
+        )
 
     @property
     def plain_greedy(self) -> bool:
@@ -53,6 +59,7 @@ class SamplingBatch:
 @dataclass(slots=True)
 class LogprobsTensors:
     """Per row: a given token's logprob and rank, then the k most likely tokens."""
+
     logprobs: torch.Tensor  # [R, 1 + k] the given token's logprob, then the top k
     token_ids: torch.Tensor  # [R, 1 + k]
     ranks: torch.Tensor  # [R] rank of the given token (1 = best)
@@ -71,15 +78,20 @@ class SamplerOutput:
     spec: list | None = None
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> LogprobsTensors:
     """`token_ids[row]`'s logprob and rank in each row of `logprobs`, then the `num_top` best."""
     chosen = logprobs.gather(1, token_ids[:, None])
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     if num_top <= 0:
         return LogprobsTensors(chosen, token_ids[:, None], ranks)
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    return LogprobsTensors(torch.cat([chosen, top_values], dim=1),
-                           torch.cat([token_ids[:, None], top_ids], dim=1), ranks)
+    return LogprobsTensors(
+        torch.cat([chosen, top_values], dim=1),
+        torch.cat([token_ids[:, None], top_ids], dim=1),
+        ranks,
+    )
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -91,7 +103,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.frequency_penalty is not None:
         logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
     if batch.presence_penalty is not None:
-        logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).to(logits.dtype)
+        logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).to(
+            logits.dtype
+        )
     return logits
 
 
@@ -150,8 +164,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=batch.default_generator)
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_(generator=batch.default_generator)
         for i, generator in enumerate(batch.generators):
             if generator is not None:
                 noise[i].exponential_(generator=generator)
@@ -160,5 +175,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     out = SamplerOutput(tokens, None, None, None)
     if batch.max_logprobs >= 0:
         gathered = gather_logprobs(raw_logprobs, tokens, batch.max_logprobs)
-        out.logprobs, out.logprob_token_ids, out.ranks = gathered.logprobs, gathered.token_ids, gathered.ranks
+        out.logprobs, out.logprob_token_ids, out.ranks = (
+            gathered.logprobs,
+            gathered.token_ids,
+            gathered.ranks,
+        )
     return out

@@ -13,6 +13,7 @@ Both go through kernels/gemm.py's unquantized_gemm with the layer's row tiling, 
 where it takes the shape, so a row's delta depends on that row alone (batch invariance), and a
 row of the base model gets exactly 0 added. A step without LoRA rows skips all of it.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -62,8 +63,16 @@ def lora_batch(batch: LoRABatch | None):
 class LoRALinear:
     """A linear layer's adapter slots (layers/linear.py's LinearBase.matmul calls add_to)."""
 
-    def __init__(self, out_features: int, in_features: int, parts: list, num_slots: int, rank: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        out_features: int,
+        in_features: int,
+        parts: list,
+        num_slots: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.parts = parts  # the weight_loader shard ids of the projections fused in the layer
         self.num_slots, self.rank = num_slots, rank
         self.width = -(-len(parts) * num_slots * rank // _GEMM_K) * _GEMM_K
@@ -89,8 +98,8 @@ class LoRALinear:
             if part in pieces:
                 a, b = pieces[part]
                 r = a.shape[0]
-                self.a[cols.start:cols.start + r] = a
-                self.b[:, cols.start:cols.start + r] = b
+                self.a[cols.start : cols.start + r] = a
+                self.b[:, cols.start : cols.start + r] = b
         self.filled.discard(slot)
         if pieces:
             self.filled.add(slot)
@@ -102,7 +111,9 @@ class LoRALinear:
         if batch is None or not self.filled:
             return out
         if x.shape[0] != batch.row_slots.shape[0]:
-            raise RuntimeError(f"a LoRA layer got {x.shape[0]} rows in a step of {batch.row_slots.shape[0]}")
+            raise RuntimeError(
+                f"a LoRA layer got {x.shape[0]} rows in a step of {batch.row_slots.shape[0]}"
+            )
         shrink = unquantized_gemm(x, self.a, None, self.a_gemm, None, rows)
         shrink = shrink * batch.mask(len(self.parts), self.width, shrink.dtype)
         out += unquantized_gemm(shrink, self.b, None, self.b_gemm, None, rows)

@@ -8,6 +8,7 @@ driver decides each step which adapter is in which of the --max-loras slots (`as
 already placed stay) and sends that table with the step; every rank fills the slots it names
 (`apply`), so all ranks agree whatever order the steps come in.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,14 @@ _LAYER = re.compile(r"(.*\.layers\.)(\d+)(\..+)")
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         self.packed_modules: dict = getattr(model, "packed_modules", {})
@@ -33,9 +40,13 @@ class LoRAManager:
         for name, module in model.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, LinearBase):
                 leaf = name.rsplit(".", 1)[-1]
-                parts = [shard for fused, shard in self.packed_modules.values() if fused == leaf] or [None]
+                parts = [
+                    shard for fused, shard in self.packed_modules.values() if fused == leaf
+                ] or [None]
                 out_features, in_features = module.weight.shape
-                module.lora = LoRALinear(out_features, in_features, parts, num_slots, max_rank, dtype, device)
+                module.lora = LoRALinear(
+                    out_features, in_features, parts, num_slots, max_rank, dtype, device
+                )
                 self.linears[name] = module
         if not self.linears:
             raise LoRAError(f"{type(model).__name__} has no linear layers LoRA can apply to")
@@ -52,8 +63,10 @@ class LoRAManager:
         """Every layer's LoRA GEMMs go through kernels/cpu/gemm*.cpp (rows invariant unpadded)."""
         from nanoserve.kernels.gemm import gemm_packing
 
-        return all(gemm_packing(m.lora.a[:32]) is not None and gemm_packing(m.lora.b) is not None
-                   for m in self.linears.values())
+        return all(
+            gemm_packing(m.lora.a[:32]) is not None and gemm_packing(m.lora.b) is not None
+            for m in self.linears.values()
+        )
 
     def _target(self, module: str, adapter: str) -> tuple[str, int] | None:
         """A checkpoint module name -> (our layer's name, its part), or None when the layer is on
@@ -66,13 +79,22 @@ class LoRAManager:
             if shard in lora.parts:
                 return name, lora.parts.index(shard)
         match = _LAYER.fullmatch(name)
-        if (match and int(match.group(2)) < self.num_layers and shard in (None, *[s for f, s in self.packed_modules.values() if f == fused])
-                and _LAYER.sub(r"\1*\3", name) in self.layer_patterns):
+        if (
+            match
+            and int(match.group(2)) < self.num_layers
+            and shard in (None, *[s for f, s in self.packed_modules.values() if f == fused])
+            and _LAYER.sub(r"\1*\3", name) in self.layer_patterns
+        ):
             return None
-        supported = sorted({p.rsplit(".", 1)[-1] for p in self.layer_patterns} - {f for f, _ in self.packed_modules.values()}
-                           | set(self.packed_modules))
-        raise LoRAError(f"LoRA adapter {adapter!r} targets {module}, which nanoserve can't apply it to "
-                        f"(it serves adapters on {', '.join(supported)})")
+        supported = sorted(
+            {p.rsplit(".", 1)[-1] for p in self.layer_patterns}
+            - {f for f, _ in self.packed_modules.values()}
+            | set(self.packed_modules)
+        )
+        raise LoRAError(
+            f"LoRA adapter {adapter!r} targets {module}, which nanoserve can't apply it to "
+            f"(it serves adapters on {', '.join(supported)})"
+        )
 
     def add(self, adapter_id: int, path: str) -> None:
         """Read an adapter and keep this rank's share of it (replacing any under the same id)."""
@@ -97,11 +119,15 @@ class LoRAManager:
                 if a.shape[1] != in_features or b.shape[0] != out_features:
                     raise RuntimeError("shape")
             except RuntimeError:
-                raise LoRAError(f"LoRA adapter {path!r}: {module}'s A {list(weights.a.shape)} / B "
-                                f"{list(weights.b.shape)} do not fit the model's layer") from None
+                raise LoRAError(
+                    f"LoRA adapter {path!r}: {module}'s A {list(weights.a.shape)} / B "
+                    f"{list(weights.b.shape)} do not fit the model's layer"
+                ) from None
             pieces.setdefault(name, {})[part] = (a.to(self.dtype), b.to(self.dtype))
-        self.adapters[adapter_id] = {name: {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in parts.items()}
-                                     for name, parts in pieces.items()}
+        self.adapters[adapter_id] = {
+            name: {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in parts.items()}
+            for name, parts in pieces.items()
+        }
         if adapter_id in self.slots:  # replaced: the slot must be filled again
             self._fill(self.slots.index(adapter_id), adapter_id)
 
@@ -125,18 +151,31 @@ class LoRAManager:
         if self._fused is None:
             rows, widest, packed = [], _GEMM_K, True
             for layer in model.model.layers:
-                for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                               getattr(layer.mlp, "gate_up_proj", None), getattr(layer.mlp, "down_proj", None)):
+                for linear in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    getattr(layer.mlp, "gate_up_proj", None),
+                    getattr(layer.mlp, "down_proj", None),
+                ):
                     lora = getattr(linear, "lora", None)  # (a MoE layer has no MLP linears)
                     if lora is None or not lora.filled:
                         rows.append([0, 0, 0, 0])
                         continue
                     packed = packed and lora.a_gemm is not None and lora.b_gemm is not None
-                    rows.append([lora.a_gemm.data_ptr() if packed else 0, lora.b_gemm.data_ptr() if packed else 0,
-                                 lora.width, len(lora.parts)])
+                    rows.append(
+                        [
+                            lora.a_gemm.data_ptr() if packed else 0,
+                            lora.b_gemm.data_ptr() if packed else 0,
+                            lora.width,
+                            len(lora.parts),
+                        ]
+                    )
                     widest = max(widest, lora.width)
-            self._fused = (torch.tensor(rows, dtype=torch.int64), self.num_slots, self.max_rank, widest) if packed \
+            self._fused = (
+                (torch.tensor(rows, dtype=torch.int64), self.num_slots, self.max_rank, widest)
+                if packed
                 else (None,)
+            )
         return None if self._fused[0] is None else self._fused
 
     # ---- each step ------------------------------------------------------------------------------

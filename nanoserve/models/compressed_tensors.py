@@ -29,6 +29,7 @@ targets name it (exactly or by `re:` regex), else the group targeting "Linear". 
 kernels can't take (inputs not a multiple of 32, groups that aren't, a MoE expert, any layer
 on CUDA, where the Triton kernel reads GGUF bytes) is dequantized into its float weight at load.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,19 +48,27 @@ _FLOAT_FORMAT = "float-quantized"
 _FORMATS = (*_INT_FORMATS, "pack-quantized", _FLOAT_FORMAT)
 _STRATEGIES = ("channel", "group", "tensor")
 # The tensors beside a quantized layer's weight; `input_*` are read and not used.
-_ROLES = ("weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
-          "input_scale", "input_zero_point")
+_ROLES = (
+    "weight_packed",
+    "weight_shape",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_g_idx",
+    "input_scale",
+    "input_zero_point",
+)
 
 
 @dataclass(frozen=True)
 class WeightScheme:
     """One config group's weights, as far as serving them goes."""
+
     num_bits: int
-    strategy: str             # "channel", "group" or "tensor"
+    strategy: str  # "channel", "group" or "tensor"
     group_size: int | None
     symmetric: bool
-    format: str               # "int-quantized", "naive-quantized", "pack-quantized" or "float-quantized"
-    kind: str = "int"         # "float": FP8 (E4M3) weights (models/fp8.py)
+    format: str  # "int-quantized", "naive-quantized", "pack-quantized" or "float-quantized"
+    kind: str = "int"  # "float": FP8 (E4M3) weights (models/fp8.py)
     block: tuple[int, int] | None = None  # the "block" strategy's block_structure (FP8 only)
 
     def roles(self) -> set[str]:
@@ -77,7 +86,8 @@ class WeightScheme:
 @dataclass(frozen=True)
 class CompressedTensorsConfig:
     """The checkpoint's config (models/quant_staging.IntegerFormat, for IntegerCheckpointLoader)."""
-    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]   # (targets, scheme) in config order
+
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]  # (targets, scheme) in config order
     marker = "weight_scale"
     tensor_roles = _ROLES
     skips_zero_bias = False
@@ -85,18 +95,26 @@ class CompressedTensorsConfig:
     def takes_role(self, layer: str, role: str) -> bool:
         if role == "weight_g_idx":
             raise _refuse(f"activation-ordered groups ({layer}.weight_g_idx)")
-        return not role.startswith("input_")  # static activation scales: the kernel's dynamic ones replace them
+        return not role.startswith(
+            "input_"
+        )  # static activation scales: the kernel's dynamic ones replace them
 
     def scheme_for(self, module_name: str) -> WeightScheme:
         """vLLM's order: a group naming the layer (exactly or by regex), then one targeting "Linear"."""
         for targets, scheme in self.groups:
             for target in targets:
-                if target.startswith("re:") and re.match(target[3:], module_name) or target == module_name:
+                if (
+                    target.startswith("re:")
+                    and re.match(target[3:], module_name)
+                    or target == module_name
+                ):
                     return scheme
         for targets, scheme in self.groups:
             if "Linear" in targets:
                 return scheme
-        raise ValueError(f"{module_name} has a weight_scale but no compressed-tensors config group targets it")
+        raise ValueError(
+            f"{module_name} has a weight_scale but no compressed-tensors config group targets it"
+        )
 
 
 def checkpoint_quant_method(model_dir: Path) -> str | None:
@@ -110,8 +128,10 @@ def checkpoint_quant_method(model_dir: Path) -> str | None:
 
 
 def _refuse(what: str) -> ValueError:
-    return ValueError(f"compressed-tensors {what} is not supported; nanoserve serves int8 (W8A16, W8A8), "
-                      "int4 (W4A16) and FP8 (W8A16, W8A8) weights")
+    return ValueError(
+        f"compressed-tensors {what} is not supported; nanoserve serves int8 (W8A16, W8A8), "
+        "int4 (W4A16) and FP8 (W8A16, W8A8) weights"
+    )
 
 
 def _check_activations(group: str, activations: dict | None, weight_kind: str) -> None:
@@ -119,11 +139,15 @@ def _check_activations(group: str, activations: dict | None, weight_kind: str) -
         return
     if weight_kind == "float":  # FP8 weights: FP8 activations (dynamic or static) are not applied
         if activations.get("type") != "float" or activations.get("num_bits") != 8:
-            raise _refuse(f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations "
-                          "beside FP8 weights")
+            raise _refuse(
+                f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations "
+                "beside FP8 weights"
+            )
         return
     if activations.get("type", "int") != "int" or activations.get("num_bits", 8) != 8:
-        raise _refuse(f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations")
+        raise _refuse(
+            f"scheme {group}: {activations.get('type')}{activations.get('num_bits')} activations"
+        )
     if not activations.get("symmetric", True):
         raise _refuse(f"scheme {group}: asymmetric int8 activations")
 
@@ -149,10 +173,14 @@ def _weight_scheme(group: str, spec: dict, default_format: str | None) -> Weight
     _check_activations(group, spec.get("input_activations"), "int")
     if spec.get("output_activations") is not None:
         raise _refuse(f"scheme {group}: output activation quantization")
-    form = spec.get("format") or default_format or ("pack-quantized" if bits == 4 else "int-quantized")
+    form = (
+        spec.get("format") or default_format or ("pack-quantized" if bits == 4 else "int-quantized")
+    )
     if form not in _FORMATS or form == _FLOAT_FORMAT:
         raise _refuse(f"format {form!r} for int{bits} weights")
-    return WeightScheme(bits, strategy, group_size if strategy == "group" else None, symmetric, form)
+    return WeightScheme(
+        bits, strategy, group_size if strategy == "group" else None, symmetric, form
+    )
 
 
 def _fp8_scheme(group: str, spec: dict, weights: dict, default_format: str | None) -> WeightScheme:
@@ -183,8 +211,11 @@ def compressed_tensors_config(model_dir: Path) -> CompressedTensorsConfig | None
     if checkpoint_quant_method(model_dir) != QUANT_METHOD:
         return None
     config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
-    for key, what in (("kv_cache_scheme", "KV cache quantization"), ("transform_config", "transforms"),
-                      ("sparsity_config", "sparsity")):
+    for key, what in (
+        ("kv_cache_scheme", "KV cache quantization"),
+        ("transform_config", "transforms"),
+        ("sparsity_config", "sparsity"),
+    ):
         value = config.get(key)
         if value and not (key == "sparsity_config" and value.get("format") == "dense"):
             raise _refuse(f"{what} ({key})")
@@ -200,6 +231,7 @@ def compressed_tensors_config(model_dir: Path) -> CompressedTensorsConfig | None
 
 # ---- a layer's tensors -> integers and scales -----------------------------------------------
 
+
 def _per_row(values: torch.Tensor, n: int) -> torch.Tensor:
     """[n, columns] of a tensor stored per row ([n, columns]) or once for the tensor ([1], [])."""
     return values.reshape(n if values.numel() > 1 else 1, -1).expand(n, -1)
@@ -213,14 +245,18 @@ def _integers(scheme: WeightScheme, tensors: dict[str, torch.Tensor], name: str)
     else:
         weight = tensors["weight"]
         if weight.dtype != torch.int8:
-            raise ValueError(f"{name}.weight: expected int8 values ({scheme.format}), found {weight.dtype}")
+            raise ValueError(
+                f"{name}.weight: expected int8 values ({scheme.format}), found {weight.dtype}"
+            )
         q = weight.to(torch.int16)
     n, k = q.shape
     scale = _per_row(tensors["weight_scale"].float(), n)
     group = k if scale.shape[1] == 1 else (scheme.group_size or 0)
     if scale.shape[1] != -(-k // max(group, 1)):
-        raise ValueError(f"{name}.weight_scale: shape {list(tensors['weight_scale'].shape)} does not fit a "
-                         f"[{n}, {k}] weight ({scheme.strategy}, group size {scheme.group_size})")
+        raise ValueError(
+            f"{name}.weight_scale: shape {list(tensors['weight_scale'].shape)} does not fit a "
+            f"[{n}, {k}] weight ({scheme.strategy}, group size {scheme.group_size})"
+        )
     zero = tensors.get("weight_zero_point")
     if zero is not None:
         if scheme.format == "pack-quantized" and zero.dtype == torch.int32:  # packed along the rows

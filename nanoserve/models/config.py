@@ -1,4 +1,5 @@
 """The model's hyperparameters, read from a Hugging Face config.json."""
+
 from __future__ import annotations
 
 import json
@@ -7,27 +8,53 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "GptOssForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GptOssForCausalLM",
+)
 # Decoder checkpoints without their LM head (e5-mistral's MistralModel, Llama/Qwen embedders):
 # tensors named without the "model." prefix; served as pooling models (--runner pooling).
-HEADLESS_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
-                          "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     "GptOssForCausalLM")
+HEADLESS_ARCHITECTURES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GptOssForCausalLM",
+)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 _DTYPE_NAMES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
 }
 
 
 @dataclass(slots=True)
 class MoEConfig:
     """The sparse MoE block of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss."""
+
     num_experts: int
     top_k: int  # num_experts_per_tok
     intermediate_size: int  # each expert's (moe_intermediate_size, else intermediate_size)
@@ -42,38 +69,54 @@ class MoEConfig:
     def check_tensor_parallel(self, tp_size: int, expert_parallel: bool) -> None:
         """One clear ValueError, before any weight is read, for a split layers/fused_moe.py can't make."""
         if expert_parallel and tp_size > 1 and self.num_experts % tp_size:
-            raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp_size} does not divide the "
-                             f"model's {self.num_experts} experts")
+            raise ValueError(
+                f"--enable-expert-parallel: --tensor-parallel-size {tp_size} does not divide the "
+                f"model's {self.num_experts} experts"
+            )
         if not expert_parallel and self.intermediate_size % tp_size:
-            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the experts' intermediate size "
-                             f"{self.intermediate_size} (--enable-expert-parallel places whole experts instead)")
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} does not divide the experts' intermediate size "
+                f"{self.intermediate_size} (--enable-expert-parallel places whole experts instead)"
+            )
         if self.shared_expert_intermediate_size % tp_size:
-            raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the shared expert's size "
-                             f"{self.shared_expert_intermediate_size}")
+            raise ValueError(
+                f"--tensor-parallel-size {tp_size} does not divide the shared expert's size "
+                f"{self.shared_expert_intermediate_size}"
+            )
 
     def is_sparse(self, layer_index: int) -> bool:
-        return layer_index not in self.mlp_only_layers and (layer_index + 1) % self.decoder_sparse_step == 0
+        return (
+            layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
-    def from_raw(cls, raw: dict, architecture: str) -> "MoEConfig | None":
+    def from_raw(cls, raw: dict, architecture: str) -> MoEConfig | None:
         if architecture not in MOE_ARCHITECTURES:
             return None
         num_experts = raw.get("num_local_experts") or raw.get("num_experts")
-        top_k = raw.get("num_experts_per_tok") or raw.get("experts_per_token")  # gpt-oss's own name too
+        top_k = raw.get("num_experts_per_tok") or raw.get(
+            "experts_per_token"
+        )  # gpt-oss's own name too
         if not num_experts or not top_k or not 0 < top_k <= num_experts:
-            raise ValueError(f"{architecture}: config.json needs num_experts (or num_local_experts) and "
-                             f"num_experts_per_tok in 1..num_experts, got {num_experts} and {top_k}")
-        return cls(num_experts=int(num_experts), top_k=int(top_k),
-                   intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-                   # gpt-oss: a softmax over the top-k logits, the same as the top-k of all renormalised
-                   renormalize=architecture in ("MixtralForCausalLM", "GptOssForCausalLM")
-                   or bool(raw.get("norm_topk_prob", False)),
-                   shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
-                   decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
-                   mlp_only_layers=list(raw.get("mlp_only_layers") or []),
-                   clip_qkv=raw.get("clip_qkv"),
-                   swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-                   swiglu_limit=float(raw.get("swiglu_limit", 7.0)))
+            raise ValueError(
+                f"{architecture}: config.json needs num_experts (or num_local_experts) and "
+                f"num_experts_per_tok in 1..num_experts, got {num_experts} and {top_k}"
+            )
+        return cls(
+            num_experts=int(num_experts),
+            top_k=int(top_k),
+            intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+            # gpt-oss: a softmax over the top-k logits, the same as the top-k of all renormalised
+            renormalize=architecture in ("MixtralForCausalLM", "GptOssForCausalLM")
+            or bool(raw.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+            mlp_only_layers=list(raw.get("mlp_only_layers") or []),
+            clip_qkv=raw.get("clip_qkv"),
+            swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        )
 
 
 @dataclass(slots=True)
@@ -119,7 +162,7 @@ class ModelConfig:
         return int(self.sliding_window)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
         config.json it implies; models/gguf/model.py)."""
         from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config
@@ -129,11 +172,13 @@ class ModelConfig:
             return cls.from_hf_config(gguf_hf_config(gguf_file), model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{model_dir}: no config.json (expected a Hugging Face model directory)")
+            raise FileNotFoundError(
+                f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+            )
         return cls.from_hf_config(json.loads(path.read_text()), model_dir)
 
     @classmethod
-    def from_hf_config(cls, raw: dict, model_dir: str | Path) -> "ModelConfig":
+    def from_hf_config(cls, raw: dict, model_dir: str | Path) -> ModelConfig:
         """`raw`: config.json's content; `model_dir` names the model in errors."""
         architectures = raw.get("architectures") or []
         headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
@@ -141,9 +186,15 @@ class ModelConfig:
         if architecture is None and headless is not None:
             architecture = HEADLESS_ARCHITECTURES[headless]
         if architecture is None:
-            named = ", ".join(architectures) if architectures else f"model_type {raw.get('model_type')!r}"
-            raise ValueError(f"{model_dir}: unsupported architecture {named}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES))}")
+            named = (
+                ", ".join(architectures)
+                if architectures
+                else f"model_type {raw.get('model_type')!r}"
+            )
+            raise ValueError(
+                f"{model_dir}: unsupported architecture {named}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES))}"
+            )
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
         rope_scaling = raw.get("rope_scaling")
@@ -159,8 +210,13 @@ class ModelConfig:
             kind = rope_parameters.get("rope_type", rope_parameters.get("type"))
             if rope_scaling is None and kind not in (None, "default"):
                 rope_scaling = rope_parameters
-        if isinstance(rope_scaling, dict) and "original_max_position_embeddings" not in rope_scaling:
-            original = raw.get("original_max_position_embeddings")  # Phi-3's LongRoPE keeps it outside
+        if (
+            isinstance(rope_scaling, dict)
+            and "original_max_position_embeddings" not in rope_scaling
+        ):
+            original = raw.get(
+                "original_max_position_embeddings"
+            )  # Phi-3's LongRoPE keeps it outside
             if original is not None:
                 rope_scaling = {**rope_scaling, "original_max_position_embeddings": original}
         partial_rotary = raw.get("partial_rotary_factor")
@@ -182,8 +238,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", raw.get(  # Qwen2-MoE names it qkv_bias
-                "qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
+            attention_bias=bool(
+                raw.get(
+                    "attention_bias",
+                    raw.get(  # Qwen2-MoE names it qkv_bias
+                        "qkv_bias", architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                    ),
+                )
+            ),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -205,20 +267,29 @@ class ModelConfig:
         return _DTYPE_NAMES[requested]
 
 
-def _layer_types(raw: dict, architecture: str, num_layers: int, sliding_window: int | None) -> list[str]:
+def _layer_types(
+    raw: dict, architecture: str, num_layers: int, sliding_window: int | None
+) -> list[str]:
     """Which layers use the sliding window: config.json's layer_types when it has them (newer
     exports), else the family's rule as in transformers' configs."""
     types = raw.get("layer_types")
     if types is not None:
         if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
-            raise ValueError(f"config.json layer_types must list {num_layers} of {SLIDING!r} / {FULL!r}")
+            raise ValueError(
+                f"config.json layer_types must list {num_layers} of {SLIDING!r} / {FULL!r}"
+            )
         return list(types)
     if architecture == "Gemma2ForCausalLM":
         return [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
     if architecture == "Gemma3ForCausalLM":
         pattern = int(raw.get("sliding_window_pattern", 6))
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if architecture in (
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         first = raw.get("max_window_layers", num_layers)
         return [SLIDING if sliding_window and i >= first else FULL for i in range(num_layers)]
     return [SLIDING if sliding_window else FULL] * num_layers

@@ -27,13 +27,13 @@ embeddings and MoE experts stay as they are. Under tensor parallelism a row-para
 rows span the ranks: their amax is the maximum over the ranks, so each rank holds the values one
 rank would.
 """
+
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import logging
 
 import torch
 from torch import nn
@@ -51,9 +51,10 @@ class Fp8Weight:
     """One FP8 layer: weight[o, i] = e4m3(q[o, i]) * scale[o, i // group]; what quant_staging's
     loader reads of an IntegerWeight (q's shape, g_idx, qtype, fits_kernels, kernel_arrays,
     dequantized)."""
-    q: torch.Tensor       # uint8 [n, k]: the E4M3 bytes
-    scale: torch.Tensor   # float32 [n, groups]: one scale per output row and group of inputs
-    group: int            # inputs per scale (k for per-tensor and per-channel scales)
+
+    q: torch.Tensor  # uint8 [n, k]: the E4M3 bytes
+    scale: torch.Tensor  # float32 [n, groups]: one scale per output row and group of inputs
+    group: int  # inputs per scale (k for per-tensor and per-channel scales)
     g_idx = None
     qtype = quant.FP8
 
@@ -73,14 +74,20 @@ class Fp8Weight:
         return {"u": self.q, "scale": per_block.contiguous()}
 
 
-def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str) -> Fp8Weight:
+def fp8_weight(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str
+) -> Fp8Weight:
     """A layer's stored `weight` and scale read: `block` (rows, inputs) for block scales
     [ceil(n / rows), ceil(k / inputs)], else a scale per tensor ([] / [1]) or per output row
     ([n] / [n, 1]). ValueError naming the layer for anything else."""
     if weight.dtype == torch.float8_e5m2:
-        raise ValueError(f"{name}.weight: FP8 E5M2 weights are not supported; nanoserve serves E4M3 (float8_e4m3fn)")
+        raise ValueError(
+            f"{name}.weight: FP8 E5M2 weights are not supported; nanoserve serves E4M3 (float8_e4m3fn)"
+        )
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"{name}.weight: expected a float8_e4m3fn matrix, found {weight.dtype} {list(weight.shape)}")
+        raise ValueError(
+            f"{name}.weight: expected a float8_e4m3fn matrix, found {weight.dtype} {list(weight.shape)}"
+        )
     q = weight.contiguous().view(torch.uint8)
     if bool(((q & 0x7F) == 0x7F).any()):
         raise ValueError(f"{name}.weight: the checkpoint has NaN FP8 weights")
@@ -90,21 +97,27 @@ def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
         rows, inputs = block
         expected = (-(-n // rows), -(-k // inputs))
         if tuple(scale.shape) != expected:
-            raise ValueError(f"{name}: a block scale of shape {list(scale.shape)} does not fit a [{n}, {k}] weight "
-                             f"in blocks of {rows} x {inputs} (expected {list(expected)})")
+            raise ValueError(
+                f"{name}: a block scale of shape {list(scale.shape)} does not fit a [{n}, {k}] weight "
+                f"in blocks of {rows} x {inputs} (expected {list(expected)})"
+            )
         per_row = scale.repeat_interleave(rows, dim=0)[:n]
         return Fp8Weight(q, per_row.contiguous(), inputs)
     if scale.numel() == 1:
         return Fp8Weight(q, scale.reshape(1, 1).expand(n, 1).contiguous(), k)
     if scale.numel() == n:
         return Fp8Weight(q, scale.reshape(n, 1).contiguous(), k)
-    raise ValueError(f"{name}: a weight scale of shape {list(scale.shape)} does not fit a [{n}, {k}] weight "
-                     "(one per tensor or per output row expected)")
+    raise ValueError(
+        f"{name}: a weight scale of shape {list(scale.shape)} does not fit a [{n}, {k}] weight "
+        "(one per tensor or per output row expected)"
+    )
 
 
 def _refuse(what: str) -> ValueError:
-    return ValueError(f"FP8 {what} is not supported; nanoserve serves FP8 (E4M3) weights with per-tensor, "
-                      "per-channel or block scales")
+    return ValueError(
+        f"FP8 {what} is not supported; nanoserve serves FP8 (E4M3) weights with per-tensor, "
+        "per-channel or block scales"
+    )
 
 
 @dataclass(frozen=True)
@@ -122,7 +135,8 @@ class _Scheme:
 @dataclass(frozen=True)
 class Fp8Config:
     """A quant_method "fp8" checkpoint's config (models/quant_staging.IntegerFormat)."""
-    block: tuple[int, int] | None   # weight_block_size, or None (a scale per tensor)
+
+    block: tuple[int, int] | None  # weight_block_size, or None (a scale per tensor)
     tensor_roles = ("weight_scale", "weight_scale_inv", "input_scale")
     skips_zero_bias = False
 
@@ -135,7 +149,9 @@ class Fp8Config:
 
     def takes_role(self, layer: str, role: str) -> bool:
         if role in ("weight_scale", "weight_scale_inv") and role != self.marker:
-            raise ValueError(f"{layer}.{role}: not what this checkpoint's config implies ({self.marker})")
+            raise ValueError(
+                f"{layer}.{role}: not what this checkpoint's config implies ({self.marker})"
+            )
         return role != "input_scale"  # static activation scales: the activations stay unquantized
 
 
@@ -166,7 +182,11 @@ def block_problem(block) -> str | None:
     """Why a checkpoint's [rows, inputs] block of scales can't be served (" (...)" or "" for a
     malformed one), or None: two positive integers, the inputs a multiple of the kernel's 32.
     quant_method fp8's weight_block_size, compressed-tensors' block_structure."""
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+    if not (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(v, int) and v > 0 for v in block)
+    ):
         return ""
     if block[1] % _BLOCK:
         return f" (its input side must be a multiple of {_BLOCK})"
@@ -183,15 +203,23 @@ def quantize_online(model: nn.Module) -> int:
 
     quantized = 0
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase) or module.quant_weight is not None or module.quant_parts is not None:
+        if (
+            not isinstance(module, LinearBase)
+            or module.quant_weight is not None
+            or module.quant_parts is not None
+        ):
             continue
         weight = module.weight
         if not quant.takes_components(weight.device):  # CUDA: its kernel reads GGUF bytes only
-            raise ValueError("--quantization fp8 of an unquantized checkpoint (online FP8) runs on the CPU only; "
-                             "on CUDA serve an FP8 checkpoint or leave the flag out")
+            raise ValueError(
+                "--quantization fp8 of an unquantized checkpoint (online FP8) runs on the CPU only; "
+                "on CUDA serve an FP8 checkpoint or leave the flag out"
+            )
         n, k = weight.shape
         if k % _BLOCK:
-            logger.info("%s: kept in %s (%d inputs, not a multiple of %d)", name, weight.dtype, k, _BLOCK)
+            logger.info(
+                "%s: kept in %s (%d inputs, not a multiple of %d)", name, weight.dtype, k, _BLOCK
+            )
             continue
         values = weight.detach().float()
         amax = values.abs().amax(dim=1)
@@ -201,9 +229,14 @@ def quantize_online(model: nn.Module) -> int:
         scale = (amax / largest).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
         q = (values / scale).clamp(-largest, largest).to(torch.float8_e4m3fn).view(torch.uint8)
         arrays = Fp8Weight(q.contiguous(), scale, k).kernel_arrays()
-        module.quant_weight = quant.QuantWeight(quant.FP8, n, k, None,
-                                                components=quant.QuantComponents(arrays["u"], arrays["scale"]))
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
+        module.quant_weight = quant.QuantWeight(
+            quant.FP8, n, k, None, components=quant.QuantComponents(arrays["u"], arrays["scale"])
+        )
+        module.weight = nn.Parameter(
+            torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False
+        )
         quantized += 1
-    logger.info("online FP8: %d linear layers quantized to E4M3 (a scale per output row)", quantized)
+    logger.info(
+        "online FP8: %d linear layers quantized to E4M3 (a scale per output row)", quantized
+    )
     return quantized

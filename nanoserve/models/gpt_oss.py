@@ -8,6 +8,7 @@ hidden, 2 * inter] with gate and up columns interleaved, down_proj [experts, int
 experts load them transposed and de-interleaved into layers/fused_moe.FusedMoE's [gate rows; up
 rows]. OpenAI's own checkpoints hold the experts in MXFP4 (models/mxfp4.py: kept quantized on a
 CPU, in the kernels' MXFP4 format)."""
+
 from __future__ import annotations
 
 from functools import partial
@@ -40,19 +41,25 @@ class GptOssExperts(FusedMoE):
         if shard_id != (None, None):
             super().weight_loader(param, loaded, shard_id)
             return
-        if hasattr(loaded, "kernel_components"):  # MXFP4 (models/mxfp4.py): [experts, outputs, inputs]
+        if hasattr(
+            loaded, "kernel_components"
+        ):  # MXFP4 (models/mxfp4.py): [experts, outputs, inputs]
             if param is self.w13_weight:
                 loaded = loaded.rows(gate_then_up(loaded.blocks.shape[1]))
             super().weight_loader(param, loaded, shard_id)
             return
-        loaded = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded  # a safetensors slice
+        loaded = (
+            loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
+        )  # a safetensors slice
         if param is self.w13_weight:
             loaded = deinterleave(loaded)  # [experts, hidden, gate; up]
         super().weight_loader(param, loaded.transpose(1, 2), shard_id)
 
     def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         loaded = loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
-        super().bias_loader(param, deinterleave(loaded) if param is self.w13_bias else loaded, shard_id)
+        super().bias_loader(
+            param, deinterleave(loaded) if param is self.w13_bias else loaded, shard_id
+        )
 
 
 class GptOssMoE(nn.Module):
@@ -60,9 +67,17 @@ class GptOssMoE(nn.Module):
         super().__init__()
         moe = config.moe
         self.router = ReplicatedLinear(config.hidden_size, moe.num_experts, True, dtype)
-        self.experts = GptOssExperts(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                     True, dtype, config.enable_expert_parallel, bias=True,
-                                     activation=partial(swiglu_oai, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit))
+        self.experts = GptOssExperts(
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            moe.intermediate_size,
+            True,
+            dtype,
+            config.enable_expert_parallel,
+            bias=True,
+            activation=partial(swiglu_oai, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit),
+        )
 
     def forward(self, hidden: torch.Tensor, rows: RowTiling | None) -> torch.Tensor:
         return self.experts(hidden, self.router(hidden, rows))
@@ -88,6 +103,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     model_class = GptOssModel
     # The sinks live beside the attention kernel's other settings (layers/attention.PagedAttention);
     # the experts' biases are FusedMoE's w13_bias / w2_bias.
-    checkpoint_renames = {".self_attn.sinks": ".self_attn.attn.sinks",
-                          ".experts.gate_up_proj_bias": ".experts.w13_bias",
-                          ".experts.down_proj_bias": ".experts.w2_bias"}
+    checkpoint_renames = {
+        ".self_attn.sinks": ".self_attn.attn.sinks",
+        ".experts.gate_up_proj_bias": ".experts.w13_bias",
+        ".experts.down_proj_bias": ".experts.w2_bias",
+    }

@@ -27,6 +27,7 @@ unquantized lm_head) are float in the checkpoint and stay float. A layer the ker
 asymmetric int8, any layer on CUDA, a MoE expert) is
 dequantized into its float weight at load, as compressed-tensors' are.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,9 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds output 8w + _A
 
 def _refuse(method: str, what: str) -> ValueError:
     served = "4- and 8-bit GPTQ" if method == GPTQ else "4-bit AWQ (version gemm)"
-    return ValueError(f"{method.upper()} {what} is not supported; nanoserve serves {served} checkpoints")
+    return ValueError(
+        f"{method.upper()} {what} is not supported; nanoserve serves {served} checkpoints"
+    )
 
 
 def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
@@ -58,17 +61,18 @@ def _unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
 class GroupQuantConfig:
     """A GPTQ or AWQ checkpoint's quantization_config, checked (models/quant_staging.IntegerFormat
     and its one scheme)."""
-    method: str           # "gptq" or "awq"
+
+    method: str  # "gptq" or "awq"
     bits: int
-    group_size: int       # -1: one group per row
-    symmetric: bool       # GPTQ's sym / AWQ's not zero_point: zero points 2^(bits-1) (AWQ: none stored)
+    group_size: int  # -1: one group per row
+    symmetric: bool  # GPTQ's sym / AWQ's not zero_point: zero points 2^(bits-1) (AWQ: none stored)
     zeros_minus_one: bool  # GPTQ v1 checkpoint format: stored zero point = z - 1
     marker = "qweight"
     skips_zero_bias = True
     tensor_roles = ("qweight", "qzeros", "scales", "g_idx")
 
     # -- IntegerFormat ---------------------------------------------------------------------
-    def scheme_for(self, layer: str) -> "GroupQuantConfig":
+    def scheme_for(self, layer: str) -> GroupQuantConfig:
         return self
 
     def takes_role(self, layer: str, role: str) -> bool:
@@ -85,33 +89,43 @@ class GroupQuantConfig:
         qweight, scales = tensors["qweight"], tensors["scales"]
         if qweight.dtype != torch.int32:
             raise ValueError(f"{layer}.qweight: expected int32 words, found {qweight.dtype}")
-        scale = scales.float().t().contiguous()            # [n, groups]
+        scale = scales.float().t().contiguous()  # [n, groups]
         if self.method == GPTQ:
-            u = _unpack_words(qweight.t().contiguous(), bits)      # [n, k]: packed along the inputs
+            u = _unpack_words(qweight.t().contiguous(), bits)  # [n, k]: packed along the inputs
         else:
             u = self._awq_columns(_unpack_words(qweight, bits)).t().contiguous()  # [k, n] -> [n, k]
         n, k = u.shape
         if scale.shape[0] != n:
-            raise ValueError(f"{layer}.scales: shape {list(scales.shape)} does not fit a [{n}, {k}] weight")
+            raise ValueError(
+                f"{layer}.scales: shape {list(scales.shape)} does not fit a [{n}, {k}] weight"
+            )
         group = k if self.group_size == -1 else self.group_size
         if scale.shape[1] != -(-k // group):
-            raise ValueError(f"{layer}.scales: {scale.shape[1]} groups do not fit {k} inputs in groups of {group}")
+            raise ValueError(
+                f"{layer}.scales: {scale.shape[1]} groups do not fit {k} inputs in groups of {group}"
+            )
         zero = None
         if "qzeros" in tensors:
-            z = _unpack_words(tensors["qzeros"], bits)             # [groups, n (padded to a word)]
+            z = _unpack_words(tensors["qzeros"], bits)  # [groups, n (padded to a word)]
             if self.method == AWQ:
                 z = self._awq_columns(z)
             z = z[:, :n]
             if self.zeros_minus_one:
                 z = z + 1  # per value, as vLLM reads v1 (a stored 2^bits - 1 means 2^bits)
-            z = z.t().contiguous() - half                          # [n, groups], signed
+            z = z.t().contiguous() - half  # [n, groups], signed
             zero = None if not bool(z.any()) else z
         g_idx = tensors.get("g_idx")
         if g_idx is not None:
             g_idx = g_idx.to(torch.int64)
-            if g_idx.shape != (k,) or bool((g_idx < 0).any()) or bool((g_idx >= scale.shape[1]).any()):
-                raise ValueError(f"{layer}.g_idx: shape {list(tensors['g_idx'].shape)} or values do not fit "
-                                 f"{k} inputs in {scale.shape[1]} groups")
+            if (
+                g_idx.shape != (k,)
+                or bool((g_idx < 0).any())
+                or bool((g_idx >= scale.shape[1]).any())
+            ):
+                raise ValueError(
+                    f"{layer}.g_idx: shape {list(tensors['g_idx'].shape)} or values do not fit "
+                    f"{k} inputs in {scale.shape[1]} groups"
+                )
             if torch.equal(g_idx, torch.arange(k) // group):
                 g_idx = None  # groups in input order (desc_act off): runs of inputs
         return IntegerWeight(u - half, scale, zero, group, bits, g_idx)
@@ -140,7 +154,9 @@ def parse_config(config: dict) -> GroupQuantConfig:
         if form not in ("gptq", "gptq_v2"):
             raise _refuse(method, f"checkpoint_format {form!r}")
         # (desc_act is not read: g_idx says whether a layer's groups are in input order.)
-        return GroupQuantConfig(GPTQ, bits, group_size, bool(config.get("sym", True)), form == "gptq")
+        return GroupQuantConfig(
+            GPTQ, bits, group_size, bool(config.get("sym", True)), form == "gptq"
+        )
     if method == AWQ:
         if bits != 4:
             raise _refuse(method, f"{bits}-bit weights")

@@ -1,6 +1,7 @@
 """Mixtral, and the sparse MoE block every MoE family here shares: Llama's attention, then a
 router (softmax top-k) and the experts (layers/fused_moe.FusedMoE) in place of the MLP; Qwen2-MoE
 adds a shared expert behind a sigmoid gate (models/qwen_moe.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,15 @@ class SparseMoeBlock(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
         self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, False, dtype)
-        self.experts = FusedMoE(moe.num_experts, moe.top_k, config.hidden_size, moe.intermediate_size,
-                                moe.renormalize, dtype, config.enable_expert_parallel)
+        self.experts = FusedMoE(
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            moe.intermediate_size,
+            moe.renormalize,
+            dtype,
+            config.enable_expert_parallel,
+        )
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:  # Qwen2-MoE
             self.shared_expert = LlamaMLP(config, dtype, moe.shared_expert_intermediate_size)

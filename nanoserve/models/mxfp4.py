@@ -11,6 +11,7 @@ with the activations (quantized per row to int8, as llama.cpp runs MXFP4 on CPUs
 integer dot product. 0.625 bytes a weight as packed (gpt-oss-20b's experts: ~12 GB, against ~38
 GB in bf16). Elsewhere (CUDA) they are dequantized at load into the model's dtype (exact).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,21 +22,46 @@ from nanoserve.models.compressed_tensors import checkpoint_quant_method
 
 MXFP4_METHOD = "mxfp4"
 # E2M1: sign, 2 exponent bits, 1 mantissa bit; index = the 4-bit code.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 SCALE_BIAS = 127
 _SUFFIXES = ("_blocks", "_scales")
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """blocks uint8 [..., groups, 16], scales uint8 [..., groups] -> [..., groups * 32] in `dtype`."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}"
+        )
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-        raise ValueError(f"MXFP4 blocks [..., groups, 16] and scales [..., groups] do not match: "
-                         f"{tuple(blocks.shape)} and {tuple(scales.shape)}")
+        raise ValueError(
+            f"MXFP4 blocks [..., groups, 16] and scales [..., groups] do not match: "
+            f"{tuple(blocks.shape)} and {tuple(scales.shape)}"
+        )
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     exponents = scales.to(torch.int32) - SCALE_BIAS
-    values = torch.ldexp(table[_codes(blocks)].unflatten(-1, (-1, 32)), exponents[..., None].float())
+    values = torch.ldexp(
+        table[_codes(blocks)].unflatten(-1, (-1, 32)), exponents[..., None].float()
+    )
     return values.flatten(-2).to(dtype)
 
 
@@ -44,7 +70,7 @@ def _codes(blocks: torch.Tensor) -> torch.Tensor:
     return torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3).long()
 
 
-def mxfp4_config(model_dir: Path) -> "Mxfp4Tensors | None":
+def mxfp4_config(model_dir: Path) -> Mxfp4Tensors | None:
     """What pairs an MXFP4 checkpoint's tensors, or None when config.json says another method."""
     return Mxfp4Tensors() if checkpoint_quant_method(model_dir) == MXFP4_METHOD else None
 
@@ -56,11 +82,13 @@ class Mxfp4Weight:
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
-            raise ValueError(f"MXFP4 blocks [experts, outputs, groups, 16] and scales [experts, outputs, groups] "
-                             f"do not match: {tuple(blocks.shape)} and {tuple(scales.shape)}")
+            raise ValueError(
+                f"MXFP4 blocks [experts, outputs, groups, 16] and scales [experts, outputs, groups] "
+                f"do not match: {tuple(blocks.shape)} and {tuple(scales.shape)}"
+            )
         self.blocks, self.scales = blocks, scales
 
-    def rows(self, index) -> "Mxfp4Weight":
+    def rows(self, index) -> Mxfp4Weight:
         """The given output rows of every expert (an index along dim 1)."""
         return Mxfp4Weight(self.blocks[:, index], self.scales[:, index])
 
@@ -104,4 +132,6 @@ class Mxfp4Tensors:
         if self.pending:
             base, parts = next(iter(self.pending.items()))
             missing = "_scales" if "_blocks" in parts else "_blocks"
-            raise ValueError(f"MXFP4 checkpoint: {base}{missing} is missing ({len(self.pending)} tensor(s) unpaired)")
+            raise ValueError(
+                f"MXFP4 checkpoint: {base}{missing} is missing ({len(self.pending)} tensor(s) unpaired)"
+            )

@@ -1,6 +1,7 @@
 """OLMoE: Llama's attention with RMSNorm over the whole q and k projections (not per head) and
 optional clipping of q, k, v; the MoE block of models/mixtral.py. With tensor parallelism a
 rank holds some heads, so the norms' mean square is summed across ranks."""
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,9 @@ class ShardedRMSNorm(nn.Module):
     `size` of `total_size` features, its slice of the weight starting at `start`. The sum of
     squares is all-reduced; `replicas` ranks hold each slice (KV heads fewer than ranks)."""
 
-    def __init__(self, size: int, total_size: int, start: int, replicas: int, eps: float, dtype: torch.dtype):
+    def __init__(
+        self, size: int, total_size: int, start: int, replicas: int, eps: float, dtype: torch.dtype
+    ):
         super().__init__()
         self.total_size, self.start, self.replicas, self.eps = total_size, start, replicas, eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
@@ -32,7 +35,9 @@ class ShardedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         square_sum = all_reduce(x32.pow(2).sum(-1, keepdim=True)) / self.replicas
-        return (x32 * torch.rsqrt(square_sum / self.total_size + self.eps)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(square_sum / self.total_size + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
 class OlmoeAttention(LlamaAttention):
@@ -47,12 +52,25 @@ class OlmoeAttention(LlamaAttention):
             return
         replicas = max(1, tp_size // config.num_key_value_heads)
         kv_rank = tp_rank // replicas
-        self.q_norm = ShardedRMSNorm(self.q_size, self.q_size * tp_size, tp_rank * self.q_size, 1, eps, dtype)
-        self.k_norm = ShardedRMSNorm(self.kv_size, config.num_key_value_heads * self.head_dim,
-                                     kv_rank * self.kv_size, replicas, eps, dtype)
+        self.q_norm = ShardedRMSNorm(
+            self.q_size, self.q_size * tp_size, tp_rank * self.q_size, 1, eps, dtype
+        )
+        self.k_norm = ShardedRMSNorm(
+            self.kv_size,
+            config.num_key_value_heads * self.head_dim,
+            kv_rank * self.kv_size,
+            replicas,
+            eps,
+            dtype,
+        )
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
         qkv = self.qkv_proj(hidden, rows)

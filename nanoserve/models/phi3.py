@@ -3,6 +3,7 @@ already fused (``qkv_proj``, ``gate_up_proj``); each rank takes its heads' rows 
 (layers/linear.py, shard ids "qkv" and "fused"). A partial_rotary_factor below 1 (Phi-4-mini)
 rotates only the first part of each head (LlamaForCausalLM builds the cos/sin cache that wide);
 LongRoPE scaling is kernels/rotary.py's."""
+
 from __future__ import annotations
 
 import torch
@@ -22,13 +23,20 @@ class Phi3Attention(LlamaAttention):
         super().__init__(config, dtype, layer_index)
         self.rotary_dim = rotary_dim(config)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
             return super().forward(hidden, positions, cos_sin_cache, metadata)
         num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
-        q, k, v = self.qkv_proj(hidden, rows).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, rows).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)

@@ -12,6 +12,7 @@ columns that split with the input features (GGUF bytes, or u / scale per 32 / mi
 follow the bf16 loaders: the layer's own weight_loader runs on each array, so column-parallel
 layers take whole rows and row-parallel layers whole blocks of each row.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,25 +34,38 @@ BLOCK = 32  # the kernel formats' block of inputs (Q8_0, Q4_0, Q4_1)
 @dataclass
 class StagedLinear:
     """One layer's parts as they arrive (a fused layer takes several tensors)."""
+
     # qtype -> array name ("raw", or "u" / "scale" / "mins") -> this rank's [n_local, columns]
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     row_qtype: list[str | None] = field(default_factory=list)  # per output row of this rank
     float_parts: int = 0
 
 
-def stage_quantized(module: nn.Module, name: str, arrays: dict[str, torch.Tensor], qtype: str, block: int,
-                    k: int, shard_id, parts: StagedLinear) -> None:
+def stage_quantized(
+    module: nn.Module,
+    name: str,
+    arrays: dict[str, torch.Tensor],
+    qtype: str,
+    block: int,
+    k: int,
+    shard_id,
+    parts: StagedLinear,
+) -> None:
     """This rank's rows (or, row-parallel, whole blocks of `block` inputs of each row) of one part
     (`arrays`, each [rows, columns proportional to k]) into the layer's buffers for `qtype`,
     through the layer's own weight_loader."""
     if isinstance(module, ParallelLMHead):
-        parts.buffers[qtype] = {key: array[module.vocab_start : module.vocab_end] for key, array in arrays.items()}
+        parts.buffers[qtype] = {
+            key: array[module.vocab_start : module.vocab_end] for key, array in arrays.items()
+        }
         parts.row_qtype = [qtype] * (module.vocab_end - module.vocab_start)
         return
     n_local, k_local = module.weight.shape
     if k_local % block:
-        raise ValueError(f"{name}: {qtype.upper()} blocks of {block} values cannot split its {k} "
-                         f"input features into {k // k_local} shards of {k_local}")
+        raise ValueError(
+            f"{name}: {qtype.upper()} blocks of {block} values cannot split its {k} "
+            f"input features into {k // k_local} shards of {k_local}"
+        )
     if not parts.row_qtype:
         parts.row_qtype = [None] * n_local
     buffers = parts.buffers.setdefault(qtype, {})
@@ -70,7 +84,9 @@ def stage_quantized(module: nn.Module, name: str, arrays: dict[str, torch.Tensor
         parts.row_qtype[row] = qtype
 
 
-def _quant_weight(qtype: str, k: int, arrays: dict[str, torch.Tensor], device: torch.device) -> quant.QuantWeight:
+def _quant_weight(
+    qtype: str, k: int, arrays: dict[str, torch.Tensor], device: torch.device
+) -> quant.QuantWeight:
     arrays = {key: array.contiguous().to(device) for key, array in arrays.items()}
     n = next(iter(arrays.values())).shape[0]
     if "raw" in arrays:
@@ -99,11 +115,14 @@ def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared
     else:
         module.quant_parts = weights
     if not shared:
-        module.weight = nn.Parameter(torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
-                                     requires_grad=False)
+        module.weight = nn.Parameter(
+            torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
+            requires_grad=False,
+        )
 
 
 # ---- checkpoints of integers and scales (compressed-tensors, GPTQ, AWQ) ----------------------
+
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, count: int) -> torch.Tensor:
     """int32 [rows, words] holding 32 / num_bits values each from bit 0 up (8 or 4 bits;
@@ -122,12 +141,13 @@ class IntegerWeight:
     zero[o, g]) with g = i // group, or, with `g_idx` (GPTQ's activation order), g = g_idx[i].
     q and zero are signed, centred on 2^(bits-1) (compressed-tensors' convention: a stored
     unsigned value u is q = u - 2^(bits-1)); zero None means 0 (symmetric)."""
-    q: torch.Tensor                      # int16 [n, k]
-    scale: torch.Tensor                  # float32 [n, groups]
-    zero: torch.Tensor | None            # int16 [n, groups]
+
+    q: torch.Tensor  # int16 [n, k]
+    scale: torch.Tensor  # float32 [n, groups]
+    zero: torch.Tensor | None  # int16 [n, groups]
     group: int
     bits: int
-    g_idx: torch.Tensor | None = None    # int64 [k], only when it is not i // group
+    g_idx: torch.Tensor | None = None  # int64 [k], only when it is not i // group
 
     @property
     def qtype(self) -> str | None:
@@ -153,10 +173,15 @@ class IntegerWeight:
     def fits_kernels(self, k_local: int) -> bool:
         """Whole blocks of 32 inputs each in one group, in input order, in a format the kernels have."""
         k = self.q.shape[1]
-        return (self.qtype is not None and self.g_idx is None and self.group % BLOCK == 0
-                and k_local % BLOCK == 0 and k % k_local == 0)
+        return (
+            self.qtype is not None
+            and self.g_idx is None
+            and self.group % BLOCK == 0
+            and k_local % BLOCK == 0
+            and k % k_local == 0
+        )
 
-    def in_group_order(self) -> tuple["IntegerWeight", torch.Tensor] | None:
+    def in_group_order(self) -> tuple[IntegerWeight, torch.Tensor] | None:
         """GPTQ's activation order: (the weight with its inputs sorted by group, that order), when
         sorting makes every group one run of `group` inputs in order (the last may be shorter), as
         GPTQ's desc_act writes them; else None."""
@@ -166,14 +191,18 @@ class IntegerWeight:
         order = torch.sort(self.g_idx, stable=True).indices
         if not torch.equal(self.g_idx[order], torch.arange(k) // self.group):
             return None
-        return IntegerWeight(self.q[:, order].contiguous(), self.scale, self.zero, self.group, self.bits), order
+        return IntegerWeight(
+            self.q[:, order].contiguous(), self.scale, self.zero, self.group, self.bits
+        ), order
 
     def kernel_arrays(self) -> dict[str, torch.Tensor]:
         """The kernel format's components: u, scale per block of 32, min per block (Q4_1)."""
         blocks = self.q.shape[1] // BLOCK
         half = 1 << (self.bits - 1)
         u = (self.q + half).to(torch.uint8)
-        per_block = self.scale.repeat_interleave(self.group // BLOCK, dim=1)[:, :blocks].contiguous()
+        per_block = self.scale.repeat_interleave(self.group // BLOCK, dim=1)[
+            :, :blocks
+        ].contiguous()
         arrays = {"u": u, "scale": per_block}
         if self.zero is not None:  # Q4_1: scale * u + min = scale * (q - zero) with u = q + 8
             zero = self.zero.repeat_interleave(self.group // BLOCK, dim=1)[:, :blocks]
@@ -190,9 +219,9 @@ class IntegerScheme(Protocol):
 
 
 class IntegerFormat(Protocol):
-    marker: str                # the tensor beside a quantized layer's that marks it ("weight_scale", "qweight")
+    marker: str  # the tensor beside a quantized layer's that marks it ("weight_scale", "qweight")
     tensor_roles: tuple[str, ...]
-    skips_zero_bias: bool      # a zero bias of a layer that has none is skipped (AutoGPTQ writes them)
+    skips_zero_bias: bool  # a zero bias of a layer that has none is skipped (AutoGPTQ writes them)
 
     def scheme_for(self, layer: str) -> IntegerScheme: ...
 
@@ -206,14 +235,17 @@ class IntegerCheckpointLoader:
     tensors of quantized layers (`split_name`), collects each layer's (they may lie in different
     shard files), then stages them for the kernels or dequantizes them (`add`); `finish` makes
     the QuantWeights."""
+
     format: IntegerFormat
     modules: dict[str, nn.Module]
-    quantized: set[str]                      # checkpoint names of quantized layers
+    quantized: set[str]  # checkpoint names of quantized layers
     pending: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     staged: dict[str, StagedLinear] = field(default_factory=dict)
 
     @classmethod
-    def for_checkpoint(cls, format: IntegerFormat, model: nn.Module, tensor_names) -> "IntegerCheckpointLoader":
+    def for_checkpoint(
+        cls, format: IntegerFormat, model: nn.Module, tensor_names
+    ) -> IntegerCheckpointLoader:
         suffix = "." + format.marker
         quantized = {name.removesuffix(suffix) for name in tensor_names if name.endswith(suffix)}
         return cls(format, dict(model.named_modules(remove_duplicate=False)), quantized)
@@ -226,7 +258,15 @@ class IntegerCheckpointLoader:
             return f"{base}.weight", role
         return name, None
 
-    def add(self, layer: str, role: str, tensor: torch.Tensor, target: str, param: nn.Parameter, shard_id) -> None:
+    def add(
+        self,
+        layer: str,
+        role: str,
+        tensor: torch.Tensor,
+        target: str,
+        param: nn.Parameter,
+        shard_id,
+    ) -> None:
         """One tensor of the checkpoint layer `layer` (loading into parameter `target`)."""
         if not self.format.takes_role(layer, role):
             return
@@ -237,26 +277,50 @@ class IntegerCheckpointLoader:
             del self.pending[layer]
             self._load_layer(layer, scheme.integers(tensors, layer), target, param, shard_id)
 
-    def _load_layer(self, layer: str, weight: IntegerWeight, target: str, param: nn.Parameter, shard_id) -> None:
+    def _load_layer(
+        self, layer: str, weight: IntegerWeight, target: str, param: nn.Parameter, shard_id
+    ) -> None:
         module = self.modules[target.rsplit(".", 1)[0]]
         k = weight.q.shape[1]
         if weight.g_idx is not None:
             weight = self._in_group_order(layer, weight, module, target, param) or weight
-        if (isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
-                and quant.takes_components(param.device) and weight.fits_kernels(param.shape[-1])):
-            stage_quantized(module, layer, weight.kernel_arrays(), weight.qtype, BLOCK, k, shard_id,
-                            self.staged.setdefault(target, StagedLinear()))
+        if (
+            isinstance(module, (LinearBase, ParallelLMHead))
+            and param.dim() == 2
+            and quant.takes_components(param.device)
+            and weight.fits_kernels(param.shape[-1])
+        ):
+            stage_quantized(
+                module,
+                layer,
+                weight.kernel_arrays(),
+                weight.qtype,
+                BLOCK,
+                k,
+                shard_id,
+                self.staged.setdefault(target, StagedLinear()),
+            )
             return
         # One expert's matrix: FusedMoE keeps it in the kernel format.
-        if (isinstance(module, FusedMoE) and shard_id[0] is not None and quant.takes_components(param.device)
-                and module.takes_quantized(param) and weight.fits_kernels(param.shape[-1])):
+        if (
+            isinstance(module, FusedMoE)
+            and shard_id[0] is not None
+            and quant.takes_components(param.device)
+            and module.takes_quantized(param)
+            and weight.fits_kernels(param.shape[-1])
+        ):
             module.load_quantized(param, weight.kernel_arrays(), weight.qtype, shard_id)
             return
-        logger.info("%s: dequantized into a %s weight (the quantized kernels don't take it here)", layer, param.dtype)
+        logger.info(
+            "%s: dequantized into a %s weight (the quantized kernels don't take it here)",
+            layer,
+            param.dtype,
+        )
         load_parameter(param, weight.dequantized().to(param.dtype), shard_id)
 
-    def _in_group_order(self, layer: str, weight: IntegerWeight, module: nn.Module, target: str,
-                        param: nn.Parameter) -> IntegerWeight | None:
+    def _in_group_order(
+        self, layer: str, weight: IntegerWeight, module: nn.Module, target: str, param: nn.Parameter
+    ) -> IntegerWeight | None:
         """GPTQ's activation order on the kernels: the layer's inputs sorted by group once at load
         and the activations gathered in that order at each GEMM (LinearBase.input_perm). Every
         part of a fused layer must have the same order (GPTQ's q/k/v and gate/up do: one input, one
@@ -272,9 +336,11 @@ class IntegerCheckpointLoader:
         if module.input_perm is None and target not in self.staged:
             module.input_perm = order
         elif module.input_perm is None or not torch.equal(module.input_perm, order):
-            raise ValueError(f"{layer}: its activation order (g_idx) differs from the other parts of "
-                             f"{target.removesuffix('.weight')}, "
-                             "which share its inputs; this GPTQ checkpoint is not supported")
+            raise ValueError(
+                f"{layer}: its activation order (g_idx) differs from the other parts of "
+                f"{target.removesuffix('.weight')}, "
+                "which share its inputs; this GPTQ checkpoint is not supported"
+            )
         return sorted_weight
 
     def finish(self) -> None:

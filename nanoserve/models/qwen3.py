@@ -1,4 +1,5 @@
 """Qwen3 (dense): Llama's layers with a per-head RMSNorm on q and k before rotary."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,13 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         rows = metadata.row_tiling
         qkv = self.qkv_proj(hidden, rows)

@@ -1,5 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE: QKV bias, a shared expert beside the routed ones) and Qwen3-MoE
 (Qwen3's q/k norms, no shared expert): the MoE block of models/mixtral.py on their attention."""
+
 from __future__ import annotations
 
 from nanoserve.models.llama import LlamaForCausalLM, LlamaModel

@@ -1,4 +1,5 @@
 """Architecture name → model class, and building a model with its weights."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,16 +10,16 @@ import torch
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.layers.embedding import VocabParallelEmbedding
 from nanoserve.models.compressed_tensors import compressed_tensors_config
-from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
-from nanoserve.models.gptq_awq import group_quant_config
-from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
+from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.gguf.model import find_gguf_file
 from nanoserve.models.gguf.weights import load_gguf_weights
-from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from nanoserve.models.gpt_oss import GptOssForCausalLM
+from nanoserve.models.gptq_awq import group_quant_config
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.mixtral import MixtralForCausalLM
+from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
@@ -50,9 +51,15 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, model_dir: Path,
-                max_model_len: int | None = None, enable_expert_parallel: bool = False,
-                quantization: str | None = None) -> torch.nn.Module:
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    model_dir: Path,
+    max_model_len: int | None = None,
+    enable_expert_parallel: bool = False,
+    quantization: str | None = None,
+) -> torch.nn.Module:
     """`quantization`: the checked --quantization (models/gguf_model.check_quantization); "fp8" on
     an unquantized checkpoint rounds its linear layers to FP8 at load (models/fp8.quantize_online).
     `max_model_len`: no sequence is longer. A sliding window at least that long never leaves
@@ -72,7 +79,11 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, m
     if gguf_file is not None:
         load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
     else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
-        checkpoint = compressed_tensors_config(model_dir) or group_quant_config(model_dir) or fp8_config(model_dir)
+        checkpoint = (
+            compressed_tensors_config(model_dir)
+            or group_quant_config(model_dir)
+            or fp8_config(model_dir)
+        )
         load_weights(model, model_dir, checkpoint, mxfp4_config(model_dir))
         if checkpoint is None and quantization == FP8_METHOD:
             quantize_online(model)
@@ -84,12 +95,22 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     layers) plus the packings layers/cpu_prepack.py made and the quantized layers' blocks."""
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
-        weights = [getattr(module, "quant_weight", None), *(getattr(module, "quant_parts", None) or []),
-                   *(w for experts in (getattr(module, "quant_experts", None) or {}).values() for w in experts)]
+        weights = [
+            getattr(module, "quant_weight", None),
+            *(getattr(module, "quant_parts", None) or []),
+            *(
+                w
+                for experts in (getattr(module, "quant_experts", None) or {}).values()
+                for w in experts
+            ),
+        ]
         total += sum(w.nbytes for w in weights if w is not None)
         if isinstance(module, VocabParallelEmbedding) and module.file_rows is not None:
             total += module.file_rows.nbytes  # mapped from a GGUF file
-        packings = [getattr(module, "gemm_weight", None), getattr(module, "packed_weight", None),
-                    *(getattr(module, "packed", None) or ())]
+        packings = [
+            getattr(module, "gemm_weight", None),
+            getattr(module, "packed_weight", None),
+            *(getattr(module, "packed", None) or ()),
+        ]
         total += sum(t.numel() * t.element_size() for t in packings if isinstance(t, torch.Tensor))
     return total

@@ -1,5 +1,6 @@
 """Load a safetensors checkpoint (one file or sharded with an index) into a model, each
 parameter taking only its own shard through its weight_loader."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         files = sorted({model_dir / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise FileNotFoundError(f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            raise FileNotFoundError(
+                f"{model_dir}: shard(s) listed in the index are missing: {', '.join(missing)}"
+            )
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -59,8 +62,12 @@ def _extra_zero_bias(quantization: IntegerFormat, f, tensor_name: str) -> bool:
     return not bool(f.get_tensor(tensor_name).any())
 
 
-def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat | None = None,
-                 mxfp4: Mxfp4Tensors | None = None) -> None:
+def load_weights(
+    model: nn.Module,
+    model_dir: Path,
+    quantization: IntegerFormat | None = None,
+    mxfp4: Mxfp4Tensors | None = None,
+) -> None:
     """Every tensor into its parameter. `quantization`: the config of a checkpoint of integers
     and scales (compressed-tensors, GPTQ, AWQ); its quantized layers' tensors go to
     models/quant_staging.IntegerCheckpointLoader instead. `mxfp4`: an MXFP4 checkpoint's
@@ -78,10 +85,15 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
     # Pipeline parallelism: tensors of other stages' modules are skipped. A last stage without the
     # embedding loads a tied LM head from the embedding's tensor.
     missing = missing_prefixes(model)
-    tied_head_from_embedding = tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
+    tied_head_from_embedding = (
+        tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
+    )
     files = checkpoint_files(model_dir)
-    quantized = None if quantization is None else IntegerCheckpointLoader.for_checkpoint(
-        quantization, model, _tensor_names(files))
+    quantized = (
+        None
+        if quantization is None
+        else IntegerCheckpointLoader.for_checkpoint(quantization, model, _tensor_names(files))
+    )
     loaded_names: set[str] = set()
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -108,16 +120,24 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
                     name_in_model = name
                 target, shard_id = _target(name_in_model, packed, renames)
                 param = params.get(target)
-                if param is None and quantized is not None and _extra_zero_bias(quantization, f, tensor_name):
+                if (
+                    param is None
+                    and quantized is not None
+                    and _extra_zero_bias(quantization, f, tensor_name)
+                ):
                     continue
                 if param is None:
-                    raise ValueError(f"{file.name}: unexpected tensor {tensor_name!r} for this architecture")
+                    raise ValueError(
+                        f"{file.name}: unexpected tensor {tensor_name!r} for this architecture"
+                    )
                 loaded_names.add(target)
                 if role is not None:
                     layer = tensor_name[: tensor_name.rindex(".")]
                     quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
                     continue
-                load_parameter(param, f.get_slice(tensor_name) if source is None else source, shard_id)
+                load_parameter(
+                    param, f.get_slice(tensor_name) if source is None else source, shard_id
+                )
     if quantized is not None:
         quantized.finish()
     if mxfp4 is not None:
@@ -125,7 +145,11 @@ def load_weights(model: nn.Module, model_dir: Path, quantization: IntegerFormat 
     for module in model.modules():  # layers/fused_moe.FusedMoE
         if hasattr(module, "finish_quantized"):
             module.finish_quantized()
-    expected = {n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)}
+    expected = {
+        n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)
+    }
     absent = sorted(expected - loaded_names)
     if absent:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
+        raise ValueError(
+            f"{model_dir}: checkpoint lacks {len(absent)} tensor(s), e.g. {absent[:3]}"
+        )

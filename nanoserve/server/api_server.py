@@ -1,4 +1,5 @@
 """Wire engine, async engine, OpenAI app and HTTP server together; run until a signal."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve import envs
+from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.lora.request import LoRARequest
 from nanoserve.server.app import OpenAIApp, http_error_response
@@ -50,8 +51,9 @@ class RunningServer:
         self.preprocessor.shutdown()
 
 
-async def start_server(engine: LLMEngine, options: ServerOptions,
-                       step_executor: ThreadPoolExecutor | None = None) -> RunningServer:
+async def start_server(
+    engine: LLMEngine, options: ServerOptions, step_executor: ThreadPoolExecutor | None = None
+) -> RunningServer:
     """Serve an already built LLMEngine on the running loop; returns once listening.
     `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
     config = engine.config
@@ -59,31 +61,47 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
     lora_modules = _load_lora_modules(engine, options)
     response_cache = None
     if options.response_cache_size > 0:
-        response_cache = ResponseCache(int(options.response_cache_size * 2 ** 20),
-                                       options.response_cache_ttl)
+        response_cache = ResponseCache(
+            int(options.response_cache_size * 2**20), options.response_cache_ttl
+        )
     num_blocks = sum(m.num_blocks for m in engine.block_managers)
     kv_cache_size_tokens = num_blocks * config.block_size
-    metrics = ServerMetrics(engine.served_model_name, engine.max_model_len, {
-        "block_size": config.block_size, "cache_dtype": config.kv_cache_dtype,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        "num_gpu_blocks": num_blocks, "num_cpu_blocks": None,
-        # vLLM 0.32's labels: the KV pool in tokens, and how many max_model_len requests fit it
-        "kv_cache_size_tokens": kv_cache_size_tokens,
-        "kv_cache_max_concurrency": kv_cache_size_tokens / engine.max_model_len},
-        response_cache)
-    async_engine = AsyncLLMEngine(engine, observer=metrics, step_executor=step_executor,
-                                  log_stats=not config.disable_log_stats,
-                                  compile_timeout=options.structured_outputs_compile_timeout)
+    metrics = ServerMetrics(
+        engine.served_model_name,
+        engine.max_model_len,
+        {
+            "block_size": config.block_size,
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "num_gpu_blocks": num_blocks,
+            "num_cpu_blocks": None,
+            # vLLM 0.32's labels: the KV pool in tokens, and how many max_model_len requests fit it
+            "kv_cache_size_tokens": kv_cache_size_tokens,
+            "kv_cache_max_concurrency": kv_cache_size_tokens / engine.max_model_len,
+        },
+        response_cache,
+    )
+    async_engine = AsyncLLMEngine(
+        engine,
+        observer=metrics,
+        step_executor=step_executor,
+        log_stats=not config.disable_log_stats,
+        compile_timeout=options.structured_outputs_compile_timeout,
+    )
     async_engine.start()
-    preprocessor = Preprocessor(options.preprocess_threads, options.preprocess_timeout,
-                                options.max_preprocess_in_flight)
+    preprocessor = Preprocessor(
+        options.preprocess_threads, options.preprocess_timeout, options.max_preprocess_in_flight
+    )
     ctx = ServingContext(
-        engine=async_engine, tokenizer=engine.tokenizer,
-        served_model_name=engine.served_model_name, model_path=engine.model_path,
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        served_model_name=engine.served_model_name,
+        model_path=engine.model_path,
         max_model_len=engine.max_model_len,
         generation_defaults=load_generation_defaults(engine.model_dir),
-        preprocessor=preprocessor, max_prompt_chars=engine.max_prompt_chars,
+        preprocessor=preprocessor,
+        max_prompt_chars=engine.max_prompt_chars,
         max_n_sequences=engine.config.max_n_sequences,
         max_waiting_requests=options.max_waiting_requests,
         trust_request_chat_template=options.trust_request_chat_template,
@@ -91,18 +109,27 @@ async def start_server(engine: LLMEngine, options: ServerOptions,
         truncation_side=engine.tokenizer.truncation_side,
         on_admission_rejected=metrics.on_admission_rejected,
         request_logger=RequestLogger(options.max_log_len) if options.enable_log_requests else None,
-        response_cache=response_cache, chat_template=chat.chat_template,
-        auto_tool_parser=chat.auto_tool_parser, reasoning_parser=chat.reasoning_parser,
+        response_cache=response_cache,
+        chat_template=chat.chat_template,
+        auto_tool_parser=chat.auto_tool_parser,
+        reasoning_parser=chat.reasoning_parser,
         lora_modules={lora.lora_name: lora for lora in lora_modules},
-        next_lora_id=len(lora_modules) + 1)
-    app = OpenAIApp(ctx, metrics, api_key=options.api_key, runtime_lora=config.enable_lora and
-                    envs.allow_runtime_lora_updating(),
-                    server_load_tracking=options.enable_server_load_tracking,
-                    tokenizer_info=options.enable_tokenizer_info_endpoint,
-                    ui=not options.no_ui, dev_routes=options.server_dev_mode)
+        next_lora_id=len(lora_modules) + 1,
+    )
+    app = OpenAIApp(
+        ctx,
+        metrics,
+        api_key=options.api_key,
+        runtime_lora=config.enable_lora and envs.allow_runtime_lora_updating(),
+        server_load_tracking=options.enable_server_load_tracking,
+        tokenizer_info=options.enable_tokenizer_info_endpoint,
+        ui=not options.no_ui,
+        dev_routes=options.server_dev_mode,
+    )
     app.response_store = ResponseStore(max_bytes=options.responses_store_max_bytes)
-    http = HttpServer(app, options.limits, error_response=http_error_response,
-                      check_headers=app.refuse_headers)
+    http = HttpServer(
+        app, options.limits, error_response=http_error_response, check_headers=app.refuse_headers
+    )
     host, port = await http.start(options.host, options.port)
     return RunningServer(host, port, http, async_engine, app, options, preprocessor)
 
@@ -123,8 +150,9 @@ def _load_lora_modules(engine: LLMEngine, options: ServerOptions) -> list[LoRARe
 
 def configure_logging(level: str) -> None:
     numeric = logging.DEBUG if level == "trace" else getattr(logging, level.upper(), logging.INFO)
-    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     logging.getLogger("nanoserve").setLevel(numeric)
 
 
@@ -140,9 +168,13 @@ async def serve(engine_config, options: ServerOptions, signals: ShutdownSignals)
         name = signal.Signals(signum).name
         if count == 1:
             if server is None:
-                logger.info("%s during start-up: stopping without serving (again to stop at once)", name)
+                logger.info(
+                    "%s during start-up: stopping without serving (again to stop at once)", name
+                )
             else:
-                logger.info("%s: shutting down (grace period %.0f s)", name, options.shutdown_grace_period)
+                logger.info(
+                    "%s: shutting down (grace period %.0f s)", name, options.shutdown_grace_period
+                )
             stop.set()
         elif server is not None:  # do not wait for in-flight requests
             logger.info("second signal: aborting in-flight requests")
@@ -158,6 +190,7 @@ async def serve(engine_config, options: ServerOptions, signals: ShutdownSignals)
             logger.error("%s: failing in-flight requests and exiting", reason)
             server.engine._die(RuntimeError(reason))  # streams get the error, /health turns 503
             stop.set()
+
         loop.call_soon_threadsafe(fail)
 
     signals.listen(loop, on_signal)
@@ -176,7 +209,11 @@ async def serve(engine_config, options: ServerOptions, signals: ShutdownSignals)
                 logger.info("serving %s on %s", engine.served_model_name, server.url)
                 engine.add_failure_callback(on_engine_failure)
                 await stop.wait()
-                grace = options.shutdown_grace_period if exit_code == 0 else min(options.shutdown_grace_period, 5.0)
+                grace = (
+                    options.shutdown_grace_period
+                    if exit_code == 0
+                    else min(options.shutdown_grace_period, 5.0)
+                )
                 await server.shutdown(grace)
                 signals.serving = False  # a signal now: the ranks may be stuck, kill them
         finally:

@@ -2,12 +2,13 @@
 /metrics, /load, /tokenizer_info, /invocations and (in development mode) /reset_prefix_cache, and
 the chat page (server/ui.py). With an API key every route but OPEN_PATHS needs it. Maps every
 error to vLLM's {"error": {...}} body once, here."""
+
 from __future__ import annotations
 
 import hmac
 import logging
 import re
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import unquote
 
 import msgspec
@@ -17,15 +18,30 @@ from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.completions import create_completion
 from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
+from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
 from nanoserve.server.responses import create_response
 from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
-from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
-from nanoserve.server.schemas import (APIError, ChatCompletionRequest, CompletionRequest,
-                                      DetokenizeRequest, DetokenizeResponse, LoadLoRAAdapterRequest,
-                                      ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                      UnloadLoRAAdapterRequest)
-from nanoserve.server.serving import (TOO_DEEP, ServingContext, bad_request, encode_json,
-                                      error_body, to_api_error)
+from nanoserve.server.schemas import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    LoadLoRAAdapterRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UnloadLoRAAdapterRequest,
+)
+from nanoserve.server.serving import (
+    TOO_DEEP,
+    ServingContext,
+    bad_request,
+    encode_json,
+    error_body,
+    to_api_error,
+)
 from nanoserve.server.tokenizer_info import tokenizer_info
 from nanoserve.server.ui import CONFIG_PATH, PAGE_PATHS, ui_routes
 
@@ -92,8 +108,9 @@ _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
 def _log_ignored_fields(raw: bytes, struct: type) -> None:
     unknown = _top_level.decode(raw).keys() - set(struct.__struct_fields__)
     if unknown:
-        logger.warning("The following fields were present in the request but ignored: %s",
-                       sorted(unknown))
+        logger.warning(
+            "The following fields were present in the request but ignored: %s", sorted(unknown)
+        )
 
 
 def with_request_id(request: HttpRequest, body):
@@ -142,10 +159,17 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/version", *PAGE_PATHS, CONFIG_PATH
 
 
 class OpenAIApp:
-    def __init__(self, ctx: ServingContext, metrics: metrics_module.ServerMetrics,
-                 api_key: str | None = None, server_load_tracking: bool = False,
-                 tokenizer_info: bool = False, ui: bool = True, runtime_lora: bool = False,
-                 dev_routes: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        metrics: metrics_module.ServerMetrics,
+        api_key: str | None = None,
+        server_load_tracking: bool = False,
+        tokenizer_info: bool = False,
+        ui: bool = True,
+        runtime_lora: bool = False,
+        dev_routes: bool = False,
+    ) -> None:
         """`runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora
         with NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
         `dev_routes`: serve the routes that change server state for development
@@ -206,8 +230,11 @@ class OpenAIApp:
             handler = methods.get(method)
             if handler is None:
                 allow = ", ".join(sorted(methods))
-                raise APIError(405, f"Method {request.method} not allowed for {request.path}.",
-                               headers=[("allow", allow)])
+                raise APIError(
+                    405,
+                    f"Method {request.method} not allowed for {request.path}.",
+                    headers=[("allow", allow)],
+                )
             return await handler(request)
         except Exception as error:
             api_error = to_api_error(error)
@@ -226,9 +253,11 @@ class OpenAIApp:
         scheme, _, token = (authorization or "").partition(" ")
         expected = self.api_key.encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "Unauthorized: a valid API key is required "
-                                "(Authorization: Bearer <key>).",
-                           headers=[("www-authenticate", "Bearer")])
+            raise APIError(
+                401,
+                "Unauthorized: a valid API key is required (Authorization: Bearer <key>).",
+                headers=[("www-authenticate", "Bearer")],
+            )
 
     def refuse_headers(self, request: HttpRequest) -> Response | None:
         """The HTTP layer's check once a request's headers are in (`HttpServer`'s
@@ -274,18 +303,36 @@ class OpenAIApp:
         model as parent)."""
         ctx = self.ctx
         if lora is not None:
-            return ModelCard(lora.lora_name, "model", ctx.created, "nanoserve", lora.lora_path,
-                             ctx.max_model_len, lora.base_model_name or ctx.served_model_name, [])
-        return ModelCard(ctx.served_model_name, "model", ctx.created, "nanoserve", ctx.model_path,
-                         ctx.max_model_len, None, [])
+            return ModelCard(
+                lora.lora_name,
+                "model",
+                ctx.created,
+                "nanoserve",
+                lora.lora_path,
+                ctx.max_model_len,
+                lora.base_model_name or ctx.served_model_name,
+                [],
+            )
+        return ModelCard(
+            ctx.served_model_name,
+            "model",
+            ctx.created,
+            "nanoserve",
+            ctx.model_path,
+            ctx.max_model_len,
+            None,
+            [],
+        )
 
     async def models(self, request: HttpRequest) -> Response:
-        cards = [self._model_card()] + [self._model_card(lora) for lora in self.ctx.lora_modules.values()]
+        cards = [self._model_card()] + [
+            self._model_card(lora) for lora in self.ctx.lora_modules.values()
+        ]
         return Response(200, encode_json(ModelList("list", cards)))
 
     async def model(self, request: HttpRequest) -> Response:
         """GET /v1/models/{id} (OpenAI's retrieve-model): the served model or an adapter, else 404."""
-        name = unquote(request.path[len(MODELS_PREFIX):])
+        name = unquote(request.path[len(MODELS_PREFIX) :])
         if name == self.ctx.served_model_name:
             return Response(200, encode_json(self._model_card()))
         if name in self.ctx.lora_modules:
@@ -303,15 +350,20 @@ class OpenAIApp:
             raise bad_request(f"'{body.lora_name}' is the base model's name", "lora_name")
         old = ctx.lora_modules.get(body.lora_name)
         if old is not None and not body.load_inplace:  # vLLM's message
-            raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name")
+            raise bad_request(
+                f"The lora adapter '{body.lora_name}' has already been loaded.", "lora_name"
+            )
         lora = ctx.new_lora(body.lora_name, body.lora_path)
         await ctx.engine.call_between_steps(lambda engine: engine.add_lora(lora))
         ctx.lora_modules[body.lora_name] = lora
         if old is not None:
             await ctx.engine.call_between_steps(lambda engine: engine.remove_lora(old.lora_int_id))
         logger.info("loaded LoRA adapter %r from %s", lora.lora_name, lora.lora_path)
-        return Response(200, f"Success: LoRA adapter '{body.lora_name}' added successfully.".encode(),
-                        content_type="text/plain; charset=utf-8")
+        return Response(
+            200,
+            f"Success: LoRA adapter '{body.lora_name}' added successfully.".encode(),
+            content_type="text/plain; charset=utf-8",
+        )
 
     async def unload_lora_adapter(self, request: HttpRequest) -> Response:
         """New requests can no longer name it; those running finish with it."""
@@ -319,11 +371,16 @@ class OpenAIApp:
         ctx = self.ctx
         lora = ctx.lora_modules.pop(body.lora_name, None)
         if lora is None:
-            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+            raise APIError(
+                404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name"
+            )
         await ctx.engine.call_between_steps(lambda engine: engine.remove_lora(lora.lora_int_id))
         logger.info("unloaded LoRA adapter %r", lora.lora_name)
-        return Response(200, f"Success: LoRA adapter '{body.lora_name}' removed successfully.".encode(),
-                        content_type="text/plain; charset=utf-8")
+        return Response(
+            200,
+            f"Success: LoRA adapter '{body.lora_name}' removed successfully.".encode(),
+            content_type="text/plain; charset=utf-8",
+        )
 
     # ---- OpenAI endpoints ----
     async def _tracked(self, serve: Callable[[], Awaitable[Response | StreamingResponse]]):
@@ -363,7 +420,7 @@ class OpenAIApp:
         return await self._tracked(lambda: create_response(self.ctx, self.response_store, body))
 
     def _stored_id(self, request: HttpRequest) -> str:
-        return unquote(request.path[len(RESPONSES_PREFIX):])
+        return unquote(request.path[len(RESPONSES_PREFIX) :])
 
     async def stored_response(self, request: HttpRequest) -> Response:
         """GET /v1/responses/{id}: a stored response as it was returned, else 404."""
@@ -376,7 +433,9 @@ class OpenAIApp:
         response_id = self._stored_id(request)
         if not self.response_store.delete(response_id):
             raise APIError(404, f"Response with id '{response_id}' not found.")
-        return Response(200, encode_json({"id": response_id, "object": "response", "deleted": True}))
+        return Response(
+            200, encode_json({"id": response_id, "object": "response", "deleted": True})
+        )
 
     async def invocations(self, request: HttpRequest):
         """SageMaker's POST /invocations, as vLLM: a chat request when the body has `messages`,
@@ -386,6 +445,7 @@ class OpenAIApp:
             fields = _top_level.decode(request.body)
         except (msgspec.DecodeError, RecursionError):
             raise bad_request("The request body is not a JSON object.") from None
+
         def decoded(struct: type):
             try:
                 return with_request_id(request, decode_body(request, struct))
@@ -395,11 +455,15 @@ class OpenAIApp:
         if "messages" in fields and (chat := decoded(ChatCompletionRequest)) is not None:
             return await self._tracked(lambda: create_chat_completion(self.ctx, chat))
         prompt = fields.get("prompt")
-        if (prompt is not None and bytes(prompt) not in (b"null", b'""')
-                and (completion := decoded(CompletionRequest)) is not None):
+        if (
+            prompt is not None
+            and bytes(prompt) not in (b"null", b'""')
+            and (completion := decoded(CompletionRequest)) is not None
+        ):
             return await self._tracked(lambda: create_completion(self.ctx, completion))
-        raise bad_request("Cannot find suitable handler for request. Expected one of: "
-                          f"{list(INVOCATION_TYPES)}")
+        raise bad_request(
+            f"Cannot find suitable handler for request. Expected one of: {list(INVOCATION_TYPES)}"
+        )
 
     async def tokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, TokenizeRequest)
@@ -407,8 +471,14 @@ class OpenAIApp:
         ctx.check_model(body.model)
         if body.messages is not None:
             prompt = await render_chat_prompt(
-                ctx, body.messages, body.add_generation_prompt, body.continue_final_message,
-                body.chat_template, body.chat_template_kwargs, bool(body.add_special_tokens))
+                ctx,
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.chat_template,
+                body.chat_template_kwargs,
+                bool(body.add_special_tokens),
+            )
             tokens = prompt.prompt_token_ids
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -416,16 +486,19 @@ class OpenAIApp:
         else:
             raise bad_request("either 'prompt' or 'messages' is required", "prompt")
         token_strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
-        return Response(200, encode_json(TokenizeResponse(len(tokens), ctx.max_model_len, tokens,
-                                                          token_strs)))
+        return Response(
+            200, encode_json(TokenizeResponse(len(tokens), ctx.max_model_len, tokens, token_strs))
+        )
 
     async def detokenize(self, request: HttpRequest) -> Response:
         body = decode_body(request, DetokenizeRequest)
         ctx = self.ctx
         ctx.check_model(body.model)
         vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
-        if body.tokens and (min(body.tokens) < 0 or  # min / max: no Python loop on the event loop
-                            (vocab_size is not None and max(body.tokens) >= vocab_size)):
+        if body.tokens and (
+            min(body.tokens) < 0  # min / max: no Python loop on the event loop
+            or (vocab_size is not None and max(body.tokens) >= vocab_size)
+        ):
             raise bad_request("token ids must be in the vocabulary", "tokens")
         text = await ctx.off_loop(len(body.tokens), ctx.tokenizer.decode, body.tokens)
         return Response(200, encode_json(DetokenizeResponse(text)))

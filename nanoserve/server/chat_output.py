@@ -3,13 +3,19 @@ or the request uses tools: the reasoning first (`reasoning_content`), then the r
 tool-call parser (`content` and `tool_calls`); a tool parser that `reads_whole_output` (gpt-oss's
 harmony) reads all of the text instead. Streamed and non-streamed responses go through the
 same object, so a stream's pieces add up to the non-streamed message."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from nanoserve.server.reasoning_parsers import ReasoningParser
-from nanoserve.server.schemas import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                      ToolCall)
+from nanoserve.server.schemas import (
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from nanoserve.server.tool_parsers import ToolCallDelta, ToolCallStream, ToolParser
 
 
@@ -24,12 +30,13 @@ class ChoiceDelta:
 class ChatOutputReader:
     """What reads the choices of one request: the server's reasoning parser, the request's tool
     parser (None: no tool calls read), and at most how many calls (parallel_tool_calls=false: 1)."""
+
     reasoning_parser: ReasoningParser | None
     tool_parser: ToolParser | None
     tool_mode: str = "none"
     max_calls: int | None = None
 
-    def new_choice(self) -> "ChoiceOutput":
+    def new_choice(self) -> ChoiceOutput:
         return ChoiceOutput(self)
 
     def finish_reason(self, called_tools: bool, engine_reason: str | None) -> str | None:
@@ -55,8 +62,11 @@ class ChoiceOutput:
         self._rest_seen = 0  # characters of the non-reasoning text handed to the tool stream
         parser = reader.reasoning_parser
         self.reasoning_reader = parser.reader() if parser is not None else None
-        self.tool_stream = (ToolCallStream(reader.tool_parser, reader.max_calls)
-                            if reader.tool_parser is not None else None)
+        self.tool_stream = (
+            ToolCallStream(reader.tool_parser, reader.max_calls)
+            if reader.tool_parser is not None
+            else None
+        )
         self._content: list[str] = []
 
     @property
@@ -94,9 +104,9 @@ class ChoiceOutput:
             self._rest_seen += len(rest)
             return reasoning, rest
         whole_reasoning, whole_rest = parser.split(_joined(self.chunks), final)
-        reasoning = whole_reasoning[self._reasoning_length:]
+        reasoning = whole_reasoning[self._reasoning_length :]
         self._reasoning, self._reasoning_length = [whole_reasoning], len(whole_reasoning)
-        rest = whole_rest[self._rest_seen:]
+        rest = whole_rest[self._rest_seen :]
         self._rest_seen = len(whole_rest)
         return reasoning, rest
 
@@ -104,8 +114,10 @@ class ChoiceOutput:
     def tool_calls(self) -> list[ToolCall]:
         if self.tool_stream is None:
             return []
-        return [ToolCall(call.id, FunctionCall(call.name, call.arguments))
-                for call in self.tool_stream.calls]
+        return [
+            ToolCall(call.id, FunctionCall(call.name, call.arguments))
+            for call in self.tool_stream.calls
+        ]
 
     def message_fields(self) -> tuple[str | None, str | None]:
         """(content, reasoning_content) of the whole message: empty parts beside calls or
@@ -128,12 +140,14 @@ def delta_messages(delta: ChoiceDelta) -> list[DeltaMessage]:
     tool-call piece (a call's first piece names it, the next ones carry argument text)."""
     messages = []
     if delta.reasoning or delta.content:
-        messages.append(DeltaMessage(content=delta.content or None,
-                                     reasoning_content=delta.reasoning or None))
+        messages.append(
+            DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None)
+        )
     for piece in delta.tool_calls:
         if piece.id is not None:
-            call = DeltaToolCall(piece.index, DeltaFunctionCall(piece.name, piece.arguments),
-                                 piece.id, "function")
+            call = DeltaToolCall(
+                piece.index, DeltaFunctionCall(piece.name, piece.arguments), piece.id, "function"
+            )
         else:
             call = DeltaToolCall(piece.index, DeltaFunctionCall(arguments=piece.arguments))
         messages.append(DeltaMessage(tool_calls=[call]))

@@ -1,8 +1,10 @@
 """POST /v1/completions, streamed and not."""
+
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator
+from collections.abc import AsyncGenerator
+from typing import Any
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
@@ -10,16 +12,30 @@ from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.beam_completions import beam_params, create_beam_completion
 from nanoserve.server.http.types import Response, StreamingResponse
 from nanoserve.server.logprobs import completion_logprobs, prompt_logprobs_body
-from nanoserve.server.schemas import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                      CompletionStreamChoice, CompletionStreamResponse, Usage)
-from nanoserve.server.serving import (ChoiceProgress, ServingContext, bad_request, encode_json,
-                                      fold, response_id, sse)
+from nanoserve.server.schemas import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    Usage,
+)
+from nanoserve.server.serving import (
+    ChoiceProgress,
+    ServingContext,
+    bad_request,
+    encode_json,
+    fold,
+    response_id,
+    sse,
+)
 from nanoserve.server.streaming import merge_streams, stream_response, usage_options
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                           for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def _prompt_items(ctx: ServingContext, request: CompletionRequest) -> list:
@@ -29,8 +45,11 @@ def _prompt_items(ctx: ServingContext, request: CompletionRequest) -> list:
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
-    bad = bad_request("prompt must be a string, a list of strings, a list of token ids or a "
-                      "list of token-id lists (non-empty)", "prompt")
+    bad = bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a "
+        "list of token-id lists (non-empty)",
+        "prompt",
+    )
     if not isinstance(prompt, list) or not prompt:
         raise bad
     items = [prompt] if isinstance(prompt[0], int) else prompt
@@ -82,9 +101,16 @@ def _prompt_entries(output, prompt_ids: list[int]) -> list:
     return output.prompt_logprobs or [None] * len(prompt_ids)
 
 
-def _with_prompt(ctx: ServingContext, request: CompletionRequest, prompt: TokensPrompt,
-                 output: RequestOutput, echo_only: bool, text: str, ids: list[int],
-                 entries: list) -> tuple[str, list[int], list]:
+def _with_prompt(
+    ctx: ServingContext,
+    request: CompletionRequest,
+    prompt: TokensPrompt,
+    output: RequestOutput,
+    echo_only: bool,
+    text: str,
+    ids: list[int],
+    entries: list,
+) -> tuple[str, list[int], list]:
     """echo: the prompt's text, ids and logprob entries before the output's (instead of them
     when only the prompt was asked for)."""
     prompt_ids = prompt.prompt_token_ids
@@ -95,8 +121,13 @@ def _with_prompt(ctx: ServingContext, request: CompletionRequest, prompt: Tokens
     return prompt_text + text, prompt_ids + ids, prompt_entries + entries
 
 
-def _choices(ctx: ServingContext, request: CompletionRequest, prompts: list[TokensPrompt],
-             finals: list[RequestOutput], echo_only: bool) -> tuple[list[CompletionChoice], int]:
+def _choices(
+    ctx: ServingContext,
+    request: CompletionRequest,
+    prompts: list[TokensPrompt],
+    finals: list[RequestOutput],
+    echo_only: bool,
+) -> tuple[list[CompletionChoice], int]:
     """The response's choices, n per prompt, and the tokens they generated."""
     choices = []
     completion_tokens = 0
@@ -105,19 +136,31 @@ def _choices(ctx: ServingContext, request: CompletionRequest, prompts: list[Toke
         for output in final.outputs:
             text, token_ids, entries = output.text, output.token_ids, output.logprobs or []
             if request.echo:
-                text, token_ids, entries = _with_prompt(ctx, request, prompt, final, echo_only,
-                                                        text, token_ids, entries)
+                text, token_ids, entries = _with_prompt(
+                    ctx, request, prompt, final, echo_only, text, token_ids, entries
+                )
             logprobs = None
             if request.logprobs is not None:
-                logprobs = completion_logprobs(token_ids, entries, request.logprobs, ctx.tokenizer,
-                                               as_token_ids=bool(request.return_tokens_as_token_ids))
+                logprobs = completion_logprobs(
+                    token_ids,
+                    entries,
+                    request.logprobs,
+                    ctx.tokenizer,
+                    as_token_ids=bool(request.return_tokens_as_token_ids),
+                )
             completion_tokens += len(output.token_ids)
-            choices.append(CompletionChoice(
-                index=prompt_index * request.n + output.index, text=text, logprobs=logprobs,
-                finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                token_ids=list(output.token_ids) if request.return_token_ids else None,
-                prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
-                prompt_token_ids=prompt_ids if request.return_token_ids else None))
+            choices.append(
+                CompletionChoice(
+                    index=prompt_index * request.n + output.index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                    token_ids=list(output.token_ids) if request.return_token_ids else None,
+                    prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
+                    prompt_token_ids=prompt_ids if request.return_token_ids else None,
+                )
+            )
     return choices, completion_tokens
 
 
@@ -130,7 +173,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     ctx.check_fields(request, "logprobs", request.logprobs)
     if request.use_beam_search:  # checked before any prompt is tokenized
         params = beam_params(ctx, request)
-        return await create_beam_completion(ctx, request, await normalize_prompts(ctx, request), params, lora)
+        return await create_beam_completion(
+            ctx, request, await normalize_prompts(ctx, request), params, lora
+        )
     if request.length_penalty != 1.0:
         raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     max_tokens = 16 if request.max_tokens is None else request.max_tokens  # null means 16
@@ -139,8 +184,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if prompt_logprobs is None and request.echo:
         prompt_logprobs = request.logprobs  # echo shows the prompt tokens' logprobs too
     # Every check of the request before its prompts are tokenized, the costly part.
-    params = ctx.sampling_params(request, 1 if echo_only else max_tokens, request.logprobs,
-                                 prompt_logprobs)
+    params = ctx.sampling_params(
+        request, 1 if echo_only else max_tokens, request.logprobs, prompt_logprobs
+    )
     prompts = await normalize_prompts(ctx, request)
     base_id = response_id("cmpl", request.request_id)
     created = int(time.time())
@@ -148,8 +194,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     if streams is None:
         streams = await ctx.submit(base_id, prompts, params, request.priority, lora)
     if request.stream:
-        return StreamingResponse(_stream(ctx, request, base_id, created, prompts, streams,
-                                         echo_only, cache_key))
+        return StreamingResponse(
+            _stream(ctx, request, base_id, created, prompts, streams, echo_only, cache_key)
+        )
     try:
         finals: list = [None] * len(streams)
         async for index, output in merge_streams(streams):
@@ -161,8 +208,9 @@ async def create_completion(ctx: ServingContext, request: CompletionRequest):
     choices, completion_tokens = _choices(ctx, request, prompts, finals, echo_only)
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     usage = ctx.usage(prompt_tokens, completion_tokens, sum(f.num_cached_tokens for f in finals))
-    body = CompletionResponse(base_id, "text_completion", created, ctx.model_name(lora),
-                              choices, usage)
+    body = CompletionResponse(
+        base_id, "text_completion", created, ctx.model_name(lora), choices, usage
+    )
     return Response(200, encode_json(body))
 
 
@@ -170,8 +218,16 @@ class _CompletionChunks:
     """A streamed completion's chunks, output by output. The first chunk of each choice
     carries the echoed prompt (and its ids when asked for)."""
 
-    def __init__(self, ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-                 prompts: list[TokensPrompt], echo_only: bool, continuous_usage: bool) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: CompletionRequest,
+        base_id: str,
+        created: int,
+        prompts: list[TokensPrompt],
+        echo_only: bool,
+        continuous_usage: bool,
+    ) -> None:
         self.ctx, self.request, self.prompts = ctx, request, prompts
         self.base_id, self.created, self.model = base_id, created, ctx.response_model(request.model)
         self.echo_only, self.continuous_usage = echo_only, continuous_usage
@@ -187,8 +243,9 @@ class _CompletionChunks:
                 events.append(event)
         return events
 
-    def _choice_event(self, prompt_index: int, output: RequestOutput,
-                      choice: CompletionOutput) -> bytes | None:
+    def _choice_event(
+        self, prompt_index: int, output: RequestOutput, choice: CompletionOutput
+    ) -> bytes | None:
         request = self.request
         index = prompt_index * request.n + choice.index
         state = self.progress.get(index)
@@ -200,33 +257,78 @@ class _CompletionChunks:
         prompt_ids = self.prompts[prompt_index].prompt_token_ids
         text, ids, entries = choice.text, choice.token_ids, choice.logprobs or []
         if request.echo and first:  # the prompt leads the first chunk
-            text, ids, entries = _with_prompt(self.ctx, request, self.prompts[prompt_index], output,
-                                              self.echo_only, text, ids, entries)
+            text, ids, entries = _with_prompt(
+                self.ctx,
+                request,
+                self.prompts[prompt_index],
+                output,
+                self.echo_only,
+                text,
+                ids,
+                entries,
+            )
         logprobs = None
         if request.logprobs is not None:
-            logprobs = completion_logprobs(ids, entries, request.logprobs, self.ctx.tokenizer,
-                                           state.chars_sent, self.as_token_ids)
+            logprobs = completion_logprobs(
+                ids,
+                entries,
+                request.logprobs,
+                self.ctx.tokenizer,
+                state.chars_sent,
+                self.as_token_ids,
+            )
         state.started = True
         state.chars_sent += len(text)
         send_prompt_ids = first and bool(request.echo or request.return_token_ids)
-        return sse(CompletionStreamResponse(
-            self.base_id, "text_completion", self.created, self.model,
-            [CompletionStreamChoice(
-                index, text, logprobs, choice.finish_reason, choice.stop_reason,
-                prompt_ids if send_prompt_ids else None,
-                list(choice.token_ids) if request.return_token_ids else None)],
-            state.usage(len(prompt_ids)) if self.continuous_usage else None))
+        return sse(
+            CompletionStreamResponse(
+                self.base_id,
+                "text_completion",
+                self.created,
+                self.model,
+                [
+                    CompletionStreamChoice(
+                        index,
+                        text,
+                        logprobs,
+                        choice.finish_reason,
+                        choice.stop_reason,
+                        prompt_ids if send_prompt_ids else None,
+                        list(choice.token_ids) if request.return_token_ids else None,
+                    )
+                ],
+                state.usage(len(prompt_ids)) if self.continuous_usage else None,
+            )
+        )
 
     def usage_chunk(self, usage: Usage) -> bytes:
-        return sse(CompletionStreamResponse(self.base_id, "text_completion", self.created, self.model,
-                                            [], usage))
+        return sse(
+            CompletionStreamResponse(
+                self.base_id, "text_completion", self.created, self.model, [], usage
+            )
+        )
 
 
-def _stream(ctx: ServingContext, request: CompletionRequest, base_id: str, created: int,
-            prompts: list[TokensPrompt], streams: list[RequestStream], echo_only: bool,
-            cache_key: bytes | None) -> AsyncGenerator[bytes, None]:
+def _stream(
+    ctx: ServingContext,
+    request: CompletionRequest,
+    base_id: str,
+    created: int,
+    prompts: list[TokensPrompt],
+    streams: list[RequestStream],
+    echo_only: bool,
+    cache_key: bytes | None,
+) -> AsyncGenerator[bytes, None]:
     include_usage, continuous_usage = usage_options(request)
     chunks = _CompletionChunks(ctx, request, base_id, created, prompts, echo_only, continuous_usage)
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
-    return stream_response(ctx, streams, cache_key, prompt_tokens, include_usage, chunks.progress,
-                           chunks.events, chunks.usage_chunk)
+    return stream_response(
+        ctx,
+        streams,
+        cache_key,
+        prompt_tokens,
+        include_usage,
+        chunks.progress,
+        chunks.events,
+        chunks.usage_chunk,
+    )

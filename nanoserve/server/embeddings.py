@@ -4,6 +4,7 @@ list of strings, a list of token ids or a list of token-id lists; `encoding_form
 present and decodes itself); `dimensions` for Matryoshka models; `usage` counts the prompt
 tokens. Each input is one engine request (a prompt pass, pooled; no KV kept after), batched with
 everything else the scheduler runs."""
+
 from __future__ import annotations
 
 import base64
@@ -39,8 +40,11 @@ class EmbeddingRequest(msgspec.Struct):
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def _inputs(request: EmbeddingRequest) -> list[str | list[int]]:
@@ -50,23 +54,33 @@ def _inputs(request: EmbeddingRequest) -> list[str | list[int]]:
     elif isinstance(value, list) and value and all(isinstance(v, str) or _is_ids(v) for v in value):
         items = value
     else:
-        raise bad_request("input must be a string, a list of strings, a list of token ids or a list "
-                          "of token-id lists (non-empty)", "input")
+        raise bad_request(
+            "input must be a string, a list of strings, a list of token ids or a list "
+            "of token-id lists (non-empty)",
+            "input",
+        )
     if len(items) > MAX_INPUTS:
-        raise bad_request(f"input holds {len(items)} items; at most {MAX_INPUTS} per request", "input")
+        raise bad_request(
+            f"input holds {len(items)} items; at most {MAX_INPUTS} per request", "input"
+        )
     if any(isinstance(item, str) and not item for item in items):
         raise bad_request("input strings must not be empty", "input")
     return items
 
 
-async def _prompts(ctx: ServingContext, request: EmbeddingRequest,
-                   items: list[str | list[int]]) -> list[TokensPrompt]:
+async def _prompts(
+    ctx: ServingContext, request: EmbeddingRequest, items: list[str | list[int]]
+) -> list[TokensPrompt]:
     ctx.check_truncation(request, reserve=0)  # a pooling prompt may fill the context
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(await ctx.encode_many(texts, request.add_special_tokens, ctx.truncation_side_of(request)))
+    encoded = iter(
+        await ctx.encode_many(texts, request.add_special_tokens, ctx.truncation_side_of(request))
+    )
     prompts = []
     for item in items:
-        ids, _ = ctx.truncate(next(encoded) if isinstance(item, str) else list(item), request, reserve=0)
+        ids, _ = ctx.truncate(
+            next(encoded) if isinstance(item, str) else list(item), request, reserve=0
+        )
         prompts.append(TokensPrompt(ids, item if isinstance(item, str) else None))
     return prompts
 
@@ -77,11 +91,17 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def create_embedding(ctx: ServingContext, request: EmbeddingRequest, is_pooling: bool) -> Response:
+async def create_embedding(
+    ctx: ServingContext, request: EmbeddingRequest, is_pooling: bool
+) -> Response:
     ctx.check_model(request.model)
     if not is_pooling:
-        raise APIError(400, "The model does not support Embeddings API: it generates text (serve an "
-                            "embedding model with --runner pooling, or --task embed).", "model")
+        raise APIError(
+            400,
+            "The model does not support Embeddings API: it generates text (serve an "
+            "embedding model with --runner pooling, or --task embed).",
+            "model",
+        )
     if request.encoding_format not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
     if request.dimensions is not None and request.dimensions < 1:
@@ -95,15 +115,30 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest, is_po
     try:
         for index, prompt in enumerate(prompts):
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
-            streams.append(await ctx.engine.add_request(request_id, prompt, params, request.priority,
-                                                        RequestOutputKind.FINAL_ONLY))
+            streams.append(
+                await ctx.engine.add_request(
+                    request_id, prompt, params, request.priority, RequestOutputKind.FINAL_ONLY
+                )
+            )
     except BaseException:  # all or none
         ctx.abort_unfinished(streams)
         raise
     finals = await ctx.final_outputs(streams)
-    data = [{"object": "embedding", "index": index, "embedding": _encode(final.embedding, request.encoding_format)}
-            for index, final in enumerate(finals)]
+    data = [
+        {
+            "object": "embedding",
+            "index": index,
+            "embedding": _encode(final.embedding, request.encoding_format),
+        }
+        for index, final in enumerate(finals)
+    ]
     prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
-    body = {"id": base_id, "object": "list", "created": int(time.time()), "model": ctx.served_model_name,
-            "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    body = {
+        "id": base_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.served_model_name,
+        "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
     return Response(200, encode_json(body))

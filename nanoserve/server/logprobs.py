@@ -1,12 +1,19 @@
 """Logprobs in the shapes vLLM's OpenAI server writes: completions' parallel lists, chat's
 per-token entries, and `prompt_logprobs` (one {token id: logprob} per prompt token)."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from nanoserve.outputs import Logprob
-from nanoserve.server.schemas import (ChatLogprobEntry, ChatLogprobs, CompletionLogProbs,
-                                      PromptLogprob, PromptLogprobs, TopLogprob)
+from nanoserve.server.schemas import (
+    ChatLogprobEntry,
+    ChatLogprobs,
+    CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI writes for -inf
 
@@ -24,9 +31,14 @@ def token_string(token_id: int, logprob: Logprob | None, tokenizer, as_token_ids
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
-                        num_top: int, tokenizer, initial_offset: int = 0,
-                        as_token_ids: bool = False) -> CompletionLogProbs:
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    tokenizer,
+    initial_offset: int = 0,
+    as_token_ids: bool = False,
+) -> CompletionLogProbs:
     """`entries[i]` belongs to `token_ids[i]` (None: no logprob, as the first prompt token).
     Each top_logprobs dict holds the token itself and then the `num_top` best (vLLM's order), so
     `logprobs: 0` still shows the chosen token; -1 shows every entry."""
@@ -53,17 +65,24 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Lo
     return result
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int,
-                  tokenizer, as_token_ids: bool = False) -> ChatLogprobs:
+def chat_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob]],
+    num_top: int,
+    tokenizer,
+    as_token_ids: bool = False,
+) -> ChatLogprobs:
     """One entry per token: its logprob and the `num_top` most likely tokens (-1: all)."""
     content = []
     for position, token_id in enumerate(token_ids):
         entry = entries[position] if position < len(entries) else {}
         chosen = entry.get(token_id)
         token = token_string(token_id, chosen, tokenizer, as_token_ids)
-        ranked = sorted(entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+        ranked = sorted(
+            entry.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0
+        )
         top = []
-        for other_id, other in (ranked if num_top < 0 else ranked[:num_top]):
+        for other_id, other in ranked if num_top < 0 else ranked[:num_top]:
             text = token_string(other_id, other, tokenizer, as_token_ids)
             top.append(TopLogprob(text, clamp(other.logprob), list(text.encode("utf-8"))))
         value = clamp(chosen.logprob) if chosen else LOGPROB_FLOOR
@@ -71,10 +90,17 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]
     return ChatLogprobs(content)
 
 
-def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+def prompt_logprobs_body(
+    prompt_logprobs: list[dict[int, Logprob] | None] | None,
+) -> PromptLogprobs | None:
     if prompt_logprobs is None:
         return None
-    return [None if entry is None else
-            {token_id: PromptLogprob(clamp(lp.logprob), lp.rank, lp.decoded_token)
-             for token_id, lp in entry.items()}
-            for entry in prompt_logprobs]
+    return [
+        None
+        if entry is None
+        else {
+            token_id: PromptLogprob(clamp(lp.logprob), lp.rank, lp.decoded_token)
+            for token_id, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]

@@ -9,6 +9,7 @@ engine's stats snapshot at scrape time (`EngineStatsCollector`). Series that onl
 features nanoserve lacks (LoRA, speculative decoding, KV connectors) are left out; the ones vLLM
 always exports for them stay at 0. The `_created` series prometheus_client adds are left out.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -21,12 +22,74 @@ from nanoserve.server.response_cache import ResponseCache
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
@@ -73,10 +136,12 @@ class ResponseCacheCollector:
         cache = self.cache
         queries, hits = (0, 0) if cache is None else (cache.queries, cache.hits)
         for name, documentation, value in (
-                ("queries", "Response cache lookups, in requests.", queries),
-                ("hits", "Requests answered from the response cache.", hits)):
-            family = CounterMetricFamily(f"nanoserve:response_cache_{name}", documentation,
-                                         labels=["model_name", "engine"])
+            ("queries", "Response cache lookups, in requests.", queries),
+            ("hits", "Requests answered from the response cache.", hits),
+        ):
+            family = CounterMetricFamily(
+                f"nanoserve:response_cache_{name}", documentation, labels=["model_name", "engine"]
+            )
             family.add_metric(self.label_values, value)
             yield family
 
@@ -84,9 +149,13 @@ class ResponseCacheCollector:
 class ServerMetrics:
     """Request-level metrics (an async engine Observer) plus the /metrics exposition."""
 
-    def __init__(self, model_name: str, max_model_len: int = 8192,
-                 cache_config: dict[str, object] | None = None,
-                 response_cache: ResponseCache | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 8192,
+        cache_config: dict[str, object] | None = None,
+        response_cache: ResponseCache | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self._exposed = _WithoutCreated(self.registry)
         self.engine_stats = EngineStatsCollector(model_name)
@@ -95,29 +164,47 @@ class ServerMetrics:
         self._labels = {"model_name": model_name, "engine": "0"}
         tokens = token_buckets(max_model_len)
         counter = self._counter
-        self.finished = counter("request_success", "Count of successfully processed requests.",
-                                "finished_reason", FINISH_REASONS, **self._labels)
+        self.finished = counter(
+            "request_success",
+            "Count of successfully processed requests.",
+            "finished_reason",
+            FINISH_REASONS,
+            **self._labels,
+        )
         self.admission_rejections = counter(
-            "admission_rejections", "Number of admission attempts rejected by a queue limit, by "
-            "reason.", "reason", ADMISSION_REASONS, model_name=model_name)
+            "admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            "reason",
+            ADMISSION_REASONS,
+            model_name=model_name,
+        )
         self._make_token_histograms(tokens)
         self._make_latency_histograms()
         histogram = self._histogram
         self.num_preemptions = histogram(
-            "request_num_preemptions", "Histogram of the number of times a request was preempted.",
-            REQUEST_NUM_PREEMPTIONS_BUCKETS)
+            "request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            REQUEST_NUM_PREEMPTIONS_BUCKETS,
+        )
         self.prefill_kv_computed = histogram(
             "request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", tokens)
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens,
+        )
         info = {key: str(value) for key, value in (cache_config or {}).items()}
         info["engine"] = "0"
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
-              registry=self.registry).labels(**info).set(1)
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=self.registry,
+        ).labels(**info).set(1)
 
     def _histogram(self, name: str, documentation: str, buckets) -> Histogram:
         labels = self._labels
-        return Histogram("vllm:" + name, documentation, list(labels), buckets=buckets,
-                         registry=self.registry).labels(**labels)
+        return Histogram(
+            "vllm:" + name, documentation, list(labels), buckets=buckets, registry=self.registry
+        ).labels(**labels)
 
     def _counter(self, name: str, documentation: str, label: str, values, **fixed) -> dict:
         family = Counter("vllm:" + name, documentation, [*fixed, label], registry=self.registry)
@@ -126,43 +213,72 @@ class ServerMetrics:
     def _make_token_histograms(self, tokens: list[float]) -> None:
         """Per-request and per-step token counts, and the request's parameters."""
         histogram = self._histogram
-        self.prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.prompt_tokens = histogram(
+            "request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        )
         self.generation_tokens = histogram(
-            "request_generation_tokens", "Number of generation tokens processed.", tokens)
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            ITERATION_TOKENS_BUCKETS)
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
         self.max_generation_tokens = histogram(
             "request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", tokens)
-        self.params_n = histogram("request_params_n", "Histogram of the n request parameter.",
-                                  REQUEST_PARAMS_N_BUCKETS)
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.params_n = histogram(
+            "request_params_n", "Histogram of the n request parameter.", REQUEST_PARAMS_N_BUCKETS
+        )
         self.params_max_tokens = histogram(
-            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens)
+            "request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokens
+        )
 
     def _make_latency_histograms(self) -> None:
         """Per-request phases (vLLM's: queued, prefill, decode) and token latencies."""
         histogram = self._histogram
-        self.ttft = histogram("time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    REQUEST_LATENCY_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.",
-                                        REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      REQUEST_LATENCY_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     REQUEST_LATENCY_BUCKETS)
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
 
     # ---- Observer ----
     def on_first_token(self, request_id: str, seconds_since_arrival: float) -> None:

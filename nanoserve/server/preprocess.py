@@ -6,13 +6,15 @@ at most `max_in_flight` may be queued or running (503 beyond that), and a caller
 be stopped, so a late job keeps its slot until it really ends; template rendering also checks
 the same deadline itself and stops.
 """
+
 from __future__ import annotations
 
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from nanoserve.server.schemas import APIError
 
@@ -30,16 +32,25 @@ class Preprocessor:
         """For work that can stop itself (template rendering): time.monotonic() to stop by."""
         return time.monotonic() + self.timeout
 
-    async def run(self, size: int, fn: Callable[..., Any], *args: Any,
-                  prepare_by: float | None = None, **kwargs: Any) -> Any:
+    async def run(
+        self,
+        size: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        prepare_by: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """`prepare_by` (time.monotonic()): for a job that is one of several of one request,
         the time the whole request must be prepared by (`deadline()` taken before the first)."""
         if size < SMALL_INPUT:
             return fn(*args, **kwargs)
         timeout = self.timeout if prepare_by is None else prepare_by - time.monotonic()
         if self.in_flight >= self.max_in_flight:
-            raise APIError(503, f"The server is busy preparing {self.in_flight} large inputs. "
-                                "Retry later.", headers=[("retry-after", "1")])
+            raise APIError(
+                503,
+                f"The server is busy preparing {self.in_flight} large inputs. Retry later.",
+                headers=[("retry-after", "1")],
+            )
         self.in_flight += 1
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
@@ -47,8 +58,11 @@ class Preprocessor:
         try:
             return await asyncio.wait_for(asyncio.shield(future), max(timeout, 0.0))
         except TimeoutError:
-            raise APIError(400, f"The input took longer than {self.timeout:g} s to prepare "
-                                "(tokenize or render); send a shorter one.") from None
+            raise APIError(
+                400,
+                f"The input took longer than {self.timeout:g} s to prepare "
+                "(tokenize or render); send a shorter one.",
+            ) from None
 
     def _job_done(self, future: asyncio.Future) -> None:
         self.in_flight -= 1

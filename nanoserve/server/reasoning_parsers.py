@@ -3,6 +3,7 @@
 non-streamed answer, a stream's last delta); both parts only grow as the text grows, so a stream
 sends their differences. A stream reads its other deltas with the parser's `reader()`, which keeps
 its place between deltas (a delta costs work in proportion to its length, not the text so far)."""
+
 from __future__ import annotations
 
 from typing import ClassVar
@@ -24,7 +25,7 @@ class ReasoningParser:
         """(reasoning, content) of the output so far."""
         raise NotImplementedError
 
-    def reader(self) -> "ThinkReader | harmony.HarmonyReader | None":
+    def reader(self) -> ThinkReader | harmony.HarmonyReader | None:
         """What reads a stream's deltas as they come (the same parts as `split(text so far,
         False)`); None: the stream splits the whole text after each delta."""
         return None
@@ -54,7 +55,7 @@ class ThinkReader:
         if self.state == "start":
             text = self.start + delta
             if text.startswith(THINK_START):
-                delta = text[len(THINK_START):]
+                delta = text[len(THINK_START) :]
             elif THINK_START.startswith(text):
                 self.start = text
                 return "", ""
@@ -75,6 +76,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1: the template opens `<think>` in the prompt, so the output is reasoning until
     `</think>` (an output without it is all reasoning); a `<think>` the model writes itself is
     dropped."""
+
     name = "deepseek_r1"
 
     def reader(self) -> ThinkReader:
@@ -88,15 +90,16 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
             return "", ""
         end = text.find(THINK_END, start)
         if end >= 0:
-            return text[start:end], text[end + len(THINK_END):]
+            return text[start:end], text[end + len(THINK_END) :]
         if final:
             return text[start:], ""
-        return text[start:len(text) - held_back(text[start:], THINK_END)], ""
+        return text[start : len(text) - held_back(text[start:], THINK_END)], ""
 
 
 class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
     """Qwen3 writes `<think>...</think>` itself; with enable_thinking=false its template closes
     an empty block in the prompt and the output, starting without `<think>`, is all content."""
+
     name = "qwen3"
 
     def reader(self) -> ThinkReader:
@@ -112,6 +115,7 @@ class GptOssReasoningParser(ReasoningParser):
     """gpt-oss's harmony messages (tool_parsers/harmony.py): the analysis bodies are the
     reasoning, the final and preamble bodies the content; calls are left to the `openai` tool
     parser, which reads the whole output."""
+
     name = "openai_gptoss"
     keeps_special_tokens = True
 
@@ -122,13 +126,16 @@ class GptOssReasoningParser(ReasoningParser):
         messages = harmony.read_messages(text, final)
         if messages is None:
             return "", text
-        return (harmony.joined(messages, harmony.REASONING),
-                harmony.joined(messages, harmony.CONTENT))
+        return (
+            harmony.joined(messages, harmony.REASONING),
+            harmony.joined(messages, harmony.CONTENT),
+        )
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser
-    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)}
+    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, GptOssReasoningParser)
+}
 # The parser a model's architecture gets without --reasoning-parser: vLLM always separates
 # gpt-oss's reasoning.
 DEFAULT_REASONING_PARSERS: dict[str, str] = {"GptOssForCausalLM": GptOssReasoningParser.name}

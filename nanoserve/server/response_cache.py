@@ -9,6 +9,7 @@ comes out as for the original: fields that only shape the response stay out of t
 Entries are msgpack bytes: their size is exact, and a hit decodes fresh objects that no handler
 can share. LRU eviction by bytes; an entry older than the TTL is a miss (and is dropped).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ import hashlib
 import sys
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -30,13 +31,37 @@ from nanoserve.sampling_params import SamplingParams
 # spaces_between_special_tokens: the detokenized text; logprobs / prompt_logprobs: the entries
 # returned (echo and max_tokens=0 reach the key through prompt_logprobs and max_tokens);
 # structured_outputs: the grammar, by its kind and text.
-KEY_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-              "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens", "stop",
-              "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "seed", "logprobs",
-              "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens",
-              "logit_bias", "structured_outputs")
-_FLOAT_PARAMS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+KEY_PARAMS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "max_tokens",
+    "min_tokens",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "logit_bias",
+    "structured_outputs",
+)
+_FLOAT_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 # Beyond an entry's two bytes objects: its OrderedDict slot and links, the (blob, expiry) tuple
 # and the expiry float (measured with tracemalloc on CPython 3.11: ~185 bytes).
 ENTRY_OVERHEAD = 192
@@ -68,14 +93,18 @@ def cache_key(model: str, prompts: Sequence[Sequence[int]], params: SamplingPara
 def is_complete(outputs: Sequence[RequestOutput | None]) -> bool:
     """Finished normally: not aborted, not failed, every choice with its finish reason."""
     return bool(outputs) and all(
-        output is not None and output.finished and output.outputs and all(
-            choice.finish_reason not in (None, "abort", "error") for choice in output.outputs)
-        for output in outputs)
+        output is not None
+        and output.finished
+        and output.outputs
+        and all(choice.finish_reason not in (None, "abort", "error") for choice in output.outputs)
+        for output in outputs
+    )
 
 
 class ResponseCache:
-    def __init__(self, max_bytes: int, ttl_seconds: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_bytes: int, ttl_seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if max_bytes < 0 or ttl_seconds <= 0:
             raise ValueError("the response cache needs max_bytes >= 0 and ttl_seconds > 0")
         self.max_bytes = max_bytes
@@ -116,9 +145,14 @@ class ResponseCache:
         larger than the whole cache."""
         if not self.enabled or not is_complete(outputs):
             return False
-        blob = _encode([dataclasses.replace(output, request_id="", prompt=None,
-                                            prompt_token_ids=[], metrics=None)
-                        for output in outputs])
+        blob = _encode(
+            [
+                dataclasses.replace(
+                    output, request_id="", prompt=None, prompt_token_ids=[], metrics=None
+                )
+                for output in outputs
+            ]
+        )
         size = self.entry_size(key, blob)
         if size > self.max_bytes:
             return False

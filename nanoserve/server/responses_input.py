@@ -3,6 +3,7 @@
 chat shape, `text.format` as a `response_format`, and the fields nanoserve does not serve refused
 with a 400 naming them. Also the bounded in-memory store behind `store` / `previous_response_id`.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,8 +13,12 @@ from typing import Any
 
 import msgspec
 
-from nanoserve.server.schemas import (MAX_METADATA_KEY_CHARS, APIError, ChatCompletionRequest,
-                                      Metadata)
+from nanoserve.server.schemas import (
+    MAX_METADATA_KEY_CHARS,
+    APIError,
+    ChatCompletionRequest,
+    Metadata,
+)
 
 
 class ResponsesRequest(msgspec.Struct):
@@ -23,7 +28,9 @@ class ResponsesRequest(msgspec.Struct):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    text: dict[str, Any] | None = (
+        None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    )
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = True
@@ -69,7 +76,11 @@ def reasoning_effort(request: ResponsesRequest) -> str | None:
     reasoning = request.reasoning
     if reasoning is None:
         return None
-    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+    if not isinstance(reasoning, dict) or set(reasoning) - {
+        "effort",
+        "summary",
+        "generate_summary",
+    }:
         raise bad("reasoning must be an object with `effort`", "reasoning")
     if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
         raise bad("reasoning summaries are not supported", "reasoning")
@@ -85,11 +96,13 @@ def check_unsupported(request: ResponsesRequest) -> None:
         if value is not None and value is not False and value != []:
             raise bad(why, name)
     if request.truncation not in (None, "disabled"):
-        raise bad("only truncation \"disabled\" is supported", "truncation")
+        raise bad('only truncation "disabled" is supported', "truncation")
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise bad("max_output_tokens must be at least 1", "max_output_tokens")
     if request.metadata and max(map(len, request.metadata)) > MAX_METADATA_KEY_CHARS:
-        raise bad(f"`metadata` keys may hold at most {MAX_METADATA_KEY_CHARS} characters", "metadata")
+        raise bad(
+            f"`metadata` keys may hold at most {MAX_METADATA_KEY_CHARS} characters", "metadata"
+        )
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -104,8 +117,9 @@ def _text_of(content: Any, where: str) -> str:
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad(f"{where}: content parts of type {kind!r} are not supported (text only)",
-                      "input")
+            raise bad(
+                f"{where}: content parts of type {kind!r} are not supported (text only)", "input"
+            )
         else:
             raise bad(f"{where}: unknown content part {kind!r}", "input")
     return "".join(texts)
@@ -119,15 +133,23 @@ def _item_messages(item: Any, index: int) -> list[dict[str, Any]]:
     if kind == "message":
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
-            raise bad(f"{where}: role must be user, assistant, system or developer, got {role!r}",
-                      "input")
-        return [{"role": "system" if role == "developer" else role,
-                 "content": _text_of(item.get("content"), where)}]
+            raise bad(
+                f"{where}: role must be user, assistant, system or developer, got {role!r}", "input"
+            )
+        return [
+            {
+                "role": "system" if role == "developer" else role,
+                "content": _text_of(item.get("content"), where),
+            }
+        ]
     if kind == "function_call":
         if not isinstance(item.get("name"), str) or not isinstance(item.get("call_id"), str):
             raise bad(f"{where}: a function_call item needs `name` and `call_id`", "input")
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+        call = {
+            "id": item["call_id"],
+            "type": "function",
+            "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+        }
         return [{"role": "assistant", "content": None, "tool_calls": [call]}]
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
@@ -140,7 +162,9 @@ def _item_messages(item: Any, index: int) -> list[dict[str, Any]]:
     raise bad(f"{where}: items of type {kind!r} are not supported", "input")
 
 
-def input_messages(request: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(
+    request: ResponsesRequest, history: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """instructions (as a system message; they do not carry over from a previous response),
     then the previous response's conversation, then this request's input."""
     messages: list[dict[str, Any]] = []
@@ -158,8 +182,12 @@ def input_messages(request: ResponsesRequest, history: list[dict[str, Any]]) -> 
     merged: list[dict[str, Any]] = []
     for message in messages:
         previous = merged[-1] if merged else None
-        if (previous is not None and message.get("tool_calls") and previous.get("tool_calls")
-                and previous.get("content") is None):
+        if (
+            previous is not None
+            and message.get("tool_calls")
+            and previous.get("tool_calls")
+            and previous.get("content") is None
+        ):
             # A new dict: `previous` may be the caller's (never change what was handed in).
             merged[-1] = dict(previous, tool_calls=previous["tool_calls"] + message["tool_calls"])
         else:
@@ -174,10 +202,15 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     for index, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad(f"tools[{index}]: only tools of type \"function\" are supported, got {kind!r}",
-                      "tools")
-        function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
-                    if tool.get(key) is not None}
+            raise bad(
+                f'tools[{index}]: only tools of type "function" are supported, got {kind!r}',
+                "tools",
+            )
+        function = {
+            key: tool[key]
+            for key in ("name", "description", "parameters", "strict")
+            if tool.get(key) is not None
+        }
         out.append({"type": "function", "function": function})
     return out
 
@@ -203,29 +236,49 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if kind == "json_schema":
         if not isinstance(spec.get("schema"), dict):
             raise bad("text.format of type json_schema needs a `schema` object", "text")
-        return {"type": "json_schema", "json_schema": {
-            "name": spec.get("name", "response"), "schema": spec["schema"],
-            "strict": spec.get("strict")}}
-    raise bad(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text")
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": spec.get("name", "response"),
+                "schema": spec["schema"],
+                "strict": spec.get("strict"),
+            },
+        }
+    raise bad(
+        f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "text"
+    )
 
 
-def as_chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def as_chat_request(
+    request: ResponsesRequest, messages: list[dict[str, Any]]
+) -> ChatCompletionRequest:
     return ChatCompletionRequest(
-        model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
-        temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-        tools=chat_tools(request.tools), tool_choice=chat_tool_choice(request.tool_choice),
-        parallel_tool_calls=request.parallel_tool_calls, response_format=response_format(request.text),
-        stream=bool(request.stream), user=request.user, priority=request.priority,
-        request_id=request.request_id)
+        model=request.model,
+        messages=messages,
+        max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        tools=chat_tools(request.tools),
+        tool_choice=chat_tool_choice(request.tool_choice),
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=response_format(request.text),
+        stream=bool(request.stream),
+        user=request.user,
+        priority=request.priority,
+        request_id=request.request_id,
+    )
 
 
-DEFAULT_STORE_MAX_BYTES = 256 * 2 ** 20  # --responses-store-max-bytes
+DEFAULT_STORE_MAX_BYTES = 256 * 2**20  # --responses-store-max-bytes
 
 
 @dataclass(slots=True)
 class StoredResponse:
     """A response as bytes: its JSON as returned and its conversation's JSON. Bytes cannot be
     changed by a later request, and their length is what the store counts."""
+
     body: bytes  # the response object as returned
     conversation_json: bytes  # its input messages and its output, for continuations
     expires: float
@@ -245,8 +298,13 @@ class ResponseStore:
     seconds. A response larger than the whole budget is not kept. In memory: a restart forgets
     them (the error then says the id is unknown)."""
 
-    def __init__(self, max_entries: int = 1000, ttl: float = 3600.0, clock=time.monotonic,
-                 max_bytes: int = DEFAULT_STORE_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        max_entries: int = 1000,
+        ttl: float = 3600.0,
+        clock=time.monotonic,
+        max_bytes: int = DEFAULT_STORE_MAX_BYTES,
+    ) -> None:
         self.max_entries, self.max_bytes, self.ttl, self.clock = max_entries, max_bytes, ttl, clock
         self.total_bytes = 0  # the sizes of the entries held
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()

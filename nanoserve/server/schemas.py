@@ -3,21 +3,33 @@
 Unknown request fields are ignored (msgspec's default), as vLLM accepts them. Field names and
 defaults follow vLLM's OpenAI server.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 import msgspec
 
-from nanoserve.sampling_params import (MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS,
-                                       MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
+from nanoserve.sampling_params import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 
 class APIError(Exception):
     """A user-facing error, rendered as {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 error_type: str | None = None, headers: list[tuple[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        error_type: str | None = None,
+        headers: list[tuple[str, str]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -26,10 +38,17 @@ class APIError(Exception):
         self.headers = headers or []
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-               431: "RequestHeaderFieldsTooLargeError", 501: "NotImplementedError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    431: "RequestHeaderFieldsTooLargeError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -44,8 +63,10 @@ Choices = Annotated[list[str], msgspec.Meta(max_length=MAX_CHOICES)]
 # keys of at most 64 characters (checked by responses_input.py: msgspec's message for a key does
 # not name the field), string values of at most 512.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
-Metadata = Annotated[dict[str, Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_CHARS)]],
-                     msgspec.Meta(max_length=MAX_METADATA_PAIRS)]
+Metadata = Annotated[
+    dict[str, Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_CHARS)]],
+    msgspec.Meta(max_length=MAX_METADATA_PAIRS),
+]
 
 
 class StreamOptions(msgspec.Struct):
@@ -55,6 +76,7 @@ class StreamOptions(msgspec.Struct):
 
 class SamplingFields(msgspec.Struct):
     """Sampling fields shared by completions and chat (None: the model's default)."""
+
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -134,6 +156,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class LoadLoRAAdapterRequest(msgspec.Struct):
     """POST /v1/load_lora_adapter (vLLM's, with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
     lora_name: str = ""
     lora_path: str = ""
     load_inplace: bool = False  # replace an adapter already served under the name
@@ -272,6 +295,7 @@ class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
 
 class DeltaToolCall(msgspec.Struct, omit_defaults=True):
     """A call's first delta has id, type, name and arguments ""; later ones argument text."""
+
     index: int
     function: DeltaFunctionCall
     id: str | None = None

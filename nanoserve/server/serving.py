@@ -2,15 +2,17 @@
 modules chat.py and completions.py: the serving context, request → SamplingParams, prompt
 tokenization off the event loop, submission to the async engine (or a replay from the response
 cache), what a streamed choice has sent, SSE, and the one map from errors to HTTP statuses."""
+
 from __future__ import annotations
 
 import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
@@ -25,8 +27,14 @@ from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.reasoning_parsers import ReasoningParser
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache, cache_key, is_cacheable
-from nanoserve.server.schemas import (APIError, ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                      SamplingFields, Usage)
+from nanoserve.server.schemas import (
+    APIError,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    SamplingFields,
+    Usage,
+)
 from nanoserve.server.structured_outputs import structured_outputs_params
 from nanoserve.server.tool_parsers import ToolParser
 
@@ -47,7 +55,9 @@ def load_generation_defaults(model_dir: str | Path | None) -> dict[str, float]:
         raw = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return {key: raw[key] for key in GENERATION_DEFAULT_KEYS if isinstance(raw.get(key), (int, float))}
+    return {
+        key: raw[key] for key in GENERATION_DEFAULT_KEYS if isinstance(raw.get(key), (int, float))
+    }
 
 
 def random_id(prefix: str) -> str:
@@ -65,7 +75,9 @@ def sse(payload: msgspec.Struct) -> bytes:
 
 
 def error_body(error: APIError) -> bytes:
-    return encode_json(ErrorResponse(ErrorInfo(error.message, error.error_type, error.param, error.status)))
+    return encode_json(
+        ErrorResponse(ErrorInfo(error.message, error.error_type, error.param, error.status))
+    )
 
 
 TOO_DEEP = "The request body is nested too deeply."
@@ -89,8 +101,11 @@ def to_api_error(error: BaseException) -> APIError | None:
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error))
     if isinstance(error, StepError):  # this request's step failed; the engine serves on
-        logger.error("request(s) %s failed during a model step: %r",
-                     ", ".join(error.request_ids), error.cause)
+        logger.error(
+            "request(s) %s failed during a model step: %r",
+            ", ".join(error.request_ids),
+            error.cause,
+        )
         return APIError(500, STEP_FAILED)
     if isinstance(error, RecursionError):  # nested input that decoded, then was too deep
         return APIError(400, TOO_DEEP)
@@ -156,7 +171,9 @@ class ServingContext:
 
     def new_lora(self, name: str, path: str) -> LoRARequest:
         """An adapter under a fresh id (never reused: the prefix cache keys blocks by it)."""
-        self.next_lora_id = max([self.next_lora_id, *(lora.lora_int_id + 1 for lora in self.lora_modules.values())])
+        self.next_lora_id = max(
+            [self.next_lora_id, *(lora.lora_int_id + 1 for lora in self.lora_modules.values())]
+        )
         lora = LoRARequest(name, self.next_lora_id, path, self.served_model_name)
         self.next_lora_id += 1
         return lora
@@ -172,9 +189,12 @@ class ServingContext:
         if limit is not None and self.engine.num_waiting >= limit:
             if self.on_admission_rejected is not None:
                 self.on_admission_rejected("max_num_queued_reqs")
-            raise APIError(503, f"The server is overloaded: {self.engine.num_waiting} requests are "
-                                f"waiting (limit {limit}). Retry later.",
-                           headers=[("retry-after", "1")])
+            raise APIError(
+                503,
+                f"The server is overloaded: {self.engine.num_waiting} requests are "
+                f"waiting (limit {limit}). Retry later.",
+                headers=[("retry-after", "1")],
+            )
 
     async def off_loop(self, size: int, fn, *args, **kwargs):
         """Run fn on the preprocessing pool when the input is large, so the loop stays free."""
@@ -191,17 +211,22 @@ class ServingContext:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {len(text)} characters of input, more than any "
                 f"{self.max_model_len} tokens can hold. Please reduce the length of the input "
-                "messages.", "input_tokens")
+                "messages.",
+                "input_tokens",
+            )
         return text
 
-    async def encode(self, text: str, add_special_tokens: bool,
-                     truncation_side: str | None = None) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool, truncation_side: str | None = None
+    ) -> list[int]:
         text = self._fit(text, truncation_side)
-        return await self.off_loop(len(text), self.tokenizer.encode, text,
-                                   add_special_tokens=add_special_tokens)
+        return await self.off_loop(
+            len(text), self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+        )
 
-    async def encode_many(self, texts: list[str], add_special_tokens: bool,
-                          truncation_side: str | None = None) -> list[list[int]]:
+    async def encode_many(
+        self, texts: list[str], add_special_tokens: bool, truncation_side: str | None = None
+    ) -> list[list[int]]:
         """The prompts of one request, each checked for length before any is tokenized, then
         tokenized in slices of about PROMPT_SLICE_CHARS characters, one slice at a time: the
         pool serves other requests' inputs between two slices, and the loop is never held
@@ -215,9 +240,13 @@ class ServingContext:
             while end < len(texts) and size + len(texts[end]) <= PROMPT_SLICE_CHARS:
                 size += len(texts[end])
                 end += 1
-            result += await self.preprocessor.run(size, self.tokenizer.encode_each,
-                                                  texts[start:end], add_special_tokens,
-                                                  prepare_by=prepare_by)
+            result += await self.preprocessor.run(
+                size,
+                self.tokenizer.encode_each,
+                texts[start:end],
+                add_special_tokens,
+                prepare_by=prepare_by,
+            )
             start = end
         return result
 
@@ -228,21 +257,27 @@ class ServingContext:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your request has {num_tokens} input tokens. Please reduce the length of the "
-                "input messages.", "input_tokens")
+                "input messages.",
+                "input_tokens",
+            )
 
     def check_num_sequences(self, n: int, num_prompts: int) -> None:
         """n x prompts, the outputs one request asks for: checked before any prompt is
         tokenized, and again when the request is submitted."""
         if n * num_prompts > self.max_n_sequences:
-            raise bad_request(f"n x prompts must be <= {self.max_n_sequences} per request, got "
-                              f"{n} x {num_prompts}", "n")
+            raise bad_request(
+                f"n x prompts must be <= {self.max_n_sequences} per request, got "
+                f"{n} x {num_prompts}",
+                "n",
+            )
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
         details = PromptTokensDetails(cached_tokens) if self.enable_prompt_tokens_details else None
         return Usage(prompt_tokens, prompt_tokens + completion_tokens, completion_tokens, details)
 
-    def check_fields(self, request: SamplingFields, logprobs_name: str,
-                     logprobs: int | None) -> None:
+    def check_fields(
+        self, request: SamplingFields, logprobs_name: str, logprobs: int | None
+    ) -> None:
         """vLLM's request-level checks of logprobs, prompt_logprobs and truncation; vLLM's
         fields that nanoserve does not apply are refused, not ignored."""
         for name in ("allowed_token_ids", "bad_words"):
@@ -251,11 +286,13 @@ class ServingContext:
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is not None:
             if request.stream and (prompt_logprobs > 0 or prompt_logprobs == -1):
-                raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
-                                  "prompt_logprobs")
+                raise bad_request(
+                    "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+                )
             if prompt_logprobs < -1:
-                raise bad_request("`prompt_logprobs` must be a positive value or -1.",
-                                  "prompt_logprobs")
+                raise bad_request(
+                    "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs"
+                )
         if logprobs is not None and logprobs < -1:
             raise bad_request(f"`{logprobs_name}` must be a positive value or -1.", logprobs_name)
         self.check_truncation(request)
@@ -265,17 +302,23 @@ class ServingContext:
         them). `reserve`: the positions -1 leaves free (1 for the token to generate; 0 for a
         pooling request)."""
         if request.truncation_side not in (None, "left", "right"):
-            raise bad_request("`truncation_side` must be either 'left' or 'right'.",
-                              "truncation_side")
+            raise bad_request(
+                "`truncation_side` must be either 'left' or 'right'.", "truncation_side"
+            )
         limit = request.truncate_prompt_tokens
         if limit is not None and limit < -1:
             whole = "max_model_len - 1" if reserve else "max_model_len"
-            raise bad_request(f"truncate_prompt_tokens must be -1 ({whole}) or >= 0, "
-                              f"got {limit}", "truncate_prompt_tokens")
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 ({whole}) or >= 0, got {limit}",
+                "truncate_prompt_tokens",
+            )
         if limit is not None and limit > self.max_model_len:
-            raise bad_request(f"truncate_prompt_tokens={limit} cannot be greater than "
-                              f"max_model_len = {self.max_model_len}. Please request a smaller "
-                              "truncation size.", "truncate_prompt_tokens")
+            raise bad_request(
+                f"truncate_prompt_tokens={limit} cannot be greater than "
+                f"max_model_len = {self.max_model_len}. Please request a smaller "
+                "truncation size.",
+                "truncate_prompt_tokens",
+            )
 
     def truncation_side_of(self, request: SamplingFields) -> str | None:
         """The side to cut from, or None when the request does not truncate."""
@@ -283,8 +326,9 @@ class ServingContext:
             return None
         return request.truncation_side or self.truncation_side
 
-    def truncate(self, token_ids: list[int], request: SamplingFields,
-                 reserve: int = 1) -> tuple[list[int], bool]:
+    def truncate(
+        self, token_ids: list[int], request: SamplingFields, reserve: int = 1
+    ) -> tuple[list[int], bool]:
         """truncate_prompt_tokens as vLLM: keep that many tokens (-1: max_model_len - reserve),
         the last ones with truncation_side "left". Returns the tokens and whether any were cut."""
         limit = request.truncate_prompt_tokens
@@ -294,15 +338,21 @@ class ServingContext:
         if keep >= len(token_ids):
             return token_ids, False
         if self.truncation_side_of(request) == "left":
-            return token_ids[len(token_ids) - keep:], True
+            return token_ids[len(token_ids) - keep :], True
         return token_ids[:keep], True
 
-    def sampling_params(self, request: SamplingFields, max_tokens: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         """Raises APIError, or InvalidRequestError (SamplingParams' checks) naming the field."""
         if request.stream_options is not None and not request.stream:
-            raise bad_request("Stream options can only be defined when `stream=True`.",
-                              "stream_options")
+            raise bad_request(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
         defaults = self.generation_defaults
 
         def pick(name: str, fallback: float) -> Any:
@@ -318,26 +368,43 @@ class ServingContext:
                 except (ValueError, TypeError):
                     invalid.append(token)
             if invalid:
-                raise bad_request("logit_bias contains key(s) that cannot be converted to integer "
-                                  f"token IDs: {invalid!r}", "logit_bias")
+                raise bad_request(
+                    "logit_bias contains key(s) that cannot be converted to integer "
+                    f"token IDs: {invalid!r}",
+                    "logit_bias",
+                )
         return SamplingParams(
-            n=request.n, temperature=float(pick("temperature", 1.0)),
-            top_p=float(pick("top_p", 1.0)), top_k=int(pick("top_k", 0)),
+            n=request.n,
+            temperature=float(pick("temperature", 1.0)),
+            top_p=float(pick("top_p", 1.0)),
+            top_k=int(pick("top_k", 0)),
             min_p=float(pick("min_p", 0.0)),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             repetition_penalty=float(pick("repetition_penalty", 1.0)),
-            max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            ignore_eos=request.ignore_eos, seed=request.seed, logprobs=logprobs,
+            ignore_eos=request.ignore_eos,
+            seed=request.seed,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            logit_bias=logit_bias, structured_outputs=structured_outputs_params(request))
+            logit_bias=logit_bias,
+            structured_outputs=structured_outputs_params(request),
+        )
 
-    async def submit(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
-                     priority: int, lora: LoRARequest | None = None) -> list[RequestStream]:
+    async def submit(
+        self,
+        base_id: str,
+        prompts: list[TokensPrompt],
+        params: SamplingParams,
+        priority: int,
+        lora: LoRARequest | None = None,
+    ) -> list[RequestStream]:
         """Add one engine request per prompt; all or none (a rejected one aborts the rest)."""
         self.check_num_sequences(params.n, len(prompts))
         self.check_capacity()
@@ -346,18 +413,32 @@ class ServingContext:
             for index, prompt in enumerate(prompts):
                 request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
                 if self.request_logger is not None:
-                    self.request_logger.log_inputs(request_id, prompt.prompt,
-                                                   prompt.prompt_token_ids, params, priority)
-                streams.append(await self.engine.add_request(request_id, prompt, params, priority,
-                                                             RequestOutputKind.DELTA, lora_request=lora))
+                    self.request_logger.log_inputs(
+                        request_id, prompt.prompt, prompt.prompt_token_ids, params, priority
+                    )
+                streams.append(
+                    await self.engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        priority,
+                        RequestOutputKind.DELTA,
+                        lora_request=lora,
+                    )
+                )
         except BaseException:  # the routes map it to its status (to_api_error)
             for stream in streams:
                 self.engine.abort(stream.request_id)
             raise
         return streams
 
-    def cached_streams(self, base_id: str, prompts: list[TokensPrompt], params: SamplingParams,
-                       lora: LoRARequest | None = None) -> tuple[bytes | None, list[RequestStream] | None]:
+    def cached_streams(
+        self,
+        base_id: str,
+        prompts: list[TokensPrompt],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+    ) -> tuple[bytes | None, list[RequestStream] | None]:
         """Look the request up in the response cache. Returns the key to store its outputs under
         (None: not cacheable, or a hit) and, on a hit, finished streams that replay the stored
         outputs: the engine never sees the request."""
@@ -420,6 +501,7 @@ def fold(whole: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
 class ChoiceProgress:
     """One streamed choice: what of it came from the engine and what went out. The engine's
     deltas already hold back text that a stop string may still take."""
+
     num_tokens: int = 0  # generated tokens received: the usage so far
     chars_sent: int = 0  # characters sent, an echoed prompt included (completions' text_offset)
     started: bool = False  # its first chunk went out

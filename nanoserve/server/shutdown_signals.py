@@ -1,6 +1,7 @@
 """SIGINT and SIGTERM for the whole of `nanoserve serve`, from before torch is imported until the
 tensor- / pipeline-parallel worker ranks are stopped and joined. Light on purpose: `cmd_serve`
 installs it before importing the server, so no import may pull torch in here."""
+
 from __future__ import annotations
 
 import logging
@@ -67,7 +68,9 @@ class ShutdownSignals:
             return
         self._forcing = True
         try:
-            logger.warning("%s again: killing the worker ranks and exiting now", signal.Signals(signum).name)
+            logger.warning(
+                "%s again: killing the worker ranks and exiting now", signal.Signals(signum).name
+            )
         except Exception:  # the main thread was inside a write to the same stream
             pass
         try:

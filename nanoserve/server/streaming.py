@@ -2,10 +2,11 @@
 outputs arrive, the SSE frame around each route's own chunks (the response cache's copy, the
 closing usage chunk, [DONE], an in-band error after the 200 went out, and the abort of what is
 left when the client goes away)."""
+
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.outputs import RequestOutput
@@ -53,10 +54,16 @@ def usage_options(request: SamplingFields) -> tuple[bool, bool]:
     return include_usage, bool(include_usage and options.continuous_usage_stats)
 
 
-async def stream_response(ctx: ServingContext, streams: list[RequestStream], cache_key: bytes | None,
-                          prompt_tokens: int, include_usage: bool, progress: dict[int, ChoiceProgress],
-                          events_of: Callable[[int, RequestOutput], list[bytes]],
-                          usage_chunk: Callable[[Usage], bytes]) -> AsyncGenerator[bytes, None]:
+async def stream_response(
+    ctx: ServingContext,
+    streams: list[RequestStream],
+    cache_key: bytes | None,
+    prompt_tokens: int,
+    include_usage: bool,
+    progress: dict[int, ChoiceProgress],
+    events_of: Callable[[int, RequestOutput], list[bytes]],
+    usage_chunk: Callable[[Usage], bytes],
+) -> AsyncGenerator[bytes, None]:
     """The SSE body of a streamed response. `events_of(prompt index, output)`: the route's chunks
     for one output (they update `progress`, whose token counts make the final usage);
     `usage_chunk`: the route's closing chunk that carries only the usage."""

@@ -2,6 +2,7 @@
 vLLM checks them, and what they ask for: the tools the template sees, how the output is read
 (none, auto with the server's parser, required, one named function) and, for "required" and a
 named function, the JSON schema that constrains decoding (as vLLM builds it)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ from nanoserve.server.schemas import APIError
 from nanoserve.server.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 
 NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
-AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
-                    '--tool-call-parser to be set')
+AUTO_NEEDS_FLAGS = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 MAX_TOOLS = 128  # as OpenAI: each tool goes into the prompt and into the "required" grammar
@@ -63,13 +65,23 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
         parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)
         for name, definition in (parameters.pop("$defs", None) or {}).items():
             if definitions.get(name, definition) != definition:
-                raise _bad(f"tools define `$defs/{name}` in two different ways; give the "
-                           "definitions distinct names", "tools")
+                raise _bad(
+                    f"tools define `$defs/{name}` in two different ways; give the "
+                    "definitions distinct names",
+                    "tools",
+                )
             definitions[name] = definition
-        shapes.append({"type": "object",
-                       "properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                      "parameters": parameters},
-                       "required": ["name", "parameters"], "additionalProperties": False})
+        shapes.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [function["name"]]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": shapes}}
     if not parallel:
         schema["maxItems"] = 1
@@ -85,8 +97,11 @@ def _check_schema(schema: Any, where: str) -> None:
     kind = schema.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
     if any(item not in SCHEMA_TYPES for item in kinds):
-        raise _bad(f"{where}.type must be one of {', '.join(SCHEMA_TYPES)} (or a list of them), "
-                   f"got {kind!r}", "tools")
+        raise _bad(
+            f"{where}.type must be one of {', '.join(SCHEMA_TYPES)} (or a list of them), "
+            f"got {kind!r}",
+            "tools",
+        )
     properties = schema.get("properties")
     if properties is not None:
         if not isinstance(properties, dict):
@@ -95,8 +110,9 @@ def _check_schema(schema: Any, where: str) -> None:
             if not isinstance(item, (dict, bool)):
                 raise _bad(f"{where}.properties.{name} must be a JSON schema object", "tools")
     required = schema.get("required")
-    if required is not None and not (isinstance(required, list)
-                                     and all(isinstance(item, str) for item in required)):
+    if required is not None and not (
+        isinstance(required, list) and all(isinstance(item, str) for item in required)
+    ):
         raise _bad(f"{where}.required must be a list of property names", "tools")
 
 
@@ -108,8 +124,11 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}; only "
-                       "function tools are supported", "tools")
+            raise _bad(
+                f'{where} must be {{"type": "function", "function": {{...}}}}; only '
+                "function tools are supported",
+                "tools",
+            )
         function = tool.get("function")
         if not isinstance(function, dict):
             raise _bad(f"{where}.function must be an object with a `name`", "tools")
@@ -124,8 +143,9 @@ def _check_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def check_tool_use(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None,
-                   auto_tools_enabled: bool) -> ToolUse:
+def check_tool_use(
+    tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, auto_tools_enabled: bool
+) -> ToolUse:
     """vLLM's checks of the tool fields, in its order; raises a 400 naming the field."""
     if tools is not None:
         tools = _check_tools(tools)
@@ -138,27 +158,37 @@ def check_tool_use(tools: Any, tool_choice: Any, parallel_tool_calls: bool | Non
         raise _bad("When using `tool_choice`, `tools` must be set.", "tool_choice")
     if isinstance(tool_choice, str):
         if tool_choice not in ("auto", "required"):
-            raise _bad(f"Invalid value for `tool_choice`: {tool_choice}! Only named tools, "
-                       '"none", "auto" or "required" are supported.', "tool_choice")
+            raise _bad(
+                f"Invalid value for `tool_choice`: {tool_choice}! Only named tools, "
+                '"none", "auto" or "required" are supported.',
+                "tool_choice",
+            )
         if tool_choice == "required" and not tools:  # OpenAI: nothing to call, so none
             return ToolUse(None, "none", parallel=parallel)
         if tool_choice == "auto" and not auto_tools_enabled:
             raise _bad(AUTO_NEEDS_FLAGS, "tool_choice")
         return ToolUse(tools, tool_choice, parallel=parallel)
     if not isinstance(tool_choice, dict):
-        raise _bad(f"Invalid value for `tool_choice`: {json.dumps(tool_choice)}! {NAMED_USAGE}",
-                   "tool_choice")
+        raise _bad(
+            f"Invalid value for `tool_choice`: {json.dumps(tool_choice)}! {NAMED_USAGE}",
+            "tool_choice",
+        )
     function = tool_choice.get("function")
     if not isinstance(function, dict):
-        raise _bad(f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_USAGE}",
-                   "tool_choice")
+        raise _bad(
+            f"Invalid value for `function`: `{function}` in `tool_choice`! {NAMED_USAGE}",
+            "tool_choice",
+        )
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise _bad(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}",
-                   "tool_choice")
+        raise _bad(
+            f"Invalid `name` in `function`: `{name}` in `tool_choice`! {NAMED_USAGE}", "tool_choice"
+        )
     if all(tool["function"]["name"] != name for tool in tools):
-        raise _bad("The tool specified in `tool_choice` does not match any of the specified "
-                   "`tools`", "tool_choice")
+        raise _bad(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`",
+            "tool_choice",
+        )
     return ToolUse(tools, "named", name, parallel)
 
 
@@ -167,26 +197,37 @@ def check_tool_messages(messages: list[dict[str, Any]]) -> None:
     for index, message in enumerate(messages):
         role = message.get("role")
         if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-            raise _bad(f"messages[{index}]: a message with role 'tool' needs a string "
-                       "`tool_call_id`", "messages")
+            raise _bad(
+                f"messages[{index}]: a message with role 'tool' needs a string `tool_call_id`",
+                "messages",
+            )
         calls = message.get("tool_calls")
         if calls is None:
             continue
         if role != "assistant" or not isinstance(calls, list):
-            raise _bad(f"messages[{index}].tool_calls must be a list, on an assistant message",
-                       "messages")
+            raise _bad(
+                f"messages[{index}].tool_calls must be a list, on an assistant message", "messages"
+            )
         for number, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise _bad(f"messages[{index}].tool_calls[{number}] needs a `function` with a "
-                           "`name`", "messages")
+                raise _bad(
+                    f"messages[{index}].tool_calls[{number}] needs a `function` with a `name`",
+                    "messages",
+                )
             arguments = function.get("arguments")
             if isinstance(arguments, str):
                 try:
                     json.loads(arguments or "{}")
                 except ValueError:
-                    raise _bad(f"messages[{index}].tool_calls[{number}].function.arguments is "
-                               "not valid JSON", "messages") from None
+                    raise _bad(
+                        f"messages[{index}].tool_calls[{number}].function.arguments is "
+                        "not valid JSON",
+                        "messages",
+                    ) from None
             elif arguments is not None and not isinstance(arguments, dict):
-                raise _bad(f"messages[{index}].tool_calls[{number}].function.arguments must be "
-                           "a JSON string", "messages")
+                raise _bad(
+                    f"messages[{index}].tool_calls[{number}].function.arguments must be "
+                    "a JSON string",
+                    "messages",
+                )

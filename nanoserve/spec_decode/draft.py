@@ -10,11 +10,12 @@ the request's own processing (bias, temperature, top-k / top-p / min-p), whose r
 rejection sampler as q. After verification the shadow keeps the KV of the proposals that were
 kept (its tokens are re-synchronised at the next step: what diverged is recomputed).
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -29,19 +30,37 @@ from nanoserve.spec_decode.grammar import bitmask_rows
 
 
 class DraftProposer:
-    def __init__(self, config: EngineConfig, draft_dir: Path, target: ModelConfig, num_blocks: int,
-                 device: torch.device, num_speculative_tokens: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        draft_dir: Path,
+        target: ModelConfig,
+        num_blocks: int,
+        device: torch.device,
+        num_speculative_tokens: int,
+    ):
         from nanoserve.engine.model_runner import ModelRunner
 
         draft_config = ModelConfig.from_dir(draft_dir)
         if draft_config.vocab_size != target.vocab_size:
-            raise ValueError(f"--speculative-config: the draft model's vocabulary ({draft_config.vocab_size}) is "
-                             f"not the target's ({target.vocab_size}); they must share a tokenizer")
-        runner_config = dataclasses.replace(config, model=str(draft_dir), speculative_config=None,
-                                            num_kv_blocks=num_blocks, preemption_mode="recompute",
-                                            tokenizer=None, quantization=None, enable_lora=False)
+            raise ValueError(
+                f"--speculative-config: the draft model's vocabulary ({draft_config.vocab_size}) is "
+                f"not the target's ({target.vocab_size}); they must share a tokenizer"
+            )
+        runner_config = dataclasses.replace(
+            config,
+            model=str(draft_dir),
+            speculative_config=None,
+            num_kv_blocks=num_blocks,
+            preemption_mode="recompute",
+            tokenizer=None,
+            quantization=None,
+            enable_lora=False,
+        )
         self.runner = ModelRunner(runner_config, draft_config, draft_dir, device=device)
-        self.blocks = BlockManager(self.runner.num_kv_blocks, config.block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(
+            self.runner.num_kv_blocks, config.block_size, enable_prefix_caching=False
+        )
         self.k = num_speculative_tokens
         self.shadows: dict[int, Sequence] = {}
 
@@ -56,8 +75,16 @@ class DraftProposer:
         and its own last proposals, so they agree up to where the last verification diverged."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], seq.num_prompt_tokens, seq.params,
-                              seq.priority, seq.arrival_order)
+            shadow = Sequence(
+                seq.seq_id,
+                seq.request_id,
+                seq.index,
+                [],
+                seq.num_prompt_tokens,
+                seq.params,
+                seq.priority,
+                seq.arrival_order,
+            )
             self.shadows[seq.seq_id] = shadow
         same = min(len(shadow.token_ids), len(seq.token_ids))
         start = max(0, same - self.k - 2)  # everything before it agrees by construction
@@ -68,8 +95,12 @@ class DraftProposer:
         return shadow
 
     @torch.inference_mode()
-    def propose_for(self, wanted: list[tuple[Sequence, int]],
-                    batch_for: Callable[[list[Sequence]], SamplingBatch], vocab_size: int) -> None:
+    def propose_for(
+        self,
+        wanted: list[tuple[Sequence, int]],
+        batch_for: Callable[[list[Sequence]], SamplingBatch],
+        vocab_size: int,
+    ) -> None:
         """Set `spec_token_ids` (and `spec_draft_probs` for sampled sequences, `spec_bitmask`
         for constrained ones) of each sequence, at most `limit` tokens; a sequence whose shadow
         doesn't fit the draft's pool proposes nothing this step. A constrained sequence's draft
@@ -82,27 +113,44 @@ class DraftProposer:
             if not self.blocks.can_allocate(shadow, todo + limit):
                 self.drop(seq)
                 continue
-            self.blocks.allocate(shadow, todo + limit)  # every position this step feeds, reserved now
+            self.blocks.allocate(
+                shadow, todo + limit
+            )  # every position this step feeds, reserved now
             active.append((seq, shadow, limit))
-            seq.spec_token_ids, seq.spec_draft_probs = [], ([] if seq.params.temperature != 0 else None)
+            seq.spec_token_ids, seq.spec_draft_probs = (
+                [],
+                ([] if seq.params.temperature != 0 else None),
+            )
             if seq.grammar is not None:
                 seq.spec_bitmask = bitmask_rows(limit + 1, vocab_size)
         stopped: set[int] = set()  # constrained sequences whose grammar completed
         for step in range(max((limit for _, _, limit in active), default=0)):
-            batch = [(seq, shadow) for seq, shadow, limit in active if step < limit and seq.seq_id not in stopped]
+            batch = [
+                (seq, shadow)
+                for seq, shadow, limit in active
+                if step < limit and seq.seq_id not in stopped
+            ]
             if not batch:
                 break
-            scheduled = [ScheduledSequence(shadow, shadow.num_tokens - shadow.num_computed_tokens)
-                         for _, shadow in batch]
+            scheduled = [
+                ScheduledSequence(shadow, shadow.num_tokens - shadow.num_computed_tokens)
+                for _, shadow in batch
+            ]
             model_input = self.runner.prepare(scheduled)
             logits = self.runner.forward(model_input)  # one row per shadow (its last token's), in
-            order = {id(s): row for row, s in enumerate(model_input.sampling_seqs)}  # the runner's order
+            order = {
+                id(s): row for row, s in enumerate(model_input.sampling_seqs)
+            }  # the runner's order
             seqs = [seq for seq, _ in batch]
             for seq in seqs:  # constrained: the grammar's state after `step` proposed tokens
                 if seq.grammar is not None:
                     seq.grammar.matcher.fill_next_token_bitmask(seq.spec_bitmask, step)
-            tokens = self._pick(logits[[order[id(shadow)] for _, shadow in batch]].float(), seqs, step,
-                                batch_for(seqs))
+            tokens = self._pick(
+                logits[[order[id(shadow)] for _, shadow in batch]].float(),
+                seqs,
+                step,
+                batch_for(seqs),
+            )
             for (seq, shadow), item, token in zip(batch, scheduled, tokens):
                 shadow.num_computed_tokens += item.num_new_tokens
                 seq.spec_token_ids.append(token)
@@ -113,24 +161,31 @@ class DraftProposer:
                         stopped.add(seq.seq_id)
         for seq, _, _ in active:
             if seq.spec_draft_probs is not None:
-                seq.spec_draft_probs = torch.cat(seq.spec_draft_probs) if seq.spec_draft_probs else None
+                seq.spec_draft_probs = (
+                    torch.cat(seq.spec_draft_probs) if seq.spec_draft_probs else None
+                )
             if seq.grammar is not None:  # the row after the proposal, then the matcher back
                 count, matcher = len(seq.spec_token_ids), seq.grammar.matcher
                 if not matcher.is_terminated():
                     matcher.fill_next_token_bitmask(seq.spec_bitmask, count)
                 if count:
                     matcher.rollback(count)
-                seq.spec_bitmask = seq.spec_bitmask[:count + 1]
+                seq.spec_bitmask = seq.spec_bitmask[: count + 1]
 
     @staticmethod
-    def _pick(logits: torch.Tensor, seqs: list[Sequence], step: int, batch: SamplingBatch) -> list[int]:
+    def _pick(
+        logits: torch.Tensor, seqs: list[Sequence], step: int, batch: SamplingBatch
+    ) -> list[int]:
         """Each row's draft token: the sampler's processing of the row (layers/sampler.py, under a
         constrained sequence's bitmask), then the argmax for greedy requests, else a draw whose
         distribution is kept as q."""
         for row, seq in enumerate(seqs):
             if seq.grammar is not None:
-                apply_token_bitmask(logits, seq.spec_bitmask[step:step + 1].to(logits.device),
-                                    torch.tensor([row], device=logits.device))
+                apply_token_bitmask(
+                    logits,
+                    seq.spec_bitmask[step : step + 1].to(logits.device),
+                    torch.tensor([row], device=logits.device),
+                )
         processed = processed_logits(logits, batch)
         probs = processed if batch.all_greedy else sampling_probs(processed, batch)
         tokens = []
@@ -138,7 +193,9 @@ class DraftProposer:
             if seq.params.temperature == 0:
                 tokens.append(int(processed[row].argmax()))
                 continue
-            seq.spec_draft_probs.append(probs[row:row + 1])
-            noise = torch.empty_like(probs[row]).exponential_(generator=seq.generator or batch.default_generator)
+            seq.spec_draft_probs.append(probs[row : row + 1])
+            noise = torch.empty_like(probs[row]).exponential_(
+                generator=seq.generator or batch.default_generator
+            )
             tokens.append(int((probs[row] / noise).argmax()))
         return tokens

@@ -5,6 +5,7 @@ processor advances it for real when the tokens are appended). The target's rows 
 plain constrained decode's would be, so greedy output is the same and sampling keeps the
 constrained distribution: n-gram proposals are deterministic (cutting one changes nothing drawn),
 and a draft model draws from its own distribution under the same masks (draft.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -34,4 +35,4 @@ def constrain_proposal(seq: Sequence, vocab_size: int) -> None:
     if kept:
         matcher.rollback(kept)
     del drafts[kept:]
-    seq.spec_bitmask = masks[:kept + 1]
+    seq.spec_bitmask = masks[: kept + 1]

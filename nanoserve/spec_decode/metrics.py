@@ -1,5 +1,6 @@
 """Speculative decoding's counters (vLLM's vllm:spec_decode_* metrics): verified sequences
 (drafts), proposed tokens, kept tokens, and kept tokens per proposal position."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,9 +26,14 @@ class SpecDecodingStats:
         for position in range(num_accepted):
             self.accepted_per_pos[position] += 1
 
-    def snapshot(self) -> "SpecDecodingStats":
-        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
-                                 self.num_accepted_tokens, list(self.accepted_per_pos))
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos),
+        )
 
     @property
     def acceptance_rate(self) -> float:

@@ -10,6 +10,7 @@ speculation costs nothing where there is nothing to look up).
 The search is one vectorised comparison per n over the sequence's tokens (numpy), about 10 us for
 an 8k-token sequence; vLLM does the same with a compiled KMP scan.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -22,15 +23,21 @@ from nanoserve.spec_decode.grammar import constrain_proposal
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
+            raise ValueError(
+                f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}"
+            )
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{prompt_lookup_min} and {prompt_lookup_max}")
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{prompt_lookup_min} and {prompt_lookup_max}"
+            )
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
-    def propose(self, token_ids: np.ndarray | list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(
+        self, token_ids: np.ndarray | list[int], max_tokens: int | None = None
+    ) -> list[int]:
         """Up to min(k, max_tokens) proposed next tokens for a sequence whose tokens so far are
         `token_ids`; [] when its last `prompt_lookup_min` tokens occur nowhere before."""
         limit = self.k if max_tokens is None else min(self.k, max_tokens)
@@ -41,13 +48,15 @@ class NgramProposer:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             # Windows that start at 0 .. length - n - 1: every earlier occurrence, not the suffix itself.
             windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
             if len(hits):
                 start = int(hits[-1]) + n  # the token after the most recent earlier occurrence
-                return tokens[start:start + limit].tolist()
+                return tokens[start : start + limit].tolist()
         return []
 
-    def propose_for(self, wanted: list[tuple[Sequence, int]], batch_for=None, vocab_size: int = 0) -> None:
+    def propose_for(
+        self, wanted: list[tuple[Sequence, int]], batch_for=None, vocab_size: int = 0
+    ) -> None:
         """The engine's call, as DraftProposer's: each sequence's proposal (at most its limit),
         cut where a constrained sequence's grammar refuses it (spec_decode/grammar.py)."""
         for seq, limit in wanted:

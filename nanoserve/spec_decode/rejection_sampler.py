@@ -14,6 +14,7 @@ Random draws come from the sequence's own generator when it has a seed (so its t
 depend on its neighbours in the batch), else from the shared one; a categorical draw is the same
 exponential race as layers/sampler.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 @dataclass(slots=True)
 class SpecSequence:
     """One sequence's share of a verification step."""
+
     draft_token_ids: list[int]  # the k proposed tokens (k may be 0: a plain decode row)
     greedy: bool
     generator: torch.Generator | None = None
@@ -46,8 +48,12 @@ def _greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
     return drafts[:kept] + [best[kept]]
 
 
-def _sampled(rows: torch.Tensor, drafts: list[int], draft_rows: torch.Tensor | None,
-             generator: torch.Generator | None) -> list[int]:
+def _sampled(
+    rows: torch.Tensor,
+    drafts: list[int],
+    draft_rows: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> list[int]:
     for j, token in enumerate(drafts):
         p = float(rows[j, token])
         q = 1.0 if draft_rows is None else float(draft_rows[j, token])
@@ -64,9 +70,12 @@ def _sampled(rows: torch.Tensor, drafts: list[int], draft_rows: torch.Tensor | N
     return drafts + [_categorical(rows[len(drafts)], generator)]
 
 
-def rejection_sample(target_probs: torch.Tensor, sequences: list[SpecSequence],
-                     draft_probs: torch.Tensor | None = None,
-                     default_generator: torch.Generator | None = None) -> list[list[int]]:
+def rejection_sample(
+    target_probs: torch.Tensor,
+    sequences: list[SpecSequence],
+    draft_probs: torch.Tensor | None = None,
+    default_generator: torch.Generator | None = None,
+) -> list[list[int]]:
     """The tokens each sequence emits this step: its kept proposals, then one more.
 
     target_probs: [sum(k_i + 1), V] float32, each sequence's k_i + 1 rows in order (for greedy
@@ -76,12 +85,14 @@ def rejection_sample(target_probs: torch.Tensor, sequences: list[SpecSequence],
     out, row, draft_row = [], 0, 0
     for seq in sequences:
         k = len(seq.draft_token_ids)
-        rows = target_probs[row:row + k + 1]
+        rows = target_probs[row : row + k + 1]
         if seq.greedy:
             out.append(_greedy(rows, seq.draft_token_ids))
         else:
-            drafts = None if draft_probs is None else draft_probs[draft_row:draft_row + k]
-            out.append(_sampled(rows, seq.draft_token_ids, drafts, seq.generator or default_generator))
+            drafts = None if draft_probs is None else draft_probs[draft_row : draft_row + k]
+            out.append(
+                _sampled(rows, seq.draft_token_ids, drafts, seq.generator or default_generator)
+            )
         row += k + 1
         draft_row += k
     if row != target_probs.shape[0]:

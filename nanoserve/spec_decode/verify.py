@@ -9,13 +9,19 @@ for (engine: LLMEngine._propose): no penalties, no min_tokens still to reach; a 
 sequence's rows each get its grammar's bitmask for that position (grammar.py). So a greedy
 sequence's tokens are exactly a plain decode's.
 """
+
 from __future__ import annotations
 
 import torch
 
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels import apply_token_bitmask
-from nanoserve.layers.sampler import SamplingBatch, gather_logprobs, processed_logits, sampling_probs
+from nanoserve.layers.sampler import (
+    SamplingBatch,
+    gather_logprobs,
+    processed_logits,
+    sampling_probs,
+)
 from nanoserve.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 
 # Per emitted token: (token id, (rank, [id, top ids...], [logprobs]) or None).
@@ -28,8 +34,11 @@ def apply_bitmasks(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]
     row = 0
     for seq, count in zip(seqs, counts):
         if seq.spec_bitmask is not None:
-            apply_token_bitmask(logits, seq.spec_bitmask[:count].to(logits.device),
-                                torch.arange(row, row + count, device=logits.device))
+            apply_token_bitmask(
+                logits,
+                seq.spec_bitmask[:count].to(logits.device),
+                torch.arange(row, row + count, device=logits.device),
+            )
         row += count
 
 
@@ -38,7 +47,7 @@ def _draft_rows(seq: Sequence) -> torch.Tensor | None:
     probs = seq.spec_draft_probs
     if probs is None or seq.params.temperature == 0:
         return None
-    return probs[:len(seq.spec_token_ids)].to(torch.float32)
+    return probs[: len(seq.spec_token_ids)].to(torch.float32)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> list[Emitted]:
@@ -55,14 +64,18 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> 
     row = 0
     for seq, count in zip(seqs, counts):
         greedy = seq.params.temperature == 0
-        target = (processed if greedy else probs)[row:row + count]  # greedy: only the argmax is read
+        target = (processed if greedy else probs)[
+            row : row + count
+        ]  # greedy: only the argmax is read
         spec = SpecSequence(list(seq.spec_token_ids), greedy, seq.generator)
         tokens = rejection_sample(target, [spec], _draft_rows(seq), batch.default_generator)[0]
         logprobs: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
             emitted = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-            tensors = gather_logprobs(raw[row:row + len(tokens)], emitted, seq.params.logprobs)
-            logprobs = list(zip(tensors.ranks.tolist(), tensors.token_ids.tolist(), tensors.logprobs.tolist()))
+            tensors = gather_logprobs(raw[row : row + len(tokens)], emitted, seq.params.logprobs)
+            logprobs = list(
+                zip(tensors.ranks.tolist(), tensors.token_ids.tolist(), tensors.logprobs.tolist())
+            )
         out.append(list(zip(tokens, logprobs)))
         row += count
     return out

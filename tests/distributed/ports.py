@@ -1,5 +1,6 @@
 """A rendezvous port for tests that start two launches (`--nnodes 2`) which must agree on
 `--master-port` before either of them binds it."""
+
 from __future__ import annotations
 
 import random

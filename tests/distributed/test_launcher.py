@@ -1,5 +1,6 @@
 """launcher.WorkerGroup.kill, the forced exit's path (a second Ctrl-C during start-up): it must
 return whatever state the group is in, with every rank it started gone and reaped."""
+
 from __future__ import annotations
 
 import threading
@@ -25,8 +26,16 @@ def gone_within(call, timeout: float = HANG) -> bool:
 
 def waiting_topology(world_size: int, ranks_per_node: int) -> Topology:
     """Node 0 of a group whose other nodes never come: its ranks wait at the rendezvous."""
-    return Topology(world_size, ranks_per_node, 0, "gloo", f"tcp://127.0.0.1:{rendezvous_port()}", "cpu",
-                    cpu_threads=1, tp_size=world_size)
+    return Topology(
+        world_size,
+        ranks_per_node,
+        0,
+        "gloo",
+        f"tcp://127.0.0.1:{rendezvous_port()}",
+        "cpu",
+        cpu_threads=1,
+        tp_size=world_size,
+    )
 
 
 def test_kill_of_a_group_with_no_rank_to_start_returns():

@@ -2,11 +2,11 @@
 launcher makes it (own_rendezvous), and gloo's sockets. The store has no authentication, so any
 host that reached it could write the rendezvous. Read from /proc: every TCP socket this process
 listens on after the rendezvous is made, by the inode of its descriptor."""
+
 from __future__ import annotations
 
 import ipaddress
 import os
-import socket
 import sys
 import threading
 from datetime import timedelta
@@ -21,8 +21,10 @@ from nanoserve.distributed import rank as rank_module
 from nanoserve.distributed.launcher import LOCAL_RENDEZVOUS, loopback_interface, own_rendezvous
 from nanoserve.distributed.rank import Topology
 
-pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists() or not dist.is_available(),
-                                reason="needs Linux's /proc/net and torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/net/tcp").exists() or not dist.is_available(),
+    reason="needs Linux's /proc/net and torch.distributed",
+)
 
 LISTEN = "0A"  # the state column of /proc/net/tcp
 HANG = timedelta(seconds=120)  # only a hang takes this long
@@ -32,7 +34,7 @@ def _address(hexadecimal: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """/proc/net/tcp{,6} print an address as 32-bit words in the host's byte order."""
     raw = bytes.fromhex(hexadecimal)
     if sys.byteorder == "little":
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return ipaddress.ip_address(raw)
 
 
@@ -45,7 +47,7 @@ def listening_sockets() -> dict[int, tuple[str, int]]:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            inodes.add(int(target[len("socket:["):-1]))
+            inodes.add(int(target[len("socket:[") : -1]))
     found = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         if not Path(table).exists():
@@ -74,8 +76,9 @@ def clean_environment(monkeypatch):
 
 def single_host_rendezvous():
     """own_rendezvous as WorkerGroup calls it for two ranks on one host: (port, rank 0's store)."""
-    topology = own_rendezvous(Topology(2, 2, 0, "gloo", LOCAL_RENDEZVOUS, "cpu", cpu_threads=1,
-                                       tp_size=2))
+    topology = own_rendezvous(
+        Topology(2, 2, 0, "gloo", LOCAL_RENDEZVOUS, "cpu", cpu_threads=1, tp_size=2)
+    )
     assert topology.store_rendezvous and topology.init_method != LOCAL_RENDEZVOUS
     port = int(topology.init_method.rsplit(":", 1)[1])
     return port, rank_module._master_stores.pop(topology.init_method)

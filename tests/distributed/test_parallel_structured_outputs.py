@@ -3,6 +3,7 @@ shards are gathered to it; the last pipeline stage sends it the logits of a cons
 never only its argmax), so the bitmask is applied there once and the other ranks follow the
 tokens it sends. --tp 2 and --pp 2 give the single-rank constrained tokens, which match the
 grammar."""
+
 from __future__ import annotations
 
 import re
@@ -14,9 +15,15 @@ REGEX = r"[a-z]{2,8}( [a-z]{2,8}){2,5}\."
 
 
 def constrained_outputs(model_dir, prompts, **engine_args):
-    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=40,
-                             structured_outputs=StructuredOutputsParams(regex=REGEX))
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0 if i % 2 else 1.0,
+            seed=i,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(regex=REGEX),
+        )
+        for i in range(len(prompts))
+    ]
     with LLM(model=str(model_dir), dtype="float32", num_kv_blocks=128, **engine_args) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]

@@ -1,5 +1,6 @@
 """Pipeline parallelism on the CPU with gloo: --pp 2 (alone and with --tp 2) gives pp=1's greedy
 tokens; each rank holds only its stage's weights and KV; two micro-batches are in flight at once."""
+
 from __future__ import annotations
 
 import random
@@ -33,7 +34,9 @@ def prompts():
 def run(model_dir, prompts, trace: bool = False, sampled: bool = False, **engine_args):
     """Greedy token ids, each rank's weight bytes, the KV blocks per stage, and (trace) the
     batches in flight after every step as [(virtual engine, its sequence ids, tokens only)]."""
-    with LLM(model=str(model_dir), dtype="float32", kv_cache_memory=KV_GIB, cpu_threads=1, **engine_args) as llm:
+    with LLM(
+        model=str(model_dir), dtype="float32", kv_cache_memory=KV_GIB, cpu_threads=1, **engine_args
+    ) as llm:
         engine = llm.llm_engine
         steps = []
         if trace:
@@ -42,22 +45,42 @@ def run(model_dir, prompts, trace: bool = False, sampled: bool = False, **engine
             def traced_step():
                 outputs = step()
                 in_flight = [f for f in engine.in_flight if f is not None]
-                assert all(f.scheduler_output.virtual_engine == f.launched.virtual_engine for f in in_flight)
-                steps.append([(f.launched.virtual_engine, {i.seq.seq_id for i in f.scheduler_output.scheduled_seqs},
-                               f.launched.tokens_only) for f in in_flight])
+                assert all(
+                    f.scheduler_output.virtual_engine == f.launched.virtual_engine
+                    for f in in_flight
+                )
+                steps.append(
+                    [
+                        (
+                            f.launched.virtual_engine,
+                            {i.seq.seq_id for i in f.scheduler_output.scheduled_seqs},
+                            f.launched.tokens_only,
+                        )
+                        for f in in_flight
+                    ]
+                )
                 return outputs
+
             engine.step = traced_step
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outputs]
         if sampled:  # the last stage sends the logits (not only the argmax): sampled at the driver
             outputs = llm.generate(prompts, SAMPLED, use_tqdm=False)
-            tokens += [(o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs]) for o in outputs]
+            tokens += [
+                (o.outputs[0].token_ids, [sorted(d) for d in o.outputs[0].logprobs])
+                for o in outputs
+            ]
         return tokens, list(engine.runner.rank_weight_bytes), engine.runner.num_kv_blocks, steps
 
 
 def test_layer_partition():
     assert layer_partition(4, 2) == [(0, 2), (2, 4)]
-    assert layer_partition(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]  # the remainder before the last
+    assert layer_partition(30, 4) == [
+        (0, 7),
+        (7, 15),
+        (15, 23),
+        (23, 30),
+    ]  # the remainder before the last
     assert layer_partition(5, 1) == [(0, 5)]
     assert layer_partition(6, 2, "1,5") == [(0, 1), (1, 6)]
     with pytest.raises(ValueError, match="more than the model's 2 decoder layers"):
@@ -70,13 +93,19 @@ def test_layer_partition():
 
 def test_pp2_equals_pp1_with_two_batches_in_flight(tied_llama_dir, prompts):
     ref, (full_bytes,), ref_blocks, _ = run(tied_llama_dir, prompts, sampled=True)
-    out, rank_bytes, blocks, steps = run(tied_llama_dir, prompts, trace=True, sampled=True,
-                                         pipeline_parallel_size=2)
+    out, rank_bytes, blocks, steps = run(
+        tied_llama_dir, prompts, trace=True, sampled=True, pipeline_parallel_size=2
+    )
     assert out == ref
-    print(f"\nrank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}; KV blocks pp1 {ref_blocks}, pp2 {blocks}")
+    print(
+        f"\nrank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}; KV blocks pp1 {ref_blocks}, pp2 {blocks}"
+    )
     # Each stage: 2 of the 4 layers plus the embedding (first) or the LM head (last, tied).
     assert len(rank_bytes) == 2 and all(0.5 * full_bytes < b < 0.6 * full_bytes for b in rank_bytes)
-    assert blocks in (2 * ref_blocks, 2 * ref_blocks + 1)  # half the layers: twice the blocks (floored)
+    assert blocks in (
+        2 * ref_blocks,
+        2 * ref_blocks + 1,
+    )  # half the layers: twice the blocks (floored)
     # The micro-batch schedule: after some steps both virtual engines have a batch launched and
     # not yet sampled, with disjoint sequences (stage 1 runs one while stage 0 runs the other).
     both = [s for s in steps if len(s) == 2]
@@ -90,9 +119,13 @@ def test_pp2_equals_pp1_with_two_batches_in_flight(tied_llama_dir, prompts):
 
 def test_tp2_pp2_equals_pp1(tied_llama_dir, prompts):
     ref, (full_bytes,), _, _ = run(tied_llama_dir, prompts[:3])
-    out, rank_bytes, _, _ = run(tied_llama_dir, prompts[:3], tensor_parallel_size=2, pipeline_parallel_size=2)
+    out, rank_bytes, _, _ = run(
+        tied_llama_dir, prompts[:3], tensor_parallel_size=2, pipeline_parallel_size=2
+    )
     assert out == ref
-    assert len(rank_bytes) == 4 and all(0.2 * full_bytes < b < 0.35 * full_bytes for b in rank_bytes)
+    assert len(rank_bytes) == 4 and all(
+        0.2 * full_bytes < b < 0.35 * full_bytes for b in rank_bytes
+    )
 
 
 @pytest.mark.slow  # 8 ranks in all on 2 cores: about 30 s
@@ -105,7 +138,9 @@ def test_pp2_and_tp3_pp2_on_smollm2_equal_pp1(smollm2_dir):
     assert out == ref
     print(f"\nSmolLM2 rank weight bytes: pp1 {full_bytes}, pp2 {rank_bytes}")
     assert all(b < 0.75 * full_bytes for b in rank_bytes)
-    out, rank_bytes, _, _ = run(smollm2_dir, prompts, tensor_parallel_size=3, pipeline_parallel_size=2, **args)
+    out, rank_bytes, _, _ = run(
+        smollm2_dir, prompts, tensor_parallel_size=3, pipeline_parallel_size=2, **args
+    )
     assert out == ref
     assert len(rank_bytes) == 6 and all(b < 0.25 * full_bytes for b in rank_bytes)
 
@@ -116,19 +151,39 @@ def test_uneven_partition_from_the_environment_or_the_config(tied_llama_dir, pro
     out, (first, last), _, _ = run(tied_llama_dir, prompts[:2], pipeline_parallel_size=2)
     assert out == ref and first < last
     # The config field (--pp-layer-partition) wins over the variable.
-    out, (first, last), _, _ = run(tied_llama_dir, prompts[:2], pipeline_parallel_size=2,
-                                   pp_layer_partition="3,1")
+    out, (first, last), _, _ = run(
+        tied_llama_dir, prompts[:2], pipeline_parallel_size=2, pp_layer_partition="3,1"
+    )
     assert out == ref and first > last
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--pp", "5"], "--pipeline-parallel-size 5 is more than the model's 4 decoder layers "
-                    "(each stage needs at least one)"),
-    (["--pp", "0"], "pipeline_parallel_size must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--pp", "5"],
+            "--pipeline-parallel-size 5 is more than the model's 4 decoder layers "
+            "(each stage needs at least one)",
+        ),
+        (["--pp", "0"], "pipeline_parallel_size must be >= 1, got 0"),
+    ],
+)
 def test_cli_bad_pp_one_line(tied_llama_dir, args, message):
-    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(tied_llama_dir),
-                             *args, "hello"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "generate",
+            "--model",
+            str(tied_llama_dir),
+            *args,
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"nanoserve: error: {message}"]
 
@@ -138,17 +193,28 @@ def test_abort_while_in_flight(tied_llama_dir):
     tokens, and no KV block is left in use."""
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
     with LLM(model=str(tied_llama_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1) as llm:
-        ref = [o.outputs[0].token_ids for o in
-               llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], GREEDY, use_tqdm=False)]
-    with LLM(model=str(tied_llama_dir), dtype="float32", num_kv_blocks=64, cpu_threads=1,
-             pipeline_parallel_size=2) as llm:
+        ref = [
+            o.outputs[0].token_ids
+            for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts[2:]], GREEDY, use_tqdm=False
+            )
+        ]
+    with LLM(
+        model=str(tied_llama_dir),
+        dtype="float32",
+        num_kv_blocks=64,
+        cpu_threads=1,
+        pipeline_parallel_size=2,
+    ) as llm:
         engine = llm.llm_engine
         for index, prompt in enumerate(prompts):
             engine.add_request(str(index), {"prompt_token_ids": prompt}, GREEDY)
         assert [engine.requests[str(i)].seqs[0].virtual_engine for i in range(4)] == [0, 1, 0, 1]
         finished, steps = {}, 0
         while engine.has_unfinished_requests():
-            finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            finished.update(
+                {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            )
             steps += 1
             if steps == 3:
                 assert all(engine.in_flight)
@@ -160,13 +226,22 @@ def test_abort_while_in_flight(tied_llama_dir):
 def test_pp2_chunked_prefill_and_preemption_equal_pp1(tied_llama_dir):
     """Prompts split into chunks (steps that sample nothing) and a pool small enough that each
     virtual engine preempts: still pp=1's tokens."""
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 300, seed=4, min_len=20, max_len=40)]
+    prompts = [
+        {"prompt_token_ids": p} for p in random_prompts(8, 300, seed=4, min_len=20, max_len=40)
+    ]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     results = []
     for engine_args in (dict(num_kv_blocks=128), dict(num_kv_blocks=16, pipeline_parallel_size=2)):
-        with LLM(model=str(tied_llama_dir), dtype="float32", cpu_threads=1, max_num_batched_tokens=32,
-                 **engine_args) as llm:
-            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        with LLM(
+            model=str(tied_llama_dir),
+            dtype="float32",
+            cpu_threads=1,
+            max_num_batched_tokens=32,
+            **engine_args,
+        ) as llm:
+            results.append(
+                [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            )
             stats = llm.llm_engine.stats()
     assert results[1] == results[0]
     assert stats.num_preemptions_total > 0 and stats.kv_cache_usage == 0.0
@@ -180,7 +255,9 @@ def shared_prefix_waves() -> list[list[list[int]]]:
     the third mixes both, with one new prompt twice (once on each)."""
     rng = random.Random(26)
     prefix = [rng.randrange(3, 300) for _ in range(100)]
-    prompts = [prefix + [rng.randrange(3, 300) for _ in range(rng.randint(20, 50))] for _ in range(6)]
+    prompts = [
+        prefix + [rng.randrange(3, 300) for _ in range(rng.randint(20, 50))] for _ in range(6)
+    ]
     order = [[0, 1, 2, 3], [1, 0, 3, 2, 4], [3, 4, 1, 5, 5, 0, 2]]
     return [[prompts[i] for i in wave] for wave in order]
 
@@ -190,12 +267,18 @@ def run_waves(model_dir, waves, **engine_args):
     and the tokens each virtual engine found in its prefix cache. In bfloat16, where the CPU
     path promises a row the same bits whatever its batch and however its prompt was split."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    with LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=256, cpu_threads=1, **engine_args) as llm:
+    with LLM(
+        model=str(model_dir), dtype="bfloat16", num_kv_blocks=256, cpu_threads=1, **engine_args
+    ) as llm:
         results = []
         for wave in waves:
             outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
-            results.append([(c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-                            for c in (o.outputs[0] for o in outputs)])
+            results.append(
+                [
+                    (c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+                    for c in (o.outputs[0] for o in outputs)
+                ]
+            )
         return results, [m.prefix_cache_hits for m in llm.llm_engine.block_managers]
 
 
@@ -209,21 +292,30 @@ def cold_pp1_waves(tied_llama_dir):
     def waves_at(tensor_parallel_size: int):
         if tensor_parallel_size not in by_tp_size:
             by_tp_size[tensor_parallel_size] = run_waves(
-                tied_llama_dir, shared_prefix_waves(), tensor_parallel_size=tensor_parallel_size,
-                enable_prefix_caching=False)[0]
+                tied_llama_dir,
+                shared_prefix_waves(),
+                tensor_parallel_size=tensor_parallel_size,
+                enable_prefix_caching=False,
+            )[0]
         return by_tp_size[tensor_parallel_size]
+
     return waves_at
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2], ids=["pp2", "tp2-pp2"])
-def test_pp2_prefix_cache_shared_across_waves_equals_pp1_uncached(tied_llama_dir, cold_pp1_waves,
-                                                                  tensor_parallel_size):
+def test_pp2_prefix_cache_shared_across_waves_equals_pp1_uncached(
+    tied_llama_dir, cold_pp1_waves, tensor_parallel_size
+):
     """Issue 26: each virtual engine indexes its own finished blocks, under its own block ids.
     Registered in another virtual engine's table, a later request there with the same prefix
     reads whatever that engine's pool holds at those ids: another sequence's KV. The stages
     hand over exact floats and the prefix cache changes no bit: the same tokens and logprobs."""
-    out, hits = run_waves(tied_llama_dir, shared_prefix_waves(), tensor_parallel_size=tensor_parallel_size,
-                          pipeline_parallel_size=2)
+    out, hits = run_waves(
+        tied_llama_dir,
+        shared_prefix_waves(),
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=2,
+    )
     assert out == cold_pp1_waves(tensor_parallel_size)
     assert len(hits) == 2 and all(h >= 6 * 16 for h in hits), hits  # both reused cached blocks
 
@@ -232,5 +324,7 @@ def test_pp2_prefix_cache_shared_across_waves_equals_pp1_uncached(tied_llama_dir
 def test_pp2_cuda_equals_pp1(tied_llama_dir, prompts):
     """The NCCL path: stage hand-offs and the last stage's results between GPUs."""
     ref, _, _, _ = run(tied_llama_dir, prompts, sampled=True, device="cuda")
-    out, _, _, steps = run(tied_llama_dir, prompts, trace=True, sampled=True, device="cuda", pipeline_parallel_size=2)
+    out, _, _, steps = run(
+        tied_llama_dir, prompts, trace=True, sampled=True, device="cuda", pipeline_parallel_size=2
+    )
     assert out == ref and any(len(s) == 2 for s in steps)

@@ -1,4 +1,5 @@
 """Tensor parallelism on the CPU with gloo: --tp N gives the same greedy tokens as --tp 1."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def tiny_prompts():
 
 def test_tp2_equals_tp1_and_halves_rank_memory(tiny_llama_dir, tiny_prompts):
     ref, (full_bytes,) = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128)
-    out, rank_bytes = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128, tensor_parallel_size=2)
+    out, rank_bytes = greedy_ids(
+        tiny_llama_dir, tiny_prompts, num_kv_blocks=128, tensor_parallel_size=2
+    )
     assert out == ref
     print(f"\nrank weight bytes: tp1 {full_bytes}, tp2 {rank_bytes}")
     assert len(rank_bytes) == 2
@@ -51,17 +54,21 @@ def test_tp4_replicates_kv_heads(tmp_path, tiny_prompts):
 def test_tp3_on_smollm2_equals_tp1(smollm2_dir):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,"]
     ref, (full_bytes,) = greedy_ids(smollm2_dir, prompts, num_kv_blocks=128, max_model_len=512)
-    out, rank_bytes = greedy_ids(smollm2_dir, prompts, num_kv_blocks=128, max_model_len=512,
-                                 tensor_parallel_size=3)
+    out, rank_bytes = greedy_ids(
+        smollm2_dir, prompts, num_kv_blocks=128, max_model_len=512, tensor_parallel_size=3
+    )
     assert out == ref
     print(f"\nSmolLM2 rank weight bytes: tp1 {full_bytes}, tp3 {rank_bytes}")
     assert all(b < 0.4 * full_bytes for b in rank_bytes)
 
 
-@pytest.mark.parametrize("tp,message", [
-    (3, "does not divide the model's 4 attention heads"),
-    (1000, "attention heads"),
-])
+@pytest.mark.parametrize(
+    "tp,message",
+    [
+        (3, "does not divide the model's 4 attention heads"),
+        (1000, "attention heads"),
+    ],
+)
 def test_bad_tp_is_a_clear_error_before_loading(tiny_llama_dir, tp, message):
     with pytest.raises(ValueError, match=message):
         LLM(model=str(tiny_llama_dir), tensor_parallel_size=tp)
@@ -71,20 +78,39 @@ def test_the_linear_layers_split_checks():
     """The checks the engine asks before starting any rank are the linear layers' own."""
     assert qkv_heads_per_rank(32, 8, 4) == (8, 2)
     assert qkv_heads_per_rank(32, 2, 4) == (8, 1)  # each KV head on two ranks
-    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide the model's 6 KV heads"):
+    with pytest.raises(
+        ValueError, match="tensor parallel size 4 does not divide the model's 6 KV heads"
+    ):
         qkv_heads_per_rank(8, 6, 4)
     with pytest.raises(ValueError, match="not a multiple of the model's 3 KV heads"):
         qkv_heads_per_rank(12, 3, 4)
-    with pytest.raises(ValueError, match="tensor parallel size 4 does not divide the model's 10 MLP features"):
+    with pytest.raises(
+        ValueError, match="tensor parallel size 4 does not divide the model's 10 MLP features"
+    ):
         divide(10, 4, "the model's {} MLP features")
 
 
 def test_cli_bad_tp_one_line(tiny_llama_dir):
-    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(tiny_llama_dir),
-                             "--tp", "3", "hello"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--tp",
+            "3",
+            "hello",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "nanoserve: error: tensor parallel size 3 does not divide the model's 4 attention heads"]
+        "nanoserve: error: tensor parallel size 3 does not divide the model's 4 attention heads"
+    ]
 
 
 def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
@@ -92,11 +118,36 @@ def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
     separate launches joining through the standard rendezvous."""
     ref, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128)
     port = rendezvous_port()
-    common = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2", "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    node1 = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", *common, "--node-rank", "1",
-                              "--num-kv-blocks", "128"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    common = [
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "serve",
+            *common,
+            "--node-rank",
+            "1",
+            "--num-kv-blocks",
+            "128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     script = textwrap.dedent(f"""
         import json
         from nanoserve import LLM, SamplingParams
@@ -108,10 +159,12 @@ def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
                 print("RESULT " + json.dumps([o.outputs[0].token_ids for o in outs]))
     """)
     try:
-        node0 = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+        node0 = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+        )
         assert node0.returncode == 0, node0.stderr[-2000:]
         result = next(line for line in node0.stdout.splitlines() if line.startswith("RESULT "))
-        assert json.loads(result[len("RESULT "):]) == ref
+        assert json.loads(result[len("RESULT ") :]) == ref
         code = node1.wait(timeout=60)
         assert code == 0, node1.stdout.read()[-3000:]  # rank 0's shutdown stops the other node too
     finally:
@@ -123,7 +176,9 @@ def test_two_nodes_on_loopback(tiny_llama_dir, tiny_prompts):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
 def test_tp2_cuda_equals_tp1(tiny_llama_dir, tiny_prompts):
     ref, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128, device="cuda")
-    out, _ = greedy_ids(tiny_llama_dir, tiny_prompts, num_kv_blocks=128, device="cuda", tensor_parallel_size=2)
+    out, _ = greedy_ids(
+        tiny_llama_dir, tiny_prompts, num_kv_blocks=128, device="cuda", tensor_parallel_size=2
+    )
     assert out == ref
 
 
@@ -133,7 +188,9 @@ def test_single_host_rendezvous_is_rank_zeros_bound_store(tiny_llama_dir):
     process could use): the engine's topology names that port, and nothing else can bind it."""
     import socket
 
-    with LLM(model=str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64) as llm:
+    with LLM(
+        model=str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, num_kv_blocks=64
+    ) as llm:
         topology = llm.llm_engine.topology
         assert topology.store_rendezvous and not topology.init_method.endswith(":0")
         port = int(topology.init_method.rsplit(":", 1)[1])

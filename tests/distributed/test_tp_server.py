@@ -1,4 +1,5 @@
 """Tensor parallelism through the HTTP server: real subprocess servers on real sockets."""
+
 from __future__ import annotations
 
 import json
@@ -13,17 +14,22 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
 from nanoserve import LLM, SamplingParams
 from tests.distributed.ports import rendezvous_port
 from tests.engine.test_engine_tiny import random_prompts
 
 
 class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 180, wait_listening: bool = True, **popen) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    def __init__(
+        self, *args: str, timeout: float = 180, wait_listening: bool = True, **popen
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve", "serve", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **popen,
+        )
         self.log: list[str] = []  # the lines read so far
         self._lines: queue.Queue[str | None] = queue.Queue()  # None: end of output
         threading.Thread(target=self._read, daemon=True).start()  # no pipe fills up, no read hangs
@@ -43,7 +49,9 @@ class ServerProcess:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"no {text!r} within {timeout} s:\n" + "".join(self.log)) from None
+                raise TimeoutError(
+                    f"no {text!r} within {timeout} s:\n" + "".join(self.log)
+                ) from None
             if line is None:
                 raise RuntimeError(f"server exited before {text!r}:\n" + "".join(self.log))
             self.log.append(line)
@@ -58,13 +66,17 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             while not self._lines.empty() and (line := self._lines.get()) is not None:
                 self.log.append(line)
-            raise TimeoutError(f"the server did not exit within {timeout} s:\n" + "".join(self.log)) from None
+            raise TimeoutError(
+                f"the server did not exit within {timeout} s:\n" + "".join(self.log)
+            ) from None
         deadline = time.monotonic() + timeout
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError("the server's output did not end:\n" + "".join(self.log)) from None
+                raise TimeoutError(
+                    "the server's output did not end:\n" + "".join(self.log)
+                ) from None
             if line is None:
                 return code, "".join(self.log)
             self.log.append(line)
@@ -79,10 +91,19 @@ class ServerProcess:
         return workers
 
     def completion(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
-        body = json.dumps({"model": self.model_name(), "prompt": prompt_ids, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True, "logprobs": 0}).encode()
-        request = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": self.model_name(),
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            self.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             choice = json.loads(response.read())["choices"][0]
         text = choice["text"]
@@ -125,8 +146,11 @@ class ServerProcess:
 
 def offline_texts(model_dir, prompts, max_tokens, **engine_args):
     with LLM(model=str(model_dir), dtype="float32", **engine_args) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )
         return [o.outputs[0].text for o in outs]
 
 
@@ -142,7 +166,16 @@ def pid_alive(pid: int) -> bool:
 def test_two_tp2_servers_side_by_side_match_tp1(tiny_llama_dir):
     prompts = random_prompts(3, 300, seed=31)
     expected = offline_texts(tiny_llama_dir, prompts, 12, num_kv_blocks=128)
-    args = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2", "--num-kv-blocks", "128"]
+    args = [
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--num-kv-blocks",
+        "128",
+    ]
     first, second = ServerProcess(*args), ServerProcess(*args)
     try:
         assert first.url != second.url
@@ -159,8 +192,18 @@ def test_tp3_smollm2_server_matches_tp1(smollm2_dir):
     with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64, max_model_len=512) as llm:
         prompts = [llm.get_tokenizer().encode(p) for p in tokenizer_prompts]
     expected = offline_texts(smollm2_dir, prompts, 16, num_kv_blocks=64, max_model_len=512)
-    server = ServerProcess("--model", str(smollm2_dir), "--dtype", "float32", "--tp", "3",
-                           "--num-kv-blocks", "64", "--max-model-len", "512")
+    server = ServerProcess(
+        "--model",
+        str(smollm2_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "3",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+    )
     try:
         assert [server.completion(p, 16)[0] for p in prompts] == expected
     finally:
@@ -174,10 +217,19 @@ def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = 
     check_health) /health answers 503 in between, or the server is already gone."""
     workers = server.children()
     assert workers, "no worker process found"
-    body = json.dumps({"model": server.model_name(), "prompt": [5, 6, 7], "max_tokens": 500,
-                       "temperature": 0, "ignore_eos": True, "stream": True}).encode()
-    request = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": server.model_name(),
+            "prompt": [5, 6, 7],
+            "max_tokens": 500,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     response = urllib.request.urlopen(request, timeout=60)
     assert response.readline().startswith(b"data: {")
     for pid in workers:
@@ -204,8 +256,18 @@ def kill_workers_during_a_stream(server: ServerProcess, *, check_health: bool = 
 
 
 def test_killed_worker_fails_requests_and_exits_nonzero(tiny_llama_dir):
-    server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
-                           "--num-kv-blocks", "128", "--max-model-len", "512")
+    server = ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--num-kv-blocks",
+        "128",
+        "--max-model-len",
+        "512",
+    )
     try:
         kill_workers_during_a_stream(server)
     finally:
@@ -214,24 +276,39 @@ def test_killed_worker_fails_requests_and_exits_nonzero(tiny_llama_dir):
 
 
 def test_ctrl_c_stops_every_rank(tiny_llama_dir):
-    server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
-                           "--num-kv-blocks", "64")
+    server = ServerProcess(
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2", "--num-kv-blocks", "64"
+    )
     workers = server.children()
     assert workers
     server.proc.send_signal(signal.SIGINT)
     code, output = server.exit(timeout=60)
     assert code == 0, output[-3000:]
-    alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in workers if pid_alive(pid)]
+    alive = [
+        (pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in workers if pid_alive(pid)
+    ]
     assert not alive  # stopped and joined, not left to die
-    assert "parallel worker" not in output, output  # told to stop, not killed ("... died (exit code -9)")
+    assert "parallel worker" not in output, (
+        output
+    )  # told to stop, not killed ("... died (exit code -9)")
 
 
 def test_ctrl_c_to_the_process_group_while_ranks_start(tiny_llama_dir):
     """A terminal's Ctrl-C reaches every process of the group, the ranks too, at the moment the
     first rank exists (its interpreter starting, torch importing): rank 0 still stops them all and
     exits 0. The outcome may not depend on where start-up is when the signal lands."""
-    server = ServerProcess("--model", str(tiny_llama_dir), "--dtype", "float32", "--tp", "2",
-                           "--num-kv-blocks", "64", wait_listening=False, start_new_session=True)
+    server = ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "2",
+        "--num-kv-blocks",
+        "64",
+        wait_listening=False,
+        start_new_session=True,
+    )
     try:
         workers = server.wait_for_workers()
         os.killpg(server.proc.pid, signal.SIGINT)
@@ -246,8 +323,22 @@ def test_ctrl_c_to_the_process_group_while_ranks_start(tiny_llama_dir):
 def rendezvous_waiting_server(model_dir, port: int) -> tuple[ServerProcess, list[int], list[str]]:
     """Node 0 of two (--tp 4 --nnodes 2: ranks 0 and 1 here), which cannot finish starting until
     node 1 joins the rendezvous: a start-up that is certainly still under way."""
-    common = ["--model", str(model_dir), "--dtype", "float32", "--tp", "4", "--nnodes", "2",
-              "--master-addr", "127.0.0.1", "--master-port", str(port), "--num-kv-blocks", "64"]
+    common = [
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--tp",
+        "4",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--num-kv-blocks",
+        "64",
+    ]
     server = ServerProcess(*common, "--node-rank", "0", wait_listening=False)
     return server, server.wait_for_workers(), common
 
@@ -261,8 +352,12 @@ def test_ctrl_c_during_start_up_stops_every_rank_without_serving(tiny_llama_dir)
     try:
         server.proc.send_signal(signal.SIGINT)
         server.read_until("SIGINT during start-up: stopping without serving", timeout=60)
-        node1 = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", *common, "--node-rank", "1"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "nanoserve", "serve", *common, "--node-rank", "1"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         code, output = server.exit(timeout=120)
         assert code == 0, output[-3000:]
         assert "listening on" not in output

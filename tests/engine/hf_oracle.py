@@ -1,4 +1,5 @@
 """Hugging Face transformers as the test oracle: greedy decoding with its own KV cache."""
+
 from __future__ import annotations
 
 import torch

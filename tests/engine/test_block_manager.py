@@ -1,4 +1,5 @@
 """Block manager invariants under random workloads (hypothesis)."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -20,14 +21,22 @@ def check_invariants(manager: BlockManager, live: list[Sequence]) -> None:
     for seq in live:
         for block in seq.block_table:
             counts[block] += 1
-    assert counts == manager.ref_counts, "ref counts must equal the number of tables holding a block"
+    assert counts == manager.ref_counts, (
+        "ref counts must equal the number of tables holding a block"
+    )
     assert set(manager.free_blocks) == {b for b in range(manager.num_blocks) if counts[b] == 0}
     for key, block in manager.hash_to_block.items():
         assert manager.block_hash[block] == key
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 1000),
-                         st.lists(st.integers(0, 3), min_size=1, max_size=70)), max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "grow", "free"]),
+        st.integers(0, 1000),
+        st.lists(st.integers(0, 3), min_size=1, max_size=70),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)

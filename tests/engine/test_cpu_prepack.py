@@ -1,4 +1,5 @@
 """bf16 linear weights prepacked for oneDNN on CPU give the same logits as F.linear."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,11 +7,14 @@ import torch
 
 from nanoserve.kernels.gemm import onednn_available
 from nanoserve.layers.cpu_prepack import prepack_linear_weights
-from nanoserve.layers.linear import ColumnParallelLinear
 from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.linear import ColumnParallelLinear
 
 
-@pytest.mark.skipif(not onednn_available(), reason="oneDNN's bf16 linear ops are not in this torch build or not run by this CPU")
+@pytest.mark.skipif(
+    not onednn_available(),
+    reason="oneDNN's bf16 linear ops are not in this torch build or not run by this CPU",
+)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_packed_linear_equals_f_linear(rows):
     torch.manual_seed(0)

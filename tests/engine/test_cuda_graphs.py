@@ -2,6 +2,7 @@
 padding, buffer reuse, and that the padded static-buffer step computes what the plain eager
 step computes. Without a GPU the graphs are not captured (the same forward runs on the same
 buffers); on CUDA the last tests replay real graphs."""
+
 from __future__ import annotations
 
 import random
@@ -40,7 +41,9 @@ def test_capture_sizes_reject_zero():
 
 
 def make_graphs(max_num_seqs=24, max_model_len=100, block_size=16) -> DecodeGraphs:
-    return DecodeGraphs(torch.nn.Identity(), CPU, max_num_seqs, max_model_len, block_size, capture=False)
+    return DecodeGraphs(
+        torch.nn.Identity(), CPU, max_num_seqs, max_model_len, block_size, capture=False
+    )
 
 
 def test_bucket_is_the_smallest_size_that_holds_the_batch():
@@ -67,8 +70,13 @@ def load_step(graphs: DecodeGraphs, batch: int, seed: int, width: int = 3):
         "seq_lens": [rng.randrange(2, 41) for _ in range(batch)],
     }
     rows = [[rng.randrange(1, 30) for _ in range(width)] for _ in range(batch)]
-    size = graphs.load(columns["input_ids"], columns["positions"], columns["slot_mapping"],
-                       columns["seq_lens"], rows)
+    size = graphs.load(
+        columns["input_ids"],
+        columns["positions"],
+        columns["slot_mapping"],
+        columns["seq_lens"],
+        rows,
+    )
     return size, columns, rows
 
 
@@ -89,10 +97,17 @@ def test_load_writes_rows_and_pads_up_to_the_bucket():
         assert [t.data_ptr() for t in (*graphs.static.vectors(), graphs.block_table)] == pointers
         input_ids, positions, metadata = graphs.inputs(size)
         assert input_ids.data_ptr() == pointers[0] and positions.data_ptr() == pointers[1]
-        assert metadata.slot_mapping.data_ptr() == pointers[2] and metadata.seq_lens.data_ptr() == pointers[3]
+        assert (
+            metadata.slot_mapping.data_ptr() == pointers[2]
+            and metadata.seq_lens.data_ptr() == pointers[3]
+        )
         assert metadata.block_table.shape == (size, graphs.max_blocks_per_seq)
         assert metadata.cu_seqlens_q.tolist() == list(range(size + 1))
-        assert (metadata.max_seqlen_q, metadata.max_seqlen_k, metadata.num_decode_seqs) == (1, 100, size)
+        assert (metadata.max_seqlen_q, metadata.max_seqlen_k, metadata.num_decode_seqs) == (
+            1,
+            100,
+            size,
+        )
     assert graphs.num_steps == 5
 
 
@@ -107,7 +122,10 @@ def test_load_refuses_what_does_not_fit():
 def test_enforce_eager_flag_and_default():
     parser = build_parser()
     assert engine_config_from_args(parser.parse_args(["serve"])).enforce_eager is False
-    assert engine_config_from_args(parser.parse_args(["serve", "--enforce-eager"])).enforce_eager is True
+    assert (
+        engine_config_from_args(parser.parse_args(["serve", "--enforce-eager"])).enforce_eager
+        is True
+    )
 
 
 # ---- the engine on a tiny random Llama ------------------------------------------------------
@@ -122,22 +140,37 @@ def random_prompts(count: int, vocab: int, seed: int) -> list[list[int]]:
 def generate(llm: LLM, prompts) -> list[list[int]]:
     # Different lengths: the decode batch shrinks from 7 to 1, through every bucket. The first
     # request, which gets the first blocks (block 0 included), lives longest.
-    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * (len(prompts) - i), ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4 + 3 * (len(prompts) - i), ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
 def tiny_llm(tiny_llama_dir, dtype="float32", **kwargs) -> LLM:
     # A small token budget: long prompts are chunked, so prompt chunks share steps with decodes.
-    return LLM(model=str(tiny_llama_dir), dtype=dtype, num_kv_blocks=128, max_num_seqs=8,
-               max_num_batched_tokens=32, **kwargs)
+    return LLM(
+        model=str(tiny_llama_dir),
+        dtype=dtype,
+        num_kv_blocks=128,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        **kwargs,
+    )
 
 
 def attach_static_graphs(llm: LLM) -> DecodeGraphs:
     runner = llm.llm_engine.runner
-    runner.decode_graphs = DecodeGraphs(runner.model, runner.device, GRAPH_BATCH, runner.max_model_len,
-                                        runner.block_size, prefill_row_tile(runner.device), capture=False)
+    runner.decode_graphs = DecodeGraphs(
+        runner.model,
+        runner.device,
+        GRAPH_BATCH,
+        runner.max_model_len,
+        runner.block_size,
+        prefill_row_tile(runner.device),
+        capture=False,
+    )
     return runner.decode_graphs
 
 
@@ -153,7 +186,10 @@ def test_cpu_runs_eagerly_whatever_enforce_eager_says(tiny_llama_dir):
 # - float32 (oneDNN's GEMMs on the CPU, cuBLAS on CUDA): the library picks its kernel and
 #   summation order from the row count, so 3 rows padded to 4 may move each sum by a few fp32
 #   ulps (1.5e-5 seen on a Zen 5 EPYC); the logits agree to 1e-4 and the tokens exactly.
-PADDING_PROMISES = {"bfloat16-cpu": dict(device="cpu", exact=True), "float32": dict(device=None, exact=False)}
+PADDING_PROMISES = {
+    "bfloat16-cpu": dict(device="cpu", exact=True),
+    "float32": dict(device=None, exact=False),
+}
 
 
 @pytest.mark.parametrize("promise", sorted(PADDING_PROMISES))
@@ -220,7 +256,9 @@ def test_static_buffer_steps_match_eager_steps(tiny_llama_dir, promise):
     assert any(p for _, p, _ in steps) and any(d and p for d, p, _ in steps)
     assert {size for _, _, size in static_steps} == {1, 2, 4}
     assert any(d == 3 for d, _, _ in static_steps), "no step was padded (3 rows to 4)"
-    assert any(d > GRAPH_BATCH and not p for d, p, _ in steps), "no decode step above the largest bucket"
+    assert any(d > GRAPH_BATCH and not p for d, p, _ in steps), (
+        "no decode step above the largest bucket"
+    )
 
 
 def test_static_buffers_are_reused_across_steps(tiny_llama_dir):
@@ -234,17 +272,31 @@ def test_static_buffers_are_reused_across_steps(tiny_llama_dir):
         model_input = prepare(scheduled)
         if model_input.graph_size:
             metadata = model_input.metadata
-            pointers.add((model_input.input_ids.data_ptr(), model_input.positions.data_ptr(),
-                          metadata.slot_mapping.data_ptr(), metadata.seq_lens.data_ptr(),
-                          metadata.block_table.data_ptr(), metadata.cu_seqlens_q.data_ptr()))
+            pointers.add(
+                (
+                    model_input.input_ids.data_ptr(),
+                    model_input.positions.data_ptr(),
+                    metadata.slot_mapping.data_ptr(),
+                    metadata.seq_lens.data_ptr(),
+                    metadata.block_table.data_ptr(),
+                    metadata.cu_seqlens_q.data_ptr(),
+                )
+            )
         return model_input
 
     runner.prepare = recording_prepare
     generate(llm, random_prompts(4, llm.llm_engine.model_config.vocab_size, seed=6))
     static = graphs.static
-    assert pointers == {(static.input_ids.data_ptr(), static.positions.data_ptr(),
-                         static.slot_mapping.data_ptr(), static.seq_lens.data_ptr(),
-                         graphs.block_table.data_ptr(), graphs.cu_seqlens_q.data_ptr())}
+    assert pointers == {
+        (
+            static.input_ids.data_ptr(),
+            static.positions.data_ptr(),
+            static.slot_mapping.data_ptr(),
+            static.seq_lens.data_ptr(),
+            graphs.block_table.data_ptr(),
+            graphs.cu_seqlens_q.data_ptr(),
+        )
+    }
 
 
 # ---- CUDA: real graphs ----------------------------------------------------------------------
@@ -254,9 +306,17 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @cuda_only
 def test_cuda_graph_replay_gives_the_eager_tokens(tiny_llama_dir):
     """fp32: the graphs' padded GEMMs and fixed split-KV count change only rounding."""
+
     def run(enforce_eager: bool):
-        llm = LLM(model=str(tiny_llama_dir), dtype="float32", device="cuda", num_kv_blocks=128,
-                  max_num_seqs=16, max_num_batched_tokens=64, enforce_eager=enforce_eager)
+        llm = LLM(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=128,
+            max_num_seqs=16,
+            max_num_batched_tokens=64,
+            enforce_eager=enforce_eager,
+        )
         vocab = llm.llm_engine.model_config.vocab_size
         tokens = generate(llm, random_prompts(11, vocab, seed=7))
         return tokens, llm.llm_engine.runner
@@ -290,9 +350,16 @@ def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype
     """A verification's k + 1 rows are decode rows, so a step of decodes and verifications goes
     through the graphs' static buffers (on CUDA: replayed graphs of that many rows) and gives the
     tokens of plain decoding."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+    }
     rng = random.Random(9)
-    prompts = [[rng.randrange(3, 300) for _ in range(4)] * 3 for _ in range(3)]  # repeats: proposals
+    prompts = [
+        [rng.randrange(3, 300) for _ in range(4)] * 3 for _ in range(3)
+    ]  # repeats: proposals
     reference = generate(tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu"), prompts)
     llm = tiny_llm(tiny_llama_dir, dtype=dtype, device="cpu", speculative_config=ngram)
     graphs = attach_static_graphs(llm)
@@ -305,10 +372,21 @@ def test_speculative_verification_rides_the_static_buffers(tiny_llama_dir, dtype
 def test_cuda_graphs_replay_speculative_verification(tiny_llama_dir):
     """On CUDA the verification rows go through captured graphs (a bucket of decode rows) and
     give the eager, non-speculative tokens (fp32: the graphs' padded GEMMs change only rounding)."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+    }
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 300) for _ in range(4)] * 3 for _ in range(5)]
-    options = dict(dtype="float32", device="cuda", num_kv_blocks=128, max_num_seqs=16, max_num_batched_tokens=64)
+    options = dict(
+        dtype="float32",
+        device="cuda",
+        num_kv_blocks=128,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+    )
     plain = generate(LLM(model=str(tiny_llama_dir), enforce_eager=True, **options), prompts)
     llm = LLM(model=str(tiny_llama_dir), speculative_config=ngram, **options)
     runner = llm.llm_engine.runner

@@ -3,6 +3,7 @@ fp32 (cosine > 0.9999): last-token and mean pooling, normalized or not, as the c
 sentence-transformers files or --pooler-config say; a headless MistralModel checkpoint served as
 a pooling model on its own; chunked prompts; Matryoshka dimensions; tp=2; and what a pooling
 model refuses (generating) and a generating one refuses (embedding)."""
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,13 @@ def hf_embeddings(model_dir, token_lists, pooling: str, normalize: bool) -> list
     for ids in token_lists:
         with torch.inference_mode():
             hidden = model(torch.tensor([ids])).last_hidden_state[0]
-        vector = hidden[-1] if pooling == "LAST" else hidden.mean(dim=0) if pooling == "MEAN" else hidden[0]
+        vector = (
+            hidden[-1]
+            if pooling == "LAST"
+            else hidden.mean(dim=0)
+            if pooling == "MEAN"
+            else hidden[0]
+        )
         out.append(torch.nn.functional.normalize(vector, dim=0) if normalize else vector)
     return out
 
@@ -47,14 +54,26 @@ def embed(llm: LLM, token_lists, params=None):
     return llm.embed([{"prompt_token_ids": ids} for ids in token_lists], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("pooler, pooling, normalize", [
-    (None, "LAST", True), ('{"pooling_type": "MEAN"}', "MEAN", True),
-    ('{"pooling_type": "CLS", "normalize": false}', "CLS", False)])
+@pytest.mark.parametrize(
+    "pooler, pooling, normalize",
+    [
+        (None, "LAST", True),
+        ('{"pooling_type": "MEAN"}', "MEAN", True),
+        ('{"pooling_type": "CLS", "normalize": false}', "CLS", False),
+    ],
+)
 def test_llama_pooling_equals_transformers(tiny_llama_dir, pooler, pooling, normalize):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", pooler_config=pooler,
-              num_kv_blocks=128)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        runner="pooling",
+        pooler_config=pooler,
+        num_kv_blocks=128,
+    )
     token_lists = prompts()
-    check_close(embed(llm, token_lists), hf_embeddings(tiny_llama_dir, token_lists, pooling, normalize))
+    check_close(
+        embed(llm, token_lists), hf_embeddings(tiny_llama_dir, token_lists, pooling, normalize)
+    )
     assert llm.llm_engine.stats().prompt_tokens_total == sum(map(len, token_lists))
 
 
@@ -62,13 +81,34 @@ def test_sentence_transformers_files_choose_mean_and_normalize(tmp_path):
     """A Qwen3-Embedding-like checkpoint: Qwen3ForCausalLM weights with modules.json saying mean
     pooling then Normalize; --task embed (vLLM's older flag) serves it."""
     model_dir = write_random_checkpoint(tmp_path / "qwen3-embed", "qwen3")
-    (model_dir / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model_dir / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": 0,
+                    "name": "0",
+                    "path": "",
+                    "type": "sentence_transformers.models.Transformer",
+                },
+                {
+                    "idx": 1,
+                    "name": "1",
+                    "path": "1_Pooling",
+                    "type": "sentence_transformers.models.Pooling",
+                },
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                },
+            ]
+        )
+    )
     (model_dir / "1_Pooling").mkdir()
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}))
+    (model_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
+    )
     llm = LLM(model=str(model_dir), dtype="float32", task="embed", num_kv_blocks=128)
     token_lists = prompts(seed=1)
     check_close(embed(llm, token_lists), hf_embeddings(model_dir, token_lists, "MEAN", True))
@@ -79,9 +119,17 @@ def write_headless_mistral(out_dir):
 
     out_dir.mkdir(parents=True)
     vocab = build_tokenizer(out_dir)
-    config = MistralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                           sliding_window=None)
+    config = MistralConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        sliding_window=None,
+    )
     torch.manual_seed(3)
     MistralModel(config).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
@@ -99,13 +147,28 @@ def test_headless_checkpoint_is_a_pooling_model(tmp_path):
 
 def test_chunked_prompts_pool_the_same(tiny_llama_dir):
     token_lists = prompts(seed=3) + [list(range(3, 300))]
-    whole = LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", num_kv_blocks=128,
-                pooler_config='{"pooling_type": "MEAN"}')
-    chunked = LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", num_kv_blocks=128,
-                  pooler_config='{"pooling_type": "MEAN"}', max_num_batched_tokens=32)
+    whole = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        runner="pooling",
+        num_kv_blocks=128,
+        pooler_config='{"pooling_type": "MEAN"}',
+    )
+    chunked = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        runner="pooling",
+        num_kv_blocks=128,
+        pooler_config='{"pooling_type": "MEAN"}',
+        max_num_batched_tokens=32,
+    )
     for a, b in zip(embed(whole, token_lists), embed(chunked, token_lists)):
-        assert torch.allclose(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
-                              rtol=1e-4, atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(a.outputs.embedding),
+            torch.tensor(b.outputs.embedding),
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def test_matryoshka_dimensions(tmp_path, tiny_llama_dir):
@@ -143,10 +206,22 @@ def test_what_each_kind_of_model_refuses(tiny_llama_dir):
 
 def test_tensor_parallel_embeddings_equal_one_rank(tiny_llama_dir):
     token_lists = prompts(seed=5)
-    one = embed(LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", num_kv_blocks=64), token_lists)
-    with LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", num_kv_blocks=64,
-             tensor_parallel_size=2) as llm:
+    one = embed(
+        LLM(model=str(tiny_llama_dir), dtype="float32", runner="pooling", num_kv_blocks=64),
+        token_lists,
+    )
+    with LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        runner="pooling",
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    ) as llm:
         two = embed(llm, token_lists)
     for a, b in zip(one, two):
-        assert torch.allclose(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
-                              rtol=1e-4, atol=1e-5)
+        assert torch.allclose(
+            torch.tensor(a.outputs.embedding),
+            torch.tensor(b.outputs.embedding),
+            rtol=1e-4,
+            atol=1e-5,
+        )

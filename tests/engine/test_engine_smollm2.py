@@ -1,4 +1,5 @@
 """The engine on the real SmolLM2-135M-Instruct (imported from its GGUF) against transformers."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,9 @@ def llm(smollm2_dir):
 
 def test_chat_answers_paris(llm):
     params = SamplingParams(temperature=0, max_tokens=32)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], params, use_tqdm=False
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
 

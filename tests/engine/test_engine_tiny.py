@@ -1,4 +1,5 @@
 """The engine on a small random GQA Llama against Hugging Face transformers (the oracle)."""
+
 from __future__ import annotations
 
 import random
@@ -12,14 +13,21 @@ from tests.engine.hf_oracle import hf_greedy, load_hf
 NUM_TOKENS = 32
 
 
-def random_prompts(count: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
+def random_prompts(
+    count: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 60
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512)
+    return LLM(
+        model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +65,9 @@ def test_preemption_small_pool_same_outputs(tiny_llama_dir, llm):
     prompts = random_prompts(64, vocab, seed=3, min_len=20, max_len=40)
     reference = generate_ids(llm, prompts)
     # Each sequence needs up to (40 + 32) / 16 = 5 blocks; 64 of them need ~300. Give ~a quarter.
-    small = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=80, max_num_batched_tokens=256)
+    small = LLM(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=80, max_num_batched_tokens=256
+    )
     assert generate_ids(small, prompts) == reference
     engine = small.llm_engine
     assert engine.schedulers[0].num_preemptions > 0
@@ -79,7 +89,9 @@ def test_prefix_cache_computes_only_new_tokens(tiny_llama_dir, hf_model):
     assert llm.llm_engine.block_managers[0].prefix_cache_hits - hits_before == 256
     assert out.outputs[0].token_ids == hf_greedy(hf_model, second, 8)
     # Without prefix caching: nothing cached, same tokens.
-    plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    plain = LLM(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False
+    )
     again = plain.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == out.outputs[0].token_ids
 
@@ -87,7 +99,9 @@ def test_prefix_cache_computes_only_new_tokens(tiny_llama_dir, hf_model):
 def test_chunked_prefill_matches(tiny_llama_dir, llm):
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(4, vocab, seed=5, min_len=100, max_len=200)
-    chunked = LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=37, num_kv_blocks=256)
+    chunked = LLM(
+        model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=37, num_kv_blocks=256
+    )
     assert generate_ids(chunked, prompts) == generate_ids(llm, prompts)
 
 
@@ -112,8 +126,13 @@ def _finish_order(engine) -> list[str]:
 
 
 def test_priority_runs_first(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=1, num_kv_blocks=64,
-              scheduling_policy="priority")
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        max_num_seqs=1,
+        num_kv_blocks=64,
+        scheduling_policy="priority",
+    )
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
     engine.add_request("low", [5, 6, 7], params, priority=5)
@@ -130,7 +149,9 @@ def test_fcfs_is_arrival_order_and_refuses_priorities(tiny_llama_dir):
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
     for name in ("c", "a", "b"):
         engine.add_request(name, [5, 6, 7], params)
-    with pytest.raises(ValueError, match=r"^Got priority 1 but Priority scheduling is not enabled\.$"):
+    with pytest.raises(
+        ValueError, match=r"^Got priority 1 but Priority scheduling is not enabled\.$"
+    ):
         engine.add_request("urgent", [8, 9, 10], params, priority=1)
     with pytest.raises(ValueError, match="Got priority -3 but"):
         llm.generate(["hello"], params, use_tqdm=False, priority=[-3])
@@ -141,7 +162,9 @@ def test_fcfs_is_arrival_order_and_refuses_priorities(tiny_llama_dir):
 
 def test_prompt_too_long_is_a_clear_error(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=64, num_kv_blocks=64)
-    with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, your request has 80"):
+    with pytest.raises(
+        ValueError, match="maximum context length is 64 tokens. However, your request has 80"
+    ):
         llm.generate([{"prompt_token_ids": [5] * 80}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -180,7 +203,9 @@ def test_low_precision_runs(llm, tiny_llama_dir, dtype):
 
 def test_profile_run_covers_the_token_budget(tiny_llama_dir):
     """The GPU memory profile pass (a forward at max_num_batched_tokens) runs on any device."""
-    llm = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=300)
+    llm = LLM(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=300
+    )
     runner = llm.llm_engine.runner
     runner.profile_run()
     runner._allocate_kv_cache()

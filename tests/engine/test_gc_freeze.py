@@ -1,6 +1,7 @@
 """The engine's start-up heap is frozen out of the cyclic collector's walks (llm_engine.
 freeze_startup_heap) and handed back on shutdown, so that a dropped engine, in reference cycles
 as it is, is still freed by a collection."""
+
 from __future__ import annotations
 
 import gc

@@ -1,6 +1,7 @@
 """The KV pool's share of a CUDA device (nanoserve.engine.gpu_memory), against a simulated
 device: other processes' memory, another engine in this process, the weights, a profile run
 that peaks and frees, and memory held outside torch's allocator."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -37,15 +38,26 @@ class FakeDevice:
         monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
         monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
         monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
-        monkeypatch.setattr(cuda, "reset_peak_memory_stats",
-                            lambda device=None: setattr(self, "peak", self.allocated))
+        monkeypatch.setattr(
+            cuda,
+            "reset_peak_memory_stats",
+            lambda device=None: setattr(self, "peak", self.allocated),
+        )
         monkeypatch.setattr(cuda, "empty_cache", lambda: setattr(self, "reserved", self.allocated))
-        monkeypatch.setattr(cuda, "get_device_properties",
-                            lambda device=None: SimpleNamespace(total_memory=self.total))
+        monkeypatch.setattr(
+            cuda,
+            "get_device_properties",
+            lambda device=None: SimpleNamespace(total_memory=self.total),
+        )
 
 
-def start_engine(fake: FakeDevice, utilization: float, weights_gib=10.0, activations_gib=5.0,
-                 outside_torch_gib=1.0):
+def start_engine(
+    fake: FakeDevice,
+    utilization: float,
+    weights_gib=10.0,
+    activations_gib=5.0,
+    outside_torch_gib=1.0,
+):
     start = MemoryAtStart.take(DEVICE)
     fake.allocate(weights_gib)
 

@@ -3,6 +3,7 @@ memory; the C++ path (fused decode step, prompt kernels) against the torch refer
 where both follow kernels/kv_dtype.py's rule; the fused decode step against the modules' path bit
 for bit; the same answer however a prompt was computed (prefix cache, chunked prefill) and with
 swap preemption; the flag from the command line, and a value we don't have refused in one line."""
+
 from __future__ import annotations
 
 import random
@@ -37,8 +38,10 @@ def prompts_for(llm: LLM, lengths=(5, 40, 90, 17, 130), seed=3) -> list[list[int
 def answers(llm: LLM, prompts, params=GREEDY):
     """(token ids, each sampled token's logprob) per prompt."""
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-            for c in (o.outputs[0] for o in outputs)]
+    return [
+        (c.token_ids, [step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
+        for c in (o.outputs[0] for o in outputs)
+    ]
 
 
 @pytest.mark.parametrize("kv", FP8)
@@ -48,7 +51,9 @@ def test_fp8_pool_holds_twice_the_blocks_in_the_same_memory(model_dir, kv):
     fp8 = LLM(kv_cache_dtype=kv, **common).llm_engine
     expected = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
     assert fp8.runner.kv_dtype == expected
-    assert all(layer.self_attn.attn.key_cache.dtype == expected for layer in fp8.runner.model.model.layers)
+    assert all(
+        layer.self_attn.attn.key_cache.dtype == expected for layer in fp8.runner.model.model.layers
+    )
     assert fp8.block_managers[0].num_blocks == 2 * bf16.block_managers[0].num_blocks
 
 
@@ -57,14 +62,24 @@ def test_kernels_match_the_torch_reference_path_in_fp32(model_dir, kv, monkeypat
     """fp32 activations: the C++ kernels (rotary + fp8 store, decode and prompt attention over
     widened chunks) and the torch references (to_cache, then attention on the values read back)
     store the same bytes from nearly the same K/V, so greedy tokens agree and logprobs are close."""
-    llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128, device="cpu")
+    llm = LLM(
+        model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128, device="cpu"
+    )
     prompts = prompts_for(llm)
     kernels = answers(llm, prompts)
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
     reset_kernel_choice()
     try:
-        reference = answers(LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128,
-                                device="cpu"), prompts)
+        reference = answers(
+            LLM(
+                model=str(model_dir),
+                dtype="float32",
+                kv_cache_dtype=kv,
+                num_kv_blocks=128,
+                device="cpu",
+            ),
+            prompts,
+        )
     finally:
         monkeypatch.delenv("NANOSERVE_KERNELS")
         reset_kernel_choice()
@@ -73,11 +88,19 @@ def test_kernels_match_the_torch_reference_path_in_fp32(model_dir, kv, monkeypat
         assert logprobs == pytest.approx(ref_logprobs, abs=2e-3)
 
 
-@pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the fused decode path needs the CPU kernels")
+@pytest.mark.skipif(
+    not cpu_ops.gemm_available(), reason="the fused decode path needs the CPU kernels"
+)
 @pytest.mark.parametrize("kv", FP8)
 def test_fused_decode_over_fp8_gives_the_modules_bits(model_dir, kv, cpu_isa):
-    llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=64,
-              num_kv_blocks=128, device="cpu")
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        kv_cache_dtype=kv,
+        max_num_batched_tokens=64,
+        num_kv_blocks=128,
+        device="cpu",
+    )
     assert llm.llm_engine.runner.fused_decode is not None
     fused, calls = generate_fused_or_modules(llm, fused=True)
     modules, _ = generate_fused_or_modules(llm, fused=False)
@@ -89,9 +112,17 @@ def test_fused_decode_over_fp8_gives_the_modules_bits(model_dir, kv, cpu_isa):
 def test_same_answer_cold_cached_and_chunked(model_dir, kv, cpu_isa):
     """A prompt computed whole with prefix caching off, then again after a donor prompt shared a
     mid-block prefix, and split by a small chunked-prefill budget: the same tokens and logprobs."""
+
     def build(caching: bool, budget: int = 2048) -> LLM:
-        return LLM(model=str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, enable_prefix_caching=caching,
-                   max_num_batched_tokens=budget, num_kv_blocks=256, device="cpu")
+        return LLM(
+            model=str(model_dir),
+            dtype="bfloat16",
+            kv_cache_dtype=kv,
+            enable_prefix_caching=caching,
+            max_num_batched_tokens=budget,
+            num_kv_blocks=256,
+            device="cpu",
+        )
 
     cold_llm = build(caching=False)
     prompt = prompts_for(cold_llm, lengths=(150,), seed=9)[0]
@@ -103,35 +134,68 @@ def test_same_answer_cold_cached_and_chunked(model_dir, kv, cpu_isa):
     assert output.num_cached_tokens == 96  # the donor's six whole blocks
     assert answers(cached_llm, [prompt]) == cold  # now the whole prompt's blocks but the last
     cached = output.outputs[0]
-    assert (cached.token_ids, [s[t].logprob for s, t in zip(cached.logprobs, cached.token_ids)]) == cold[0]
+    assert (
+        cached.token_ids,
+        [s[t].logprob for s, t in zip(cached.logprobs, cached.token_ids)],
+    ) == cold[0]
     assert answers(build(caching=False, budget=39), [prompt]) == cold
 
 
 @pytest.mark.parametrize("kv", FP8)
 def test_swap_preemption_over_fp8(model_dir, kv):
-    roomy = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=512,
-                max_num_batched_tokens=256, device="cpu")
-    small = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv, num_kv_blocks=48,
-                max_num_batched_tokens=256, preemption_mode="swap", num_swap_blocks=256, device="cpu")
+    roomy = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_dtype=kv,
+        num_kv_blocks=512,
+        max_num_batched_tokens=256,
+        device="cpu",
+    )
+    small = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_dtype=kv,
+        num_kv_blocks=48,
+        max_num_batched_tokens=256,
+        preemption_mode="swap",
+        num_swap_blocks=256,
+        device="cpu",
+    )
     prompts = prompts_for(roomy, lengths=[20 + (7 * i) % 21 for i in range(40)], seed=4)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                               use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in small.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
+    got = [
+        o.outputs[0].token_ids
+        for o in small.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     assert got == expected
     assert small.llm_engine.runner.swapper.blocks_swapped_out > 0
 
 
 def test_the_flag_on_the_command_line(model_dir):
-    result = run_cli("generate", "--model", str(model_dir), "--dtype", "float32", "--kv-cache-dtype", "fp8",
-                     "--max-tokens", "8", "Hello")
+    result = run_cli(
+        "generate",
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--kv-cache-dtype",
+        "fp8",
+        "--max-tokens",
+        "8",
+        "Hello",
+    )
     assert result.returncode == 0, result.stderr
     result = run_cli("serve", "--kv-cache-dtype", "int8")
     assert result.returncode == 2
     assert "argument --kv-cache-dtype: invalid choice: 'int8'" in result.stderr
     assert "Traceback" not in result.stderr
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2"
+    ):
         LLM(model=str(model_dir), kv_cache_dtype="fp4")
 
 
@@ -143,13 +207,21 @@ def test_served_with_an_fp8_pool_as_offline(model_dir):
     from tests.server.test_cli_server import start
 
     prompt = "The quick brown fox"
-    offline = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype="fp8_e5m2", device="cpu").generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    offline = LLM(
+        model=str(model_dir), dtype="float32", kv_cache_dtype="fp8_e5m2", device="cpu"
+    ).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
     process, port = start(model_dir, "--dtype", "float32", "--kv-cache-dtype", "fp8_e5m2")
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        served = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=12,
-                                           temperature=0, extra_body={"ignore_eos": True})
+        served = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert served.choices[0].text == offline.outputs[0].text
         assert served.usage.completion_tokens == 12
     finally:

@@ -1,6 +1,7 @@
 """Output kinds: DELTA outputs are exactly the cumulative output cut in pieces, each token once,
 and with stop strings no delta ever carries text that the stop later takes back; FINAL_ONLY
 gives one output per request, at its end."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,12 +41,17 @@ def test_deltas_add_up_to_the_cumulative_output(engine):
     for delta in deltas[1:]:
         folded.add(delta)
     assert [(c.text, c.token_ids) for c in folded.outputs] == [
-        (c.text, c.token_ids) for c in whole.outputs]
+        (c.text, c.token_ids) for c in whole.outputs
+    ]
 
 
 def test_stop_string_text_is_held_back_in_deltas(engine):
-    free_deltas = run(engine, "free", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                      RequestOutputKind.DELTA)
+    free_deltas = run(
+        engine,
+        "free",
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        RequestOutputKind.DELTA,
+    )
     pieces = [c.text for d in free_deltas for c in d.outputs]
     free = "".join(pieces)
     # A stop string that begins in one token's text and ends in the next one's: its first
@@ -53,7 +59,7 @@ def test_stop_string_text_is_held_back_in_deltas(engine):
     stop = None
     for k in range(2, len(pieces) - 1):
         candidate = pieces[k][-1:] + pieces[k + 1][:1]
-        boundary = len("".join(pieces[:k + 1]))
+        boundary = len("".join(pieces[: k + 1]))
         if len(candidate) == 2 and free.index(candidate) == boundary - 1:
             stop = candidate
             break
@@ -62,7 +68,7 @@ def test_stop_string_text_is_held_back_in_deltas(engine):
     whole = run(engine, "stopped", params, RequestOutputKind.CUMULATIVE)[-1].outputs[0]
     deltas = run(engine, "stopped-delta", params, RequestOutputKind.DELTA)
     texts = [c.text for d in deltas for c in d.outputs]
-    assert "".join(texts) == whole.text == free[:free.index(stop)]
+    assert "".join(texts) == whole.text == free[: free.index(stop)]
     sent = ""
     for text in texts[:-1]:  # what went out before the end is never taken back
         sent += text
@@ -84,7 +90,9 @@ def test_prompt_forms_are_one_typed_prompt(tiny_llama_dir, engine):
     from nanoserve.inputs import parse_prompt
 
     assert parse_prompt("hi") == parse_prompt({"prompt": "hi"}) == TextPrompt("hi")
-    assert parse_prompt([5, 6]) == parse_prompt({"prompt_token_ids": [5, 6]}) == TokensPrompt([5, 6])
+    assert (
+        parse_prompt([5, 6]) == parse_prompt({"prompt_token_ids": [5, 6]}) == TokensPrompt([5, 6])
+    )
     assert parse_prompt({"prompt_token_ids": [5], "prompt": "x"}) == TokensPrompt([5], "x")
     with pytest.raises(InvalidRequestError):
         parse_prompt({"text": "hi"})
@@ -103,7 +111,9 @@ def test_metrics_count_the_tokens_the_deltas_carry(engine):
     """Each output's metrics say how many tokens were generated so far, all outputs together
     and the longest one, whatever the output kind (the server reads them, not the deltas)."""
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, n=2, ignore_eos=True)
-    engine.add_request("counted", {"prompt_token_ids": PROMPT}, params, output_kind=RequestOutputKind.DELTA)
+    engine.add_request(
+        "counted", {"prompt_token_ids": PROMPT}, params, output_kind=RequestOutputKind.DELTA
+    )
     seen: dict[int, int] = {}
     steps = 0
     while engine.has_unfinished_requests():

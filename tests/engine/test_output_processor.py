@@ -1,6 +1,7 @@
 """The output processor on its own: stop checks are plain functions of a sequence, and
 `process` reports what finished without touching any scheduler (the engine frees those
 sequences in their own virtual engine's scheduler)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,21 +19,26 @@ PROMPT = [5, 9, 14]
 EOS = 2
 
 
-def make_seq(params: SamplingParams, index: int = 0, tokenizer: Tokenizer | None = None) -> Sequence:
+def make_seq(
+    params: SamplingParams, index: int = 0, tokenizer: Tokenizer | None = None
+) -> Sequence:
     seq = Sequence(index, "r", index, list(PROMPT), len(PROMPT), params, 0, 0)
     if tokenizer is not None:
         seq.detokenizer = IncrementalDetokenizer(tokenizer, PROMPT)
     return seq
 
 
-@pytest.mark.parametrize("generated, params, expected", [
-    ([7], SamplingParams(stop_token_ids=[7], max_tokens=8), ("stop", 7)),
-    ([7], SamplingParams(stop_token_ids=[7], min_tokens=2, max_tokens=8), (None, None)),
-    ([4, EOS], SamplingParams(max_tokens=8), ("stop", None)),
-    ([4, EOS], SamplingParams(max_tokens=8, ignore_eos=True), (None, None)),
-    ([4, 4, 4], SamplingParams(max_tokens=3), ("length", None)),
-    ([4] * 7, SamplingParams(), ("length", None)),  # the context (10 tokens) is full
-])
+@pytest.mark.parametrize(
+    "generated, params, expected",
+    [
+        ([7], SamplingParams(stop_token_ids=[7], max_tokens=8), ("stop", 7)),
+        ([7], SamplingParams(stop_token_ids=[7], min_tokens=2, max_tokens=8), (None, None)),
+        ([4, EOS], SamplingParams(max_tokens=8), ("stop", None)),
+        ([4, EOS], SamplingParams(max_tokens=8, ignore_eos=True), (None, None)),
+        ([4, 4, 4], SamplingParams(max_tokens=3), ("length", None)),
+        ([4] * 7, SamplingParams(), ("length", None)),  # the context (10 tokens) is full
+    ],
+)
 def test_check_stop(generated, params, expected):
     seq = make_seq(params)
     seq.token_ids.extend(generated)
@@ -57,12 +63,21 @@ def test_process_reports_what_finished(tiny_llama_dir):
     processor = OutputProcessor(tokenizer, {EOS}, max_model_len=64)
     params = SamplingParams(n=2, max_tokens=3, stop_token_ids=[7])
     seqs = [make_seq(params, index, tokenizer) for index in range(2)]
-    request = Request("r", None, list(PROMPT), params, seqs, RequestMetrics(0.0),
-                      output_kind=RequestOutputKind.DELTA)
+    request = Request(
+        "r",
+        None,
+        list(PROMPT),
+        params,
+        seqs,
+        RequestMetrics(0.0),
+        output_kind=RequestOutputKind.DELTA,
+    )
     requests = {"r": request}
 
     def step(tokens: list[int]):
-        return processor.process(requests, seqs, SamplerOutput(torch.tensor(tokens), None, None, None), [])
+        return processor.process(
+            requests, seqs, SamplerOutput(torch.tensor(tokens), None, None, None), []
+        )
 
     first = step([7, 4])  # the first sequence takes its stop token
     assert first.finished_seqs == [seqs[0]] and not first.finished_requests
@@ -88,13 +103,19 @@ def test_a_stop_tokens_text_stays_out_unless_asked_for(tiny_llama_dir, stop_by):
     stop = EOS if stop_by == "eos" else 9
     texts = {}
     for keep in (False, True):
-        params = SamplingParams(max_tokens=5, skip_special_tokens=False, include_stop_str_in_output=keep,
-                                stop_token_ids=[] if stop_by == "eos" else [9])
+        params = SamplingParams(
+            max_tokens=5,
+            skip_special_tokens=False,
+            include_stop_str_in_output=keep,
+            stop_token_ids=[] if stop_by == "eos" else [9],
+        )
         seq = make_seq(params, 0)
         seq.detokenizer = IncrementalDetokenizer(tokenizer, PROMPT, skip_special_tokens=False)
         request = Request("r", None, list(PROMPT), params, [seq], RequestMetrics(0.0))
         for token in (4, 5, stop):
-            processor.process({"r": request}, [seq], SamplerOutput(torch.tensor([token]), None, None, None), [])
+            processor.process(
+                {"r": request}, [seq], SamplerOutput(torch.tensor([token]), None, None, None), []
+            )
         assert seq.finish_reason == "stop" and seq.output_token_ids == [4, 5, stop]
         texts[keep] = seq.text
     stop_text = tokenizer.decode([stop], skip_special_tokens=False)

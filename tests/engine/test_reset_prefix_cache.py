@@ -1,5 +1,6 @@
 """BlockManager.reset_prefix_cache: nothing cached is found afterwards, blocks in use stay with
 their sequences, and prefixes computed later are cached again."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -46,8 +47,14 @@ def test_reset_forgets_free_and_in_use_blocks():
     assert manager.num_free_blocks == 16
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "free", "reset"]), st.integers(0, 1000),
-                         st.lists(st.integers(0, 2), min_size=1, max_size=30)), max_size=40)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "free", "reset"]),
+        st.integers(0, 1000),
+        st.lists(st.integers(0, 2), min_size=1, max_size=30),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=100, deadline=None)

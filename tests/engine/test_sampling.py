@@ -1,4 +1,5 @@
 """Sampling parameters: validation, seeds, stops, penalties and logprobs on a real (tiny) model."""
+
 from __future__ import annotations
 
 import math
@@ -17,12 +18,25 @@ def llm(tiny_llama_dir):
     return LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=512)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
-    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("min_tokens", -1), ("n", 0), ("logprobs", -2), ("prompt_logprobs", -2),
-    ("stop", [""]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("n", 0),
+        ("logprobs", -2),
+        ("prompt_logprobs", -2),
+        ("stop", [""]),
+    ],
+)
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -48,9 +62,14 @@ def test_seed_is_reproducible_whatever_the_batch(llm):
 def test_top_k_one_is_greedy(llm):
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, vocab, seed=12)]
-    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    top1 = llm.generate(prompts, SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)
+    greedy = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )
+    top1 = llm.generate(
+        prompts,
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
@@ -58,10 +77,21 @@ def test_filters_keep_expected_tokens():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
     probs = logits.softmax(-1)
     batch = SamplingBatch(
-        temperature=torch.ones(2), top_p=torch.tensor([float(probs[0, 0] + probs[0, 1]) + 1e-4, 1.0]),
-        top_k=torch.tensor([0, 2]), min_p=None, presence_penalty=None, frequency_penalty=None,
-        repetition_penalty=None, output_counts=None, prompt_mask=None, logit_bias=None,
-        generators=[None, None], default_generator=None, all_greedy=False, max_logprobs=-1)
+        temperature=torch.ones(2),
+        top_p=torch.tensor([float(probs[0, 0] + probs[0, 1]) + 1e-4, 1.0]),
+        top_k=torch.tensor([0, 2]),
+        min_p=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        repetition_penalty=None,
+        output_counts=None,
+        prompt_mask=None,
+        logit_bias=None,
+        generators=[None, None],
+        default_generator=None,
+        all_greedy=False,
+        max_logprobs=-1,
+    )
     kept = apply_top_k_top_p_min_p(logits, batch).isfinite()
     assert kept.tolist() == [[True, True, True, False, False], [False, False, False, True, True]]
     batch.top_p = batch.top_k = None
@@ -74,19 +104,36 @@ def test_filters_keep_expected_tokens():
 def test_stop_string_and_stop_token(llm):
     vocab = llm.llm_engine.model_config.vocab_size
     prompt = {"prompt_token_ids": random_prompts(1, vocab, seed=13)[0]}
-    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    full = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False
+    )[0]
     text, tokens = full.outputs[0].text, full.outputs[0].token_ids
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
-    cut = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
-    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
-                                                 include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0,
+            max_tokens=24,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=True,
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
-    by_token = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                                     stop_token_ids=[tokens[5]]), use_tqdm=False)[0].outputs[0]
+    by_token = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[tokens[5]]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert by_token.token_ids == tokens[: tokens.index(tokens[5]) + 1]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == tokens[5]
     assert full.outputs[0].finish_reason == "length"
@@ -111,21 +158,38 @@ def test_penalties_change_repetition(llm):
     prompt = {"prompt_token_ids": random_prompts(1, vocab, seed=15)[0]}
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = llm.generate([prompt], base, use_tqdm=False)[0].outputs[0].token_ids
-    penalized = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                      presence_penalty=2.0, frequency_penalty=2.0),
-                             use_tqdm=False)[0].outputs[0].token_ids
+    penalized = (
+        llm.generate(
+            [prompt],
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                ignore_eos=True,
+                presence_penalty=2.0,
+                frequency_penalty=2.0,
+            ),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(penalized)) >= len(set(plain))
-    repetition = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                                       repetition_penalty=5.0), use_tqdm=False)[0].outputs[0]
+    repetition = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=5.0),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert len(set(repetition.token_ids)) >= len(set(plain))
 
 
 def test_logprobs_match_transformers(llm, tiny_llama_dir):
     vocab = llm.llm_engine.model_config.vocab_size
     prompt_ids = random_prompts(1, vocab, seed=16)[0]
-    out = llm.generate([{"prompt_token_ids": prompt_ids}],
-                       SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt_ids}],
+        SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     hf = load_hf(tiny_llama_dir)
     ids = prompt_ids + out.token_ids
     with torch.inference_mode():
@@ -136,14 +200,19 @@ def test_logprobs_match_transformers(llm, tiny_llama_dir):
         assert entry[token].rank == 1
         top = row.topk(3).indices.tolist()
         assert set(top) <= set(entry)
-    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    assert math.isclose(
+        out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs))
+    )
 
 
 def test_n_returns_distinct_samples(llm):
     vocab = llm.llm_engine.model_config.vocab_size
     prompt = {"prompt_token_ids": random_prompts(1, vocab, seed=17)[0]}
-    out = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert all(len(o.token_ids) == 16 for o in out.outputs)
@@ -172,9 +241,13 @@ def test_logit_bias_tensor_matches_entry_by_entry():
 
     def seq(num_output_tokens: int = 0, **params):
         return SimpleNamespace(params=SamplingParams(**params), num_output_tokens=num_output_tokens)
-    seqs = [seq(logit_bias={3: 1.5, 7: -2.0, 49: 100.0}), seq(),
-            seq(1, logit_bias={3: 0.5, 4: 0.25}, stop_token_ids=[3, 9], min_tokens=2),
-            seq(2, stop_token_ids=[9], min_tokens=2, ignore_eos=True)]
+
+    seqs = [
+        seq(logit_bias={3: 1.5, 7: -2.0, 49: 100.0}),
+        seq(),
+        seq(1, logit_bias={3: 0.5, 4: 0.25}, stop_token_ids=[3, 9], min_tokens=2),
+        seq(2, stop_token_ids=[9], min_tokens=2, ignore_eos=True),
+    ]
     expected = torch.zeros(len(seqs), vocab)
     expected[0, 3], expected[0, 7], expected[0, 49] = 1.5, -2.0, 100.0
     expected[2, 4] = 0.25

@@ -1,5 +1,6 @@
 """Scheduler invariants with a simulated model (hypothesis): budgets hold, every request ends,
 no block leaks, preemption recovers."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -10,16 +11,25 @@ from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 
-requests = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 2), st.integers(0, 5)),
-                    min_size=1, max_size=25)
+requests = st.lists(
+    st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 2), st.integers(0, 5)),
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=120, deadline=None)
-@given(requests=requests, num_blocks=st.integers(8, 40), budget=st.integers(8, 128),
-       max_seqs=st.integers(1, 8), block_size=st.sampled_from([4, 16]),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_every_request_finishes_within_budgets(requests, num_blocks, budget, max_seqs, block_size,
-                                               policy):
+@given(
+    requests=requests,
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(8, 128),
+    max_seqs=st.integers(1, 8),
+    block_size=st.sampled_from([4, 16]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_every_request_finishes_within_budgets(
+    requests, num_blocks, budget, max_seqs, block_size, policy
+):
     # Each sequence must fit in the pool on its own (the engine caps max_model_len likewise).
     capacity = num_blocks * block_size
     manager = BlockManager(num_blocks, block_size)
@@ -33,8 +43,16 @@ def test_every_request_finishes_within_budgets(requests, num_blocks, budget, max
         if pending:  # a request joins at any step
             i, (prompt_len, max_tokens, priority, token) = pending.pop(0)
             prompt_len = min(prompt_len, capacity - max_tokens)
-            seq = Sequence(i, str(i), 0, [token + i % 3] * prompt_len, prompt_len,
-                           SamplingParams(max_tokens=max_tokens), priority, i)
+            seq = Sequence(
+                i,
+                str(i),
+                0,
+                [token + i % 3] * prompt_len,
+                prompt_len,
+                SamplingParams(max_tokens=max_tokens),
+                priority,
+                i,
+            )
             seqs.append(seq)
             scheduler.add(seq)
         scheduled = scheduler.schedule().scheduled_seqs
@@ -44,7 +62,9 @@ def test_every_request_finishes_within_budgets(requests, num_blocks, budget, max
         for item in scheduled:
             seq = item.seq
             assert item.num_new_tokens >= 1
-            assert len(seq.block_table) * block_size >= seq.num_computed_tokens + item.num_new_tokens
+            assert (
+                len(seq.block_table) * block_size >= seq.num_computed_tokens + item.num_new_tokens
+            )
             completes = item.completes_prompt
             seq.num_computed_tokens += item.num_new_tokens
             manager.register_full_blocks(seq)
@@ -72,7 +92,9 @@ def test_preempts_latest_arrival_first():
     for seq in (a, b):
         seq.num_computed_tokens = 8
         seq.token_ids.append(3)
-    scheduled = scheduler.schedule().scheduled_seqs  # both need a third block: b (later arrival) is preempted
+    scheduled = (
+        scheduler.schedule().scheduled_seqs
+    )  # both need a third block: b (later arrival) is preempted
     assert [s.seq for s in scheduled] == [a]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     assert scheduler.num_preemptions == 1

@@ -1,6 +1,7 @@
 """The scheduler's swapped queue, with a simulated KV pool whose slots hold token ids: after a
 step's swap plan is applied, every scheduled sequence's blocks hold exactly its computed tokens
 (through swaps, recompute fallbacks and prefix-cache hits), and nothing leaks on either pool."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -13,16 +14,26 @@ from nanoserve.engine.swap import HostBlockPool
 from nanoserve.sampling_params import SamplingParams
 from tests.engine.test_scheduler import fill_and_grow
 
-requests = st.lists(st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 2), st.integers(0, 2)),
-                    min_size=1, max_size=25)
+requests = st.lists(
+    st.tuples(st.integers(1, 60), st.integers(1, 20), st.integers(0, 2), st.integers(0, 2)),
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=120, deadline=None)
-@given(requests=requests, num_blocks=st.integers(8, 40), num_host_blocks=st.integers(0, 40),
-       budget=st.integers(8, 128), max_seqs=st.integers(1, 8), block_size=st.sampled_from([4, 16]),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_swapped_blocks_keep_their_tokens(requests, num_blocks, num_host_blocks, budget, max_seqs,
-                                          block_size, policy):
+@given(
+    requests=requests,
+    num_blocks=st.integers(8, 40),
+    num_host_blocks=st.integers(0, 40),
+    budget=st.integers(8, 128),
+    max_seqs=st.integers(1, 8),
+    block_size=st.sampled_from([4, 16]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+)
+def test_swapped_blocks_keep_their_tokens(
+    requests, num_blocks, num_host_blocks, budget, max_seqs, block_size, policy
+):
     capacity = num_blocks * block_size
     manager = BlockManager(num_blocks, block_size)
     host = HostBlockPool(num_host_blocks)
@@ -39,8 +50,16 @@ def test_swapped_blocks_keep_their_tokens(requests, num_blocks, num_host_blocks,
             i, (prompt_len, max_tokens, priority, token) = pending.pop(0)
             prompt_len = min(prompt_len, capacity - max_tokens)
             # Few distinct prompts: prefix-cache hits are common.
-            seq = Sequence(i, str(i), 0, [token] * prompt_len, prompt_len, SamplingParams(max_tokens=max_tokens),
-                           priority, i)
+            seq = Sequence(
+                i,
+                str(i),
+                0,
+                [token] * prompt_len,
+                prompt_len,
+                SamplingParams(max_tokens=max_tokens),
+                priority,
+                i,
+            )
             seqs.append(seq)
             scheduler.add(seq)
         waiting_before = set(scheduler.waiting)
@@ -57,9 +76,16 @@ def test_swapped_blocks_keep_their_tokens(requests, num_blocks, num_host_blocks,
             seq = item.seq
             table = seq.block_table
             for position in range(seq.num_computed_tokens):
-                assert device_slots[table[position // block_size]][position % block_size] == seq.token_ids[position]
-            for position in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
-                device_slots[table[position // block_size]][position % block_size] = seq.token_ids[position]
+                assert (
+                    device_slots[table[position // block_size]][position % block_size]
+                    == seq.token_ids[position]
+                )
+            for position in range(
+                seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            ):
+                device_slots[table[position // block_size]][position % block_size] = seq.token_ids[
+                    position
+                ]
             completes = item.completes_prompt
             seq.num_computed_tokens += item.num_new_tokens
             manager.register_full_blocks(seq)
@@ -96,7 +122,9 @@ def test_swaps_out_the_latest_arrival_and_back_in_before_new_work():
     assert output.total_num_scheduled_tokens == 4
     plan = output.swap_plan
     assert not plan.swap_out
-    assert [host for host, _ in plan.swap_in] == [0, 1] and [d for _, d in plan.swap_in] == b.block_table[:2]
+    assert [host for host, _ in plan.swap_in] == [0, 1] and [
+        d for _, d in plan.swap_in
+    ] == b.block_table[:2]
     assert len(b.block_table) == 3 and scheduler.host_pool.num_used_blocks == 0
     assert b.num_computed_tokens == 8 and c.num_computed_tokens == 0
 

@@ -1,6 +1,7 @@
 """Structured outputs on the real SmolLM2-135M-Instruct: what comes out parses and validates
 (jsonschema) for nested objects, arrays, enums and numbers; regex, choice and EBNF outputs match;
 stop strings still cut; a finished grammar ends with "stop"; bad specs raise naming the field."""
+
 from __future__ import annotations
 
 import json
@@ -18,12 +19,20 @@ PERSON = {
         "name": {"type": "string", "maxLength": 16},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "height_m": {"type": "number", "minimum": 0.5, "maximum": 2.5},
-        "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue"]},
-                   "minItems": 1, "maxItems": 3},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 16},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "colors": {
+            "type": "array",
+            "items": {"type": "string", "enum": ["red", "green", "blue"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
     },
     "required": ["name", "age", "height_m", "colors", "address"],
 }
@@ -39,13 +48,18 @@ def llm(smollm2_dir):
 
 
 def chat_prompt(llm: LLM, text: str) -> str:
-    return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}],
-                                                   add_generation_prompt=True)
+    return llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
 
 
 def params(seed: int | None = None, max_tokens: int = 96, **kind) -> SamplingParams:
-    return SamplingParams(temperature=0 if seed is None else 0.8, seed=seed, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(**kind))
+    return SamplingParams(
+        temperature=0 if seed is None else 0.8,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**kind),
+    )
 
 
 def test_outputs_validate_and_match(llm):
@@ -73,11 +87,22 @@ def test_stop_strings_cut_and_a_finished_grammar_stops(llm):
     prompt = chat_prompt(llm, "Is the sky blue?")
     stopped, endless = llm.generate(
         [prompt, prompt],
-        [SamplingParams(temperature=0, max_tokens=32, stop=["answer"],
-                        structured_outputs=StructuredOutputsParams(grammar=ANSWER_GRAMMAR)),
-         SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
-                        structured_outputs=StructuredOutputsParams(choice=CHOICES))],
-        use_tqdm=False)
+        [
+            SamplingParams(
+                temperature=0,
+                max_tokens=32,
+                stop=["answer"],
+                structured_outputs=StructuredOutputsParams(grammar=ANSWER_GRAMMAR),
+            ),
+            SamplingParams(
+                temperature=0,
+                max_tokens=64,
+                ignore_eos=True,
+                structured_outputs=StructuredOutputsParams(choice=CHOICES),
+            ),
+        ],
+        use_tqdm=False,
+    )
     assert stopped.outputs[0].text == "The "
     assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", "answer")
     # ignore_eos cannot run past the grammar: it ends when the grammar takes its stop token.
@@ -85,12 +110,15 @@ def test_stop_strings_cut_and_a_finished_grammar_stops(llm):
     assert len(endless.outputs[0].token_ids) < 64
 
 
-@pytest.mark.parametrize("kind,message", [
-    ({"json": '{"type": "object", "properties": 5}'}, "properties must be an object"),
-    ({"json": "{not json"}, "Failed to parse JSON"),
-    ({"regex": "(abc"}, "parenthesis is not closed"),
-    ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ({"json": '{"type": "object", "properties": 5}'}, "properties must be an object"),
+        ({"json": "{not json"}, "Failed to parse JSON"),
+        ({"regex": "(abc"}, "parenthesis is not closed"),
+        ({"grammar": "root ::= undefined_rule"}, "undefined_rule"),
+    ],
+)
 def test_bad_specs_raise_naming_the_field(llm, kind, message):
     bad = StructuredOutputsParams(field="guided_x", **kind)
     with pytest.raises(InvalidRequestError, match=message) as caught:

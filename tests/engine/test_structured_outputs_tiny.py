@@ -2,6 +2,7 @@
 xgrammar): constrained rows never change the free rows of a batch, preemption by recompute and
 by swap keep each matcher in step with its sequence, n > 1 gets a matcher per sequence, and a
 grammar still compiling holds back only its own request."""
+
 from __future__ import annotations
 
 import json
@@ -14,21 +15,32 @@ from nanoserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.engine.test_swap_preemption import SMALL, assert_nothing_leaked, random_prompts
 
 REGEX = r"[a-z]{3,12}( [a-z]{2,10}){4,8}\."
-SCHEMA = {"type": "object",
-          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                         "kind": {"type": "string", "enum": ["fox", "dog", "cat"]},
-                         "tags": {"type": "array",
-                                  "items": {"type": "string", "pattern": "^[a-z]{1,6}$"},
-                                  "minItems": 1, "maxItems": 3}},
-          "required": ["id", "kind", "tags"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "kind": {"type": "string", "enum": ["fox", "dog", "cat"]},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["id", "kind", "tags"],
+}
 
 
 def constrained(seed: int | None = None, **kind) -> SamplingParams:
     # A random model given free whitespace in JSON spends its tokens on whitespace.
     if "json" in kind:
         kind["disable_any_whitespace"] = True
-    return SamplingParams(temperature=0 if seed is None else 1.0, seed=seed, max_tokens=64,
-                          structured_outputs=StructuredOutputsParams(**kind))
+    return SamplingParams(
+        temperature=0 if seed is None else 1.0,
+        seed=seed,
+        max_tokens=64,
+        structured_outputs=StructuredOutputsParams(**kind),
+    )
 
 
 def run(llm: LLM, prompts, params) -> list[list[tuple[list[int], str, str]]]:
@@ -47,8 +59,9 @@ def assert_matches(kind: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def roomy(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256,
-               num_kv_blocks=512)
+    return LLM(
+        model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +70,10 @@ def prompts(roomy):
 
 
 def test_free_rows_are_unchanged_by_constrained_rows(roomy, prompts):
-    free = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)] * 4
+    free = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+    ] * 4
     alone = run(roomy, prompts[:8], free)
     mixed_params = []
     for index, params in enumerate(free):
@@ -73,8 +88,10 @@ def test_free_rows_are_unchanged_by_constrained_rows(roomy, prompts):
 
 
 def test_preemption_by_recompute_and_swap_keeps_matchers_in_step(tiny_llama_dir, roomy, prompts):
-    params = [constrained(regex=REGEX) if i % 2 else constrained(json=SCHEMA, seed=i)
-              for i in range(len(prompts))]
+    params = [
+        constrained(regex=REGEX) if i % 2 else constrained(json=SCHEMA, seed=i)
+        for i in range(len(prompts))
+    ]
     reference = run(roomy, prompts, params)
     for i, outputs in enumerate(reference):
         assert_matches("regex" if i % 2 else "json", outputs[0][1])
@@ -87,8 +104,13 @@ def test_preemption_by_recompute_and_swap_keeps_matchers_in_step(tiny_llama_dir,
 
 
 def test_n_sequences_each_follow_the_grammar(roomy, prompts):
-    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=48,
-                            structured_outputs=StructuredOutputsParams(regex=REGEX))
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        seed=3,
+        max_tokens=48,
+        structured_outputs=StructuredOutputsParams(regex=REGEX),
+    )
     outputs = run(roomy, prompts[:2], params)
     for request in outputs:
         assert len({text for _, text, _ in request}) > 1  # four sequences, four samples
@@ -105,8 +127,11 @@ def test_a_compiling_grammar_holds_back_only_its_request(roomy, prompts):
     manager.executor.submit(gate.wait)  # the compile thread is busy until the gate opens
     schema = dict(SCHEMA, title="not compiled yet")
     engine.add_request("constrained", {"prompt_token_ids": prompts[0]}, constrained(json=schema))
-    engine.add_request("free", {"prompt_token_ids": prompts[1]},
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "free",
+        {"prompt_token_ids": prompts[1]},
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    )
     finished = {}
     try:
         while "free" not in finished:
@@ -153,9 +178,14 @@ def test_min_tokens_past_the_grammar_end_stops_cleanly(roomy, prompts):
     # After the choice only a stop token fits the grammar, and min_tokens forbids it: the
     # output ends where the grammar did, with no token outside it.
     for temperature in (0.0, 1.0):
-        params = SamplingParams(temperature=temperature, seed=1, max_tokens=16, min_tokens=12,
-                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-        (output,), = run(roomy, [prompts[4]], params)
+        params = SamplingParams(
+            temperature=temperature,
+            seed=1,
+            max_tokens=16,
+            min_tokens=12,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        )
+        ((output,),) = run(roomy, [prompts[4]], params)
         assert output[1] in ("yes", "no") and output[2] == "stop"
 
 
@@ -164,7 +194,8 @@ def test_choice_strings_are_escaped_exactly(roomy):
 
     choices = ['say "hi"', "back\\slash", "café ☕", "new\nline"]
     compiled = roomy.llm_engine.prepare_structured_output(
-        SamplingParams(structured_outputs=StructuredOutputsParams(choice=choices))).result()
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=choices))
+    ).result()
     for choice in choices:
         matcher = xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True)
         assert matcher.accept_string(choice) and matcher.is_terminated(), choice

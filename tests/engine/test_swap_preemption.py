@@ -2,6 +2,7 @@
 same tokens as a roomy pool and as preemption by recompute; swap-outs really happen; aborting a
 swapped request frees its host blocks; the full-host-pool fallback to recompute stays correct;
 nothing leaks."""
+
 from __future__ import annotations
 
 import random
@@ -17,9 +18,14 @@ SMALL = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
-def random_prompts(count: int, vocab: int, seed: int, min_len: int = 20, max_len: int = 40) -> list[list[int]]:
+def random_prompts(
+    count: int, vocab: int, seed: int, min_len: int = 20, max_len: int = 40
+) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
 
 
 def generate(llm: LLM, prompts, params=GREEDY):
@@ -30,7 +36,9 @@ def generate(llm: LLM, prompts, params=GREEDY):
 def assert_nothing_leaked(llm: LLM) -> None:
     engine = llm.llm_engine
     assert engine.block_managers[0].num_used_blocks == 0
-    assert sorted(engine.block_managers[0].free_blocks) == list(range(engine.block_managers[0].num_blocks))
+    assert sorted(engine.block_managers[0].free_blocks) == list(
+        range(engine.block_managers[0].num_blocks)
+    )
     if engine.host_pool is not None:
         assert engine.host_pool.num_used_blocks == 0
         assert sorted(engine.host_pool.free_blocks) == list(range(engine.host_pool.num_blocks))
@@ -46,7 +54,9 @@ def prompts(roomy):
 
 @pytest.fixture(scope="module")
 def roomy(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512)
+    return LLM(
+        model=str(tiny_llama_dir), dtype="float32", max_num_batched_tokens=256, num_kv_blocks=512
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,9 @@ def test_swap_gives_the_roomy_pool_and_recompute_tokens(tiny_llama_dir, prompts,
 
 
 def test_seeded_sampling_and_n_survive_swapping(prompts, roomy, swap_llm):
-    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, n=2, max_tokens=NUM_TOKENS, ignore_eos=True)
+    params = SamplingParams(
+        temperature=1.0, top_p=0.9, seed=7, n=2, max_tokens=NUM_TOKENS, ignore_eos=True
+    )
     before = swap_llm.llm_engine.stats().num_swap_outs_total
     reference = generate(roomy, prompts[:24], params)
     assert generate(swap_llm, prompts[:24], params) == reference
@@ -79,8 +91,13 @@ def test_seeded_sampling_and_n_survive_swapping(prompts, roomy, swap_llm):
 
 
 def test_swap_with_priority_scheduling(tiny_llama_dir, prompts, roomy):
-    llm = LLM(model=str(tiny_llama_dir), preemption_mode="swap", num_swap_blocks=256,
-              scheduling_policy="priority", **SMALL)
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        preemption_mode="swap",
+        num_swap_blocks=256,
+        scheduling_policy="priority",
+        **SMALL,
+    )
     engine = llm.llm_engine
     for i, prompt in enumerate(prompts[:32]):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, priority=i % 3)
@@ -119,10 +136,13 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks(prompts, swap_llm):
     assert stats.num_swapped >= 1 and stats.cpu_cache_usage == used / engine.host_pool.num_blocks
     engine.abort_request(swapped.request_id)
     assert engine.host_pool.num_used_blocks == used - held
-    assert swapped not in engine.schedulers[0].swapped and swapped.is_finished and not swapped.host_block_table
+    assert (
+        swapped not in engine.schedulers[0].swapped
+        and swapped.is_finished
+        and not swapped.host_block_table
+    )
     engine.abort_request([f"abort-{i}" for i in range(len(prompts))])
     assert_nothing_leaked(swap_llm)
-
 
 
 def test_engine_serves_on_after_aborting_swapped_requests(prompts, roomy, swap_llm):

@@ -1,5 +1,6 @@
 """The kernel benchmark script runs end to end (tiny shapes; on a CPU under the interpreter),
 so the one GPU run it gets does not die on a Python error."""
+
 from __future__ import annotations
 
 import json

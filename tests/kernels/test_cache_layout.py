@@ -1,6 +1,7 @@
 """The engine's CPU pool is head-major underneath ([blocks, kv_heads, block_size, dim]) and seen
 through a permuted [blocks, block_size, kv_heads, dim] view. Every op must give the same result
 on that layout as on the contiguous one, on both paths."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,13 @@ import torch
 
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
-from tests.kernels.utils import ATTENTION_TOL, DEVICE, assert_close, make_paged_batch, naive_paged_attention
+from tests.kernels.utils import (
+    ATTENTION_TOL,
+    DEVICE,
+    assert_close,
+    make_paged_batch,
+    naive_paged_attention,
+)
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -17,11 +24,21 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     return view
 
 
-@pytest.mark.parametrize("q_lens,context_lens", [([1, 1, 1], [20, 3, 40]), ([5, 1, 17], [0, 33, 16])])
+@pytest.mark.parametrize(
+    "q_lens,context_lens", [([1, 1, 1], [20, 3, 40]), ([5, 1, 17], [0, 33, 16])]
+)
 @pytest.mark.parametrize("attention", [paged_attention_reference, paged_attention_triton])
 def test_attention_on_head_major_cache(q_lens, context_lens, attention):
-    batch = make_paged_batch(q_lens, context_lens, num_heads=6, num_kv_heads=2, head_dim=32,
-                             block_size=16, dtype=torch.float32, seed=5)
+    batch = make_paged_batch(
+        q_lens,
+        context_lens,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        seed=5,
+    )
     expected = naive_paged_attention(batch).float()
     batch.key_cache, batch.value_cache = head_major(batch.key_cache), head_major(batch.value_cache)
     out = attention(*batch.args())
@@ -38,7 +55,10 @@ def test_store_on_head_major_cache(store):
     contiguous_k = torch.zeros(num_blocks, block_size, heads, dim, device=DEVICE)
     contiguous_v = torch.zeros_like(contiguous_k)
     store_kvcache_reference(key, value, contiguous_k, contiguous_v, slots)
-    strided_k, strided_v = head_major(torch.zeros_like(contiguous_k)), head_major(torch.zeros_like(contiguous_v))
+    strided_k, strided_v = (
+        head_major(torch.zeros_like(contiguous_k)),
+        head_major(torch.zeros_like(contiguous_v)),
+    )
     store(key, value, strided_k, strided_v, slots)
     assert torch.equal(strided_k, contiguous_k) and torch.equal(strided_v, contiguous_v)
     assert contiguous_k.view(-1, heads, dim)[17].equal(key[2])

@@ -3,6 +3,7 @@ torch's fp32 -> bf16 rounding and against the scalar from_float it stands in for
 where roundings differ: exact ties with an even and an odd last bit, one ulp either side of a tie,
 the largest finite values (which round to infinity), subnormals, signed zeros, infinities and
 NaNs, and random bit patterns. Compiled here, run on this CPU where it has AVX2."""
+
 from __future__ import annotations
 
 import platform
@@ -13,8 +14,9 @@ import torch
 
 from nanoserve.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or cpu_ops.compiler() is None,
-                                reason="an x86-64 C++ compiler")
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64" or cpu_ops.compiler() is None, reason="an x86-64 C++ compiler"
+)
 
 _PROGRAM = r"""
 #include "bf16.h"
@@ -38,9 +40,26 @@ __attribute__((target("avx2"))) int main() {
 def _patterns() -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     high = torch.randint(0, 1 << 16, (512,), generator=generator, dtype=torch.int64) << 16
-    special = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001,
-               0x7FBFFFFF, 0xFFFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x00000001, 0x807FFFFF,
-               0x00008000, 0x00018000, 0x3F808000, 0x3F818000]
+    special = [
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0x7FBFFFFF,
+        0xFFFFFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x7F7F8000,
+        0x00000001,
+        0x807FFFFF,
+        0x00008000,
+        0x00018000,
+        0x3F808000,
+        0x3F818000,
+    ]
     parts = [torch.tensor(special, dtype=torch.int64)]
     for low in (0x8000, 0x7FFF, 0x8001, 0xFFFF, 0x0001):  # ties, and one ulp either side
         parts.append(high | low)
@@ -54,8 +73,19 @@ def test_from_float_x8_rounds_as_torch_and_as_the_scalar_path(tmp_path):
     source.write_text(_PROGRAM)
     binary = tmp_path / "round"
     header_dir = cpu_ops._HEADERS[0].parent
-    build = subprocess.run([cpu_ops.compiler(), "-O2", "-std=c++17", f"-I{header_dir}", str(source), "-o", str(binary)],
-                           capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            cpu_ops.compiler(),
+            "-O2",
+            "-std=c++17",
+            f"-I{header_dir}",
+            str(source),
+            "-o",
+            str(binary),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert build.returncode == 0, build.stderr[-2000:]
     bits = _patterns()
     lines = "\n".join(" ".join(f"{int(b):08x}" for b in row) for row in bits.reshape(-1, 8))

@@ -6,6 +6,7 @@ there (an intrinsic where the attribute does not reach, as in a lambda) compiles
 the instructions and fails on one that lacks them, where the engine would fall back to the torch
 references and every kernel test would be skipped. So: the library must load here, and the
 sources must compile for each x86-64 level, whatever this CPU is."""
+
 from __future__ import annotations
 
 import platform
@@ -30,7 +31,9 @@ def test_the_kernels_compile_for_every_x86_64_level(march, tmp_path):
     cxx = cpu_ops.compiler()
     if cxx is None:
         pytest.skip("no C++ compiler here")
-    command = ["-O0" if flag == "-O3" else flag
-               for flag in cpu_ops.build_command(cxx, tmp_path / "lib.so", march=march)]
+    command = [
+        "-O0" if flag == "-O3" else flag
+        for flag in cpu_ops.build_command(cxx, tmp_path / "lib.so", march=march)
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,19 +6,22 @@ Oracle: the same product in float64, rounded once to bf16. The property the engi
 (prompt rows are not padded to fixed-size GEMMs, decode rows don't depend on the batch) is
 tested bit for bit at each level: a row's output is the same whatever M is, wherever the row
 sits, whatever rows share its call and however many threads run it."""
+
 import pytest
 import torch
 
 from nanoserve.kernels import cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here (no compiler)")
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.gemm_available(), reason="the CPU kernels don't load here (no compiler)"
+)
 
 SHAPES = [(576, 960), (576, 3072), (1536, 576), (64, 48), (32, 16), (96, 80)]
 
 
 def _weights(n, k, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=generator) * k ** -0.5).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=generator) * k**-0.5).to(torch.bfloat16)
     x = torch.randn(300, k, generator=generator).to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).to(torch.bfloat16)
     return w, x, bias
@@ -43,7 +46,7 @@ def test_matches_float64_product(k, n, with_bias, cpu_isa):
         expected = _oracle(x[:m], w, b)
         # fp32 accumulation then one bf16 rounding: within a bf16 step of the exact value,
         # plus the fp32 accumulation error.
-        tolerance = expected.abs() * 2 ** -8 + 1e-3 * k ** 0.5
+        tolerance = expected.abs() * 2**-8 + 1e-3 * k**0.5
         assert ((out.double() - expected).abs() <= tolerance).all()
 
 
@@ -52,9 +55,20 @@ def test_rows_do_not_depend_on_their_neighbours(k, n, cpu_isa):
     w, x, _ = _weights(n, k, seed=1)
     packed = cpu_ops.pack_gemm_weight(w)
     full = cpu_ops.gemm(x, packed, None)
-    for start, m in [(0, 1), (0, 2), (3, 3), (0, 15), (0, 17), (5, 32), (37, 90), (100, 200), (299, 1), (64, 64)]:
-        part = cpu_ops.gemm(x[start:start + m], packed, None)
-        assert torch.equal(part, full[start:start + m]), (start, m)
+    for start, m in [
+        (0, 1),
+        (0, 2),
+        (3, 3),
+        (0, 15),
+        (0, 17),
+        (5, 32),
+        (37, 90),
+        (100, 200),
+        (299, 1),
+        (64, 64),
+    ]:
+        part = cpu_ops.gemm(x[start : start + m], packed, None)
+        assert torch.equal(part, full[start : start + m]), (start, m)
     # Other rows in the same call, in another order, change nothing either.
     mixed = torch.cat([x[200:230], x[3:4], torch.randn(50, k).to(torch.bfloat16)])
     out = cpu_ops.gemm(mixed, packed, None)
@@ -87,7 +101,7 @@ def test_columns_not_a_multiple_of_16_are_padded_and_cut(with_bias, cpu_isa):
     out = cpu_ops.gemm(x, packed, b, n=1001)
     assert out.shape == (300, 1001)
     expected = _oracle(x, w, b)
-    assert ((out.double() - expected).abs() <= expected.abs() * 2 ** -8 + 1e-2).all()
+    assert ((out.double() - expected).abs() <= expected.abs() * 2**-8 + 1e-2).all()
     assert torch.equal(cpu_ops.gemm(x[7:9], packed, b, n=1001), out[7:9])
 
 
@@ -95,7 +109,9 @@ def test_shapes_it_does_not_take(cpu_isa):
     assert cpu_ops.pack_gemm_weight(torch.zeros(48, 40, dtype=torch.bfloat16)) is None  # K % 32
     assert cpu_ops.pack_gemm_weight(torch.zeros(48, 64, dtype=torch.float32)) is None
     packed = cpu_ops.pack_gemm_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
-    assert cpu_ops.gemm(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None  # K mismatch
+    assert (
+        cpu_ops.gemm(torch.zeros(3, 32, dtype=torch.bfloat16), packed, None) is None
+    )  # K mismatch
     assert cpu_ops.gemm(torch.zeros(3, 64, dtype=torch.float32), packed, None) is None
     assert cpu_ops.gemm(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 48)
 
@@ -116,11 +132,13 @@ def test_every_level_agrees_with_the_others_to_rounding():
         cpu_ops.set_isa(previous)
     expected = _oracle(x[:40], w, bias)
     for level, out in outs.items():
-        assert ((out - expected).abs() <= expected.abs() * 2 ** -7 + 2e-3 * 3072 ** 0.5).all(), level
+        assert ((out - expected).abs() <= expected.abs() * 2**-7 + 2e-3 * 3072**0.5).all(), level
     assert len(outs) >= 2, "every x86-64 machine runs at least the portable and one other level"
 
 
-@pytest.mark.skipif("avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16")
+@pytest.mark.skipif(
+    "avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16"
+)
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_avx512_bf16_levels_two_kernels_give_the_same_bits(k, n, with_bias):

@@ -4,6 +4,7 @@ output does not depend on how its prompt was split, nor on what else is in the b
 
 Everything runs on the engine's head-major CPU pool: physical [blocks, kv_heads, block_size,
 dim], seen as [blocks, block_size, kv_heads, dim] (ModelRunner._new_cache)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,9 @@ from nanoserve.kernels.attention import paged_attention_reference
 from nanoserve.kernels.rmsnorm import fused_add_rms_norm_reference, rms_norm_reference
 from tests.kernels.utils import make_paged_batch, naive_paged_attention
 
-pytestmark = pytest.mark.skipif(cpu_ops.library() is None,
-                                reason=f"CPU kernels not built here: {cpu_ops.load_error()}")
+pytestmark = pytest.mark.skipif(
+    cpu_ops.library() is None, reason=f"CPU kernels not built here: {cpu_ops.load_error()}"
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["float32", "bfloat16"]
@@ -43,13 +45,30 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     return view
 
 
-def paged_batch(q_lens, context_lens, *, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                dtype=torch.float32, seed=0):
+def paged_batch(
+    q_lens,
+    context_lens,
+    *,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    block_size=16,
+    dtype=torch.float32,
+    seed=0,
+):
     """make_paged_batch (shuffled blocks; every slot no sequence owns holds NaN, and so do the
     padding entries of the block table) on the head-major layout."""
-    batch = make_paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                             head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed,
-                             device=torch.device("cpu"))
+    batch = make_paged_batch(
+        q_lens,
+        context_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+        device=torch.device("cpu"),
+    )
     batch.key_cache, batch.value_cache = head_major(batch.key_cache), head_major(batch.value_cache)
     return batch
 
@@ -57,10 +76,14 @@ def paged_batch(q_lens, context_lens, *, num_heads=9, num_kv_heads=3, head_dim=6
 def kernel(batch, query=None, block_table=None, cu_seqlens_q=None, seq_lens=None):
     """cpu_ops.paged_attention on the batch, with any of its per-sequence inputs replaced."""
     out = cpu_ops.paged_attention(
-        batch.query if query is None else query, batch.key_cache, batch.value_cache,
+        batch.query if query is None else query,
+        batch.key_cache,
+        batch.value_cache,
         batch.block_table if block_table is None else block_table,
         batch.cu_seqlens_q if cu_seqlens_q is None else cu_seqlens_q,
-        batch.seq_lens if seq_lens is None else seq_lens, batch.scale)
+        batch.seq_lens if seq_lens is None else seq_lens,
+        batch.scale,
+    )
     assert out is not None, "the kernel refused the engine's own layout"
     return out
 
@@ -83,8 +106,15 @@ MIXED = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_paged_attention_matches_reference(dtype, q_lens, context_lens, heads, cpu_isa):
     num_heads, num_kv_heads, head_dim = heads
-    batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, dtype=dtype, seed=len(q_lens) + head_dim)
+    batch = paged_batch(
+        q_lens,
+        context_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=len(q_lens) + head_dim,
+    )
     out = kernel(batch)
     assert out.shape == batch.query.shape and out.dtype == dtype
     assert not out.isnan().any(), "read a never-written (NaN) slot"
@@ -111,15 +141,30 @@ def test_paged_attention_single_key_returns_its_value():
 def test_paged_attention_declines_what_it_does_not_support():
     batch = paged_batch([2], [5])
     contiguous_k = batch.key_cache.contiguous()  # [blocks, block_size, heads, dim] underneath
-    assert cpu_ops.paged_attention(batch.query, contiguous_k, contiguous_k, *batch.args()[3:7]) is None
+    assert (
+        cpu_ops.paged_attention(batch.query, contiguous_k, contiguous_k, *batch.args()[3:7]) is None
+    )
     half = batch.query.half()
-    assert cpu_ops.paged_attention(half, batch.key_cache.half(), batch.value_cache.half(),
-                                   *batch.args()[3:7]) is None
-    assert cpu_ops.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_table.long(),
-                                   *batch.args()[4:7]) is None
+    assert (
+        cpu_ops.paged_attention(
+            half, batch.key_cache.half(), batch.value_cache.half(), *batch.args()[3:7]
+        )
+        is None
+    )
+    assert (
+        cpu_ops.paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_table.long(),
+            *batch.args()[4:7],
+        )
+        is None
+    )
 
 
 # ---- paged attention: a row's bits depend on that row alone --------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_row_same_bits_alone_as_inside_a_longer_span(dtype, cpu_isa):
@@ -134,8 +179,12 @@ def test_row_same_bits_alone_as_inside_a_longer_span(dtype, cpu_isa):
     batch = paged_batch([q_len], [context], dtype=dtype, seed=11)
     whole = kernel(batch)
     for row in range(q_len):
-        alone = kernel(batch, query=batch.query[row : row + 1], cu_seqlens_q=int32([0, 1]),
-                       seq_lens=int32([context + row + 1]))
+        alone = kernel(
+            batch,
+            query=batch.query[row : row + 1],
+            cu_seqlens_q=int32([0, 1]),
+            seq_lens=int32([context + row + 1]),
+        )
         if dtype == torch.bfloat16:
             close(alone[0], whole[row], REFERENCE_TOL)
         else:
@@ -156,9 +205,13 @@ def test_rows_independent_of_the_rest_of_the_batch(dtype, cpu_isa):
     def run(order):
         rows = [r for s in order for r in rows_of[s]]
         lens = [q_lens[s] for s in order]
-        out = kernel(batch, query=batch.query[rows], block_table=batch.block_table[order].contiguous(),
-                     cu_seqlens_q=int32([0] + torch.tensor(lens).cumsum(0).tolist()),
-                     seq_lens=batch.seq_lens[order].contiguous())
+        out = kernel(
+            batch,
+            query=batch.query[rows],
+            block_table=batch.block_table[order].contiguous(),
+            cu_seqlens_q=int32([0] + torch.tensor(lens).cumsum(0).tolist()),
+            seq_lens=batch.seq_lens[order].contiguous(),
+        )
         start = sum(q_lens[s] for s in order[: order.index(1)])
         return out[start : start + q_lens[1]]
 
@@ -198,11 +251,20 @@ def test_rows_of_one_sequence_do_not_read_another_sequences_blocks():
 DECODE_LENS = [1, 15, 16, 17, 200, 333]  # context + the new token: on and around block edges
 
 
-@pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (16, 1, 64)], ids=HEAD_IDS + ["gqa4-d64", "mqa16-d64"])
+@pytest.mark.parametrize(
+    "heads", HEAD_SHAPES + [(32, 8, 64), (16, 1, 64)], ids=HEAD_IDS + ["gqa4-d64", "mqa16-d64"]
+)
 def test_decodes_match_the_oracle(heads, cpu_isa):
     num_heads, num_kv_heads, head_dim = heads
-    batch = paged_batch([1] * len(DECODE_LENS), [n - 1 for n in DECODE_LENS], num_heads=num_heads,
-                        num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + num_heads)
+    batch = paged_batch(
+        [1] * len(DECODE_LENS),
+        [n - 1 for n in DECODE_LENS],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=head_dim + num_heads,
+    )
     out = kernel(batch)
     assert not out.isnan().any(), "read a never-written (NaN) slot"
     close(out, naive_paged_attention(batch), ORACLE_TOL)
@@ -215,9 +277,13 @@ def test_decode_rows_independent_of_the_batch_and_threads(cpu_isa):
     batch = paged_batch([1] * len(lens), [n - 1 for n in lens], dtype=torch.bfloat16, seed=21)
 
     def run(order):
-        return kernel(batch, query=batch.query[order], block_table=batch.block_table[order].contiguous(),
-                      cu_seqlens_q=int32(list(range(len(order) + 1))),
-                      seq_lens=batch.seq_lens[order].contiguous())
+        return kernel(
+            batch,
+            query=batch.query[order],
+            block_table=batch.block_table[order].contiguous(),
+            cu_seqlens_q=int32(list(range(len(order) + 1))),
+            seq_lens=batch.seq_lens[order].contiguous(),
+        )
 
     alone = [run([i])[0] for i in range(len(lens))]
     for order in ([0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 0, 4]):
@@ -235,11 +301,22 @@ def test_decode_rows_independent_of_the_batch_and_threads(cpu_isa):
 
 # ---- cpu_attention.paged_attention_cpu: prompt rows however the prompt is split ------------
 
-def prompt_pool(prompt_len: int, dtype, *, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0):
+
+def prompt_pool(
+    prompt_len: int, dtype, *, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0
+):
     """One prompt's queries and its K/V already stored in a shuffled head-major pool (the
     engine writes the cache before attending), never-written slots NaN."""
-    batch = paged_batch([prompt_len], [0], num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, block_size=block_size, dtype=dtype, seed=seed)
+    batch = paged_batch(
+        [prompt_len],
+        [0],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=seed,
+    )
     return batch
 
 
@@ -260,14 +337,24 @@ def cpu_attention_chunk(batch, start: int, end: int, *, decodes=None, extra_prom
     if padding:
         queries.append(torch.zeros((padding, *batch.query.shape[1:]), dtype=batch.query.dtype))
     width = max(t.shape[0] for t in tables)
-    table = torch.stack([torch.cat([t, t.new_zeros(width - t.shape[0])]) for t in tables]).contiguous()
+    table = torch.stack(
+        [torch.cat([t, t.new_zeros(width - t.shape[0])]) for t in tables]
+    ).contiguous()
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
     spans = cpu_attention.prefill_spans(cu, seq_lens, len(decodes))
     out = cpu_attention.paged_attention_cpu(
-        torch.cat(queries).contiguous(), batch.key_cache, batch.value_cache, table, int32(cu),
-        int32(seq_lens), batch.scale, len(decodes), spans)
+        torch.cat(queries).contiguous(),
+        batch.key_cache,
+        batch.value_cache,
+        table,
+        int32(cu),
+        int32(seq_lens),
+        batch.scale,
+        len(decodes),
+        spans,
+    )
     first = len(decodes)
     return out, out[first : first + end - start]
 
@@ -293,7 +380,9 @@ def test_prompt_rows_same_bits_however_split(dtype, prompt_len, cpu_isa):
         chunked = torch.cat(pieces)
         if not torch.equal(chunked, whole):
             bad = (chunked != whole).flatten(1).any(1).nonzero().flatten().tolist()
-            pytest.fail(f"split at {splits}: rows {bad[:10]} (of {len(bad)}) differ from the whole prompt")
+            pytest.fail(
+                f"split at {splits}: rows {bad[:10]} (of {len(bad)}) differ from the whole prompt"
+            )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -311,17 +400,31 @@ def test_prompt_rows_same_bits_with_decodes_another_prompt_and_padding(dtype, cp
     decodes = [(other.query[i : i + 1], table[i], int(other.seq_lens[i])) for i in range(3)]
     extra = (other.query[3:], table[3], int(other.seq_lens[3]))
     _, alone = cpu_attention_chunk(batch, 200, 300)
-    out, mixed = cpu_attention_chunk(batch, 200, 300, decodes=decodes, extra_prompt=extra, padding=27)
+    out, mixed = cpu_attention_chunk(
+        batch, 200, 300, decodes=decodes, extra_prompt=extra, padding=27
+    )
     assert torch.equal(mixed, alone)
     assert torch.equal(out[-27:], torch.zeros_like(out[-27:])), "padding rows must come back zero"
     # The decode rows went through the C++ kernel: same bits as calling it directly.
-    direct = cpu_ops.paged_attention(other.query[:3].contiguous(), key_cache, value_cache,
-                                     table[:3].contiguous(), int32([0, 1, 2, 3]),
-                                     other.seq_lens[:3].contiguous(), other.scale)
+    direct = cpu_ops.paged_attention(
+        other.query[:3].contiguous(),
+        key_cache,
+        value_cache,
+        table[:3].contiguous(),
+        int32([0, 1, 2, 3]),
+        other.seq_lens[:3].contiguous(),
+        other.scale,
+    )
     assert torch.equal(out[:3], direct)
     expected_other = paged_attention_reference(
-        other.query[3:], key_cache, value_cache, table[3:4].contiguous(), int32([0, 90]),
-        other.seq_lens[3:].contiguous(), other.scale)
+        other.query[3:],
+        key_cache,
+        value_cache,
+        table[3:4].contiguous(),
+        int32([0, 90]),
+        other.seq_lens[3:].contiguous(),
+        other.scale,
+    )
     close(out[103:193], expected_other, REFERENCE_TOL)
 
 
@@ -334,26 +437,50 @@ def test_prompt_rows_same_bits_batched_with_same_shape_prompts(dtype, q_len, con
     cu = batch.cu_seqlens_q.tolist()
     seq_lens = batch.seq_lens.tolist()
     together = cpu_attention.paged_attention_cpu(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_table, batch.cu_seqlens_q,
-        batch.seq_lens, batch.scale, 0, cpu_attention.prefill_spans(cu, seq_lens, 0))
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.cu_seqlens_q,
+        batch.seq_lens,
+        batch.scale,
+        0,
+        cpu_attention.prefill_spans(cu, seq_lens, 0),
+    )
     for i in range(3):
         alone = cpu_attention.paged_attention_cpu(
-            batch.query[cu[i] : cu[i + 1]].contiguous(), batch.key_cache, batch.value_cache,
-            batch.block_table[i : i + 1].contiguous(), int32([0, q_len]), batch.seq_lens[i : i + 1].contiguous(),
-            batch.scale, 0, cpu_attention.prefill_spans([0, q_len], [seq_lens[i]], 0))
+            batch.query[cu[i] : cu[i + 1]].contiguous(),
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_table[i : i + 1].contiguous(),
+            int32([0, q_len]),
+            batch.seq_lens[i : i + 1].contiguous(),
+            batch.scale,
+            0,
+            cpu_attention.prefill_spans([0, q_len], [seq_lens[i]], 0),
+        )
         assert torch.equal(together[cu[i] : cu[i + 1]], alone), f"sequence {i}"
     close(together, paged_attention_reference(*batch.args()), REFERENCE_TOL)
 
 
-@pytest.mark.parametrize("heads", HEAD_SHAPES + [(32, 8, 64), (8, 8, 64)], ids=HEAD_IDS + ["gqa4-d64", "mha-d64"])
+@pytest.mark.parametrize(
+    "heads", HEAD_SHAPES + [(32, 8, 64), (8, 8, 64)], ids=HEAD_IDS + ["gqa4-d64", "mha-d64"]
+)
 def test_prompt_rows_match_the_oracle(heads, cpu_isa):
     """bf16 prompt rows (fresh, behind a cached prefix, single rows, past 16-row tiles) next to
     decodes, at each ISA level: on AMX tiles (kernels/cpu/attention_amx.cpp) or, below AMX or
     with head_dim 32, through SDPA: against the float64 definition."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, context_lens = [1, 1, 37, 1, 16, 100, 5], [20, 70, 0, 3, 33, 150, 0]
-    batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, dtype=torch.bfloat16, seed=num_heads + head_dim)
+    batch = paged_batch(
+        q_lens,
+        context_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=num_heads + head_dim,
+    )
     cu = batch.cu_seqlens_q.tolist()
     # Decodes first, as the engine orders a step.
     order = [0, 1, 3, 2, 4, 5, 6]
@@ -362,16 +489,27 @@ def test_prompt_rows_match_the_oracle(heads, cpu_isa):
     new_cu = [0] + torch.tensor(lens).cumsum(0).tolist()
     seq_lens = [int(batch.seq_lens[i]) for i in order]
     out = cpu_attention.paged_attention_cpu(
-        batch.query[rows].contiguous(), batch.key_cache, batch.value_cache,
-        batch.block_table[order].contiguous(), int32(new_cu), int32(seq_lens), batch.scale, 3,
-        cpu_attention.prefill_spans(new_cu, seq_lens, 3))
+        batch.query[rows].contiguous(),
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table[order].contiguous(),
+        int32(new_cu),
+        int32(seq_lens),
+        batch.scale,
+        3,
+        cpu_attention.prefill_spans(new_cu, seq_lens, 3),
+    )
     assert not out.isnan().any(), "read a never-written (NaN) slot"
     expected = naive_paged_attention(batch)[rows]
     close(out, expected, ORACLE_TOL)
 
 
-@pytest.mark.skipif("avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16")
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (32, 8, 64)], ids=["gqa3-d64", "mqa-d128", "gqa4-d64"])
+@pytest.mark.skipif(
+    "avx512bf16" not in cpu_ops.supported_isas(), reason="this CPU has no AVX512_BF16"
+)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 1, 128), (32, 8, 64)], ids=["gqa3-d64", "mqa-d128", "gqa4-d64"]
+)
 def test_prompt_attention_gives_the_same_bits_on_vdpbf16ps_and_on_fmas(heads):
     """The AVX-512 BF16 level's prompt attention multiplies on VDPBF16PS or, where that is measured
     slow, on fp32 FMAs adding each pair's products in VDPBF16PS's order (attention_amx.cpp): every
@@ -379,8 +517,15 @@ def test_prompt_attention_gives_the_same_bits_on_vdpbf16ps_and_on_fmas(heads):
     rows, past 16-row tiles), so a row's answer can't depend on which one a machine runs."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, context_lens = [37, 16, 100, 5, 1, 300], [0, 33, 150, 0, 20, 0]
-    batch = paged_batch(q_lens, context_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, dtype=torch.bfloat16, seed=num_heads + head_dim)
+    batch = paged_batch(
+        q_lens,
+        context_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        seed=num_heads + head_dim,
+    )
     spans = cpu_attention.prefill_spans(batch.cu_seqlens_q.tolist(), batch.seq_lens.tolist(), 0)
     previous = cpu_ops.set_isa("avx512bf16")
     outs = {}
@@ -388,8 +533,15 @@ def test_prompt_attention_gives_the_same_bits_on_vdpbf16ps_and_on_fmas(heads):
         for variant in cpu_ops.BF16_DOT_VARIANTS:
             assert cpu_ops.bf16_dot_variant(variant) == variant
             out = torch.zeros_like(batch.query)
-            assert cpu_ops.prefill_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-                                             spans, batch.scale, out)
+            assert cpu_ops.prefill_attention(
+                batch.query,
+                batch.key_cache,
+                batch.value_cache,
+                batch.block_table,
+                spans,
+                batch.scale,
+                out,
+            )
             outs[variant] = out
     finally:
         cpu_ops.bf16_dot_variant("measured")
@@ -403,11 +555,13 @@ def test_prompt_attention_gives_the_same_bits_on_vdpbf16ps_and_on_fmas(heads):
 
 
 def test_key_length_buckets():
-    assert [cpu_attention.key_length_for(p) for p in (0, 127, 128, 255, 256, 511, 512, 1023, 1024)] == \
-        [128, 128, 256, 256, 512, 512, 1024, 1024, 1536]
+    assert [
+        cpu_attention.key_length_for(p) for p in (0, 127, 128, 255, 256, 511, 512, 1023, 1024)
+    ] == [128, 128, 256, 256, 512, 512, 1024, 1024, 1536]
 
 
 # ---- fused add + RMSNorm -----------------------------------------------------------------
+
 
 def norm_inputs(shape, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
@@ -417,7 +571,9 @@ def norm_inputs(shape, dtype, seed):
     return x, residual, weight
 
 
-def assert_bf16_near_exact(actual: torch.Tensor, expected: torch.Tensor, max_fraction: float) -> None:
+def assert_bf16_near_exact(
+    actual: torch.Tensor, expected: torch.Tensor, max_fraction: float
+) -> None:
     """Equal except a few elements one bf16 step apart: the kernel rounds where the reference
     rounds, and only the float32 sum of squares may sum in another order (flipping a rounding
     that sat on a tie's edge)."""
@@ -426,7 +582,9 @@ def assert_bf16_near_exact(actual: torch.Tensor, expected: torch.Tensor, max_fra
         return
     a, e = actual[differ].float(), expected[differ].float()
     ulp = torch.ldexp(torch.ones_like(e), torch.frexp(e.abs().maximum(a.abs()))[1] - 8)
-    assert bool(((a - e).abs() <= ulp).all()), f"a difference of more than one bf16 step: {a[:5]} vs {e[:5]}"
+    assert bool(((a - e).abs() <= ulp).all()), (
+        f"a difference of more than one bf16 step: {a[:5]} vs {e[:5]}"
+    )
     fraction = differ.float().mean().item()
     assert fraction <= max_fraction, f"{fraction:.2%} of elements differ"
 
@@ -464,7 +622,9 @@ def test_rms_norm_rows_independent_of_row_count(cpu_isa):
     x, residual, weight = norm_inputs((64, 576), torch.bfloat16, seed=3)
     full, _ = cpu_ops.rms_norm(x, residual, weight, 1e-5)
     for rows in (1, 5, 17):
-        part, _ = cpu_ops.rms_norm(x[-rows:].contiguous(), residual[-rows:].contiguous(), weight, 1e-5)
+        part, _ = cpu_ops.rms_norm(
+            x[-rows:].contiguous(), residual[-rows:].contiguous(), weight, 1e-5
+        )
         assert torch.equal(part, full[-rows:])
 
 
@@ -478,6 +638,7 @@ def test_rms_norm_zero_rows_and_unsupported():
 
 
 # ---- silu_and_mul --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(1, 2 * 64), (9, 2 * 1536), (2, 3, 2 * 100)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -516,6 +677,7 @@ def test_silu_and_mul_unsupported_shapes():
 
 # ---- argmax ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_argmax_matches_torch_on_random_rows(dtype, cpu_isa):
     generator = torch.Generator().manual_seed(0)
@@ -532,7 +694,7 @@ def test_argmax_ties_pick_the_first_index(dtype, cpu_isa):
     rows[2, [0, 1]] = 4.0  # tie at the front
     rows[3, [298, 299]] = 7.0  # tie at the back
     rows[4] = float("-inf")  # nothing finite: index 0, as torch
-    rows[5, [10, 20]] = torch.tensor([1.0 + 2 ** -12, 1.0])  # distinct in fp32, tie in bf16
+    rows[5, [10, 20]] = torch.tensor([1.0 + 2**-12, 1.0])  # distinct in fp32, tie in bf16
     rows = rows.to(dtype)
     expected = rows.float().argmax(dim=-1)
     assert expected[:5].tolist() == [5, 0, 0, 298, 0]

@@ -1,4 +1,5 @@
 """The one dispatch place: which implementation runs, and that importing never loads Triton."""
+
 from __future__ import annotations
 
 import ast
@@ -57,14 +58,26 @@ def test_every_op_dispatches(monkeypatch, choice):
     kernels.rms_norm(torch.zeros(1), None, 1e-6)
     kernels.fused_add_rms_norm(torch.zeros(1), None, None, 1e-6)
     kernels.apply_rotary(torch.zeros(1), None, None, None)
-    assert calls == [(f"store_kvcache_{choice}", 5), (f"paged_attention_{choice}", 9),
-                     (f"rms_norm_{choice}", 3), (f"fused_add_rms_norm_{choice}", 4),
-                     (f"apply_rotary_{choice}", 4)]
+    assert calls == [
+        (f"store_kvcache_{choice}", 5),
+        (f"paged_attention_{choice}", 9),
+        (f"rms_norm_{choice}", 3),
+        (f"fused_add_rms_norm_{choice}", 4),
+        (f"apply_rotary_{choice}", 4),
+    ]
 
 
 def test_forced_triton_attention_equals_reference(monkeypatch):
-    batch = make_paged_batch([3, 1], [5, 20], num_heads=4, num_kv_heads=2, head_dim=64,
-                             block_size=16, dtype=torch.float32, device=DEVICE)
+    batch = make_paged_batch(
+        [3, 1],
+        [5, 20],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
     kernels.reset_kernel_choice()
     expected = kernels.paged_attention(*batch.args())
@@ -75,8 +88,10 @@ def test_forced_triton_attention_equals_reference(monkeypatch):
 
 
 def test_importing_kernels_does_not_import_triton():
-    code = ("import sys, nanoserve.kernels, nanoserve.kernels.attention; "
-            "assert 'triton' not in sys.modules, 'triton imported eagerly'")
+    code = (
+        "import sys, nanoserve.kernels, nanoserve.kernels.attention; "
+        "assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -95,15 +110,25 @@ def _device_questions(path: Path) -> list[str]:
         if isinstance(node, ast.Attribute):
             if node.attr in DEVICE_QUESTIONS:
                 name = node.attr
-            elif node.attr == "type" and isinstance(node.value, ast.Attribute) and node.value.attr == "device":
+            elif (
+                node.attr == "type"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "device"
+            ):
                 name = "device.type"
-            elif node.attr == "cuda" and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            elif (
+                node.attr == "cuda"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "torch"
+            ):
                 name = "torch.cuda"
         elif isinstance(node, ast.Name) and node.id in DEVICE_QUESTIONS:
             name = node.id
         elif isinstance(node, ast.ImportFrom):
             hits = [alias.name for alias in node.names if alias.name in DEVICE_QUESTIONS]
-            name = ", ".join(hits) or (node.module if node.module and node.module.endswith("cpu_ops") else None)
+            name = ", ".join(hits) or (
+                node.module if node.module and node.module.endswith("cpu_ops") else None
+            )
         if name:
             found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {name}")
     return found
@@ -122,16 +147,23 @@ def test_layers_and_models_never_ask_for_the_device():
 
 
 def test_the_device_check_sees_a_question():
-    assert any(hit.endswith("is_cuda") for hit in _device_questions(PACKAGE / "kernels" / "__init__.py"))
+    assert any(
+        hit.endswith("is_cuda") for hit in _device_questions(PACKAGE / "kernels" / "__init__.py")
+    )
 
 
-def _fused_qkv(tokens=5, heads=4, kv_heads=2, dim=64, blocks=4, block_size=16, dtype=torch.bfloat16):
+def _fused_qkv(
+    tokens=5, heads=4, kv_heads=2, dim=64, blocks=4, block_size=16, dtype=torch.bfloat16
+):
     torch.manual_seed(3)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     positions = torch.tensor([0, 1, 2, 17, 40][:tokens])
     slots = torch.tensor([0, 1, 2, 17, -1][:tokens])  # -1: a padding row, not written
     # Head-major underneath, as the engine allocates a CPU pool (engine/kv_allocation.py).
-    caches = [torch.zeros(blocks, kv_heads, block_size, dim, dtype=dtype).permute(0, 2, 1, 3) for _ in range(2)]
+    caches = [
+        torch.zeros(blocks, kv_heads, block_size, dim, dtype=dtype).permute(0, 2, 1, 3)
+        for _ in range(2)
+    ]
     return qkv, positions, slots, caches
 
 
@@ -144,10 +176,13 @@ def test_rotary_and_store_kvcache_is_one_op_on_every_path(monkeypatch):
     for choice in ("auto", "reference"):
         monkeypatch.setenv("NANOSERVE_KERNELS", choice)
         kernels.reset_kernel_choice()
-        qkv, positions, slots, (key_cache, value_cache) = _fused_qkv(heads=heads, kv_heads=kv_heads, dim=dim)
-        v = qkv[:, (heads + kv_heads) * dim:].reshape(-1, kv_heads, dim).clone()
-        q = kernels.rotary_and_store_kvcache(qkv, heads, kv_heads, dim, positions, cos_sin, key_cache,
-                                             value_cache, slots)
+        qkv, positions, slots, (key_cache, value_cache) = _fused_qkv(
+            heads=heads, kv_heads=kv_heads, dim=dim
+        )
+        v = qkv[:, (heads + kv_heads) * dim :].reshape(-1, kv_heads, dim).clone()
+        q = kernels.rotary_and_store_kvcache(
+            qkv, heads, kv_heads, dim, positions, cos_sin, key_cache, value_cache, slots
+        )
         assert q.shape == (qkv.shape[0], heads, dim)
         assert torch.equal(value_cache[0, 1], v[1])
         written = value_cache.reshape(-1, kv_heads * dim).abs().sum(1).nonzero().flatten().tolist()

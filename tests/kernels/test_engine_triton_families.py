@@ -2,6 +2,7 @@
 global layers, soft-capped scores) gives transformers' greedy tokens, with prompts shorter and
 longer than the window, a chunked prefill and batched decode. One family only: the
 interpreter is slow, and the other families' differences from Llama are torch code."""
+
 from __future__ import annotations
 
 import random
@@ -28,8 +29,11 @@ def test_family_on_triton_kernels_matches_transformers(family, tmp_path, monkeyp
     expected = [hf_greedy(load_hf(model_dir), prompt, NUM_TOKENS) for prompt in prompts]
     launches = []
     real = kernels.paged_attention_triton
-    monkeypatch.setattr(kernels, "paged_attention_triton",
-                        lambda *a, **k: launches.append(k.get("sliding_window")) or real(*a, **k))
+    monkeypatch.setattr(
+        kernels,
+        "paged_attention_triton",
+        lambda *a, **k: launches.append(k.get("sliding_window")) or real(*a, **k),
+    )
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
     kernels.reset_kernel_choice()
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=32)

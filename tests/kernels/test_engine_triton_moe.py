@@ -1,6 +1,7 @@
 """End to end on the Triton kernels (the interpreter on a CPU), the experts through
 kernels/fused_moe.fused_experts_triton: Mixtral's greedy tokens equal transformers', with a
 chunked prefill and batched decode."""
+
 from __future__ import annotations
 
 import random
@@ -27,11 +28,15 @@ def test_mixtral_on_triton_kernels_matches_transformers(tmp_path, monkeypatch):
     expected = [hf_greedy(load_hf(model_dir), prompt, NUM_TOKENS) for prompt in prompts]
     launches = []
     real = fused_moe.fused_experts_triton
-    monkeypatch.setattr(fused_moe, "fused_experts_triton", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        fused_moe, "fused_experts_triton", lambda *a, **k: launches.append(1) or real(*a, **k)
+    )
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
     kernels.reset_kernel_choice()
     try:
-        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=32)
+        llm = LLM(
+            model=str(model_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=32
+        )
         params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:

@@ -4,15 +4,25 @@ kernels/cpu/gemm*.cpp) bf16, with tokens that share an expert and experts that g
 top-2 and top-8 of 8; the expert-parallel and intermediate-split shards summing to the whole;
 the Triton kernel (the interpreter on a CPU) against the same oracle; gpt-oss's expert biases
 and clamped SwiGLU on every path against a float64 loop written from transformers' definition."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nanoserve.kernels import cpu_ops
-from nanoserve.kernels.fused_moe import (fused_experts_grouped, fused_experts_reference, fused_experts_triton,
-                                         fused_moe, fused_topk, moe_align, moe_align_block_size,
-                                         pack_expert_weights, swiglu_oai, unpacked_experts)
+from nanoserve.kernels.fused_moe import (
+    fused_experts_grouped,
+    fused_experts_reference,
+    fused_experts_triton,
+    fused_moe,
+    fused_topk,
+    moe_align,
+    moe_align_block_size,
+    pack_expert_weights,
+    swiglu_oai,
+    unpacked_experts,
+)
 from tests.kernels.utils import DEVICE, DTYPES, dtype_id
 
 HIDDEN, INTER, EXPERTS = 64, 32, 8
@@ -20,8 +30,8 @@ HIDDEN, INTER, EXPERTS = 64, 32, 8
 
 def expert_weights(dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5
-    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER ** 0.5
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
     return w13.to(dtype), w2.to(dtype)
 
 
@@ -29,8 +39,13 @@ def crowded_routing(tokens: int, top_k: int, seed=1):
     """Every token picks expert 3 (several tokens, one expert); experts 6 and 7 get no token
     unless every expert is picked (top-8)."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(EXPERTS - 3, generator=gen)[: top_k - 1] for _ in range(tokens)]) \
-        if top_k < EXPERTS else torch.stack([torch.randperm(EXPERTS, generator=gen) for _ in range(tokens)])
+    ids = (
+        torch.stack(
+            [torch.randperm(EXPERTS - 3, generator=gen)[: top_k - 1] for _ in range(tokens)]
+        )
+        if top_k < EXPERTS
+        else torch.stack([torch.randperm(EXPERTS, generator=gen) for _ in range(tokens)])
+    )
     if top_k < EXPERTS:
         ids = torch.where(ids >= 3, ids + 1, ids)  # 0..5 without 3
         ids = torch.cat([torch.full((tokens, 1), 3), ids], dim=1)
@@ -68,13 +83,17 @@ def test_cpu_topk_picks_what_torch_picks_and_is_row_invariant(dtype, renormalize
         # chosen logits must be the same values in the same order.
         assert torch.equal(logits.gather(1, ids), logits.gather(1, expected_ids))
         assert dtype == torch.bfloat16 or torch.equal(ids, expected_ids)
-        torch.testing.assert_close(weights, expected_weights, atol=0, rtol=2e-6)  # a few ulps: sums in other orders
+        torch.testing.assert_close(
+            weights, expected_weights, atol=0, rtol=2e-6
+        )  # a few ulps: sums in other orders
         assert torch.equal(fused_topk(logits, top_k, renormalize)[0], weights)
         for token in (0, 36):
             alone = cpu_ops.moe_topk(logits[token : token + 1], top_k, renormalize)
             assert torch.equal(alone[0][0], weights[token]) and torch.equal(alone[1][0], ids[token])
     tied = torch.tensor([[1.0, 2.0, 2.0, 0.0]], dtype=dtype)
-    assert cpu_ops.moe_topk(tied, 3, False)[1].tolist() == [[1, 2, 0]]  # equal values: the lower expert first
+    assert cpu_ops.moe_topk(tied, 3, False)[1].tolist() == [
+        [1, 2, 0]
+    ]  # equal values: the lower expert first
 
 
 def test_moe_align_groups_rows_by_expert_stably_and_puts_remote_experts_first():
@@ -91,7 +110,9 @@ def test_grouped_equals_the_loop_in_fp32(top_k, tokens):
     hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
     weights, ids = crowded_routing(tokens, top_k)
     expected = fused_experts_reference(hidden, w13, w2, weights, ids)
-    torch.testing.assert_close(fused_experts_grouped(hidden, w13, w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        fused_experts_grouped(hidden, w13, w2, weights, ids), expected, atol=1e-5, rtol=1e-5
+    )
     assert expected.abs().max() > 0.1  # not trivially zero
 
 
@@ -102,8 +123,10 @@ def test_unpicked_experts_and_remote_slots_contribute_nothing():
     # An unpicked expert's weights can be anything.
     poisoned = w13.clone()
     poisoned[7] = float("nan")
-    torch.testing.assert_close(fused_experts_grouped(hidden, poisoned, w2, weights, ids),
-                               fused_experts_reference(hidden, w13, w2, weights, ids))
+    torch.testing.assert_close(
+        fused_experts_grouped(hidden, poisoned, w2, weights, ids),
+        fused_experts_reference(hidden, w13, w2, weights, ids),
+    )
     # Slots of experts on another rank (-1) add nothing: only the first slot counts.
     remote = ids.clone()
     remote[:, 1] = -1
@@ -124,15 +147,23 @@ def test_expert_parallel_and_intermediate_split_shards_sum_to_the_whole(renormal
         local = slice(4 * rank, 4 * rank + 4)
         expert_map = torch.full((EXPERTS,), -1)
         expert_map[local] = torch.arange(4)
-        expert_parallel += fused_moe(hidden, logits, w13[local], w2[local], 2, renormalize, expert_map)
+        expert_parallel += fused_moe(
+            hidden, logits, w13[local], w2[local], 2, renormalize, expert_map
+        )
     torch.testing.assert_close(expert_parallel, whole, atol=1e-5, rtol=1e-5)
     split = torch.zeros_like(whole)
     half = INTER // 2
     for rank in range(2):
         mine = torch.arange(rank * half, (rank + 1) * half)
         rows = torch.cat([mine, INTER + mine])  # this rank's gate rows and up rows
-        split += fused_moe(hidden, logits, w13[:, rows], w2[:, :, rank * half : (rank + 1) * half].contiguous(),
-                           2, renormalize)
+        split += fused_moe(
+            hidden,
+            logits,
+            w13[:, rows],
+            w2[:, :, rank * half : (rank + 1) * half].contiguous(),
+            2,
+            renormalize,
+        )
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
 
 
@@ -149,13 +180,21 @@ def test_bf16_through_the_cpu_gemm_is_close_to_the_loop_and_row_invariant(top_k)
     torch.testing.assert_close(batch.float(), expected.float(), atol=3e-2, rtol=3e-2)
     # A token's bits do not depend on the other tokens (the batch, chunking, the prefix cache).
     for token in (0, 17, 32):
-        alone = fused_experts_grouped(hidden[token : token + 1], w13, w2, weights[token : token + 1],
-                                      ids[token : token + 1], packed)
+        alone = fused_experts_grouped(
+            hidden[token : token + 1],
+            w13,
+            w2,
+            weights[token : token + 1],
+            ids[token : token + 1],
+            packed,
+        )
         assert torch.equal(alone[0], batch[token]), token
 
 
 def test_pack_expert_weights_refuses_what_the_gemm_cannot_take():
-    assert pack_expert_weights(torch.zeros(2, 16, 48, dtype=torch.bfloat16)) is None  # K not a multiple of 32
+    assert (
+        pack_expert_weights(torch.zeros(2, 16, 48, dtype=torch.bfloat16)) is None
+    )  # K not a multiple of 32
     assert pack_expert_weights(torch.zeros(2, 16, 64)) is None  # fp32
 
 
@@ -170,20 +209,29 @@ def test_moe_align_block_size_pads_each_expert_to_whole_blocks():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)  # bf16 on a GPU only
-@pytest.mark.parametrize("top_k,tokens", [(2, 1), (2, 21), (8, 5), (2, 150)])  # 150: blocks of 64 rows
+@pytest.mark.parametrize(
+    "top_k,tokens", [(2, 1), (2, 21), (8, 5), (2, 150)]
+)  # 150: blocks of 64 rows
 def test_triton_equals_the_loop(dtype, top_k, tokens):
     """Under the Triton interpreter on a CPU (no bf16 there), natively on CUDA."""
 
     w13, w2 = (w.to(DEVICE, dtype) for w in expert_weights())
-    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(DEVICE, dtype)
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(
+        DEVICE, dtype
+    )
     weights, ids = (t.to(DEVICE) for t in crowded_routing(tokens, top_k))
     remote = ids.clone()
     remote[0, -1] = -1  # an expert on another rank
-    tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
-           torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}[dtype]
+    tol = {
+        torch.float32: dict(atol=1e-5, rtol=1e-5),
+        torch.float16: dict(atol=3e-3, rtol=3e-3),
+        torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    }[dtype]
     for routing in (ids, remote):
         expected = fused_experts_reference(hidden, w13, w2, weights, routing)
-        torch.testing.assert_close(fused_experts_triton(hidden, w13, w2, weights, routing), expected, **tol)
+        torch.testing.assert_close(
+            fused_experts_triton(hidden, w13, w2, weights, routing), expected, **tol
+        )
 
 
 def test_no_tokens_and_no_local_rows():
@@ -191,14 +239,18 @@ def test_no_tokens_and_no_local_rows():
     no_ids = torch.zeros(0, 2, dtype=torch.long)
     empty = fused_experts_grouped(torch.zeros(0, HIDDEN), w13, w2, torch.zeros(0, 2), no_ids)
     assert empty.shape == (0, HIDDEN)
-    remote_only = fused_experts_grouped(torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1))
+    remote_only = fused_experts_grouped(
+        torch.randn(3, HIDDEN), w13, w2, torch.ones(3, 2), torch.full((3, 2), -1)
+    )
     assert torch.equal(remote_only, torch.zeros(3, HIDDEN))
 
 
 def expert_biases(dtype=torch.float32, seed=4):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(EXPERTS, 2 * INTER, generator=gen).to(dtype),
-            torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype))
+    return (
+        torch.randn(EXPERTS, 2 * INTER, generator=gen).to(dtype),
+        torch.randn(EXPERTS, HIDDEN, generator=gen).to(dtype),
+    )
 
 
 def gpt_oss_experts_float64(hidden, w13, w2, b13, b2, weights, ids, alpha=1.702, limit=7.0):
@@ -229,13 +281,16 @@ def test_gpt_oss_biases_and_activation_on_the_loop_and_grouped(tokens):
     weights, ids = crowded_routing(tokens, 2)
     ids[0, 1] = -1  # an expert on another rank adds nothing, its bias neither
     expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights, ids)
-    gate_up = (hidden @ w13[3].T + bias[0][3])
+    gate_up = hidden @ w13[3].T + bias[0][3]
     assert (gate_up.abs() > 7).any()  # the clamps are reached
     for fused in (fused_experts_reference, fused_experts_grouped):
         got = fused(hidden, w13, w2, weights, ids, None, bias, ACTIVATION)
         torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(fused_experts_grouped(hidden, w13, w2, weights, ids, None, None, ACTIVATION).double(),
-                              expected, atol=1e-2)
+    assert not torch.allclose(
+        fused_experts_grouped(hidden, w13, w2, weights, ids, None, None, ACTIVATION).double(),
+        expected,
+        atol=1e-2,
+    )
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels did not build here")
@@ -249,8 +304,16 @@ def test_gpt_oss_biases_through_the_cpu_gemm_are_row_invariant():
     expected = gpt_oss_experts_float64(hidden, w13, w2, *bias, weights, ids)
     torch.testing.assert_close(batch.double(), expected, atol=5e-2, rtol=5e-2)
     for token in (0, 19):
-        alone = fused_experts_grouped(hidden[token : token + 1], w13, w2, weights[token : token + 1],
-                                      ids[token : token + 1], packed, bias, ACTIVATION)
+        alone = fused_experts_grouped(
+            hidden[token : token + 1],
+            w13,
+            w2,
+            weights[token : token + 1],
+            ids[token : token + 1],
+            packed,
+            bias,
+            ACTIVATION,
+        )
         assert torch.equal(alone[0], batch[token]), token
 
 
@@ -275,8 +338,11 @@ def _quantized_experts(weights: torch.Tensor) -> list:
         blocks = matrix.float().unflatten(-1, (-1, 32))
         scale = blocks.abs().amax(-1).clamp(min=1e-8) / 127
         u = (torch.round(blocks / scale[..., None]) + 128).to(torch.uint8).flatten(-2)
-        out.append(QuantWeight("q8_0", matrix.shape[0], matrix.shape[1], None,
-                               components=QuantComponents(u, scale)))
+        out.append(
+            QuantWeight(
+                "q8_0", matrix.shape[0], matrix.shape[1], None, components=QuantComponents(u, scale)
+            )
+        )
     return out
 
 
@@ -306,12 +372,22 @@ def test_quantized_experts_on_the_grouped_path_equal_their_reference_gemm_loop(d
             down = quant.reference_gemm(ACTIVATION(gate_up), q2[expert], bias[1][expert])
             expected[token] += down[0].float() * weights[token, slot]
     assert torch.equal(got, expected.to(dtype))
-    alone = fused_experts_grouped(hidden[5:6], meta13, meta2, weights[5:6], ids[5:6], (q13, q2), bias, ACTIVATION)
+    alone = fused_experts_grouped(
+        hidden[5:6], meta13, meta2, weights[5:6], ids[5:6], (q13, q2), bias, ACTIVATION
+    )
     assert torch.equal(alone[0], got[5])
     # The loop (NANOSERVE_KERNELS=reference) reads the same experts dequantized: the products of
     # unrounded activations, close to the int8 ones.
-    loop = fused_experts_reference(hidden, unpacked_experts(meta13, q13), unpacked_experts(meta2, q2), weights, ids,
-                                   None, bias, ACTIVATION)
+    loop = fused_experts_reference(
+        hidden,
+        unpacked_experts(meta13, q13),
+        unpacked_experts(meta2, q2),
+        weights,
+        ids,
+        None,
+        bias,
+        ACTIVATION,
+    )
     torch.testing.assert_close(loop.float(), got.float(), atol=0.1, rtol=0.05)
 
 
@@ -325,8 +401,10 @@ def test_quant_expert_staging_packs_each_expert_once_its_parts_are_in():
     generator = torch.Generator().manual_seed(0)
 
     def part(rows):
-        return {"u": torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.uint8),
-                "scale": torch.rand(rows, 2, generator=generator)}
+        return {
+            "u": torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.uint8),
+            "scale": torch.rand(rows, 2, generator=generator),
+        }
 
     staging = QuantExpertStaging(2, {"w13": 64, "w2": 32})
     gate, up = part(16), part(16)
@@ -336,8 +414,15 @@ def test_quant_expert_staging_packs_each_expert_once_its_parts_are_in():
     weight = staging.weights["w13"][0]
     assert (weight.n, weight.k) == (32, 64) and staging.parts["w13"][0] == {}
     assert (weight.packed is not None) == cpu_ops.gemm_available()
-    expected = quant.QuantWeight("q8_0", 32, 64, None, components=quant.QuantComponents(
-        torch.cat([gate["u"], up["u"]]), torch.cat([gate["scale"], up["scale"]])))
+    expected = quant.QuantWeight(
+        "q8_0",
+        32,
+        64,
+        None,
+        components=quant.QuantComponents(
+            torch.cat([gate["u"], up["u"]]), torch.cat([gate["scale"], up["scale"]])
+        ),
+    )
     assert torch.equal(quant.dequantize_weight(weight), quant.dequantize_weight(expected))
     staging.add("w13", 1, 0, "q8_0", part(16))  # expert 1 lacks its up part
     with pytest.raises(ValueError, match="every expert's gate, up and down"):
@@ -363,7 +448,9 @@ def test_one_cpu_call_equals_the_grouped_path_bit_for_bit(experts, top_k, tokens
     packed = {"bf16": bf16, "q8_0": (q13, q2), "q8_0 gate/up, bf16 down": (q13, bf16[1])}[experts]
     table = cpu_expert_table(w13, w2, packed)
     assert table is not None and table.shape == (EXPERTS, 4)
-    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    hidden = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(7)).to(
+        torch.bfloat16
+    )
     weights, ids = crowded_routing(tokens, top_k)
     ids[0, top_k - 1] = -1  # an expert on another rank
     grouped = fused_experts_grouped(hidden, w13, w2, weights, ids, packed)
@@ -371,8 +458,15 @@ def test_one_cpu_call_equals_the_grouped_path_bit_for_bit(experts, top_k, tokens
     assert torch.equal(one_call, grouped)
     assert not torch.equal(one_call, torch.zeros_like(one_call))
     for token in {0, tokens // 2, tokens - 1}:
-        alone = fused_experts(hidden[token : token + 1], w13, w2, weights[token : token + 1], ids[token : token + 1],
-                              packed, table=table)
+        alone = fused_experts(
+            hidden[token : token + 1],
+            w13,
+            w2,
+            weights[token : token + 1],
+            ids[token : token + 1],
+            packed,
+            table=table,
+        )
         assert torch.equal(alone[0], grouped[token]), token
 
 
@@ -384,5 +478,9 @@ def test_cpu_expert_table_refuses_what_moe_cpp_cannot_take():
     packed13 = pack_expert_weights(w13)
     assert cpu_expert_table(w13, w2, None) is None
     assert cpu_expert_table(w13, w2, (packed13, None)) is None  # down not packed
-    assert cpu_expert_table(w13, w2, (packed13, _quantized_experts(w2))) is None  # quantized, not packed
-    assert cpu_expert_table(w13, w2, (packed13[:-1], pack_expert_weights(w2))) is None  # an expert missing
+    assert (
+        cpu_expert_table(w13, w2, (packed13, _quantized_experts(w2))) is None
+    )  # quantized, not packed
+    assert (
+        cpu_expert_table(w13, w2, (packed13[:-1], pack_expert_weights(w2))) is None
+    )  # an expert missing

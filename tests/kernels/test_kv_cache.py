@@ -1,4 +1,5 @@
 """KV-cache store: the Triton kernel against the torch reference, bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,9 +14,10 @@ def _inputs(num_kv_heads, head_dim, block_size, dtype, *, num_blocks=5, num_toke
     # Key and value as strided views of one packed qkv projection, as the model produces them.
     row = 4 * num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, row, generator=generator).to(dtype).to(DEVICE)
-    key = qkv[:, 2 * num_kv_heads * head_dim: 3 * num_kv_heads * head_dim].view(
-        num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, 3 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    key = qkv[:, 2 * num_kv_heads * head_dim : 3 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    value = qkv[:, 3 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     num_slots = num_blocks * block_size
     slots = torch.randperm(num_slots - 1, generator=generator)[:num_tokens]
     slots[1] = slots[6] = -1  # padding tokens
@@ -58,8 +60,9 @@ def test_store_no_tokens():
     assert torch.isnan(key_cache).all()
 
 
-@pytest.mark.parametrize("case", ["key_shape", "value_heads", "slots_length", "slots_float",
-                                  "cache_shapes", "int_key"])
+@pytest.mark.parametrize(
+    "case", ["key_shape", "value_heads", "slots_length", "slots_float", "cache_shapes", "int_key"]
+)
 def test_store_bad_inputs_raise(case):
     key, value, key_cache, value_cache, slots = _inputs(2, 64, 16, torch.float32)
     if case == "key_shape":

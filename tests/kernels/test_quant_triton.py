@@ -1,5 +1,6 @@
 """The Triton dequantize-GEMM for GGUF blocks (kernels/quant_triton.py) against its torch
 reference (the gguf package's dequantize, fp32 matmul); under the Triton interpreter on a CPU."""
+
 from __future__ import annotations
 
 import gguf

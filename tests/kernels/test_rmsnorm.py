@@ -1,4 +1,5 @@
 """RMSNorm and fused add + RMSNorm: the Triton kernel against the torch reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,8 +65,9 @@ def test_zero_rows():
     assert out.shape == new_residual.shape == (0, 64)
 
 
-@pytest.mark.parametrize("case", ["weight_size", "weight_2d", "residual_shape", "residual_dtype",
-                                  "int_x"])
+@pytest.mark.parametrize(
+    "case", ["weight_size", "weight_2d", "residual_shape", "residual_dtype", "int_x"]
+)
 def test_bad_inputs_raise(case):
     x, residual, weight = _tensors((3, 64), torch.float32)
     if case == "weight_size":

@@ -1,6 +1,7 @@
 """The token-bitmask kernels against xgrammar's own CPU kernel (the oracle), with a batch whose
 rows are only partly constrained, vocabularies that are not a multiple of 32, and a bitmask
 narrower than the logits (the padding tokens past it are forbidden)."""
+
 from __future__ import annotations
 
 import os
@@ -8,8 +9,12 @@ import os
 import pytest
 import torch
 
-from nanoserve.kernels.token_bitmask import (apply_token_bitmask_cpu, apply_token_bitmask_reference,
-                                             apply_token_bitmask_triton, unpack_bitmask)
+from nanoserve.kernels.token_bitmask import (
+    apply_token_bitmask_cpu,
+    apply_token_bitmask_reference,
+    apply_token_bitmask_triton,
+    unpack_bitmask,
+)
 
 CASES = [(400, 13), (1000, 32), (49152, 1536), (49155, 1536)]  # (vocab, bitmask words)
 
@@ -17,8 +22,7 @@ CASES = [(400, 13), (1000, 32), (49152, 1536), (49155, 1536)]  # (vocab, bitmask
 def make(vocab: int, words: int, dtype=torch.float32, device="cpu", seed=0):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, vocab, generator=generator).to(dtype)
-    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, words), dtype=torch.int32,
-                            generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32, generator=generator)
     rows = torch.tensor([4, 0, 2])
     return logits.to(device), bitmask.to(device), rows.to(device)
 
@@ -51,7 +55,7 @@ def test_cpu_and_reference_match_xgrammar(vocab, words):
 
 
 def test_unpack_bitmask_token_order():
-    bitmask = torch.tensor([[0b101, -2 ** 31]], dtype=torch.int32)  # tokens 0, 2 and 63
+    bitmask = torch.tensor([[0b101, -(2**31)]], dtype=torch.int32)  # tokens 0, 2 and 63
     allowed = unpack_bitmask(bitmask, 64)[0].nonzero().flatten().tolist()
     assert allowed == [0, 2, 63]
 

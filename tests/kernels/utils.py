@@ -1,4 +1,5 @@
 """Shared helpers for the kernel tests: device, dtypes, tolerances, paged batches."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,12 +15,19 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
+
 # (atol, rtol) for outputs of magnitude ~1 after one rounding to the dtype plus fp32 reordering.
-ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
-                   torch.bfloat16: (1.6e-2, 1.6e-2)}
+ELEMENTWISE_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
 # Attention rounds the probabilities to the input dtype before P @ V.
-ATTENTION_TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 1e-2),
-                 torch.bfloat16: (3e-2, 3e-2)}
+ATTENTION_TOL = {
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (4e-3, 1e-2),
+    torch.bfloat16: (3e-2, 3e-2),
+}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: dict) -> None:
@@ -40,13 +48,32 @@ class PagedBatch:
     max_seqlen_k: int
 
     def args(self):
-        return (self.query, self.key_cache, self.value_cache, self.block_table,
-                self.cu_seqlens_q, self.seq_lens, self.scale, self.max_seqlen_q,
-                self.max_seqlen_k)
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.cu_seqlens_q,
+            self.seq_lens,
+            self.scale,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+        )
 
 
-def make_paged_batch(q_lens, context_lens, *, num_heads, num_kv_heads, head_dim, block_size,
-                     dtype, seed=0, spare_blocks=2, device=DEVICE) -> PagedBatch:
+def make_paged_batch(
+    q_lens,
+    context_lens,
+    *,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    seed=0,
+    spare_blocks=2,
+    device=DEVICE,
+) -> PagedBatch:
     """Sequence i has context_lens[i] cached tokens followed by q_lens[i] new ones (all already
     in the cache). Blocks are handed out in a shuffled order; every slot that no sequence
     owns, and the spare block that pads the block table rows, holds NaN."""
@@ -66,21 +93,33 @@ def make_paged_batch(q_lens, context_lens, *, num_heads, num_kv_heads, head_dim,
             block = order.pop()
             block_table[seq, index] = block
             rows = min(block_size, seq_len - index * block_size)
-            key_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim,
-                                                  generator=generator).to(dtype)
-            value_cache[block, :rows] = torch.randn(rows, num_kv_heads, head_dim,
-                                                    generator=generator).to(dtype)
+            key_cache[block, :rows] = torch.randn(
+                rows, num_kv_heads, head_dim, generator=generator
+            ).to(dtype)
+            value_cache[block, :rows] = torch.randn(
+                rows, num_kv_heads, head_dim, generator=generator
+            ).to(dtype)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=generator).to(dtype)
     cu_seqlens_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     return PagedBatch(
-        query=query.to(device), key_cache=key_cache.to(device), value_cache=value_cache.to(device),
-        block_table=block_table.to(device), cu_seqlens_q=cu_seqlens_q.to(device),
+        query=query.to(device),
+        key_cache=key_cache.to(device),
+        value_cache=value_cache.to(device),
+        block_table=block_table.to(device),
+        cu_seqlens_q=cu_seqlens_q.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        scale=head_dim ** -0.5, max_seqlen_q=max(q_lens), max_seqlen_k=max(seq_lens))
+        scale=head_dim**-0.5,
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+    )
 
 
-def naive_paged_attention(batch: PagedBatch, sliding_window: int | None = None,
-                          softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def naive_paged_attention(
+    batch: PagedBatch,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query row, one head at a time, in float64: the definition the kernels implement
     (a window W: keys position - W + 1..position; a softcap c: scores c * tanh(scores / c);
     sinks s [heads]: weights exp(score) / (sum exp(scores) + exp(s[head])), gpt-oss's)."""
@@ -97,10 +136,18 @@ def naive_paged_attention(batch: PagedBatch, sliding_window: int | None = None,
         for j in range(q_len):
             position = seq_len - q_len + j
             first = max(0, position - sliding_window + 1) if sliding_window else 0
-            keys = torch.stack([key_cache[table[p // block_size], p % block_size]
-                                for p in range(first, position + 1)])  # [P, KVH, D]
-            values = torch.stack([value_cache[table[p // block_size], p % block_size]
-                                  for p in range(first, position + 1)])
+            keys = torch.stack(
+                [
+                    key_cache[table[p // block_size], p % block_size]
+                    for p in range(first, position + 1)
+                ]
+            )  # [P, KVH, D]
+            values = torch.stack(
+                [
+                    value_cache[table[p // block_size], p % block_size]
+                    for p in range(first, position + 1)
+                ]
+            )
             for head in range(query.shape[1]):
                 q = query[cu[seq] + j, head]
                 scores = keys[:, head // group] @ q * batch.scale

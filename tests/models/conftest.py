@@ -1,4 +1,5 @@
 """Fixtures shared by the model tests."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ def exact_gemm(monkeypatch):
     for the C++ kernel, quant.reference_gemm replaced): a GEMM whose output moves continuously
     with its input, so two paths that differ in the last bits of an activation differ in the
     last bits of the logprobs, not by an int8 rounding step."""
+
     def exact(x, w, bias):
         out = x.float() @ quant.dequantize_weight(w).T
         return (out if bias is None else out + bias.float()).to(x.dtype)

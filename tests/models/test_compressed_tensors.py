@@ -4,6 +4,7 @@ in the GGUF kernels' formats (their dequantized values those of the package's de
 bf16 it computes in), greedy tokens equal to the dequantize-then-reference path
 (kernels/quant.reference_gemm), logprobs close to transformers running the package's dequantized
 weights, tensor parallelism equal to one rank, and the one-line errors for what is not served."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,11 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 ct = pytest.importorskip("compressed_tensors")
 
 from tests.compressed_tensors_models import (  # noqa: E402
-    compress_checkpoint, dequantized_transformers, quantized_layers, write_compressed_llama)
+    compress_checkpoint,
+    dequantized_transformers,
+    quantized_layers,
+    write_compressed_llama,
+)
 from tests.gguf_models import teacher_forced  # noqa: E402
 from tests.models.family_checkpoints import write_random_checkpoint  # noqa: E402
 from tests.models.moe_checkpoints import write_moe_checkpoint  # noqa: E402
@@ -34,7 +39,14 @@ NUM_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
 NEAR_TIE = 0.15  # top-2 logprob gap under which a different rounding may pick either token (as
 #                   much as a logprob may move between the paths, see assert_same_greedy)
-SERVED = ["w8a16-channel", "w8a8-channel", "w8a16-group64", "w8a16-tensor", "w4a16-group32", "w4a16-asym-group64"]
+SERVED = [
+    "w8a16-channel",
+    "w8a8-channel",
+    "w8a16-group64",
+    "w8a16-tensor",
+    "w4a16-group32",
+    "w4a16-asym-group64",
+]
 
 
 @pytest.fixture(scope="module", params=SERVED)
@@ -50,10 +62,17 @@ def greedy(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[list[floa
     """Per prompt: the greedy tokens, their logprobs, and each step's gap between the top two."""
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                for o in outputs]
-    gaps = [[np.subtract(*sorted((lp.logprob for lp in step.values()), reverse=True)[:2])
-             for step in o.outputs[0].logprobs] for o in outputs]
+    logprobs = [
+        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        for o in outputs
+    ]
+    gaps = [
+        [
+            np.subtract(*sorted((lp.logprob for lp in step.values()), reverse=True)[:2])
+            for step in o.outputs[0].logprobs
+        ]
+        for o in outputs
+    ]
     return tokens, logprobs, gaps
 
 
@@ -65,7 +84,9 @@ def assert_same_greedy(ours, reference, typical: float, worst: float = NEAR_TIE)
     or the comparison would prove nothing."""
     differences = []
     for tokens, logprobs, ref_tokens, ref_logprobs, ref_gaps in zip(*ours[:2], *reference):
-        for token, logprob, ref_token, ref_logprob, gap in zip(tokens, logprobs, ref_tokens, ref_logprobs, ref_gaps):
+        for token, logprob, ref_token, ref_logprob, gap in zip(
+            tokens, logprobs, ref_tokens, ref_logprobs, ref_gaps
+        ):
             if token != ref_token:
                 assert gap < NEAR_TIE, (tokens, ref_tokens)
                 break
@@ -94,10 +115,15 @@ def test_layers_hold_the_checkpoints_integers(checkpoint):
     oracle = dequantized_transformers(checkpoint)
     for index in range(2):
         ours, theirs = model.model.layers[index], oracle.model.layers[index]
-        pairs = [(ours.self_attn.qkv_proj, [theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj]),
-                 (ours.self_attn.o_proj, [theirs.self_attn.o_proj]),
-                 (ours.mlp.gate_up_proj, [theirs.mlp.gate_proj, theirs.mlp.up_proj]),
-                 (ours.mlp.down_proj, [theirs.mlp.down_proj])]
+        pairs = [
+            (
+                ours.self_attn.qkv_proj,
+                [theirs.self_attn.q_proj, theirs.self_attn.k_proj, theirs.self_attn.v_proj],
+            ),
+            (ours.self_attn.o_proj, [theirs.self_attn.o_proj]),
+            (ours.mlp.gate_up_proj, [theirs.mlp.gate_proj, theirs.mlp.up_proj]),
+            (ours.mlp.down_proj, [theirs.mlp.down_proj]),
+        ]
         for layer, parts in pairs:
             weight = layer.quant_weight
             assert weight.qtype == expected_qtype(checkpoint) and weight.raw is None
@@ -106,7 +132,9 @@ def test_layers_hold_the_checkpoints_integers(checkpoint):
             expected = torch.cat([part.weight for part in parts])
             assert torch.equal(quant.dequantize_weight(weight), expected)
     assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
-    assert torch.equal(model.lm_head.weight[: oracle.lm_head.weight.shape[0]], oracle.lm_head.weight)
+    assert torch.equal(
+        model.lm_head.weight[: oracle.lm_head.weight.shape[0]], oracle.lm_head.weight
+    )
 
 
 def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
@@ -122,6 +150,7 @@ def _blockwise_int8_inputs(model, layers: set[str]) -> None:
     """Each quantized linear layer (`layers`) of transformers' model rounds its inputs as our kernels do
     (int8 per block of 32 along each row, kernels/quant.quantize_activations) before its float
     product with the dequantized weight."""
+
     def round_inputs(module, args):
         x = args[0]
         q, dx, _ = quant.quantize_activations(x.reshape(-1, x.shape[-1]))
@@ -131,8 +160,9 @@ def _blockwise_int8_inputs(model, layers: set[str]) -> None:
     for name, module in model.named_modules():
         if name in layers:
             module.register_forward_pre_hook(round_inputs)
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) \
-                and any(layer.startswith(name + ".") for layer in layers):  # stacked experts
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and any(
+            layer.startswith(name + ".") for layer in layers
+        ):  # stacked experts
             module.forward = types.MethodType(_experts_with_rounded_inputs, module)
 
 
@@ -149,7 +179,9 @@ def _experts_with_rounded_inputs(self, hidden_states, top_k_index, top_k_weights
         token, slot = torch.where(top_k_index == expert)
         if token.numel() == 0:
             continue
-        gate, up = F.linear(_round(hidden_states[token]), self.gate_up_proj[expert]).chunk(2, dim=-1)
+        gate, up = F.linear(_round(hidden_states[token]), self.gate_up_proj[expert]).chunk(
+            2, dim=-1
+        )
         rows = F.linear(_round(self.act_fn(gate) * up), self.down_proj[expert])
         out.index_add_(0, token, (rows * top_k_weights[token, slot, None]).to(out.dtype))
     return out
@@ -197,7 +229,12 @@ def test_other_families(family, tmp_path):
     if family == "qwen3_moe":
         experts = [layer.mlp.experts for layer in model.model.layers]
         assert all(set(e.quant_experts) == {"w13", "w2"} and e.w13_weight.is_meta for e in experts)
-        assert all(w.qtype == "q8_0" for e in experts for matrices in e.quant_experts.values() for w in matrices)
+        assert all(
+            w.qtype == "q8_0"
+            for e in experts
+            for matrices in e.quant_experts.values()
+            for w in matrices
+        )
     assert_close_to_transformers(path)
 
 
@@ -224,7 +261,9 @@ def test_cuda_dequantizes_at_load(tmp_path):
 def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
     inputs with their scales; the tokens equal one rank's, and each rank holds about half."""
-    assert_tensor_parallel_equals_one_rank(write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=5))
+    assert_tensor_parallel_equals_one_rank(
+        write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=5)
+    )
 
 
 def assert_tensor_parallel_equals_one_rank(path) -> None:
@@ -235,7 +274,10 @@ def assert_tensor_parallel_equals_one_rank(path) -> None:
         two = greedy(llm)
         rank_bytes = list(llm.llm_engine.runner.rank_weight_bytes)
     assert_same_greedy(two, one, typical=1e-3)
-    assert len(rank_bytes) == 2 and all(size < 0.75 * full_bytes for size in rank_bytes), (rank_bytes, full_bytes)
+    assert len(rank_bytes) == 2 and all(size < 0.75 * full_bytes for size in rank_bytes), (
+        rank_bytes,
+        full_bytes,
+    )
 
 
 def assert_moe_tensor_parallel_equals_one_rank(path, expert_inter: int) -> None:
@@ -245,7 +287,9 @@ def assert_moe_tensor_parallel_equals_one_rank(path, expert_inter: int) -> None:
     with build(path, dtype="float32") as llm:
         one = greedy(llm)
     for expert_parallel in (False, True):
-        with build(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel) as llm:
+        with build(
+            path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=expert_parallel
+        ) as llm:
             split_down = expert_inter == 32 and not expert_parallel
             assert_same_greedy(greedy(llm), one, typical=3e-2 if split_down else 1e-3)
 
@@ -266,7 +310,9 @@ def test_groups_smaller_than_a_block_are_dequantized_at_load(tmp_path):
     oracle = dequantized_transformers(path)
     down = model.model.layers[0].mlp.down_proj
     assert down.quant_weight is None and down.quant_parts is None
-    assert torch.allclose(down.weight, oracle.model.layers[0].mlp.down_proj.weight, rtol=1e-2, atol=0)
+    assert torch.allclose(
+        down.weight, oracle.model.layers[0].mlp.down_proj.weight, rtol=1e-2, atol=0
+    )
 
 
 def _edit_config(path, change) -> None:
@@ -277,14 +323,30 @@ def _edit_config(path, change) -> None:
 
 
 BAD_CONFIGS = {
-    "float4 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float", num_bits=4),
-    "format 'int-quantized' for FP8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"),
+    "float4 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(
+        type="float", num_bits=4
+    ),
+    "format 'int-quantized' for FP8 weights": lambda q: q["config_groups"]["group_0"][
+        "weights"
+    ].update(type="float"),
     "asymmetric int8 activations": lambda q: q["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "int", "symmetric": False, "dynamic": True, "strategy": "token"}),
+        input_activations={
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": False,
+            "dynamic": True,
+            "strategy": "token",
+        }
+    ),
     "float8 activations": lambda q: q["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}),
-    "weight strategy 'block'": lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"),
-    "asymmetric int8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False),
+        input_activations={"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True}
+    ),
+    "weight strategy 'block'": lambda q: q["config_groups"]["group_0"]["weights"].update(
+        strategy="block"
+    ),
+    "asymmetric int8 weights": lambda q: q["config_groups"]["group_0"]["weights"].update(
+        symmetric=False
+    ),
     "KV cache quantization": lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
     "format 'marlin-24'": lambda q: q["config_groups"]["group_0"].update(format="marlin-24"),
 }
@@ -309,8 +371,12 @@ def test_unsupported_schemes_are_one_line_errors(what, w8a16, tmp_path):
 
 def assert_cli_one_line_error(path, fragment: str) -> None:
     """`nanoserve generate --model path`: one line on stderr naming `fragment`, a non-zero exit."""
-    result = subprocess.run([sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "nanoserve", "generate", "--model", str(path), "hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], result.stderr
@@ -338,7 +404,9 @@ def test_a_layers_tensors_in_different_shards(w8a16, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    path = shutil.copytree(w8a16, tmp_path / "sharded", ignore=shutil.ignore_patterns("*.safetensors"))
+    path = shutil.copytree(
+        w8a16, tmp_path / "sharded", ignore=shutil.ignore_patterns("*.safetensors")
+    )
     tensors = load_file(w8a16 / "model.safetensors")
     scales = {name: t for name, t in tensors.items() if name.endswith("weight_scale")}
     rest = {name: t for name, t in tensors.items() if name not in scales}
@@ -346,7 +414,9 @@ def test_a_layers_tensors_in_different_shards(w8a16, tmp_path):
     save_file(rest, path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
     weight_map = {name: "model-00001-of-00002.safetensors" for name in scales}
     weight_map.update({name: "model-00002-of-00002.safetensors" for name in rest})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     assert greedy(build(path, dtype="float32")) == greedy(build(w8a16, dtype="float32"))
 
 
@@ -356,9 +426,13 @@ def test_a_layer_missing_a_tensor_is_an_error(w8a16, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    path = shutil.copytree(w8a16, tmp_path / "broken", ignore=shutil.ignore_patterns("*.safetensors"))
+    path = shutil.copytree(
+        w8a16, tmp_path / "broken", ignore=shutil.ignore_patterns("*.safetensors")
+    )
     tensors = load_file(w8a16 / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj: the checkpoint lacks weight$"):
+    with pytest.raises(
+        ValueError, match=r"model.layers.1.mlp.up_proj: the checkpoint lacks weight$"
+    ):
         build(path)

@@ -1,6 +1,7 @@
 """Qwen3, Phi-3, Gemma 2 / 3 and Mistral (sliding window) against transformers: greedy fp32
 tokens equal for prompts shorter and longer than the window, alone and batched, with chunked
 prefill, and with the chat template the checkpoint ships."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,14 +20,17 @@ FAMILIES = ["qwen3", "phi3", "phi4-mini", "gemma2", "gemma3", "mistral"]
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_dir(request, tmp_path_factory):
-    return request.param, write_random_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, write_random_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param
+    )
 
 
 def load_hf(model_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
 
 def generate_ids(llm, prompts):
@@ -85,8 +89,14 @@ def test_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
     message = str(error.value)
     assert "\n" not in message
     assert "unsupported architecture GPTNeoXForCausalLM" in message
-    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                 "Gemma3ForCausalLM", "MistralForCausalLM"):
+    for name in (
+        "LlamaForCausalLM",
+        "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "MistralForCausalLM",
+    ):
         assert name in message
 
 
@@ -95,8 +105,13 @@ def test_window_no_shorter_than_max_model_len_is_dropped(tmp_path):
     model_dir = write_random_checkpoint(tmp_path / "mistral", "mistral")
 
     def windows(max_model_len):
-        llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=max_model_len)
-        return [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.runner.model.model.layers]
+        llm = LLM(
+            model=str(model_dir), dtype="float32", num_kv_blocks=16, max_model_len=max_model_len
+        )
+        return [
+            layer.self_attn.attn.sliding_window
+            for layer in llm.llm_engine.runner.model.model.layers
+        ]
 
     assert windows(WINDOW) == [None, None]
     assert windows(WINDOW + 1) == [WINDOW, WINDOW]
@@ -112,10 +127,17 @@ def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
     from tests.models.family_checkpoints import LONG_FACTOR, LONGROPE_SWITCH, SHORT_FACTOR
 
     rope = {"type": "longrope", "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR}
-    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
-                        original_max_position_embeddings=LONGROPE_SWITCH, partial_rotary_factor=0.75,
-                        rope_scaling=rope)
-    ours = build_cos_sin_cache(12, 512, 10000.0, {**rope, "original_max_position_embeddings": LONGROPE_SWITCH})
+    config = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        original_max_position_embeddings=LONGROPE_SWITCH,
+        partial_rotary_factor=0.75,
+        rope_scaling=rope,
+    )
+    ours = build_cos_sin_cache(
+        12, 512, 10000.0, {**rope, "original_max_position_embeddings": LONGROPE_SWITCH}
+    )
     positions = torch.arange(512)[None]
     cos, sin = Phi3RotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
     long = slice(LONGROPE_SWITCH, 512)
@@ -128,11 +150,21 @@ def test_longrope_cache_past_the_switch_equals_transformers_long_factors():
 # keys). With rope_scaling's, frequency 0 is kept, 1..2 partly and 3..7 fully divided by the factor;
 # both scale cos/sin by ~1.14.
 YARN_CONFIGS = {
-    "rope_scaling": {"rope_theta": 10000.0,
-                     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}},
-    "rope_parameters": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                            "truncate": False, "original_max_position_embeddings": 128,
-                                            "rope_theta": 20000.0}},
+    "rope_scaling": {
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    },
+    "rope_parameters": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 20000.0,
+        }
+    },
 }
 
 
@@ -160,53 +192,138 @@ def test_yarn_greedy_and_logprobs_match_transformers(tmp_path, shape):
         completion = output.outputs[0]
         assert list(completion.token_ids) == tokens
         ours = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
-        rows = torch.log_softmax(hf_model(torch.tensor([prompt + tokens])).logits[0], dim=-1)[len(prompt) - 1: -1]
+        rows = torch.log_softmax(hf_model(torch.tensor([prompt + tokens])).logits[0], dim=-1)[
+            len(prompt) - 1 : -1
+        ]
         theirs = [row[t].item() for row, t in zip(rows, tokens)]
         assert ours == pytest.approx(theirs, abs=1e-4)
 
 
-GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096, "rope_theta": 150000}
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000,
+}
 
 
-@pytest.mark.parametrize("raw,expected", [
-    # Gemma 3 1B as exported before layer_types: rope bases side by side, a 6-layer pattern.
-    ({"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 7, "sliding_window": 512,
-      "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-      "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256},
-     dict(windows=[512] * 5 + [None, 512], rope_theta=1000000.0, rope_local_base_freq=10000.0,
-          hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=256)),
-    # Gemma 2: even layers slide.
-    ({"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 3, "sliding_window": 4096,
-      "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-     dict(windows=[4096, None, 4096], attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
-    # Phi-3 128k: LongRoPE with original_max_position_embeddings outside rope_scaling.
-    ({"architectures": ["Phi3ForCausalLM"], "num_hidden_layers": 2, "sliding_window": 262144,
-      "original_max_position_embeddings": 4096,
-      "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
-     dict(windows=[262144] * 2, rope_scaling={"type": "longrope", "short_factor": [1.0], "long_factor": [2.0],
-                                               "original_max_position_embeddings": 4096})),
-    # Qwen2.5 / Qwen3 long context: YaRN in rope_scaling, rope_theta beside it.
-    ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 1, "rope_theta": 1000000.0,
-      "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
-     dict(windows=[None], rope_theta=1000000.0,
-          rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})),
-    # transformers 5 (gpt-oss's YaRN): theta and scaling in rope_parameters, whose theta wins over a
-    # top-level one as in transformers.
-    *[({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, **top, "rope_parameters": GPT_OSS_ROPE},
-       dict(windows=[None], rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE))
-      for top in ({}, {"rope_theta": 10000.0})],
-    # Qwen2.5: a sliding_window with use_sliding_window false is no window.
-    ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "sliding_window": 32768,
-      "use_sliding_window": False, "max_window_layers": 1},
-     dict(windows=[None, None], attention_bias=True)),
-])
+@pytest.mark.parametrize(
+    "raw,expected",
+    [
+        # Gemma 3 1B as exported before layer_types: rope bases side by side, a 6-layer pattern.
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "num_hidden_layers": 7,
+                "sliding_window": 512,
+                "sliding_window_pattern": 6,
+                "rope_theta": 1000000.0,
+                "rope_local_base_freq": 10000.0,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 256,
+            },
+            dict(
+                windows=[512] * 5 + [None, 512],
+                rope_theta=1000000.0,
+                rope_local_base_freq=10000.0,
+                hidden_act="gelu_pytorch_tanh",
+                query_pre_attn_scalar=256,
+            ),
+        ),
+        # Gemma 2: even layers slide.
+        (
+            {
+                "architectures": ["Gemma2ForCausalLM"],
+                "num_hidden_layers": 3,
+                "sliding_window": 4096,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+            },
+            dict(
+                windows=[4096, None, 4096],
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+            ),
+        ),
+        # Phi-3 128k: LongRoPE with original_max_position_embeddings outside rope_scaling.
+        (
+            {
+                "architectures": ["Phi3ForCausalLM"],
+                "num_hidden_layers": 2,
+                "sliding_window": 262144,
+                "original_max_position_embeddings": 4096,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+            },
+            dict(
+                windows=[262144] * 2,
+                rope_scaling={
+                    "type": "longrope",
+                    "short_factor": [1.0],
+                    "long_factor": [2.0],
+                    "original_max_position_embeddings": 4096,
+                },
+            ),
+        ),
+        # Qwen2.5 / Qwen3 long context: YaRN in rope_scaling, rope_theta beside it.
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "num_hidden_layers": 1,
+                "rope_theta": 1000000.0,
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32768,
+                },
+            },
+            dict(
+                windows=[None],
+                rope_theta=1000000.0,
+                rope_scaling={
+                    "type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32768,
+                },
+            ),
+        ),
+        # transformers 5 (gpt-oss's YaRN): theta and scaling in rope_parameters, whose theta wins over a
+        # top-level one as in transformers.
+        *[
+            (
+                {
+                    "architectures": ["LlamaForCausalLM"],
+                    "num_hidden_layers": 1,
+                    **top,
+                    "rope_parameters": GPT_OSS_ROPE,
+                },
+                dict(windows=[None], rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE),
+            )
+            for top in ({}, {"rope_theta": 10000.0})
+        ],
+        # Qwen2.5: a sliding_window with use_sliding_window false is no window.
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "num_hidden_layers": 2,
+                "sliding_window": 32768,
+                "use_sliding_window": False,
+                "max_window_layers": 1,
+            },
+            dict(windows=[None, None], attention_bias=True),
+        ),
+    ],
+)
 def test_config_json_without_layer_types(tmp_path, raw, expected):
     import json
 
     base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
     (tmp_path / "config.json").write_text(json.dumps({**base, **raw}))
     config = ModelConfig.from_dir(tmp_path)
-    assert [config.layer_window(i) for i in range(config.num_hidden_layers)] == expected.pop("windows")
+    assert [config.layer_window(i) for i in range(config.num_hidden_layers)] == expected.pop(
+        "windows"
+    )
     for name, value in expected.items():
         assert getattr(config, name) == value, name

@@ -6,6 +6,7 @@ tensor). Linear layers hold the bytes on the FP8 kernel with their meaning exact
 equal the dequantize-then-matmul reference path, logprobs close to transformers running the
 dequantized weights (W8A16: the activations are not rounded), tensor parallelism equal to one
 rank, and the one-line errors for what is not served."""
+
 from __future__ import annotations
 
 import json
@@ -19,21 +20,32 @@ from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.fp8 import fp8_config
 from tests.fp8_models import dequantized_transformers, write_fp8_llama
-from tests.models.test_compressed_tensors import (NEAR_TIE, PROMPTS, _edit_config, assert_cli_one_line_error,
-                                                  assert_same_greedy, assert_tensor_parallel_equals_one_rank, build,
-                                                  greedy)
+from tests.models.test_compressed_tensors import (
+    NEAR_TIE,
+    PROMPTS,
+    _edit_config,
+    assert_cli_one_line_error,
+    assert_same_greedy,
+    assert_tensor_parallel_equals_one_rank,
+    build,
+    greedy,
+)
 
 FP8_METHOD_SCHEMES = ["fp8-block128", "fp8-block128-bf16", "fp8-block64x32", "fp8-tensor-static"]
 COMPRESSED_SCHEMES = ["fp8-dynamic", "fp8-block", "fp8-static"]
-PAIRS = [("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-         ("self_attn.o_proj", ["self_attn.o_proj"]), ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
-         ("mlp.down_proj", ["mlp.down_proj"])]
+PAIRS = [
+    ("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    ("self_attn.o_proj", ["self_attn.o_proj"]),
+    ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+    ("mlp.down_proj", ["mlp.down_proj"]),
+]
 
 
 def _write(scheme: str, out_dir, seed: int = 31, **shape):
     if scheme in COMPRESSED_SCHEMES:
         pytest.importorskip("compressed_tensors")
         from tests.compressed_tensors_models import write_compressed_llama
+
         return write_compressed_llama(out_dir, scheme, seed=seed, **shape)
     return write_fp8_llama(out_dir, scheme, seed=seed, **shape)
 
@@ -45,15 +57,19 @@ def _meaning(path, scheme: str) -> dict[str, torch.Tensor]:
         from compressed_tensors.quantization import QuantizationScheme
 
         from tests.compressed_tensors_models import decompressed
+
         config = json.loads((path / "config.json").read_text())["quantization_config"]
-        return decompressed(load_file(path / "model.safetensors"),
-                            QuantizationScheme.model_validate(config["config_groups"]["group_0"]))
+        return decompressed(
+            load_file(path / "model.safetensors"),
+            QuantizationScheme.model_validate(config["config_groups"]["group_0"]),
+        )
     return load_file(path.parent / "meaning.safetensors")
 
 
 def _oracle(path, scheme: str):
     if scheme in COMPRESSED_SCHEMES:
         from tests.compressed_tensors_models import dequantized_transformers as package_dequantized
+
         return package_dequantized(path)
     return dequantized_transformers(path)
 
@@ -86,7 +102,10 @@ def assert_layers_hold(model, meaning: dict[str, torch.Tensor]) -> None:
                 module = getattr(module, part)
             expected = torch.cat([meaning[f"model.layers.{index}.{part}.weight"] for part in parts])
             assert module.quant_weight.qtype == quant.FP8 and module.weight.device.type == "meta"
-            assert torch.equal(quant.dequantize_weight(module.quant_weight), expected), (index, ours)
+            assert torch.equal(quant.dequantize_weight(module.quant_weight), expected), (
+                index,
+                ours,
+            )
     assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
 
 
@@ -111,7 +130,9 @@ def assert_close_to_transformers(path, scheme: str, **kwargs) -> None:
         tokens, logprobs, _ = greedy(llm)
         tokenizer = llm.get_tokenizer()
     differences = []
-    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(model, tokenizer, PROMPTS, tokens)):
+    for prompt, mine, (rows, theirs) in zip(
+        PROMPTS, logprobs, teacher_forced(model, tokenizer, PROMPTS, tokens)
+    ):
         differences += [abs(a - b) for a, b in zip(mine, theirs)]
         assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
     assert max(differences) < 1e-3, sorted(differences)
@@ -129,7 +150,9 @@ def test_other_family(tmp_path):
     hf = write_random_checkpoint(tmp_path / "hf", "qwen3", seed=2)
     path = quantize_checkpoint(hf, tmp_path / "model", "fp8-block128")
     model = build(path, dtype="float32").llm_engine.runner.model
-    assert all(layer.self_attn.qkv_proj.quant_weight.qtype == quant.FP8 for layer in model.model.layers)
+    assert all(
+        layer.self_attn.qkv_proj.quant_weight.qtype == quant.FP8 for layer in model.model.layers
+    )
     assert_close_to_transformers(path, "fp8-block128")
 
 
@@ -160,7 +183,11 @@ def test_static_input_scales_are_not_applied(tmp_path):
     static = write_fp8_llama(tmp_path / "static", "fp8-tensor-static", seed=9)
     dynamic = tmp_path / "dynamic"
     shutil.copytree(static, dynamic)
-    tensors = {name: t for name, t in load_file(dynamic / "model.safetensors").items() if "input_scale" not in name}
+    tensors = {
+        name: t
+        for name, t in load_file(dynamic / "model.safetensors").items()
+        if "input_scale" not in name
+    }
     save_file(tensors, dynamic / "model.safetensors", metadata={"format": "pt"})
     _edit_config(dynamic, lambda q: q.update(activation_scheme="dynamic"))
     assert greedy(build(static, dtype="float32")) == greedy(build(dynamic, dtype="float32"))
@@ -177,6 +204,7 @@ def test_ignored_layers_stay_float(block128, tmp_path):
     def unquantize(tensors):
         tensors[f"{name}.weight"] = meaning[f"{name}.weight"].clone()
         del tensors[f"{name}.weight_scale_inv"]
+
     _edit_tensors(path, unquantize)
     _edit_config(path, lambda q: q.update(ignored_layers=[name]))
     with build(path, dtype="float32") as llm:
@@ -189,6 +217,7 @@ def test_ignored_layers_stay_float(block128, tmp_path):
 
 
 # ---- what is refused ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def block128(tmp_path_factory):
@@ -234,6 +263,7 @@ def test_e5m2_and_nan_weights_are_errors(block128, tmp_path):
         weight = tensors[name].view(torch.uint8).clone()
         weight[3, 5] = 0x7F
         tensors[name] = weight.view(torch.float8_e4m3fn)
+
     _edit_tensors(nan, poison)
     with pytest.raises(ValueError, match=f"{name}: the checkpoint has NaN FP8 weights"):
         build(nan)
@@ -243,7 +273,9 @@ def test_a_scale_of_the_wrong_shape_is_an_error(block128, tmp_path):
     path = _copy(block128, tmp_path)
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     _edit_tensors(path, lambda t: t.update({name: t[name][:1].contiguous()}))
-    with pytest.raises(ValueError, match="model.layers.0.self_attn.o_proj: a block scale of shape \\[1, 2\\]"):
+    with pytest.raises(
+        ValueError, match="model.layers.0.self_attn.o_proj: a block scale of shape \\[1, 2\\]"
+    ):
         build(path)
 
 
@@ -258,6 +290,7 @@ def test_quantization_flag(block128):
 
 # ---- online FP8: --quantization fp8 on an unquantized checkpoint ------------------------------
 
+
 def _online_meaning(hf_dir) -> dict[str, torch.Tensor]:
     """Each *_proj weight rounded as online FP8 means it: a scale per output row, amax / 448,
     torch's own E4M3 rounding, read back times the scale (float32)."""
@@ -265,8 +298,12 @@ def _online_meaning(hf_dir) -> dict[str, torch.Tensor]:
     for name, weight in load_file(hf_dir / "model.safetensors").items():
         if name.endswith("proj.weight"):
             values = weight.float()
-            scale = (values.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
-            meaning[name] = (values / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+            scale = (values.abs().amax(dim=1, keepdim=True) / 448.0).clamp(
+                min=torch.finfo(torch.float32).tiny
+            )
+            meaning[name] = (values / scale).clamp(-448, 448).to(
+                torch.float8_e4m3fn
+            ).float() * scale
     return meaning
 
 
@@ -285,7 +322,9 @@ def test_online_fp8_rounds_each_row_at_load(block128):
         tokens, logprobs, _ = greedy(llm)
         tokenizer = llm.get_tokenizer()
     oracle = transformers_with_weights(hf, float_tensors(hf) | meaning, block128.parent / "online")
-    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(oracle, tokenizer, PROMPTS, tokens)):
+    for prompt, mine, (rows, theirs) in zip(
+        PROMPTS, logprobs, teacher_forced(oracle, tokenizer, PROMPTS, tokens)
+    ):
         assert max(abs(a - b) for a, b in zip(mine, theirs)) < 1e-3, prompt
         assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
 

@@ -4,6 +4,7 @@ layer, attention sinks), each expert's rows kept in the file's MXFP4 blocks, the
 split as llama.cpp's converter splits them, and the model equal to transformers' gpt-oss running
 the file's dequantized tensors. Files written by tests/gguf_models.py from a random checkpoint of
 transformers' own class (tests/models/moe_checkpoints.py)."""
+
 from __future__ import annotations
 
 import gguf
@@ -16,7 +17,11 @@ from nanoserve.models.gguf.model import gguf_hf_config, gguf_tokenizer
 from nanoserve.models.gguf.tokenizer import _pre_tokenizer
 from nanoserve.models.gguf.weights import mxfp4_components
 from tests.gguf_models import dequantized_gpt_oss, teacher_forced, write_moe_gguf
-from tests.models.test_compressed_tensors import PROMPTS, assert_moe_tensor_parallel_equals_one_rank, greedy
+from tests.models.test_compressed_tensors import (
+    PROMPTS,
+    assert_moe_tensor_parallel_equals_one_rank,
+    greedy,
+)
 from tests.models.test_gguf_moe import build
 
 
@@ -29,15 +34,23 @@ def test_config_from_the_metadata(gpt_oss_file):
     config = gguf_hf_config(gpt_oss_file)
     hf = dequantized_gpt_oss(gpt_oss_file).config
     assert config["architectures"] == ["GptOssForCausalLM"] and config["model_type"] == "gpt_oss"
-    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (
-        hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size)
+    assert (
+        config["num_local_experts"],
+        config["num_experts_per_tok"],
+        config["intermediate_size"],
+    ) == (hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size)
     assert config["head_dim"] == hf.head_dim and config["attention_bias"] is True
     assert config["sliding_window"] == hf.sliding_window and config["layer_types"] == hf.layer_types
     yarn = hf.rope_parameters
     assert config["rope_theta"] == yarn["rope_theta"]
-    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": yarn["factor"], "beta_fast": yarn["beta_fast"],
-                                      "beta_slow": yarn["beta_slow"], "truncate": False,
-                                      "original_max_position_embeddings": yarn["original_max_position_embeddings"]}
+    assert config["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": yarn["factor"],
+        "beta_fast": yarn["beta_fast"],
+        "beta_slow": yarn["beta_slow"],
+        "truncate": False,
+        "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+    }
 
 
 def test_mxfp4_components_are_the_gguf_packages_values():
@@ -52,8 +65,13 @@ def test_mxfp4_components_are_the_gguf_packages_values():
     raw[1, :, 0] = 250 - np.arange(k // 32)  # the largest that keep 12 x 2^(e - 128) finite
     raw = raw.reshape(rows, -1)
     components = mxfp4_components(torch.from_numpy(raw), k)
-    weight = quant.QuantWeight(quant.MXFP4, rows, k, None,
-                               components=quant.QuantComponents(components["u"], components["scale"]))
+    weight = quant.QuantWeight(
+        quant.MXFP4,
+        rows,
+        k,
+        None,
+        components=quant.QuantComponents(components["u"], components["scale"]),
+    )
     ours = quant.dequantize_weight(weight)
     theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).astype(np.float32)
     assert np.array_equal(ours.numpy().view(np.uint32), theirs.view(np.uint32))
@@ -76,14 +94,25 @@ def test_experts_hold_the_files_mxfp4_blocks(gpt_oss_file):
         assert moe.w13_weight.is_meta and moe.w2_weight.is_meta
         for expert, (w13, w2) in enumerate(zip(moe.quant_experts["w13"], moe.quant_experts["w2"])):
             assert w13.qtype == w2.qtype == quant.MXFP4 and w13.packed is not None
-            gate_up = torch.cat([meaning(f"blk.{index}.ffn_gate_exps.weight", expert),
-                                 meaning(f"blk.{index}.ffn_up_exps.weight", expert)])
+            gate_up = torch.cat(
+                [
+                    meaning(f"blk.{index}.ffn_gate_exps.weight", expert),
+                    meaning(f"blk.{index}.ffn_up_exps.weight", expert),
+                ]
+            )
             assert torch.equal(quant.dequantize_weight(w13), gate_up)
-            assert torch.equal(quant.dequantize_weight(w2), meaning(f"blk.{index}.ffn_down_exps.weight", expert))
-        biases = torch.cat([meaning(f"blk.{index}.ffn_gate_exps.bias"), meaning(f"blk.{index}.ffn_up_exps.bias")], 1)
+            assert torch.equal(
+                quant.dequantize_weight(w2), meaning(f"blk.{index}.ffn_down_exps.weight", expert)
+            )
+        biases = torch.cat(
+            [meaning(f"blk.{index}.ffn_gate_exps.bias"), meaning(f"blk.{index}.ffn_up_exps.bias")],
+            1,
+        )
         assert torch.equal(moe.w13_bias, biases)
         assert torch.equal(moe.w2_bias, meaning(f"blk.{index}.ffn_down_exps.bias"))
-        assert torch.equal(layer.self_attn.attn.sinks.float(), meaning(f"blk.{index}.attn_sinks.weight"))
+        assert torch.equal(
+            layer.self_attn.attn.sinks.float(), meaning(f"blk.{index}.attn_sinks.weight")
+        )
         assert torch.equal(layer.mlp.router.weight, meaning(f"blk.{index}.ffn_gate_inp.weight"))
 
 
@@ -124,7 +153,10 @@ def test_end_of_turn_tokens_stop_generation(gpt_oss_file, tmp_path):
     <|endoftext|>, those of them its vocabulary has (the test vocabulary: <|endoftext|>), as
     gpt-oss's generation_config.json lists them; another family's at its eos token alone."""
     tokenizer = gguf_tokenizer(gpt_oss_file)
-    eos, end_of_text = gguf_hf_config(gpt_oss_file)["eos_token_id"], tokenizer.encode("<|endoftext|>")
+    eos, end_of_text = (
+        gguf_hf_config(gpt_oss_file)["eos_token_id"],
+        tokenizer.encode("<|endoftext|>"),
+    )
     assert len(end_of_text) == 1 and end_of_text[0] != eos
     assert tokenizer.eos_token_ids == {eos, end_of_text[0]}
     qwen = write_moe_gguf(tmp_path, "qwen3_moe")
@@ -140,4 +172,18 @@ def test_gpt_4o_pre_tokenizer_splits_as_o200k():
     text = "He's fooBar HTTPServer 12345 a+/b\n\n  x"
     pieces = [piece for piece, _ in _pre_tokenizer("gpt-4o").pre_tokenize_str(text)]
     # byte-level: a space is Ġ and a newline Ċ
-    assert pieces == ["He's", "Ġfoo", "Bar", "ĠHTTPServer", "Ġ", "123", "45", "Ġa", "+/", "b", "ĊĊ", "Ġ", "Ġx"]
+    assert pieces == [
+        "He's",
+        "Ġfoo",
+        "Bar",
+        "ĠHTTPServer",
+        "Ġ",
+        "123",
+        "45",
+        "Ġa",
+        "+/",
+        "b",
+        "ĊĊ",
+        "Ġ",
+        "Ġx",
+    ]

@@ -1,4 +1,5 @@
 """GGUF import of the default model, checked against transformers' own GGUF loader as the oracle."""
+
 from __future__ import annotations
 
 import json
@@ -40,24 +41,28 @@ SAMPLES = [
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are terse."},
-     {"role": "user", "content": "Hi"},
-     {"role": "assistant", "content": "Hello."},
-     {"role": "user", "content": "Name a prime. Ünïcödé 😀"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Name a prime. Ünïcödé 😀"},
+    ],
 ]
 
 
 @pytest.fixture(scope="module")
 def reference_tokenizer(smollm2_gguf: Path):
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent),
-                                                      gguf_file=smollm2_gguf.name)
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
 
 
 @pytest.fixture(scope="module")
 def reference_model(smollm2_gguf: Path):
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -80,18 +85,39 @@ def test_model_dir_holds_exactly_the_hf_files(smollm2_dir: Path):
 def test_config_values(smollm2_dir: Path, smollm2_gguf: Path):
     config = json.loads((smollm2_dir / "config.json").read_text())
     expected = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30,
-        "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "rope_theta": 100000.0,
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
     }
     assert {key: config[key] for key in expected} == expected
-    reference = transformers.AutoConfig.from_pretrained(str(smollm2_gguf.parent),
-                                                        gguf_file=smollm2_gguf.name)
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id"):
+    reference = transformers.AutoConfig.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert config[key] == getattr(reference, key), key
     assert config["rms_norm_eps"] == pytest.approx(reference.rms_norm_eps, rel=1e-6)
     generation_config = json.loads((smollm2_dir / "generation_config.json").read_text())
@@ -143,7 +169,11 @@ def test_tiny_gguf_round_trip(tmp_path: Path):
     out_dir = import_gguf(tiny, tmp_path / "models" / "tiny")
     config = json.loads((out_dir / "config.json").read_text())
     assert config["tie_word_embeddings"] is False
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 4)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        2,
+        1,
+        4,
+    )
     assert config["rms_norm_eps"] == 1e-6 and config["rope_theta"] == 500000.0
     weights = load_file(str(out_dir / "model.safetensors"))
     for name, expected in _TINY_HF_WEIGHTS.items():
@@ -205,8 +235,11 @@ def test_unpermute_inverts_llama_cpp_permutation():
     num_heads, head_dim, in_features = 3, 8, 5
     hf_weight = torch.randn(num_heads * head_dim, in_features)
     # convert_hf_to_gguf's permute, written out independently.
-    gguf_weight = (hf_weight.reshape(num_heads, 2, head_dim // 2, in_features)
-                   .transpose(1, 2).reshape(num_heads * head_dim, in_features))
+    gguf_weight = (
+        hf_weight.reshape(num_heads, 2, head_dim // 2, in_features)
+        .transpose(1, 2)
+        .reshape(num_heads * head_dim, in_features)
+    )
     assert not torch.equal(gguf_weight, hf_weight)
     assert torch.equal(unpermute_rotary_rows(gguf_weight, num_heads), hf_weight)
 
@@ -239,37 +272,48 @@ def test_special_tokens(tokenizer: Tokenizer, reference_tokenizer):
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(tokenizer: Tokenizer, reference_tokenizer, messages,
-                                            add_generation_prompt: bool):
+def test_chat_template_matches_transformers(
+    tokenizer: Tokenizer, reference_tokenizer, messages, add_generation_prompt: bool
+):
     ours = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     reference = reference_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours == reference
     assert ours.startswith("<|im_start|>system\n")
 
 
 def test_continue_final_message_matches_transformers(tokenizer: Tokenizer, reference_tokenizer):
-    messages = [{"role": "user", "content": "Count to three."},
-                {"role": "assistant", "content": "One, two,"}]
-    ours = tokenizer.apply_chat_template(messages, add_generation_prompt=False,
-                                         continue_final_message=True)
+    messages = [
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": "One, two,"},
+    ]
+    ours = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
     reference = reference_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
     assert ours == reference
     assert ours.endswith("<|im_start|>assistant\nOne, two,")
 
 
-@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight",
-                                  "model.layers.29.self_attn.q_proj.weight",
-                                  "model.layers.0.self_attn.k_proj.weight",
-                                  "model.layers.17.self_attn.k_proj.weight",
-                                  "model.layers.3.self_attn.v_proj.weight",
-                                  "model.layers.3.self_attn.o_proj.weight",
-                                  "model.layers.11.mlp.down_proj.weight",
-                                  "model.layers.11.mlp.gate_proj.weight",
-                                  "model.layers.4.input_layernorm.weight",
-                                  "model.embed_tokens.weight",
-                                  "model.norm.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.29.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.17.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.v_proj.weight",
+        "model.layers.3.self_attn.o_proj.weight",
+        "model.layers.11.mlp.down_proj.weight",
+        "model.layers.11.mlp.gate_proj.weight",
+        "model.layers.4.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ],
+)
 def test_weights_match_transformers_gguf_loader(smollm2_dir: Path, reference_model, name: str):
     ours = _our_weights(smollm2_dir)
     assert ours[name].dtype == torch.bfloat16
@@ -292,7 +336,7 @@ def test_greedy_generation_from_imported_dir(smollm2_dir: Path, tokenizer: Token
     input_ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
         output = model.generate(input_ids, max_new_tokens=10, do_sample=False)
-    answer = tokenizer.decode(output[0, input_ids.shape[1]:].tolist())
+    answer = tokenizer.decode(output[0, input_ids.shape[1] :].tolist())
     assert "Paris" in answer
 
 
@@ -312,14 +356,17 @@ _TINY_HF_WEIGHTS = {
     "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=_TINY_GENERATOR),
     "model.layers.0.self_attn.k_proj.weight": torch.randn(4, 8, generator=_TINY_GENERATOR),
     # Stored as float16 in the file, so it starts out as float16 values.
-    "model.layers.0.self_attn.v_proj.weight": torch.randn(4, 8, generator=_TINY_GENERATOR).half().float(),
+    "model.layers.0.self_attn.v_proj.weight": torch.randn(4, 8, generator=_TINY_GENERATOR)
+    .half()
+    .float(),
     "model.layers.0.self_attn.o_proj.weight": torch.randn(8, 8, generator=_TINY_GENERATOR),
     "model.layers.0.mlp.gate_proj.weight": torch.randn(16, 8, generator=_TINY_GENERATOR),
     "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=_TINY_GENERATOR),
     "model.layers.0.mlp.down_proj.weight": torch.randn(8, 16, generator=_TINY_GENERATOR),
 }
 _TINY_GGUF_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
     "model.norm.weight": "output_norm.weight",
     "model.layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
     "model.layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
@@ -335,8 +382,11 @@ _TINY_GGUF_NAMES = {
 
 def _llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows, columns = weight.shape
-    return (weight.reshape(num_heads, 2, rows // num_heads // 2, columns)
-            .transpose(1, 2).reshape(rows, columns))
+    return (
+        weight.reshape(num_heads, 2, rows // num_heads // 2, columns)
+        .transpose(1, 2)
+        .reshape(rows, columns)
+    )
 
 
 def _write_tiny_gguf(path: Path, tokenizer_model: str = "gpt2") -> Path:

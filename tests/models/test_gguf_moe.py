@@ -3,6 +3,7 @@ qwen3, qwen3moe, qwen2moe with its shared expert, and a "llama" file with expert
 expert's rows kept in the file's blocks (FusedMoE's quantized experts), and the model equal to
 transformers running the file's dequantized tensors. Files written by tests/gguf_models.py from
 random checkpoints of transformers' own classes."""
+
 from __future__ import annotations
 
 import gguf
@@ -12,14 +13,26 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.kernels import quant
-from nanoserve.models.gguf.model import gguf_hf_config
 from nanoserve.models.gguf.importer import import_gguf
-from tests.gguf_models import dequantized_transformers, teacher_forced, write_moe_gguf, write_qwen3_gguf
-from tests.models.test_compressed_tensors import (PROMPTS, assert_moe_tensor_parallel_equals_one_rank,
-                                                  assert_same_greedy, greedy)
+from nanoserve.models.gguf.model import gguf_hf_config
+from tests.gguf_models import (
+    dequantized_transformers,
+    teacher_forced,
+    write_moe_gguf,
+    write_qwen3_gguf,
+)
+from tests.models.test_compressed_tensors import (
+    PROMPTS,
+    assert_moe_tensor_parallel_equals_one_rank,
+    greedy,
+)
 
-MOE_FILES = {"qwen3_moe-q4_1": ("qwen3_moe", "q4_1"), "qwen3_moe-q8_0": ("qwen3_moe", "q8_0"),
-             "mixtral-q4_0": ("mixtral", "q4_0"), "qwen2_moe-q4_1": ("qwen2_moe", "q4_1")}
+MOE_FILES = {
+    "qwen3_moe-q4_1": ("qwen3_moe", "q4_1"),
+    "qwen3_moe-q8_0": ("qwen3_moe", "q8_0"),
+    "mixtral-q4_0": ("mixtral", "q4_0"),
+    "qwen2_moe-q4_1": ("qwen2_moe", "q4_1"),
+}
 
 
 @pytest.fixture(scope="module", params=list(MOE_FILES))
@@ -35,15 +48,29 @@ def build(path, **kwargs) -> LLM:
 def test_config_from_the_metadata(tmp_path):
     qwen = gguf_hf_config(write_moe_gguf(tmp_path / "qwen", "qwen3_moe"))
     assert qwen["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert (qwen["num_experts"], qwen["num_experts_per_tok"], qwen["moe_intermediate_size"]) == (8, 8, 32)
+    assert (qwen["num_experts"], qwen["num_experts_per_tok"], qwen["moe_intermediate_size"]) == (
+        8,
+        8,
+        32,
+    )
     assert qwen["norm_topk_prob"] is True and qwen["head_dim"] == 16
     mixtral = gguf_hf_config(write_moe_gguf(tmp_path / "mixtral", "mixtral"))
     assert mixtral["architectures"] == ["MixtralForCausalLM"]
-    assert (mixtral["num_local_experts"], mixtral["num_experts_per_tok"], mixtral["intermediate_size"]) == (8, 2, 32)
-    assert gguf_hf_config(write_qwen3_gguf(tmp_path / "qwen3"))["architectures"] == ["Qwen3ForCausalLM"]
+    assert (
+        mixtral["num_local_experts"],
+        mixtral["num_experts_per_tok"],
+        mixtral["intermediate_size"],
+    ) == (8, 2, 32)
+    assert gguf_hf_config(write_qwen3_gguf(tmp_path / "qwen3"))["architectures"] == [
+        "Qwen3ForCausalLM"
+    ]
     qwen2 = gguf_hf_config(write_moe_gguf(tmp_path / "qwen2", "qwen2_moe"))
     assert qwen2["architectures"] == ["Qwen2MoeForCausalLM"] and qwen2["norm_topk_prob"] is False
-    assert (qwen2["num_experts"], qwen2["moe_intermediate_size"], qwen2["shared_expert_intermediate_size"]) == (8, 32, 64)
+    assert (
+        qwen2["num_experts"],
+        qwen2["moe_intermediate_size"],
+        qwen2["shared_expert_intermediate_size"],
+    ) == (8, 32, 64)
     assert qwen2["attention_bias"] is True and qwen2["mlp_only_layers"] == []
 
 
@@ -55,7 +82,9 @@ def test_experts_hold_the_files_blocks(moe_file):
     tensors = {t.name: t for t in reader.tensors}
 
     def meaning(name, expert):
-        values = gguf.quants.dequantize(np.asarray(tensors[name].data[expert]), tensors[name].tensor_type)
+        values = gguf.quants.dequantize(
+            np.asarray(tensors[name].data[expert]), tensors[name].tensor_type
+        )
         return torch.from_numpy(np.array(values, dtype=np.float32))
 
     model = build(moe_file, dtype="float32").llm_engine.runner.model
@@ -66,10 +95,16 @@ def test_experts_hold_the_files_blocks(moe_file):
         assert qtype in {experts for _, experts in MOE_FILES.values()}
         for expert, (w13, w2) in enumerate(zip(moe.quant_experts["w13"], moe.quant_experts["w2"])):
             assert w13.qtype == w2.qtype == qtype and w13.packed is not None
-            gate_up = torch.cat([meaning(f"blk.{index}.ffn_gate_exps.weight", expert),
-                                 meaning(f"blk.{index}.ffn_up_exps.weight", expert)])
+            gate_up = torch.cat(
+                [
+                    meaning(f"blk.{index}.ffn_gate_exps.weight", expert),
+                    meaning(f"blk.{index}.ffn_up_exps.weight", expert),
+                ]
+            )
             assert torch.equal(quant.dequantize_weight(w13), gate_up)
-            assert torch.equal(quant.dequantize_weight(w2), meaning(f"blk.{index}.ffn_down_exps.weight", expert))
+            assert torch.equal(
+                quant.dequantize_weight(w2), meaning(f"blk.{index}.ffn_down_exps.weight", expert)
+            )
 
 
 def assert_logprobs_match_transformers(path) -> None:

@@ -2,15 +2,16 @@
 the sliding window, Phi-4-mini's partial rotary and LongRoPE factors stored as tensors), against
 transformers running the file's dequantized tensors. Files written by tests/gguf_models.py from
 random checkpoints of transformers' own classes (tests/models/family_checkpoints.py)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nanoserve.models.gguf.model import gguf_hf_config
-from tests.gguf_models import dequantized_phi3, assert_greedy_logprobs_match, write_phi3_gguf
-from tests.models.test_compressed_tensors import GREEDY, PROMPTS
+from tests.gguf_models import assert_greedy_logprobs_match, dequantized_phi3, write_phi3_gguf
 from tests.models.family_checkpoints import LONGROPE_SWITCH
+from tests.models.test_compressed_tensors import GREEDY, PROMPTS
 from tests.models.test_gguf_moe import build
 
 # The last prompt is longer than the files' sliding window (24 tokens), and with its output shorter
@@ -27,13 +28,19 @@ def test_config_from_the_metadata(phi3_file):
     config = gguf_hf_config(phi3_file)
     hf = dequantized_phi3(phi3_file).config
     rope = hf.rope_parameters
-    assert config["architectures"] == ["Phi3ForCausalLM"] and config["sliding_window"] == hf.sliding_window
+    assert (
+        config["architectures"] == ["Phi3ForCausalLM"]
+        and config["sliding_window"] == hf.sliding_window
+    )
     assert config["head_dim"] == hf.hidden_size // hf.num_attention_heads
     assert config["partial_rotary_factor"] == rope.get("partial_rotary_factor", 1.0)
     if rope.get("rope_type") == "longrope":
-        assert config["rope_scaling"] == {"rope_type": "longrope", "short_factor": rope["short_factor"],
-                                          "long_factor": rope["long_factor"],
-                                          "original_max_position_embeddings": rope["original_max_position_embeddings"]}
+        assert config["rope_scaling"] == {
+            "rope_type": "longrope",
+            "short_factor": rope["short_factor"],
+            "long_factor": rope["long_factor"],
+            "original_max_position_embeddings": rope["original_max_position_embeddings"],
+        }
     else:
         assert config["rope_scaling"] is None
 
@@ -55,7 +62,12 @@ def test_fused_layers_keep_the_files_blocks_and_split_under_tensor_parallel(phi3
     one rank's tokens: each rank takes its heads' rows of q, k and v and its rows of gate and up."""
     with build(phi3_file, dtype="float32") as llm:
         layer = llm.llm_engine.runner.model.model.layers[0]
-        assert layer.self_attn.qkv_proj.quant_weight is not None and layer.mlp.gate_up_proj.quant_weight is not None
+        assert (
+            layer.self_attn.qkv_proj.quant_weight is not None
+            and layer.mlp.gate_up_proj.quant_weight is not None
+        )
         one = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     with build(phi3_file, dtype="float32", tensor_parallel_size=2) as llm:
-        assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == one
+        assert [
+            list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ] == one

@@ -2,6 +2,7 @@
 Mistral 7B, ...: pieces with scores, no merges), rebuilt by models/gguf/tokenizer.py. Oracle: the
 `sentencepiece` package itself, on a model it trains here (byte fallback, digits split, identity
 normalization, as Llama 2's) and writes into the metadata the way llama.cpp's converter does."""
+
 from __future__ import annotations
 
 import io
@@ -19,19 +20,38 @@ from nanoserve.tokenizer import Tokenizer
 spm = pytest.importorskip("sentencepiece")
 
 CORPUS = Path(__file__).resolve().parents[2] / "benchmarks/quant/perplexity_text.txt"
-TEXTS = ["Hello world", "The import system  has   three spaces", "x = 12345 + 67.5", "naïve café 日本語 🙂",
-         "\n\ndef f(a, b):\n    return a+b\n", " leading space", "trailing space ", "", "AbCdEf GHI",
-         "tabs\tand\u00a0no-break spaces"]
+TEXTS = [
+    "Hello world",
+    "The import system  has   three spaces",
+    "x = 12345 + 67.5",
+    "naïve café 日本語 🙂",
+    "\n\ndef f(a, b):\n    return a+b\n",
+    " leading space",
+    "trailing space ",
+    "",
+    "AbCdEf GHI",
+    "tabs\tand\u00a0no-break spaces",
+]
 
 
 def train(add_dummy_prefix: bool, user_defined: tuple[str, ...] = ()):
     model = io.BytesIO()
     lines = CORPUS.read_text().splitlines()[:2000]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=800, model_type="bpe", byte_fallback=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
-        add_dummy_prefix=add_dummy_prefix, character_coverage=0.9995, minloglevel=2, num_threads=1,
-        user_defined_symbols=list(user_defined))
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=800,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        add_dummy_prefix=add_dummy_prefix,
+        character_coverage=0.9995,
+        minloglevel=2,
+        num_threads=1,
+        user_defined_symbols=list(user_defined),
+    )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     sp.user_defined = user_defined
     return sp
@@ -40,13 +60,31 @@ def train(add_dummy_prefix: bool, user_defined: tuple[str, ...] = ()):
 def gguf_metadata(sp, add_space_prefix: bool) -> dict:
     """The tokenizer.ggml.* fields llama.cpp's converter (_set_vocab_sentencepiece) writes."""
     user_defined = getattr(sp, "user_defined", ())
-    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 5 if sp.is_unused(i) else 6 if sp.is_byte(i)
-             else 4 if sp.id_to_piece(i) in user_defined else 1 for i in range(sp.get_piece_size())]
-    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(len(types))],
-            "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(types))], "tokenizer.ggml.token_type": types,
-            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
-            "tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_bos_token": True,
-            "tokenizer.ggml.add_space_prefix": add_space_prefix}
+    types = [
+        2
+        if sp.is_unknown(i)
+        else 3
+        if sp.is_control(i)
+        else 5
+        if sp.is_unused(i)
+        else 6
+        if sp.is_byte(i)
+        else 4
+        if sp.id_to_piece(i) in user_defined
+        else 1
+        for i in range(sp.get_piece_size())
+    ]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(len(types))],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(len(types))],
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": add_space_prefix,
+    }
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["space-prefix", "no-prefix"])
@@ -65,7 +103,9 @@ def test_encodes_and_decodes_as_sentencepiece(pair):
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(st.sampled_from(list("abcdefghij ABC 0123456789.,'\n\t-éü日本🙂")), max_size=40))
+@given(
+    text=st.text(st.sampled_from(list("abcdefghij ABC 0123456789.,'\n\t-éü日本🙂")), max_size=40)
+)
 def test_any_text_encodes_as_sentencepiece(pair, text):
     sp, backend, _ = pair
     assert backend.encode(text, add_special_tokens=False).ids == sp.encode(text)
@@ -78,7 +118,11 @@ def test_user_defined_runs_of_spaces_without_the_space_prefix():
     to their own text.)"""
     sp = train(False, ("\u2581\u2581", "\u2581\u2581\u2581\u2581", "\n\n"))
     backend, _ = build_tokenizer(gguf_metadata(sp, False), 512)
-    for text in TEXTS + ["a  b", "x    y\n\nz", "   three", "end  "] + CORPUS.read_text().splitlines()[2000:2200]:
+    for text in (
+        TEXTS
+        + ["a  b", "x    y\n\nz", "   three", "end  "]
+        + CORPUS.read_text().splitlines()[2000:2200]
+    ):
         assert backend.encode(text, add_special_tokens=False).ids == sp.encode(text), text
     assert sp.piece_to_id("\u2581\u2581") in backend.encode("a  b", add_special_tokens=False).ids
 
@@ -105,7 +149,9 @@ def test_from_a_file_with_bos_and_control_tokens(tmp_path):
     backend, config = build_tokenizer(read_metadata(gguf.GGUFReader(tmp_path / "vocab.gguf")), 512)
     tokenizer = Tokenizer(backend, config)
     assert tokenizer.encode("Hello world") == [sp.bos_id()] + sp.encode("Hello world")
-    assert tokenizer.encode("</s>Hi<s>", add_special_tokens=False) == [sp.eos_id()] + sp.encode("Hi") + [sp.bos_id()]
+    assert tokenizer.encode("</s>Hi<s>", add_special_tokens=False) == [sp.eos_id()] + sp.encode(
+        "Hi"
+    ) + [sp.bos_id()]
     assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
 
 
@@ -117,7 +163,10 @@ def test_streamed_text_is_the_decoded_text(pair):
 
     sp, backend, config = pair
     tokenizer = Tokenizer(backend, config)
-    for text in ["Hello world, naïve café 日本語 🙂 and  two spaces", "x = 12345\n\ndef f():\n    return 1"]:
+    for text in [
+        "Hello world, naïve café 日本語 🙂 and  two spaces",
+        "x = 12345\n\ndef f():\n    return 1",
+    ]:
         ids = sp.encode(text)
         for start in (0, 1, 3):  # the "prompt" ends at `start`; the rest is generated
             detokenizer = IncrementalDetokenizer(tokenizer, ids[:start])

@@ -4,6 +4,7 @@ file is one GGUFImportError line, never a raw exception, a spin or a memory blow
 SentencePiece merges cost a piece's length, not its square. Oracles: the gguf package's own
 reader on well-formed files, the plain every-cut merge construction on small vocabularies. Files
 that could make a reader spin are read in a child process under an address-space limit."""
+
 from __future__ import annotations
 
 import collections
@@ -22,7 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, read_gguf_header
-from nanoserve.models.gguf.model import gguf_hf_config, gguf_metadata, gguf_tokenizer, read_gguf_file
+from nanoserve.models.gguf.model import (
+    gguf_hf_config,
+    gguf_metadata,
+    gguf_tokenizer,
+    read_gguf_file,
+)
 from nanoserve.models.gguf.reader import GGUFImportError, llama_config, read_metadata
 from nanoserve.models.gguf.tokenizer import build_tokenizer, spm_merges
 
@@ -34,6 +40,7 @@ UINT8, UINT32, STRING, ARRAY = 0, 4, 8, 9
 
 
 # ------------------------------------------------------------------------------ files by hand
+
 
 def _string(text: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text
@@ -48,29 +55,43 @@ def _gguf(*key_values: bytes, tensors: int = 0) -> bytes:
 
 
 # The issue's file: one uint8 array whose count is 2^62, then the end of the file: 73 bytes.
-HUGE_ARRAY = _gguf(_key_value(b"tokenizer.ggml.token_type", ARRAY, struct.pack("<IQ", UINT8, 1 << 62)))
+HUGE_ARRAY = _gguf(
+    _key_value(b"tokenizer.ggml.token_type", ARRAY, struct.pack("<IQ", UINT8, 1 << 62))
+)
 
 
 def write_all_types(path: Path) -> Path:
     """A GGUF file with every value type, arrays of numbers and strings, and tensors of float and
     block types in 1 to 3 dims, written by the gguf package's writer."""
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, key, value in [(writer.add_uint8, "u8", 200), (writer.add_int8, "i8", -100),
-                            (writer.add_uint16, "u16", 60000), (writer.add_int16, "i16", -30000),
-                            (writer.add_uint32, "u32", 4_000_000_000), (writer.add_int32, "i32", -2_000_000_000),
-                            (writer.add_float32, "f32", 0.1), (writer.add_uint64, "u64", 1 << 63),
-                            (writer.add_int64, "i64", -(1 << 62)), (writer.add_float64, "f64", 0.1),
-                            (writer.add_bool, "bool", True), (writer.add_string, "str", "naïve ▁日本 🙂"),
-                            (writer.add_array, "ints", [1, -2, 3]), (writer.add_array, "floats", [0.5, -1.25]),
-                            (writer.add_array, "strings", ["a", "", "ü▁"])]:
+    for add, key, value in [
+        (writer.add_uint8, "u8", 200),
+        (writer.add_int8, "i8", -100),
+        (writer.add_uint16, "u16", 60000),
+        (writer.add_int16, "i16", -30000),
+        (writer.add_uint32, "u32", 4_000_000_000),
+        (writer.add_int32, "i32", -2_000_000_000),
+        (writer.add_float32, "f32", 0.1),
+        (writer.add_uint64, "u64", 1 << 63),
+        (writer.add_int64, "i64", -(1 << 62)),
+        (writer.add_float64, "f64", 0.1),
+        (writer.add_bool, "bool", True),
+        (writer.add_string, "str", "naïve ▁日本 🙂"),
+        (writer.add_array, "ints", [1, -2, 3]),
+        (writer.add_array, "floats", [0.5, -1.25]),
+        (writer.add_array, "strings", ["a", "", "ü▁"]),
+    ]:
         add(f"test.{key}", value)
     rng = np.random.default_rng(0)
     writer.add_tensor("a.weight", rng.standard_normal((3, 32), dtype=np.float32))
     writer.add_tensor("b.weight", rng.standard_normal((2, 2, 64)).astype(np.float16))
     writer.add_tensor("c.weight", rng.standard_normal(7, dtype=np.float32))
     values = rng.standard_normal((4, 64), dtype=np.float32)
-    writer.add_tensor("d.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor(
+        "d.weight",
+        gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -81,7 +102,21 @@ def write_all_types(path: Path) -> Path:
 def write_sentencepiece_llama(path: Path) -> Path:
     """A one-layer "llama" file with a SentencePiece vocabulary (llama.cpp's tokenizer model
     "llama": scores, token types, byte pieces), as its converter writes one."""
-    tokens = ["<unk>", "<s>", "</s>", "<0x41>", "<0xC3>", "▁", "a", "b", "é", "▁a", "ab", "▁ab", "▁é"]
+    tokens = [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<0x41>",
+        "<0xC3>",
+        "▁",
+        "a",
+        "b",
+        "é",
+        "▁a",
+        "ab",
+        "▁ab",
+        "▁é",
+    ]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(64)
@@ -92,7 +127,9 @@ def write_sentencepiece_llama(path: Path) -> Path:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores([0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0])
+    writer.add_token_scores(
+        [0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0]
+    )
     writer.add_token_types([2, 3, 3, 6, 6, 1, 1, 1, 1, 1, 1, 1, 1])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -112,20 +149,25 @@ def corpus(tmp_path_factory) -> list[Path]:
     vocabulary, a Qwen2 file with biases), a SentencePiece vocabulary, every value type."""
     from tests.gguf_models import write_quantized_gguf
 
-    return [write_quantized_gguf(tmp_path_factory.mktemp("q4_k_m"), "llama_cpp_q4_k_m", seed=3),
-            write_quantized_gguf(tmp_path_factory.mktemp("qwen2"), "q8_0", seed=3, arch="qwen2"),
-            write_sentencepiece_llama(tmp_path_factory.mktemp("spm") / "spm.gguf"),
-            write_all_types(tmp_path_factory.mktemp("types") / "types.gguf")]
+    return [
+        write_quantized_gguf(tmp_path_factory.mktemp("q4_k_m"), "llama_cpp_q4_k_m", seed=3),
+        write_quantized_gguf(tmp_path_factory.mktemp("qwen2"), "q8_0", seed=3, arch="qwen2"),
+        write_sentencepiece_llama(tmp_path_factory.mktemp("spm") / "spm.gguf"),
+        write_all_types(tmp_path_factory.mktemp("types") / "types.gguf"),
+    ]
 
 
 # ------------------------------------------------------------------ the child process's side
+
 
 def _limit_memory() -> None:
     """The address space this process has now, plus MEMORY_HEADROOM, as its limit."""
     pages = int(Path("/proc/self/statm").read_text().split()[0])
     soft = pages * resource.getpagesize() + MEMORY_HEADROOM
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-    resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    resource.setrlimit(
+        resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
+    )
 
 
 def _outcome(path: Path) -> str:
@@ -139,8 +181,14 @@ def _outcome(path: Path) -> str:
         gguf_tokenizer(path)
     except GGUFImportError as error:
         message = str(error)
-        return ONE_LINE if message and "\n" not in message else f"a GGUFImportError of lines: {message!r}"
-    except BaseException as error:  # MemoryError, IndexError, UnicodeDecodeError: what must not happen
+        return (
+            ONE_LINE
+            if message and "\n" not in message
+            else f"a GGUFImportError of lines: {message!r}"
+        )
+    except (
+        BaseException
+    ) as error:  # MemoryError, IndexError, UnicodeDecodeError: what must not happen
         return f"{type(error).__name__}: {error}"[:300]
     return LOADED
 
@@ -155,7 +203,10 @@ def _count_fields(path: Path) -> list[tuple[int, int]]:
         for part in field.parts:
             if part.dtype.kind == "u" and part.dtype.itemsize in (4, 8):
                 start = part.ctypes.data - base
-                fields += [(start + index * part.dtype.itemsize, part.dtype.itemsize) for index in range(part.size)]
+                fields += [
+                    (start + index * part.dtype.itemsize, part.dtype.itemsize)
+                    for index in range(part.size)
+                ]
     return fields
 
 
@@ -165,14 +216,27 @@ _SPLICED = [1 << 62, (1 << 64) - 1, (1 << 63) + 1, (1 << 32) - 1, 1 << 31, 1 << 
 def _fuzz(scratch: Path, corpus: list[Path]) -> dict[str, int]:
     """FUZZ_EXAMPLES mutated files (bit flips in the header, truncations, values spliced into its
     count fields), hypothesis drawing them from a fixed seed; each must load or be one line."""
-    sources = [(path.read_bytes(), _count_fields(path),
-                min((int(t.data_offset) for t in gguf.GGUFReader(path).tensors), default=path.stat().st_size))
-               for path in corpus]
+    sources = [
+        (
+            path.read_bytes(),
+            _count_fields(path),
+            min(
+                (int(t.data_offset) for t in gguf.GGUFReader(path).tensors),
+                default=path.stat().st_size,
+            ),
+        )
+        for path in corpus
+    ]
     outcomes: collections.Counter = collections.Counter()
     names = itertools.count()
 
-    @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.data())
     def check(data):
         blob, fields, header_end = sources[data.draw(st.integers(0, len(sources) - 1))]
@@ -185,12 +249,16 @@ def _fuzz(scratch: Path, corpus: list[Path]) -> dict[str, int]:
                 position = data.draw(st.integers(0, min(header_end, len(blob)) - 1))
                 blob[position] ^= 1 << data.draw(st.integers(0, 7))
             elif kind == "truncate":
-                del blob[data.draw(st.integers(0, len(blob) - 1)):]
+                del blob[data.draw(st.integers(0, len(blob) - 1)) :]
             else:
                 offset, size = data.draw(st.sampled_from(fields))
-                value = data.draw(st.one_of(st.sampled_from(_SPLICED), st.integers(0, (1 << 8 * size) - 1)))
+                value = data.draw(
+                    st.one_of(st.sampled_from(_SPLICED), st.integers(0, (1 << 8 * size) - 1))
+                )
                 if offset + size <= len(blob):
-                    blob[offset:offset + size] = (value % (1 << 8 * size)).to_bytes(size, "little")
+                    blob[offset : offset + size] = (value % (1 << 8 * size)).to_bytes(
+                        size, "little"
+                    )
         path = scratch / f"mutated-{next(names)}.gguf"  # a new name: gguf_metadata caches by file
         path.write_bytes(bytes(blob))
         outcome = _outcome(path)
@@ -215,15 +283,23 @@ def child_main(arguments: list[str]) -> None:
 
 def _run_limited(*arguments: str):
     """child_main in a fresh interpreter; a spin that outlives the timeout fails the test too."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-            "from tests.models.test_gguf_untrusted import child_main; child_main(sys.argv[1:])")
-    result = subprocess.run([sys.executable, "-c", code, *arguments], capture_output=True, text=True,
-                            cwd=ROOT, timeout=540)
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+        "from tests.models.test_gguf_untrusted import child_main; child_main(sys.argv[1:])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *arguments],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=540,
+    )
     assert result.returncode == 0, result.stderr[-6000:]
     return json.loads(result.stdout.splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------- the rows
+
 
 def test_a_huge_array_count_is_one_line_not_a_spin(tmp_path):
     """Row 7: the 73-byte file. The count is checked against the bytes left before the array is
@@ -232,20 +308,33 @@ def test_a_huge_array_count_is_one_line_not_a_spin(tmp_path):
     path.write_bytes(HUGE_ARRAY)
     assert len(HUGE_ARRAY) == 73
     assert _run_limited("load", str(path)) == [ONE_LINE]
-    with pytest.raises(GGUFImportError, match=r"element count 4611686018427387904 does not fit in the 0 bytes"):
+    with pytest.raises(
+        GGUFImportError, match=r"element count 4611686018427387904 does not fit in the 0 bytes"
+    ):
         read_gguf_file(path)
 
 
 MALFORMED = {
-    "truncated scalar": (_gguf(_key_value(b"llama.block_count", UINT32, b"\x01\x00")),
-                         "llama.block_count's value needs 4 bytes, the file has 2 left"),
-    "invalid UTF-8 value": (_gguf(_key_value(b"general.name", STRING, _string(b"caf\xc3"))),
-                            "general.name's value is not UTF-8"),
-    "invalid UTF-8 key": (_gguf(_key_value(b"general.\xffname", STRING, _string(b"x"))),
-                          "a metadata key is not UTF-8"),
-    "string past the end": (_gguf(_key_value(b"general.name", STRING, struct.pack("<Q", 1 << 40) + b"abc")),
-                            "general.name's value needs 1099511627776 bytes, the file has 3 left"),
-    "tensor count past the end": (_gguf(tensors=1 << 60), "tensor count 1152921504606846976 does not fit"),
+    "truncated scalar": (
+        _gguf(_key_value(b"llama.block_count", UINT32, b"\x01\x00")),
+        "llama.block_count's value needs 4 bytes, the file has 2 left",
+    ),
+    "invalid UTF-8 value": (
+        _gguf(_key_value(b"general.name", STRING, _string(b"caf\xc3"))),
+        "general.name's value is not UTF-8",
+    ),
+    "invalid UTF-8 key": (
+        _gguf(_key_value(b"general.\xffname", STRING, _string(b"x"))),
+        "a metadata key is not UTF-8",
+    ),
+    "string past the end": (
+        _gguf(_key_value(b"general.name", STRING, struct.pack("<Q", 1 << 40) + b"abc")),
+        "general.name's value needs 1099511627776 bytes, the file has 3 left",
+    ),
+    "tensor count past the end": (
+        _gguf(tensors=1 << 60),
+        "tensor count 1152921504606846976 does not fit",
+    ),
 }
 
 
@@ -275,15 +364,18 @@ def test_a_vocabulary_token_in_invalid_utf8_is_one_line(tmp_path):
 
 def test_tensor_entries_are_checked(tmp_path):
     """A tensor's dims, type, alignment and bytes are checked against the file as llama.cpp does."""
+
     def tensor(name: bytes, dims: tuple[int, ...], kind: int, offset: int) -> bytes:
         return _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, kind, offset)
 
-    cases = {"has 5 dims": tensor(b"t", (32, 1, 1, 1, 1), 0, 0),
-             "has unknown tensor type 99": tensor(b"t", (32,), 99, 0),
-             "not whole Q8_0 blocks of 32": tensor(b"t", (31,), 8, 0),
-             "not a multiple of the alignment 32": tensor(b"t", (32,), 0, 4),
-             "run past the end of the file": tensor(b"t", (1 << 40, 1 << 20), 0, 0),
-             "has an empty dim": tensor(b"t", (32, 0), 0, 0)}
+    cases = {
+        "has 5 dims": tensor(b"t", (32, 1, 1, 1, 1), 0, 0),
+        "has unknown tensor type 99": tensor(b"t", (32,), 99, 0),
+        "not whole Q8_0 blocks of 32": tensor(b"t", (31,), 8, 0),
+        "not a multiple of the alignment 32": tensor(b"t", (32,), 0, 4),
+        "run past the end of the file": tensor(b"t", (1 << 40, 1 << 20), 0, 0),
+        "has an empty dim": tensor(b"t", (32, 0), 0, 0),
+    }
     for match, entry in cases.items():
         path = tmp_path / "tensor.gguf"
         path.write_bytes(_gguf(tensors=1) + entry + bytes(64))
@@ -291,22 +383,47 @@ def test_tensor_entries_are_checked(tmp_path):
             read_gguf_file(path)
 
 
-GEMMA2 = {"general.architecture": "gemma2", "gemma2.context_length": 512, "gemma2.embedding_length": 64,
-          "gemma2.block_count": 2, "gemma2.feed_forward_length": 128, "gemma2.attention.head_count": 4,
-          "gemma2.attention.head_count_kv": 2, "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
-          "gemma2.attention.sliding_window": 16, "gemma2.attn_logit_softcapping": 50.0,
-          "gemma2.final_logit_softcapping": 30.0, "tokenizer.ggml.bos_token_id": 2}
-GEMMA2_TENSORS = {"token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight"}
+GEMMA2 = {
+    "general.architecture": "gemma2",
+    "gemma2.context_length": 512,
+    "gemma2.embedding_length": 64,
+    "gemma2.block_count": 2,
+    "gemma2.feed_forward_length": 128,
+    "gemma2.attention.head_count": 4,
+    "gemma2.attention.head_count_kv": 2,
+    "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
+    "gemma2.attention.sliding_window": 16,
+    "gemma2.attn_logit_softcapping": 50.0,
+    "gemma2.final_logit_softcapping": 30.0,
+    "tokenizer.ggml.bos_token_id": 2,
+}
+GEMMA2_TENSORS = {
+    "token_embd.weight",
+    "output_norm.weight",
+    "blk.0.attn_q.weight",
+    "blk.1.attn_q.weight",
+}
 
 
-@pytest.mark.parametrize("key, value, match", [
-    ("gemma2.attention.head_count", 0, "head_count is '0', not a positive whole number"),
-    ("gemma2.block_count", "2", "block_count is '2', not a positive whole number"),
-    ("gemma2.block_count", 10**6, "block_count 1000000 is more layers than the file's 4 tensors hold"),
-    ("gemma2.attention.layer_norm_rms_epsilon", "x", "epsilon is 'x', not a number"),
-    ("gemma2.attention.sliding_window", [16], r"sliding_window is '\[16\]', not a whole number"),
-    ("tokenizer.ggml.bos_token_id", 2.5, "bos_token_id is '2.5', not a token id"),
-])
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("gemma2.attention.head_count", 0, "head_count is '0', not a positive whole number"),
+        ("gemma2.block_count", "2", "block_count is '2', not a positive whole number"),
+        (
+            "gemma2.block_count",
+            10**6,
+            "block_count 1000000 is more layers than the file's 4 tensors hold",
+        ),
+        ("gemma2.attention.layer_norm_rms_epsilon", "x", "epsilon is 'x', not a number"),
+        (
+            "gemma2.attention.sliding_window",
+            [16],
+            r"sliding_window is '\[16\]', not a whole number",
+        ),
+        ("tokenizer.ggml.bos_token_id", 2.5, "bos_token_id is '2.5', not a token id"),
+    ],
+)
 def test_a_hyperparameter_of_the_wrong_kind_is_one_line(key, value, match):
     """A value whose type or size a changed bit made wrong: one line naming the key, not a
     ZeroDivisionError, a TypeError or a list of a million layer types."""
@@ -315,8 +432,15 @@ def test_a_hyperparameter_of_the_wrong_kind_is_one_line(key, value, match):
         llama_config({**GEMMA2, key: value}, GEMMA2_TENSORS, "m.gguf")
 
 
-@pytest.mark.parametrize("key, value", [("tokenizer.ggml.tokens", [1, 2]), ("tokenizer.ggml.token_type", ["1"]),
-                                        ("tokenizer.ggml.scores", "x"), ("tokenizer.ggml.merges", [3])])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("tokenizer.ggml.tokens", [1, 2]),
+        ("tokenizer.ggml.token_type", ["1"]),
+        ("tokenizer.ggml.scores", "x"),
+        ("tokenizer.ggml.merges", [3]),
+    ],
+)
 def test_a_vocabulary_array_of_the_wrong_kind_is_one_line(key, value):
     metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], key: value}
     with pytest.raises(GGUFImportError, match=f"{key} is not an array of"):
@@ -324,8 +448,11 @@ def test_a_vocabulary_array_of_the_wrong_kind_is_one_line(key, value):
 
 
 def test_merges_of_tokens_the_vocabulary_lacks_are_one_line():
-    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab"],
-                "tokenizer.ggml.merges": ["a b", "a )"]}
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b", "a )"],
+    }
     with pytest.raises(GGUFImportError, match="does not make a BPE tokenizer: .*out of vocabulary"):
         build_tokenizer(metadata, 512)
 
@@ -341,14 +468,29 @@ def test_the_header_equals_the_gguf_packages_reading(corpus):
     reader (its GGUF.* pseudo-keys aside), and the skipping read the same less the vocabulary."""
     for path in corpus:
         reader = gguf.GGUFReader(path)
-        expected = {key: value for key, value in read_metadata(reader).items() if not key.startswith("GGUF.")}
+        expected = {
+            key: value
+            for key, value in read_metadata(reader).items()
+            if not key.startswith("GGUF.")
+        }
         header = read_gguf_header(path)
         assert header.metadata == expected
-        assert [(t.name, t.tensor_type, t.shape, t.n_bytes, t.data_offset) for t in header.tensors] == [
-            (t.name, t.tensor_type, tuple(int(d) for d in t.shape), int(t.n_bytes), int(t.data_offset))
-            for t in reader.tensors]
+        assert [
+            (t.name, t.tensor_type, t.shape, t.n_bytes, t.data_offset) for t in header.tensors
+        ] == [
+            (
+                t.name,
+                t.tensor_type,
+                tuple(int(d) for d in t.shape),
+                int(t.n_bytes),
+                int(t.data_offset),
+            )
+            for t in reader.tensors
+        ]
         skipping = read_gguf_header(path, skip=VOCABULARY_ARRAYS)
-        assert skipping.metadata == {k: v for k, v in expected.items() if k not in VOCABULARY_ARRAYS}
+        assert skipping.metadata == {
+            k: v for k, v in expected.items() if k not in VOCABULARY_ARRAYS
+        }
         assert skipping.array_lengths == header.array_lengths
         assert skipping.tensors == header.tensors
 
@@ -359,27 +501,44 @@ def test_mutated_headers_load_or_are_one_line(corpus, tmp_path):
     outcomes = _run_limited("fuzz", str(tmp_path), *map(str, corpus))
     assert set(outcomes) <= {LOADED, ONE_LINE}, outcomes
     assert sum(outcomes.values()) >= FUZZ_EXAMPLES * 0.9  # (hypothesis may skip a few duplicates)
-    assert outcomes.get(ONE_LINE, 0) >= FUZZ_EXAMPLES // 4 and outcomes.get(LOADED, 0) >= 50, outcomes
+    assert outcomes.get(ONE_LINE, 0) >= FUZZ_EXAMPLES // 4 and outcomes.get(LOADED, 0) >= 50, (
+        outcomes
+    )
 
 
 # ------------------------------------------------------------------- SentencePiece merges
 
-def every_cut_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:
+
+def every_cut_merges(
+    tokens: list[str], scores: list[float], token_types: list[int]
+) -> list[tuple[str, str]]:
     """The oracle: every cut of every normal piece sliced and looked up."""
-    mergeable = {token: index for index, (token, kind) in enumerate(zip(tokens, token_types)) if kind == 1}
+    mergeable = {
+        token: index for index, (token, kind) in enumerate(zip(tokens, token_types)) if kind == 1
+    }
     ranked = []
     for piece, index in mergeable.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in mergeable and right in mergeable:
-                ranked.append((-scores[index], index, mergeable[left], mergeable[right], left, right))
+                ranked.append(
+                    (-scores[index], index, mergeable[left], mergeable[right], left, right)
+                )
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
 
 
 @settings(max_examples=300, deadline=None)
-@given(vocabulary=st.lists(st.tuples(st.text("ab▁é", min_size=1, max_size=7), st.integers(-8, 0),
-                                      st.sampled_from([1, 1, 1, 2, 3, 6])), max_size=40))
+@given(
+    vocabulary=st.lists(
+        st.tuples(
+            st.text("ab▁é", min_size=1, max_size=7),
+            st.integers(-8, 0),
+            st.sampled_from([1, 1, 1, 2, 3, 6]),
+        ),
+        max_size=40,
+    )
+)
 def test_merges_equal_every_cut(vocabulary):
     tokens = [token for token, _, _ in vocabulary]
     scores = [float(score) for _, score, _ in vocabulary]
@@ -389,6 +548,7 @@ def test_merges_equal_every_cut(vocabulary):
 
 class _Counted(str):
     """A piece that counts the characters every str operation on it reads or makes."""
+
     work = 0
 
     def _add(self, amount: int) -> None:
@@ -445,8 +605,11 @@ def test_a_vocabulary_with_a_long_piece_builds_its_tokenizer():
     from its two parts: encoding the piece's text gives its id, and its id decodes to the text."""
     long_piece = "▁" + "ab" * 10_000
     tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", long_piece[:-1], long_piece]
-    metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-                "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0],
-                "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1]}
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0],
+        "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1],
+    }
     backend, _ = build_tokenizer(metadata, 512)
     assert backend.decode([len(tokens) - 1]) == long_piece[1:]

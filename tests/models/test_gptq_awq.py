@@ -4,6 +4,7 @@ by hand, and for AWQ by compressed-tensors' own converter of AutoAWQ checkpoints
 holding the integers in the GGUF kernels' formats, greedy tokens equal to the
 dequantize-then-reference path, logprobs close to transformers running the dequantized
 weights, tensor parallelism equal to one rank, and the one-line errors for what is not served."""
+
 from __future__ import annotations
 
 import json
@@ -17,21 +18,48 @@ from safetensors.torch import load_file, save_file
 from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.models.gptq_awq import group_quant_config, parse_config
-from tests.gptq_awq_models import (SCHEMES, awq_as_compressed_tensors, dequantized_transformers, pack_awq, pack_gptq,
-                                   quantize_checkpoint, write_quantized_llama)
+from tests.gptq_awq_models import (
+    SCHEMES,
+    awq_as_compressed_tensors,
+    dequantized_transformers,
+    pack_awq,
+    pack_gptq,
+    quantize_checkpoint,
+    write_quantized_llama,
+)
 from tests.models.family_checkpoints import write_random_checkpoint
-from tests.models.test_compressed_tensors import (_experts_with_rounded_inputs, assert_cli_one_line_error,
-                                                  assert_moe_tensor_parallel_equals_one_rank, assert_same_greedy,
-                                                  assert_tensor_parallel_equals_one_rank, build, greedy)
+from tests.models.test_compressed_tensors import (
+    _experts_with_rounded_inputs,
+    assert_cli_one_line_error,
+    assert_moe_tensor_parallel_equals_one_rank,
+    assert_same_greedy,
+    assert_tensor_parallel_equals_one_rank,
+    build,
+    greedy,
+)
 
-SERVED = ["gptq-4bit-g128", "gptq-4bit-asym-g64", "gptq-8bit-g128", "gptq-4bit-channel", "gptq-4bit-actorder",
-          "awq-4bit-g128"]
+SERVED = [
+    "gptq-4bit-g128",
+    "gptq-4bit-asym-g64",
+    "gptq-8bit-g128",
+    "gptq-4bit-channel",
+    "gptq-4bit-actorder",
+    "awq-4bit-g128",
+]
 DEQUANTIZED = ["gptq-8bit-asym-g64"]  # no kernel format has int8 with zero points: float at load
-FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-              "up_proj": "gate_up_proj"}  # transformers' layer -> ours
-PAIRS = [("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-         ("self_attn.o_proj", ["self_attn.o_proj"]), ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
-         ("mlp.down_proj", ["mlp.down_proj"])]
+FUSED_INTO = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}  # transformers' layer -> ours
+PAIRS = [
+    ("self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+    ("self_attn.o_proj", ["self_attn.o_proj"]),
+    ("mlp.gate_up_proj", ["mlp.gate_proj", "mlp.up_proj"]),
+    ("mlp.down_proj", ["mlp.down_proj"]),
+]
 
 
 @pytest.fixture(scope="module", params=SERVED + DEQUANTIZED)
@@ -62,6 +90,7 @@ def _layer(model, index: int, name: str):
 
 # ---- the bytes -----------------------------------------------------------------------------
 
+
 def _integers(config: dict, tensors: dict):
     return parse_config(config).integers(tensors, "layer")
 
@@ -72,13 +101,22 @@ def test_gptq_words_packed_by_hand():
     (v1; a stored 15 means 16, as vLLM reads it per value); g_idx in input order is plain groups."""
     k, n = 32, 8
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
-    qweight[0, 0] = 0x76543210          # output 0, inputs 0-7 = 0..7
-    qweight[3, 5] = 0x1F00000A          # output 5: input 24 = 10, 30 = 15, 31 = 1
-    qzeros = torch.tensor([[0x0000F037]], dtype=torch.int32)  # outputs 0..7 store 7, 3, 0, 15, then 0
+    qweight[0, 0] = 0x76543210  # output 0, inputs 0-7 = 0..7
+    qweight[3, 5] = 0x1F00000A  # output 5: input 24 = 10, 30 = 15, 31 = 1
+    qzeros = torch.tensor(
+        [[0x0000F037]], dtype=torch.int32
+    )  # outputs 0..7 store 7, 3, 0, 15, then 0
     scales = torch.arange(1, n + 1, dtype=torch.float16).reshape(1, n)
     config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False}
-    weight = _integers(config, {"qweight": qweight, "qzeros": qzeros, "scales": scales,
-                                "g_idx": torch.zeros(k, dtype=torch.int32)})
+    weight = _integers(
+        config,
+        {
+            "qweight": qweight,
+            "qzeros": qzeros,
+            "scales": scales,
+            "g_idx": torch.zeros(k, dtype=torch.int32),
+        },
+    )
     assert weight.g_idx is None and weight.group == 32 and weight.bits == 4
     u = weight.q + 8
     assert u[0, :8].tolist() == list(range(8)) and u[0, 8:].eq(0).all()
@@ -87,13 +125,24 @@ def test_gptq_words_packed_by_hand():
     dense = weight.dequantized()
     assert dense[0, 3] == 1 * (3 - 8) and dense[5, 24] == 6 * (10 - 1)
     # v2 ("gptq_v2"): the zero points as stored. 8-bit: four inputs a word.
-    weight = _integers({**config, "checkpoint_format": "gptq_v2"}, {"qweight": qweight, "qzeros": qzeros, "scales": scales})
+    weight = _integers(
+        {**config, "checkpoint_format": "gptq_v2"},
+        {"qweight": qweight, "qzeros": qzeros, "scales": scales},
+    )
     assert (weight.zero[:, 0] + 8).tolist() == [7, 3, 0, 15, 0, 0, 0, 0]
     words = torch.zeros(k // 4, n, dtype=torch.int32)
-    words[1, 2] = 0x04C30201            # output 2: inputs 4..7 = 1, 2, 195, 4
-    zeros8 = torch.full((1, n // 4), 0x7F7F7F7F, dtype=torch.int32)  # 127 + 1 = 128 everywhere: symmetric
-    weight = _integers({**config, "bits": 8, "sym": True}, {"qweight": words, "qzeros": zeros8, "scales": scales})
-    assert (weight.q[2, 4:8] + 128).tolist() == [1, 2, 195, 4] and weight.zero is None and weight.qtype == "q8_0"
+    words[1, 2] = 0x04C30201  # output 2: inputs 4..7 = 1, 2, 195, 4
+    zeros8 = torch.full(
+        (1, n // 4), 0x7F7F7F7F, dtype=torch.int32
+    )  # 127 + 1 = 128 everywhere: symmetric
+    weight = _integers(
+        {**config, "bits": 8, "sym": True}, {"qweight": words, "qzeros": zeros8, "scales": scales}
+    )
+    assert (
+        (weight.q[2, 4:8] + 128).tolist() == [1, 2, 195, 4]
+        and weight.zero is None
+        and weight.qtype == "q8_0"
+    )
 
 
 def test_awq_words_packed_by_hand():
@@ -106,8 +155,10 @@ def test_awq_words_packed_by_hand():
     qweight[2, 1] = 0x0000000F
     qzeros = torch.tensor([[0x11111111, 0x00000050]], dtype=torch.int32)
     scales = torch.ones(1, 16, dtype=torch.float16)
-    weight = _integers({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "GEMM"},
-                       {"qweight": qweight, "qzeros": qzeros, "scales": scales})
+    weight = _integers(
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "GEMM"},
+        {"qweight": qweight, "qzeros": qzeros, "scales": scales},
+    )
     u = weight.q + 8
     assert u[:8, 1].tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and u[8, 2] == 15
     assert (weight.zero[:, 0] + 8).tolist() == [1] * 8 + [0, 0, 5, 0, 0, 0, 0, 0]
@@ -125,10 +176,18 @@ def test_the_test_packers_round_trip():
     scales = torch.rand(2, 16, generator=gen).half()
     g_idx = (torch.arange(64) // 32).to(torch.int32)
     for config, (qweight, qzeros) in (
-            ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False}, pack_gptq(q, zeros, 4)),
-            ({"quant_method": "awq", "bits": 4, "group_size": 32}, pack_awq(q, zeros))):
-        weight = _integers(config, {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx})
-        assert torch.equal(weight.q + 8, q.to(torch.int16)) and torch.equal(weight.zero + 8, zeros.t().to(torch.int16))
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False},
+            pack_gptq(q, zeros, 4),
+        ),
+        ({"quant_method": "awq", "bits": 4, "group_size": 32}, pack_awq(q, zeros)),
+    ):
+        weight = _integers(
+            config, {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
+        )
+        assert torch.equal(weight.q + 8, q.to(torch.int16)) and torch.equal(
+            weight.zero + 8, zeros.t().to(torch.int16)
+        )
 
 
 def test_awq_checkpoint_read_as_compressed_tensors_converts_it(tmp_path):
@@ -143,11 +202,16 @@ def test_awq_checkpoint_read_as_compressed_tensors_converts_it(tmp_path):
     assert len(theirs) == 2 * 7
     for name, expected in theirs.items():
         layer = name.removesuffix(".weight")
-        ours = config.integers({role: tensors[f"{layer}.{role}"] for role in ("qweight", "qzeros", "scales")}, layer)
-        assert torch.equal(ours.dequantized(), expected) and torch.equal(expected, meaning[name]), name
+        ours = config.integers(
+            {role: tensors[f"{layer}.{role}"] for role in ("qweight", "qzeros", "scales")}, layer
+        )
+        assert torch.equal(ours.dequantized(), expected) and torch.equal(expected, meaning[name]), (
+            name
+        )
 
 
 # ---- served ---------------------------------------------------------------------------------
+
 
 @torch.inference_mode()
 def test_layers_hold_the_checkpoints_integers(scheme, checkpoint):
@@ -186,6 +250,7 @@ def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
 def _int8_blocks(order: torch.Tensor | None):
     """A forward pre-hook rounding a layer's inputs as our kernels do: int8 per block of 32 along
     each row (kernels/quant.quantize_activations), the blocks taken in the layer's input order."""
+
     def round_inputs(module, args):
         x = args[0]
         rows = x.reshape(-1, x.shape[-1])
@@ -196,6 +261,7 @@ def _int8_blocks(order: torch.Tensor | None):
         if order is not None:
             values = values[:, torch.argsort(order)]
         return (values.reshape(x.shape).to(x.dtype),)
+
     return round_inputs
 
 
@@ -204,7 +270,9 @@ def _hooked_greedy(llm, model):
     rounds its inputs as ours (in its input order); those dequantized at load don't."""
     ours = dict(llm.llm_engine.runner.model.named_modules())  # (rank 0's)
     for name, module in model.named_modules():
-        if name.endswith(".experts") and getattr(ours.get(name), "quant_experts", None):  # stacked MoE experts
+        if name.endswith(".experts") and getattr(
+            ours.get(name), "quant_experts", None
+        ):  # stacked MoE experts
             module.forward = types.MethodType(_experts_with_rounded_inputs, module)
             continue
         if not (name.endswith("_proj") or name == "lm_head"):
@@ -231,7 +299,9 @@ def assert_close_to_transformers(path, **kwargs) -> None:
         tokens, logprobs, _ = _hooked_greedy(llm, model)
         tokenizer = llm.get_tokenizer()
     differences = []
-    for prompt, mine, (rows, theirs) in zip(PROMPTS, logprobs, teacher_forced(model, tokenizer, PROMPTS, tokens)):
+    for prompt, mine, (rows, theirs) in zip(
+        PROMPTS, logprobs, teacher_forced(model, tokenizer, PROMPTS, tokens)
+    ):
         differences += [abs(a - b) for a, b in zip(mine, theirs)]
         assert all(row.max().item() - value < NEAR_TIE for row, value in zip(rows, theirs)), prompt
     # Float32 rounding apart, an activation that lands on the other side of an int8 rounding step
@@ -244,9 +314,16 @@ def test_logprobs_close_to_transformers_on_the_dequantized_weights(checkpoint):
     assert_close_to_transformers(checkpoint)
 
 
-@pytest.mark.parametrize("family,scheme", [("qwen3", "gptq-4bit-asym-g64"), ("phi3", "awq-4bit-g64"),
-                                           ("qwen2", "gptq-4bit-g128"), ("qwen3_moe", "gptq-4bit-g128"),
-                                           ("qwen3_moe", "awq-4bit-g64")])
+@pytest.mark.parametrize(
+    "family,scheme",
+    [
+        ("qwen3", "gptq-4bit-asym-g64"),
+        ("phi3", "awq-4bit-g64"),
+        ("qwen2", "gptq-4bit-g128"),
+        ("qwen3_moe", "gptq-4bit-g128"),
+        ("qwen3_moe", "awq-4bit-g64"),
+    ],
+)
 def test_other_families(family, scheme, tmp_path):
     """Qwen3 (q/k norms), Phi-3 (q, k and v in one checkpoint tensor, gate and up too: one
     quantized tensor per fused layer, split into the layer's shards as a float one is), Qwen2
@@ -260,7 +337,9 @@ def test_other_families(family, scheme, tmp_path):
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
     if family == "qwen3_moe":
-        assert_experts_hold(model, load_file(path.parent / "meaning.safetensors"), expected_qtype(scheme))
+        assert_experts_hold(
+            model, load_file(path.parent / "meaning.safetensors"), expected_qtype(scheme)
+        )
     assert_close_to_transformers(path)
 
 
@@ -271,7 +350,11 @@ def test_quantized_lm_head(tmp_path):
     path = write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=8, lm_head=True)
     model = build(path, dtype="float32").llm_engine.runner.model
     head = model.lm_head
-    assert head.quant_weight is not None and head.quant_weight.qtype == "q4_1" and head.weight.device.type == "meta"
+    assert (
+        head.quant_weight is not None
+        and head.quant_weight.qtype == "q4_1"
+        and head.weight.device.type == "meta"
+    )
     meaning = load_file(path.parent / "meaning.safetensors")["lm_head.weight"]
     assert torch.equal(quant.dequantize_weight(head.quant_weight)[: meaning.shape[0]], meaning)
     assert_close_to_transformers(path)
@@ -280,7 +363,9 @@ def test_quantized_lm_head(tmp_path):
 def test_tensor_parallel_equals_one_rank(tmp_path):
     """tp=2 (gloo): column-parallel layers take whole rows, row-parallel ones whole blocks of 32
     inputs with their scales and zero points; the tokens equal one rank's, each rank holds about half."""
-    assert_tensor_parallel_equals_one_rank(write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=5))
+    assert_tensor_parallel_equals_one_rank(
+        write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=5)
+    )
 
 
 @pytest.mark.parametrize("expert_inter", [64, 32])
@@ -299,6 +384,7 @@ def test_quantized_moe_under_tensor_parallelism_equals_one_rank(expert_inter, tm
 
 
 # ---- what else a checkpoint may hold, and what is refused ---------------------------------
+
 
 @pytest.fixture(scope="module")
 def gptq4(tmp_path_factory):
@@ -386,8 +472,13 @@ def test_act_order_under_tensor_parallelism(tmp_path):
     path = write_quantized_llama(tmp_path, "gptq-4bit-actorder", seed=7)
     with build(path, dtype="float32", tensor_parallel_size=2) as llm:
         layer = llm.llm_engine.runner.model.model.layers[0]
-        assert layer.self_attn.qkv_proj.input_perm is not None and layer.mlp.gate_up_proj.input_perm is not None
-        assert layer.self_attn.o_proj.quant_weight is None and layer.mlp.down_proj.quant_weight is None
+        assert (
+            layer.self_attn.qkv_proj.input_perm is not None
+            and layer.mlp.gate_up_proj.input_perm is not None
+        )
+        assert (
+            layer.self_attn.o_proj.quant_weight is None and layer.mlp.down_proj.quant_weight is None
+        )
     assert_close_to_transformers(path, tensor_parallel_size=2)
 
 
@@ -407,6 +498,9 @@ def test_fused_parts_with_different_act_orders_are_an_error(tmp_path):
     assert qweight.dtype == torch.int32
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     # (Whichever of q, k, v the file lists second is the one named.)
-    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.[qkv]_proj: its activation order \(g_idx\) differs "
-                                         r"from the other parts of model.layers.1.self_attn.qkv_proj,"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.self_attn.[qkv]_proj: its activation order \(g_idx\) differs "
+        r"from the other parts of model.layers.1.self_attn.qkv_proj,",
+    ):
         build(path)

@@ -4,6 +4,7 @@ transformers in fp32: greedy tokens equal and prompt logprobs close, alone and b
 chunked prefill and with the prefix cache; prompts whose tokens crowd onto some experts and
 leave others without a token. In bf16 on the CPU's GEMM a prompt's tokens do not depend on its
 batch, and the fused CPU decode step leaves MoE models to the modules."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def generate_ids(llm, prompts):
 
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
 def moe_dir(request, tmp_path_factory):
-    return request.param, write_moe_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, write_moe_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param
+    )
 
 
 def expert_loads(hf_model, prompt) -> list[torch.Tensor]:
@@ -36,8 +39,11 @@ def expert_loads(hf_model, prompt) -> list[torch.Tensor]:
     with torch.inference_mode():
         out = hf_model(input_ids=torch.tensor([prompt]), output_router_logits=True)
     top_k = hf_model.config.num_experts_per_tok
-    return [torch.bincount(logits.topk(top_k, dim=-1).indices.reshape(-1), minlength=NUM_EXPERTS)
-            for logits in out.router_logits if logits is not None]
+    return [
+        torch.bincount(logits.topk(top_k, dim=-1).indices.reshape(-1), minlength=NUM_EXPERTS)
+        for logits in out.router_logits
+        if logits is not None
+    ]
 
 
 def test_greedy_matches_transformers(moe_dir):
@@ -49,7 +55,9 @@ def test_greedy_matches_transformers(moe_dir):
     loads = expert_loads(hf_model, prompts[0])
     assert all(load.max() >= 2 for load in loads)  # tokens that share an expert
     if MOE_FAMILIES[family] < NUM_EXPERTS:
-        assert all((load == 0).any() for load in expert_loads(hf_model, prompts[0][:2]))  # idle experts
+        assert all(
+            (load == 0).any() for load in expert_loads(hf_model, prompts[0][:2])
+        )  # idle experts
     expected = [hf_greedy(hf_model, prompt, NUM_TOKENS) for prompt in prompts]
     # max_num_batched_tokens=32: the long prompts are prefilled in chunks.
     llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
@@ -83,14 +91,21 @@ def test_config_reads_each_family(moe_dir):
     assert (moe.num_experts, moe.top_k) == (NUM_EXPERTS, MOE_FAMILIES[family])
     assert moe.renormalize == (family in ("mixtral", "qwen3_moe", "gpt_oss"))
     assert moe.shared_expert_intermediate_size == (48 if family == "qwen2_moe" else 0)
-    assert [moe.is_sparse(i) for i in range(2)] == ([True, False] if family == "qwen2_moe" else [True, True])
+    assert [moe.is_sparse(i) for i in range(2)] == (
+        [True, False] if family == "qwen2_moe" else [True, True]
+    )
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_bf16_tokens_do_not_depend_on_the_batch_and_decode_is_not_fused(family, tmp_path):
     model_dir = write_moe_checkpoint(tmp_path / family, family)
-    llm = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=24,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
     runner = llm.llm_engine.runner
     assert runner.fused_decode is None  # layers/cpu_decode.py takes Llama's layers only
     experts = [layer.mlp.experts for layer in runner.model.model.layers]
@@ -106,12 +121,30 @@ def test_gpt_oss_config_as_openai_writes_it(tmp_path):
     no swiglu_alpha, a top-level rope_theta with a yarn rope_scaling."""
     import json
 
-    raw = {"architectures": ["GptOssForCausalLM"], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 32,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2,
-           "num_local_experts": 8, "experts_per_token": 4, "sliding_window": 128, "swiglu_limit": 7.0,
-           "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000,
-           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                            "truncate": False, "original_max_position_embeddings": 4096}}
+    raw = {
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_hidden_layers": 2,
+        "num_local_experts": 8,
+        "experts_per_token": 4,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     config = ModelConfig.from_dir(tmp_path)
     assert (config.moe.num_experts, config.moe.top_k, config.moe.renormalize) == (8, 4, True)
@@ -123,8 +156,16 @@ def test_gpt_oss_config_as_openai_writes_it(tmp_path):
 def test_bad_moe_config_is_one_line(tmp_path):
     import json
 
-    raw = {"architectures": ["MixtralForCausalLM"], "vocab_size": 10, "hidden_size": 64, "intermediate_size": 32,
-           "num_attention_heads": 4, "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 5}
+    raw = {
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 5,
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="num_experts_per_tok in 1..num_experts") as error:
         ModelConfig.from_dir(tmp_path)
@@ -141,7 +182,9 @@ def test_reference_kernels_run_the_loop_over_experts(tmp_path, monkeypatch):
     expected = [hf_greedy(load_hf(model_dir), prompt, NUM_TOKENS) for prompt in prompts]
     calls = []
     real = fused_moe.fused_experts_reference
-    monkeypatch.setattr(fused_moe, "fused_experts_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        fused_moe, "fused_experts_reference", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     monkeypatch.setattr(fused_moe, "fused_experts_grouped", None)  # must not be reached
     monkeypatch.setenv("NANOSERVE_KERNELS", "reference")
     kernels.reset_kernel_choice()

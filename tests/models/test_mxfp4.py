@@ -2,6 +2,7 @@
 transformers' own (`convert_moe_packed_tensors`) on random blocks; a gpt-oss checkpoint whose
 experts this test wrote as MXFP4 served with the tokens and logprobs transformers gives on the
 dequantized weights; unpaired tensors and other bad input are one-line errors."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,7 +30,9 @@ def test_dequantize_matches_transformers_on_random_blocks():
     ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 10, 128]
     theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [3, 128, 10]
     assert torch.equal(ours, theirs.transpose(1, 2))
-    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours)  # bf16 holds them
+    assert torch.equal(
+        dequantize_mxfp4(blocks, scales, torch.bfloat16).float(), ours
+    )  # bf16 holds them
 
 
 def write_mxfp4_checkpoint(tmp_path):
@@ -39,7 +42,9 @@ def write_mxfp4_checkpoint(tmp_path):
     quant_dir, oracle_dir = tmp_path / "mxfp4", tmp_path / "dequantized"
     meaning = mxfp4_checkpoint(float_dir, quant_dir)
     shutil.copytree(float_dir, oracle_dir)
-    save_file(load_file(float_dir / "model.safetensors") | meaning, oracle_dir / "model.safetensors")
+    save_file(
+        load_file(float_dir / "model.safetensors") | meaning, oracle_dir / "model.safetensors"
+    )
     return float_dir, quant_dir, oracle_dir
 
 
@@ -96,16 +101,23 @@ def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
         experts = layer.mlp.experts
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta  # the float copies are gone
         theirs = oracle.model.layers[index].mlp.experts
-        for expert, (w13, w2) in enumerate(zip(experts.quant_experts["w13"], experts.quant_experts["w2"])):
+        for expert, (w13, w2) in enumerate(
+            zip(experts.quant_experts["w13"], experts.quant_experts["w2"])
+        ):
             assert w13.qtype == w2.qtype == "mxfp4"
             assert w13.nbytes * 8 == w13.n * w13.k * 5  # a nibble a weight, an fp32 scale per 32
-            assert torch.equal(dequantize_weight(w13), deinterleave(theirs.gate_up_proj[expert].detach()).T)
+            assert torch.equal(
+                dequantize_weight(w13), deinterleave(theirs.gate_up_proj[expert].detach()).T
+            )
             assert torch.equal(dequantize_weight(w2), theirs.down_proj[expert].detach().T)
     prompt = random_prompts(1, oracle.config.vocab_size, seed=22, min_len=30, max_len=30)[0]
     got = _prompt_logprobs(llm, prompt)
     with torch.inference_mode():
         reference = oracle(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
-    errors = [abs(got[p][prompt[p]].logprob - float(reference[p - 1, prompt[p]])) for p in range(1, len(prompt))]
+    errors = [
+        abs(got[p][prompt[p]].logprob - float(reference[p - 1, prompt[p]]))
+        for p in range(1, len(prompt))
+    ]
     # (0.085 and 0.026 here: this random model's large weights amplify the int8 rounding; a
     # wrong scale or row order is off by whole units.)
     assert max(errors) < 0.15 and sum(errors) / len(errors) < 0.05, errors
@@ -113,15 +125,26 @@ def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
 
 def test_mxfp4_bf16_tokens_do_not_depend_on_the_batch(checkpoints):
     _, quant_dir, _ = checkpoints
-    llm = LLM(model=str(quant_dir), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=24,
-              enable_prefix_caching=False)
-    assert set(llm.llm_engine.runner.model.model.layers[0].mlp.experts.quant_experts) == {"w13", "w2"}
+    llm = LLM(
+        model=str(quant_dir),
+        dtype="bfloat16",
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=False,
+    )
+    assert set(llm.llm_engine.runner.model.model.layers[0].mlp.experts.quant_experts) == {
+        "w13",
+        "w2",
+    }
     prompts = random_prompts(4, 300, seed=12, min_len=5, max_len=40)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def generate(batch):
-        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch], params,
-                                                              use_tqdm=False)]
+        return [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        ]
+
     assert [generate([p])[0] for p in prompts] == generate(prompts)
 
 
@@ -147,6 +170,10 @@ def test_mxfp4_flag_on_another_checkpoint_is_refused(checkpoints):
 
 def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="do not match"):
-        dequantize_mxfp4(torch.zeros(2, 3, 16, dtype=torch.uint8), torch.zeros(2, 4, dtype=torch.uint8), torch.float32)
+        dequantize_mxfp4(
+            torch.zeros(2, 3, 16, dtype=torch.uint8),
+            torch.zeros(2, 4, dtype=torch.uint8),
+            torch.float32,
+        )
     with pytest.raises(ValueError, match="must be uint8"):
         dequantize_mxfp4(torch.zeros(2, 3, 16), torch.zeros(2, 3, dtype=torch.uint8), torch.float32)

@@ -1,6 +1,7 @@
 """A bf16 weight our CPU GEMM has packed is held once (layers/cpu_prepack.py): the packing, the
 parameter moved to the meta device, except a weight another module shares (a tied LM head's is
 the embedding's table); the weight bytes the engine reports count what is held."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ from nanoserve.kernels.gemm import unquantized_gemm
 from nanoserve.layers.linear import LinearBase
 from tests.conftest import write_random_llama
 
-needs_gemm = pytest.mark.skipif(not cpu_ops.gemm_available(), reason="the CPU kernels don't load here")
+needs_gemm = pytest.mark.skipif(
+    not cpu_ops.gemm_available(), reason="the CPU kernels don't load here"
+)
 
 
 @needs_gemm
@@ -34,7 +37,9 @@ def test_packed_weights_are_held_once(tmp_path, tie):
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     head_packing = head.gemm_weight.numel() * head.gemm_weight.element_size()
     assert runner.weight_bytes < dense * 1.1 + (head_packing if tie else 0)
-    out = llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    out = llm.generate(
+        ["hello there"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    )
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -42,18 +47,23 @@ def test_packed_weights_are_held_once(tmp_path, tie):
 def test_a_released_weight_still_takes_any_rows(tmp_path):
     """Strided or fp32 rows (F.linear's cases before) go through the packing too, same bits as
     contiguous bf16 rows."""
-    llm = LLM(model=str(write_random_llama(tmp_path / "model", dtype="bfloat16")), dtype="bfloat16",
-              max_model_len=128)
+    llm = LLM(
+        model=str(write_random_llama(tmp_path / "model", dtype="bfloat16")),
+        dtype="bfloat16",
+        max_model_len=128,
+    )
     layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
     assert layer.weight.is_meta
     k = layer.weight.shape[1]
     wide = torch.randn(5, k + 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    rows = wide[:, 4:4 + k]
+    rows = wide[:, 4 : 4 + k]
     expected = unquantized_gemm(rows.contiguous(), layer.weight, None, layer.gemm_weight)
     assert torch.equal(unquantized_gemm(rows, layer.weight, None, layer.gemm_weight), expected)
     as_fp32 = unquantized_gemm(rows.float(), layer.weight, None, layer.gemm_weight)
     assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, expected.float())
-    assert torch.equal(unquantized_gemm(rows.reshape(1, 5, k), layer.weight, None, layer.gemm_weight)[0], expected)
+    assert torch.equal(
+        unquantized_gemm(rows.reshape(1, 5, k), layer.weight, None, layer.gemm_weight)[0], expected
+    )
 
 
 @needs_gemm
@@ -84,18 +94,30 @@ def test_moe_experts_are_held_once(tmp_path, monkeypatch):
         finally:
             monkeypatch.delenv("NANOSERVE_KERNELS")
             kernels.reset_kernel_choice()
-        return [(o.outputs[0].token_ids, [step[t].logprob for step, t in zip(o.outputs[0].logprobs,
-                                                                           o.outputs[0].token_ids)]) for o in outputs]
+        return [
+            (
+                o.outputs[0].token_ids,
+                [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+            )
+            for o in outputs
+        ]
 
     packed = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
     layers = [m for m in packed.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert layers and all(m.packed is not None and m.w13_weight.is_meta and m.w2_weight.is_meta for m in layers)
-    assert len(packed.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids) == 6  # the grouped path
+    assert layers and all(
+        m.packed is not None and m.w13_weight.is_meta and m.w2_weight.is_meta for m in layers
+    )
+    assert (
+        len(packed.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids) == 6
+    )  # the grouped path
     ours = reference_outputs(packed)
     packed.shutdown()
     monkeypatch.setenv("NANOSERVE_CPU_GEMM", "onednn")
     plain = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
     monkeypatch.delenv("NANOSERVE_CPU_GEMM")
-    assert all(m.packed is None and not m.w13_weight.is_meta
-               for m in plain.llm_engine.runner.model.modules() if isinstance(m, FusedMoE))
+    assert all(
+        m.packed is None and not m.w13_weight.is_meta
+        for m in plain.llm_engine.runner.model.modules()
+        if isinstance(m, FusedMoE)
+    )
     assert ours == reference_outputs(plain)

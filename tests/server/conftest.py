@@ -1,4 +1,5 @@
 """Fixtures for the server tests; helpers live in server_helpers.py."""
+
 from __future__ import annotations
 
 import gc
@@ -37,6 +38,7 @@ class ServerHandle:
 
     def client(self, **kwargs):
         import openai
+
         kwargs.setdefault("api_key", "unused")
         return openai.OpenAI(base_url=self.url + "/v1", max_retries=0, timeout=60, **kwargs)
 

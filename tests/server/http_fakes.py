@@ -1,11 +1,12 @@
 """A fake transport and a fake clock for driving an `HttpConnection` without sockets or sleeps,
 as uvicorn's protocol tests do: bytes go in through `data_received`, writes are recorded, and
 timers fire only when the test moves the clock."""
+
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from nanoserve.server.http.connection import HttpConnection
 from nanoserve.server.http.types import ServerState
@@ -13,9 +14,11 @@ from nanoserve.server.http.types import ServerState
 
 def run_async(test):
     """Run an `async def` test on a fresh event loop."""
+
     @functools.wraps(test)
     def wrapper(*args, **kwargs):
         asyncio.run(asyncio.wait_for(test(*args, **kwargs), 30))
+
     return wrapper
 
 

@@ -1,12 +1,14 @@
 """Helpers for the server tests: a real server on a background thread with its own event loop,
 a tiny raw-socket HTTP client, and a spy on the real engine's step that can hold one."""
+
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nanoserve.engine.llm_engine import LLMEngine
@@ -28,6 +30,7 @@ class LoopThread:
     def call(self, coro_fn: Callable[[], Any], timeout: float = 60.0) -> Any:
         async def wrapper():
             return await coro_fn()
+
         return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
 
     def close(self) -> None:
@@ -74,7 +77,7 @@ def read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict
             while len(buffer) < size + 2:
                 fill()
             body += buffer[:size]
-            buffer = buffer[size + 2:]
+            buffer = buffer[size + 2 :]
             if size == 0:
                 break
     sock._nanoserve_buffer = buffer  # type: ignore[attr-defined]
@@ -83,6 +86,7 @@ def read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict
 
 class Conn(socket.socket):
     """A client socket that keeps the bytes read past the end of a response."""
+
     _nanoserve_buffer = b""
 
 
@@ -103,13 +107,19 @@ def is_closed(sock: socket.socket, timeout: float = 5.0) -> bool:
                 return True
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
     return False
 
 
-def http_request(port: int, method: str, path: str, body: bytes | str | None = None,
-                 headers: dict[str, str] | None = None, timeout: float = 30.0):
+def http_request(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+):
     """One request on a fresh connection: (status, headers, body)."""
     if isinstance(body, str):
         body = body.encode()
@@ -163,6 +173,7 @@ class StepSpy:
         def abort_request(request_id):
             self.aborts.append((request_id, self.started))
             return real_abort(request_id)
+
         self.engine = engine
         engine.step = self
         engine.abort_request = abort_request

@@ -2,6 +2,7 @@
 (and under its /v1/models/ and /v1/responses/ prefixes), optional ones switched on, answers 401
 with the OpenAI error body without the key, except /health, /ping, /version and the chat page.
 Routes that change server state exist only in development mode (NANOSERVE_SERVER_DEV_MODE)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,30 @@ KEY = "sekret"
 ALLOWLIST = {"/health", "/ping", "/version", "/", "/index.html", "/ui/config"}
 # One body that each POST route would act on without the key check: a chat (and /invocations)
 # request, a prompt, token ids, an adapter to load or unload.
-BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "tokens": [1],
-                   "input": "hi", "max_tokens": 1, "lora_name": "a", "lora_path": "/nonexistent"})
-WRONG = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-         {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}]
-UNAUTHORIZED = {"message": "Unauthorized: a valid API key is required (Authorization: Bearer <key>).",
-                "type": "AuthenticationError", "param": None, "code": 401}
+BODY = json.dumps(
+    {
+        "messages": [{"role": "user", "content": "hi"}],
+        "prompt": "hi",
+        "tokens": [1],
+        "input": "hi",
+        "max_tokens": 1,
+        "lora_name": "a",
+        "lora_path": "/nonexistent",
+    }
+)
+WRONG = [
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": KEY},
+    {"Authorization": f"Basic {KEY}"},
+    {"Authorization": f"Bearer {KEY}x"},
+]
+UNAUTHORIZED = {
+    "message": "Unauthorized: a valid API key is required (Authorization: Bearer <key>).",
+    "type": "AuthenticationError",
+    "param": None,
+    "code": 401,
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +50,14 @@ def keyed_server(tiny_llama_dir):
     """Every optional route on: load tracking, tokenizer info, runtime LoRA, development mode."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING", "1")
-        handle = ServerHandle(tiny_llama_dir, engine_kwargs={"enable_lora": True, "max_loras": 1,
-                                                             "num_kv_blocks": 64},
-                              api_key=KEY, enable_server_load_tracking=True,
-                              enable_tokenizer_info_endpoint=True, server_dev_mode=True)
+        handle = ServerHandle(
+            tiny_llama_dir,
+            engine_kwargs={"enable_lora": True, "max_loras": 1, "num_kv_blocks": 64},
+            api_key=KEY,
+            enable_server_load_tracking=True,
+            enable_tokenizer_info_endpoint=True,
+            server_dev_mode=True,
+        )
     yield handle
     handle.close()
 
@@ -42,8 +65,11 @@ def keyed_server(tiny_llama_dir):
 def every_route(app) -> list[tuple[str, str]]:
     """(method, path) for every route the app serves, read from its tables."""
     routes = [(method, path) for path, methods in app.routes.items() for method in methods]
-    routes += [(method, prefix + "some-id") for prefix, methods in app.prefix_routes.items()
-               for method in methods]
+    routes += [
+        (method, prefix + "some-id")
+        for prefix, methods in app.prefix_routes.items()
+        for method in methods
+    ]
     return routes
 
 
@@ -60,9 +86,19 @@ def test_every_route_but_the_allowlist_needs_the_key(keyed_server):
     routes = every_route(keyed_server.server.app)
     paths = {path for _, path in routes}
     # the table really holds the optional routes, so the walk covers them
-    assert {"/invocations", "/tokenize", "/detokenize", "/metrics", "/load", "/tokenizer_info",
-            "/reset_prefix_cache", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-            "/v1/models/some-id", "/v1/responses/some-id"} <= paths
+    assert {
+        "/invocations",
+        "/tokenize",
+        "/detokenize",
+        "/metrics",
+        "/load",
+        "/tokenizer_info",
+        "/reset_prefix_cache",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/models/some-id",
+        "/v1/responses/some-id",
+    } <= paths
     assert ALLOWLIST <= paths
     closed = [(method, path) for method, path in routes if path not in ALLOWLIST]
     for method, path in closed:
@@ -83,22 +119,26 @@ def test_the_allowlist_answers_without_the_key(keyed_server):
             assert send(keyed_server.port, method, path, {})[0] == 200, (method, path)
 
 
-@pytest.mark.parametrize("path", ["/nope", "/v1/nope", "/health/", "/HEALTH", "/health%00",
-                                  "/v1/models/", "/ui/config/x"])
+@pytest.mark.parametrize(
+    "path",
+    ["/nope", "/v1/nope", "/health/", "/HEALTH", "/health%00", "/v1/models/", "/ui/config/x"],
+)
 def test_unknown_paths_need_the_key_too(keyed_server, path):
     """Without the key no route's existence shows: 401, not 404 or 405."""
     status, _, body = http_request(keyed_server.port, "GET", path)
     assert status == 401 and json.loads(body) == {"error": UNAUTHORIZED}
-    status, _, _ = http_request(keyed_server.port, "GET", path,
-                                headers={"Authorization": f"Bearer {KEY}"})
+    status, _, _ = http_request(
+        keyed_server.port, "GET", path, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert status == 404
 
 
 def test_the_key_is_checked_before_the_method(keyed_server):
     status, _, _ = http_request(keyed_server.port, "DELETE", "/invocations")
     assert status == 401
-    status, _, _ = http_request(keyed_server.port, "DELETE", "/invocations",
-                                headers={"Authorization": f"Bearer {KEY}"})
+    status, _, _ = http_request(
+        keyed_server.port, "DELETE", "/invocations", headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert status == 405
 
 
@@ -106,16 +146,22 @@ def test_reset_prefix_cache_only_in_dev_mode(tiny_server, keyed_server):
     assert "/reset_prefix_cache" not in tiny_server.server.app.routes
     status, _, body = http_request(tiny_server.port, "POST", "/reset_prefix_cache")
     assert status == 404 and json.loads(body)["error"]["type"] == "NotFoundError"
-    status, _, body = http_request(keyed_server.port, "POST", "/reset_prefix_cache",
-                                   headers={"Authorization": f"Bearer {KEY}"})
+    status, _, body = http_request(
+        keyed_server.port, "POST", "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert (status, body) == (200, b"")  # with no response cache, too
 
 
-@pytest.mark.parametrize("environment, expected", [
-    ({}, False), ({"NANOSERVE_SERVER_DEV_MODE": "1"}, True), ({"VLLM_SERVER_DEV_MODE": "1"}, True),
-    ({"NANOSERVE_SERVER_DEV_MODE": "0", "VLLM_SERVER_DEV_MODE": "1"}, False),
-    ({"VLLM_SERVER_DEV_MODE": "0"}, False),
-])
+@pytest.mark.parametrize(
+    "environment, expected",
+    [
+        ({}, False),
+        ({"NANOSERVE_SERVER_DEV_MODE": "1"}, True),
+        ({"VLLM_SERVER_DEV_MODE": "1"}, True),
+        ({"NANOSERVE_SERVER_DEV_MODE": "0", "VLLM_SERVER_DEV_MODE": "1"}, False),
+        ({"VLLM_SERVER_DEV_MODE": "0"}, False),
+    ],
+)
 def test_dev_mode_comes_from_the_environment(monkeypatch, environment, expected):
     for name in ("NANOSERVE_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE"):
         monkeypatch.delenv(name, raising=False)

@@ -5,6 +5,7 @@ failed step kills the engine visibly (error chunk, /health 503) without hanging 
 Nothing here is a stand-in: the engine is the real one. Where a test needs to watch or break it,
 it wraps a method of the real object (a spy that counts `step` calls, a fault injected into
 `engine.runner.forward`), and where it needs slow steps it serves a larger random model."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,28 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
 from tests.conftest import write_random_llama
-from tests.server.server_helpers import (LoopThread, StepSpy, connect, http_request,
-                                         letter_bias, read_response)
+from tests.server.server_helpers import (
+    LoopThread,
+    StepSpy,
+    connect,
+    http_request,
+    letter_bias,
+    read_response,
+)
 
 
 @pytest.fixture(scope="module")
 def slow_llama_dir(tmp_path_factory):
     """A random Llama large enough that one step of a full batch takes tens of milliseconds on a
     small CPU, so "within one step" and "well under one step" can be observed."""
-    return write_random_llama(tmp_path_factory.mktemp("slow-llama"), hidden_size=512, num_layers=4,
-                              num_heads=8, num_kv_heads=4, intermediate_size=1024)
+    return write_random_llama(
+        tmp_path_factory.mktemp("slow-llama"),
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=4,
+        intermediate_size=1024,
+    )
 
 
 class Served:
@@ -41,7 +54,8 @@ class Served:
         self.engine = engine
         self.loop_thread = LoopThread()
         self.server = self.loop_thread.call(
-            lambda: start_server(engine, ServerOptions(port=0, **options)))
+            lambda: start_server(engine, ServerOptions(port=0, **options))
+        )
         self.port = self.server.port
 
     def close(self) -> None:
@@ -57,6 +71,7 @@ def serve():
         served = Served(engine, **options)
         started.append(served)
         return served
+
     yield start
     for served in started:
         served.close()
@@ -76,7 +91,7 @@ def sse_events(body: bytes) -> list:
     events = []
     for block in body.decode().split("\n\n"):
         if block.startswith("data: "):
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -105,11 +120,17 @@ def test_loop_answers_while_steps_run(serve, slow_llama_dir):
     served = serve(engine)
     num_streams, max_tokens = 32, 64
     results = []
-    body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True}
-    clients = [threading.Thread(target=lambda: results.append(post(served.port, "/v1/completions",
-                                                                  body)))
-               for _ in range(num_streams)]
+    body = {
+        "prompt": "The quick brown fox",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    clients = [
+        threading.Thread(target=lambda: results.append(post(served.port, "/v1/completions", body)))
+        for _ in range(num_streams)
+    ]
     # The first step is held until all 32 requests have reached the async engine, so they all
     # run together, however the client threads are scheduled: none is done before the last
     # one starts.
@@ -142,14 +163,17 @@ def test_loop_answers_while_steps_run(serve, slow_llama_dir):
     for _, _, stream in results:
         events = sse_events(stream)
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
-    print(f"step median {statistics.median(spy.durations) * 1e3:.1f} ms over {len(spy.durations)} steps; probes "
-          + ", ".join(f"{path} {seconds * 1e3:.1f} ms" for path, seconds, _ in probes))
+    print(
+        f"step median {statistics.median(spy.durations) * 1e3:.1f} ms over {len(spy.durations)} steps; probes "
+        + ", ".join(f"{path} {seconds * 1e3:.1f} ms" for path, seconds, _ in probes)
+    )
     assert all(within_step for _, _, within_step in probes), probes
     assert running_while_probed == num_streams  # probed under full load
     # Steps run on one worker thread: never on the event loop's thread, nor the main thread.
     assert len(spy.thread_ids) == 1
-    assert spy.thread_ids.isdisjoint({served.loop_thread.thread.ident,
-                                      threading.main_thread().ident})
+    assert spy.thread_ids.isdisjoint(
+        {served.loop_thread.thread.ident, threading.main_thread().ident}
+    )
     assert_no_step_while_idle(served, spy)
 
 
@@ -158,13 +182,23 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     spy = StepSpy(engine)
     served = serve(engine)
     sock = connect(served.port)
-    payload = json.dumps({"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True,
-                          "logit_bias": letter_bias(served.server.app.ctx.tokenizer)}).encode()
+    payload = json.dumps(
+        {
+            "prompt": "x",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "logit_bias": letter_bias(served.server.app.ctx.tokenizer),
+        }
+    ).encode()
     # The close happens while the second step is held: the request is mid-stream and no step
     # slips in between counting and closing, however this process's threads are scheduled.
-    steps_at_close = spy.hold_second_step(lambda: sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)))
+    steps_at_close = spy.hold_second_step(
+        lambda: sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+    )
     try:
         data = b""
         while b"data: " not in data:  # the first step's event
@@ -179,7 +213,11 @@ def test_disconnect_aborts_within_one_step(serve, slow_llama_dir):
     # step, two steps whose chunks are those writes, then the abort.
     assert spy.aborts[0][1] <= steps_at_close + 4, (spy.aborts, steps_at_close, spy.durations)
     wait_until(lambda: spy.finished == spy.started, what="the last step")
-    assert not engine.requests and not engine.schedulers[0].running and not engine.schedulers[0].waiting
+    assert (
+        not engine.requests
+        and not engine.schedulers[0].running
+        and not engine.schedulers[0].waiting
+    )
     assert engine.generation_tokens_total < 200  # really stopped, not run to the end
     assert_no_step_while_idle(served, spy)
 
@@ -192,8 +230,12 @@ def test_waiting_limit_gives_503(serve, tiny_llama_dir):
     lengths = {0: 400, 1: 50, 2: 50}
 
     def run(name):
-        results[name] = post(served.port, "/v1/completions", {
-            "prompt": "x", "max_tokens": lengths[name], "ignore_eos": True, "temperature": 0})
+        results[name] = post(
+            served.port,
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": lengths[name], "ignore_eos": True, "temperature": 0},
+        )
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     # The first request's first step stays running while the test probes, so the two others
     # certainly wait behind it, however fast its 400 tokens would otherwise be.
@@ -204,8 +246,9 @@ def test_waiting_limit_gives_503(serve, tiny_llama_dir):
         for thread in threads[1:]:
             thread.start()
         wait_until(lambda: served.server.engine.num_waiting >= 2, what="two waiting requests")
-        status, headers, reply = post(served.port, "/v1/completions",
-                                      {"prompt": "x", "max_tokens": 2})
+        status, headers, reply = post(
+            served.port, "/v1/completions", {"prompt": "x", "max_tokens": 2}
+        )
     finally:
         spy.release(step)
     assert status == 503 and json.loads(reply)["error"]["code"] == 503
@@ -226,8 +269,10 @@ def test_prompt_too_long_is_400_with_vllm_wording(serve, tiny_llama_dir):
     status, _, body = post(served.port, "/v1/completions", {"prompt": "y" * 40})
     error = json.loads(body)["error"]
     assert status == 400 and error["param"] == "input_tokens"
-    assert error["message"].startswith(f"This model's maximum context length is 16 tokens. "
-                                       f"However, your request has {num_tokens} input tokens.")
+    assert error["message"].startswith(
+        f"This model's maximum context length is 16 tokens. "
+        f"However, your request has {num_tokens} input tokens."
+    )
     assert not engine.requests
 
 
@@ -241,10 +286,14 @@ def test_dead_engine(serve, tiny_llama_dir):
         if len(calls) >= 4:
             raise RuntimeError("CUDA error: simulated device failure")
         return real_forward(*args, **kwargs)
+
     engine.runner.forward = forward
     served = serve(engine)
-    status, _, body = post(served.port, "/v1/completions",
-                           {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True})
+    status, _, body = post(
+        served.port,
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True},
+    )
     events = sse_events(body)
     assert status == 200 and events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["code"] == 503
@@ -257,8 +306,11 @@ def test_dead_engine(serve, tiny_llama_dir):
     assert http_request(served.port, "GET", "/health")[0] == 503
     status, _, body = post(served.port, "/v1/completions", {"prompt": "x", "max_tokens": 5})
     assert status == 503
-    status, _, body = post(served.port, "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": "x"}], "stream": True})
+    status, _, body = post(
+        served.port,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stream": True},
+    )
     assert status == 503
     assert len(calls) == 4  # a dead engine is never stepped again
 
@@ -266,18 +318,22 @@ def test_dead_engine(serve, tiny_llama_dir):
 def test_pipelined_api_requests_and_keep_alive(serve, tiny_llama_dir):
     engine = build_engine(tiny_llama_dir)
     # The reference: the same engine, offline, before it is served.
-    engine.add_request("reference", "x", SamplingParams(max_tokens=3, temperature=0,
-                                                        ignore_eos=True))
+    engine.add_request(
+        "reference", "x", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    )
     while engine.has_unfinished_requests():
         outputs = engine.step()
     expected = outputs[0].outputs[0]
     assert len(expected.token_ids) == 3
     served = serve(engine)
     sock = connect(served.port)
-    body = json.dumps({"prompt": "x", "max_tokens": 3, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    body = json.dumps(
+        {"prompt": "x", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    ).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
     sock.sendall(request + b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n" + request)
     first, second, third = (read_response(sock, timeout=30) for _ in range(3))
     assert second[0] == 200 and second[2] == b""

@@ -1,4 +1,5 @@
 """The serving benchmark's load generator against a real server."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,9 @@ from nanoserve.bench.serve_client import _percentiles, run_load, summarize
 
 def test_run_load_counts_tokens(tiny_server):
     prompts = random_prompts(6, 16, 300, seed=0)
-    results, duration = asyncio.run(run_load(tiny_server.url, tiny_server.engine.served_model_name,
-                                             prompts, 9, concurrency=3))
+    results, duration = asyncio.run(
+        run_load(tiny_server.url, tiny_server.engine.served_model_name, prompts, 9, concurrency=3)
+    )
     assert all(r.ok for r in results), [r.error for r in results]
     assert [r.output_tokens for r in results] == [9] * 6
     assert all(r.ttft > 0 and r.latency >= r.ttft for r in results)

@@ -3,6 +3,7 @@ with an API key over loopback (issue 52, row 3): a declared `Content-Length` hol
 bytes that arrive count), the key is checked when the headers end (a request without it gets its
 401 before any of its body is read), and a declaration over the per-request limit is a 413 at
 once. The budget is counted, not timed: the server's `buffered_body_bytes`."""
+
 from __future__ import annotations
 
 import json
@@ -28,17 +29,26 @@ def keyed_server(tiny_llama_dir):
 
 def declaration(length: int, *, key: str | None = KEY, expect: bool = False) -> bytes:
     """A request's head that declares `length` body bytes (none of which follow)."""
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n"
-            + (f"Authorization: Bearer {key}\r\n" if key is not None else "")
-            + ("Expect: 100-continue\r\n" if expect else "") + "\r\n").encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n"
+        + (f"Authorization: Bearer {key}\r\n" if key is not None else "")
+        + ("Expect: 100-continue\r\n" if expect else "")
+        + "\r\n"
+    ).encode()
 
 
 def headers_read(handle, count: int) -> bool:
     """Whether `count` connections have sent whole heads and are waiting on their bodies."""
     connections = list(handle.server.http.connections)
-    return sum(1 for connection in connections if connection.parser.partial is not None
-               and connection.parser.partial.headers_done) >= count
+    return (
+        sum(
+            1
+            for connection in connections
+            if connection.parser.partial is not None and connection.parser.partial.headers_done
+        )
+        >= count
+    )
 
 
 def wait_for(condition, what: str, timeout: float = 60.0) -> None:
@@ -59,8 +69,11 @@ def test_declared_bodies_that_never_come_hold_no_budget(keyed_server):
     assert state.buffered_body_bytes == 0
     # Another client's ordinary request is served.
     completion = keyed_server.client(api_key=KEY).completions.create(
-        model=keyed_server.engine.served_model_name, prompt="hello", max_tokens=3,
-        extra_body={"ignore_eos": True})
+        model=keyed_server.engine.served_model_name,
+        prompt="hello",
+        max_tokens=3,
+        extra_body={"ignore_eos": True},
+    )
     assert completion.usage.completion_tokens == 3
     # The holders are still there, waiting on their bodies; the bytes they send are counted.
     assert headers_read(keyed_server, 4)

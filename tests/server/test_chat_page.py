@@ -1,6 +1,7 @@
 """The chat page's routes (no browser): GET / and /index.html serve the packaged HTML with its
 headers, /ui/config says whether a key is needed, and --no-ui removes all three (404 as any
 unknown route) while /v1/* stays as it was. The browser tests are in test_chat_page_browser.py."""
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,10 @@ def test_page_fetches_nothing_from_the_network():
     assert not re.search(r"(?i)(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", text)
     assert not re.search(r"(?i)@import|url\(", text)
     assert sorted(set(re.findall(r'fetch\("([^"]+)"', text))) == [
-        "/ui/config", "/v1/chat/completions", "/v1/models"]
+        "/ui/config",
+        "/v1/chat/completions",
+        "/v1/models",
+    ]
 
 
 def test_ui_config_without_and_with_key(tiny_server, tiny_llama_dir):
@@ -87,8 +91,11 @@ def test_no_ui_flag_removes_the_page(tiny_llama_dir):
             assert status == 404, path
             assert headers["content-type"] == "application/json"
             assert json.loads(body)["error"] == {
-                "message": f"Route {path} not found.", "type": "NotFoundError", "param": None,
-                "code": 404}
+                "message": f"Route {path} not found.",
+                "type": "NotFoundError",
+                "param": None,
+                "code": 404,
+            }
         assert http_request(port, "GET", "/v1/models")[0] == 200
         assert http_request(port, "GET", "/health")[0] == 200
     finally:

@@ -1,6 +1,7 @@
 """The chat page in a real headless Chromium (Debian's, driven by playwright) against a real
 server with the tiny random model. The oracle for streamed text is the same request answered
 non-streamed by the official client at temperature 0."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,11 @@ from tests.server.server_helpers import StepSpy, letter_bias, scrape_metrics
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
-    CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium; .ci/run does)")
-sync_api = pytest.importorskip("playwright.sync_api",
-                               reason="playwright is not installed (pip install playwright)")
+    CHROMIUM is None, reason="no chromium on PATH (apt-get install chromium; .ci/run does)"
+)
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+)
 
 SPEED = re.compile(r"^(\d+) tokens in \d+\.\d\d s · \d+\.\d tok/s · first token after \d+ ms$")
 TIMEOUT_MS = 60_000
@@ -58,8 +61,12 @@ def send(page, text: str, index: int):
 
 def oracle(server: ServerHandle, messages: list[dict], max_tokens: int, **client_kwargs):
     response = server.client(**client_kwargs).chat.completions.create(
-        model=server.engine.served_model_name, messages=messages, temperature=0, top_p=1,
-        max_tokens=max_tokens)
+        model=server.engine.served_model_name,
+        messages=messages,
+        temperature=0,
+        top_p=1,
+        max_tokens=max_tokens,
+    )
     return response.choices[0].message.content, response.usage.completion_tokens
 
 
@@ -77,18 +84,27 @@ def test_streamed_conversation_matches_the_oracle(page, tiny_server):
     assert int(SPEED.match(speed).group(1)) == tokens
     # the second turn sends the whole conversation
     second = send(page, "Paris is the capital of", 1)
-    expected_second, _ = oracle(tiny_server, [
-        {"role": "user", "content": "The quick brown fox"},
-        {"role": "assistant", "content": expected},
-        {"role": "user", "content": "Paris is the capital of"}], 24)
+    expected_second, _ = oracle(
+        tiny_server,
+        [
+            {"role": "user", "content": "The quick brown fox"},
+            {"role": "assistant", "content": expected},
+            {"role": "user", "content": "Paris is the capital of"},
+        ],
+        24,
+    )
     assert second.locator(".content").text_content() == expected_second
     assert page.locator(".msg.user").all_text_contents() == [
-        "userThe quick brown fox", "userParis is the capital of"]
+        "userThe quick brown fox",
+        "userParis is the capital of",
+    ]
 
 
 def abort_count(server: ServerHandle) -> float:
-    key = ('vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
-           % server.engine.served_model_name)
+    key = (
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
+        % server.engine.served_model_name
+    )
     return scrape_metrics(server.port)[key]
 
 
@@ -96,8 +112,9 @@ def test_stop_aborts_the_request_on_the_server(page, tiny_server):
     max_tokens = 400
     aborted_before = abort_count(tiny_server)
     # Every token is the letter "a", so the first token already shows as text.
-    extra = json.dumps({"ignore_eos": True,
-                        "logit_bias": letter_bias(tiny_server.server.app.ctx.tokenizer)})
+    extra = json.dumps(
+        {"ignore_eos": True, "logit_bias": letter_bias(tiny_server.server.app.ctx.tokenizer)}
+    )
     open_page(page, tiny_server, extra=extra, **{"max-tokens": str(max_tokens)})
     page.locator("#model", has_text=tiny_server.engine.served_model_name).wait_for()
     # Press Stop the moment the first text arrives.
@@ -109,8 +126,7 @@ def test_stop_aborts_the_request_on_the_server(page, tiny_server):
     try:
         # The first step's token goes out, then the second step stays running until the browser
         # has stopped: the browser's reaction time is no race against 400 tokens.
-        second = spy.hold_second_step(lambda: (page.fill("#prompt", "hello"),
-                                               page.click("#send")))
+        second = spy.hold_second_step(lambda: (page.fill("#prompt", "hello"), page.click("#send")))
         answer = page.locator(".msg.assistant").first
         try:
             answer.and_(page.locator("[data-done]")).wait_for()
@@ -120,8 +136,10 @@ def test_stop_aborts_the_request_on_the_server(page, tiny_server):
         assert "(stopped)" in answer.text_content()
         assert page.is_enabled("#send") and page.is_disabled("#stop")
         deadline = time.monotonic() + 60  # a hang bound
-        while abort_count(tiny_server) != aborted_before + 1 or \
-                tiny_server.engine.has_unfinished_requests():
+        while (
+            abort_count(tiny_server) != aborted_before + 1
+            or tiny_server.engine.has_unfinished_requests()
+        ):
             assert time.monotonic() < deadline, "the server did not abort the stopped request"
             time.sleep(0.05)
     finally:
@@ -179,8 +197,7 @@ def test_api_key_field(page, tiny_llama_dir):
         page.dispatch_event("#api-key", "change")
         page.locator("#model", has_text=server.engine.served_model_name).wait_for()
         answer = send(page, "hello", 0)
-        expected, _ = oracle(server, [{"role": "user", "content": "hello"}], 12,
-                             api_key="sekret")
+        expected, _ = oracle(server, [{"role": "user", "content": "hello"}], 12, api_key="sekret")
         assert answer.locator(".content").text_content() == expected
     finally:
         server.close()

@@ -2,6 +2,7 @@
 preprocessing pool counts every part of every message (tool calls' names and arguments,
 reasoning_content, names, ids, content parts), not only `content`. No clock: a spy around the
 real tokenizer's apply_chat_template records the thread each render ran on."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,16 @@ def tool_call(name: str, arguments: str) -> dict:
 
 
 LARGE_PARTS = {
-    "tool_calls arguments": {"role": "assistant", "content": "",
-                             "tool_calls": [tool_call("f", json.dumps({"text": "x" * LARGE}))]},
-    "tool_calls name": {"role": "assistant", "content": "", "tool_calls": [tool_call("f" * LARGE, "{}")]},
+    "tool_calls arguments": {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [tool_call("f", json.dumps({"text": "x" * LARGE}))],
+    },
+    "tool_calls name": {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [tool_call("f" * LARGE, "{}")],
+    },
     "reasoning_content": {"role": "assistant", "content": "ok", "reasoning_content": "x" * LARGE},
     "name": {"role": "user", "content": "hi", "name": "n" * LARGE},
     "tool_call_id": {"role": "tool", "content": "ok", "tool_call_id": "c" * LARGE},
@@ -48,8 +56,9 @@ def test_small_messages_render_on_the_loop(tiny_server, monkeypatch):
 
 @pytest.mark.parametrize("part", list(LARGE_PARTS))
 def test_a_large_part_of_a_message_renders_off_the_loop(tiny_server, monkeypatch, part):
-    render = render_threads(tiny_server, monkeypatch, "/tokenize",
-                            {"messages": [HELLO, LARGE_PARTS[part]]})
+    render = render_threads(
+        tiny_server, monkeypatch, "/tokenize", {"messages": [HELLO, LARGE_PARTS[part]]}
+    )
     assert render.off_the_loop(), part
 
 

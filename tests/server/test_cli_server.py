@@ -1,4 +1,5 @@
 """`python -m nanoserve serve` in a subprocess: port 0, graceful shutdown on SIGTERM / SIGINT."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def start(model_dir, *extra: str) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve", "serve", "--model", str(model_dir), "--port", "0",
-         "--log-level", "warning", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         line = process.stdout.readline()
@@ -33,10 +49,19 @@ def start(model_dir, *extra: str) -> tuple[subprocess.Popen, int]:
 
 def open_stream(port: int, max_tokens: int):
     sock = connect(port, timeout=30)
-    payload = json.dumps({"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True,
-                          "stream": True, "stream_options": {"include_usage": True}}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload))
+    payload = json.dumps(
+        {
+            "prompt": "hello",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
     data = b""
     while b"data: " not in data:
         data += sock.recv(65536)
@@ -80,8 +105,11 @@ def test_graceful_shutdown_lets_streams_finish(tiny_llama_dir, signum):
         wait_refused(port)  # no new connections, while the open stream goes on to its end
         body = head + read_all(sock)
         assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-        usage = [json.loads(line[6:]) for line in body.decode("utf-8", "replace").split("\r\n")
-                 if line.startswith('data: {"id"') and '"usage"' in line]
+        usage = [
+            json.loads(line[6:])
+            for line in body.decode("utf-8", "replace").split("\r\n")
+            if line.startswith('data: {"id"') and '"usage"' in line
+        ]
         assert usage and usage[-1]["usage"]["completion_tokens"] == 300
         assert process.wait(30) == 0
     finally:
@@ -121,19 +149,34 @@ def assert_served_as_offline(path, quantization: str, qtype: str) -> None:
     with LLM(model=str(path), dtype="float32", max_model_len=512, device="cpu") as llm:
         layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
         assert layer.quant_weight.qtype == qtype and layer.weight.device.type == "meta"
-        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+        offline = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+        )[0]
     offline_text = offline.outputs[0].text
     assert offline_text.startswith(" Paris")  # the quantized weights keep the model's answer
 
-    process, port = start(path, "--max-model-len", "512", "--dtype", "float32", "--device", "cpu",
-                          "--quantization", quantization)
+    process, port = start(
+        path,
+        "--max-model-len",
+        "512",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--quantization",
+        quantization,
+    )
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300
+        )
         [model] = [m.id for m in client.models.list().data]
         result = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
         assert result.choices[0].text == offline_text
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0
+        )
         assert chat.usage.completion_tokens == 6 and chat.choices[0].message.content
     finally:
         process.send_signal(signal.SIGTERM)

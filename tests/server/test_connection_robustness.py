@@ -7,6 +7,7 @@ after the write timeout; request bodies held at once are bounded across connecti
 their bytes arrive. The same cases at the parser level, with a fake transport and clock (and bare
 CRLFs not restarting the keep-alive time), are in test_http_connection.py; the body budget
 against the API key in test_body_budget.py."""
+
 from __future__ import annotations
 
 import json
@@ -18,28 +19,49 @@ import pytest
 
 from nanoserve.server.http.types import HttpLimits
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import (StepSpy, connect, is_closed, letter_bias, read_response,
-                                         scrape_metrics)
+from tests.server.server_helpers import (
+    StepSpy,
+    connect,
+    is_closed,
+    letter_bias,
+    read_response,
+    scrape_metrics,
+)
 
 MB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_llama_dir):
-    limits = HttpLimits(keep_alive_timeout=1.0, write_timeout=1.0, write_high_water=1024,
-                        max_body_bytes=3 * MB, max_buffered_body_bytes=4 * MB)
+    limits = HttpLimits(
+        keep_alive_timeout=1.0,
+        write_timeout=1.0,
+        write_high_water=1024,
+        max_body_bytes=3 * MB,
+        max_buffered_body_bytes=4 * MB,
+    )
     handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256}, limits=limits)
     yield handle
     handle.close()
 
 
-def request_bytes(body: dict | bytes, *, close: bool = False, version: str = "1.1",
-                  content_length: int | None = None, expect: bool = False) -> bytes:
+def request_bytes(
+    body: dict | bytes,
+    *,
+    close: bool = False,
+    version: str = "1.1",
+    content_length: int | None = None,
+    expect: bool = False,
+) -> bytes:
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
     length = len(payload) if content_length is None else content_length
-    head = (f"POST /v1/completions HTTP/{version}\r\nHost: t\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n" + ("Connection: close\r\n" if close else "")
-            + ("Expect: 100-continue\r\n" if expect else "") + "\r\n")
+    head = (
+        f"POST /v1/completions HTTP/{version}\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n"
+        + ("Connection: close\r\n" if close else "")
+        + ("Expect: 100-continue\r\n" if expect else "")
+        + "\r\n"
+    )
     return head.encode() + payload
 
 
@@ -62,8 +84,10 @@ def wait_for(condition, timeout: float, what: str):
 
 
 def abort_count(handle) -> float:
-    key = ('vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
-           % handle.engine.served_model_name)
+    key = (
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
+        % handle.engine.served_model_name
+    )
     return scrape_metrics(handle.port)[key]
 
 
@@ -93,11 +117,18 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, c
     def abort(request_id):
         real_abort(request_id)
         abort_asked.set()
+
     engine.step, async_engine.abort = held_step, abort
     try:
         sock = connect(port)
-        sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
-                                   close=close, version=version, expect=version == "1.1"))
+        sock.sendall(
+            request_bytes(
+                {"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
+                close=close,
+                version=version,
+                expect=version == "1.1",
+            )
+        )
         wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 60, "the request")
         sock.close()
         assert abort_asked.wait(60), "the server did not abort the request of a client that left"
@@ -106,8 +137,10 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, c
         engine.step, async_engine.abort = real_step, real_abort
     wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 60, "the abort")
     assert abort_count(strict_server) == aborted + 1
-    generated = scrape_metrics(port)["vllm:generation_tokens_total"] - \
-        before["vllm:generation_tokens_total"]
+    generated = (
+        scrape_metrics(port)["vllm:generation_tokens_total"]
+        - before["vllm:generation_tokens_total"]
+    )
     assert generated < 470  # stopped early, not run to the end for nobody
 
 
@@ -161,8 +194,12 @@ def test_non_streamed_requests_are_aborted_when_their_clients_leave(strict_serve
     try:
         socks = [connect(port) for _ in range(count)]
         for index, sock in enumerate(socks):
-            sock.sendall(request_bytes({"prompt": f"request {index}", "max_tokens": max_tokens,
-                                        "ignore_eos": True}, close=close))
+            sock.sendall(
+                request_bytes(
+                    {"prompt": f"request {index}", "max_tokens": max_tokens, "ignore_eos": True},
+                    close=close,
+                )
+            )
         wait_for(lambda: len(hold.async_engine.streams) >= count, 60, "the requests")
         hold.all_submitted.set()
         assert hold.all_running.wait(60), "the requests never all ran"
@@ -173,8 +210,10 @@ def test_non_streamed_requests_are_aborted_when_their_clients_leave(strict_serve
         hold.restore()
     wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 60, "the aborts")
     assert abort_count(strict_server) == aborted + count
-    generated = scrape_metrics(port)["vllm:generation_tokens_total"] - \
-        before["vllm:generation_tokens_total"]
+    generated = (
+        scrape_metrics(port)["vllm:generation_tokens_total"]
+        - before["vllm:generation_tokens_total"]
+    )
     assert generated < count * max_tokens // 2, generated  # stopped early, not run for nobody
     wait_for(lambda: not engine.requests, 60, "the engine to drop them")
     assert engine.schedulers[0].block_manager.num_free_blocks == free_blocks
@@ -184,8 +223,13 @@ def test_non_streamed_requests_are_aborted_when_their_clients_leave(strict_serve
 @pytest.mark.parametrize("stream", [False, True])
 def test_half_closed_client_that_asked_for_100_is_answered(strict_server, close, stream):
     sock = connect(strict_server.port)
-    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 40, "ignore_eos": True,
-                                "stream": stream}, close=close, expect=True))
+    sock.sendall(
+        request_bytes(
+            {"prompt": "hello", "max_tokens": 40, "ignore_eos": True, "stream": stream},
+            close=close,
+            expect=True,
+        )
+    )
     sock.shutdown(socket.SHUT_WR)  # the whole request is sent; now wait for the answer
     status, _, body = final_response(sock)  # after the `100 Continue` probes
     assert status == 200, body[:300]
@@ -202,8 +246,13 @@ def test_half_closed_client_of_a_stream_under_way_is_answered(strict_server):
     spy = StepSpy(engine)
     try:
         sock = connect(strict_server.port)
-        body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True, "stream": True,
-                "logit_bias": letter_bias(strict_server.server.app.ctx.tokenizer)}
+        body = {
+            "prompt": "hello",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+            "logit_bias": letter_bias(strict_server.server.app.ctx.tokenizer),
+        }
         # The second step is held while the client half-closes: the stream is under way.
         step = spy.hold_second_step(lambda: sock.sendall(request_bytes(body)))
         try:
@@ -234,8 +283,18 @@ def test_reader_that_never_reads_is_cut_off(strict_server):
     sock.settimeout(10)
     sock.connect(("127.0.0.1", port))
     # Over 10 MB of SSE (16 choices x 400 tokens x top-20 logprobs), past every buffer.
-    sock.sendall(request_bytes({"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "n": 16,
-                                "logprobs": 20, "stream": True}))
+    sock.sendall(
+        request_bytes(
+            {
+                "prompt": "hello",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "n": 16,
+                "logprobs": 20,
+                "stream": True,
+            }
+        )
+    )
     wait_for(lambda: server.http.connections, 60, "the connection")
     # write_timeout is 1 s: the server gives up on this reader and drops the connection.
     wait_for(lambda: not server.http.connections, 30, "the server to drop a non-reading client")
@@ -273,8 +332,10 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     other.close()
     # A chunked body (no length declared) counts as it arrives, and is refused the same way.
     chunked = connect(port)
-    chunked.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
-                    b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunked.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+        b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     piece = 256 * 1024
     for _ in range(8):  # 2 MB: over what is left of the budget
         try:
@@ -284,7 +345,7 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     assert read_response(chunked, timeout=10)[0] == 503
     chunked.close()
     # The first request completes and is answered; its bytes go back to the budget.
-    holder.sendall(request_bytes(body)[len(held):])
+    holder.sendall(request_bytes(body)[len(held) :])
     status, _, raw = final_response(holder)
     assert status == 400 and b"maximum context length" in raw  # 2.5 MB of text: too long
     holder.close()

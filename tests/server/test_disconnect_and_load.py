@@ -1,4 +1,5 @@
 """Client disconnects abort their requests; many concurrent streams all complete correctly."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,7 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import (StepSpy, connect, http_request, letter_bias,
-                                         scrape_metrics)
+from tests.server.server_helpers import StepSpy, connect, http_request, letter_bias, scrape_metrics
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,11 @@ def _wait_idle(port: int, idle_usage: float, timeout: float = 60.0) -> dict[str,
     deadline = time.monotonic() + timeout
     while True:
         metrics = scrape_metrics(port)
-        if (metrics["vllm:num_requests_running"] == 0 and metrics["vllm:num_requests_waiting"] == 0
-                and metrics["vllm:kv_cache_usage_perc"] == idle_usage):
+        if (
+            metrics["vllm:num_requests_running"] == 0
+            and metrics["vllm:num_requests_waiting"] == 0
+            and metrics["vllm:kv_cache_usage_perc"] == idle_usage
+        ):
             return metrics
         assert time.monotonic() < deadline, metrics
         time.sleep(0.05)
@@ -35,8 +38,10 @@ def _wait_idle(port: int, idle_usage: float, timeout: float = 60.0) -> dict[str,
 
 def _send(sock, body: dict, extra_headers: bytes = b"") -> None:
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n%b\r\n%b" % (len(payload), extra_headers, payload))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n%b\r\n%b" % (len(payload), extra_headers, payload)
+    )
 
 
 def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
@@ -44,15 +49,25 @@ def test_stream_disconnect_aborts_and_frees_kv(small_kv_server):
     idle = scrape_metrics(port)
     idle_usage = idle["vllm:kv_cache_usage_perc"]
     key = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}' % (
-        engine.served_model_name)
+        engine.served_model_name
+    )
     spy = StepSpy(engine)
     try:
         sock = connect(port)
         # The second step stays running while the test reads, looks and closes: the request is
         # certainly mid-stream, however fast its 480 tokens would otherwise come.
-        step = spy.hold_second_step(lambda: _send(sock, {
-            "prompt": "The quick brown fox", "max_tokens": 480, "ignore_eos": True,
-            "stream": True, "logit_bias": letter_bias(small_kv_server.server.app.ctx.tokenizer)}))
+        step = spy.hold_second_step(
+            lambda: _send(
+                sock,
+                {
+                    "prompt": "The quick brown fox",
+                    "max_tokens": 480,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "logit_bias": letter_bias(small_kv_server.server.app.ctx.tokenizer),
+                },
+            )
+        )
         try:
             received = b""
             while b"data: " not in received:  # the first step's event
@@ -81,8 +96,11 @@ def test_non_streamed_disconnect_aborts(small_kv_server):
     port = small_kv_server.port
     idle_usage = scrape_metrics(port)["vllm:kv_cache_usage_perc"]
     sock = connect(port)
-    _send(sock, {"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
-          b"Expect: 100-continue\r\n")
+    _send(
+        sock,
+        {"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
+        b"Expect: 100-continue\r\n",
+    )
     deadline = time.monotonic() + 60  # a hang bound
     while scrape_metrics(port)["vllm:num_requests_running"] == 0:
         assert time.monotonic() < deadline
@@ -96,9 +114,14 @@ def test_64_concurrent_streams(tiny_server):
 
     async def one(client, index: int):
         stream = await client.completions.create(
-            model=tiny_server.engine.served_model_name, prompt=f"request number {index}: ",
-            max_tokens=max_tokens, stream=True, logprobs=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=tiny_server.engine.served_model_name,
+            prompt=f"request number {index}: ",
+            max_tokens=max_tokens,
+            stream=True,
+            logprobs=0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         tokens = 0
         usage = finish = None
         async for chunk in stream:
@@ -110,12 +133,14 @@ def test_64_concurrent_streams(tiny_server):
         return tokens, usage.completion_tokens, finish
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0,
-                                    timeout=120)
+        client = openai.AsyncOpenAI(
+            base_url=tiny_server.url + "/v1", api_key="x", max_retries=0, timeout=120
+        )
         try:
             return await asyncio.gather(*(one(client, i) for i in range(64)))
         finally:
             await client.close()
+
     results = asyncio.run(main())
     assert results == [(max_tokens, max_tokens, "length")] * 64
     metrics = scrape_metrics(tiny_server.port)

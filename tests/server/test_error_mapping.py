@@ -1,5 +1,6 @@
 """Errors carry their `param` from where they are raised, and map to HTTP statuses in one place
 (`to_api_error`): no message text is read to find the field."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,12 +12,20 @@ from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoserve.server.serving import to_api_error
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
-    ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-    ({"stop": [""]}, "stop"), ({"logit_bias": {1: 500.0}}, "logit_bias"),
-    ({"seed": 2 ** 70}, "seed"), ({"prompt_logprobs": -2}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {1: 500.0}}, "logit_bias"),
+        ({"seed": 2**70}, "seed"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
+    ],
+)
 def test_sampling_params_errors_name_their_field(kwargs, param):
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(**kwargs)

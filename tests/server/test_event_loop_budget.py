@@ -5,6 +5,7 @@ and time. No assertion is on time: the tests watch where the tokenizer's work ru
 around the real method records its thread), whether it ran at all, and whether the loop answers
 /health while a job is held on the pool; "bounded in time" is "the job ends" (the pool empties),
 with a bound that only keeps a broken build from hanging the suite."""
+
 from __future__ import annotations
 
 import json
@@ -45,9 +46,10 @@ class Spy:
                 if self.holding:
                     self.in_progress.set()
                     self.released.wait(HANG)
+
         monkeypatch.setattr(tokenizer, name, call)
 
-    def hold(self) -> "Spy":
+    def hold(self) -> Spy:
         self.holding = True
         return self
 
@@ -70,6 +72,7 @@ def pool_drains(handle: ServerHandle) -> None:
 
     async def in_flight() -> int:
         return preprocessor.in_flight
+
     deadline = time.monotonic() + HANG  # a hang bound, not a measure
     while handle.loop_thread.call(in_flight):
         assert time.monotonic() < deadline, "a preprocessing job never ended"
@@ -78,8 +81,9 @@ def pool_drains(handle: ServerHandle) -> None:
 
 @pytest.fixture(scope="module")
 def trusting_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64},
-                          trust_request_chat_template=True)
+    handle = ServerHandle(
+        tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64}, trust_request_chat_template=True
+    )
     yield handle
     handle.close()
 
@@ -89,8 +93,12 @@ def impatient_server(tiny_llama_dir):
     """Trusts request templates and gives each 1 s to prepare: only for hostile templates, whose
     answer is a 400 however slow this machine is (a benign template here could miss 1 s on a
     loaded machine)."""
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64},
-                          trust_request_chat_template=True, preprocess_timeout=1.0)
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs={"num_kv_blocks": 64},
+        trust_request_chat_template=True,
+        preprocess_timeout=1.0,
+    )
     yield handle
     handle.close()
 
@@ -100,9 +108,11 @@ def test_ten_megabyte_prompt_is_refused_before_tokenizing(tiny_server, monkeypat
     encode = Spy(monkeypatch, tokenizer, "encode")
     render = Spy(monkeypatch, tokenizer, "apply_chat_template")
     prompt = "The quick brown fox jumps over the lazy dog. " * 230_000  # ~10 MB
-    for path, body in (("/v1/completions", {"prompt": prompt, "max_tokens": 1}),
-                       (CHAT, {"messages": [{"role": "user", "content": prompt}]}),
-                       ("/tokenize", {"prompt": prompt})):
+    for path, body in (
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 1}),
+        (CHAT, {"messages": [{"role": "user", "content": prompt}]}),
+        ("/tokenize", {"prompt": prompt}),
+    ):
         status, _, raw = post(tiny_server.port, path, body)
         assert status == 400 and b"maximum context length" in raw, (path, raw[:200])
     assert encode.threads == []  # refused on its length alone: never tokenized
@@ -111,19 +121,29 @@ def test_ten_megabyte_prompt_is_refused_before_tokenizing(tiny_server, monkeypat
 
 
 def test_request_chat_template_needs_the_trust_flag(tiny_server):
-    status, _, raw = post(tiny_server.port, CHAT, {"messages": MESSAGES, "max_tokens": 2,
-                                                    "chat_template": "{{ messages[0].content }}"})
+    status, _, raw = post(
+        tiny_server.port,
+        CHAT,
+        {"messages": MESSAGES, "max_tokens": 2, "chat_template": "{{ messages[0].content }}"},
+    )
     error = json.loads(raw)["error"]
     assert status == 400 and error["param"] == "chat_template"
     assert "--trust-request-chat-template" in error["message"]
-    status, _, raw = post(tiny_server.port, "/tokenize",
-                          {"messages": MESSAGES, "chat_template": "{{ 'x' }}"})
+    status, _, raw = post(
+        tiny_server.port, "/tokenize", {"messages": MESSAGES, "chat_template": "{{ 'x' }}"}
+    )
     assert status == 400
 
 
 def test_trusted_template_renders(trusting_server):
-    status, _, raw = post(trusting_server.port, "/tokenize", {
-        "messages": MESSAGES, "chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"})
+    status, _, raw = post(
+        trusting_server.port,
+        "/tokenize",
+        {
+            "messages": MESSAGES,
+            "chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}",
+        },
+    )
     assert status == 200, raw[:200]
     assert json.loads(raw)["count"] > 0
 
@@ -131,11 +151,11 @@ def test_trusted_template_renders(trusting_server):
 HOSTILE_TEMPLATES = {
     "a 200 MB string": "{{ 'x' * 200000000 }}",
     "a string doubled in a loop": "{% set s = namespace(v='x') %}{% for i in range(100) %}"
-                                  "{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
+    "{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
     "nested loops without output": "{% for i in range(100000) %}{% for j in range(100000) %}"
-                                   "{% endfor %}{% endfor %}",
+    "{% endfor %}{% endfor %}",
     "nested loops with output": "{% for i in range(100000) %}{% for j in range(100000) %}"
-                                "{{ i }}{% endfor %}{% endfor %}",
+    "{{ i }}{% endfor %}{% endfor %}",
     "a huge power": "{{ 7 ** 100000000 }}",
     "python internals": "{{ messages.__class__.__mro__[1].__subclasses__() }}",
 }
@@ -155,9 +175,11 @@ def test_hostile_trusted_template_is_bounded(impatient_server, name, monkeypatch
 
 
 def test_large_prompt_tokenizes_off_the_loop(smollm2_dir, monkeypatch):
-    handle = ServerHandle(smollm2_dir, engine_kwargs={"dtype": "float32", "num_kv_blocks": 64,
-                                                      "max_model_len": 1024},
-                          preprocess_timeout=10 * HANG)  # the hold below is never the timeout
+    handle = ServerHandle(
+        smollm2_dir,
+        engine_kwargs={"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 1024},
+        preprocess_timeout=10 * HANG,
+    )  # the hold below is never the timeout
     try:
         encode = Spy(monkeypatch, handle.server.app.ctx.tokenizer, "encode").hold()
         limit = handle.server.app.ctx.max_prompt_chars

@@ -2,6 +2,7 @@
 FP8 E4M3 with 128 x 128 block scales, stored as `quant_method: "fp8"` checkpoints are,
 tests/fp8_models.py): served with its FP8 layers, answering the openai client with what the
 offline engine gives on the same checkpoint."""
+
 from __future__ import annotations
 
 import pytest

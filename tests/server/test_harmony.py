@@ -3,6 +3,7 @@ parser: exact (reasoning, content, calls) for whole outputs, the same when the t
 piece (split at the special tokens and inside bodies, or character by character), the special
 tokens kept, the flags, the gpt-oss default, and one real server whose random model a regex makes
 write harmony."""
+
 from __future__ import annotations
 
 import re
@@ -19,56 +20,114 @@ from nanoserve.server.tool_parsers import TOOL_PARSERS, OpenAIToolParser
 from nanoserve.server.tools import ToolUse
 
 THINK = "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant"
-CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-        '{"location": "Paris"}')
+CALL = (
+    "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"location": "Paris"}'
+)
 PARIS = ("get_weather", '{"location": "Paris"}')
 TIME = ("now", "{}")
 
 # (output text, reasoning, content, calls read by the `openai` tool parser)
 CASES = {
-    "final": ("<|channel|>analysis<|message|>The user asks ... thinking ...<|end|><|start|>"
-              "assistant<|channel|>final<|message|>The capital is Paris.<|return|>",
-              "The user asks ... thinking ...", "The capital is Paris.", []),
-    "final without <|return|>": ("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
-                                 "<|channel|>final<|message|>Paris.", "Hm.", "Paris.", []),
+    "final": (
+        "<|channel|>analysis<|message|>The user asks ... thinking ...<|end|><|start|>"
+        "assistant<|channel|>final<|message|>The capital is Paris.<|return|>",
+        "The user asks ... thinking ...",
+        "The capital is Paris.",
+        [],
+    ),
+    "final without <|return|>": (
+        "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Paris.",
+        "Hm.",
+        "Paris.",
+        [],
+    ),
     "call": (THINK + CALL + "<|call|>", "Need weather.", "", [PARIS]),
     "call without <|call|>": (THINK + CALL, "Need weather.", "", [PARIS]),
     "recipient before the channel": (
         THINK + ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": '
-        '"Paris"}<|call|>', "Need weather.", "", [PARIS]),
+        '"Paris"}<|call|>',
+        "Need weather.",
+        "",
+        [PARIS],
+    ),
     "recipient before the channel, first message": (
         ' to=functions.get_weather<|channel|>commentary json<|message|>{"location": "Paris"}',
-        "", "", [PARIS]),
-    "cut in the reasoning": ("<|channel|>analysis<|message|>The user asks about",
-                             "The user asks about", "", []),
-    "cut in the answer": (THINK + "<|channel|>final<|message|>The capital is",
-                          "Need weather.", "The capital is", []),
-    "cut in a call": (THINK + CALL[:-4], "Need weather.", "",
-                      [("get_weather", '{"location": "Par')]),
+        "",
+        "",
+        [PARIS],
+    ),
+    "cut in the reasoning": (
+        "<|channel|>analysis<|message|>The user asks about",
+        "The user asks about",
+        "",
+        [],
+    ),
+    "cut in the answer": (
+        THINK + "<|channel|>final<|message|>The capital is",
+        "Need weather.",
+        "The capital is",
+        [],
+    ),
+    "cut in a call": (
+        THINK + CALL[:-4],
+        "Need weather.",
+        "",
+        [("get_weather", '{"location": "Par')],
+    ),
     "header incomplete": (THINK + "<|channel|>fin", "Need weather.", "", []),
     "header incomplete, first message": ("<|channel|>analysis", "", "", []),
-    "two analysis messages": ("<|channel|>analysis<|message|>One.<|end|><|start|>assistant"
-                              "<|channel|>analysis<|message|>Two.<|end|><|start|>assistant"
-                              "<|channel|>final<|message|>Done.", "One.\nTwo.", "Done.", []),
+    "two analysis messages": (
+        "<|channel|>analysis<|message|>One.<|end|><|start|>assistant"
+        "<|channel|>analysis<|message|>Two.<|end|><|start|>assistant"
+        "<|channel|>final<|message|>Done.",
+        "One.\nTwo.",
+        "Done.",
+        [],
+    ),
     "no harmony at all": ("The capital is Paris.", "", "The capital is Paris.", []),
     "a preamble, then a call": (
-        THINK + "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL
-        + "<|call|>", "Need weather.", "Let me check.", [PARIS]),
+        THINK
+        + "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"
+        + CALL
+        + "<|call|>",
+        "Need weather.",
+        "Let me check.",
+        [PARIS],
+    ),
     "a preamble, then the answer": (
         "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant<|channel|>final"
-        "<|message|>Sunny.<|return|>", "", "Let me check.\nSunny.", []),
+        "<|message|>Sunny.<|return|>",
+        "",
+        "Let me check.\nSunny.",
+        [],
+    ),
     "two calls, the second without arguments": (
         THINK + CALL + "<|call|><|start|>assistant<|channel|>commentary to=functions.now "
-        "<|constrain|>json<|message|><|call|>", "Need weather.", "", [PARIS, TIME]),
+        "<|constrain|>json<|message|><|call|>",
+        "Need weather.",
+        "",
+        [PARIS, TIME],
+    ),
     "arguments not JSON": (
         THINK + "<|channel|>commentary to=functions.get_weather<|message|> Paris, please \n",
-        "Need weather.", "", [("get_weather", "Paris, please")]),
+        "Need weather.",
+        "",
+        [("get_weather", "Paris, please")],
+    ),
     "a built-in tool is neither": (
-        "<|channel|>commentary to=browser.search<|message|>{\"query\": \"x\"}<|call|>",
-        "", "", []),
+        '<|channel|>commentary to=browser.search<|message|>{"query": "x"}<|call|>',
+        "",
+        "",
+        [],
+    ),
     "end markers missing between messages": (
         "<|channel|>analysis<|message|>Hm.<|start|>assistant<|channel|>final<|message|>Yes.",
-        "Hm.", "Yes.", []),
+        "Hm.",
+        "Yes.",
+        [],
+    ),
 }
 SPECIAL = re.compile(r"(<\|[a-z]+\|>)")
 
@@ -81,7 +140,7 @@ def token_pieces(text: str, size: int) -> list[str]:
         if SPECIAL.fullmatch(part):
             pieces.append(part)
         else:
-            pieces += [part[i:i + size] for i in range(0, len(part), size)]
+            pieces += [part[i : i + size] for i in range(0, len(part), size)]
     return pieces
 
 
@@ -92,8 +151,11 @@ def char_pieces(text: str) -> list[str]:
 def whole(reader: ChatOutputReader, text: str):
     output = reader.new_choice()
     output.feed(text, True)
-    return output.reasoning, output.content, [(call.function.name, call.function.arguments)
-                                              for call in output.tool_calls]
+    return (
+        output.reasoning,
+        output.content,
+        [(call.function.name, call.function.arguments) for call in output.tool_calls],
+    )
 
 
 def streamed(reader: ChatOutputReader, pieces: list[str]):
@@ -115,9 +177,12 @@ def streamed(reader: ChatOutputReader, pieces: list[str]):
 
 
 def readers():
-    return {"with the openai tool parser": ChatOutputReader(GptOssReasoningParser(),
-                                                            OpenAIToolParser(), "auto"),
-            "without a tool parser": ChatOutputReader(GptOssReasoningParser(), None)}
+    return {
+        "with the openai tool parser": ChatOutputReader(
+            GptOssReasoningParser(), OpenAIToolParser(), "auto"
+        ),
+        "without a tool parser": ChatOutputReader(GptOssReasoningParser(), None),
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -132,11 +197,12 @@ def test_whole_outputs(case):
 def test_message_fields():
     with_tools, without = readers().values()
     for reader, case, fields in (
-            (with_tools, "call", (None, "Need weather.")),
-            (without, "call", (None, "Need weather.")),
-            (with_tools, "final", ("The capital is Paris.", "The user asks ... thinking ...")),
-            (without, "no harmony at all", ("The capital is Paris.", None)),
-            (without, "header incomplete, first message", ("", None))):
+        (with_tools, "call", (None, "Need weather.")),
+        (without, "call", (None, "Need weather.")),
+        (with_tools, "final", ("The capital is Paris.", "The user asks ... thinking ...")),
+        (without, "no harmony at all", ("The capital is Paris.", None)),
+        (without, "header incomplete, first message", ("", None)),
+    ):
         output = reader.new_choice()
         output.feed(CASES[case][0], True)
         assert output.message_fields() == fields, case
@@ -146,8 +212,11 @@ def test_message_fields():
 @pytest.mark.parametrize("split", ["tokens", "tokens, 3 characters", "characters"])
 def test_streamed_adds_up_to_the_whole(case, split):
     text = CASES[case][0]
-    pieces = {"tokens": token_pieces(text, 1000), "tokens, 3 characters": token_pieces(text, 3),
-              "characters": char_pieces(text)}[split]
+    pieces = {
+        "tokens": token_pieces(text, 1000),
+        "tokens, 3 characters": token_pieces(text, 3),
+        "characters": char_pieces(text),
+    }[split]
     assert "".join(pieces) == text
     for name, reader in readers().items():
         assert streamed(reader, pieces) == whole(reader, text), name
@@ -162,8 +231,10 @@ def test_only_grows_while_a_header_is_written():
         assert reasoning.startswith(seen[0]) and content.startswith(seen[1])
         seen = (reasoning, content)
     assert parser.split(THINK + "<|channel|>final", False) == ("Need weather.", "")
-    assert parser.split(THINK + "<|channel|>final<|message|>Par<|e", False) == \
-        ("Need weather.", "Par")  # maybe <|end|>: it waits
+    assert parser.split(THINK + "<|channel|>final<|message|>Par<|e", False) == (
+        "Need weather.",
+        "Par",
+    )  # maybe <|end|>: it waits
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -173,14 +244,18 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 def test_special_tokens_are_kept_for_either_parser():
-    for reasoning, tool in ((GptOssReasoningParser(), None), (None, OpenAIToolParser()),
-                            (REASONING_PARSERS["qwen3"](), OpenAIToolParser())):
+    for reasoning, tool in (
+        (GptOssReasoningParser(), None),
+        (None, OpenAIToolParser()),
+        (REASONING_PARSERS["qwen3"](), OpenAIToolParser()),
+    ):
         params = SamplingParams()
         constrain_for_tools(params, ToolUse(None, "auto"), ChatOutputReader(reasoning, tool))
         assert params.skip_special_tokens is False
     params = SamplingParams()
-    constrain_for_tools(params, ToolUse(None, "none"),
-                        ChatOutputReader(REASONING_PARSERS["qwen3"](), None))
+    constrain_for_tools(
+        params, ToolUse(None, "none"), ChatOutputReader(REASONING_PARSERS["qwen3"](), None)
+    )
     assert params.skip_special_tokens is True
 
 
@@ -197,8 +272,16 @@ def test_flags_and_the_gpt_oss_default():
     from nanoserve.cli import build_parser
     from nanoserve.server.args import options_from_args
 
-    args = build_parser().parse_args(["serve", "--reasoning-parser", "openai_gptoss",
-                                      "--enable-auto-tool-choice", "--tool-call-parser", "openai"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--reasoning-parser",
+            "openai_gptoss",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "openai",
+        ]
+    )
     features = ChatFeatures.from_options(options_from_args(args))
     assert isinstance(features.reasoning_parser, GptOssReasoningParser)
     assert features.auto_tool_parser is TOOL_PARSERS["openai"]
@@ -208,8 +291,9 @@ def test_flags_and_the_gpt_oss_default():
     default = ChatFeatures.from_options(ServerOptions(), "GptOssForCausalLM")
     assert isinstance(default.reasoning_parser, GptOssReasoningParser)
     assert default.auto_tool_parser is None  # calls still need the flags, as in vLLM
-    explicit = ChatFeatures.from_options(ServerOptions(reasoning_parser="qwen3"),
-                                         "GptOssForCausalLM")
+    explicit = ChatFeatures.from_options(
+        ServerOptions(reasoning_parser="qwen3"), "GptOssForCausalLM"
+    )
     assert explicit.reasoning_parser.name == "qwen3"
     assert ChatFeatures.from_options(ServerOptions(), "LlamaForCausalLM").reasoning_parser is None
     assert ChatFeatures.from_options(ServerOptions()).reasoning_parser is None
@@ -219,15 +303,27 @@ def test_flags_and_the_gpt_oss_default():
 # The random Llama's tokens spell the markers as plain text; the regex ends each output with the
 # end marker gpt-oss's eos token would write (the eos token that ends the grammar adds no text,
 # as in vLLM, special tokens kept or not).
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-HARMONY_CALL = ("<\\|channel\\|>analysis<\\|message\\|>[a-z]{1,12}<\\|end\\|><\\|start\\|>"
-                "assistant<\\|channel\\|>commentary to=functions\\.get_weather <\\|constrain\\|>"
-                "json<\\|message\\|>\\{\"city\": \"(Paris|Oslo)\"\\}<\\|call\\|>")
-HARMONY_ANSWER = ("<\\|channel\\|>analysis<\\|message\\|>[a-z]{1,12}<\\|end\\|><\\|start\\|>"
-                  "assistant<\\|channel\\|>final<\\|message\\|>(Sunny|Rainy)\\.<\\|return\\|>")
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+HARMONY_CALL = (
+    "<\\|channel\\|>analysis<\\|message\\|>[a-z]{1,12}<\\|end\\|><\\|start\\|>"
+    "assistant<\\|channel\\|>commentary to=functions\\.get_weather <\\|constrain\\|>"
+    'json<\\|message\\|>\\{"city": "(Paris|Oslo)"\\}<\\|call\\|>'
+)
+HARMONY_ANSWER = (
+    "<\\|channel\\|>analysis<\\|message\\|>[a-z]{1,12}<\\|end\\|><\\|start\\|>"
+    "assistant<\\|channel\\|>final<\\|message\\|>(Sunny|Rainy)\\.<\\|return\\|>"
+)
 
 
 @pytest.fixture(scope="module")
@@ -237,9 +333,13 @@ def server(long_context_llama_dir, tmp_path_factory):
 
     template = tmp_path_factory.mktemp("templates") / "qwen_style.jinja"
     template.write_text(QWEN_STYLE)
-    handle = ServerHandle(long_context_llama_dir, chat_template=str(template),
-                          enable_auto_tool_choice=True, tool_call_parser="openai",
-                          reasoning_parser="openai_gptoss")
+    handle = ServerHandle(
+        long_context_llama_dir,
+        chat_template=str(template),
+        enable_auto_tool_choice=True,
+        tool_call_parser="openai",
+        reasoning_parser="openai_gptoss",
+    )
     yield handle
     handle.close()
 
@@ -249,18 +349,24 @@ def test_server_reads_harmony(server):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     base = dict(model=server.engine.served_model_name, messages=ask, temperature=0, max_tokens=200)
     for regex, tools in ((HARMONY_CALL, [WEATHER]), (HARMONY_ANSWER, None)):
-        kwargs = dict(base, extra_body={"structured_outputs": {"regex": regex}},
-                      **({"tools": tools} if tools else {}))
+        kwargs = dict(
+            base,
+            extra_body={"structured_outputs": {"regex": regex}},
+            **({"tools": tools} if tools else {}),
+        )
         choice = client.chat.completions.create(**kwargs).choices[0]
         reasoning = choice.message.model_extra["reasoning_content"]
         assert reasoning.isalpha()
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
-        assert "".join((d.model_extra or {}).get("reasoning_content") or ""
-                       for d in deltas) == reasoning
+        assert (
+            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+            == reasoning
+        )
         content = "".join(d.content or "" for d in deltas)
-        arguments = "".join(call.function.arguments or ""
-                            for d in deltas for call in d.tool_calls or [])
+        arguments = "".join(
+            call.function.arguments or "" for d in deltas for call in d.tool_calls or []
+        )
         if tools:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
             [call] = choice.message.tool_calls

@@ -3,6 +3,7 @@ fake transport cannot show (accepting, the event loop's own transports, shutting
 parser-level cases (limits, timeouts, pipelining, framing, backpressure) are in
 test_http_connection.py. Nothing here waits on wall time for something to happen: handlers
 signal events, and deadlines are generous."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,6 @@ import pytest
 
 from nanoserve.server.http.server import HttpServer
 from nanoserve.server.http.types import HttpLimits, HttpRequest, Response, StreamingResponse
-
 from tests.server.server_helpers import connect, is_closed, read_response
 
 DEADLINE = 30.0  # seconds; only a broken server takes that long
@@ -23,8 +23,10 @@ class Probe:
 
     def __init__(self) -> None:
         self.release = asyncio.Event()  # /wait answers once set (on the server's loop)
-        self.started: dict[str, threading.Event] = {"/wait": threading.Event(),
-                                                    "/stuck": threading.Event()}
+        self.started: dict[str, threading.Event] = {
+            "/wait": threading.Event(),
+            "/stuck": threading.Event(),
+        }
         self.cancelled = threading.Event()
 
 
@@ -49,8 +51,10 @@ def make_app(probe: Probe):
             async def body():
                 for index in range(count):
                     yield bytes([ord("a") + index % 26]) * size
+
             return StreamingResponse(body())
         return Response(404, b"not found", content_type="text/plain")
+
     return app
 
 
@@ -63,6 +67,7 @@ def server(loop_thread):
         http = HttpServer(make_app(probe), limits)
         host, port = await http.start("127.0.0.1", 0)
         return http, port
+
     http, port = loop_thread.call(start)
     yield port, probe, http, loop_thread
     loop_thread.call(lambda: http.shutdown(0.5))
@@ -115,8 +120,10 @@ def test_graceful_shutdown(server):
         await asyncio.sleep(0)  # one loop turn: the listener is closed, every connection told
         probe.release.set()  # the request under way finishes within the grace period
         await shutdown
-    threading.Thread(target=lambda: (loop_thread.call(shut_down_then_release), done.set()),
-                     daemon=True).start()
+
+    threading.Thread(
+        target=lambda: (loop_thread.call(shut_down_then_release), done.set()), daemon=True
+    ).start()
     status, headers, body = read_response(waiting, DEADLINE)
     assert (status, body) == (200, b"waited") and headers["connection"] == "close"
     assert is_closed(waiting, timeout=DEADLINE)

@@ -3,6 +3,7 @@ its protocols: bytes go in through `data_received`, what the connection writes i
 time is a clock the test moves (timers fire when the test advances it), so nothing sleeps and no
 case depends on how busy the machine is. Handlers run as real tasks on the running loop; `until`
 gives them loop turns, never wall time. Every expected response is exact bytes."""
+
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,13 @@ import asyncio
 import pytest
 
 from nanoserve.server.http import writer as http_writer
-from nanoserve.server.http.types import (HttpLimits, HttpRequest, Response, ServerState,
-                                         StreamingResponse)
-
+from nanoserve.server.http.types import (
+    HttpLimits,
+    HttpRequest,
+    Response,
+    ServerState,
+    StreamingResponse,
+)
 from tests.server.http_fakes import Client, run_async, until
 
 DATE = "Mon, 30 Nov 2026 12:00:00 GMT"
@@ -79,13 +84,21 @@ def get(path: str, extra: str = "", version: str = "1.1") -> bytes:
 
 
 def post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-            .encode() + body)
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+        + body
+    )
 
 
-def reply(status: str, body: bytes = b"", *, content_type: str | None = "text/plain",
-          headers: tuple[tuple[str, str], ...] = (), version: str = "1.1",
-          length: bool = True) -> bytes:
+def reply(
+    status: str,
+    body: bytes = b"",
+    *,
+    content_type: str | None = "text/plain",
+    headers: tuple[tuple[str, str], ...] = (),
+    version: str = "1.1",
+    length: bool = True,
+) -> bytes:
     """The exact bytes of a response with a Content-Length (or a chunked head: length=False)."""
     lines = [f"HTTP/{version} {status}", f"date: {DATE}", "server: nanoserve"]
     if content_type is not None:
@@ -97,8 +110,12 @@ def reply(status: str, body: bytes = b"", *, content_type: str | None = "text/pl
 
 
 def error(status: str, message: str) -> bytes:
-    return reply(status, message.encode() + b"\n", content_type="text/plain; charset=utf-8",
-                 headers=(("connection", "close"),))
+    return reply(
+        status,
+        message.encode() + b"\n",
+        content_type="text/plain; charset=utf-8",
+        headers=(("connection", "close"),),
+    )
 
 
 HELLO = reply("200 OK", b"hello")
@@ -247,8 +264,9 @@ async def test_http10_is_answered_then_closed():
     client, _ = connect()
     client.send(b"GET /hello HTTP/1.0\r\n\r\n")
     await client.settled()
-    assert client.transport.take() == reply("200 OK", b"hello", version="1.0",
-                                            headers=(("connection", "close"),))
+    assert client.transport.take() == reply(
+        "200 OK", b"hello", version="1.0", headers=(("connection", "close"),)
+    )
     assert client.closed
 
 
@@ -257,8 +275,9 @@ async def test_http10_keep_alive_is_honoured_and_said():
     client, _ = connect()
     client.send(b"GET /hello HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
     await client.settled()
-    assert client.transport.take() == reply("200 OK", b"hello", version="1.0",
-                                            headers=(("connection", "keep-alive"),))
+    assert client.transport.take() == reply(
+        "200 OK", b"hello", version="1.0", headers=(("connection", "keep-alive"),)
+    )
     assert not client.closed
 
 
@@ -298,7 +317,7 @@ async def test_request_split_across_reads():
     client, _ = connect()
     data = post("/echo", b"hello world")
     for index in range(len(data)):
-        client.send(data[index:index + 1])
+        client.send(data[index : index + 1])
     await client.settled()
     assert client.transport.take() == reply("200 OK", b"hello world")
 
@@ -328,8 +347,10 @@ async def test_error_reply_waits_for_the_responses_before_it():
 @run_async
 async def test_chunked_request_body():
     client, _ = connect()
-    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    client.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
     await client.settled()
     assert client.transport.take() == reply("200 OK", b"hello world")
     assert not client.closed
@@ -365,15 +386,17 @@ async def test_upgrade_is_not_offered():
 @run_async
 async def test_expect_100_continue():
     client, _ = connect()
-    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                b"Expect: 100-continue\r\n\r\n")
+    client.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
     assert client.transport.take() == CONTINUE
     client.send(b"hello")
     await client.settled()
     assert client.transport.take() == reply("200 OK", b"hello")
     # over the limit: the final status comes instead of 100
-    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\n"
-                b"Expect: 100-continue\r\n\r\n")
+    client.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1001\r\nExpect: 100-continue\r\n\r\n"
+    )
     await client.settled()
     assert client.transport.take() == TOO_LARGE_413
     assert client.closed
@@ -382,8 +405,10 @@ async def test_expect_100_continue():
 @run_async
 async def test_expect_100_continue_waits_for_the_request_before_it():
     client, routes = connect()
-    client.send(get("/wait") + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-                b"Expect: 100-continue\r\n\r\n")
+    client.send(
+        get("/wait") + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Expect: 100-continue\r\n\r\n"
+    )
     await client.until(lambda: routes.started == ["/wait"], "the first handler")
     assert client.transport.written == b""
     routes.release.set()
@@ -420,6 +445,7 @@ async def test_handler_exception_is_a_500_then_close():
     async def app(request: HttpRequest):
         calls.append(request.path)
         raise RuntimeError("boom")
+
     client = Client(ServerState(app, HttpLimits()))
     client.send(get("/hello") + get("/hello"))
     await client.settled()
@@ -432,8 +458,12 @@ async def test_streamed_response_is_chunked_and_keeps_the_connection():
     client, _ = connect()
     client.send(get("/stream?3,2") + get("/hello"))
     await client.settled()
-    head = reply("200 OK", content_type="text/plain", length=False,
-                 headers=(("transfer-encoding", "chunked"),))
+    head = reply(
+        "200 OK",
+        content_type="text/plain",
+        length=False,
+        headers=(("transfer-encoding", "chunked"),),
+    )
     assert client.transport.take() == head + b"3\r\naaa\r\n3\r\nbbb\r\n0\r\n\r\n" + HELLO
     assert not client.closed
 
@@ -443,8 +473,13 @@ async def test_streamed_response_to_http10_ends_with_the_connection():
     client, _ = connect()
     client.send(b"GET /stream?3,2 HTTP/1.0\r\n\r\n")
     await client.settled()
-    head = reply("200 OK", content_type="text/plain", length=False, version="1.0",
-                 headers=(("connection", "close"),))
+    head = reply(
+        "200 OK",
+        content_type="text/plain",
+        length=False,
+        version="1.0",
+        headers=(("connection", "close"),),
+    )
     assert client.transport.take() == head + b"aaabbb"
     assert client.closed
 
@@ -513,12 +548,15 @@ async def test_bodies_held_at_once_across_connections_are_bounded():
     other.send(b"a" * 500)
     assert state.buffered_body_bytes == 1400
     # a chunked body counts as it arrives too; past the budget it is refused
-    chunked.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"c8\r\n" + b"a" * 200 + b"\r\n")  # 1600 held: over the 1500
+    chunked.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"c8\r\n" + b"a" * 200 + b"\r\n"
+    )  # 1600 held: over the 1500
     await chunked.settled()
     assert chunked.transport.take() == error(
         "503 Service Unavailable",
-        "The server holds too many request bodies right now. Retry later.")
+        "The server holds too many request bodies right now. Retry later.",
+    )
     assert chunked.closed and state.buffered_body_bytes == 1400  # its bytes never stayed
     # the first request completes and is answered; its bytes go back to the budget
     holder.send(b"a" * 100)
@@ -562,8 +600,12 @@ async def test_one_connection_holds_at_most_one_body_of_the_limit():
     routes.release.set()
     await client.settled()
     assert client.transport.reading and state.buffered_body_bytes == 0
-    assert client.transport.take() == (reply("200 OK", b"waited") + reply("200 OK", b"a" * 600)
-                                       + reply("200 OK", b"b" * 300) + reply("200 OK", b"c" * 200))
+    assert client.transport.take() == (
+        reply("200 OK", b"waited")
+        + reply("200 OK", b"a" * 600)
+        + reply("200 OK", b"b" * 300)
+        + reply("200 OK", b"c" * 200)
+    )
 
 
 # ---- the check of the headers (the API key) ----
@@ -574,16 +616,19 @@ def refusing_state(routes: Routes, **limits) -> tuple[ServerState, list[HttpRequ
     def check(request: HttpRequest) -> Response | None:
         seen.append(request)
         if request.path == "/echo" and request.header("authorization") != "yes":
-            return Response(401, b"no key", content_type="text/plain",
-                            headers=[("www-authenticate", "Bearer")])
+            return Response(
+                401, b"no key", content_type="text/plain", headers=[("www-authenticate", "Bearer")]
+            )
         return None
+
     state = new_state(routes, **limits)
     state.check_headers = check
     return state, seen
 
 
-UNAUTHORIZED_401 = reply("401 Unauthorized", b"no key", headers=(("www-authenticate", "Bearer"),
-                                                                 ("connection", "close")))
+UNAUTHORIZED_401 = reply(
+    "401 Unauthorized", b"no key", headers=(("www-authenticate", "Bearer"), ("connection", "close"))
+)
 
 
 @run_async
@@ -591,8 +636,9 @@ async def test_a_refused_request_is_answered_at_the_end_of_its_headers():
     routes = Routes()
     state, seen = refusing_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
     client = Client(state)
-    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
-                b"Expect: 100-continue\r\n\r\n")  # no body sent: the answer must not wait for it
+    client.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nExpect: 100-continue\r\n\r\n"
+    )  # no body sent: the answer must not wait for it
     await client.settled()
     assert client.transport.take() == UNAUTHORIZED_401  # no `100 Continue`: it never sends it
     assert client.closed and routes.started == [] and state.buffered_body_bytes == 0
@@ -609,8 +655,9 @@ async def test_a_refusal_waits_for_the_answers_before_it_and_reads_no_body():
     routes = Routes()
     state, _ = refusing_state(routes, max_body_bytes=1000, max_buffered_body_bytes=1500)
     client = Client(state)
-    client.send(get("/wait") + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n"
-                + b"a" * 900)
+    client.send(
+        get("/wait") + b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n" + b"a" * 900
+    )
     await client.until(lambda: routes.started == ["/wait"], "the first handler")
     assert state.buffered_body_bytes == 0 and client.transport.written == b""
     routes.release.set()
@@ -627,8 +674,10 @@ async def test_a_refused_body_is_released_at_once_though_the_connection_stays_op
     client = Client(state)
     client.send(get("/wait"))
     await client.until(lambda: routes.started == ["/wait"], "the handler")
-    client.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                b"190\r\n" + b"a" * 400 + b"\r\n")
+    client.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"190\r\n" + b"a" * 400 + b"\r\n"
+    )
     assert state.buffered_body_bytes == 400
     client.send(b"259\r\n" + b"a" * 601 + b"\r\n")  # 1001: over the limit
     assert state.buffered_body_bytes == 0 and not client.closed

@@ -1,5 +1,6 @@
 """vLLM's periodic engine stats line (on by default, --disable-log-stats turns it off) and its
 request log (--enable-log-requests, --max-log-len), on real servers with the log captured."""
+
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,8 @@ INTERVAL = 0.3  # $VLLM_LOG_STATS_INTERVAL for these tests (vLLM's default is 10
 STATS_LINE = re.compile(
     r"^Engine 000: Avg prompt throughput: (\d+\.\d) tokens/s, "
     r"Avg generation throughput: (\d+\.\d) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, "
-    r"(?:Preemptions: \d+, )?GPU KV cache usage: (\d+\.\d)%, Prefix cache hit rate: (\d+\.\d)%$")
+    r"(?:Preemptions: \d+, )?GPU KV cache usage: (\d+\.\d)%, Prefix cache hit rate: (\d+\.\d)%$"
+)
 
 
 def wait_for(condition, timeout: float = 60.0):
@@ -79,9 +81,15 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
         assert handle.engine.config.disable_log_stats is False  # vllm serve's default
         client = handle.client()
         for index in range(4):  # two run, two wait: max_num_seqs=2
-            streams.append(client.completions.create(
-                model=handle.engine.served_model_name, prompt=[5 + index] * 20, max_tokens=480,
-                stream=True, extra_body={"ignore_eos": True}))
+            streams.append(
+                client.completions.create(
+                    model=handle.engine.served_model_name,
+                    prompt=[5 + index] * 20,
+                    max_tokens=480,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
 
         def busy_line():
             for record in stats_records(caplog):
@@ -90,8 +98,7 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
                     return record, values
             return None
 
-        record, (_, generation, _, _, kv_usage, hit_rate) = busy_line_while_held(
-            handle, busy_line)
+        record, (_, generation, _, _, kv_usage, hit_rate) = busy_line_while_held(handle, busy_line)
         assert record.levelno == logging.INFO and generation > 0
         assert 0 < kv_usage <= 100 and 0 <= hit_rate <= 100
         for stream in streams:
@@ -124,13 +131,18 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
 
 def test_disable_log_stats_logs_nothing(tiny_llama_dir, short_interval, caplog):
     caplog.set_level(logging.DEBUG, logger="nanoserve.stats")
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64,
-                                                         "disable_log_stats": True})
+    handle = ServerHandle(
+        tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64, "disable_log_stats": True}
+    )
     try:
         assert handle.server.engine.stat_logger is None
         client = handle.client()
-        reply = client.completions.create(model=handle.engine.served_model_name, prompt="hi",
-                                          max_tokens=30, extra_body={"ignore_eos": True})
+        reply = client.completions.create(
+            model=handle.engine.served_model_name,
+            prompt="hi",
+            max_tokens=30,
+            extra_body={"ignore_eos": True},
+        )
         assert reply.usage.completion_tokens == 30
         # an absence: give it several intervals in which a line would have come
         deadline = time.monotonic() + 4 * INTERVAL
@@ -161,31 +173,39 @@ def test_offline_llm_keeps_quiet_unless_asked(tiny_llama_dir, monkeypatch, caplo
 
 def test_request_log_has_id_length_and_params_but_no_prompt(tiny_llama_dir, caplog):
     caplog.set_level(logging.INFO, logger="nanoserve.requests")
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64},
-                          enable_log_requests=True)
+    handle = ServerHandle(
+        tiny_llama_dir, engine_kwargs={"num_kv_blocks": 64}, enable_log_requests=True
+    )
     try:
         client = handle.client()
         prompt = "The quick brown fox"
         num_tokens = len(handle.engine.tokenizer.encode(prompt))
-        reply = client.completions.create(model=handle.engine.served_model_name, prompt=prompt,
-                                          max_tokens=3, temperature=0.5)
+        reply = client.completions.create(
+            model=handle.engine.served_model_name, prompt=prompt, max_tokens=3, temperature=0.5
+        )
         chat = client.chat.completions.create(
-            model=handle.engine.served_model_name, max_tokens=2,
-            messages=[{"role": "user", "content": prompt}])
+            model=handle.engine.served_model_name,
+            max_tokens=2,
+            messages=[{"role": "user", "content": prompt}],
+        )
         lines = [r.getMessage() for r in caplog.records if r.name == "nanoserve.requests"]
         assert len(lines) == 2
-        assert lines[0].startswith(f"Received request {reply.id}: prompt_token_ids_len: "
-                                   f"{num_tokens}, priority: 0, params: SamplingParams(")
+        assert lines[0].startswith(
+            f"Received request {reply.id}: prompt_token_ids_len: "
+            f"{num_tokens}, priority: 0, params: SamplingParams("
+        )
         assert "max_tokens=3" in lines[0] and "temperature=0.5" in lines[0]
-        assert lines[1].startswith(f"Received request {chat.id}: prompt_token_ids_len: "
-                                   f"{chat.usage.prompt_tokens}, ")
+        assert lines[1].startswith(
+            f"Received request {chat.id}: prompt_token_ids_len: {chat.usage.prompt_tokens}, "
+        )
         assert all(prompt not in line and "quick" not in line for line in lines)
     finally:
         handle.close()
 
 
 def test_request_log_off_by_default_and_prompt_only_at_debug_cut_to_max_log_len(
-        tiny_llama_dir, caplog):
+    tiny_llama_dir, caplog
+):
     caplog.set_level(logging.DEBUG, logger="nanoserve.requests")
     prompt = "The quick brown fox"
     for options, expect in (({}, False), ({"enable_log_requests": True, "max_log_len": 7}, True)):
@@ -194,14 +214,16 @@ def test_request_log_off_by_default_and_prompt_only_at_debug_cut_to_max_log_len(
         try:
             ids = handle.engine.tokenizer.encode(prompt)
             reply = handle.client().completions.create(
-                model=handle.engine.served_model_name, prompt=prompt, max_tokens=2)
+                model=handle.engine.served_model_name, prompt=prompt, max_tokens=2
+            )
             records = [r for r in caplog.records if r.name == "nanoserve.requests"]
             if not expect:
                 assert records == []
                 continue
             details = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
-            assert details == [f"Request {reply.id} details: prompt: {prompt[:7]!r}, "
-                               f"prompt_token_ids: {ids[:7]}."]
+            assert details == [
+                f"Request {reply.id} details: prompt: {prompt[:7]!r}, prompt_token_ids: {ids[:7]}."
+            ]
             assert prompt not in details[0]
         finally:
             handle.close()
@@ -233,9 +255,24 @@ def test_serve_command_logs_stats_and_requests_on_stderr(tiny_llama_dir, tmp_pat
     env = {**os.environ, "VLLM_LOG_STATS_INTERVAL": str(INTERVAL)}
     with open(stderr_path, "w") as stderr:
         process = subprocess.Popen(
-            [sys.executable, "-m", "nanoserve", "serve", "--model", str(tiny_llama_dir),
-             "--port", "0", "--num-kv-blocks", "64", "--enable-log-requests"],
-            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+            [
+                sys.executable,
+                "-m",
+                "nanoserve",
+                "serve",
+                "--model",
+                str(tiny_llama_dir),
+                "--port",
+                "0",
+                "--num-kv-blocks",
+                "64",
+                "--enable-log-requests",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        )
     try:
         line = wait_for(lambda: process.stdout.readline() or process.poll() is not None, 120)
         assert isinstance(line, str) and line.startswith("listening on http://"), line

@@ -2,6 +2,7 @@
 client: a request names an adapter as its model and gets what LLM.generate gives with that
 adapter; /v1/models lists them; runtime loading and unloading (VLLM_ALLOW_RUNTIME_LORA_UPDATING);
 clear errors for an unknown model and for a bad adapter, the server serving on."""
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,26 @@ from tests.server.server_helpers import http_request
 from tests.server.test_cli_server import ROOT
 
 PROMPT = "def add(a, b):"
-ENGINE = {"dtype": "float32", "enable_lora": True, "max_loras": 2, "device": "cpu", "num_kv_blocks": 256}
+ENGINE = {
+    "dtype": "float32",
+    "enable_lora": True,
+    "max_loras": 2,
+    "device": "cpu",
+    "num_kv_blocks": 256,
+}
 
 
 @pytest.fixture(scope="module")
 def lora_server(tiny_llama_dir, lora_adapters, monkeypatch_module):
     monkeypatch_module.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE,
-                          lora_modules=(("sql", str(lora_adapters["all-r8"]), None),
-                                        ("short", str(lora_adapters["qv-down-r4-rslora"]), "base-alias")))
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs=ENGINE,
+        lora_modules=(
+            ("sql", str(lora_adapters["all-r8"]), None),
+            ("short", str(lora_adapters["qv-down-r4-rslora"]), "base-alias"),
+        ),
+    )
     yield handle
     handle.close()
 
@@ -42,15 +54,26 @@ def offline(tiny_llama_dir, lora_adapters):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     names = [None, "all-r8", "qv-down-r4-rslora", "patterns-r16"]
     with LLM(model=str(tiny_llama_dir), **ENGINE) as llm:
-        outputs = llm.generate([PROMPT] * len(names), params, use_tqdm=False,
-                               lora_request=[LoRARequest(n, i, str(lora_adapters[n])) if n else None
-                                             for i, n in enumerate(names)])
+        outputs = llm.generate(
+            [PROMPT] * len(names),
+            params,
+            use_tqdm=False,
+            lora_request=[
+                LoRARequest(n, i, str(lora_adapters[n])) if n else None for i, n in enumerate(names)
+            ],
+        )
     return {name: output.outputs[0].text for name, output in zip(names, outputs)}
 
 
 def complete(client, model: str, stream: bool = False):
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
-                                     stream=stream, extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        stream=stream,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def test_adapters_are_models(lora_server, offline, tiny_llama_dir):
@@ -67,8 +90,9 @@ def test_adapters_are_models(lora_server, offline, tiny_llama_dir):
         chunks = list(complete(client, model, stream=True))
         assert {chunk.model for chunk in chunks} == {model}
         assert "".join(c.choices[0].text for c in chunks if c.choices) == offline[adapter]
-    chat = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": PROMPT}],
-                                          max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model="sql", messages=[{"role": "user", "content": PROMPT}], max_tokens=5, temperature=0
+    )
     assert chat.model == "sql" and chat.choices[0].message.content is not None
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist."):
         complete(client, "nope")
@@ -81,15 +105,25 @@ def test_runtime_load_and_unload(lora_server, offline, lora_adapters, tmp_path):
         status, _, data = http_request(port, "POST", path, json.dumps(body))
         return status, data.decode()
 
-    status, text = post("/v1/load_lora_adapter", {"lora_name": "patterns", "lora_path": str(lora_adapters["patterns-r16"])})
+    status, text = post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "patterns", "lora_path": str(lora_adapters["patterns-r16"])},
+    )
     assert (status, text) == (200, "Success: LoRA adapter 'patterns' added successfully.")
     assert complete(client, "patterns").choices[0].text == offline["patterns-r16"]
-    status, text = post("/v1/load_lora_adapter", {"lora_name": "patterns", "lora_path": str(lora_adapters["all-r8"])})
+    status, text = post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "patterns", "lora_path": str(lora_adapters["all-r8"])},
+    )
     assert status == 400 and "has already been loaded" in json.loads(text)["error"]["message"]
-    status, text = post("/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)})
+    status, text = post(
+        "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path)}
+    )
     assert status == 400 and "no adapter_config.json" in json.loads(text)["error"]["message"]
-    status, text = post("/v1/load_lora_adapter", {"lora_name": "patterns", "lora_path": str(lora_adapters["all-r8"]),
-                                                  "load_inplace": True})
+    status, text = post(
+        "/v1/load_lora_adapter",
+        {"lora_name": "patterns", "lora_path": str(lora_adapters["all-r8"]), "load_inplace": True},
+    )
     assert status == 200 and complete(client, "patterns").choices[0].text == offline["all-r8"]
     assert post("/v1/unload_lora_adapter", {"lora_name": "patterns"})[0] == 200
     with pytest.raises(openai.NotFoundError):
@@ -102,24 +136,53 @@ def test_runtime_load_and_unload(lora_server, offline, lora_adapters, tmp_path):
 
 def test_runtime_routes_need_the_variable(tiny_llama_dir, lora_adapters, monkeypatch):
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE, lora_modules=(("sql", str(lora_adapters["all-r8"]), None),))
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs=ENGINE,
+        lora_modules=(("sql", str(lora_adapters["all-r8"]), None),),
+    )
     try:
-        status, _, _ = http_request(handle.port, "POST", "/v1/load_lora_adapter",
-                                    json.dumps({"lora_name": "x", "lora_path": str(lora_adapters["all-r8"])}))
+        status, _, _ = http_request(
+            handle.port,
+            "POST",
+            "/v1/load_lora_adapter",
+            json.dumps({"lora_name": "x", "lora_path": str(lora_adapters["all-r8"])}),
+        )
         assert status == 404
     finally:
         handle.close()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lora-modules", "a=/nowhere"], "--lora-modules needs --enable-lora"),
-    (["--enable-lora", "--lora-modules", "a"], "'a' is not name=path"),
-    (["--enable-lora", "--lora-modules", "a=/nowhere"], "no adapter_config.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lora-modules", "a=/nowhere"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "a"], "'a' is not name=path"),
+        (["--enable-lora", "--lora-modules", "a=/nowhere"], "no adapter_config.json"),
+    ],
+)
 def test_cli_refuses_bad_lora_modules(tiny_llama_dir, args, message):
-    result = subprocess.run([sys.executable, "-m", "nanoserve", "serve", "--model", str(tiny_llama_dir), "--port", "0",
-                             "--dtype", "float32", "--num-kv-blocks", "64", *args],
-                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanoserve",
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            "0",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "64",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert message in lines[-1] and not any(line.startswith("Traceback") for line in lines)
@@ -130,8 +193,12 @@ def test_metrics_and_response_cache_know_the_adapter(tiny_llama_dir, lora_adapte
     cache keeps an adapter's answers apart from the base model's for the same request."""
     from tests.server.server_helpers import scrape_metrics
 
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE, response_cache_size=1.0,
-                          lora_modules=(("sql", str(lora_adapters["all-r8"]), None),))
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs=ENGINE,
+        response_cache_size=1.0,
+        lora_modules=(("sql", str(lora_adapters["all-r8"]), None),),
+    )
     try:
         client = handle.client()
         base = handle.engine.served_model_name
@@ -139,7 +206,11 @@ def test_metrics_and_response_cache_know_the_adapter(tiny_llama_dir, lora_adapte
         again = [complete(client, model).choices[0].text for model in (base, "sql")]
         assert first == again and first[0] != first[1]
         status, _, body = http_request(handle.port, "GET", "/metrics")
-        lines = [line for line in body.decode().splitlines() if line.startswith("vllm:lora_requests_info{")]
+        lines = [
+            line
+            for line in body.decode().splitlines()
+            if line.startswith("vllm:lora_requests_info{")
+        ]
         assert status == 200 and len(lines) == 1 and 'max_lora="2"' in lines[0]
         assert scrape_metrics(handle.port)["nanoserve:response_cache_hits_total"] == 2
     finally:

@@ -2,6 +2,7 @@
 weights file is a 400 naming what is wrong, both through /v1/load_lora_adapter and when a request
 names an adapter the engine has to read again; and the read runs on the engine's step thread,
 never on the event loop (a spy on the real reader records the thread that ran it)."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,13 @@ from tests.server.server_helpers import http_request
 
 # max_loras 1 (and so at most one adapter held): the second --lora-modules entry evicts the first,
 # which a request then makes the engine read from disk again.
-ENGINE = {"dtype": "float32", "enable_lora": True, "max_loras": 1, "device": "cpu", "num_kv_blocks": 64}
+ENGINE = {
+    "dtype": "float32",
+    "enable_lora": True,
+    "max_loras": 1,
+    "device": "cpu",
+    "num_kv_blocks": 64,
+}
 Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
 
 
@@ -25,17 +32,24 @@ Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
 def adapters(lora_adapters, tmp_path_factory):
     """Copies of two peft adapters this module may overwrite."""
     root = tmp_path_factory.mktemp("lora-copies")
-    return {name: shutil.copytree(lora_adapters[source], root / name)
-            for name, source in (("first", "all-r8"), ("second", "qv-down-r4-rslora"))}
+    return {
+        name: shutil.copytree(lora_adapters[source], root / name)
+        for name, source in (("first", "all-r8"), ("second", "qv-down-r4-rslora"))
+    }
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, adapters):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE,
-                              lora_modules=(("first", str(adapters["first"]), None),
-                                            ("second", str(adapters["second"]), None)))
+        handle = ServerHandle(
+            tiny_llama_dir,
+            engine_kwargs=ENGINE,
+            lora_modules=(
+                ("first", str(adapters["first"]), None),
+                ("second", str(adapters["second"]), None),
+            ),
+        )
     yield handle
     handle.close()
 
@@ -51,6 +65,7 @@ def read_threads(monkeypatch):
     def spy(path, max_rank):
         names.append(threading.current_thread().name)
         return real(path, max_rank)
+
     monkeypatch.setattr(manager, "read_adapter", spy)
     return names
 
@@ -62,8 +77,10 @@ def _config(**changes) -> dict:
 
 
 def _tensors(**changes) -> dict[str, torch.Tensor]:
-    tensors = {f"{Q_PROJ}.lora_A.weight": torch.full((8, 64), 0.01),
-               f"{Q_PROJ}.lora_B.weight": torch.full((64, 8), 0.01)}
+    tensors = {
+        f"{Q_PROJ}.lora_A.weight": torch.full((8, 64), 0.01),
+        f"{Q_PROJ}.lora_B.weight": torch.full((64, 8), 0.01),
+    }
     tensors.update(changes)
     return tensors
 
@@ -71,7 +88,11 @@ def _tensors(**changes) -> dict[str, torch.Tensor]:
 A, B = f"{Q_PROJ}.lora_A.weight", f"{Q_PROJ}.lora_B.weight"
 # (config: a dict, or the file's raw bytes; tensors: a dict, or the file's raw bytes; message)
 MALFORMED = {
-    "config-list": ([_config()], _tensors(), "adapter_config.json must be a JSON object, got a list"),
+    "config-list": (
+        [_config()],
+        _tensors(),
+        "adapter_config.json must be a JSON object, got a list",
+    ),
     "r-text": (_config(r="x"), _tensors(), "r must be a positive integer, got 'x'"),
     "r-zero": (_config(r=0), _tensors(), "r must be a positive integer, got 0"),
     "r-bool": (_config(r=True), _tensors(), "r must be a positive integer, got True"),
@@ -80,25 +101,47 @@ MALFORMED = {
     "peft-type-number": (_config(peft_type=5), _tensors(), "peft_type must be a string"),
     "bias-list": (_config(bias=["all"]), _tensors(), "bias must be a string"),
     "rank-pattern-list": (_config(rank_pattern=[1]), _tensors(), "rank_pattern must be an object"),
-    "rank-pattern-value": (_config(rank_pattern={"q_proj": "x"}), _tensors(),
-                           "rank_pattern['q_proj'] must be a positive integer"),
-    "alpha-pattern-regex": (_config(alpha_pattern={"(q_proj": 2}), _tensors(),
-                            "alpha_pattern key '(q_proj' is not a regular expression"),
+    "rank-pattern-value": (
+        _config(rank_pattern={"q_proj": "x"}),
+        _tensors(),
+        "rank_pattern['q_proj'] must be a positive integer",
+    ),
+    "alpha-pattern-regex": (
+        _config(alpha_pattern={"(q_proj": 2}),
+        _tensors(),
+        "alpha_pattern key '(q_proj' is not a regular expression",
+    ),
     "config-not-utf8": (b"\xff\xfe{", _tensors(), "adapter_config.json is not JSON"),
     "config-nested": (b"[" * 200_000, _tensors(), "adapter_config.json is not JSON"),
     "config-huge": (b" " * (2 << 20) + b"{}", _tensors(), "adapter_config.json is larger than"),
-    "weights-garbage": (_config(), b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage",
-                        "adapter_model.safetensors can't be read"),
+    "weights-garbage": (
+        _config(),
+        b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage",
+        "adapter_model.safetensors can't be read",
+    ),
     "weights-empty-file": (_config(), b"", "adapter_model.safetensors can't be read"),
     "weights-1d": (_config(), _tensors(**{A: torch.ones(8)}), f"{A} must be 2-D, got shape [8]"),
-    "weights-int": (_config(), _tensors(**{A: torch.ones(8, 64, dtype=torch.int32)}),
-                    f"{A} has dtype I32, not a float type"),
-    "weights-rank-0": (_config(), _tensors(**{A: torch.ones(0, 64), B: torch.ones(64, 0)}),
-                       "has rank 0"),
-    "weights-nan": (_config(), _tensors(**{A: torch.full((8, 64), float("nan"))}),
-                    f"{A} holds NaN or infinite values"),
+    "weights-int": (
+        _config(),
+        _tensors(**{A: torch.ones(8, 64, dtype=torch.int32)}),
+        f"{A} has dtype I32, not a float type",
+    ),
+    "weights-rank-0": (
+        _config(),
+        _tensors(**{A: torch.ones(0, 64), B: torch.ones(64, 0)}),
+        "has rank 0",
+    ),
+    "weights-nan": (
+        _config(),
+        _tensors(**{A: torch.full((8, 64), float("nan"))}),
+        f"{A} holds NaN or infinite values",
+    ),
     "weights-mismatch": (_config(), _tensors(**{B: torch.ones(64, 4)}), "do not fit together"),
-    "weights-wrong-layer": (_config(), _tensors(**{A: torch.ones(8, 32)}), "do not fit the model's layer"),
+    "weights-wrong-layer": (
+        _config(),
+        _tensors(**{A: torch.ones(8, 32)}),
+        "do not fit the model's layer",
+    ),
     "weights-b-only": (_config(), {B: torch.ones(64, 8)}, "has lora_B only"),
 }
 
@@ -124,8 +167,11 @@ def _post(server, path: str, body: dict) -> tuple[int, dict | str]:
 
 
 def _complete(server, model: str) -> tuple[int, dict]:
-    return _post(server, "/v1/completions", {"model": model, "prompt": "def add(a, b):", "max_tokens": 2,
-                                             "temperature": 0})
+    return _post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": "def add(a, b):", "max_tokens": 2, "temperature": 0},
+    )
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
@@ -147,8 +193,11 @@ def http_models(server) -> list[dict]:
 
 
 def test_the_load_route_reads_on_the_step_thread(server, lora_adapters, read_threads):
-    status, body = _post(server, "/v1/load_lora_adapter",
-                         {"lora_name": "patterns", "lora_path": str(lora_adapters["patterns-r16"])})
+    status, body = _post(
+        server,
+        "/v1/load_lora_adapter",
+        {"lora_name": "patterns", "lora_path": str(lora_adapters["patterns-r16"])},
+    )
     assert status == 200, body
     loop_thread = server.loop_thread.thread.name
     assert len(read_threads) == 1 and read_threads[0] != loop_thread
@@ -156,8 +205,9 @@ def test_the_load_route_reads_on_the_step_thread(server, lora_adapters, read_thr
     assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "patterns"})[0] == 200
 
 
-def test_a_request_reads_its_adapter_on_the_step_thread_and_a_bad_one_is_a_400(server, adapters,
-                                                                               read_threads):
+def test_a_request_reads_its_adapter_on_the_step_thread_and_a_bad_one_is_a_400(
+    server, adapters, read_threads
+):
     assert _complete(server, "second")[0] == 200
     read_threads.clear()
     # One adapter held at most: "first" is read from disk again, evicting "second".

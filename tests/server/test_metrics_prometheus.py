@@ -1,6 +1,7 @@
 """/metrics read back by prometheus_client's own parser: vLLM's families with their types and
 label sets, and counters that move by exactly what known requests did. Two servers in one
 process keep separate counts (a registry each)."""
+
 from __future__ import annotations
 
 import openai
@@ -21,16 +22,18 @@ def scrape(port: int) -> dict:
 
 
 def sample(families: dict, family: str, name: str | None = None, **labels) -> float:
-    found = [s.value for s in families[family].samples
-             if s.name == (name or family) and all(s.labels.get(k) == v for k, v in labels.items())]
+    found = [
+        s.value
+        for s in families[family].samples
+        if s.name == (name or family) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(found) == 1, (family, name, labels, found)
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def two_servers(tiny_llama_dir):
-    handles = [ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 128})
-               for _ in range(2)]
+    handles = [ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 128}) for _ in range(2)]
     yield handles
     for handle in handles:
         handle.close()
@@ -40,8 +43,10 @@ def test_families_types_and_label_sets(two_servers):
     handle = two_servers[0]
     families = scrape(handle.port)
     # The parser names a counter family without its _total suffix, as the client library does.
-    expected = {(name[:-len("_total")] if kind == "counter" and name.endswith("_total") else name):
-                kind for name, kind in (EXPECTED | NANOSERVE).items()}
+    expected = {
+        (name[: -len("_total")] if kind == "counter" and name.endswith("_total") else name): kind
+        for name, kind in (EXPECTED | NANOSERVE).items()
+    }
     assert {name: family.type for name, family in families.items()} == expected
     model = handle.engine.served_model_name
     for name, family in families.items():
@@ -69,8 +74,9 @@ def test_counters_move_by_what_the_requests_did(two_servers):
     client = busy.client()
     prompts = [[40 + i] * 10 for i in range(3)]  # 10 tokens each, under one block: no cache hits
     for prompt in prompts:
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=4,
-                                          extra_body={"ignore_eos": True})
+        reply = client.completions.create(
+            model=model, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert reply.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError):  # refused before the engine: counts nothing
         client.completions.create(model=model, prompt="hi", max_tokens=1, temperature=-1)
@@ -81,28 +87,41 @@ def test_counters_move_by_what_the_requests_did(two_servers):
 
     assert delta("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 30
     assert delta("vllm:generation_tokens", "vllm:generation_tokens_total") == 12
-    assert delta("vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total",
-                 source="local_compute") == 30
+    assert (
+        delta(
+            "vllm:prompt_tokens_by_source",
+            "vllm:prompt_tokens_by_source_total",
+            source="local_compute",
+        )
+        == 30
+    )
     for reason, count in (("length", 3), ("stop", 0), ("abort", 0), ("error", 0)):
-        assert delta("vllm:request_success", "vllm:request_success_total",
-                     finished_reason=reason) == count
+        assert (
+            delta("vllm:request_success", "vllm:request_success_total", finished_reason=reason)
+            == count
+        )
     assert delta("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_count") == 3
     assert delta("vllm:request_prompt_tokens", "vllm:request_prompt_tokens_sum") == 30
     assert delta("vllm:request_generation_tokens", "vllm:request_generation_tokens_sum") == 12
-    assert delta("vllm:e2e_request_latency_seconds",
-                 "vllm:e2e_request_latency_seconds_count") == 3
-    assert delta("vllm:inter_token_latency_seconds",
-                 "vllm:inter_token_latency_seconds_count") == 3 * 3
-    assert delta("vllm:request_params_max_tokens",
-                 "vllm:request_params_max_tokens_bucket", le="5.0") == 3  # 4 <= 5
-    assert delta("vllm:request_params_max_tokens",
-                 "vllm:request_params_max_tokens_bucket", le="2.0") == 0
+    assert delta("vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") == 3
+    assert (
+        delta("vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count") == 3 * 3
+    )
+    assert (
+        delta("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_bucket", le="5.0")
+        == 3
+    )  # 4 <= 5
+    assert (
+        delta("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_bucket", le="2.0")
+        == 0
+    )
     assert sample(after, "vllm:num_requests_running") == 0
     # the other server, in the same process, saw none of it
     for name in ("vllm:prompt_tokens_total", "vllm:request_success_total"):
-        family = name[:-len("_total")]
-        assert [s.value for s in other_after[family].samples] == \
-            [s.value for s in other_before[family].samples]
+        family = name[: -len("_total")]
+        assert [s.value for s in other_after[family].samples] == [
+            s.value for s in other_before[family].samples
+        ]
 
 
 def test_cache_config_info_carries_the_kv_pool_in_tokens(two_servers):

@@ -7,6 +7,7 @@ step (counted with a one-sequence engine, where anything the engine took would h
 request back a whole generation). A prompt list that must be tokenized is tokenized in slices, one
 at a time: a small request waits for none of them, a large one for at most one (counted by
 holding the first slice on the one preprocessing thread)."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,16 @@ import threading
 import pytest
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import (MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS,
-                                       MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                       MAX_STOP_TOKEN_IDS, SamplingParams,
-                                       StructuredOutputsParams)
+from nanoserve.sampling_params import (
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from nanoserve.server.tools import MAX_TOOLS
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import connect, http_request, read_response
@@ -44,6 +51,7 @@ class StepCounter:
             outputs = self.real_step()
             self.count += 1
             return outputs
+
         engine.step = step
 
     def during(self, work) -> tuple[object, int]:
@@ -83,8 +91,11 @@ class WatchedTokenizer:
 
 @pytest.fixture(scope="module")
 def one_seq_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256, "max_num_seqs": 1},
-                          preprocess_threads=1)
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs={"num_kv_blocks": 256, "max_num_seqs": 1},
+        preprocess_threads=1,
+    )
     handle.steps = StepCounter(handle.engine)
     yield handle
     handle.close()
@@ -109,23 +120,36 @@ OVER_LIMIT = [  # (fields, the field named, the limit in the message)
     ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop", MAX_STOP_STRING_CHARS),
     ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop", MAX_STOP_STRING_CHARS),
     ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids", MAX_STOP_TOKEN_IDS),
-    ({"logit_bias": {str(i): 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias",
-     MAX_LOGIT_BIAS),
+    (
+        {"logit_bias": {str(i): 1.0 for i in range(MAX_LOGIT_BIAS + 1)}},
+        "logit_bias",
+        MAX_LOGIT_BIAS,
+    ),
     ({"guided_choice": choices(MAX_CHOICES + 1)}, "guided_choice", MAX_CHOICES),
-    ({"structured_outputs": {"choice": choices(MAX_CHOICES + 1)}}, "structured_outputs",
-     MAX_CHOICES),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": BIG_SCHEMA}}},
-     "response_format", MAX_GRAMMAR_CHARS),
+    (
+        {"structured_outputs": {"choice": choices(MAX_CHOICES + 1)}},
+        "structured_outputs",
+        MAX_CHOICES,
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": BIG_SCHEMA}}},
+        "response_format",
+        MAX_GRAMMAR_CHARS,
+    ),
     ({"guided_regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "guided_regex", MAX_GRAMMAR_CHARS),
 ]
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("fields,param,limit", OVER_LIMIT)
-def test_a_list_over_its_limit_is_a_400_naming_the_field_and_limit(tiny_server, watched_tiny,
-                                                                   route, fields, param, limit):
-    prompt = {"prompt": "hello"} if route == "/v1/completions" else \
-        {"messages": [{"role": "user", "content": "hello"}]}
+def test_a_list_over_its_limit_is_a_400_naming_the_field_and_limit(
+    tiny_server, watched_tiny, route, fields, param, limit
+):
+    prompt = (
+        {"prompt": "hello"}
+        if route == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hello"}]}
+    )
     status, body = post(tiny_server.port, route, {**prompt, "max_tokens": 2, **fields})
     assert status == 400, body
     assert body["error"]["param"] == param and str(limit) in body["error"]["message"], body
@@ -134,54 +158,82 @@ def test_a_list_over_its_limit_is_a_400_naming_the_field_and_limit(tiny_server, 
 
 def test_too_many_tools_is_a_400_naming_the_limit(tiny_server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    status, body = post(tiny_server.port, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "tools": [tool] * (MAX_TOOLS + 1),
-        "tool_choice": "required"})
+    status, body = post(
+        tiny_server.port,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool] * (MAX_TOOLS + 1),
+            "tool_choice": "required",
+        },
+    )
     assert status == 400 and body["error"]["param"] == "tools"
     assert str(MAX_TOOLS) in body["error"]["message"]
     # one tool whose schema, turned into the "required" grammar, is too large to compile
     big = {"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}
-    status, body = post(tiny_server.port, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "tools": [big],
-        "tool_choice": "required"})
+    status, body = post(
+        tiny_server.port,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [big],
+            "tool_choice": "required",
+        },
+    )
     assert status == 400 and body["error"]["param"] == "tools"
     assert str(MAX_GRAMMAR_CHARS) in body["error"]["message"], body
 
 
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", [1, 2]), ("bad_words", ["x"])])
 def test_vllm_lists_nanoserve_does_not_apply_are_refused(tiny_server, field, value):
-    status, body = post(tiny_server.port, "/v1/completions",
-                        {"prompt": "hello", "max_tokens": 2, field: value})
+    status, body = post(
+        tiny_server.port, "/v1/completions", {"prompt": "hello", "max_tokens": 2, field: value}
+    )
     assert status == 400 and body["error"]["param"] == field
     assert "not supported" in body["error"]["message"]
-    status, _ = post(tiny_server.port, "/v1/completions",
-                     {"prompt": "hello", "max_tokens": 2, field: []})  # empty: nothing asked
+    status, _ = post(
+        tiny_server.port, "/v1/completions", {"prompt": "hello", "max_tokens": 2, field: []}
+    )  # empty: nothing asked
     assert status == 200
 
 
 def test_lists_at_their_limit_are_served(tiny_server):
     vocab = tiny_server.engine.model_config.vocab_size
-    status, body = post(tiny_server.port, "/v1/completions", {
-        "prompt": "hello", "max_tokens": 3, "ignore_eos": True,
-        "stop": [f"never-{i}-" + "x" * 50 for i in range(MAX_STOP_STRINGS)],
-        "stop_token_ids": [vocab - 1] * MAX_STOP_TOKEN_IDS,
-        "logit_bias": {str(i): 0.0 for i in range(min(vocab, MAX_LOGIT_BIAS))}})
+    status, body = post(
+        tiny_server.port,
+        "/v1/completions",
+        {
+            "prompt": "hello",
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stop": [f"never-{i}-" + "x" * 50 for i in range(MAX_STOP_STRINGS)],
+            "stop_token_ids": [vocab - 1] * MAX_STOP_TOKEN_IDS,
+            "logit_bias": {str(i): 0.0 for i in range(min(vocab, MAX_LOGIT_BIAS))},
+        },
+    )
     assert status == 200, body
-    status, body = post(tiny_server.port, "/v1/completions", {
-        "prompt": "hello", "max_tokens": 8, "guided_choice": choices(MAX_CHOICES)})
+    status, body = post(
+        tiny_server.port,
+        "/v1/completions",
+        {"prompt": "hello", "max_tokens": 8, "guided_choice": choices(MAX_CHOICES)},
+    )
     assert status == 200 and body["choices"][0]["text"] in choices(MAX_CHOICES), body
 
 
 def test_sampling_params_hold_the_same_bounds():
     """The offline LLM's requests too: at each limit accepted, one past it refused by name."""
-    SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS,
-                   logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)})
+    SamplingParams(
+        stop=["s"] * MAX_STOP_STRINGS,
+        stop_token_ids=[1] * MAX_STOP_TOKEN_IDS,
+        logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)},
+    )
     SamplingParams(stop="x" * MAX_STOP_STRING_CHARS)
-    for fields, name in (({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-                         ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
-                         ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
-                         ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}},
-                          "logit_bias")):
+    for fields, name in (
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+    ):
         with pytest.raises(InvalidRequestError) as caught:
             SamplingParams(**fields)
         assert caught.value.param == name
@@ -200,8 +252,10 @@ def watched_tiny(tiny_server):
 
 def completion_bytes(body: dict) -> bytes:
     payload = json.dumps(body).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % len(payload)) + payload
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(payload)
+    ) + payload
 
 
 def send_then_wait_until_taken(handle, body: dict):
@@ -223,8 +277,12 @@ def test_a_million_stop_strings_cost_another_request_no_step(one_seq_server):
     port, steps = one_seq_server.port, one_seq_server.steps
     (status, _), alone = steps.during(lambda: post(port, "/v1/completions", NORMAL))
     assert status == 200 and alone > 0
-    hostile = {"prompt": "hello", "max_tokens": 16, "ignore_eos": True,
-               "stop": [f"s{i}" for i in range(1_000_000)]}  # a 13 MB body, as in the issue
+    hostile = {
+        "prompt": "hello",
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "stop": [f"s{i}" for i in range(1_000_000)],
+    }  # a 13 MB body, as in the issue
     sock = send_then_wait_until_taken(one_seq_server, hostile)
     (status, _), waited = steps.during(lambda: post(port, "/v1/completions", NORMAL))
     assert status == 200 and waited == alone  # what the engine took would have held it back
@@ -260,8 +318,9 @@ def test_a_prompt_list_is_tokenized_in_slices_others_wait_at_most_one(one_seq_se
     results: dict[str, tuple] = {}
 
     def send(name: str, body: dict) -> threading.Thread:
-        thread = threading.Thread(target=lambda: results.update({name: post(
-            port, "/v1/completions", body)}), daemon=True)
+        thread = threading.Thread(
+            target=lambda: results.update({name: post(port, "/v1/completions", body)}), daemon=True
+        )
         thread.start()
         return thread
 
@@ -310,16 +369,21 @@ def test_a_token_prompt_past_the_context_never_reaches_the_step_loop(one_seq_ser
     def add_request(request_id, *args, **kwargs):
         seen.append(request_id)
         return real_add(request_id, *args, **kwargs)
+
     engine.add_request = add_request
     try:
         for prompt in ([7] * 1_000_000, [[7] * 3, [7] * (limit + 1)]):
-            status, body = post(one_seq_server.port, "/v1/completions",
-                                {"prompt": prompt, "max_tokens": 2})
+            status, body = post(
+                one_seq_server.port, "/v1/completions", {"prompt": prompt, "max_tokens": 2}
+            )
             assert status == 400 and body["error"]["param"] == "input_tokens", body
             assert f"maximum context length is {limit} tokens" in body["error"]["message"]
         assert seen == []
-        status, _ = post(one_seq_server.port, "/v1/completions",  # truncation makes it fit
-                         {"prompt": [7] * 1000, "max_tokens": 2, "truncate_prompt_tokens": 10})
+        status, _ = post(
+            one_seq_server.port,
+            "/v1/completions",  # truncation makes it fit
+            {"prompt": [7] * 1000, "max_tokens": 2, "truncate_prompt_tokens": 10},
+        )
         assert status == 200 and len(seen) == 1
     finally:
         engine.add_request = real_add

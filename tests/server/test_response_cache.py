@@ -2,6 +2,7 @@
 the cache, identical (streamed or not, completions and chat), without the engine computing a
 token (its counters stay put); sampled requests without a seed, other parameters, failures and
 aborts never hit; LRU by bytes, TTL, POST /reset_prefix_cache, the /metrics counters."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,16 @@ import time
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import (StepSpy, connect, http_request, letter_bias,
-                                         scrape_metrics)
+from tests.server.server_helpers import StepSpy, connect, http_request, letter_bias, scrape_metrics
 
-COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-            "nanoserve:response_cache_queries_total", "nanoserve:response_cache_hits_total")
+COUNTERS = (
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "nanoserve:response_cache_queries_total",
+    "nanoserve:response_cache_hits_total",
+)
 ENGINE = COUNTERS[:3]
 
 
@@ -25,8 +30,9 @@ def counters(port: int) -> dict[str, float]:
 
 
 def delta(before: dict, after: dict) -> dict:
-    return {name.split(":")[1].removesuffix("_total"): after[name] - before[name]
-            for name in COUNTERS}
+    return {
+        name.split(":")[1].removesuffix("_total"): after[name] - before[name] for name in COUNTERS
+    }
 
 
 def cache_moved(before: dict, after: dict) -> tuple[float, float]:
@@ -58,10 +64,21 @@ def merged_completion(events: list[dict]) -> dict:
         assert "error" not in event, event
         usage = event.get("usage") or usage
         for choice in event["choices"]:
-            merged = choices.setdefault(choice["index"], {
-                "text": "", "token_ids": [], "finish_reason": None, "stop_reason": None,
-                "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                             "text_offset": []}})
+            merged = choices.setdefault(
+                choice["index"],
+                {
+                    "text": "",
+                    "token_ids": [],
+                    "finish_reason": None,
+                    "stop_reason": None,
+                    "logprobs": {
+                        "tokens": [],
+                        "token_logprobs": [],
+                        "top_logprobs": [],
+                        "text_offset": [],
+                    },
+                },
+            )
             merged["text"] += choice["text"]
             merged["token_ids"] += choice.get("token_ids") or []
             for field, values in (choice["logprobs"] or {}).items():
@@ -79,8 +96,10 @@ def merged_chat(events: list[dict]) -> dict:
         assert "error" not in event, event
         usage = event.get("usage") or usage
         for choice in event["choices"]:
-            merged = choices.setdefault(choice["index"], {
-                "content": "", "token_ids": [], "logprobs": [], "finish_reason": None})
+            merged = choices.setdefault(
+                choice["index"],
+                {"content": "", "token_ids": [], "logprobs": [], "finish_reason": None},
+            )
             merged["content"] += choice["delta"].get("content") or ""
             merged["token_ids"] += choice.get("token_ids") or []
             merged["logprobs"] += (choice.get("logprobs") or {}).get("content") or []
@@ -96,8 +115,9 @@ def without_ids(response) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, response_cache_size=1.0,
-                          server_dev_mode=True)  # POST /reset_prefix_cache
+    handle = ServerHandle(
+        tiny_llama_dir, response_cache_size=1.0, server_dev_mode=True
+    )  # POST /reset_prefix_cache
     yield handle
     handle.close()
 
@@ -105,8 +125,14 @@ def server(tiny_llama_dir):
 def test_completion_hit_is_identical_and_never_reaches_the_engine(server):
     client = server.client()
     model = server.engine.served_model_name
-    request = dict(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0,
-                   logprobs=2, extra_body={"return_token_ids": True})
+    request = dict(
+        model=model,
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     first_counts = counters(server.port)
     first = client.completions.create(**request)
     before = counters(server.port)
@@ -117,17 +143,26 @@ def test_completion_hit_is_identical_and_never_reaches_the_engine(server):
     assert not engine_moved(before, after)  # no prompt, no token, not even a scheduler lookup
     assert without_ids(second) == without_ids(first)
     choice = second.choices[0]
-    assert choice.model_extra["token_ids"] and len(choice.logprobs.tokens) == 12 or \
-        choice.finish_reason == "stop"
+    assert (
+        choice.model_extra["token_ids"]
+        and len(choice.logprobs.tokens) == 12
+        or choice.finish_reason == "stop"
+    )
     assert second.usage.completion_tokens == len(choice.model_extra["token_ids"])
     assert second.id != first.id
 
 
 def test_streamed_hits_match_the_original_either_way(server):
     port = server.port
-    payload = {"prompt": "def add(a, b):", "max_tokens": 10, "temperature": 0, "logprobs": 1,
-               "return_token_ids": True, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "prompt": "def add(a, b):",
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     before = counters(port)
     streamed_miss = merged_completion(sse_events(post(port, "/v1/completions", payload)))
     middle = counters(port)
@@ -149,17 +184,22 @@ def test_streamed_hits_match_the_original_either_way(server):
     assert cache_moved(after, counters(port)) == (1, 1)
     choice = body["choices"][0]
     stream_choice = streamed_miss["choices"][0]
-    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == \
-        (stream_choice["text"], stream_choice["token_ids"], stream_choice["finish_reason"])
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (
+        stream_choice["text"],
+        stream_choice["token_ids"],
+        stream_choice["finish_reason"],
+    )
     assert choice["logprobs"] == dict(stream_choice["logprobs"], text_offset=hit_offsets)
 
 
 def test_echo_with_prompt_logprobs_and_n_seeded(server):
     port, model = server.port, server.engine.served_model_name
     client = server.client()
-    for request in (dict(prompt="hello world", max_tokens=5, temperature=0, echo=True, logprobs=1),
-                    dict(prompt="hello world", max_tokens=6, temperature=0.9, seed=11, n=3),
-                    dict(prompt=["one", "two"], max_tokens=4, temperature=0, n=1)):
+    for request in (
+        dict(prompt="hello world", max_tokens=5, temperature=0, echo=True, logprobs=1),
+        dict(prompt="hello world", max_tokens=6, temperature=0.9, seed=11, n=3),
+        dict(prompt=["one", "two"], max_tokens=4, temperature=0, n=1),
+    ):
         before = counters(port)
         first = client.completions.create(model=model, **request)
         middle = counters(port)
@@ -176,8 +216,15 @@ def test_chat_hit_streamed_and_not(server):
     port, client = server.port, server.client()
     model = server.engine.served_model_name
     messages = [{"role": "user", "content": "Tell me a story"}]
-    request = dict(model=model, messages=messages, max_completion_tokens=10, temperature=0,
-                   logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True})
+    request = dict(
+        model=model,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     before = counters(port)
     first = client.chat.completions.create(**request)
     middle = counters(port)
@@ -186,21 +233,34 @@ def test_chat_hit_streamed_and_not(server):
     assert cache_moved(before, middle) == (1, 0) and cache_moved(middle, after) == (1, 1)
     assert not engine_moved(middle, after)
     assert without_ids(second) == without_ids(first)
-    payload = {"messages": messages, "max_completion_tokens": 10, "temperature": 0,
-               "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {
+        "messages": messages,
+        "max_completion_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     streamed = merged_chat(sse_events(post(port, "/v1/chat/completions", payload)))
     assert cache_moved(after, counters(port)) == (1, 1)
     choice = first.choices[0]
     assert streamed["choices"][0] == {
-        "content": choice.message.content, "token_ids": choice.model_extra["token_ids"],
+        "content": choice.message.content,
+        "token_ids": choice.model_extra["token_ids"],
         "logprobs": [entry.model_dump() for entry in choice.logprobs.content],
-        "finish_reason": choice.finish_reason}
+        "finish_reason": choice.finish_reason,
+    }
     usage = first.usage
-    assert {key: streamed["usage"][key] for key in ("prompt_tokens", "completion_tokens",
-                                                   "total_tokens")} == \
-        {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-         "total_tokens": usage.total_tokens}
+    assert {
+        key: streamed["usage"][key]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+    } == {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
     # a streamed miss stores too
     other = dict(payload, max_completion_tokens=7)
     before = counters(port)
@@ -226,14 +286,23 @@ def test_different_parameters_miss(server):
     model = server.engine.served_model_name
     base = dict(prompt="Parameters matter", max_tokens=6, temperature=0)
     client.completions.create(model=model, **base)
-    variants = [dict(max_tokens=7), dict(stop=["zz"]), dict(logprobs=1), dict(seed=5),
-                dict(presence_penalty=0.5), dict(frequency_penalty=0.25),
-                dict(extra_body={"min_tokens": 2}), dict(logit_bias={"50": 5}),
-                dict(extra_body={"stop_token_ids": [3]}),
-                dict(extra_body={"include_stop_str_in_output": True}),
-                dict(extra_body={"skip_special_tokens": False}),
-                dict(extra_body={"repetition_penalty": 1.3}), dict(top_p=0.5),
-                dict(prompt="Parameters matter!"), dict(echo=True, logprobs=0)]
+    variants = [
+        dict(max_tokens=7),
+        dict(stop=["zz"]),
+        dict(logprobs=1),
+        dict(seed=5),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.25),
+        dict(extra_body={"min_tokens": 2}),
+        dict(logit_bias={"50": 5}),
+        dict(extra_body={"stop_token_ids": [3]}),
+        dict(extra_body={"include_stop_str_in_output": True}),
+        dict(extra_body={"skip_special_tokens": False}),
+        dict(extra_body={"repetition_penalty": 1.3}),
+        dict(top_p=0.5),
+        dict(prompt="Parameters matter!"),
+        dict(echo=True, logprobs=0),
+    ]
     for variant in variants:
         before = counters(port)
         client.completions.create(model=model, **{**base, **variant})
@@ -276,11 +345,19 @@ def test_reset_prefix_cache_clears_both_caches(server):
 
 def test_aborted_request_is_not_stored(server):
     port = server.port
-    payload = json.dumps({"prompt": "abort me", "max_tokens": 480, "temperature": 0,
-                          "ignore_eos": True, "stream": True,
-                          "logit_bias": letter_bias(server.server.app.ctx.tokenizer)}).encode()
+    payload = json.dumps(
+        {
+            "prompt": "abort me",
+            "max_tokens": 480,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "logit_bias": letter_bias(server.server.app.ctx.tokenizer),
+        }
+    ).encode()
     aborts = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}' % (
-        server.engine.served_model_name)
+        server.engine.served_model_name
+    )
 
     def stream_then_disconnect() -> None:
         # The second step stays running until the client has read the first event and closed:
@@ -289,14 +366,19 @@ def test_aborted_request_is_not_stored(server):
         spy = StepSpy(server.engine)
         try:
             sock = connect(port)
-            second = spy.hold_second_step(lambda: sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
-                b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload))
+            second = spy.hold_second_step(
+                lambda: sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload
+                )
+            )
             try:
                 received = b""
                 while b"data: " not in received:
                     chunk = sock.recv(65536)
-                    assert chunk, f"the server closed the stream before its first event: {received!r}"
+                    assert chunk, (
+                        f"the server closed the stream before its first event: {received!r}"
+                    )
                     received += chunk
                 sock.close()
             finally:
@@ -312,10 +394,15 @@ def test_aborted_request_is_not_stored(server):
             assert time.monotonic() < deadline, "the disconnect did not abort the request"
             time.sleep(0.02)
         after = scrape_metrics(port)
-        assert after["nanoserve:response_cache_queries_total"] - \
-            before["nanoserve:response_cache_queries_total"] == expected_queries
-        assert after["nanoserve:response_cache_hits_total"] == \
-            before["nanoserve:response_cache_hits_total"]
+        assert (
+            after["nanoserve:response_cache_queries_total"]
+            - before["nanoserve:response_cache_queries_total"]
+            == expected_queries
+        )
+        assert (
+            after["nanoserve:response_cache_hits_total"]
+            == before["nanoserve:response_cache_hits_total"]
+        )
 
 
 def test_eviction_keeps_the_size_bound(tiny_llama_dir):
@@ -325,19 +412,29 @@ def test_eviction_keeps_the_size_bound(tiny_llama_dir):
         assert cache.max_bytes == 5242
         prompts = [[200 + i, 201 + i, 202 + i] for i in range(30)]
         for prompt in prompts:
-            post(handle.port, "/v1/completions", {"prompt": prompt, "max_tokens": 3,
-                                                  "temperature": 0})
+            post(
+                handle.port,
+                "/v1/completions",
+                {"prompt": prompt, "max_tokens": 3, "temperature": 0},
+            )
             assert 0 < cache.size_bytes <= cache.max_bytes
         assert 3 <= len(cache) < 30
-        assert cache.size_bytes == sum(cache.entry_size(key, blob)
-                                       for key, (blob, _) in cache.entries.items())
+        assert cache.size_bytes == sum(
+            cache.entry_size(key, blob) for key, (blob, _) in cache.entries.items()
+        )
         before = counters(handle.port)
-        post(handle.port, "/v1/completions", {"prompt": prompts[-1], "max_tokens": 3,
-                                              "temperature": 0})
+        post(
+            handle.port,
+            "/v1/completions",
+            {"prompt": prompts[-1], "max_tokens": 3, "temperature": 0},
+        )
         middle = counters(handle.port)
         assert cache_moved(before, middle) == (1, 1)  # the newest stayed
-        post(handle.port, "/v1/completions", {"prompt": prompts[0], "max_tokens": 3,
-                                              "temperature": 0})
+        post(
+            handle.port,
+            "/v1/completions",
+            {"prompt": prompts[0], "max_tokens": 3, "temperature": 0},
+        )
         after = counters(handle.port)
         assert cache_moved(middle, after) == (1, 0) and engine_moved(middle, after)
         assert cache.size_bytes <= cache.max_bytes
@@ -390,8 +487,13 @@ def test_reset_while_a_request_runs(server):
     """The reset waits for the step in flight (the step loop runs it between steps): the running
     request goes on to the same tokens, and its stored answer is not touched by the reset."""
     client, model = server.client(), server.engine.served_model_name
-    request = dict(model=model, prompt="keep going", max_tokens=400, temperature=0,
-                   extra_body={"ignore_eos": True})
+    request = dict(
+        model=model,
+        prompt="keep going",
+        max_tokens=400,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     reference = client.completions.create(**request)
     assert http_request(server.port, "POST", "/reset_prefix_cache")[0] == 200
     before = counters(server.port)

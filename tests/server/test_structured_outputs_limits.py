@@ -4,6 +4,7 @@ for its grammar counts toward --max-waiting-requests, and one whose grammar is n
 
 The compile thread is held busy by a job the test submits to it (a threading.Event it sets), so
 "still compiling" is a state the test makes, not a race it hopes to win."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,10 +24,16 @@ WARM = "warm"
 
 
 def _post(server, body: dict) -> tuple[int, dict]:
-    payload = {"model": server.engine.served_model_name, "prompt": "Say:", "max_tokens": 16,
-               "temperature": 0, **body}
-    status, _, raw = http_request(server.port, "POST", "/v1/completions", json.dumps(payload),
-                                  timeout=120)
+    payload = {
+        "model": server.engine.served_model_name,
+        "prompt": "Say:",
+        "max_tokens": 16,
+        "temperature": 0,
+        **body,
+    }
+    status, _, raw = http_request(
+        server.port, "POST", "/v1/completions", json.dumps(payload), timeout=120
+    )
     return status, json.loads(raw)
 
 
@@ -34,8 +41,9 @@ def _hold_compile_thread(server) -> threading.Event:
     """The grammar compiler built (one compile done) and its thread then busy until the
     returned event is set."""
     engine = server.engine
-    engine.prepare_structured_output(SamplingParams(
-        structured_outputs=StructuredOutputsParams(regex=WARM))).result()
+    engine.prepare_structured_output(
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex=WARM))
+    ).result()
     gate = threading.Event()
     engine.structured_output.executor.submit(gate.wait)
     return gate
@@ -51,16 +59,21 @@ def _wait_until(condition) -> None:
 
 @pytest.fixture(scope="module")
 def limited(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE, max_waiting_requests=2,
-                          structured_outputs_compile_timeout=600.0)
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs=ENGINE,
+        max_waiting_requests=2,
+        structured_outputs_compile_timeout=600.0,
+    )
     yield handle
     handle.close()
 
 
 @pytest.fixture(scope="module")
 def deadline(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs=ENGINE,
-                          structured_outputs_compile_timeout=0.05)
+    handle = ServerHandle(
+        tiny_llama_dir, engine_kwargs=ENGINE, structured_outputs_compile_timeout=0.05
+    )
     yield handle
     handle.close()
 
@@ -91,8 +104,15 @@ def test_requests_waiting_for_their_grammar_count_as_waiting(limited):
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 FIELDS = [
-    ("response_format", {"response_format": {"type": "json_schema",
-                                             "json_schema": {"name": "n", "schema": SCHEMA}}}),
+    (
+        "response_format",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": SCHEMA},
+            }
+        },
+    ),
     ("guided_json", {"guided_json": {**SCHEMA, "title": "guided"}}),
     ("structured_outputs", {"structured_outputs": {"regex": r"[a-z]{2} late"}}),
     ("guided_regex", {"guided_regex": r"[a-z]{3} late"}),

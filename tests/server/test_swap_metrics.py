@@ -1,6 +1,7 @@
 """/metrics on a real server with --preemption-mode swap: vllm:num_requests_swapped and
 vllm:cpu_cache_usage_perc (vLLM V0's gauges) follow swapped requests, and return to 0; the
 completions are the same as a roomy pool's."""
+
 from __future__ import annotations
 
 import threading
@@ -39,19 +40,35 @@ def test_swap_gauges_on_a_real_server(tiny_llama_dir):
     vocab = reference_llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(48, vocab, seed=3)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in reference_llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    reference = [
+        o.outputs[0].token_ids
+        for o in reference_llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+    ]
     del reference_llm
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={
-        "dtype": "float32", "num_kv_blocks": 48, "max_num_batched_tokens": 256,
-        "preemption_mode": "swap", "num_swap_blocks": NUM_SWAP_BLOCKS})
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs={
+            "dtype": "float32",
+            "num_kv_blocks": 48,
+            "max_num_batched_tokens": 256,
+            "preemption_mode": "swap",
+            "num_swap_blocks": NUM_SWAP_BLOCKS,
+        },
+    )
     try:
         client = handle.client()
         model = client.models.list().data[0].id
 
         def complete(prompt: list[int]) -> list[int]:
-            reply = client.completions.create(model=model, prompt=prompt, max_tokens=64, temperature=0,
-                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+            reply = client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=64,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return reply.choices[0].token_ids
 
         hold = HoldWhileSwapped(handle.engine)
@@ -70,7 +87,11 @@ def test_swap_gauges_on_a_real_server(tiny_llama_dir):
         # A swapped request holds whole blocks: usage is a multiple of 1 / NUM_SWAP_BLOCKS.
         assert abs(seen_usage * NUM_SWAP_BLOCKS - round(seen_usage * NUM_SWAP_BLOCKS)) < 1e-9
         samples = scrape_metrics(handle.port)
-        assert samples["vllm:num_requests_swapped"] == 0 and samples["vllm:cpu_cache_usage_perc"] == 0
-        assert samples["vllm:num_preemptions_total"] >= handle.engine.stats().num_swap_outs_total > 0
+        assert (
+            samples["vllm:num_requests_swapped"] == 0 and samples["vllm:cpu_cache_usage_perc"] == 0
+        )
+        assert (
+            samples["vllm:num_preemptions_total"] >= handle.engine.stats().num_swap_outs_total > 0
+        )
     finally:
         handle.close()

@@ -2,6 +2,7 @@
 streamed content and argument fragments must add up to exactly the non-streamed result, and
 malformed output must come back as plain content. Also the request checks of server/tools.py and
 the schemas they build for tool_choice "required" and a named function. No model, no torch."""
+
 from __future__ import annotations
 
 import json
@@ -12,21 +13,36 @@ import pytest
 from nanoserve.server.chat_output import ChatOutputReader, delta_messages
 from nanoserve.server.reasoning_parsers import REASONING_PARSERS
 from nanoserve.server.schemas import APIError
-from nanoserve.server.tool_parsers import (TOOL_PARSERS, NamedToolParser, RequiredToolParser,
-                                           ToolCallStream)
+from nanoserve.server.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolCallStream,
+)
 from nanoserve.server.tools import AUTO_NEEDS_FLAGS, check_tool_messages, check_tool_use
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string"},
-                                  "unit": {"type": "string", "enum": ["c", "f"]}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
 NOW = {"type": "function", "function": {"name": "now"}}  # no parameters
 
-QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": '
-                  '{"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n'
-                  '{"name": "now", "arguments": {}}\n</tool_call>')
+QWEN_TWO_CALLS = (
+    'I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "now", "arguments": {}}\n</tool_call>'
+)
 
 
 def whole(parser, text):
@@ -39,7 +55,7 @@ def streamed(parser, text, piece_size=1):
     """Feed the text `piece_size` characters at a time; the last feed is final."""
     stream = ToolCallStream(parser)
     content, calls, firsts = "", {}, []
-    pieces = [text[i:i + piece_size] for i in range(0, len(text), piece_size)] or [""]
+    pieces = [text[i : i + piece_size] for i in range(0, len(text), piece_size)] or [""]
     for number, piece in enumerate(pieces):
         new_content, deltas = stream.feed(piece, number == len(pieces) - 1)
         content += new_content
@@ -67,13 +83,16 @@ def test_hermes_two_calls_after_text(piece_size):
     assert all(first.id.startswith("chatcmpl-tool-") for first in firsts)
 
 
-@pytest.mark.parametrize("text", [
-    'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # half a call
-    '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',  # bad JSON
-    '<tool_call>\n["get_weather"]\n</tool_call>',  # not an object
-    '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
-    'a <tool_call> inside prose, then more prose',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Sure <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # half a call
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',  # bad JSON
+        '<tool_call>\n["get_weather"]\n</tool_call>',  # not an object
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        "a <tool_call> inside prose, then more prose",
+    ],
+)
 def test_hermes_malformed_is_plain_content(text):
     parser = TOOL_PARSERS["hermes"]()
     assert whole(parser, text) == (text, [])
@@ -104,16 +123,22 @@ def test_hermes_arguments_with_braces_and_escapes_in_strings():
     assert streamed(parser, text)[:2] == ("", [("run", arguments)])
 
 
-LLAMA_CALLS = ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-               '{"name": "now", "parameters": {}}')
+LLAMA_CALLS = (
+    '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}'
+)
 
 
-@pytest.mark.parametrize("text,expected", [
-    (LLAMA_CALLS, [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
-    ('<|python_tag|>{"name": "now", "parameters": {}}', [("now", "{}")]),
-    ('  {"name": "get_weather", "arguments": {"city": "Oslo"}}',
-     [("get_weather", '{"city": "Oslo"}')]),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (LLAMA_CALLS, [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+        ('<|python_tag|>{"name": "now", "parameters": {}}', [("now", "{}")]),
+        (
+            '  {"name": "get_weather", "arguments": {"city": "Oslo"}}',
+            [("get_weather", '{"city": "Oslo"}')],
+        ),
+    ],
+)
 @pytest.mark.parametrize("piece_size", [1, 4])
 def test_llama3_json(text, expected, piece_size):
     parser = TOOL_PARSERS["llama3_json"]()
@@ -121,22 +146,37 @@ def test_llama3_json(text, expected, piece_size):
     assert streamed(parser, text, piece_size)[:2] == ("", expected)
 
 
-@pytest.mark.parametrize("text", ["The capital of France is Paris.",
-                                  '{"name": "get_weather", "parameters": {"city": ',
-                                  '{"name": "now", "parameters": {}} and some words'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The capital of France is Paris.",
+        '{"name": "get_weather", "parameters": {"city": ',
+        '{"name": "now", "parameters": {}} and some words',
+    ],
+)
 def test_llama3_json_plain_text(text):
     parser = TOOL_PARSERS["llama3_json"]()
     assert whole(parser, text) == (text, [])
     assert streamed(parser, text)[0] == text
 
 
-@pytest.mark.parametrize("text,content,expected", [
-    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-     '{"name": "now", "arguments": {}}]', "", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
-    ('Checking. [TOOL_CALLS][{"name": "now", "arguments": {}}]', "Checking. ", [("now", "{}")]),
-    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now{}', "",
-     [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
-])
+@pytest.mark.parametrize(
+    "text,content,expected",
+    [
+        (
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "now", "arguments": {}}]',
+            "",
+            [("get_weather", '{"city": "Paris"}'), ("now", "{}")],
+        ),
+        ('Checking. [TOOL_CALLS][{"name": "now", "arguments": {}}]', "Checking. ", [("now", "{}")]),
+        (
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now{}',
+            "",
+            [("get_weather", '{"city": "Paris"}'), ("now", "{}")],
+        ),
+    ],
+)
 @pytest.mark.parametrize("piece_size", [1, 3])
 def test_mistral(text, content, expected, piece_size):
     parser = TOOL_PARSERS["mistral"]()
@@ -148,8 +188,10 @@ def test_mistral(text, content, expected, piece_size):
         assert len(first.id) == 9 and first.id.isalnum()
 
 
-@pytest.mark.parametrize("text", ['[TOOL_CALLS][{"name": "now", "arguments": {',
-                                  '[TOOL_CALLS] not json', 'no calls at all'])
+@pytest.mark.parametrize(
+    "text",
+    ['[TOOL_CALLS][{"name": "now", "arguments": {', "[TOOL_CALLS] not json", "no calls at all"],
+)
 def test_mistral_malformed(text):
     assert whole(TOOL_PARSERS["mistral"](), text) == (text, [])
 
@@ -160,16 +202,21 @@ PYTHONIC = '[get_weather(city="Paris, FR", unit=\'c\'), now(), search(terms=["a"
 @pytest.mark.parametrize("piece_size", [1, 6])
 def test_pythonic(piece_size):
     parser = TOOL_PARSERS["pythonic"]()
-    expected = [("get_weather", '{"city": "Paris, FR", "unit": "c"}'), ("now", "{}"),
-                ("search", '{"terms": ["a", "b"], "n": 2}')]
+    expected = [
+        ("get_weather", '{"city": "Paris, FR", "unit": "c"}'),
+        ("now", "{}"),
+        ("search", '{"terms": ["a", "b"], "n": 2}'),
+    ]
     assert whole(parser, PYTHONIC) == ("", expected)
     assert streamed(parser, PYTHONIC, piece_size)[:2] == ("", expected)
     wrapped = f"<|python_start|>{PYTHONIC}<|python_end|>"
     assert whole(parser, wrapped) == ("", expected)
 
 
-@pytest.mark.parametrize("text", ["[get_weather(city=", "[get_weather(city=x)]",
-                                  "[1, 2]", "Paris is sunny.", "[f(*args)]"])
+@pytest.mark.parametrize(
+    "text",
+    ["[get_weather(city=", "[get_weather(city=x)]", "[1, 2]", "Paris is sunny.", "[f(*args)]"],
+)
 def test_pythonic_malformed(text):
     parser = TOOL_PARSERS["pythonic"]()
     assert whole(parser, text) == (text, [])
@@ -177,7 +224,9 @@ def test_pythonic_malformed(text):
 
 
 def test_required_and_named_outputs():
-    required = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"now","parameters":{}}]'
+    required = (
+        '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"now","parameters":{}}]'
+    )
     expected = [("get_weather", '{"city":"Paris"}'), ("now", "{}")]
     assert whole(RequiredToolParser(), required) == ("", expected)
     assert streamed(RequiredToolParser(), required)[:2] == ("", expected)
@@ -194,14 +243,22 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 
 # ---- reasoning ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name,text,reasoning,content", [
-    ("qwen3", "<think>\nThe user wants 2+2.\n</think>\n\n4", "\nThe user wants 2+2.\n", "\n\n4"),
-    ("qwen3", "4", "", "4"),  # enable_thinking=false: no block in the output
-    ("qwen3", "<think>cut off by max_tokens", "cut off by max_tokens", ""),
-    ("deepseek_r1", "Okay, 2+2.</think>4", "Okay, 2+2.", "4"),  # <think> was in the prompt
-    ("deepseek_r1", "<think>Okay.</think>4", "Okay.", "4"),
-    ("deepseek_r1", "still thinking", "still thinking", ""),
-])
+@pytest.mark.parametrize(
+    "name,text,reasoning,content",
+    [
+        (
+            "qwen3",
+            "<think>\nThe user wants 2+2.\n</think>\n\n4",
+            "\nThe user wants 2+2.\n",
+            "\n\n4",
+        ),
+        ("qwen3", "4", "", "4"),  # enable_thinking=false: no block in the output
+        ("qwen3", "<think>cut off by max_tokens", "cut off by max_tokens", ""),
+        ("deepseek_r1", "Okay, 2+2.</think>4", "Okay, 2+2.", "4"),  # <think> was in the prompt
+        ("deepseek_r1", "<think>Okay.</think>4", "Okay.", "4"),
+        ("deepseek_r1", "still thinking", "still thinking", ""),
+    ],
+)
 @pytest.mark.parametrize("piece_size", [1, 3, 1000])
 def test_reasoning_parsers(name, text, reasoning, content, piece_size):
     parser = REASONING_PARSERS[name]()
@@ -209,7 +266,7 @@ def test_reasoning_parsers(name, text, reasoning, content, piece_size):
     reader = ChatOutputReader(parser, None)
     output = reader.new_choice()
     got_reasoning = got_content = ""
-    pieces = [text[i:i + piece_size] for i in range(0, len(text), piece_size)]
+    pieces = [text[i : i + piece_size] for i in range(0, len(text), piece_size)]
     for number, piece in enumerate(pieces):
         for message in delta_messages(output.feed(piece, number == len(pieces) - 1)):
             got_reasoning += message.reasoning_content or ""
@@ -262,39 +319,66 @@ def test_tool_choice_checks():
     assert check_tool_use([], "required", True, False).mode == "none"
 
 
-@pytest.mark.parametrize("tools", [
-    "get_weather",
-    [{"type": "retrieval"}],
-    [{"type": "function", "function": {"description": "no name"}}],
-    [{"type": "function", "function": {"name": "f", "parameters": "an object please"}}],
-    [{"type": "function", "function": {"name": "f", "parameters": {"type": "dictionary"}}}],
-    [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}],
-])
+@pytest.mark.parametrize(
+    "tools",
+    [
+        "get_weather",
+        [{"type": "retrieval"}],
+        [{"type": "function", "function": {"description": "no name"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": "an object please"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "dictionary"}}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["a"]}}}],
+    ],
+)
 def test_bad_tools_name_the_field(tools):
     refused("tools", tools, "required", True, False)
 
 
 def test_required_schema_accepts_calls_and_refuses_others():
     schema = check_tool_use([WEATHER, NOW], "required", True, False).constraint().json
-    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris"}},
-                         {"name": "now", "parameters": {}}], schema)
-    for wrong in ([], [{"name": "get_weather", "parameters": {}}],
-                  [{"name": "other", "parameters": {}}], {"name": "now", "parameters": {}}):
+    jsonschema.validate(
+        [
+            {"name": "get_weather", "parameters": {"city": "Paris"}},
+            {"name": "now", "parameters": {}},
+        ],
+        schema,
+    )
+    for wrong in (
+        [],
+        [{"name": "get_weather", "parameters": {}}],
+        [{"name": "other", "parameters": {}}],
+        {"name": "now", "parameters": {}},
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
     single = check_tool_use([WEATHER, NOW], "required", False, False).constraint().json
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "now", "parameters": {}}] * 2, single)
-    named = check_tool_use([WEATHER], {"type": "function", "function": {"name": "get_weather"}},
-                           True, False).constraint()
+    named = check_tool_use(
+        [WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True, False
+    ).constraint()
     assert named.json == WEATHER["function"]["parameters"] and named.field == "tools"
 
 
 def test_required_schema_hoists_defs():
-    tool = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"],
-        "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}},
-                        "required": ["x"]}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"p": {"$ref": "#/$defs/P"}},
+                "required": ["p"],
+                "$defs": {
+                    "P": {
+                        "type": "object",
+                        "properties": {"x": {"type": "integer"}},
+                        "required": ["x"],
+                    }
+                },
+            },
+        },
+    }
     schema = check_tool_use([tool], "required", True, False).constraint().json
     assert "P" in schema["$defs"]
     jsonschema.validate([{"name": "f", "parameters": {"p": {"x": 1}}}], schema)
@@ -302,13 +386,22 @@ def test_required_schema_hoists_defs():
         jsonschema.validate([{"name": "f", "parameters": {"p": {"x": "one"}}}], schema)
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "tool", "content": "21 C"}],
-    [{"role": "assistant", "tool_calls": [{"type": "function"}]}],
-    [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
-        "name": "f", "arguments": "{not json"}}]}],
-    [{"role": "user", "content": "hi", "tool_calls": []}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "tool", "content": "21 C"}],
+        [{"role": "assistant", "tool_calls": [{"type": "function"}]}],
+        [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                ],
+            }
+        ],
+        [{"role": "user", "content": "hi", "tool_calls": []}],
+    ],
+)
 def test_bad_tool_messages_name_messages(messages):
     with pytest.raises(APIError) as error:
         check_tool_messages(messages)

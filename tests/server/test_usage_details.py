@@ -1,6 +1,7 @@
 """Usage reporting defaults (issue 19): `stream_options: {}` does not turn the usage chunk on, and
 with --enable-prompt-tokens-details usage carries prompt_tokens_details.cached_tokens, the prompt
 tokens served from the prefix cache."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import json
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.test_async_engine import sse_events
 from tests.server.server_helpers import http_request
+from tests.server.test_async_engine import sse_events
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full 16-token blocks can come from the cache
 
@@ -24,10 +25,13 @@ def usage_chunks(raw: bytes) -> list[dict]:
     return [e for e in sse_events(raw) if isinstance(e, dict) and e.get("usage")]
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "hello"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "hello"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+    ],
+)
 def test_empty_stream_options_means_no_usage_chunk(tiny_server, path, body):
     body = {**body, "max_tokens": 3, "stream": True}
     assert usage_chunks(post(tiny_server.port, path, {**body, "stream_options": {}})) == []
@@ -40,8 +44,11 @@ def test_empty_stream_options_means_no_usage_chunk(tiny_server, path, body):
 
 @pytest.fixture(scope="module")
 def details_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 128, "block_size": 16},
-                          enable_prompt_tokens_details=True)
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs={"num_kv_blocks": 128, "block_size": 16},
+        enable_prompt_tokens_details=True,
+    )
     yield handle
     handle.close()
 
@@ -53,9 +60,16 @@ def test_cached_tokens_reported(details_server):
     second = json.loads(post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}))
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     # Streamed, and with several prompts: one of them cached, one new.
-    raw = post(port, "/v1/completions", {"prompt": [PROMPT, list(range(60, 100))],
-                                         "max_tokens": 2, "stream": True,
-                                         "stream_options": {"include_usage": True}})
+    raw = post(
+        port,
+        "/v1/completions",
+        {
+            "prompt": [PROMPT, list(range(60, 100))],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     [chunk] = usage_chunks(raw)
     assert chunk["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     assert chunk["usage"]["prompt_tokens"] == 80
@@ -69,5 +83,7 @@ def test_cached_tokens_in_chat_with_the_openai_client(details_server):
     result = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
     prompt_tokens = result.usage.prompt_tokens
     assert prompt_tokens >= 16 and result.usage.prompt_tokens_details.cached_tokens >= 16
-    assert result.usage.prompt_tokens_details.cached_tokens == prompt_tokens // 16 * 16 or \
-        result.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    assert (
+        result.usage.prompt_tokens_details.cached_tokens == prompt_tokens // 16 * 16
+        or result.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16
+    )

@@ -1,5 +1,6 @@
 """vLLM's extra routes (issue 18): /load with --enable-server-load-tracking, /tokenizer_info with
 --enable-tokenizer-info-endpoint, SageMaker's /invocations, and GET /v1/models/{id}."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,13 @@ from tests.server.test_async_engine import sse_events
 
 @pytest.fixture(scope="module")
 def flagged_server(tiny_llama_dir):
-    handle = ServerHandle(tiny_llama_dir, engine_kwargs={"num_kv_blocks": 256},
-                          enable_server_load_tracking=True, enable_tokenizer_info_endpoint=True,
-                          api_key="secret")
+    handle = ServerHandle(
+        tiny_llama_dir,
+        engine_kwargs={"num_kv_blocks": 256},
+        enable_server_load_tracking=True,
+        enable_tokenizer_info_endpoint=True,
+        api_key="secret",
+    )
     yield handle
     handle.close()
 
@@ -42,9 +47,14 @@ def test_server_load_counts_requests_until_their_response_is_done(flagged_server
     assert load(port) == 0
     app = flagged_server.server.app
     body = json.dumps({"prompt": "hello", "max_tokens": 50, "ignore_eos": True, "stream": True})
-    request = HttpRequest("POST", "/v1/completions", "", "1.1",
-                          [("content-type", "application/json"), ("authorization", "Bearer secret")],
-                          body.encode())
+    request = HttpRequest(
+        "POST",
+        "/v1/completions",
+        "",
+        "1.1",
+        [("content-type", "application/json"), ("authorization", "Bearer secret")],
+        body.encode(),
+    )
     # Two streams accepted and not yet sent: both count until their bodies end.
     first = flagged_server.loop_thread.call(lambda: app(request))
     second = flagged_server.loop_thread.call(lambda: app(request))
@@ -52,22 +62,33 @@ def test_server_load_counts_requests_until_their_response_is_done(flagged_server
 
     async def drain(response):
         return [piece async for piece in response.body]
+
     pieces = flagged_server.loop_thread.call(lambda: drain(first))
     assert pieces[-1] == b"data: [DONE]\n\n" and load(port) == 1
     flagged_server.loop_thread.call(second.body.aclose)  # a client that went away
     assert load(port) == 0
     # Over HTTP: streamed, not streamed, and refused requests all leave it at 0.
     for extra in ({"stream": True}, {}, {"max_tokens": -1}):
-        http_request(port, "POST", "/v1/completions",
-                     json.dumps({"prompt": "hi", "max_tokens": 3, **extra}), headers=AUTH)
+        http_request(
+            port,
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "hi", "max_tokens": 3, **extra}),
+            headers=AUTH,
+        )
         assert load(port) == 0
 
 
 def test_server_load_is_zero_without_the_flag(tiny_server):
     app = tiny_server.server.app
-    request = HttpRequest("POST", "/v1/completions", "", "1.1",
-                          [("content-type", "application/json")],
-                          json.dumps({"prompt": "hello", "max_tokens": 5, "stream": True}).encode())
+    request = HttpRequest(
+        "POST",
+        "/v1/completions",
+        "",
+        "1.1",
+        [("content-type", "application/json")],
+        json.dumps({"prompt": "hello", "max_tokens": 5, "stream": True}).encode(),
+    )
     response = tiny_server.loop_thread.call(lambda: app(request))
     assert load(tiny_server.port) == 0
     tiny_server.loop_thread.call(response.body.aclose)
@@ -81,8 +102,14 @@ def test_tokenizer_info(flagged_server):
     assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 512
     assert info["chat_template"] == tokenizer.chat_template
     added = info["added_tokens_decoder"]
-    assert added["2"] == {"content": "<|im_end|>", "lstrip": False, "normalized": False,
-                          "rstrip": False, "single_word": False, "special": True}
+    assert added["2"] == {
+        "content": "<|im_end|>",
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     assert {"vocab_file", "merges_file"}.isdisjoint(info)
 
 
@@ -99,10 +126,13 @@ def test_invocations_dispatch_on_the_body(flagged_server):
     assert status == 200 and json.loads(raw)["object"] == "chat.completion"
     assert json.loads(raw)["choices"] == json.loads(direct)["choices"]
     completion = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
-    status, _, raw = http_request(port, "POST", "/invocations", json.dumps(completion), headers=AUTH)
+    status, _, raw = http_request(
+        port, "POST", "/invocations", json.dumps(completion), headers=AUTH
+    )
     assert status == 200 and json.loads(raw)["object"] == "text_completion"
-    status, _, raw = http_request(port, "POST", "/invocations", json.dumps({**completion, "stream": True}),
-                                  headers=AUTH)
+    status, _, raw = http_request(
+        port, "POST", "/invocations", json.dumps({**completion, "stream": True}), headers=AUTH
+    )
     events = sse_events(raw)
     assert status == 200 and events[-1] == "[DONE]"
     for body in ({"model": "x"}, {"prompt": ""}, {"messages": "not a list"}):
@@ -110,9 +140,11 @@ def test_invocations_dispatch_on_the_body(flagged_server):
         error = json.loads(raw)["error"]
         assert status == 400 and error["message"] == (
             "Cannot find suitable handler for request. Expected one of: "
-            "['ChatCompletionRequest', 'CompletionRequest']")
-    status, _, raw = http_request(port, "POST", "/invocations", "{}",
-                                  headers={"Content-Type": "text/plain", **AUTH})
+            "['ChatCompletionRequest', 'CompletionRequest']"
+        )
+    status, _, raw = http_request(
+        port, "POST", "/invocations", "{}", headers={"Content-Type": "text/plain", **AUTH}
+    )
     assert status == 400
 
 
@@ -123,8 +155,12 @@ def test_retrieve_model(flagged_server):
     assert model.id == name and model.object == "model"
     with pytest.raises(openai.NotFoundError) as caught:
         client.models.retrieve("no-such-model")
-    assert caught.value.body == {"message": "The model `no-such-model` does not exist.",
-                                 "type": "NotFoundError", "param": "model", "code": 404}
+    assert caught.value.body == {
+        "message": "The model `no-such-model` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
     status, body = get_json(flagged_server.port, "/v1/models/" + quote(name, safe=""))
     assert status == 401  # under /v1: the API key is needed
     status, body = get_json(flagged_server.port, "/v1/models/" + quote(name, safe=""), AUTH)

@@ -1,4 +1,5 @@
 """The n-gram proposer against exact expected proposals and a brute-force oracle."""
+
 from __future__ import annotations
 
 import random
@@ -11,10 +12,10 @@ from nanoserve.spec_decode.ngram import NgramProposer
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Longest n first; for that n, the latest earlier occurrence; what followed it."""
     for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-        suffix = tokens[len(tokens) - n:]
+        suffix = tokens[len(tokens) - n :]
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
     return []
 
 

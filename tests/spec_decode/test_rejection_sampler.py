@@ -1,6 +1,7 @@
 """The rejection sampler keeps the target distribution: chi-square tests over many draws with
 fixed seeds (deterministic: the same draws every run), with a control showing the test has the
 power to reject a sampler that does not (always keeping the proposal)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,18 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs.double() * counts.sum()
     statistic = float(((counts.double() - expected) ** 2 / expected).sum())
     dof = len(probs) - 1
-    return float(1 - torch.special.gammainc(torch.tensor(dof / 2, dtype=torch.float64),
-                                             torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        1
+        - torch.special.gammainc(
+            torch.tensor(dof / 2, dtype=torch.float64),
+            torch.tensor(statistic / 2, dtype=torch.float64),
+        )
+    )
 
 
-def emitted_counts(target: torch.Tensor, draft: torch.Tensor | None, k: int, keep_all: bool = False):
+def emitted_counts(
+    target: torch.Tensor, draft: torch.Tensor | None, k: int, keep_all: bool = False
+):
     """Per position 0 and 1: how often each token was emitted there, over TRIALS sequences whose
     target is the same distribution at every position (so every emitted token should follow it)."""
     generator = torch.Generator().manual_seed(1234)
@@ -67,8 +75,11 @@ def test_greedy_keeps_proposals_while_they_equal_the_argmax():
     rows = torch.zeros(4, VOCAB)
     best = [2, 5, 1, 3]
     rows[torch.arange(4), best] = 1.0
-    seqs = [SpecSequence([2, 5, 1], greedy=True), SpecSequence([2, 4, 1], greedy=True),
-            SpecSequence([0, 5, 1], greedy=True)]
+    seqs = [
+        SpecSequence([2, 5, 1], greedy=True),
+        SpecSequence([2, 4, 1], greedy=True),
+        SpecSequence([0, 5, 1], greedy=True),
+    ]
     got = rejection_sample(torch.cat([rows, rows, rows]), seqs)
     assert got == [[2, 5, 1, 3], [2, 5], [2]]
 
@@ -83,9 +94,13 @@ def test_no_proposal_is_a_plain_draw_and_rows_are_checked():
 
 def test_seeded_sequences_do_not_depend_on_their_neighbours(distributions):
     target, _ = distributions
+
     def run(neighbours: int) -> list[int]:
-        seqs = [SpecSequence([1, 2], greedy=False, generator=torch.Generator().manual_seed(s))
-                for s in range(neighbours)]
+        seqs = [
+            SpecSequence([1, 2], greedy=False, generator=torch.Generator().manual_seed(s))
+            for s in range(neighbours)
+        ]
         seqs.append(SpecSequence([3, 0], greedy=False, generator=torch.Generator().manual_seed(99)))
         return rejection_sample(target.expand(3 * len(seqs), VOCAB), seqs)[-1]
+
     assert run(0) == run(5)

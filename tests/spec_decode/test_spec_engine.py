@@ -3,6 +3,7 @@ greedy tokens and their logprobs identical, in fp32 and in bf16 at every CPU ker
 verification row is computed as a decode row, so the bits agree), with stop strings, EOS,
 max_tokens, n > 1, small token budgets and preemption; the KV kept for accepted tokens is the
 KV a later request reuses through the prefix cache; proposals actually happen and are counted."""
+
 from __future__ import annotations
 
 import random
@@ -12,7 +13,12 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 
 
 def repetitive_prompts(count: int, seed: int, vocab: int = 300) -> list[list[int]]:
@@ -68,16 +74,19 @@ def test_stops_lengths_and_n_behave_as_without_speculation(fp32_pair):
     # A stop string taken from the middle of each reference output, a stop token id, EOS on.
     for prompt, ref in zip(prompts, reference):
         text = ref.outputs[0].text
-        stop = text[len(text) // 2: len(text) // 2 + 3] or "zzz"
+        stop = text[len(text) // 2 : len(text) // 2 + 3] or "zzz"
         stop_id = ref.outputs[0].token_ids[17]
-        for params in (SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
-                       SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True),
-                       SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-                       SamplingParams(temperature=0, max_tokens=30, n=2),
-                       SamplingParams(temperature=0, max_tokens=30, min_tokens=10, ignore_eos=True)):
+        for params in (
+            SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_id], ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=30, n=2),
+            SamplingParams(temperature=0, max_tokens=30, min_tokens=10, ignore_eos=True),
+        ):
             ours, theirs = run(spec, [prompt], params)[0], run(plain, [prompt], params)[0]
-            assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in ours.outputs] == \
-                [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in theirs.outputs]
+            assert [
+                (o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in ours.outputs
+            ] == [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in theirs.outputs]
     assert tokenizer is not None
 
 
@@ -88,8 +97,12 @@ def test_small_budgets_and_preemption_change_nothing(tiny_llama_dir):
     expected = [o.outputs[0].token_ids for o in run(plain, prompts, params)]
     # 20 tokens a step cut proposals short; 24 blocks of 16 force preemptions by recompute.
     for kwargs in ({"max_num_batched_tokens": 20}, {"num_kv_blocks": 24}):
-        spec = LLM(model=str(tiny_llama_dir), dtype="float32", speculative_config=NGRAM,
-                   **{"num_kv_blocks": 512, **kwargs})
+        spec = LLM(
+            model=str(tiny_llama_dir),
+            dtype="float32",
+            speculative_config=NGRAM,
+            **{"num_kv_blocks": 512, **kwargs},
+        )
         assert [o.outputs[0].token_ids for o in run(spec, prompts, params)] == expected
         if "num_kv_blocks" in kwargs and kwargs["num_kv_blocks"] == 24:
             assert spec.llm_engine.stats().num_preemptions_total > 0
@@ -106,7 +119,9 @@ def test_kept_kv_is_what_the_prefix_cache_serves_later(fp32_pair):
     before = spec.llm_engine.stats()
     ours = run(spec, [longer], params)[0]
     hits = spec.llm_engine.stats().prefix_cache_hits_total - before.prefix_cache_hits_total
-    assert hits >= (len(longer) - 1) // 16 * 16 - 16  # all but the last block or two came from the cache
+    assert (
+        hits >= (len(longer) - 1) // 16 * 16 - 16
+    )  # all but the last block or two came from the cache
     assert ours.outputs[0].token_ids == run(plain, [longer], params)[0].outputs[0].token_ids
 
 
@@ -116,14 +131,17 @@ def test_bf16_bits_are_a_plain_decodes_at_every_level(tiny_llama_dir, cpu_isa):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     for ours, theirs in zip(run(spec, prompts, params), run(plain, prompts, params)):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        assert [{t: lp.logprob for t, lp in e.items()} for e in ours.outputs[0].logprobs] == \
-            [{t: lp.logprob for t, lp in e.items()} for e in theirs.outputs[0].logprobs]
+        assert [{t: lp.logprob for t, lp in e.items()} for e in ours.outputs[0].logprobs] == [
+            {t: lp.logprob for t, lp in e.items()} for e in theirs.outputs[0].logprobs
+        ]
 
 
 def test_sampling_with_speculation_keeps_lengths_and_seeds(fp32_pair):
     _, spec = fp32_pair
     prompts = repetitive_prompts(4, seed=6)
-    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=25, ignore_eos=True, seed=11)
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, max_tokens=25, ignore_eos=True, seed=11
+    )
     first = [o.outputs[0].token_ids for o in run(spec, prompts, params)]
     again = [o.outputs[0].token_ids for o in run(spec, prompts, params)]
     assert first == again  # a seeded request is reproducible with speculation too
@@ -139,14 +157,19 @@ def test_nothing_to_look_up_proposes_nothing(fp32_pair):
     assert spec.llm_engine.stats().spec_decoding.num_drafts == before
 
 
-@pytest.mark.parametrize("config, message", [
-    ('{"method": "ngram"}', "num_speculative_tokens"),
-    ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
-     "prompt_lookup_min"),
-    ('{"method": "ngram", "num_speculative_tokens": 2, "speed": 9}', "speed"),
-    ("not json", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "eagle"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+            "prompt_lookup_min",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "speed": 9}', "speed"),
+        ("not json", "not JSON"),
+    ],
+)
 def test_bad_configs_are_one_clear_error(config, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=config)
@@ -162,8 +185,13 @@ def test_tensor_parallel_verification_equals_one_rank(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
     expected = [o.outputs[0].token_ids for o in run(plain, prompts, params)]
-    with LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
-             speculative_config=NGRAM) as spec:
+    with LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=256,
+        tensor_parallel_size=2,
+        speculative_config=NGRAM,
+    ) as spec:
         assert [o.outputs[0].token_ids for o in run(spec, prompts, params)] == expected
         assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
 
@@ -182,8 +210,13 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_llama_dir, other_llama_di
     prompts = repetitive_prompts(6, seed=10)
     params = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True, logprobs=2)
     plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
-    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=64,
-               speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
+    spec = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3},
+    )
     for ours, theirs in zip(run(spec, prompts, params), run(plain, prompts, params)):
         assert_same_tokens_and_logprobs(ours, theirs, 1e-4)
     stats = spec.llm_engine.stats().spec_decoding
@@ -192,12 +225,19 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_llama_dir, other_llama_di
     else:
         assert stats.num_accepted_tokens < stats.num_draft_tokens
     assert not spec.llm_engine.proposer.shadows  # every finished sequence's draft blocks freed
-    assert spec.llm_engine.proposer.blocks.num_free_blocks == spec.llm_engine.proposer.blocks.num_blocks
+    assert (
+        spec.llm_engine.proposer.blocks.num_free_blocks
+        == spec.llm_engine.proposer.blocks.num_blocks
+    )
 
 
 def test_draft_model_sampling_is_seeded_and_bounded(tiny_llama_dir, other_llama_dir):
-    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256,
-               speculative_config={"model": str(other_llama_dir), "num_speculative_tokens": 3})
+    spec = LLM(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        num_kv_blocks=256,
+        speculative_config={"model": str(other_llama_dir), "num_speculative_tokens": 3},
+    )
     prompts = repetitive_prompts(3, seed=11)
     params = SamplingParams(temperature=0.9, top_k=40, max_tokens=20, ignore_eos=True, seed=5)
     first = [o.outputs[0].token_ids for o in run(spec, prompts, params)]
@@ -207,33 +247,50 @@ def test_draft_model_sampling_is_seeded_and_bounded(tiny_llama_dir, other_llama_
 
 
 def test_draft_model_config_errors(tiny_llama_dir):
-    with pytest.raises(ValueError, match="needs \"model\""):
+    with pytest.raises(ValueError, match='needs "model"'):
         EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2},
-                     tensor_parallel_size=2)
+        EngineConfig(
+            speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 2},
+            tensor_parallel_size=2,
+        )
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_structured_outputs_under_speculation_equal_plain(tiny_llama_dir, other_llama_dir, proposer):
+def test_structured_outputs_under_speculation_equal_plain(
+    tiny_llama_dir, other_llama_dir, proposer
+):
     """A repetitive grammar (so proposals happen) on the tiny model's vocabulary: greedy tokens
     equal a plain constrained decode's, the text fits the grammar, and proposals were made."""
     from nanoserve.sampling_params import StructuredOutputsParams
 
     regex = "(a|b|c)(a|b|c| )*(x|y)"
-    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex))
-    config = NGRAM if proposer == "ngram" else {"model": str(other_llama_dir), "num_speculative_tokens": 3}
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    config = (
+        NGRAM
+        if proposer == "ngram"
+        else {"model": str(other_llama_dir), "num_speculative_tokens": 3}
+    )
     plain = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256)
-    spec = LLM(model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, speculative_config=config)
+    spec = LLM(
+        model=str(tiny_llama_dir), dtype="float32", num_kv_blocks=256, speculative_config=config
+    )
     prompts = repetitive_prompts(4, seed=12)
     ours, theirs = run(spec, prompts, params), run(plain, prompts, params)
     for a, b in zip(ours, theirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].text == b.outputs[0].text
     assert spec.llm_engine.stats().spec_decoding.num_drafts > 0
-    sampled = SamplingParams(temperature=1.0, max_tokens=40, seed=3,
-                             structured_outputs=StructuredOutputsParams(regex=regex))
+    sampled = SamplingParams(
+        temperature=1.0,
+        max_tokens=40,
+        seed=3,
+        structured_outputs=StructuredOutputsParams(regex=regex),
+    )
     import re
+
     for out in run(spec, prompts, sampled):
         text = out.outputs[0].text
         assert re.fullmatch(regex, text) or out.outputs[0].finish_reason == "length"

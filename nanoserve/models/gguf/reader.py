@@ -1,5 +1,6 @@
 """Reading a Llama-architecture GGUF file: its metadata as plain values, the HF `config.json` it
 implies, and its tensors dequantized and renamed to the HF Llama layout (bfloat16)."""
+
 from __future__ import annotations
 
 import re
@@ -47,11 +48,17 @@ def _float32_value(value: float) -> float:
 # (models/gpt_oss.py) keeps HF's rows too, with biases on q/k/v/o, the router and the experts,
 # attention sinks (attn_sinks), YaRN, a sliding window on every other layer from the first, and
 # its experts in MXFP4.
-GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                      "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-                      "gpt-oss": ("GptOssForCausalLM", "gpt_oss"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text"), "phi3": ("Phi3ForCausalLM", "phi3"),
-                      "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe")}
+GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+}
 GPT_OSS = "gpt-oss"
 # Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
 # factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
@@ -72,8 +79,10 @@ def gguf_architecture(metadata: dict, file_name: str) -> str:
     """The file's `general.architecture` (GGUFImportError, one line, for one we don't serve)."""
     architecture = metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
-        raise GGUFImportError(f"{file_name}: architecture {architecture!r} is not supported "
-                              f"(supported: {', '.join(repr(a) for a in GGUF_ARCHITECTURES)})")
+        raise GGUFImportError(
+            f"{file_name}: architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(repr(a) for a in GGUF_ARCHITECTURES)})"
+        )
     return architecture
 
 
@@ -86,30 +95,62 @@ def reader_architecture(reader: gguf.GGUFReader) -> str | None:
 def rotary_rows_permuted(config) -> bool:
     """Whether the file's Q/K rows are in llama.cpp's interleaved order (unpermute_rotary_rows
     puts them back): a "llama" file's are; a "qwen2" file's are as Hugging Face had them."""
-    architecture = (config.get("architectures") or [None])[0] if isinstance(config, dict) else config.architecture
+    architecture = (
+        (config.get("architectures") or [None])[0]
+        if isinstance(config, dict)
+        else config.architecture
+    )
     return architecture in (GGUF_ARCHITECTURES["llama"][0], _MIXTRAL[0])
 
 
 # The hyperparameters llama_config reads, by the kind of value each must hold (a file whose bits
 # changed a type or a count gets one line, not a TypeError or a layer list of 2^32 entries).
-_WHOLE_KEYS = ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
-               "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "vocab_size",
-               "expert_count", "expert_used_count", "expert_feed_forward_length",
-               "expert_shared_feed_forward_length", "attention.sliding_window",
-               "rope.scaling.original_context_length")
-_POSITIVE_KEYS = ("embedding_length", "attention.head_count", "attention.head_count_kv", "attention.key_length",
-                  "block_count")
-_NUMBER_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor",
-                "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "attn_logit_softcapping",
-                "final_logit_softcapping")
+_WHOLE_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "rope.dimension_count",
+    "vocab_size",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
+    "attention.sliding_window",
+    "rope.scaling.original_context_length",
+)
+_POSITIVE_KEYS = (
+    "embedding_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "block_count",
+)
+_NUMBER_KEYS = (
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.scaling.factor",
+    "rope.scaling.yarn_beta_fast",
+    "rope.scaling.yarn_beta_slow",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+)
 _TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "padding_token_id")
 
 
-def _check_value_kinds(metadata: dict, architecture: str, tensor_names: set[str], file_name: str) -> None:
+def _check_value_kinds(
+    metadata: dict, architecture: str, tensor_names: set[str], file_name: str
+) -> None:
     """Whole numbers (positive where a model divides by them or builds one thing each), numbers and
     token ids where llama_config reads them; no more layers than the file has tensors."""
+
     def bad(key: str, value, kind: str) -> GGUFImportError:
-        return GGUFImportError(f"{file_name}: GGUF metadata {key} is {str(value)[:60]!r}, not {kind}")
+        return GGUFImportError(
+            f"{file_name}: GGUF metadata {key} is {str(value)[:60]!r}, not {kind}"
+        )
 
     for suffix in _WHOLE_KEYS:
         key = f"{architecture}.{suffix}"
@@ -130,11 +171,17 @@ def _check_value_kinds(metadata: dict, architecture: str, tensor_names: set[str]
     if not isinstance(metadata.get("tokenizer.ggml.tokens", []), list):
         raise bad("tokenizer.ggml.tokens", metadata["tokenizer.ggml.tokens"], "an array")
     if not isinstance(metadata.get(f"{architecture}.rope.scaling.type", ""), str):
-        raise bad(f"{architecture}.rope.scaling.type", metadata[f"{architecture}.rope.scaling.type"], "a string")
+        raise bad(
+            f"{architecture}.rope.scaling.type",
+            metadata[f"{architecture}.rope.scaling.type"],
+            "a string",
+        )
     layers = metadata.get(f"{architecture}.block_count")
     if layers is not None and layers > len(tensor_names):
-        raise GGUFImportError(f"{file_name}: GGUF metadata {architecture}.block_count {layers} is more layers than "
-                              f"the file's {len(tensor_names)} tensors hold")
+        raise GGUFImportError(
+            f"{file_name}: GGUF metadata {architecture}.block_count {layers} is more layers than "
+            f"the file's {len(tensor_names)} tensors hold"
+        )
 
 
 def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
@@ -156,17 +203,31 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         # llama.cpp's converter writes the factor and the original context; the betas are
         # gpt-oss's (llama.cpp's defaults too) unless the file says otherwise; transformers'
         # gpt-oss YaRN does not round its correction range (truncate false).
-        rope_scaling = {"rope_type": "yarn", "factor": _float32_value(get("rope.scaling.factor")),
-                        "original_max_position_embeddings": get("rope.scaling.original_context_length"),
-                        "beta_fast": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)),
-                        "beta_slow": _float32_value(metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)),
-                        "truncate": False}
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": _float32_value(get("rope.scaling.factor")),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": _float32_value(
+                metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)
+            ),
+            "beta_slow": _float32_value(
+                metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)
+            ),
+            "truncate": False,
+        }
     elif architecture == PHI3 and set(ROPE_FACTOR_TENSORS) <= tensor_names:
         # LongRoPE: the factors themselves come from the tensors (with_rope_factors)
-        rope_scaling = {"rope_type": "longrope",
-                        "original_max_position_embeddings": get("rope.scaling.original_context_length")}
-    elif architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names:
-        rope_scaling = {"rope_type": "linear", "factor": _float32_value(get("rope.scaling.factor"))}  # global layers
+        rope_scaling = {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+        }
+    elif (
+        architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names
+    ):
+        rope_scaling = {
+            "rope_type": "linear",
+            "factor": _float32_value(get("rope.scaling.factor")),
+        }  # global layers
     elif scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
     hidden_size = get("embedding_length")
@@ -174,7 +235,9 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     num_kv_heads = get("attention.head_count_kv", num_heads)
     # Phi's rope.dimension_count may be part of a head: not a head size for it.
     rotated = None if architecture == PHI3 else metadata.get(f"{architecture}.rope.dimension_count")
-    head_dim = metadata.get(f"{architecture}.attention.key_length", rotated or hidden_size // num_heads)
+    head_dim = metadata.get(
+        f"{architecture}.attention.key_length", rotated or hidden_size // num_heads
+    )
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
     hf_class, model_type = GGUF_ARCHITECTURES[architecture]
@@ -183,17 +246,30 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
         if architecture == "llama":
             hf_class, model_type = _MIXTRAL
         elif architecture not in ("qwen3moe", "qwen2moe", GPT_OSS):
-            raise GGUFImportError(f"{file_name}: experts in a {architecture!r} file are not supported")
+            raise GGUFImportError(
+                f"{file_name}: experts in a {architecture!r} file are not supported"
+            )
         qwen = architecture in ("qwen3moe", "qwen2moe")
         experts = {
             "num_experts" if qwen else "num_local_experts": get("expert_count"),
             "num_experts_per_tok": get("expert_used_count"),
             # Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe graph does; Qwen2-MoE
             # (Qwen1.5-MoE, Qwen2-57B-A14B) does not, and adds a shared expert behind a sigmoid gate.
-            **({"norm_topk_prob": architecture == "qwen3moe", "decoder_sparse_step": 1, "mlp_only_layers": [],
-                "moe_intermediate_size": get("expert_feed_forward_length")} if qwen else {}),
-            **({"shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
-               if architecture == "qwen2moe" else {}),
+            **(
+                {
+                    "norm_topk_prob": architecture == "qwen3moe",
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "moe_intermediate_size": get("expert_feed_forward_length"),
+                }
+                if qwen
+                else {}
+            ),
+            **(
+                {"shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
+                if architecture == "qwen2moe"
+                else {}
+            ),
         }
     elif architecture in ("qwen3moe", "qwen2moe", GPT_OSS):
         raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
@@ -201,14 +277,22 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
     if architecture in GEMMA:
         layers, window = get("block_count"), get("attention.sliding_window")
         every = 2 if architecture == "gemma2" else 6
-        family = {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": window,
-                  "query_pre_attn_scalar": hidden_size // num_heads if layers == _GEMMA_27B_LAYERS[architecture]
-                  else head_dim,
-                  "layer_types": ["full_attention" if (index + 1) % every == 0 else "sliding_attention"
-                                  for index in range(layers)]}
+        family = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": window,
+            "query_pre_attn_scalar": hidden_size // num_heads
+            if layers == _GEMMA_27B_LAYERS[architecture]
+            else head_dim,
+            "layer_types": [
+                "full_attention" if (index + 1) % every == 0 else "sliding_attention"
+                for index in range(layers)
+            ],
+        }
         if architecture == "gemma2":
-            family |= {"attn_logit_softcapping": _float32_value(get("attn_logit_softcapping")),
-                       "final_logit_softcapping": _float32_value(get("final_logit_softcapping"))}
+            family |= {
+                "attn_logit_softcapping": _float32_value(get("attn_logit_softcapping")),
+                "final_logit_softcapping": _float32_value(get("final_logit_softcapping")),
+            }
         else:
             family |= {"rope_local_base_freq": 10000.0}
             cap = metadata.get(f"{architecture}.final_logit_softcapping")  # (written only when set)
@@ -216,14 +300,23 @@ def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict
                 family["final_logit_softcapping"] = _float32_value(cap)
     if architecture == PHI3:
         rotary = metadata.get(f"{architecture}.rope.dimension_count", head_dim)
-        family = {"sliding_window": metadata.get(f"{architecture}.attention.sliding_window") or None,
-                  "partial_rotary_factor": rotary / head_dim}
+        family = {
+            "sliding_window": metadata.get(f"{architecture}.attention.sliding_window") or None,
+            "partial_rotary_factor": rotary / head_dim,
+        }
     if architecture == GPT_OSS:
         window = get("attention.sliding_window")
         layers = get("block_count")
-        family = {"sliding_window": window, "attention_bias": True, "intermediate_size": get("expert_feed_forward_length"),
-                  "layer_types": ["sliding_attention" if index % 2 == 0 else "full_attention" for index in range(layers)],
-                  "swiglu_limit": 7.0}
+        family = {
+            "sliding_window": window,
+            "attention_bias": True,
+            "intermediate_size": get("expert_feed_forward_length"),
+            "layer_types": [
+                "sliding_attention" if index % 2 == 0 else "full_attention"
+                for index in range(layers)
+            ],
+            "swiglu_limit": 7.0,
+        }
     # A Qwen3-MoE file may carry no dense feed_forward_length (no layer uses one).
     dense_ffn = metadata.get(f"{architecture}.feed_forward_length")
     if dense_ffn is None:
@@ -265,8 +358,12 @@ def with_rope_factors(config: dict, tensors) -> dict:
     if scaling.get("rope_type") != "longrope":
         return config
     by_name = {tensor.name: tensor for tensor in tensors if tensor.name in ROPE_FACTOR_TENSORS}
-    factors = {f"{kind}_factor": [float(str(value)) for value in by_name[f"rope_factors_{kind}.weight"].data]
-               for kind in ("short", "long")}
+    factors = {
+        f"{kind}_factor": [
+            float(str(value)) for value in by_name[f"rope_factors_{kind}.weight"].data
+        ]
+        for kind in ("short", "long")
+    }
     return {**config, "rope_scaling": {**scaling, **factors}}
 
 
@@ -298,13 +395,23 @@ _LAYER_TENSOR_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # gpt-oss's router is transformers' mlp.router (the others' mlp.gate); Gemma's four norms a layer.
-_GEMMA_NAMES = {"ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-_ARCHITECTURE_NAMES = {GPT_OSS: {"ffn_gate_inp": "mlp.router"}, "gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES,
-                       PHI3: {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCHITECTURE_NAMES = {
+    GPT_OSS: {"ffn_gate_inp": "mlp.router"},
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    PHI3: {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 # Every expert's matrix stacked in one tensor ([experts, outputs, inputs]): our FusedMoE's stacked
 # parameter and the part (0 gate, 1 up, None down) it fills (expert_part).
-_EXPERT_TENSOR_NAMES = {"ffn_gate_exps": ("mlp.experts.w13", 0), "ffn_up_exps": ("mlp.experts.w13", 1),
-                        "ffn_down_exps": ("mlp.experts.w2", None)}
+_EXPERT_TENSOR_NAMES = {
+    "ffn_gate_exps": ("mlp.experts.w13", 0),
+    "ffn_up_exps": ("mlp.experts.w13", 1),
+    "ffn_down_exps": ("mlp.experts.w2", None),
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -319,8 +426,12 @@ def hf_tensor_name(gguf_name: str, architecture: str | None = None) -> str:
         return f"model.layers.{match.group(1)}.{_EXPERT_TENSOR_NAMES[match.group(2)][0]}_{match.group(3)}"
     names = {**_LAYER_TENSOR_NAMES, **_ARCHITECTURE_NAMES.get(architecture, {})}
     if match is None or match.group(2) not in names:
-        raise GGUFImportError(f"unexpected tensor {gguf_name!r} in a {architecture or 'llama'} GGUF")
-    if match.group(2) == "attn_sinks":  # a parameter of its own in transformers, not a module's weight
+        raise GGUFImportError(
+            f"unexpected tensor {gguf_name!r} in a {architecture or 'llama'} GGUF"
+        )
+    if (
+        match.group(2) == "attn_sinks"
+    ):  # a parameter of its own in transformers, not a module's weight
         return f"model.layers.{match.group(1)}.{names['attn_sinks']}"
     return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
 
@@ -342,8 +453,12 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """
     out_features, in_features = weight.shape
     head_dim = out_features // num_heads
-    return (weight.reshape(num_heads, head_dim // 2, 2, in_features)
-            .transpose(1, 2).reshape(out_features, in_features).contiguous())
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, in_features)
+        .transpose(1, 2)
+        .reshape(out_features, in_features)
+        .contiguous()
+    )
 
 
 def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
@@ -354,8 +469,10 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
     architecture = reader_architecture(reader)
     for tensor in reader.tensors:
         if expert_part(tensor.name)[0]:
-            raise GGUFImportError(f"{tensor.name}: a mixture-of-experts GGUF file is served as it is "
-                                  "(--model FILE.gguf), not imported into a Hugging Face directory")
+            raise GGUFImportError(
+                f"{tensor.name}: a mixture-of-experts GGUF file is served as it is "
+                "(--model FILE.gguf), not imported into a Hugging Face directory"
+            )
         if tensor.name in ROPE_FACTOR_TENSORS:
             continue
         name = hf_tensor_name(tensor.name, architecture)
@@ -365,7 +482,8 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as error:
             raise GGUFImportError(
-                f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported") from error
+                f"{tensor.name}: quantization {tensor.tensor_type.name} is not supported"
+            ) from error
         # np.array copies: unquantized tensors come back as read-only views of the memory map.
         weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
         if architecture in GEMMA and name.endswith("norm.weight"):

@@ -11,6 +11,7 @@ into its parameter in the activation dtype. Shards follow the bf16 loaders (laye
 weight_loader, run on the raw block rows): column-parallel layers take whole rows, row-parallel
 layers whole blocks of each row.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,11 +25,18 @@ from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixe
 from nanoserve.kernels import quant
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.layers.fused_moe import FusedMoE
+from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, read_gguf_header
-from nanoserve.models.gguf.reader import (GEMMA, ROPE_FACTOR_TENSORS, GGUFImportError, expert_part, hf_tensor_name,
-                                          rotary_rows_permuted, unpermute_rotary_rows)
+from nanoserve.models.gguf.reader import (
+    GEMMA,
+    ROPE_FACTOR_TENSORS,
+    GGUFImportError,
+    expert_part,
+    hf_tensor_name,
+    rotary_rows_permuted,
+    unpermute_rotary_rows,
+)
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -70,7 +78,9 @@ def _check_row_bytes(tensor, qtype: str, row_bytes: int) -> None:
     block, block_bytes = quant.gguf_block(qtype)
     k = int(tensor.shape[0])
     if row_bytes != k // block * block_bytes or k % block:
-        raise GGUFImportError(f"{tensor.name}: {row_bytes} bytes a row do not hold {k} {qtype.upper()} values")
+        raise GGUFImportError(
+            f"{tensor.name}: {row_bytes} bytes a row do not hold {k} {qtype.upper()} values"
+        )
 
 
 def _raw_rows(tensor, gguf_file: Path, rows: slice | None = None) -> torch.Tensor:
@@ -80,7 +90,9 @@ def _raw_rows(tensor, gguf_file: Path, rows: slice | None = None) -> torch.Tenso
     count, row_bytes = _row_layout(tensor)
     start, stop, _ = (rows or slice(None)).indices(count)
     length = max(stop - start, 0) * row_bytes
-    data = np.fromfile(gguf_file, dtype=np.uint8, count=length, offset=int(tensor.data_offset) + start * row_bytes)
+    data = np.fromfile(
+        gguf_file, dtype=np.uint8, count=length, offset=int(tensor.data_offset) + start * row_bytes
+    )
     if data.size != length:
         raise GGUFImportError(f"{tensor.name}: the file ends inside the tensor's data")
     return torch.from_numpy(data.reshape(-1, row_bytes))
@@ -122,7 +134,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     tied = bool(model.config.tie_word_embeddings)
     architecture = header.metadata.get("general.architecture")
     tensors = header.tensors
-    renames = getattr(model, "checkpoint_renames", {})  # gpt-oss's sinks beside its attention kernel
+    renames = getattr(
+        model, "checkpoint_renames", {}
+    )  # gpt-oss's sinks beside its attention kernel
     staged: dict[str, StagedLinear] = {}
     loaded: set[str] = set()
     for tensor in tensors:
@@ -134,7 +148,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
         targets = [name]
         if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
             targets.append("lm_head.weight")  # the tied head multiplies the embedding's blocks
-        if name == "model.embed_tokens.weight" and _map_embedding(modules, params, tensor, gguf_file, missing):
+        if name == "model.embed_tokens.weight" and _map_embedding(
+            modules, params, tensor, gguf_file, missing
+        ):
             loaded.add(name)
             targets.remove(name)
         for target in targets:
@@ -159,7 +175,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
                 _load_experts(module, params[target], tensor, part, gguf_file)
             else:
                 parts = staged.setdefault(target, StagedLinear())
-                _load_tensor(model.config, module, params[target], tensor, name, shard_id, parts, gguf_file)
+                _load_tensor(
+                    model.config, module, params[target], tensor, name, shard_id, parts, gguf_file
+                )
                 if parts.buffers and None not in parts.row_qtype:  # the layer is whole: packed now,
                     _finish_layer(model, module, target, staged.pop(target))  # its staging freed
             loaded.add(target)
@@ -169,7 +187,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     for module in modules.values():
         if hasattr(module, "finish_quantized"):  # layers/fused_moe.FusedMoE: its quantized experts
             module.finish_quantized()
-    expected = set(params) - ({"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set())
+    expected = set(params) - (
+        {"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set()
+    )
     absent = sorted(expected - loaded)
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
@@ -179,22 +199,29 @@ def _finish_layer(model: nn.Module, module: nn.Module, target: str, parts: Stage
     """A quantized layer's QuantWeight(s) from its staged parts, packed for the CPU kernels at
     once (a no-op elsewhere), so a load holds one layer's file bytes at a time beside the packed
     model, not the whole file's."""
-    shared = id(module.weight) in shared_parameter_ids(model)  # a tied head (unless the embedding is mapped)
+    shared = id(module.weight) in shared_parameter_ids(
+        model
+    )  # a tied head (unless the embedding is mapped)
     finish_quantized(module, target, parts, shared)
     for weight in [module.quant_weight] if module.quant_weight is not None else module.quant_parts:
         quant.pack_for_cpu(weight)
     release_free_memory()  # the staging, freed into the heap, back to the kernel before the next layer's
 
 
-def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter], tensor, gguf_file: Path,
-                   missing) -> bool:
+def _map_embedding(
+    modules: dict[str, nn.Module], params: dict[str, nn.Parameter], tensor, gguf_file: Path, missing
+) -> bool:
     """The token embedding as FileRows over its own read-only mapping of the file (not the
     reader's, whose pages the load touches throughout): a CPU model, a type a lookup dequantizes
     (not MXFP4). Its bf16 parameter goes to the meta device; a tied head keeps its own (unshared)
     one. False when the table is to be loaded as a parameter instead."""
     module = modules.get("model.embed_tokens")
     param = params.get("model.embed_tokens.weight")
-    if not isinstance(module, VocabParallelEmbedding) or param is None or not quant.looks_up_file_rows(param.device):
+    if (
+        not isinstance(module, VocabParallelEmbedding)
+        or param is None
+        or not quant.looks_up_file_rows(param.device)
+    ):
         return False
     if is_missing_parameter("model.embed_tokens.weight", missing):
         return False
@@ -205,17 +232,27 @@ def _map_embedding(modules: dict[str, nn.Module], params: dict[str, nn.Parameter
     rows, row_bytes = _row_layout(tensor)
     if qtype is not None:
         _check_row_bytes(tensor, qtype, row_bytes)
-    mapped = np.memmap(gguf_file, dtype=np.uint8, mode="c", offset=int(tensor.data_offset),
-                       shape=(rows, row_bytes))  # copy-on-write: nothing writes it; torch wants it writable
+    mapped = np.memmap(
+        gguf_file, dtype=np.uint8, mode="c", offset=int(tensor.data_offset), shape=(rows, row_bytes)
+    )  # copy-on-write: nothing writes it; torch wants it writable
     share = torch.from_numpy(mapped)[module.vocab_start : module.vocab_end]
-    file_dtype = None if qtype is not None else {"F32": torch.float32, "F16": torch.float16,
-                                                  "BF16": torch.bfloat16}[tensor.tensor_type.name]
+    file_dtype = (
+        None
+        if qtype is not None
+        else {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[
+            tensor.tensor_type.name
+        ]
+    )
     module.file_rows = FileRows(share, qtype, file_dtype, k)
-    module.weight = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+    module.weight = nn.Parameter(
+        torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+    )
     return True
 
 
-def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path) -> None:
+def _load_experts(
+    moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path
+) -> None:
     """A stacked expert tensor (ffn_gate_exps / ffn_up_exps / ffn_down_exps: [experts, outputs,
     inputs]) into layers/fused_moe.FusedMoE, expert by expert (this rank's): each expert's rows
     kept in their blocks where the quantized kernels run (a CPU) and this rank's share of the
@@ -224,7 +261,9 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None,
 
     qtype = _qtype(tensor)
     k = int(tensor.shape[0])
-    whole_blocks = qtype is not None and (part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0)
+    whole_blocks = qtype is not None and (
+        part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0
+    )
     quantized = whole_blocks and quant.takes_components(param.device)
     outputs = int(tensor.shape[1])  # rows an expert
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
@@ -234,8 +273,11 @@ def _load_experts(moe: nn.Module, param: nn.Parameter, tensor, part: int | None,
             moe.load_quantized(param, arrays, qtype, (expert, part))
             continue
         if qtype is None or qtype == quant.MXFP4:
-            values = torch.from_numpy(np.array(gguf.quants.dequantize(raw.numpy(), tensor.tensor_type),
-                                               dtype=np.float32).reshape(-1, k))
+            values = torch.from_numpy(
+                np.array(
+                    gguf.quants.dequantize(raw.numpy(), tensor.tensor_type), dtype=np.float32
+                ).reshape(-1, k)
+            )
         else:
             values = quant.dequantize(raw, qtype, k)
         moe.weight_loader(param, values, (expert, part))
@@ -246,7 +288,9 @@ def _load_gemma_norm(param: nn.Parameter, tensor, gguf_file: Path) -> None:
     param.data.copy_(_dense(tensor, None, gguf_file).reshape(param.shape) - 1.0)
 
 
-def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path) -> None:
+def _load_expert_biases(
+    moe: nn.Module, param: nn.Parameter, tensor, part: int | None, gguf_file: Path
+) -> None:
     """gpt-oss's stacked expert biases (ffn_gate_exps.bias / ffn_up_exps.bias [experts, inter],
     ffn_down_exps.bias [experts, hidden]) into FusedMoE's w13_bias (gate part, then up part) and
     w2_bias: this rank's experts, and with the intermediate dimension split its share of gate and
@@ -256,12 +300,22 @@ def _load_expert_biases(moe: nn.Module, param: nn.Parameter, tensor, part: int |
         FusedMoE.bias_loader(moe, param, values)
         return
     start = 0 if moe.expert_parallel else moe.tp_rank * moe.inter
-    rows = values[moe.first_expert : moe.first_expert + moe.num_local_experts, start : start + moe.inter]
+    rows = values[
+        moe.first_expert : moe.first_expert + moe.num_local_experts, start : start + moe.inter
+    ]
     param.data[:, part * moe.inter : (part + 1) * moe.inter].copy_(rows)
 
 
-def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: str, shard_id,
-                 parts: StagedLinear, gguf_file: Path) -> None:
+def _load_tensor(
+    config,
+    module: nn.Module,
+    param: nn.Parameter,
+    tensor,
+    name: str,
+    shard_id,
+    parts: StagedLinear,
+    gguf_file: Path,
+) -> None:
     """A linear layer's (or the head's) quantized part is staged in `parts`; anything else is
     dequantized into `param` (this rank's share of it). `name`: the tensor's HF name."""
     qtype = _qtype(tensor)
@@ -287,7 +341,9 @@ def _load_tensor(config, module: nn.Module, param: nn.Parameter, tensor, name: s
         # a slice at a time (a whole 128k-token table in float32 would be 1 GiB at once)
         for start in range(module.vocab_start, module.vocab_end, _ROWS_AT_ONCE):
             end = min(start + _ROWS_AT_ONCE, module.vocab_end)
-            param.data[start - module.vocab_start : end - module.vocab_start].copy_(_dense(tensor, qtype, gguf_file, slice(start, end)))
+            param.data[start - module.vocab_start : end - module.vocab_start].copy_(
+                _dense(tensor, qtype, gguf_file, slice(start, end))
+            )
         return
     values = _dense(tensor, qtype, gguf_file)
     if heads is not None:

@@ -19,6 +19,7 @@ client is answered then; a gone one is found by those writes.
 Timers: the time to read one request (408; it waits while reading is paused by the server), the
 keep-alive idle time (not restarted by bytes that start no request), and the probe after an EOF.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,8 +68,9 @@ class HttpConnection(asyncio.Protocol):
     # ---- connection lifecycle ----
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        self.writer = ResponseWriter(transport, self.loop, self.limits, self.state.error_response,
-                                     self._on_write_timeout)
+        self.writer = ResponseWriter(
+            transport, self.loop, self.limits, self.state.error_response, self._on_write_timeout
+        )
         self.state.connections.add(self)
         self._arm_idle_timer()
 
@@ -117,8 +119,12 @@ class HttpConnection(asyncio.Protocol):
         if self.lost or self.transport is None or self.transport.is_closing():
             return
         request = self.current_request
-        if self.task is not None and not self.writer.head_sent and request is not None \
-                and request.expects_continue:
+        if (
+            self.task is not None
+            and not self.writer.head_sent
+            and request is not None
+            and request.expects_continue
+        ):
             self.writer.write_continue()
         if self.task is not None or self.pending:
             self.probe_timer = self.loop.call_later(PEER_PROBE_INTERVAL, self._probe_peer)
@@ -142,7 +148,8 @@ class HttpConnection(asyncio.Protocol):
         self._cancel_idle_timer()  # only a request ends idleness, not stray bytes (bare CRLFs)
         if self.read_timer is None:
             self.read_timer = self.loop.call_later(
-                self.limits.request_read_timeout, self._on_read_timeout)
+                self.limits.request_read_timeout, self._on_read_timeout
+            )
 
     def continue_wanted(self) -> None:
         if self.task is None and not self.pending:  # else once the answers before it are out
@@ -183,8 +190,9 @@ class HttpConnection(asyncio.Protocol):
             return self.discarded_bytes > self.limits.max_header_bytes
         if len(self.pending) >= self.limits.max_pipelined_requests:
             return True
-        return (self.parser.held_body_bytes >= self.limits.max_body_bytes
-                and (self.task is not None or bool(self.pending)))
+        return self.parser.held_body_bytes >= self.limits.max_body_bytes and (
+            self.task is not None or bool(self.pending)
+        )
 
     def _update_reading(self) -> None:
         if self.lost or self.transport is None or self.transport.is_closing():
@@ -271,8 +279,9 @@ class HttpConnection(asyncio.Protocol):
             self.probe_timer = None
 
     def _on_write_timeout(self) -> None:
-        logger.info("closing a connection whose reader took no data for %.0f s",
-                    self.limits.write_timeout)
+        logger.info(
+            "closing a connection whose reader took no data for %.0f s", self.limits.write_timeout
+        )
         self.abort()  # connection_lost follows: the handler is cancelled, its request aborted
 
     def _on_read_timeout(self) -> None:
@@ -281,7 +290,8 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.reading_paused:  # our own pipelining pause: not the client's fault
             self.read_timer = self.loop.call_later(
-                self.limits.request_read_timeout, self._on_read_timeout)
+                self.limits.request_read_timeout, self._on_read_timeout
+            )
             return
         self.queue_error(408, "Timed out reading the request.")
         self._dispatch()

@@ -9,6 +9,7 @@ key), so a refused request's body is never buffered. `release_body_bytes` gives 
 request is answered or dropped. What the parser finds goes to its connection (`ParseEvents`),
 which owns the timers, the queue of requests, the socket, and the per-connection ceiling.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

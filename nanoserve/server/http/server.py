@@ -10,24 +10,36 @@ time, the request body bytes held at once across all connections (503; counted a
 after the headers passed `check_headers`) and by one connection, and write backpressure (a
 stream waits for the socket to drain instead of buffering, for at most the write timeout).
 """
+
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 from nanoserve.server.http.connection import HttpConnection
-from nanoserve.server.http.types import (App, ErrorResponse, HeaderCheck, HttpLimits,
-                                         ServerState, plain_error)
+from nanoserve.server.http.types import (
+    App,
+    ErrorResponse,
+    HeaderCheck,
+    HttpLimits,
+    ServerState,
+    plain_error,
+)
 
 
 class HttpServer:
-    def __init__(self, app: App, limits: HttpLimits | None = None,
-                 error_response: ErrorResponse | None = None,
-                 check_headers: HeaderCheck | None = None) -> None:
+    def __init__(
+        self,
+        app: App,
+        limits: HttpLimits | None = None,
+        error_response: ErrorResponse | None = None,
+        check_headers: HeaderCheck | None = None,
+    ) -> None:
         """`check_headers`: asked once each request's headers are in, before its body is read
         (the API key); a response it returns is sent instead, then the connection closes."""
-        self.state = ServerState(app, limits or HttpLimits(), error_response or plain_error,
-                                 check_headers)
+        self.state = ServerState(
+            app, limits or HttpLimits(), error_response or plain_error, check_headers
+        )
         self.loop = asyncio.get_running_loop()
         self.server: asyncio.AbstractServer | None = None
 
@@ -37,14 +49,21 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.server = await self.loop.create_server(
-            lambda: HttpConnection(self.state, self.loop), host=host, port=port,
-            reuse_address=True, backlog=2048)
+            lambda: HttpConnection(self.state, self.loop),
+            host=host,
+            port=port,
+            reuse_address=True,
+            backlog=2048,
+        )
         address = self.server.sockets[0].getsockname()
         return address[0], address[1]
 
-    async def shutdown(self, grace_period: float,
-                       on_grace_expired: Callable[[], None] | None = None,
-                       final_words_period: float = 2.0) -> None:
+    async def shutdown(
+        self,
+        grace_period: float,
+        on_grace_expired: Callable[[], None] | None = None,
+        final_words_period: float = 2.0,
+    ) -> None:
         """Stop accepting and let in-flight requests finish within the grace period. Then
         `on_grace_expired` (the engine fails what is left, so each stream ends with an error
         event) and `final_words_period` seconds to send those last words; then abort the rest."""

@@ -1,9 +1,10 @@
 """What the HTTP layer and the route handlers pass each other: the limits, a parsed request, a
 response (whole or streamed), and the state the connections of one server share."""
+
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, Awaitable, Callable
 
 
 @dataclass(slots=True)
@@ -47,6 +48,7 @@ class Response:
 @dataclass(slots=True)
 class StreamingResponse:
     """A body produced piece by piece; each piece is sent (and drained) before the next."""
+
     body: AsyncGenerator[bytes, None]
     status: int = 200
     content_type: str | None = "text/event-stream; charset=utf-8"
@@ -68,6 +70,7 @@ def plain_error(status: int, message: str) -> Response:
 class ServerState:
     """What the connections of one server share: the route table, the limits, the open
     connections, and the request body bytes held at once across all of them."""
+
     app: App
     limits: HttpLimits = field(default_factory=HttpLimits)
     error_response: ErrorResponse = plain_error

@@ -10,17 +10,24 @@ high-water mark and `resume` once drained; every streamed piece awaits `drain`, 
 for its reader instead of buffering. A reader that takes nothing for `write_timeout` seconds is
 dropped (`on_write_timeout`), and `connection_lost` wakes any sender still waiting.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Callable
 
-from nanoserve.server.http.types import (App, ErrorResponse, HttpLimits, HttpRequest, Response,
-                                         StreamingResponse)
+from nanoserve.server.http.types import (
+    App,
+    ErrorResponse,
+    HttpLimits,
+    HttpRequest,
+    Response,
+    StreamingResponse,
+)
 
 logger = logging.getLogger("nanoserve.server")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -44,12 +51,20 @@ def _check_header_text(text: str) -> str:
     return text
 
 
-def encode_head(http_version: str, status: int, headers: list[tuple[str, str]],
-                content_type: str | None, content_length: int | None) -> bytes:
+def encode_head(
+    http_version: str,
+    status: int,
+    headers: list[tuple[str, str]],
+    content_type: str | None,
+    content_length: int | None,
+) -> bytes:
     """Status line and headers. `content_length` None: the caller frames the body itself."""
     version = "1.0" if http_version == "1.0" else "1.1"
-    lines = [f"HTTP/{version} {status} {_REASONS.get(status, 'Unknown')}",
-             f"date: {date_header()}", "server: nanoserve"]
+    lines = [
+        f"HTTP/{version} {status} {_REASONS.get(status, 'Unknown')}",
+        f"date: {date_header()}",
+        "server: nanoserve",
+    ]
     if content_type is not None:
         lines.append(f"content-type: {_check_header_text(content_type)}")
     if content_length is not None:
@@ -61,9 +76,14 @@ def encode_head(http_version: str, status: int, headers: list[tuple[str, str]],
 
 
 class ResponseWriter:
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
-                 limits: HttpLimits, error_response: ErrorResponse,
-                 on_write_timeout: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        limits: HttpLimits,
+        error_response: ErrorResponse,
+        on_write_timeout: Callable[[], None],
+    ) -> None:
         self.transport = transport
         self.loop = loop
         self.limits = limits
@@ -80,8 +100,9 @@ class ResponseWriter:
     def pause(self) -> None:
         self.paused = True
         if self.write_timer is None:
-            self.write_timer = self.loop.call_later(self.limits.write_timeout,
-                                                    self._on_write_timeout)
+            self.write_timer = self.loop.call_later(
+                self.limits.write_timeout, self._on_write_timeout
+            )
 
     def resume(self) -> None:
         self.paused = False
@@ -116,8 +137,9 @@ class ResponseWriter:
             self.on_write_timeout()
 
     # ---- one request's answer ----
-    async def respond(self, request: HttpRequest, app: App,
-                      shutting_down: Callable[[], bool]) -> bool:
+    async def respond(
+        self, request: HttpRequest, app: App, shutting_down: Callable[[], bool]
+    ) -> bool:
         """Run the handler and send its response; returns whether the connection stays open.
         An error before the response started is answered 500; after it started, the connection
         closes (a half-sent response cannot be taken back)."""
@@ -150,16 +172,22 @@ class ResponseWriter:
         elif request.http_version == "1.0":
             response.headers.append(("connection", "keep-alive"))
         body = response.body
-        head = encode_head(request.http_version, response.status, response.headers,
-                           response.content_type, len(body))
+        head = encode_head(
+            request.http_version,
+            response.status,
+            response.headers,
+            response.content_type,
+            len(body),
+        )
         if request.method == "HEAD" or response.status in (204, 304):
             body = b""
         self.head_sent = True
         if not self.transport.is_closing():
             self.transport.write(head + body)
 
-    async def write_stream(self, request: HttpRequest, response: StreamingResponse,
-                           keep_alive: bool) -> bool:
+    async def write_stream(
+        self, request: HttpRequest, response: StreamingResponse, keep_alive: bool
+    ) -> bool:
         """Send each piece as it comes, waiting out backpressure; returns keep-alive."""
         chunked = request.http_version == "1.1"
         keep_alive = keep_alive and chunked
@@ -170,8 +198,9 @@ class ResponseWriter:
             headers.append(("connection", "close"))
         body = response.body
         try:
-            head = encode_head(request.http_version, response.status, headers,
-                               response.content_type, None)
+            head = encode_head(
+                request.http_version, response.status, headers, response.content_type, None
+            )
         except Exception:
             await body.aclose()
             raise
@@ -199,6 +228,7 @@ class ResponseWriter:
             return
         response = response or self.error_response(status, message)
         response.headers.append(("connection", "close"))
-        head = encode_head("1.1", response.status, response.headers, response.content_type,
-                           len(response.body))
+        head = encode_head(
+            "1.1", response.status, response.headers, response.content_type, len(response.body)
+        )
         self.transport.write(head + response.body)

@@ -1,5 +1,6 @@
 """Tool-call parsers by their `--tool-call-parser` names (vLLM's), and the stream that turns a
 parser's view of the growing output into OpenAI's tool-call deltas."""
+
 from __future__ import annotations
 
 from nanoserve.server.tool_parsers.base import ToolCallParse, ToolCallSoFar, ToolParser
@@ -12,8 +13,24 @@ from nanoserve.server.tool_parsers.required import NamedToolParser, RequiredTool
 from nanoserve.server.tool_parsers.stream import ToolCall, ToolCallDelta, ToolCallStream
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                                       OpenAIToolParser, PythonicToolParser)}
+    parser.name: parser
+    for parser in (
+        HermesToolParser,
+        Llama3JsonToolParser,
+        MistralToolParser,
+        OpenAIToolParser,
+        PythonicToolParser,
+    )
+}
 
-__all__ = ["TOOL_PARSERS", "NamedToolParser", "RequiredToolParser", "ToolCall", "ToolCallDelta",
-           "ToolCallParse", "ToolCallSoFar", "ToolCallStream", "ToolParser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "NamedToolParser",
+    "RequiredToolParser",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallParse",
+    "ToolCallSoFar",
+    "ToolCallStream",
+    "ToolParser",
+]

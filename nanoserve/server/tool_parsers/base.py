@@ -5,6 +5,7 @@ stream can send differences. `final=True` is the whole output: a malformed call 
 output plain content, as vLLM's parsers do. A stream does not call `parse` after every delta (that
 is quadratic in the output): the parser's `reader()` gives the same answers a delta at a time,
 reading each character once; `parse` is the oracle its tests compare it with."""
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,7 @@ class ToolCallParse:
 
 class ToolParser:
     """One output format of tool calls (vLLM's --tool-call-parser)."""
+
     name: ClassVar[str]
     # Formats whose markers are special tokens need them kept in the decoded text.
     keeps_special_tokens: ClassVar[bool] = False
@@ -42,7 +44,7 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> ToolCallParse:
         raise NotImplementedError
 
-    def reader(self) -> "ToolCallReader | None":
+    def reader(self) -> ToolCallReader | None:
         """What reads a stream's deltas as they come (the same answers as `parse(text so far,
         False)`, each character read once); None: the stream re-parses the whole text."""
         return None
@@ -91,11 +93,11 @@ def arguments_of(text: str, span: Span | None, object_closed: bool) -> tuple[str
         return (NO_ARGUMENTS, True) if object_closed else None
     first = text[span.start]
     if first in "{[":
-        return text[span.start:span.end], span.end is not None
+        return text[span.start : span.end], span.end is not None
     if span.end is None:
         return None
     try:
-        value = json.loads(text[span.start:span.end])
+        value = json.loads(text[span.start : span.end])
     except ValueError:
         return None
     if value is None:
@@ -105,8 +107,9 @@ def arguments_of(text: str, span: Span | None, object_closed: bool) -> tuple[str
     return None
 
 
-def call_in_object(text: str, position: int, argument_keys: tuple[str, ...]
-                   ) -> tuple[ToolCallSoFar | None, int | None]:
+def call_in_object(
+    text: str, position: int, argument_keys: tuple[str, ...]
+) -> tuple[ToolCallSoFar | None, int | None]:
     """The call written as {"name": ..., <argument key>: {...}} at `position`: the call so far
     (None until its name is whole) and the index after the object (None while it is open)."""
     members, end = scan_object(text, position)
@@ -114,7 +117,7 @@ def call_in_object(text: str, position: int, argument_keys: tuple[str, ...]
     if name_span is None or name_span.end is None:
         return None, end
     try:
-        name = json.loads(text[name_span.start:name_span.end])
+        name = json.loads(text[name_span.start : name_span.end])
     except ValueError:
         return None, end
     if not isinstance(name, str):

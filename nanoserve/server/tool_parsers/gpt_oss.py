@@ -7,11 +7,17 @@ keeps it) or was cut by max_tokens: its arguments are the body as written, white
 dropped (vLLM re-serializes valid JSON; streamed fragments could not add up to that). This is the
 exception to base.py's "a malformed call makes the whole output plain content": here that
 content would be harmony markup, and the call's pieces have already been streamed."""
+
 from __future__ import annotations
 
 from nanoserve.server.tool_parsers import harmony
-from nanoserve.server.tool_parsers.base import (NO_ARGUMENTS, ToolCallParse, ToolCallReader,
-                                                ToolCallSoFar, ToolParser)
+from nanoserve.server.tool_parsers.base import (
+    NO_ARGUMENTS,
+    ToolCallParse,
+    ToolCallReader,
+    ToolCallSoFar,
+    ToolParser,
+)
 from nanoserve.server.tool_parsers.json_scan import WHITESPACE
 
 
@@ -20,7 +26,7 @@ class OpenAIToolParser(ToolParser):
     keeps_special_tokens = True
     reads_whole_output = True
 
-    def reader(self) -> "HarmonyToolReader":
+    def reader(self) -> HarmonyToolReader:
         return HarmonyToolReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:

@@ -20,6 +20,7 @@ Several messages of a kind join with a newline (as vLLM's non-streamed answer; a
 once the next message's header is whole). A header not whole yet is held back, and so is the end
 of a body that may be the start of a marker. Output that does not start with a header is not
 harmony: all of it is content."""
+
 from __future__ import annotations
 
 import re
@@ -55,8 +56,11 @@ class HarmonyMessage:
         """A call to one of the request's functions; else the analysis channel is reasoning and a
         message without recipient (final, a commentary preamble) is content. A message to a
         built-in tool (browser, python) is neither, as in vLLM's chat completions."""
-        if self.recipient is not None and self.recipient.startswith(FUNCTIONS) \
-                and len(self.recipient) > len(FUNCTIONS):
+        if (
+            self.recipient is not None
+            and self.recipient.startswith(FUNCTIONS)
+            and len(self.recipient) > len(FUNCTIONS)
+        ):
             return CALL_KIND
         if self.channel == "analysis":
             return REASONING
@@ -64,7 +68,7 @@ class HarmonyMessage:
 
     @property
     def function_name(self) -> str:
-        return self.recipient[len(FUNCTIONS):] if self.recipient else ""
+        return self.recipient[len(FUNCTIONS) :] if self.recipient else ""
 
 
 def read_messages(text: str, final: bool) -> list[HarmonyMessage] | None:
@@ -85,7 +89,7 @@ def read_messages(text: str, final: bool) -> list[HarmonyMessage] | None:
         if end < 0:
             body = text[body_start:]
             if not final:
-                body = body[:len(body) - max(held_back(body, ending) for ending in BODY_ENDS)]
+                body = body[: len(body) - max(held_back(body, ending) for ending in BODY_ENDS)]
             messages.append(HarmonyMessage(channel, recipient, body, False))
             break
         messages.append(HarmonyMessage(channel, recipient, text[body_start:end], True))
@@ -104,7 +108,7 @@ def _header(header: str) -> tuple[str, str | None]:
     channel, recipient = "", None
     for index, word in enumerate(words):
         if word.startswith("to="):
-            recipient = word[len("to="):]
+            recipient = word[len("to=") :]
         elif word == CHANNEL and index + 1 < len(words) and not words[index + 1].startswith("<|"):
             channel = words[index + 1]
     return channel, recipient
@@ -140,10 +144,10 @@ class _EndSearch:
                 best, marker = found, ending
         if best >= 0:
             self.tail = ""
-            return text[:best], marker, text[best + len(marker):]
+            return text[:best], marker, text[best + len(marker) :]
         held = max(held_back(text, ending) for ending in self.markers)
-        self.tail = text[len(text) - held:]
-        return text[:len(text) - held], None, ""
+        self.tail = text[len(text) - held :]
+        return text[: len(text) - held], None, ""
 
 
 class HarmonyCall:
@@ -168,7 +172,7 @@ class HarmonyCall:
             self.arguments.append(self.trailing + shown)
             self.arguments_length += len(self.trailing) + len(shown)
             self.trailing = ""
-        self.trailing += piece[len(shown):]
+        self.trailing += piece[len(shown) :]
 
     def end(self) -> None:
         self.status = "closed"

@@ -1,10 +1,16 @@
 """Hermes / Qwen2.5 / Qwen3: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one
 block per call, after optional text. The text before the first block is the content; text
 between or after the blocks is dropped (as vLLM does). A last block may lack its closing tag."""
+
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolParser,
-                                                call_in_object, is_valid_call_object)
+from nanoserve.server.tool_parsers.base import (
+    ToolCallParse,
+    ToolCallReader,
+    ToolParser,
+    call_in_object,
+    is_valid_call_object,
+)
 from nanoserve.server.tool_parsers.incremental import MarkerSearch, first_non_whitespace
 from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN, CallObjectReader
 from nanoserve.server.tool_parsers.json_scan import held_back, skip_whitespace
@@ -16,13 +22,13 @@ END = "</tool_call>"
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def reader(self) -> "HermesReader":
+    def reader(self) -> HermesReader:
         return HermesReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         first = text.find(START)
         if first < 0:
-            return ToolCallParse(text if final else text[:len(text) - held_back(text, START)])
+            return ToolCallParse(text if final else text[: len(text) - held_back(text, START)])
         result = ToolCallParse(text[:first])
         start = first
         while start >= 0:

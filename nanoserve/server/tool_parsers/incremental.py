@@ -1,6 +1,7 @@
 """Pieces the parsers' readers share: a marker looked for across deltas (what may be its start is
 held back, as `held_back` does for the whole text), whitespace skipped across deltas, a JSON array
 of call objects and one raw JSON value read as they arrive. Each reads a character once."""
+
 from __future__ import annotations
 
 import re
@@ -34,10 +35,10 @@ class MarkerSearch:
         found = text.find(self.marker)
         if found >= 0:
             self.tail = ""
-            return text[:found], text[found + len(self.marker):]
+            return text[:found], text[found + len(self.marker) :]
         held = held_back(text, self.marker)
-        self.tail = text[len(text) - held:]
-        return text[:len(text) - held], None
+        self.tail = text[len(text) - held :]
+        return text[: len(text) - held], None
 
 
 class CallArrayReader:

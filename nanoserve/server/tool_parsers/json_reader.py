@@ -1,6 +1,7 @@
 """json_scan.py's reading of a call object, resumable: the text arrives in pieces and each
 character is examined once, whatever the deltas (the reader keeps its position's state: where in
 the object it is, the depth, inside a string or after a backslash)."""
+
 from __future__ import annotations
 
 import json
@@ -123,8 +124,11 @@ class CallObjectReader:
             return
         if self._value_parts is not None:
             self._value_parts.append(piece)
-        elif self._argument_is_text and self._argument_rank is not None \
-                and self._key == self.argument_keys[self._argument_rank]:
+        elif (
+            self._argument_is_text
+            and self._argument_rank is not None
+            and self._key == self.argument_keys[self._argument_rank]
+        ):
             self.arguments.append(piece)
             self.arguments_length += len(piece)
 
@@ -192,7 +196,7 @@ class CallObjectReader:
         if found is None:
             self._keep(text[index:])
             return len(text)
-        self._keep(text[index:found.start()])
+        self._keep(text[index : found.start()])
         self._end_value()
         return found.start()
 

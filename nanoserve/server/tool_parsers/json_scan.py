@@ -2,6 +2,7 @@
 the members of an object seen so far as spans of the raw text. A span of a growing value is a
 prefix of its final span, which is what lets streamed argument fragments concatenate to exactly
 the arguments of the whole output."""
+
 from __future__ import annotations
 
 import json
@@ -73,6 +74,7 @@ def value_end(text: str, position: int) -> int | None:
 @dataclass(slots=True)
 class Span:
     """A member's value in the raw text: [start, end), end None while the value may grow."""
+
     start: int
     end: int | None
 

@@ -1,10 +1,16 @@
 """Llama 3.1-3.3 JSON tool calls: the whole output is `{"name": ..., "parameters": {...}}`, maybe
 after `<|python_tag|>`, several separated by `;`. Output that does not start with `{` is plain
 content."""
+
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolParser,
-                                                call_in_object, is_valid_call_object)
+from nanoserve.server.tool_parsers.base import (
+    ToolCallParse,
+    ToolCallReader,
+    ToolParser,
+    call_in_object,
+    is_valid_call_object,
+)
 from nanoserve.server.tool_parsers.incremental import first_non_whitespace
 from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN, CallObjectReader
 from nanoserve.server.tool_parsers.json_scan import skip_whitespace
@@ -15,7 +21,7 @@ PYTHON_TAG = "<|python_tag|>"
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
-    def reader(self) -> "Llama3JsonReader":
+    def reader(self) -> Llama3JsonReader:
         return Llama3JsonReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
@@ -77,8 +83,11 @@ class Llama3JsonReader(ToolCallReader):
                 self.state = _AFTER_CALL
                 continue
             if self.state == _TAG:  # inside the tag whitespace is a character like others
-                while index < len(delta) and self.tag_matched < len(PYTHON_TAG) \
-                        and delta[index] == PYTHON_TAG[self.tag_matched]:
+                while (
+                    index < len(delta)
+                    and self.tag_matched < len(PYTHON_TAG)
+                    and delta[index] == PYTHON_TAG[self.tag_matched]
+                ):
                     self.tag_matched += 1
                     index += 1
                 if self.tag_matched == len(PYTHON_TAG):

@@ -2,16 +2,26 @@
 either a JSON array `[{"name": ..., "arguments": {...}}, ...]` (tokenizers before v11) or, from
 v11, `name{...}` or `name[ARGS]{...}` after each `[TOOL_CALLS]`. The text before the first marker
 is the content. Call ids are 9 letters and digits, the only kind Mistral's templates accept."""
+
 from __future__ import annotations
 
 import json
 import random
 import string
 
-from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolCallSoFar,
-                                                ToolParser, calls_in_json_array)
-from nanoserve.server.tool_parsers.incremental import (CallArrayReader, MarkerSearch, RawValueCall,
-                                                       first_non_whitespace)
+from nanoserve.server.tool_parsers.base import (
+    ToolCallParse,
+    ToolCallReader,
+    ToolCallSoFar,
+    ToolParser,
+    calls_in_json_array,
+)
+from nanoserve.server.tool_parsers.incremental import (
+    CallArrayReader,
+    MarkerSearch,
+    RawValueCall,
+    first_non_whitespace,
+)
 from nanoserve.server.tool_parsers.json_reader import CLOSED, DEAD, OPEN
 from nanoserve.server.tool_parsers.json_scan import held_back, skip_whitespace, value_end
 
@@ -27,18 +37,21 @@ class MistralToolParser(ToolParser):
     def new_call_id(self) -> str:
         return "".join(random.choices(ID_ALPHABET, k=9))
 
-    def reader(self) -> "MistralReader":
+    def reader(self) -> MistralReader:
         return MistralReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         first = text.find(MARKER)
         if first < 0:
-            return ToolCallParse(text if final else text[:len(text) - held_back(text, MARKER)])
+            return ToolCallParse(text if final else text[: len(text) - held_back(text, MARKER)])
         body = skip_whitespace(text, first + len(MARKER))
         if body >= len(text):
             return ToolCallParse(text) if final else ToolCallParse(text[:first])
-        parsed = (calls_in_json_array(text, body, final) if text[body] == "["
-                  else _named_calls(text, body, final))
+        parsed = (
+            calls_in_json_array(text, body, final)
+            if text[body] == "["
+            else _named_calls(text, body, final)
+        )
         if parsed is None:
             return ToolCallParse(text) if final else ToolCallParse(text[:first])
         return ToolCallParse(text[:first], parsed)
@@ -54,7 +67,7 @@ def _named_calls(text: str, position: int, final: bool) -> list[ToolCallSoFar] |
             return None if final else calls
         name = text[start:brace]
         if name.endswith(ARGS_MARKER):
-            name = name[:-len(ARGS_MARKER)]
+            name = name[: -len(ARGS_MARKER)]
         name = name.strip()
         if not name or not all(char.isalnum() or char in "_-." for char in name):
             return None
@@ -104,8 +117,9 @@ class MistralReader(ToolCallReader):
                 if index >= len(text):
                     break
                 if text[index] == "[":
-                    self.array = CallArrayReader(self.calls, ("arguments", "parameters"),
-                                                 self.drop_if_nameless)
+                    self.array = CallArrayReader(
+                        self.calls, ("arguments", "parameters"), self.drop_if_nameless
+                    )
                     self.state, index = _ARRAY, index + 1
                 else:
                     self.state = _NAME
@@ -135,7 +149,7 @@ class MistralReader(ToolCallReader):
         name = "".join(self.name_pieces)
         self.name_pieces = []
         if name.endswith(ARGS_MARKER):
-            name = name[:-len(ARGS_MARKER)]
+            name = name[: -len(ARGS_MARKER)]
         name = name.strip()
         if not name or not all(char.isalnum() or char in "_-." for char in name):
             self._give_up()

@@ -2,13 +2,18 @@
 `[get_weather(city="Paris"), now()]`, maybe inside `<|python_start|>...<|python_end|>`. Arguments
 must be literals; they are sent as JSON. A call is streamed once its closing parenthesis is
 there (its arguments are only JSON once the Python call is whole)."""
+
 from __future__ import annotations
 
 import ast
 import json
 
-from nanoserve.server.tool_parsers.base import (ToolCallParse, ToolCallReader, ToolCallSoFar,
-                                                ToolParser)
+from nanoserve.server.tool_parsers.base import (
+    ToolCallParse,
+    ToolCallReader,
+    ToolCallSoFar,
+    ToolParser,
+)
 from nanoserve.server.tool_parsers.json_reader import CLOSED
 
 START = "<|python_start|>"
@@ -18,17 +23,17 @@ END = "<|python_end|>"
 class PythonicToolParser(ToolParser):
     name = "pythonic"
 
-    def reader(self) -> "PythonicReader":
+    def reader(self) -> PythonicReader:
         return PythonicReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         body = text.strip()
         if body.startswith(START):
-            body = body[len(START):].strip()
+            body = body[len(START) :].strip()
         elif not final and START.startswith(body):
             return ToolCallParse("")
         if body.endswith(END):
-            body = body[:-len(END)].strip()
+            body = body[: -len(END)].strip()
         if not body:
             return ToolCallParse(text if final else "")
         if body[0] != "[":
@@ -49,8 +54,11 @@ def _calls_in(source: str) -> list[ToolCallSoFar] | None:
         return None
     calls = []
     for element in tree.body.elts:
-        if not (isinstance(element, ast.Call) and isinstance(element.func, ast.Name)
-                and not element.args):
+        if not (
+            isinstance(element, ast.Call)
+            and isinstance(element.func, ast.Name)
+            and not element.args
+        ):
             return None
         arguments = {}
         for keyword in element.keywords:
@@ -95,7 +103,7 @@ def _whole_calls_so_far(body: str) -> list[ToolCallSoFar]:
         index += 1
     if last_closed < 0:
         return []
-    return _calls_in(body[:last_closed + 1] + "]") or []
+    return _calls_in(body[: last_closed + 1] + "]") or []
 
 
 class WholeCall:
@@ -140,7 +148,7 @@ class PythonicReader(ToolCallReader):
             self.start.append(delta)
             head = "".join(self.start).lstrip()
             if head.startswith(START):
-                head = head[len(START):].lstrip()
+                head = head[len(START) :].lstrip()
             elif START.startswith(head.rstrip()) or head.rstrip() == END:
                 return ""
             if not head.rstrip():
@@ -189,7 +197,7 @@ class PythonicReader(ToolCallReader):
             elif char in ")]}":
                 self.depth -= 1
                 if self.depth == 0 and char == ")":
-                    self.segment.append(text[begin:index + 1])
+                    self.segment.append(text[begin : index + 1])
                     begin = index + 1
                     self._read_call()
                 if self.depth < 0:

@@ -1,10 +1,17 @@
 """Output constrained by tool_choice (server/tools.py builds the grammars): "required" writes a
 JSON array `[{"name": ..., "parameters": {...}}, ...]`, a named function writes its arguments
 object alone."""
+
 from __future__ import annotations
 
-from nanoserve.server.tool_parsers.base import (NO_ARGUMENTS, ToolCallParse, ToolCallReader,
-                                                ToolCallSoFar, ToolParser, calls_in_json_array)
+from nanoserve.server.tool_parsers.base import (
+    NO_ARGUMENTS,
+    ToolCallParse,
+    ToolCallReader,
+    ToolCallSoFar,
+    ToolParser,
+    calls_in_json_array,
+)
 from nanoserve.server.tool_parsers.incremental import CallArrayReader, first_non_whitespace
 from nanoserve.server.tool_parsers.json_reader import DEAD, OPEN
 from nanoserve.server.tool_parsers.json_scan import WHITESPACE, skip_whitespace
@@ -13,7 +20,7 @@ from nanoserve.server.tool_parsers.json_scan import WHITESPACE, skip_whitespace
 class RequiredToolParser(ToolParser):
     name = "required"
 
-    def reader(self) -> "RequiredReader":
+    def reader(self) -> RequiredReader:
         return RequiredReader()
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
@@ -30,14 +37,15 @@ class NamedToolParser(ToolParser):
     def __init__(self, function_name: str) -> None:
         self.function_name = function_name
 
-    def reader(self) -> "NamedReader":
+    def reader(self) -> NamedReader:
         return NamedReader(self.function_name)
 
     def parse(self, text: str, final: bool) -> ToolCallParse:
         arguments = text.strip() if final else text.lstrip().rstrip(WHITESPACE)
         if final:
-            return ToolCallParse("", [ToolCallSoFar(self.function_name,
-                                                    arguments or NO_ARGUMENTS, True)])
+            return ToolCallParse(
+                "", [ToolCallSoFar(self.function_name, arguments or NO_ARGUMENTS, True)]
+            )
         return ToolCallParse("", [ToolCallSoFar(self.function_name, arguments, False)])
 
 
@@ -63,8 +71,9 @@ class RequiredReader(ToolCallReader):
                 return ""
             self.waiting = False
             if delta[index] == "[":
-                self.array = CallArrayReader(self.calls, ("arguments", "parameters"),
-                                             self.drop_if_nameless)
+                self.array = CallArrayReader(
+                    self.calls, ("arguments", "parameters"), self.drop_if_nameless
+                )
                 index += 1
         if self.array is None or self.array.status != OPEN:
             return ""
@@ -109,6 +118,6 @@ class NamedReader(ToolCallReader):
             self.call.arguments_length += len(piece)
             self.trailing = []
         if len(shown) < len(delta):
-            self.trailing.append(delta[len(shown):])
+            self.trailing.append(delta[len(shown) :])
         self.call.steps += len(delta)
         return ""

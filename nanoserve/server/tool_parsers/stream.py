@@ -5,6 +5,7 @@ empty arguments), then argument fragments. The pieces concatenate to exactly wha
 parser's `parse` gives for the whole output: the last delta (final) is read with `parse` on the
 whole text once, and what it adds to what was sent goes out too. The non-streamed response feeds
 the whole text once. A parser without a reader is re-parsed on the whole text after each delta."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ class ToolCallDelta:
 @dataclass(slots=True)
 class ToolCall:
     """A call as sent so far: its arguments are the pieces sent."""
+
     id: str
     name: str
     pieces: list[str] = field(default_factory=list)
@@ -108,10 +110,10 @@ class ToolCallStream:
                 sent.extends = whole.startswith(sent.arguments)
                 if sent.extends:
                     sent.cursor = len(pieces)
-                    deltas.append(ToolCallDelta(index, arguments=sent.send(whole[sent.length:])))
+                    deltas.append(ToolCallDelta(index, arguments=sent.send(whole[sent.length :])))
                 return
         if sent.extends:
-            new = "".join(pieces[sent.cursor:])
+            new = "".join(pieces[sent.cursor :])
             sent.cursor = len(pieces)
             deltas.append(ToolCallDelta(index, arguments=sent.send(new)))
 
@@ -122,14 +124,15 @@ class ToolCallStream:
         parsed = self.parser.parse(self.chunks[0], final)
         content = ""
         if len(parsed.content) > self.content_length and parsed.content.startswith(self.content):
-            content = self._send_content(parsed.content[self.content_length:])
+            content = self._send_content(parsed.content[self.content_length :])
         deltas: list[ToolCallDelta] = []
-        for index, call in enumerate(parsed.calls[:self.max_calls]):
+        for index, call in enumerate(parsed.calls[: self.max_calls]):
             if index == len(self.calls):
                 self.calls.append(ToolCall(self.parser.new_call_id(), call.name))
                 deltas.append(ToolCallDelta(index, self.calls[index].id, call.name, ""))
             sent = self.calls[index]
             if len(call.arguments) > sent.length and call.arguments.startswith(sent.arguments):
-                deltas.append(ToolCallDelta(index, arguments=sent.send(
-                    call.arguments[sent.length:])))
+                deltas.append(
+                    ToolCallDelta(index, arguments=sent.send(call.arguments[sent.length :]))
+                )
         return content, deltas
