@@ -22,6 +22,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.api_server import start_server
 from nanoserve.server.args import ServerOptions
 from tests.conftest import write_random_llama
+from tests.helpers import wait_until
 from tests.server.server_helpers import (
     LoopThread,
     StepSpy,
@@ -94,14 +95,6 @@ def sse_events(body: bytes) -> list:
             data = block[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
-
-
-def wait_until(condition, timeout: float = 60.0, what: str = "") -> None:
-    """Poll a state; the timeout only keeps a broken build from hanging the suite."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def assert_no_step_while_idle(served: Served, spy: StepSpy, round_trips: int = 20) -> None:

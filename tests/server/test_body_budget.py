@@ -7,11 +7,11 @@ once. The budget is counted, not timed: the server's `buffered_body_bytes`."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
 from nanoserve.server.http.types import HttpLimits
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import connect, is_closed, read_response
 
@@ -51,13 +51,6 @@ def headers_read(handle, count: int) -> bool:
     )
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout  # a hang bound only
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_declared_bodies_that_never_come_hold_no_budget(keyed_server):
     state = keyed_server.server.http.state
     # Four connections declare 1 MB each (4 MB: the whole budget, were declarations reserved)
@@ -65,7 +58,7 @@ def test_declared_bodies_that_never_come_hold_no_budget(keyed_server):
     holders = [connect(keyed_server.port) for _ in range(4)]
     for sock in holders:
         sock.sendall(declaration(MB))
-    wait_for(lambda: headers_read(keyed_server, 4), "the four heads")
+    wait_until(lambda: headers_read(keyed_server, 4), "the four heads")
     assert state.buffered_body_bytes == 0
     # Another client's ordinary request is served.
     completion = keyed_server.client(api_key=KEY).completions.create(
@@ -78,10 +71,10 @@ def test_declared_bodies_that_never_come_hold_no_budget(keyed_server):
     # The holders are still there, waiting on their bodies; the bytes they send are counted.
     assert headers_read(keyed_server, 4)
     holders[0].sendall(b" " * 1000)
-    wait_for(lambda: state.buffered_body_bytes == 1000, "the bytes that came")
+    wait_until(lambda: state.buffered_body_bytes == 1000, "the bytes that came")
     for sock in holders:
         sock.close()
-    wait_for(lambda: state.buffered_body_bytes == 0, "the bytes to be released")
+    wait_until(lambda: state.buffered_body_bytes == 0, "the bytes to be released")
 
 
 @pytest.mark.parametrize("expect", [False, True])

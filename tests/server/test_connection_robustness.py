@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import pytest
 
 from nanoserve.server.http.types import HttpLimits
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import (
     StepSpy,
@@ -73,16 +73,6 @@ def final_response(sock, timeout: float = 60.0):
             return status, headers, body
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def abort_count(handle) -> float:
     key = (
         'vllm:request_success_total{engine="0",finished_reason="abort",model_name="%s"}'
@@ -129,13 +119,19 @@ def test_non_streamed_request_is_aborted_when_its_client_leaves(strict_server, c
                 expect=version == "1.1",
             )
         )
-        wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1, 60, "the request")
+        wait_until(
+            lambda: scrape_metrics(port)["vllm:num_requests_running"] == 1,
+            "the request",
+            timeout=60,
+        )
         sock.close()
         assert abort_asked.wait(60), "the server did not abort the request of a client that left"
     finally:
         abort_asked.set()
         engine.step, async_engine.abort = real_step, real_abort
-    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 60, "the abort")
+    wait_until(
+        lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, "the abort", timeout=60
+    )
     assert abort_count(strict_server) == aborted + 1
     generated = (
         scrape_metrics(port)["vllm:generation_tokens_total"]
@@ -200,7 +196,7 @@ def test_non_streamed_requests_are_aborted_when_their_clients_leave(strict_serve
                     close=close,
                 )
             )
-        wait_for(lambda: len(hold.async_engine.streams) >= count, 60, "the requests")
+        wait_until(lambda: len(hold.async_engine.streams) >= count, "the requests", timeout=60)
         hold.all_submitted.set()
         assert hold.all_running.wait(60), "the requests never all ran"
         for sock in socks:
@@ -208,14 +204,16 @@ def test_non_streamed_requests_are_aborted_when_their_clients_leave(strict_serve
         assert hold.all_aborted.wait(60) and len(hold.aborted) == count, hold.aborted
     finally:
         hold.restore()
-    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 60, "the aborts")
+    wait_until(
+        lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, "the aborts", timeout=60
+    )
     assert abort_count(strict_server) == aborted + count
     generated = (
         scrape_metrics(port)["vllm:generation_tokens_total"]
         - before["vllm:generation_tokens_total"]
     )
     assert generated < count * max_tokens // 2, generated  # stopped early, not run for nobody
-    wait_for(lambda: not engine.requests, 60, "the engine to drop them")
+    wait_until(lambda: not engine.requests, "the engine to drop them", timeout=60)
     assert engine.schedulers[0].block_manager.num_free_blocks == free_blocks
 
 
@@ -277,7 +275,7 @@ def test_half_closed_client_of_a_stream_under_way_is_answered(strict_server):
 def test_reader_that_never_reads_is_cut_off(strict_server):
     server = strict_server.server
     port = strict_server.port
-    wait_for(lambda: not server.http.connections, 60, "idle connections to close")
+    wait_until(lambda: not server.http.connections, "idle connections to close", timeout=60)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
     sock.settimeout(10)
@@ -295,10 +293,14 @@ def test_reader_that_never_reads_is_cut_off(strict_server):
             }
         )
     )
-    wait_for(lambda: server.http.connections, 60, "the connection")
+    wait_until(lambda: server.http.connections, "the connection", timeout=60)
     # write_timeout is 1 s: the server gives up on this reader and drops the connection.
-    wait_for(lambda: not server.http.connections, 30, "the server to drop a non-reading client")
-    wait_for(lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, 30, "the request")
+    wait_until(
+        lambda: not server.http.connections, "the server to drop a non-reading client", timeout=30
+    )
+    wait_until(
+        lambda: scrape_metrics(port)["vllm:num_requests_running"] == 0, "the request", timeout=30
+    )
     sock.settimeout(5)
     received = b""
     try:
@@ -318,7 +320,9 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     holder = connect(port)
     held = request_bytes(body)[:-1000]
     holder.sendall(held)  # 2.5 MB, all but its last 1000 bytes
-    wait_for(lambda: server.http.state.buffered_body_bytes >= len(body) - 1000, 60, "the bytes")
+    wait_until(
+        lambda: server.http.state.buffered_body_bytes >= len(body) - 1000, "the bytes", timeout=60
+    )
     # A second 2.5 MB body would hold 5 MB at once, over the 4 MB budget: 503 once its bytes
     # pass it (a declaration alone holds nothing: test_body_budget.py).
     other = connect(port)
@@ -349,9 +353,13 @@ def test_request_bodies_held_at_once_are_bounded(strict_server):
     status, _, raw = final_response(holder)
     assert status == 400 and b"maximum context length" in raw  # 2.5 MB of text: too long
     holder.close()
-    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 60, "the budget to be released")
+    wait_until(
+        lambda: server.http.state.buffered_body_bytes == 0, "the budget to be released", timeout=60
+    )
     again = connect(port)
     again.sendall(request_bytes(body))
     assert final_response(again)[0] == 400  # admitted (and answered), no longer 503
     again.close()
-    wait_for(lambda: server.http.state.buffered_body_bytes == 0, 60, "the budget to be released")
+    wait_until(
+        lambda: server.http.state.buffered_body_bytes == 0, "the budget to be released", timeout=60
+    )

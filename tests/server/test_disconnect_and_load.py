@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import openai
 import pytest
 
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import StepSpy, connect, http_request, letter_bias, scrape_metrics
 
@@ -23,17 +23,17 @@ def small_kv_server(tiny_llama_dir):
 
 def _wait_idle(port: int, idle_usage: float, timeout: float = 60.0) -> dict[str, float]:
     """Poll the metrics until the server is idle (the timeout is only a hang bound)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def idle_metrics() -> dict[str, float] | None:
         metrics = scrape_metrics(port)
-        if (
+        idle = (
             metrics["vllm:num_requests_running"] == 0
             and metrics["vllm:num_requests_waiting"] == 0
             and metrics["vllm:kv_cache_usage_perc"] == idle_usage
-        ):
-            return metrics
-        assert time.monotonic() < deadline, metrics
-        time.sleep(0.05)
+        )
+        return metrics if idle else None
+
+    return wait_until(idle_metrics, "an idle server", timeout)
 
 
 def _send(sock, body: dict, extra_headers: bytes = b"") -> None:
@@ -101,10 +101,7 @@ def test_non_streamed_disconnect_aborts(small_kv_server):
         {"prompt": "hello", "max_tokens": 480, "ignore_eos": True},
         b"Expect: 100-continue\r\n",
     )
-    deadline = time.monotonic() + 60  # a hang bound
-    while scrape_metrics(port)["vllm:num_requests_running"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: scrape_metrics(port)["vllm:num_requests_running"], "the request to run")
     sock.close()
     _wait_idle(port, idle_usage)  # that it was aborted, not finished: test_connection_robustness
 

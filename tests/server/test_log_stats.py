@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import StepSpy
 
@@ -18,16 +19,6 @@ STATS_LINE = re.compile(
     r"Avg generation throughput: (\d+\.\d) tokens/s, Running: (\d+) reqs, Waiting: (\d+) reqs, "
     r"(?:Preemptions: \d+, )?GPU KV cache usage: (\d+\.\d)%, Prefix cache hit rate: (\d+\.\d)%$"
 )
-
-
-def wait_for(condition, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = condition()
-        if result:
-            return result
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def stats_records(caplog) -> list[logging.LogRecord]:
@@ -66,7 +57,7 @@ def busy_line_while_held(handle: ServerHandle, busy_line):
         spy.release(step)  # its tokens are in the snapshot before the next step begins
         step = spy.wait_for_next_step(seen=held)
         try:
-            return wait_for(busy_line)
+            return wait_until(busy_line)
         finally:
             spy.release(step)
     finally:
@@ -104,7 +95,7 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
         for stream in streams:
             stream.close()  # the disconnects abort the requests
         async_engine = handle.server.engine
-        wait_for(lambda: async_engine.stats.num_running == async_engine.stats.num_waiting == 0)
+        wait_until(lambda: async_engine.stats.num_running == async_engine.stats.num_waiting == 0)
 
         # vLLM's rule: a line whose interval and the one before moved no tokens is DEBUG.
         def idle_lines(count: int):
@@ -114,10 +105,10 @@ def test_stats_line_while_busy_then_quiet_when_idle(tiny_llama_dir, short_interv
                 return records
             return None
 
-        records = wait_for(lambda: idle_lines(2))
+        records = wait_until(lambda: idle_lines(2))
         num_info = sum(r.levelno == logging.INFO for r in records)
         num_lines = len(records)
-        wait_for(lambda: len(stats_records(caplog)) >= num_lines + 3)  # three more intervals
+        wait_until(lambda: len(stats_records(caplog)) >= num_lines + 3)  # three more intervals
         later = stats_records(caplog)[num_lines:]
         assert all(r.levelno == logging.DEBUG for r in later)
         assert sum(r.levelno == logging.INFO for r in stats_records(caplog)) == num_info
@@ -274,14 +265,16 @@ def test_serve_command_logs_stats_and_requests_on_stderr(tiny_llama_dir, tmp_pat
             env=env,
         )
     try:
-        line = wait_for(lambda: process.stdout.readline() or process.poll() is not None, 120)
+        line = wait_until(
+            lambda: process.stdout.readline() or process.poll() is not None, timeout=120
+        )
         assert isinstance(line, str) and line.startswith("listening on http://"), line
         port = int(line.strip().rsplit(":", 1)[1])
         body = json.dumps({"prompt": "secret prompt", "max_tokens": 200, "ignore_eos": True})
         status, _, reply = http_request(port, "POST", "/v1/completions", body)
         assert status == 200
         request_id = json.loads(reply)["id"]
-        text = wait_for(lambda: (t := stderr_path.read_text()) and " Engine 000: " in t and t)
+        text = wait_until(lambda: (t := stderr_path.read_text()) and " Engine 000: " in t and t)
         assert f"Received request {request_id}: prompt_token_ids_len: " in text
         assert "secret" not in text
         stats = [x for x in text.splitlines() if "nanoserve.stats" in x]

@@ -4,11 +4,11 @@ serves the lowest value first."""
 from __future__ import annotations
 
 import threading
-import time
 
 import openai
 import pytest
 
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import StepSpy
 
@@ -43,13 +43,6 @@ def test_fcfs_refuses_a_priority_with_vllms_400(tiny_server):
     )
     assert reply.usage.completion_tokens == 2
     assert tiny_server.server.engine.stats.num_waiting == 0
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def test_priority_policy_serves_the_lowest_value_first(tiny_llama_dir):

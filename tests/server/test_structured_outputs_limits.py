@@ -11,11 +11,11 @@ import concurrent.futures
 import json
 import re
 import threading
-import time
 
 import pytest
 
 from nanoserve import SamplingParams, StructuredOutputsParams
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 
@@ -49,14 +49,6 @@ def _hold_compile_thread(server) -> threading.Event:
     return gate
 
 
-def _wait_until(condition) -> None:
-    """Until another thread has done what `condition` checks (a count, not a duration)."""
-    give_up = time.monotonic() + 60
-    while not condition():
-        assert time.monotonic() < give_up, "the server never got there"
-        time.sleep(0.01)
-
-
 @pytest.fixture(scope="module")
 def limited(tiny_llama_dir):
     handle = ServerHandle(
@@ -86,7 +78,7 @@ def test_requests_waiting_for_their_grammar_count_as_waiting(limited):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         try:
             waiting = [pool.submit(_post, limited, {"guided_regex": regex}) for regex in regexes]
-            _wait_until(lambda: manager.num_compiles == compiles + 2)  # both queued for compiling
+            wait_until(lambda: manager.num_compiles == compiles + 2)  # both queued for compiling
             assert limited.server.engine.num_waiting == 2
             status, body = _post(limited, {})  # a free request is refused like any other
             assert status == 503, body
