@@ -5,7 +5,7 @@ between the device and the host pool sends its copies the same way first (CMD_SW
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -54,11 +54,97 @@ class ModelInput:
         return sum(len(seq.spec_token_ids) + 1 for seq in self.spec_seqs)
 
 
-# Slot 8: the number of LoRA slots the step's payload names (0: no LoRA rows). The last two
-# slots, for pipeline parallelism: the step's virtual engine, and 1 when the last stage sends the
-# greedy token ids instead of the logits (else 0, 0).
-HEADER_SIZE = 11
+HEADER_SIZE = 11  # int64 slots: the command, then its header's fields in order, zero-padded
 CMD_STEP, CMD_STOP, CMD_SWAP, CMD_LORA = 1, 2, 3, 4
+
+
+@dataclass(frozen=True, slots=True)
+class StepHeader:
+    """A forward step: the sizes of its payload's parts, and what the payload cannot carry."""
+
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int  # the block table's width
+    num_logits: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_decode_seqs: int
+    num_lora_slots: int = 0  # the LoRA slots the payload names (0: no LoRA rows)
+    virtual_engine: int = 0  # pipeline parallelism: the step's virtual engine
+    tokens_only: bool = False  # pipeline: the last stage sends greedy token ids, not logits
+
+    def part_sizes(self) -> list[int]:
+        """Lengths of the payload's parts, in pack_step's order."""
+        num_tokens, num_seqs = self.num_tokens, self.num_seqs
+        sizes = [
+            num_tokens,
+            num_tokens,
+            num_tokens,
+            num_seqs * self.max_blocks,
+            num_seqs + 1,
+            num_seqs,
+            self.num_logits,
+        ]
+        return sizes + [self.num_lora_slots, num_tokens] if self.num_lora_slots else sizes
+
+    def payload_size(self) -> int:
+        return sum(self.part_sizes())
+
+
+@dataclass(frozen=True, slots=True)
+class SwapHeader:
+    """Block copies: the payload holds num_out (device → host) then num_in pairs."""
+
+    num_out: int
+    num_in: int
+
+    def payload_size(self) -> int:
+        return 2 * (self.num_out + self.num_in)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAHeader:
+    """Register an adapter (its path's num_bytes UTF-8 bytes follow), or remove it."""
+
+    adapter_id: int
+    num_bytes: int
+    remove: bool = False
+
+    def payload_size(self) -> int:
+        return max(1, self.num_bytes)  # never an empty broadcast
+
+
+@dataclass(frozen=True, slots=True)
+class StopHeader:
+    """Leave the worker loop (no payload)."""
+
+
+Header = StepHeader | SwapHeader | LoRAHeader | StopHeader
+_COMMANDS: dict[type, int] = {StepHeader: CMD_STEP, StopHeader: CMD_STOP}
+_COMMANDS |= {SwapHeader: CMD_SWAP, LoRAHeader: CMD_LORA}
+_HEADERS = {command: cls for cls, command in _COMMANDS.items()}
+
+
+def header_tensor(header: Header, device: torch.device) -> torch.Tensor:
+    """The one place a header becomes the fixed-size tensor every rank receives."""
+    values = [_COMMANDS[type(header)]] + [int(getattr(header, f.name)) for f in fields(header)]
+    values += [0] * (HEADER_SIZE - len(values))
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def empty_header(device: torch.device) -> torch.Tensor:
+    """The buffer a worker receives headers into."""
+    return torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
+
+
+def read_header(tensor: torch.Tensor) -> Header:
+    """header_tensor's inverse (an unknown command raises: the ranks are out of step)."""
+    command, *values = tensor.tolist()
+    if command not in _HEADERS:
+        raise RuntimeError(f"worker: unexpected command {command}")
+    cls = _HEADERS[command]
+    args = [bool(v) if f.type == "bool" else v for f, v in zip(fields(cls), values)]
+    return cls(*args)
 
 
 def pack_lora(
@@ -66,36 +152,32 @@ def pack_lora(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Register an adapter on every rank (its path's UTF-8 bytes), or with path None remove it."""
     data = list((path or "").encode())
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
-    header[:4] = torch.tensor([CMD_LORA, adapter_id, len(data), int(path is None)])
-    return header, torch.tensor(data or [0], dtype=torch.long).to(
-        device
-    )  # never an empty broadcast
+    header = LoRAHeader(adapter_id, len(data), path is None)
+    payload = torch.tensor(data or [0], dtype=torch.long).to(device)
+    return header_tensor(header, device), payload
 
 
-def unpack_lora(header: list[int], payload: torch.Tensor) -> tuple[int, str | None]:
-    if header[3]:
-        return header[1], None
-    return header[1], bytes(payload[: header[2]].tolist()).decode()
+def unpack_lora(header: LoRAHeader, payload: torch.Tensor) -> tuple[int, str | None]:
+    if header.remove:
+        return header.adapter_id, None
+    return header.adapter_id, bytes(payload[: header.num_bytes].tolist()).decode()
 
 
 def pack_swap(
     swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(source, destination) block pairs copied out (device → host) and in (host → device)."""
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
-    header[:3] = torch.tensor([CMD_SWAP, len(swap_out), len(swap_in)])
+    header = SwapHeader(len(swap_out), len(swap_in))
     pairs = [block for pair in swap_out + swap_in for block in pair]
-    return header, torch.tensor(pairs, dtype=torch.long).to(device)
+    return header_tensor(header, device), torch.tensor(pairs, dtype=torch.long).to(device)
 
 
 def unpack_swap(
-    header: list[int], payload: torch.Tensor
+    header: SwapHeader, payload: torch.Tensor
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    num_out = header[1]
     blocks = payload.tolist()
     pairs = list(zip(blocks[0::2], blocks[1::2]))
-    return pairs[:num_out], pairs[num_out:]
+    return pairs[: header.num_out], pairs[header.num_out :]
 
 
 def pack_step(
@@ -119,87 +201,44 @@ def pack_step(
         num_lora_slots = len(model_input.lora_slots)
         parts += [torch.tensor(model_input.lora_slots), model_input.lora_rows]
     num_seqs, max_blocks = metadata.block_table.shape
-    header = torch.tensor(
-        [
-            CMD_STEP,
-            model_input.input_ids.numel(),
-            num_seqs,
-            max_blocks,
-            model_input.logits_indices.numel(),
-            metadata.max_seqlen_q,
-            metadata.max_seqlen_k,
-            metadata.num_decode_seqs,
-            num_lora_slots,
-            virtual_engine,
-            int(tokens_only),
-        ],
-        dtype=torch.long,
-        device=device,
+    header = StepHeader(
+        num_tokens=model_input.input_ids.numel(),
+        num_seqs=num_seqs,
+        max_blocks=max_blocks,
+        num_logits=model_input.logits_indices.numel(),
+        max_seqlen_q=metadata.max_seqlen_q,
+        max_seqlen_k=metadata.max_seqlen_k,
+        num_decode_seqs=metadata.num_decode_seqs,
+        num_lora_slots=num_lora_slots,
+        virtual_engine=virtual_engine,
+        tokens_only=tokens_only,
     )
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
-    return header, payload
+    return header_tensor(header, device), payload
 
 
-def _part_sizes(header: list[int]) -> list[int]:
-    """Lengths of the payload's parts, in pack_step's order."""
-    _, num_tokens, num_seqs, max_blocks, num_logits, _, _, _, num_lora_slots, _, _ = header
-    sizes = [
-        num_tokens,
-        num_tokens,
-        num_tokens,
-        num_seqs * max_blocks,
-        num_seqs + 1,
-        num_seqs,
-        num_logits,
-    ]
-    return sizes + [num_lora_slots, num_tokens] if num_lora_slots else sizes
-
-
-def unpack_step(header: list[int], payload: torch.Tensor) -> ModelInput:
-    (
-        _,
-        _,
-        num_seqs,
-        max_blocks,
-        _,
-        max_seqlen_q,
-        max_seqlen_k,
-        num_decode_seqs,
-        num_lora_slots,
-        _,
-        _,
-    ) = header
+def unpack_step(header: StepHeader, payload: torch.Tensor) -> ModelInput:
     input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices, *lora = payload.split(
-        _part_sizes(header)
+        header.part_sizes()
     )
     metadata = AttentionMetadata(
         slot_mapping=slots,
-        block_table=table.view(num_seqs, max_blocks).to(torch.int32),
+        block_table=table.view(header.num_seqs, header.max_blocks).to(torch.int32),
         cu_seqlens_q=cu_seqlens.to(torch.int32),
         seq_lens=seq_lens.to(torch.int32),
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k,
-        num_decode_seqs=num_decode_seqs,
+        max_seqlen_q=header.max_seqlen_q,
+        max_seqlen_k=header.max_seqlen_k,
+        num_decode_seqs=header.num_decode_seqs,
         prefill_row_tile=prefill_row_tile(payload.device),
     )
     model_input = ModelInput(input_ids, positions, metadata, logits_indices, [])
-    if num_lora_slots:
+    if header.num_lora_slots:
         model_input.lora_slots, model_input.lora_rows = lora[0].tolist(), lora[1]
     return model_input
-
-
-def payload_size(header: list[int]) -> int:
-    if header[0] == CMD_SWAP:
-        return 2 * (header[1] + header[2])
-    if header[0] == CMD_LORA:
-        return max(1, header[2])
-    return sum(_part_sizes(header))
 
 
 def broadcast_stop(device: torch.device) -> None:
     """Tell every rank to leave its loop, and wait until all have read it: without the barrier
     rank 0 could tear its connections down before a peer has read the message."""
-    header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=device)
-    header[0] = CMD_STOP
-    dist.broadcast(header, src=0)
+    dist.broadcast(header_tensor(StopHeader(), device), src=0)
     dist.barrier()

@@ -22,17 +22,17 @@ from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
-    CMD_LORA,
-    CMD_STOP,
-    CMD_SWAP,
-    HEADER_SIZE,
+    LoRAHeader,
     ModelInput,
+    StopHeader,
+    SwapHeader,
     broadcast_stop,
+    empty_header,
     pack_lora,
     pack_step,
     pack_swap,
-    payload_size,
     prefill_row_tile,
+    read_header,
     unpack_lora,
     unpack_step,
     unpack_swap,
@@ -193,7 +193,7 @@ class ModelRunner(KVCacheAllocation):
             for tensor in message:
                 dist.broadcast(tensor, src=0)
 
-    def lora_message(self, header: list[int], payload: torch.Tensor) -> None:
+    def lora_message(self, header: LoRAHeader, payload: torch.Tensor) -> None:
         adapter_id, path = unpack_lora(header, payload)
         if path is None:
             self.lora.remove(adapter_id)
@@ -408,21 +408,21 @@ class ModelRunner(KVCacheAllocation):
         if self.pipeline is not None:
             self.pipeline.worker_loop()
             return
-        header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=self.device)
+        received = empty_header(self.device)
         while True:
-            dist.broadcast(header, src=0)
-            values = header.tolist()
-            if values[0] == CMD_STOP:
+            dist.broadcast(received, src=0)
+            header = read_header(received)
+            if isinstance(header, StopHeader):
                 dist.barrier()  # the other half of broadcast_stop's handshake
                 return
-            payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
+            payload = torch.empty(header.payload_size(), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)
-            if values[0] == CMD_SWAP:
-                self.swapper.swap(SwapPlan(*unpack_swap(values, payload)))
-            elif values[0] == CMD_LORA:
-                self.lora_message(values, payload)
+            if isinstance(header, SwapHeader):
+                self.swapper.swap(SwapPlan(*unpack_swap(header, payload)))
+            elif isinstance(header, LoRAHeader):
+                self.lora_message(header, payload)
             else:
-                self._forward(unpack_step(values, payload))
+                self._forward(unpack_step(header, payload))
 
     def shutdown(self) -> None:
         if self.world_size > 1 and self.rank == 0:

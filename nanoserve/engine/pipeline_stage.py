@@ -28,12 +28,12 @@ from nanoserve.distributed.pipeline import (
     send_to_driver,
 )
 from nanoserve.engine.model_input import (
-    CMD_LORA,
-    CMD_STEP,
-    CMD_STOP,
-    HEADER_SIZE,
+    LoRAHeader,
+    StopHeader,
+    SwapHeader,
+    empty_header,
     pack_step,
-    payload_size,
+    read_header,
     unpack_step,
 )
 from nanoserve.kernels import greedy_argmax
@@ -127,28 +127,28 @@ class PipelineStage:
     @torch.inference_mode()
     def worker_loop(self) -> None:
         """Ranks other than the driver: each broadcast step, this stage's layers, until stop."""
-        header = torch.zeros(HEADER_SIZE, dtype=torch.long, device=self.device)
+        received = empty_header(self.device)
         hidden_size = self.runner.model_config.hidden_size
         while True:
-            dist.broadcast(header, src=0)
-            values = header.tolist()
-            if values[0] == CMD_STOP:
+            dist.broadcast(received, src=0)
+            header = read_header(received)
+            if isinstance(header, StopHeader):
                 self.drain()
                 dist.barrier()  # the other half of broadcast_stop's handshake
                 return
-            if values[0] not in (CMD_STEP, CMD_LORA):
-                raise RuntimeError(f"pipeline stage: unexpected command {values[0]}")
-            payload = torch.empty(payload_size(values), dtype=torch.long, device=self.device)
+            if isinstance(header, SwapHeader):
+                raise RuntimeError("pipeline stage: unexpected swap command")
+            payload = torch.empty(header.payload_size(), dtype=torch.long, device=self.device)
             dist.broadcast(payload, src=0)
-            if values[0] == CMD_LORA:
-                self.runner.lora_message(values, payload)
+            if isinstance(header, LoRAHeader):
+                self.runner.lora_message(header, payload)
                 continue
-            model_input = unpack_step(values, payload)
-            virtual_engine, tokens_only = values[-2], bool(values[-1])
+            model_input = unpack_step(header, payload)
+            virtual_engine = header.virtual_engine
             intermediate = None
             if not is_first_stage():
                 intermediate = recv_intermediate(
-                    values[1], hidden_size, self.runner.dtype, self.device, virtual_engine
+                    header.num_tokens, hidden_size, self.runner.dtype, self.device, virtual_engine
                 )
-            self._run_stage(model_input, virtual_engine, intermediate, tokens_only)
+            self._run_stage(model_input, virtual_engine, intermediate, header.tokens_only)
             self.steps_launched += 1

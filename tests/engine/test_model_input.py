@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanoserve.engine.model_input import (
     CMD_STEP,
     CMD_SWAP,
     HEADER_SIZE,
+    LoRAHeader,
     ModelInput,
+    StepHeader,
+    StopHeader,
+    SwapHeader,
+    header_tensor,
+    pack_lora,
     pack_step,
     pack_swap,
-    payload_size,
     prefill_row_tile,
+    read_header,
+    unpack_lora,
     unpack_step,
     unpack_swap,
 )
@@ -41,8 +49,10 @@ def test_a_step_round_trips():
     header, payload = pack_step(step, cpu, virtual_engine=1, tokens_only=True)
     values = header.tolist()
     assert len(values) == HEADER_SIZE and values[0] == CMD_STEP and values[-2:] == [1, 1]
-    assert payload_size(values) == payload.numel()
-    got = unpack_step(values, payload)
+    received = read_header(header)
+    assert received == StepHeader(4, 2, 2, 2, 3, 27, 1, 0, virtual_engine=1, tokens_only=True)
+    assert received.tokens_only is True and received.payload_size() == payload.numel()
+    got = unpack_step(received, payload)
     for name in ("input_ids", "positions", "logits_indices"):
         assert torch.equal(getattr(got, name), getattr(step, name)), name
     for name in ("slot_mapping", "block_table", "cu_seqlens_q", "seq_lens"):
@@ -59,6 +69,26 @@ def test_a_step_round_trips():
 
 def test_a_swap_round_trips():
     header, payload = pack_swap([(1, 0), (4, 2)], [(3, 7)], torch.device("cpu"))
-    values = header.tolist()
-    assert values[0] == CMD_SWAP and payload_size(values) == payload.numel()
-    assert unpack_swap(values, payload) == ([(1, 0), (4, 2)], [(3, 7)])
+    assert header.tolist()[:3] == [CMD_SWAP, 2, 1]
+    received = read_header(header)
+    assert received == SwapHeader(2, 1) and received.payload_size() == payload.numel()
+    assert unpack_swap(received, payload) == ([(1, 0), (4, 2)], [(3, 7)])
+
+
+def test_a_lora_message_round_trips():
+    cpu = torch.device("cpu")
+    header, payload = pack_lora(3, "/adapters/é", cpu)
+    received = read_header(header)
+    assert received == LoRAHeader(3, len("/adapters/é".encode())) and not received.remove
+    assert received.payload_size() == payload.numel()
+    assert unpack_lora(received, payload) == (3, "/adapters/é")
+    header, payload = pack_lora(3, None, cpu)
+    assert unpack_lora(read_header(header), payload) == (3, None) and payload.numel() == 1
+
+
+def test_every_header_round_trips_and_an_unknown_command_raises():
+    cpu = torch.device("cpu")
+    for header in (StopHeader(), SwapHeader(0, 5), StepHeader(1, 1, 1, 1, 1, 1, 1)):
+        assert read_header(header_tensor(header, cpu)) == header
+    with pytest.raises(RuntimeError, match="unexpected command 9"):
+        read_header(torch.tensor([9] + [0] * (HEADER_SIZE - 1)))
