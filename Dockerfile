@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# nanoserve on a CUDA machine. See README.md, "Deploy":
+# nanoserve on a CUDA machine. See docs/deployment.md:
 #   docker build -t nanoserve .
 #   docker run --gpus all -p 8000:8000 nanoserve
 # Build arguments:

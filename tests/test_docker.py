@@ -1,12 +1,12 @@
-"""The Docker image and the README's deployment guide, checked without a Docker engine.
+"""The Docker image and its deployment guide (docs/deployment.md), checked without a Docker engine.
 
 - hadolint finds nothing in the Dockerfile;
 - the Dockerfile keeps its contract (pinned PyTorch CUDA base, non-root, port 8000, /health check,
   `nanoserve` entrypoint) and .dockerignore leaves only what the build copies;
 - the image's install steps (docker/install.sh, the very script the Dockerfile runs) work in a fresh
   virtual environment that holds only a preinstalled torch and triton, as the base image does;
-- every `nanoserve` command line in the README's "Deploy" section, including the arguments given to
-  the image in `docker run`, uses only flags that `nanoserve ... --help` lists.
+- every `nanoserve` command line of docs/deployment.md, including the arguments given to the image
+  in `docker run`, uses only flags that `nanoserve ... --help` lists.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def test_image_install_steps_in_fresh_venv(tmp_path):
     assert report["failed"] == {}, report["failed"]
 
 
-# ------------------------------------------------------------------------- README "Deploy" section
+# ------------------------------------------------------------------------- docs/deployment.md
 
 
 @functools.cache
@@ -389,11 +389,12 @@ def option_value(args: list[str], *names: str) -> str | None:
     return value
 
 
+DEPLOYMENT_GUIDE = ROOT / "docs" / "deployment.md"
+
+
 def deploy_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"^## Deploy\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
-    assert match, "README.md has no '## Deploy' section"
-    return match.group(1)
+    """The deployment guide: the whole page."""
+    return DEPLOYMENT_GUIDE.read_text()
 
 
 def shell_commands(section: str) -> list[list[str]]:
@@ -508,8 +509,8 @@ def split_docker_run(argv: list[str]) -> tuple[list[str], str, list[str]]:
     return argv[2:index], argv[index], argv[index + 1 :]
 
 
-def readme_invocations():
-    """(kind, docker options, nanoserve args, source line) for each nanoserve run in Deploy."""
+def guide_invocations():
+    """(kind, docker options, nanoserve args, source line) for each nanoserve run in the guide."""
     built_tags, runs = set(), []
     for command in shell_commands(deploy_section()):
         line = shlex.join(command)
@@ -524,14 +525,14 @@ def readme_invocations():
                     assert name in dockerfile_args, f"{line}: the Dockerfile has no ARG {name}"
         elif command[:2] == ["docker", "run"]:
             options, image, args = split_docker_run(command)
-            assert image in built_tags, f"{line}: image {image!r} is not one the README builds"
+            assert image in built_tags, f"{line}: image {image!r} is not one the guide builds"
             runs.append(("docker", options, args, line))
     return runs
 
 
-def test_readme_deploy_commands_use_real_flags():
-    runs = readme_invocations()
-    assert runs, "no nanoserve command in the Deploy section"
+def test_deployment_guide_commands_use_real_flags():
+    runs = guide_invocations()
+    assert runs, "no nanoserve command in docs/deployment.md"
     for kind, _options, args, line in runs:
         assert_flags_exist(args, line)
         subcommand, rest = nanoserve_invocation(args)
@@ -545,8 +546,8 @@ def test_readme_deploy_commands_use_real_flags():
                 )
 
 
-def test_readme_deploy_covers_the_deployment_story():
-    runs = readme_invocations()
+def test_deployment_guide_covers_the_deployment_story():
+    runs = guide_invocations()
     docker_runs = [(options, args) for kind, options, args, _ in runs if kind == "docker"]
     assert any(
         option_value(options, "--gpus") == "all"
@@ -567,4 +568,4 @@ def test_readme_deploy_covers_the_deployment_story():
         path.read_text() for path in (ROOT / "nanoserve").rglob("*.py")
     )
     for variable in set(re.findall(r"\bNANOSERVE_[A-Z_]+\b", section)):
-        assert variable in sources, f"README names {variable}, which nothing reads"
+        assert variable in sources, f"docs/deployment.md names {variable}, which nothing reads"

@@ -1,6 +1,6 @@
 """nanoserve/envs.py is the one place that reads the environment: no other module of the package
-touches os.environ / os.getenv, every variable it declares is documented (there and in the
-README), and the accessors read what the environment says."""
+touches os.environ / os.getenv, every variable it declares is documented (there and in
+docs/deployment.md), and the accessors read what the environment says."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from nanoserve import envs
 
 PACKAGE = Path(envs.__file__).parent
-README = PACKAGE.parent / "README.md"
+DEPLOYMENT_GUIDE = PACKAGE.parent / "docs" / "deployment.md"
 
 
 def _environment_reads(path: Path) -> list[str]:
@@ -59,12 +59,12 @@ def test_the_check_finds_a_read():
 
 
 def test_every_variable_is_documented():
-    readme = README.read_text()
+    guide = DEPLOYMENT_GUIDE.read_text()
     assert len(envs.ENVIRONMENT_VARIABLES) >= 15
     for name, variable in envs.ENVIRONMENT_VARIABLES.items():
         assert variable.name == name and re.fullmatch(r"[A-Z][A-Z0-9_]*", name)
         assert len(variable.doc) >= 20, f"{name}: say what it does"
-        assert f"`{name}`" in readme, f"{name} is not in the README's table of variables"
+        assert f"`{name}`" in guide, f"{name} is not in docs/deployment.md's table of variables"
 
 
 def test_every_name_envs_reads_is_declared():

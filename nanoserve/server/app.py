@@ -94,7 +94,7 @@ _UNITS = {"array": "items", "object": "entries", "str": "characters"}
 
 def _worded_limit(message: str) -> str:
     """msgspec's message for a bounded field that is too long, as a sentence naming the field
-    and its limit (README: Robustness and limits); any other message as it is."""
+    and its limit (docs/robustness.md); any other message as it is."""
     match = _TOO_LONG.fullmatch(message)
     if match is None:
         return message
