@@ -111,8 +111,6 @@ KNOWN_FOLDER_CYCLES = {
     ("spec_decode", "engine"),
     # config.py builds the speculative config from spec_decode/config.py; draft.py reads config
     ("config", "spec_decode"),
-    # layers/cpu_decode.py knows the model classes whose decode step it fuses
-    ("layers", "models"),
 }
 
 

@@ -44,7 +44,6 @@ from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.kv_dtype import cache_dtype
 from nanoserve.layers.attention import AttentionMetadata
-from nanoserve.layers.cpu_decode import FusedDecode
 from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights
 from nanoserve.layers.sampler import (
     LogprobsTensors,
@@ -56,6 +55,7 @@ from nanoserve.layers.sampler import (
 from nanoserve.lora.layers import lora_batch
 from nanoserve.lora.manager import LoRAManager
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.cpu_decode import FusedDecode
 from nanoserve.models.registry import build_model, model_weight_bytes
 from nanoserve.spec_decode.verify import verify
 
@@ -128,7 +128,7 @@ class ModelRunner(KVCacheAllocation):
         self.pipeline = PipelineStage(self) if get_pp_world_size() > 1 else None
         self.swapper = self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
-        # CPU: steps of decodes only run their decoder layers in one C++ call (layers/cpu_decode.py).
+        # CPU: steps of decodes only run their decoder layers in one C++ call (models/cpu_decode.py).
         self.fused_decode = (
             FusedDecode.build(self.model, self.world_size)
             if self.device.type == "cpu" and not self.pooling

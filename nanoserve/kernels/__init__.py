@@ -225,7 +225,7 @@ def rotary_and_store_kvcache(
 
 def fused_decode_layers_available() -> bool:
     """Whether kernels/cpu/decode_layers.cpp (every decoder layer of a decode step in one call,
-    layers/cpu_decode.py) can run in this process."""
+    models/cpu_decode.py) can run in this process."""
     return cpu_ops.gemm_available()
 
 
@@ -249,7 +249,7 @@ def fused_decode_layers(
 ) -> int:
     """kernels/cpu/decode_layers.cpp over every layer: the index of the residual among the
     buffers, 0 when it can't run here (then the modules run the step). kv_format: the pools'
-    (kv_dtype.fused_decode_kv_format); lora: the step's adapters (layers/cpu_decode.py)."""
+    (kv_dtype.fused_decode_kv_format); lora: the step's adapters (models/cpu_decode.py)."""
     if not cpu_ops.available():
         return 0
     return cpu_ops.decode_layers(

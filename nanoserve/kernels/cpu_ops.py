@@ -739,7 +739,7 @@ def decode_layers(
     kv_format: int = 0,
     lora=None,
 ) -> int:
-    """kernels/cpu/decode_layers.cpp over every layer (layers/cpu_decode.py builds the tables):
+    """kernels/cpu/decode_layers.cpp over every layer (models/cpu_decode.py builds the tables):
     the index of the residual among the buffers, 0 when it could not run. `lora`: None, or
     (table, row slots int64, slots, rank, shrink scratch, delta scratch) for a step with LoRA rows."""
     if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.stride(1) != 1:

@@ -52,7 +52,7 @@ def fused_topk(
     sum to 1 when asked (Mixtral always; Qwen-MoE / OLMoE as their config's norm_topk_prob says).
     Returns (weights fp32 [tokens, k], expert ids int64). On CPU kernels/cpu/moe.cpp's
     ns_moe_topk (arithmetic of our own, which the fused decode step shares:
-    layers/cpu_decode.py), else fused_topk_reference."""
+    models/cpu_decode.py), else fused_topk_reference."""
     if router_logits.dim() != 2 or not 0 < top_k <= router_logits.shape[1]:
         raise ValueError(
             f"router logits [tokens, experts] with top_k in 1..experts, got "

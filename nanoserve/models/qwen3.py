@@ -27,7 +27,7 @@ class Qwen3Attention(LlamaAttention):
         rows = metadata.row_tiling
         qkv = self.qkv_proj(hidden, rows)
         # Each head's q and k normed in place, then Llama's rotary + cache write and attention:
-        # the kernels layers/cpu_decode.py calls in the same order.
+        # the kernels models/cpu_decode.py calls in the same order.
         q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
         q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size))
         k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size))

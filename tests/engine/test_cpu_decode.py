@@ -1,4 +1,4 @@
-"""layers/cpu_decode.py: a CPU step of decodes runs its decoder layers in one C++ call. It calls
+"""models/cpu_decode.py: a CPU step of decodes runs its decoder layers in one C++ call. It calls
 the modules' kernels in the same order on the same inputs, so tokens and logprobs must be
 bit-identical to the modules' path, with mixed steps (prompt chunks beside decodes, which take
 the modules) in between."""
@@ -13,7 +13,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import cpu_ops, quant
 from nanoserve.kernels.quant import QuantWeight
-from nanoserve.layers.cpu_decode import FusedDecode
+from nanoserve.models.cpu_decode import FusedDecode
 from tests.conftest import write_random_llama
 from tests.kernels.test_quant import random_blocks
 

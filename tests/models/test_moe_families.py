@@ -107,7 +107,7 @@ def test_bf16_tokens_do_not_depend_on_the_batch_and_decode_is_not_fused(family, 
         enable_prefix_caching=False,
     )
     runner = llm.llm_engine.runner
-    assert runner.fused_decode is None  # layers/cpu_decode.py takes Llama's layers only
+    assert runner.fused_decode is None  # models/cpu_decode.py takes Llama's layers only
     experts = [layer.mlp.experts for layer in runner.model.model.layers]
     if cpu_ops.available():  # every expert on kernels/cpu/gemm*.cpp: prompt rows need no padding
         assert all(e.packed is not None for e in experts) and not runner.pad_prompt_rows

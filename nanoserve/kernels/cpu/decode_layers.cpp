@@ -1,4 +1,4 @@
-// A decode step's decoder layers in one call from Python (layers/cpu_decode.py): the same kernels,
+// A decode step's decoder layers in one call from Python (models/cpu_decode.py): the same kernels,
 // in the same order, on the same inputs as the modules' path (models/llama.py through
 // kernels/cpu_ops.py), so every value comes out with the same bits; what goes away is the
 // Python between them (~270 module and ctypes calls a step, several ms at batch 1).
@@ -140,7 +140,7 @@ extern "C" {
 // layers: num_layers x kLayerEntries int64: the addresses of the input norm weight, the
 // post-attention norm weight, the key pool, the value pool, the q_norm and k_norm weights (0
 // without), then Wqkv, Wo, Wgate_up and Wdown as linear() reads them (no biases:
-// layers/cpu_decode.py leaves models with any to the modules), then the MoE entries (kMoeEntries;
+// models/cpu_decode.py leaves models with any to the modules), then the MoE entries (kMoeEntries;
 // a table address of 0 for a dense layer, whose Wgate_up and Wdown are then used).
 // buffers: 14 addresses of [rows, ...] tensors: x [H] (in: the embeddings; out: the last layer's
 // MLP output), residual ping and pong [H], normed [H], o [H], qkv [qkv_n], attn [heads *

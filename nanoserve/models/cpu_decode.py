@@ -19,6 +19,9 @@ from torch import nn
 
 from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 from nanoserve.kernels.kv_dtype import fused_decode_kv_format
+from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.qwen3 import Qwen3ForCausalLM
+from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
 
 _MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
 _LINEAR_ENTRIES = 2 + 3 * _MAX_PARTS  # count, (format, weights, n) a part, input order
@@ -161,10 +164,6 @@ class FusedDecode:
     @classmethod
     def build(cls, model: nn.Module, world_size: int) -> FusedDecode | None:
         """None unless every condition for the fused path holds for this model here."""
-        from nanoserve.models.llama import LlamaForCausalLM
-        from nanoserve.models.qwen3 import Qwen3ForCausalLM
-        from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
-
         # Exactly Llama's, Qwen3's and Qwen3-MoE's layers (not another family's subclass), no
         # sliding window (decode_layers.cpp attends to every key).
         if (
