@@ -13,10 +13,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,13 +127,42 @@ def parse_nanoserve(args: list[str]) -> str | None:
     return None
 
 
+@functools.cache
+def bench_flags(kind: str) -> frozenset[str]:
+    """The flags `nanoserve bench KIND --help` lists (each benchmark parses its own arguments)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "nanoserve", "bench", kind, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    return frozenset(re.findall(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)", result.stdout))
+
+
+def bench_problems(args: list[str]) -> list[str]:
+    """Flags of `nanoserve bench KIND ARGS` that the benchmark does not take."""
+    kind, rest = args[1], args[2:]
+    flags = [token.split("=", 1)[0] for token in rest if re.match(r"--?[A-Za-z]", token)]
+    return [
+        f"`nanoserve bench {kind}` has no flag {flag}"
+        for flag in flags
+        if flag not in bench_flags(kind)
+    ]
+
+
 def command_problems(argv: list[str]) -> list[str]:
     """What is wrong with one documented command (empty when it is right)."""
     line = shlex.join(argv)
     program, args = argv[0], argv[1:]
     if program == "nanoserve":
         complaint = parse_nanoserve(args)
-        return [f"{line}: {complaint}"] if complaint else []
+        if complaint:
+            return [f"{line}: {complaint}"]
+        if args[:1] == ["bench"]:
+            return [f"{line}: {problem}" for problem in bench_problems(args)]
+        return []
     if program == "make":
         problems = []
         targets = [arg for arg in args if "=" not in arg and not arg.startswith("-")]
@@ -213,6 +245,8 @@ def test_the_pages_show_the_commands_they_describe():
         ("docs/lora.md", "nanoserve serve"),
         ("docs/tools.md", "nanoserve serve"),
         ("docs/deployment.md", "nanoserve serve"),
+        ("docs/benchmarks.md", "make bench"),
+        ("docs/benchmarks.md", "nanoserve bench"),
     ]:
         assert expected in shown, f"{expected[0]} shows no `{expected[1]} ...` command"
     assert len(commands) >= 25
@@ -229,6 +263,8 @@ def test_checks_find_what_is_wrong(tmp_path):
     assert command_problems(["make", "serve", "ARGS=--no-such-flag"])
     assert command_problems(["python", "scripts/no_such_script.py"])
     assert command_problems(["python", "-m", "nanoserve.no_such_module"])
+    assert command_problems(["nanoserve", "bench", "throughput", "--no-such-flag", "1"])
+    assert not command_problems(["nanoserve", "bench", "throughput", "--num-prompts", "8"])
     assert not command_problems(["nanoserve", "--model", "m", "--tp", "2"])
     assert not command_problems(["make", "test", "ARGS=-x"])
 
