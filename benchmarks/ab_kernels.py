@@ -1,21 +1,26 @@
-"""Two builds of the CPU kernels against each other in one process: decode attention or the
-quantized GEMM, alternating call batches, outputs compared bit for bit. Separate processes on a
-shared 2-core host drift by 10-20% (sometimes 2x) within minutes; two libraries loaded side by side
-see the same host. Each side is a git commit (its nanoserve/kernels/cpu exported) or a directory
-holding the kernel sources. Run on an idle machine from the project root:
+"""CPU kernels against each other in one process: two builds (decode attention, the quantized
+GEMM, a decode step's GEMMs) or the ISA levels of this build (decode attention), alternating call
+batches. Separate processes on a shared 2-core host drift by 10-20% (sometimes 2x) within minutes;
+two libraries loaded side by side see the same host. Each side of an A/B is a git commit (its
+nanoserve/kernels/cpu exported) or a directory holding the kernel sources. Run on an idle machine
+from the project root:
 
     .venv/bin/python benchmarks/ab_kernels.py attention OLD NEW [--seqs 64] [--isa avx512bf16]
     .venv/bin/python benchmarks/ab_kernels.py gemm OLD NEW [--rows 64] [--formats q4_1 q8_0] [--threads 1]
     .venv/bin/python benchmarks/ab_kernels.py decode OLD NEW [--rows 1] [--formats bf16 q4_1]
+    .venv/bin/python benchmarks/ab_kernels.py levels [--context 64 192 512]
 
 e.g. `attention HEAD~1 nanoserve/kernels/cpu`. Attention: SmolLM2-135M's heads (9 query, 3 KV,
-head_dim 64), 16-token blocks, the KV pool on huge pages and 8x the live blocks with 8 random block
-tables, as scripts/bench_decode_attention.py. GEMM: SmolLM2's layer shapes with random blocks
-(benchmarks/quant/gemm_shapes.py). Decode: the GEMMs of a whole decode step in order, 30 layers'
-qkv, o_proj, gate_up and down and the LM head with random weights of their own (bf16 or a GGUF
-format: 98-270 MB, read from memory as a real step reads them), on --rows rows. Prints the median
-(attention, decode) or best (GEMM) time of each side, old / new, and whether the outputs are the
-same bits.
+head_dim 64), 16-token blocks, --seqs sequences each --context keys long, the KV pool on huge pages
+and 8x the live blocks with 8 random block tables, so K/V come from memory as in a decode step (its
+30 layers' caches fit in no cache). Levels: the engine's entry (cpu_ops.paged_attention) on each
+level this CPU runs: `portable` the plain loops of kernels/cpu/ops.cpp, `avx2` its AVX2 + FMA decode
+kernel, `avx512bf16` the two-pass VDPBF16PS kernel, `amx` the AMX tiles of attention_amx.cpp.
+GEMM: SmolLM2's layer shapes with random blocks (benchmarks/quant/gemm_shapes.py). Decode: the
+GEMMs of a whole decode step in order, 30 layers' qkv, o_proj, gate_up and down and the LM head
+with random weights of their own (bf16 or a GGUF format: 98-270 MB, read from memory as a real step
+reads them), on --rows rows. Prints the median (attention, decode) or best (GEMM) time of each
+side, old / new, and whether the outputs are the same bits.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +43,8 @@ from nanoserve.kernels import cpu_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = Path(cpu_ops.__file__).parent / "cpu"
+# SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64; 16-token blocks
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def sources(side: str, scratch: Path) -> Path:
@@ -67,63 +76,142 @@ def build(source_dir: Path, output: Path, isa: str) -> ctypes.CDLL:
     return lib
 
 
-def attention(libs: dict[str, ctypes.CDLL], seqs: int, rounds: int) -> None:
-    heads, kv_heads, dim, block = 9, 3, 64, 16
+@dataclass
+class AttentionInputs:
+    """One decode-attention call's tensors: K/V in a pool 8x the live blocks, on huge pages, and 8
+    random block tables, so each call reads K/V from memory as a decode step does."""
+
+    caches: list[torch.Tensor]  # key, value: (blocks, kv heads, block, head dim)
+    tables: list[torch.Tensor]
+    query: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def attention_inputs(seqs: int, context: int, generator: torch.Generator) -> AttentionInputs:
+    blocks = (context + BLOCK - 1) // BLOCK
+    pool = seqs * blocks * 8
+    caches = []
+    for _ in range(2):
+        cache = zeros_on_huge_pages((pool, KV_HEADS, BLOCK, HEAD_DIM), torch.bfloat16)
+        cache.copy_(torch.randn(pool, KV_HEADS, BLOCK, HEAD_DIM, generator=generator))
+        caches.append(cache)
+    tables = [
+        torch.randperm(pool, generator=generator)[: seqs * blocks]
+        .to(torch.int32)
+        .reshape(seqs, blocks)
+        for _ in range(8)
+    ]
+    query = torch.randn(seqs, HEADS, HEAD_DIM, generator=generator).to(torch.bfloat16)
+    cu_seqlens = torch.arange(seqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((seqs,), context, dtype=torch.int32)
+    return AttentionInputs(caches, tables, query, cu_seqlens, seq_lens)
+
+
+def time_attention(
+    sides: dict[str, Callable[[torch.Tensor, torch.Tensor], None]],
+    query: torch.Tensor,
+    rounds: int,
+    tables: list[torch.Tensor],
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Each side's median microseconds a call, batches of 16 calls alternating between the sides
+    (the order reversed every other round), and each side's last output."""
+    outs = {name: torch.empty_like(query) for name in sides}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for round_ in range(rounds):
+        for name in list(sides) if round_ % 2 == 0 else list(reversed(sides)):
+            start = time.perf_counter()
+            for index in range(16):
+                sides[name](outs[name], tables[index % 8])
+            times[name].append((time.perf_counter() - start) / 16 * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}, outs
+
+
+def attention(libs: dict[str, ctypes.CDLL], seqs: int, rounds: int, contexts: list[int]) -> None:
+    """Two builds' decode attention kernel (ns_paged_attention) at one ISA level."""
     generator = torch.Generator().manual_seed(0)
-    for context in (64, 192, 512):
-        blocks = (context + block - 1) // block
-        pool = seqs * blocks * 8
-        caches = []
-        for _ in range(2):
-            cache = zeros_on_huge_pages((pool, kv_heads, block, dim), torch.bfloat16)
-            cache.copy_(torch.randn(pool, kv_heads, block, dim, generator=generator))
-            caches.append(cache)
-        tables = [
-            torch.randperm(pool, generator=generator)[: seqs * blocks]
-            .to(torch.int32)
-            .reshape(seqs, blocks)
-            for _ in range(8)
-        ]
-        query = torch.randn(seqs, heads, dim, generator=generator).to(torch.bfloat16)
-        cu_seqlens = torch.arange(seqs + 1, dtype=torch.int32)
-        seq_lens = torch.full((seqs,), context, dtype=torch.int32)
-        outs = {name: torch.empty_like(query) for name in libs}
-        times: dict[str, list[float]] = {name: [] for name in libs}
+    for context in contexts:
+        inputs = attention_inputs(seqs, context, generator)
+        query, (key_cache, value_cache) = inputs.query, inputs.caches
 
-        def call(lib: ctypes.CDLL, out: torch.Tensor, table: torch.Tensor) -> None:
-            lib.ns_paged_attention(
-                cpu_ops._DTYPES[torch.bfloat16],
-                out.data_ptr(),
-                query.data_ptr(),
-                query.stride(0),
-                query.stride(1),
-                caches[0].data_ptr(),
-                caches[1].data_ptr(),
-                kv_heads,
-                block,
-                dim,
-                table.data_ptr(),
-                table.stride(0),
-                cu_seqlens.data_ptr(),
-                seq_lens.data_ptr(),
-                seqs,
-                heads,
-                dim**-0.5,
-                cpu_ops._ROWS_PER_ITEM,
-            )
+        def side(lib: ctypes.CDLL) -> Callable[[torch.Tensor, torch.Tensor], None]:
+            def call(out: torch.Tensor, table: torch.Tensor) -> None:
+                lib.ns_paged_attention(
+                    cpu_ops._DTYPES[torch.bfloat16],
+                    out.data_ptr(),
+                    query.data_ptr(),
+                    query.stride(0),
+                    query.stride(1),
+                    key_cache.data_ptr(),
+                    value_cache.data_ptr(),
+                    KV_HEADS,
+                    BLOCK,
+                    HEAD_DIM,
+                    table.data_ptr(),
+                    table.stride(0),
+                    inputs.cu_seqlens.data_ptr(),
+                    inputs.seq_lens.data_ptr(),
+                    seqs,
+                    HEADS,
+                    HEAD_DIM**-0.5,
+                    cpu_ops._ROWS_PER_ITEM,
+                )
 
-        for round_ in range(rounds):
-            for name in list(libs) if round_ % 2 == 0 else list(reversed(libs)):
-                start = time.perf_counter()
-                for index in range(16):
-                    call(libs[name], outs[name], tables[index % 8])
-                times[name].append((time.perf_counter() - start) / 16 * 1e6)
-        old, new = (statistics.median(times[name]) for name in libs)
+            return call
+
+        medians, outs = time_attention(
+            {name: side(lib) for name, lib in libs.items()}, query, rounds, inputs.tables
+        )
+        old, new = medians["old"], medians["new"]
         print(
             f"decode attention, {seqs} sequences x {context} keys: old {old:.0f} us, new {new:.0f} us, "
             f"{old / new:.2f}x; same bits: {torch.equal(outs['old'], outs['new'])}",
             flush=True,
         )
+
+
+def attention_levels(seqs: int, rounds: int, contexts: list[int]) -> None:
+    """This build's decode attention (cpu_ops.paged_attention, the engine's entry: AMX tiles
+    where it takes them) on each ISA level this CPU runs, against the lowest."""
+    levels = cpu_ops.supported_isas()
+    chosen = cpu_ops.isa()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for context in contexts:
+            inputs = attention_inputs(seqs, context, generator)
+            # the engine's cache layout: (blocks, block, kv heads, head dim) over head-major memory
+            key_cache, value_cache = (cache.permute(0, 2, 1, 3) for cache in inputs.caches)
+
+            def side(level: str) -> Callable[[torch.Tensor, torch.Tensor], None]:
+                def call(out: torch.Tensor, table: torch.Tensor) -> None:
+                    cpu_ops.set_isa(level)
+                    cpu_ops.paged_attention(
+                        inputs.query,
+                        key_cache,
+                        value_cache,
+                        table,
+                        inputs.cu_seqlens,
+                        inputs.seq_lens,
+                        HEAD_DIM**-0.5,
+                        out=out,
+                    )
+
+                return call
+
+            medians, _ = time_attention(
+                {level: side(level) for level in levels}, inputs.query, rounds, inputs.tables
+            )
+            base = medians[levels[0]]
+            print(
+                f"context {context}: "
+                + ", ".join(
+                    f"{level} {us:.0f} us ({base / us:.2f}x {levels[0]})"
+                    for level, us in medians.items()
+                ),
+                flush=True,
+            )
+    finally:
+        cpu_ops.set_isa(chosen)
 
 
 def gemm(libs: dict[str, ctypes.CDLL], rows: int, formats: list[str], rounds: int) -> None:
@@ -274,14 +362,17 @@ def decode(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=("attention", "gemm", "decode"))
-    parser.add_argument("old", help="a commit, or a directory of kernel sources")
-    parser.add_argument("new", help="a commit, or a directory of kernel sources")
+    parser.add_argument("kernel", choices=("attention", "gemm", "decode", "levels"))
+    parser.add_argument("old", nargs="?", help="a commit, or a directory of kernel sources")
+    parser.add_argument("new", nargs="?", help="a commit, or a directory of kernel sources")
     parser.add_argument(
         "--isa", default=None, help="the level both run (default: the best this CPU runs)"
     )
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument(
+        "--context", type=int, nargs="+", default=[64, 192, 512], help="attention: keys a sequence"
+    )
     parser.add_argument("--rows", type=int, default=None, help="default: 64 (gemm), 1 (decode)")
     parser.add_argument("--formats", nargs="+", default=["q4_1"])
     parser.add_argument(
@@ -300,6 +391,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
+    if args.kernel == "levels":
+        print(f"# {cpu_ops.describe_isa()}; {torch.get_num_threads()} threads")
+        attention_levels(args.seqs, args.rounds, args.context)
+        return
+    if args.old is None or args.new is None:
+        parser.error(f"{args.kernel} compares two builds: OLD and NEW")
     isa = args.isa or cpu_ops.isa()
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -312,7 +409,7 @@ def main() -> None:
             f"old {args.old}, new {args.new}"
         )
         if args.kernel == "attention":
-            attention(libs, args.seqs, args.rounds)
+            attention(libs, args.seqs, args.rounds, args.context)
         elif args.kernel == "decode":
             decode(libs, args.rows or 1, args.formats, args.rounds, args.layers, args.model)
         else:

@@ -78,7 +78,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     madvise(MADV_HUGEPAGE)'d (Linux's default THP mode, `madvise`, gives huge pages to such spans
     only): a decode step reads one 2 KiB block-head at a time from anywhere in it, a TLB miss each
     on 4 KiB pages; the bf16 decode attention ran 1.07-1.16x faster on a Zen 4 EPYC with the pool
-    on huge pages (scripts/bench_decode_attention.py's layout). Below 2 MiB this is torch.zeros;
+    on huge pages (benchmarks/ab_kernels.py levels's layout). Below 2 MiB this is torch.zeros;
     where madvise is refused, the same tensor on 4 KiB pages."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE:

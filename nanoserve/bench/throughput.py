@@ -1,7 +1,7 @@
 """Offline throughput: nanoserve's LLM.generate against Hugging Face transformers' generate on
 the same workload, in one run, the baseline in a process of its own. Prints output tokens/s of
 each and the ratio, and writes a JSON. (vLLM-CPU, the yardstick: ../shared/bench/, and
-scripts/bench_vs_vllm.sh.)
+benchmarks/vllm-cpu/bench_vs_vllm.sh.)
 
     python -m nanoserve.bench.throughput --num-prompts 64 --input-len 128 --output-len 128
 """

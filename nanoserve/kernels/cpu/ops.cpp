@@ -550,7 +550,7 @@ NS_AVX512_BF16 void silu_and_mul_bf16(uint16_t* out, const uint16_t* gate_up, in
 // tree over the 8 lanes; probabilities stay fp32; P @ V adds the keys in order. Each row's
 // arithmetic depends on its own sequence alone, as everywhere here. (The plain loops, with a
 // horizontal sum a key and an online rescale a block, were 1.9-2.5x slower on a Zen 3 EPYC, K/V
-// from memory: scripts/bench_decode_attention.py.)
+// from memory: benchmarks/ab_kernels.py levels.)
 
 #define NS_AVX2_OPS __attribute__((target("avx2,fma")))
 

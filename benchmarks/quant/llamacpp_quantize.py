@@ -1,7 +1,7 @@
 """Writes a llama.cpp-quantized copy of a GGUF file with llama.cpp's own quantizer (the one `llama-quantize`
 runs), for the benchmarks' Q4_K_M row. It runs in llama.cpp's venv:
 
-    ~/.cache/llamacpp/venv/bin/python scripts/llamacpp_quantize.py SRC.gguf DST.gguf Q4_K_M
+    ~/.cache/llamacpp/venv/bin/python benchmarks/quant/llamacpp_quantize.py SRC.gguf DST.gguf Q4_K_M
 
 For SmolLM2-135M (rows of 576, not a multiple of 256) llama.cpp writes most tensors of a Q4_K_M file
 as Q5_0, as it does for any model whose rows don't split into 256-element super-blocks."""

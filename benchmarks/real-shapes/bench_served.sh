@@ -4,7 +4,7 @@
 # prompts of 128, not streamed, greedy, ignore_eos, each server's own usage counted). Run on an idle
 # machine from the project root after `make install`, ../shared/bench/setup-llamacpp-tools.sh and
 # ../shared/bench/real-shapes.sh:
-#   scripts/bench_served.sh [SHAPE] [TYPE]          (default llama-3.2-1b Q4_K_M)
+#   benchmarks/real-shapes/bench_served.sh [SHAPE] [TYPE]          (default llama-3.2-1b Q4_K_M)
 # Prints per server: the first token of a 128-token prompt (p50 of 8 requests of 1 token out; the
 # client's prompts repeat from run to run, so 2 of the 8 are in either server's prefix cache), the
 # c=1 time per output token (1 / the c=1 output rate: 4 requests of 128 out whose prompts the
@@ -12,7 +12,7 @@
 # memory after the runs (VmRSS) and at its peak (VmHWM).
 # Appends to benchmarks/real-shapes/<cpu>/served-SHAPE-TYPE.txt.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SHAPE=${1:-llama-3.2-1b}
 TYPE=${2:-Q4_K_M}
 R=${REAL_SHAPES:-$HOME/.cache/llamacpp/real-shapes}
@@ -21,7 +21,7 @@ FILE=$R/$SHAPE/$TYPE.gguf
 CLIENT=${BENCH:-$(pwd)/../shared/bench}/plain_client.py
 PORT=${PORT:-8177}
 CPU=$(lscpu | sed -n 's/^Model name: *//p')
-DIR=benchmarks/real-shapes/$(python3 scripts/bench_real_shapes.py --cpu-folder)
+DIR=benchmarks/real-shapes/$(python3 benchmarks/real-shapes/bench_real_shapes.py --cpu-folder)
 mkdir -p "$DIR"
 OUT=$DIR/served-$SHAPE-$TYPE.txt
 URL=http://127.0.0.1:$PORT

@@ -1,7 +1,7 @@
-"""Turns the lines of scripts/bench_vs_vllm.sh into results.json, summary.md and a plot of served
+"""Turns the lines of benchmarks/vllm-cpu/bench_vs_vllm.sh into results.json, summary.md and a plot of served
 output tokens/s (and TTFT) against concurrency for both servers.
 
-    python scripts/summarize_vs_vllm.py benchmarks/vllm-cpu/run.txt benchmarks/vllm-cpu
+    python benchmarks/vllm-cpu/summarize_vs_vllm.py benchmarks/vllm-cpu/run.txt benchmarks/vllm-cpu
 """
 
 from __future__ import annotations

@@ -3,20 +3,20 @@
 # on this machine, each engine in a process of its own, one after the other. Run on an idle
 # machine from the project root after `make install` and ../shared/bench/setup-llamacpp.sh (which
 # writes the default model as Q4_1, Q8_0 and BF16 GGUF files). Writes $OUT/run.txt.
-#   scripts/bench_quant.sh                                   batch1, offline and perplexity
-#   PARTS="batch1" OUT=benchmarks/quant/amd-epyc-zen5 scripts/bench_quant.sh
+#   benchmarks/quant/bench_quant.sh                                   batch1, offline and perplexity
+#   PARTS="batch1" OUT=benchmarks/quant/amd-epyc-zen5 benchmarks/quant/bench_quant.sh
 # batch1: 16-token prompt, 256 greedy tokens, ms/token (../shared/bench/batch1.sh): llama.cpp on
 #   the three files and llama.cpp's Q4_K_M, nanoserve on its bf16 import and on the quantized files
 #   as they are.
 # offline: LLM.generate 64 x (128 in, 128 out) output tokens/s, nanoserve bf16 vs the Q4_1 file.
 # prefill: prompt-only work, nanoserve LLM.generate 64 x (128 in, 1 out) and llama.cpp one 512-token
-#   prompt (scripts/prefill_llamacpp.py), each on bf16 / Q4_1 / Q8_0: the gain each engine gets
+#   prompt (benchmarks/quant/prefill_llamacpp.py), each on bf16 / Q4_1 / Q8_0: the gain each engine gets
 #   from a quantized file where the work is compute-bound.
 # ppl: scripts/perplexity.py on benchmarks/quant/perplexity_text.txt (the same ids for both);
 #   PPL_TEXT=benchmarks/quant/perplexity_text_long.txt for the 4x longer text (its first 16 windows
 #   are the short text's).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/quant}
 PARTS=${PARTS:-"batch1 offline prefill ppl"}
 BENCH=${BENCH:-../shared/bench}
@@ -28,7 +28,7 @@ MODEL_DIR=${MODEL_DIR:-$($PY -c 'from nanoserve.models.gguf.importer import ensu
 mkdir -p "$OUT"
 RUN="$OUT/run.txt"
 # llama.cpp's Q4_K_M of the default model (mostly Q5_0 at its row length), written once from the BF16 file
-[ -f "$G/smollm2-q4_k_m.gguf" ] || "$LV/bin/python" scripts/llamacpp_quantize.py "$G/smollm2-bf16.gguf" \
+[ -f "$G/smollm2-q4_k_m.gguf" ] || "$LV/bin/python" benchmarks/quant/llamacpp_quantize.py "$G/smollm2-bf16.gguf" \
   "$G/smollm2-q4_k_m.gguf" Q4_K_M >/dev/null 2>&1
 {
   echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
@@ -55,7 +55,7 @@ for part in $PARTS; do
                  --no-transformers 2>/dev/null | grep '^nanoserve' | sed "s|^nanoserve|nanoserve prefill $(basename "$m")|" | tee -a "$RUN"
              done
              for m in "$G/smollm2-bf16.gguf" "$G/smollm2-q4_1.gguf" "$G/smollm2-q8_0.gguf"; do
-               "$LV/bin/python" scripts/prefill_llamacpp.py "$m" 2>/dev/null | tee -a "$RUN"
+               "$LV/bin/python" benchmarks/quant/prefill_llamacpp.py "$m" 2>/dev/null | tee -a "$RUN"
              done ;;
     ppl) echo "## perplexity" | tee -a "$RUN"
          NLL=$(mktemp -d)
@@ -84,4 +84,4 @@ for part in $PARTS; do
          rm -rf "$NLL" ;;
   esac
 done
-$PY scripts/summarize_quant.py "$RUN" | tee "$OUT/summary.md"
+$PY benchmarks/quant/summarize_quant.py "$RUN" | tee "$OUT/summary.md"

@@ -1,6 +1,6 @@
-"""The table of scripts/bench_quant.sh's run.txt, with issue 28's targets checked.
+"""The table of benchmarks/quant/bench_quant.sh's run.txt, with issue 28's targets checked.
 
-.venv/bin/python scripts/summarize_quant.py benchmarks/quant/<cpu>/run.txt
+.venv/bin/python benchmarks/quant/summarize_quant.py benchmarks/quant/<cpu>/run.txt
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ speed and resident memory. Each engine runs in a process of its own, one after t
 on an idle machine, from the project root, after `make install`,
 `../shared/bench/setup-llamacpp-tools.sh` and `../shared/bench/real-shapes.sh SHAPE`:
 
-    .venv/bin/python scripts/bench_real_shapes.py --shape llama-3.2-1b [--types Q4_K_M Q8_0 ...]
+    .venv/bin/python benchmarks/real-shapes/bench_real_shapes.py --shape llama-3.2-1b [--types Q4_K_M Q8_0 ...]
 
 Writes benchmarks/real-shapes/<cpu>/<shape>.txt (raw lines) and .md (the table). Measures:
 - bandwidth: the best of several 2-thread sums over 2 GiB of float32 (torch.sum), GB/s, before and
@@ -272,7 +272,7 @@ def cpu_folder(cpu: str) -> str:
     return name
 
 
-if len(sys.argv) == 2 and sys.argv[1] == "--cpu-folder":  # for scripts/bench_served.sh
+if len(sys.argv) == 2 and sys.argv[1] == "--cpu-folder":  # for bench_served.sh, beside this file
     print(
         cpu_folder(
             subprocess.run(

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Three nanoserve servers sharing this machine, one 200-token request to each at once, against one
 # alone (the same server, warm). Run on an idle machine from the project root; EXTRA adds flags.
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MD=${MODEL_DIR:-$HOME/.cache/nanoserve/models/SmolLM2-135M-Instruct}
 EXTRA=${EXTRA:-}
 req() { curl -s -o /dev/null -w "%{time_total}\n" http://127.0.0.1:$1/v1/completions -H 'Content-Type: application/json' -d '{"model":"m","prompt":"Once upon a time","max_tokens":200,"ignore_eos":true,"temperature":0}'; }

@@ -4,12 +4,12 @@
 # the other). Run on an idle machine from the project root after `make install` and
 # ../shared/bench/setup-vllm-cpu.sh. Writes $OUT/run.txt (the raw lines), $OUT/results.json and
 # $OUT/served-throughput.png.
-#   scripts/bench_vs_vllm.sh            all: offline 64x(128,128), offline 16x(1900,64), served c=1/16/64,
+#   benchmarks/vllm-cpu/bench_vs_vllm.sh            all: offline 64x(128,128), offline 16x(1900,64), served c=1/16/64,
 #                                       batch-1 decode against llama.cpp (after setup-llamacpp.sh)
-#   PARTS="offline" scripts/bench_vs_vllm.sh
-#   OUT=benchmarks/vllm-cpu/amd-epyc-zen5 scripts/bench_vs_vllm.sh    one folder per CPU kind
+#   PARTS="offline" benchmarks/vllm-cpu/bench_vs_vllm.sh
+#   OUT=benchmarks/vllm-cpu/amd-epyc-zen5 benchmarks/vllm-cpu/bench_vs_vllm.sh    one folder per CPU kind
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-benchmarks/vllm-cpu}
 PARTS=${PARTS:-"offline long serve batch1"}
 BENCH=${BENCH:-../shared/bench}
@@ -29,4 +29,4 @@ for part in $PARTS; do
     batch1) echo "## batch1" | tee -a "$RUN"; "$BENCH/batch1.sh" 2>/dev/null | grep -E '^(nanoserve|llama.cpp)' | tee -a "$RUN" ;;
   esac
 done
-.venv/bin/python scripts/summarize_vs_vllm.py "$RUN" "$OUT"
+.venv/bin/python benchmarks/vllm-cpu/summarize_vs_vllm.py "$RUN" "$OUT"

@@ -1,9 +1,9 @@
 """llama.cpp (llama-cpp-python) prompt processing on a GGUF file: one 512-token prompt, median of 3
 evaluations after a warm-up, 2 threads; prints prompt tokens/s. It runs in llama.cpp's own venv:
 
-    ~/.cache/llamacpp/venv/bin/python scripts/prefill_llamacpp.py FILE.gguf
+    ~/.cache/llamacpp/venv/bin/python benchmarks/quant/prefill_llamacpp.py FILE.gguf
 
-scripts/bench_quant.sh's `prefill` part puts it beside nanoserve's prompt-only offline run, to
+benchmarks/quant/bench_quant.sh's `prefill` part puts it beside nanoserve's prompt-only offline run, to
 compare how much each engine gains from a quantized file where the work is compute-bound."""
 
 import statistics
