@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from nanoserve.speculative_config import SpeculativeConfig
+
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels/kv_dtype.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -170,7 +172,7 @@ class EngineConfig:
         '\'{"pooling_type": "MEAN", "normalize": false}\'',
     )
     # vLLM's --speculative-config: JSON text (or a dict through LLM(...)), read by
-    # spec_decode/config.py; None: no speculation.
+    # speculative_config.py; None: no speculation.
     speculative_config: str | dict | None = arg(
         None,
         'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
@@ -303,10 +305,8 @@ class EngineConfig:
         return "pooling" if headless_checkpoint else "generate"
 
     @property
-    def speculative(self):
-        """speculative_config parsed (spec_decode/config.py's SpeculativeConfig), or None."""
-        from nanoserve.spec_decode.config import SpeculativeConfig
-
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config parsed (speculative_config.py's SpeculativeConfig), or None."""
         return SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod

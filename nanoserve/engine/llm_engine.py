@@ -33,6 +33,9 @@ from nanoserve.engine.request import Request, stop_string_holdback
 from nanoserve.engine.sampling_batch import build_sampling_batch
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.spec_decode.draft import DraftProposer
+from nanoserve.engine.spec_decode.metrics import SpecDecodingStats
+from nanoserve.engine.spec_decode.ngram import NgramProposer
 from nanoserve.engine.structured_output import SequenceGrammar, StructuredOutputManager
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.engine.worker import plan_topology, start_workers
@@ -53,9 +56,6 @@ from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.spec_decode.draft import DraftProposer
-from nanoserve.spec_decode.metrics import SpecDecodingStats
-from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -925,7 +925,7 @@ class LLMEngine:
         scheduler cuts them to its budget). None for a sequence whose next rows the sampler
         would process differently from one position to the next (penalties counting the
         proposals, min_tokens still masking EOS), or that still scores its prompt. A constrained
-        sequence's proposal is cut where its grammar refuses it (spec_decode/grammar.py)."""
+        sequence's proposal is cut where its grammar refuses it (engine/spec_decode/grammar.py)."""
         wanted = []
         for seq in running:
             params = seq.params

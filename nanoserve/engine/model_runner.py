@@ -40,6 +40,7 @@ from nanoserve.engine.model_input import (
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.kv_dtype import cache_dtype
@@ -57,7 +58,6 @@ from nanoserve.lora.manager import LoRAManager
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.cpu_decode import FusedDecode
 from nanoserve.models.registry import build_model, model_weight_bytes
-from nanoserve.spec_decode.verify import verify
 
 logger = logging.getLogger(__name__)
 

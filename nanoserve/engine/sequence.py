@@ -63,7 +63,7 @@ class Sequence:
     # proposal is deterministic, n-gram lookup or a greedy draft).
     spec_draft_probs: torch.Tensor | None = None
     # A constrained sequence's verification rows' token bitmasks ([k + 1, words] int32; None:
-    # unconstrained), from its grammar walked along the proposal (spec_decode/grammar.py).
+    # unconstrained), from its grammar walked along the proposal (engine/spec_decode/grammar.py).
     spec_bitmask: torch.Tensor | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None

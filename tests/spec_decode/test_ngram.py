@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.engine.spec_decode.ngram import NgramProposer
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

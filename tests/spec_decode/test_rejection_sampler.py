@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.spec_decode.rejection_sampler import SpecSequence, rejection_sample
+from nanoserve.engine.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 
 VOCAB = 6
 TRIALS = 6000

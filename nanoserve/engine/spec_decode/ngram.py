@@ -17,7 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from nanoserve.engine.sequence import Sequence
-from nanoserve.spec_decode.grammar import constrain_proposal
+from nanoserve.engine.spec_decode.grammar import constrain_proposal
 
 
 class NgramProposer:
@@ -58,7 +58,7 @@ class NgramProposer:
         self, wanted: list[tuple[Sequence, int]], batch_for=None, vocab_size: int = 0
     ) -> None:
         """The engine's call, as DraftProposer's: each sequence's proposal (at most its limit),
-        cut where a constrained sequence's grammar refuses it (spec_decode/grammar.py)."""
+        cut where a constrained sequence's grammar refuses it (engine/spec_decode/grammar.py)."""
         for seq, limit in wanted:
             seq.spec_token_ids = self.propose(seq.token_ids, limit)
             if seq.grammar is not None and seq.spec_token_ids:

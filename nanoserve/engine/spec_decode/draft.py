@@ -23,10 +23,10 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.grammar import bitmask_rows
 from nanoserve.kernels import apply_token_bitmask
 from nanoserve.layers.sampler import SamplingBatch, processed_logits, sampling_probs
 from nanoserve.models.config import ModelConfig
-from nanoserve.spec_decode.grammar import bitmask_rows
 
 
 class DraftProposer:

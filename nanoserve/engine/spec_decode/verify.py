@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 from nanoserve.kernels import apply_token_bitmask
 from nanoserve.layers.sampler import (
     SamplingBatch,
@@ -22,7 +23,6 @@ from nanoserve.layers.sampler import (
     processed_logits,
     sampling_probs,
 )
-from nanoserve.spec_decode.rejection_sampler import SpecSequence, rejection_sample
 
 # Per emitted token: (token id, (rank, [id, top ids...], [logprobs]) or None).
 Emitted = list[tuple[int, tuple[int, list[int], list[float]] | None]]
