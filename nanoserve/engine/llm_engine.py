@@ -56,7 +56,7 @@ from nanoserve.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -579,8 +579,8 @@ class LLMEngine:
         priority: int,
         grammar: concurrent.futures.Future | None,
     ) -> list[Sequence]:
-        """The request's n sequences, each with its detokenizer, seeded generator and grammar
-        matcher; the first scores the prompt when prompt logprobs are asked for."""
+        """The request's n sequences, each with its seeded generator and grammar matcher; the
+        first scores the prompt when prompt logprobs are asked for."""
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
@@ -598,9 +598,6 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(
                     params.seed + index
                 )
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
-            )
             if grammar is not None:  # one matcher per sequence, one compiled grammar per request
                 seq.grammar = SequenceGrammar(grammar)
             seqs.append(seq)

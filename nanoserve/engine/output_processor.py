@@ -3,8 +3,9 @@ entries, stop checks (ids, EOS, grammar, length, stop strings), incremental deto
 RequestOutputs as the request asked for them (cumulative, deltas, or the final one only).
 
 As vLLM v1's `OutputProcessor`, an object with its own state (the tokenizer's token texts, the
-token totals) that touches only the requests and sequences it is handed: `process` returns the
-sequences that finished, and the engine frees them in their own virtual engine's scheduler.
+token totals, each sequence's OutputState: detokenizer, text, logprobs, what was sent) that
+touches only the requests and sequences it is handed: `process` returns the sequences that
+finished, and the engine frees them in their own virtual engine's scheduler.
 The stop checks are plain functions (`check_stop`, `check_stop_strings`)."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from nanoserve.engine.output_state import OutputState
 from nanoserve.engine.request import Request
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.layers.sampler import LogprobsTensors, SamplerOutput
 from nanoserve.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
-from nanoserve.tokenizer import Tokenizer
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,22 +49,23 @@ def check_stop(
     return None, None
 
 
-def check_stop_strings(seq: Sequence, delta_len: int) -> tuple[str | None, str | None]:
+def check_stop_strings(
+    state: OutputState, params: SamplingParams, delta_len: int
+) -> tuple[str | None, str | None]:
     """The earliest stop string in the text the last `delta_len` characters could complete:
     ("stop", it), with the text cut at it (kept when the request says so); else (None, None)."""
-    params = seq.params
     longest = max(len(s) for s in params.stop)
-    search_from = max(0, len(seq.text) - delta_len - longest + 1)
+    search_from = max(0, len(state.text) - delta_len - longest + 1)
     best = None
     for stop in params.stop:
-        index = seq.text.find(stop, search_from)
+        index = state.text.find(stop, search_from)
         if index != -1 and (best is None or index < best[0]):
             best = (index, stop)
     if best is None:
         return None, None
     index, stop = best
-    seq.text = (
-        seq.text[: index + len(stop)] if params.include_stop_str_in_output else seq.text[:index]
+    state.text = (
+        state.text[: index + len(stop)] if params.include_stop_str_in_output else state.text[:index]
     )
     return "stop", stop
 
@@ -112,17 +116,19 @@ class OutputProcessor:
                 continue
             request = requests[seq.request_id]
             self.count_prompt(request, seq)
-            if self._append_token(seq, token_ids[row], logprob_rows[row] if logprob_rows else None):
+            logprob_row = logprob_rows[row] if logprob_rows else None
+            if self._append_token(request, seq, token_ids[row], logprob_row):
                 step.finished_seqs.append(seq)
             progressed[seq.request_id] = request
         for seq, emitted in zip(spec_seqs, result.spec or ()):
             if seq.is_finished:
                 continue
+            request = requests[seq.request_id]
             for token, logprob_row in emitted:
-                if self._append_token(seq, token, logprob_row):
+                if self._append_token(request, seq, token, logprob_row):
                     step.finished_seqs.append(seq)
                     break
-            progressed[seq.request_id] = requests[seq.request_id]
+            progressed[seq.request_id] = request
         now = time.time()
         for request in progressed.values():
             request.record_tokens(now)
@@ -186,15 +192,31 @@ class OutputProcessor:
             row += num_rows
 
     # ---- one token ----------------------------------------------------------------------------
-    def _append_token(self, seq: Sequence, token: int, logprob_row: LogprobRow | None) -> bool:
+    def state(self, request: Request, seq: Sequence) -> OutputState:
+        """`seq`'s output state, made (for every sequence of the request) when first needed."""
+        if not request.output_states:
+            request.output_states = [
+                OutputState(
+                    IncrementalDetokenizer(
+                        self.tokenizer, request.prompt_token_ids, request.params.skip_special_tokens
+                    )
+                )
+                for _ in request.seqs
+            ]
+        return request.output_states[seq.index]
+
+    def _append_token(
+        self, request: Request, seq: Sequence, token: int, logprob_row: LogprobRow | None
+    ) -> bool:
         """Append `token` to `seq`, with its text and logprobs; True when it finished `seq`."""
+        state = self.state(request, seq)
         if seq.grammar is not None and not seq.grammar.accept(token):
             # The grammar allowed nothing it could take (min_tokens or a logit bias had masked
             # its stop tokens): end the output where the grammar ended it.
             logger.warning(
                 "request %s: token %d does not fit its grammar; finishing it", seq.request_id, token
             )
-            seq.text += seq.detokenizer.flush()
+            state.text += state.detokenizer.flush()
             seq.finish_reason = "stop"
             seq.status = SequenceStatus.FINISHED
             return True
@@ -203,8 +225,8 @@ class OutputProcessor:
         params = seq.params
         if logprob_row is not None and params.logprobs is not None:
             rank, ids, values = logprob_row
-            seq.cumulative_logprob += values[0]
-            seq.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
+            state.cumulative_logprob += values[0]
+            state.logprobs.append(self._logprob_entry(rank, ids, values, params.logprobs))
         reason, stop_reason = check_stop(seq, token, self.eos_token_ids, self.max_model_len)
         if (
             reason == "stop"
@@ -213,14 +235,14 @@ class OutputProcessor:
         ):
             # A stop token's own text stays out of the output, as vLLM's (it shows when special
             # tokens are kept: a tool parser's, or skip_special_tokens=false).
-            delta = seq.detokenizer.flush()
+            delta = state.detokenizer.flush()
         else:
-            delta = seq.detokenizer.step([token])
+            delta = state.detokenizer.step([token])
             if reason is not None:
-                delta += seq.detokenizer.flush()  # text held back for an unfinished character
-        seq.text += delta
+                delta += state.detokenizer.flush()  # text held back for an unfinished character
+        state.text += delta
         if params.stop and delta and seq.num_output_tokens >= params.min_tokens:
-            stop_reason_text, stop = check_stop_strings(seq, len(delta))
+            stop_reason_text, stop = check_stop_strings(state, params, len(delta))
             if stop_reason_text is not None:
                 reason, stop_reason = stop_reason_text, stop
         if reason is None:
@@ -243,12 +265,17 @@ class OutputProcessor:
             outputs = [
                 output
                 for seq in request.seqs
-                if (output := _delta(seq, request.holdback, with_logprobs)) is not None
+                if (
+                    output := _delta(seq, self.state(request, seq), request.holdback, with_logprobs)
+                )
+                is not None
             ]
             if not outputs and not request.finished:
                 return None
         else:
-            outputs = [_cumulative(seq, with_logprobs) for seq in request.seqs]
+            outputs = [
+                _cumulative(seq, self.state(request, seq), with_logprobs) for seq in request.seqs
+            ]
         first = request.seqs[0]
         prompt_logprobs = None if first.needs_prompt_logprobs else first.prompt_logprobs
         request.update_counts()
@@ -265,37 +292,40 @@ class OutputProcessor:
         )
 
 
-def _cumulative(seq: Sequence, with_logprobs: bool) -> CompletionOutput:
+def _cumulative(seq: Sequence, state: OutputState, with_logprobs: bool) -> CompletionOutput:
     return CompletionOutput(
         index=seq.index,
-        text=seq.text,
+        text=state.text,
         token_ids=seq.output_token_ids,
-        cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-        logprobs=list(seq.logprobs) if with_logprobs else None,
+        cumulative_logprob=state.cumulative_logprob if with_logprobs else None,
+        logprobs=list(state.logprobs) if with_logprobs else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
 
 
-def _delta(seq: Sequence, holdback: int, with_logprobs: bool) -> CompletionOutput | None:
+def _delta(
+    seq: Sequence, state: OutputState, holdback: int, with_logprobs: bool
+) -> CompletionOutput | None:
     """What of one sequence is new since its last delta (None: nothing). Until it finishes,
     the last `holdback` characters stay back: a stop string may still begin in them."""
-    if seq.finish_sent:
+    if state.finish_sent:
         return None
     finished = seq.finish_reason is not None
     num_output = seq.num_output_tokens
-    text_end = len(seq.text) if finished else max(seq.num_chars_sent, len(seq.text) - holdback)
-    if not finished and num_output == seq.num_tokens_sent and text_end == seq.num_chars_sent:
+    text = state.text
+    text_end = len(text) if finished else max(state.num_chars_sent, len(text) - holdback)
+    if not finished and num_output == state.num_tokens_sent and text_end == state.num_chars_sent:
         return None
-    sent = seq.num_tokens_sent
+    sent = state.num_tokens_sent
     output = CompletionOutput(
         index=seq.index,
-        text=seq.text[seq.num_chars_sent : text_end],
+        text=text[state.num_chars_sent : text_end],
         token_ids=seq.token_ids[seq.num_prompt_tokens + sent :],
-        cumulative_logprob=seq.cumulative_logprob if with_logprobs else None,
-        logprobs=seq.logprobs[sent:] if with_logprobs else None,
+        cumulative_logprob=state.cumulative_logprob if with_logprobs else None,
+        logprobs=state.logprobs[sent:] if with_logprobs else None,
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
-    seq.num_tokens_sent, seq.num_chars_sent, seq.finish_sent = num_output, text_end, finished
+    state.num_tokens_sent, state.num_chars_sent, state.finish_sent = num_output, text_end, finished
     return output

@@ -4,8 +4,9 @@ processor turns them into RequestOutputs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from nanoserve.engine.output_state import OutputState
 from nanoserve.engine.sequence import Sequence
 from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
@@ -27,6 +28,8 @@ class Request:
     # string is cut from the text, so what went out must never be part of one).
     holdback: int = 0
     lora_request: LoRARequest | None = None
+    # The output processor's state of each sequence (by index), made when it first needs it.
+    output_states: list[OutputState] = field(default_factory=list)
 
     @property
     def all_finished(self) -> bool:

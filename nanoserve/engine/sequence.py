@@ -11,7 +11,6 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.outputs import Logprob
 from nanoserve.pooling import PoolingState
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.tokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.Enum):
@@ -39,18 +38,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     generator: torch.Generator | None = None
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     # Prompt logprobs collected so far (position 0 is None, as vLLM); None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""
-    # DELTA outputs: how much of the output already went out
-    num_tokens_sent: int = 0
-    num_chars_sent: int = 0
-    finish_sent: bool = False
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
     lora_id: int = 0  # the LoRA adapter it runs with (its LoRARequest's lora_int_id; 0: none)

@@ -8,24 +8,24 @@ import pytest
 import torch
 
 from nanoserve.engine.output_processor import OutputProcessor, check_stop, check_stop_strings
+from nanoserve.engine.output_state import OutputState
 from nanoserve.engine.request import Request
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.layers.sampler import SamplerOutput
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanoserve.tokenizer import Tokenizer
 
 PROMPT = [5, 9, 14]
 EOS = 2
 
 
-def make_seq(
-    params: SamplingParams, index: int = 0, tokenizer: Tokenizer | None = None
-) -> Sequence:
-    seq = Sequence(index, "r", index, list(PROMPT), len(PROMPT), params, 0, 0)
-    if tokenizer is not None:
-        seq.detokenizer = IncrementalDetokenizer(tokenizer, PROMPT)
-    return seq
+def make_seq(params: SamplingParams, index: int = 0) -> Sequence:
+    return Sequence(index, "r", index, list(PROMPT), len(PROMPT), params, 0, 0)
+
+
+def text_state(text: str) -> OutputState:
+    return OutputState(detokenizer=None, text=text)
 
 
 @pytest.mark.parametrize(
@@ -46,23 +46,23 @@ def test_check_stop(generated, params, expected):
 
 
 def test_check_stop_strings_cuts_the_text_at_the_earliest():
-    seq = make_seq(SamplingParams(stop=["cd", "bc"]))
-    seq.text = "abcde"
-    assert check_stop_strings(seq, 4) == ("stop", "bc") and seq.text == "a"
-    kept = make_seq(SamplingParams(stop=["cd"], include_stop_str_in_output=True))
-    kept.text = "abcde"
-    assert check_stop_strings(kept, 2) == ("stop", "cd") and kept.text == "abcd"
-    late = make_seq(SamplingParams(stop=["bc"]))
-    late.text = "abcde"  # only the last character is new: "bc" was looked for a step before
-    assert check_stop_strings(late, 1) == (None, None) and late.text == "abcde"
-    assert check_stop_strings(make_seq(SamplingParams(stop=["x"])), 1) == (None, None)
+    state = text_state("abcde")
+    assert check_stop_strings(state, SamplingParams(stop=["cd", "bc"]), 4) == ("stop", "bc")
+    assert state.text == "a"
+    kept = text_state("abcde")
+    params = SamplingParams(stop=["cd"], include_stop_str_in_output=True)
+    assert check_stop_strings(kept, params, 2) == ("stop", "cd") and kept.text == "abcd"
+    late = text_state("abcde")  # only the last character is new: "bc" was looked for before
+    assert check_stop_strings(late, SamplingParams(stop=["bc"]), 1) == (None, None)
+    assert late.text == "abcde"
+    assert check_stop_strings(text_state(""), SamplingParams(stop=["x"]), 1) == (None, None)
 
 
 def test_process_reports_what_finished(tiny_llama_dir):
     tokenizer = Tokenizer.from_pretrained(tiny_llama_dir)
     processor = OutputProcessor(tokenizer, {EOS}, max_model_len=64)
     params = SamplingParams(n=2, max_tokens=3, stop_token_ids=[7])
-    seqs = [make_seq(params, index, tokenizer) for index in range(2)]
+    seqs = [make_seq(params, index) for index in range(2)]
     request = Request(
         "r",
         None,
@@ -110,14 +110,13 @@ def test_a_stop_tokens_text_stays_out_unless_asked_for(tiny_llama_dir, stop_by):
             stop_token_ids=[] if stop_by == "eos" else [9],
         )
         seq = make_seq(params, 0)
-        seq.detokenizer = IncrementalDetokenizer(tokenizer, PROMPT, skip_special_tokens=False)
         request = Request("r", None, list(PROMPT), params, [seq], RequestMetrics(0.0))
         for token in (4, 5, stop):
             processor.process(
                 {"r": request}, [seq], SamplerOutput(torch.tensor([token]), None, None, None), []
             )
         assert seq.finish_reason == "stop" and seq.output_token_ids == [4, 5, stop]
-        texts[keep] = seq.text
+        texts[keep] = processor.state(request, seq).text
     stop_text = tokenizer.decode([stop], skip_special_tokens=False)
     assert stop_text and texts[True] == texts[False] + stop_text
     assert texts[False] == tokenizer.decode([4, 5], skip_special_tokens=False)
