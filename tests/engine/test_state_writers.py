@@ -1,0 +1,207 @@
+"""Each piece of per-request state has one owner (issue 53): which engine modules may change which
+field of the scheduler's Sequence, the engine's Request and the output processor's OutputState.
+
+Read from the source: an assignment, augmented assignment or `del` on `receiver.field` (or an
+item of it), a mutating call on it (`seq.token_ids.append(...)`), or a call of one of the class's
+own methods (`request.record_tokens(...)`), where the receiver's name says its class (`seq`,
+`request`, `state`, ...; test_the_receiver_names_hold checks the annotations keep to it). A module
+that starts writing a field not listed for it here fails: give the field an owner instead, or
+widen the list on purpose. A class's writes to `self` are its own business."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+
+from nanoserve.engine.output_state import OutputState
+from nanoserve.engine.request import Request
+from nanoserve.engine.sequence import Sequence
+
+ENGINE = Path(__file__).resolve().parents[2] / "nanoserve" / "engine"
+
+# The names a value of each class goes by in the engine.
+RECEIVERS = {
+    "seq": Sequence,
+    "seqs": Sequence,
+    "shadow": Sequence,  # spec_decode/draft.py's copy of a sequence for the draft model
+    "request": Request,
+    "state": OutputState,
+}
+
+# class -> field (or mutating method) -> the engine modules that may change it from outside.
+ALLOWED_WRITERS: dict[type, dict[str, set[str]]] = {
+    Sequence: {
+        # the scheduler and its block manager: KV blocks, progress, preemption
+        "block_table": {"block_manager.py"},
+        "block_hashes": {"block_manager.py"},
+        "num_hashed_blocks": {"block_manager.py"},
+        "num_cached_tokens": {"block_manager.py"},
+        "host_block_table": {"scheduler.py"},
+        "num_preemptions": {"scheduler.py"},
+        "num_computed_tokens": {
+            "block_manager.py",
+            "scheduler.py",
+            "llm_engine.py",  # a step's tokens are computed once it ran
+            "pooling_step.py",
+            "speculation.py",
+            "spec_decode/draft.py",  # on its shadow copy
+        },
+        "status": {"scheduler.py", "output_processor.py", "llm_engine.py", "pooling_step.py"},
+        "virtual_engine": {"llm_engine.py"},
+        # made once, by whoever builds the request
+        "generator": {"llm_engine.py", "input_processor.py"},
+        "grammar": {"llm_engine.py", "input_processor.py"},
+        "lora_id": {"llm_engine.py", "input_processor.py"},
+        "pooling": {"llm_engine.py", "input_processor.py", "pooling_step.py"},
+        # what a step produced
+        "token_ids": {"output_processor.py", "spec_decode/draft.py"},
+        "finish_reason": {"output_processor.py", "llm_engine.py", "pooling_step.py"},
+        "stop_reason": {"output_processor.py"},
+        "prompt_logprobs": {
+            "llm_engine.py",
+            "input_processor.py",
+            "model_runner.py",
+            "output_processor.py",
+        },
+        # the speculative proposal
+        "spec_token_ids": {"scheduler.py", "spec_decode/ngram.py", "spec_decode/draft.py"},
+        "spec_draft_probs": {"spec_decode/draft.py"},
+        "spec_bitmask": {"spec_decode/draft.py", "spec_decode/grammar.py"},
+        "clear_proposal": {"scheduler.py", "llm_engine.py", "speculation.py"},
+    },
+    Request: {
+        "finished": {"llm_engine.py", "async_engine.py"},
+        "prompt_counted": {"output_processor.py"},
+        "output_states": {"output_processor.py"},
+        "record_scheduled": {"llm_engine.py", "pooling_step.py"},
+        "record_tokens": {"output_processor.py", "llm_engine.py", "pooling_step.py"},
+        "update_counts": {"output_processor.py", "llm_engine.py", "pooling_step.py"},
+    },
+    OutputState: {
+        name: {"output_processor.py"}
+        for name in (
+            "text",
+            "logprobs",
+            "cumulative_logprob",
+            "num_tokens_sent",
+            "num_chars_sent",
+            "finish_sent",
+        )
+    },
+}
+
+MUTATING_CALLS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault"}
+
+
+def writable_names(cls: type) -> set[str]:
+    """Its fields and the methods it defines (properties aside)."""
+    methods = {
+        name
+        for name, member in vars(cls).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    }
+    return {field.name for field in dataclasses.fields(cls)} | methods
+
+
+def receiver_name(node: ast.expr) -> str | None:
+    """`seq` for seq, item.seq and seqs[0]; None for anything else."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def writes(source: str) -> set[tuple[type, str]]:
+    """(class, field or method) for every change the source makes through a named receiver."""
+    changed: list[ast.expr] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            changed.extend(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            changed.append(node.target)
+        elif isinstance(node, ast.Delete):
+            changed.extend(node.targets)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in MUTATING_CALLS:
+                changed.append(node.func.value)
+            else:
+                changed.append(node.func)  # a method of the receiver's own class
+    found = set()
+    while changed:
+        target = changed.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            changed.extend(target.elts)
+            continue
+        if isinstance(target, (ast.Starred, ast.Subscript)):
+            target = target.value
+        if not isinstance(target, ast.Attribute):
+            continue
+        cls = RECEIVERS.get(receiver_name(target.value) or "")
+        if cls is not None and target.attr in writable_names(cls):
+            found.add((cls, target.attr))
+    return found
+
+
+def engine_writes() -> dict[tuple[type, str], set[str]]:
+    found: dict[tuple[type, str], set[str]] = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        for key in writes(path.read_text()):
+            found.setdefault(key, set()).add(path.relative_to(ENGINE).as_posix())
+    return found
+
+
+def test_only_the_owners_write_each_field():
+    unexpected = [
+        f"{cls.__name__}.{name} written by {module}"
+        for (cls, name), modules in sorted(engine_writes().items(), key=str)
+        for module in sorted(modules - ALLOWED_WRITERS[cls].get(name, set()))
+    ]
+    assert unexpected == [], unexpected
+
+
+def test_the_allowlist_names_real_fields():
+    for cls, allowed in ALLOWED_WRITERS.items():
+        assert set(allowed) <= writable_names(cls), cls.__name__
+
+
+def test_the_scan_sees_every_kind_of_write():
+    source = """
+def f(seq, item, request, state, other):
+    seq.block_table = []
+    item.seq.num_computed_tokens += 4
+    seqs[0].token_ids.append(5)
+    del seq.spec_token_ids[2:]
+    state.text, state.num_chars_sent = "a", 1
+    request.record_tokens(0.0)
+    seq.num_tokens  # a read
+    other.status = 1  # not a receiver the test knows
+    request.params.n = 2  # a field of something the request holds, not the request's
+"""
+    assert writes(source) == {
+        (Sequence, "block_table"),
+        (Sequence, "num_computed_tokens"),
+        (Sequence, "token_ids"),
+        (Sequence, "spec_token_ids"),
+        (OutputState, "text"),
+        (OutputState, "num_chars_sent"),
+        (Request, "record_tokens"),
+    }
+
+
+def test_the_receiver_names_hold():
+    """A parameter annotated with one of the classes goes by one of its names, so the scan sees
+    what is written through it."""
+    names = {cls.__name__: {n for n, c in RECEIVERS.items() if c is cls} for cls in ALLOWED_WRITERS}
+    wrong = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and isinstance(node.annotation, ast.Name):
+                expected = names.get(node.annotation.id)
+                if expected is not None and node.arg not in expected:
+                    wrong.append(f"{path.name}: {node.arg}: {node.annotation.id}")
+    assert wrong == [], wrong
