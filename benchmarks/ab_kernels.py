@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch
 
-from nanoserve.cpu_malloc import keep_freed_memory, zeros_on_huge_pages
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.malloc import keep_freed_memory, zeros_on_huge_pages
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = Path(cpu_ops.__file__).parent / "cpu"
+KERNELS = Path(cpu_ops.__file__).parent
 # SmolLM2-135M's attention: 9 query heads, 3 KV heads, head_dim 64; 16-token blocks
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 

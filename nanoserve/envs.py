@@ -6,8 +6,8 @@ variable reads it. No other module of the package touches ``os.environ``
 Caching policy, one for all: nothing here caches. Every accessor reads the environment when it is
 called, and a variable set but empty counts as unset. A decision that must stay fixed for the
 life of a process is kept by the one module that makes it, not here: the kernel choice
-(kernels/choice.py, NANOSERVE_KERNELS), the CPU kernels' instruction-set level (kernels/cpu_ops.py,
-NANOSERVE_CPU_ISA, applied when the library loads) and the allocator settings (cpu_malloc.py).
+(kernels/choice.py, NANOSERVE_KERNELS), the CPU kernels' instruction-set level (kernels/cpu/ops.py,
+NANOSERVE_CPU_ISA, applied when the library loads) and the allocator settings (kernels/cpu/malloc.py).
 
 Writes: nanoserve sets a variable only to hand a setting to a library that reads it when it
 loads (libgomp, Triton), before that library loads, through the ``set_*_default`` helpers at the
@@ -268,7 +268,7 @@ def cxx() -> str | None:
 
 
 def cpu_isa() -> str | None:
-    """NANOSERVE_CPU_ISA, lower-cased; None when unset (kernels/cpu_ops.py checks the name)."""
+    """NANOSERVE_CPU_ISA, lower-cased; None when unset (kernels/cpu/ops.py checks the name)."""
     value = (read("NANOSERVE_CPU_ISA") or "").strip().lower()
     return value or None
 

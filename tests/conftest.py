@@ -179,7 +179,7 @@ def lora_adapters(tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 def _cpu_isas() -> list:
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     levels = cpu_ops.supported_isas()
     return levels or [
@@ -192,7 +192,7 @@ def cpu_isa(request):
     """Each CPU kernel level this machine can run (kernels/cpu/isa.h: portable, avx2, avx512bf16,
     amx; the lower ones run on any machine that has a higher one), lowest first: every CPU
     kernel in this process runs at it during the test."""
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     previous = cpu_ops.set_isa(request.param)
     yield request.param

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from nanoserve.cpu_malloc import HUGE_PAGE, zeros_on_huge_pages
+from nanoserve.kernels.cpu.malloc import HUGE_PAGE, zeros_on_huge_pages
 
 
 def _vm_flags(address: int) -> list[str]:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from nanoserve.cpu_threads import _cgroup_quota, available_cpus, threads_per_rank
+from nanoserve.kernels.cpu.threads import _cgroup_quota, available_cpus, threads_per_rank
 
 
 def _write(path, text):

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from nanoserve.cpu_malloc import keep_freed_memory, zeros_on_huge_pages
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.malloc import keep_freed_memory, zeros_on_huge_pages
 from nanoserve.kernels.kv_dtype import KV_CACHE_DTYPES, to_cache
 
 HEADS, KV_HEADS, DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30

@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from nanoserve import LLM
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
     from nanoserve.models.gguf.importer import ensure_default_model
 
     model = args.model or str(ensure_default_model())

@@ -33,7 +33,7 @@ RUN="$OUT/run.txt"
 {
   echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
   echo "# torch $($PY -c 'import torch; print(torch.__version__)'), nanoserve $(git rev-parse --short HEAD)"
-  echo "# $($PY -c 'from nanoserve.kernels import cpu_ops; print(cpu_ops.describe_isa())' 2>/dev/null)"
+  echo "# $($PY -c 'from nanoserve.kernels.cpu import ops as cpu_ops; print(cpu_ops.describe_isa())' 2>/dev/null)"
 } > "$RUN"
 offline() {  # model label
   $PY -m nanoserve.bench.throughput --model "$1" --num-prompts 64 --input-len 128 --output-len 128 \

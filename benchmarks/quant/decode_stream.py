@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from nanoserve.cpu_malloc import keep_freed_memory
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.malloc import keep_freed_memory
 from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight, pack_for_cpu, quant_gemm
 
 SHAPES = {

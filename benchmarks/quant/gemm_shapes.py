@@ -10,7 +10,7 @@ fp8_e4m3: FP8 weights (kernels/cpu/gemm_fp8.cpp). `--shapes 1b`: a Llama-3.2-1B 
 (its weights don't stay in cache, as a larger model's don't).
 
 Best of five timings of repeated calls each; the CPU memory settings the engine uses
-(nanoserve/cpu_malloc.py) are applied, so the output buffers are not fresh pages every call.
+(nanoserve/kernels/cpu/malloc.py) are applied, so the output buffers are not fresh pages every call.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from nanoserve.cpu_malloc import keep_freed_memory
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.malloc import keep_freed_memory
 from nanoserve.kernels.quant import (
     FP8,
     GGUF_QTYPES,

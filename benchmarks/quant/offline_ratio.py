@@ -37,7 +37,7 @@ def main() -> None:
     kv_dtypes = args.kv_cache_dtypes.split(",")
 
     from nanoserve import LLM, SamplingParams
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
     from nanoserve.models.gguf.importer import ensure_default_gguf, ensure_default_model
 
     paths = {

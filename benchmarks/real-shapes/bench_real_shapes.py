@@ -60,7 +60,7 @@ def gemv_read_gbs(gib: float = 2.0, rounds: int = 3) -> float:
     the BF16 decodes did on a Zen 3 VM."""
     import torch
 
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     torch.set_num_threads(2)
     n, k = 8192, int(gib * (1 << 30)) // 16 // 8192 // 2
@@ -196,7 +196,7 @@ def main() -> None:
     cpu = subprocess.run(
         "lscpu | sed -n 's/^Model name: *//p'", shell=True, capture_output=True, text=True
     ).stdout.strip()
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     folder = Path(args.out or Path("benchmarks/real-shapes") / cpu_folder(cpu))
     folder.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ RUN="$OUT/run.txt"
   echo "# $(date -u +%FT%TZ) $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB"
   echo "# torch $(.venv/bin/python -c 'import torch; print(torch.__version__)'), nanoserve $(git rev-parse --short HEAD)"
   echo "# cpu flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx2|fma|avx512f|avx512_bf16|avx512_vnni|amx_bf16|amx_tile)$' | tr '\n' ' ')"
-  echo "# $(.venv/bin/python -c 'from nanoserve.kernels import cpu_ops; print(cpu_ops.describe_isa())' 2>/dev/null)"
+  echo "# $(.venv/bin/python -c 'from nanoserve.kernels.cpu import ops as cpu_ops; print(cpu_ops.describe_isa())' 2>/dev/null)"
 } > "$RUN"
 for part in $PARTS; do
   case $part in

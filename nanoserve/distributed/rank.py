@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
-from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import set_parallel_state
+from nanoserve.kernels.cpu.threads import threads_per_rank
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import logging
 import torch
 import torch.distributed as dist
 
-from nanoserve.cpu_malloc import zeros_on_huge_pages
 from nanoserve.distributed import get_pp_rank
 from nanoserve.distributed.pipeline import real_layers
 from nanoserve.engine.gpu_memory import kv_cache_budget
 from nanoserve.engine.kv_swap import KVSwapper
+from nanoserve.kernels.cpu.malloc import zeros_on_huge_pages
 from nanoserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)

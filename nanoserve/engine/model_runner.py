@@ -14,8 +14,6 @@ import torch.distributed as dist
 
 from nanoserve import kernels
 from nanoserve.config import EngineConfig
-from nanoserve.cpu_malloc import keep_freed_memory, release_free_memory
-from nanoserve.cpu_threads import threads_per_rank
 from nanoserve.distributed import get_pp_world_size, get_rank, get_world_size
 from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
@@ -42,7 +40,9 @@ from nanoserve.engine.scheduler import ScheduledSequence
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.engine.swap import SwapPlan
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.malloc import keep_freed_memory, release_free_memory
+from nanoserve.kernels.cpu.threads import threads_per_rank
 from nanoserve.kernels.kv_dtype import cache_dtype
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.cpu_prepack import prepack_gemm_weights, prepack_linear_weights

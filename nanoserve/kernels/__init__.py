@@ -1,5 +1,5 @@
 """Kernel dispatch, in one place: CUDA tensors run the Triton kernels, CPU tensors our C++
-kernels (kernels/cpu/, through cpu_ops.py) where they take the call and the torch references
+kernels (kernels/cpu/, through kernels/cpu/ops.py) where they take the call and the torch references
 otherwise. Layers and models never ask which device they are on: they call the ops here (and the
 linear layers' GEMM in kernels/gemm.py). ``NANOSERVE_KERNELS=triton`` forces Triton (with
 ``TRITON_INTERPRET=1`` on a CPU);
@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.attention import paged_attention_reference, paged_attention_triton
 from nanoserve.kernels.choice import kernel_choice, reset_kernel_choice
-from nanoserve.kernels.cpu_attention import PrefillSpan, paged_attention_cpu
+from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.cpu.attention import PrefillSpan, paged_attention_cpu
 from nanoserve.kernels.gemm import RowTiling, unquantized_gemm
 from nanoserve.kernels.kv_cache import store_kvcache_reference, store_kvcache_triton
 from nanoserve.kernels.rmsnorm import (
@@ -130,7 +130,7 @@ def paged_attention_step(
     prompt row are padding (CPU: see AttentionMetadata.prefill_row_tile) and come back zero.
     ``prefill_spans()``: the prompt rows as host-side spans, asked for on a CPU only (where
     reading the lengths back costs no sync). On a CPU: the C++ kernels, whose rows' bits do not
-    depend on the batch (cpu_attention.py; torch's SDPA in position-fixed tiles for what they
+    depend on the batch (kernels/cpu/attention.py; torch's SDPA in position-fixed tiles for what they
     don't take, the torch reference for a sliding window, a softcap or sinks)."""
     if use_triton(query):
         return paged_attention_triton(

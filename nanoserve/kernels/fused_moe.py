@@ -36,8 +36,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import cpu_ops, quant, silu_and_mul
+from nanoserve.kernels import quant, silu_and_mul
 from nanoserve.kernels.choice import kernel_choice
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve import envs
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.quant import QuantWeight, quant_gemm
 
 logger = logging.getLogger(__name__)

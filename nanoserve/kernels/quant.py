@@ -588,7 +588,7 @@ def pack_for_cpu(w: QuantWeight) -> None:
     The weight's source, GGUF bytes or components, is then dropped: the packing holds the same
     numbers (unpack_weight reads them back for reference_gemm and dequantize_weight), so the
     weight is held once (a Q4_1 file's bytes beside their packing were 2.2x the file)."""
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     block = GGUF_QTYPES[w.qtype][0] if w.qtype in GGUF_QTYPES else _BLOCK  # FP8, MXFP4: 32
     if w.packed is not None or w.device.type != "cpu" or w.k % block or not cpu_ops.available():
@@ -660,7 +660,7 @@ def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> to
 
         return gguf_gemm(x, w, bias)
     if w.packed is not None:
-        from nanoserve.kernels import cpu_ops
+        from nanoserve.kernels.cpu import ops as cpu_ops
 
         out = cpu_ops.gemm_quant(x, w.packed, w.kernel_format, w.n, w.k, bias)
         if out is not None:
@@ -683,7 +683,7 @@ def quant_gemm_many(
     n = weights[0].n
     if any(w.n != n or w.k != x.shape[1] for w in weights):
         return None
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     parts = [
         (w.kernel_format, w.packed, start, end, bias)

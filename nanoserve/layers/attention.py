@@ -14,7 +14,7 @@ from nanoserve.kernels import (
     rotary_and_store_kvcache,
     store_kvcache,
 )
-from nanoserve.kernels.cpu_attention import PrefillSpan, prefill_spans
+from nanoserve.kernels.cpu.attention import PrefillSpan, prefill_spans
 
 
 @dataclass(slots=True)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels import quant
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.quant import QuantWeight
 from nanoserve.models.cpu_decode import FusedDecode
 from tests.conftest import write_random_llama

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.choice import reset_kernel_choice
+from nanoserve.kernels.cpu import ops as cpu_ops
 from tests.conftest import write_random_llama
 from tests.engine.test_cpu_decode import generate as generate_fused_or_modules
 from tests.test_cli import run_cli

@@ -207,7 +207,7 @@ def test_prompt_rows_padded_only_without_our_gemm(
     """With our GEMM (kernels/cpu/gemm*.cpp, at every ISA level) prompt rows are not padded; with
     oneDNN's (NANOSERVE_CPU_GEMM=onednn, or weights ours can't take) they are padded to
     PREFILL_ROW_TILE. Either way a cached or chunked prompt gives the cold run's bits."""
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.gemm_available():
         pytest.skip("the CPU kernels don't load here")
@@ -303,7 +303,7 @@ def test_decode_rows_do_not_depend_on_the_batch(smollm2_shaped_dir, prompts, voc
     """With our GEMM every op of a CPU step is row-invariant at every ISA level, decode rows
     included: a prompt answered alone and answered among other requests that come and go gives
     the same tokens and the same logprob bits."""
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.gemm_available():
         pytest.skip(

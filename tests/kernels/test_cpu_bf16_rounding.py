@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or cpu_ops.compiler() is None, reason="an x86-64 C++ compiler"

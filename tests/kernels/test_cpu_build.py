@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 
 def test_the_kernels_load_where_a_compiler_is():

@@ -10,7 +10,7 @@ sits, whatever rows share its call and however many threads run it."""
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.gemm_available(), reason="the CPU kernels don't load here (no compiler)"

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(
     cpu_ops.library() is None, reason="the CPU kernels don't load here (no compiler)"
 )
 
-PRINT_LEVEL = "from nanoserve.kernels import cpu_ops; print(cpu_ops.isa())"
+PRINT_LEVEL = "from nanoserve.kernels.cpu import ops as cpu_ops; print(cpu_ops.isa())"
 
 
 def run_python(code: str, level: str | None) -> subprocess.CompletedProcess:

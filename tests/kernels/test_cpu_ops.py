@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/cpu/ops.cpp through kernels/cpu_ops.py) against their torch
+"""The C++ CPU kernels (kernels/cpu/ops.cpp through kernels/cpu/ops.py) against their torch
 references, and the bit-for-bit invariances the CPU path promises: a query row's attention
 output does not depend on how its prompt was split, nor on what else is in the batch.
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_attention, cpu_ops, greedy_argmax, silu_and_mul_reference
+from nanoserve.kernels import greedy_argmax, silu_and_mul_reference
 from nanoserve.kernels.attention import paged_attention_reference
+from nanoserve.kernels.cpu import attention as cpu_attention
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.rmsnorm import fused_add_rms_norm_reference, rms_norm_reference
 from tests.kernels.utils import make_paged_batch, naive_paged_attention
 

@@ -8,7 +8,8 @@ same whatever rows share its call, and every level the same bits as the others."
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels import quant
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.available(), reason="the CPU kernels don't load here (no compiler)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.fused_moe import (
     fused_experts_grouped,
     fused_experts_reference,

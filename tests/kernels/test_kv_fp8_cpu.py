@@ -9,14 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.kernels import (
-    apply_rotary_reference,
-    build_cos_sin_cache,
-    cpu_attention,
-    cpu_ops,
-    store_kvcache,
-)
+from nanoserve.kernels import apply_rotary_reference, build_cos_sin_cache, store_kvcache
 from nanoserve.kernels.attention import paged_attention_reference
+from nanoserve.kernels.cpu import attention as cpu_attention
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.kv_cache import store_kvcache_reference
 from nanoserve.kernels.kv_dtype import FP8_CODES, FP8_MAX, cache_dtype, to_cache
 from tests.kernels.test_cpu_ops import REFERENCE_TOL, close, head_major, paged_batch

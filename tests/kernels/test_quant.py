@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels import quant
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.quant import GGUF_QTYPES, QuantWeight
 
 QTYPES = list(GGUF_QTYPES)

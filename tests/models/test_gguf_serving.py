@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops, quant
+from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf.model import (
     check_gguf_file,

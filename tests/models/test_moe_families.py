@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.models.config import ModelConfig
 from tests.engine.hf_oracle import hf_greedy
 from tests.engine.test_engine_tiny import random_prompts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.kernels import cpu_ops
+from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.gemm import unquantized_gemm
 from nanoserve.layers.linear import LinearBase
 from tests.conftest import write_random_llama

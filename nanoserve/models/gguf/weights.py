@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanoserve.cpu_malloc import release_free_memory
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
+from nanoserve.kernels.cpu.malloc import release_free_memory
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.fused_moe import FusedMoE

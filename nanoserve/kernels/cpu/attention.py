@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanoserve.kernels import cpu_ops
 from nanoserve.kernels.attention import paged_attention_reference
+from nanoserve.kernels.cpu import ops as cpu_ops
 
 QUERY_TILE = 32
 MAX_QUERY_ROWS = 160

@@ -27,7 +27,7 @@ from nanoserve.kernels.kv_dtype import FP8_CODES
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).with_name("cpu") / name
+    Path(__file__).parent / name
     for name in (
         "ops.cpp",
         "gemm.cpp",
@@ -41,9 +41,7 @@ _SOURCES = [
     )
 ]
 # In the build's cache key with the sources.
-_HEADERS = [
-    Path(__file__).with_name("cpu") / name for name in ("simd.h", "isa.h", "bf16.h", "fp8.h")
-]
+_HEADERS = [Path(__file__).parent / name for name in ("simd.h", "isa.h", "bf16.h", "fp8.h")]
 # -ffp-contract=off: no fused multiply-adds the torch references don't do (explicit FMAs in the
 # AVX-512 paths are unaffected).
 _FLAGS = [
@@ -450,7 +448,7 @@ def paged_attention(
     head-major underneath ([blocks, kv_heads, block_size, dim] contiguous, seen as
     [blocks, block_size, kv_heads, dim]). None when this layout or dtype isn't supported.
     Prompt rows go through it too in tests; the engine sends it decode rows only (see
-    cpu_attention.py for why)."""
+    kernels/cpu/attention.py for why)."""
     code = _dtype_code(query)
     kv_format = _kv_format(code, query, key_cache, value_cache)
     if kv_format is None or query.stride(2) != 1:
