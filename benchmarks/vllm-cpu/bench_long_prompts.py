@@ -3,8 +3,8 @@ output tokens each) through LLM.generate, `--repeats` times with fresh prompts (
 hits), after a warm-up; prints prompt tokens/s and the CPU kernels in use. To compare two commits,
 run it at each (the CPU kernels are built per source, so both builds stay cached) on an idle machine:
 
-    .venv/bin/python scripts/bench_long_prompts.py            # default model, 8 x 1900
-    .venv/bin/python scripts/bench_long_prompts.py --num-prompts 16 --input-len 1900 --model DIR
+    .venv/bin/python benchmarks/vllm-cpu/bench_long_prompts.py            # default model, 8 x 1900
+    .venv/bin/python benchmarks/vllm-cpu/bench_long_prompts.py --num-prompts 16 --input-len 1900 --model DIR
 """
 
 from __future__ import annotations
