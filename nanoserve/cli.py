@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if config.node_rank > 0:
         # Another host of a multi-node tensor-parallel group: ranks only, no HTTP server.
-        from nanoserve.engine.llm_engine import resolve_model_dir
+        from nanoserve.engine.startup import resolve_model_dir
         from nanoserve.engine.worker import run_node
 
         return run_node(config, str(resolve_model_dir(config.model)))

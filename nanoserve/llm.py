@@ -56,7 +56,7 @@ class LLM:
 
     def __del__(self) -> None:
         engine = getattr(self, "llm_engine", None)
-        if engine is not None and engine.workers is not None:
+        if engine is not None and engine.ranks.workers is not None:
             engine.shutdown()
 
     def get_tokenizer(self):

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
-    from nanoserve.engine.llm_engine import resolve_model_dir
+    from nanoserve.engine.startup import resolve_model_dir
     from nanoserve.models.config import ModelConfig
 
     args.model = str(resolve_model_dir(args.model))

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from nanoserve import LLM, SamplingParams, StructuredOutputsParams
-    from nanoserve.engine.llm_engine import resolve_model_dir
+    from nanoserve.engine.startup import resolve_model_dir
     from nanoserve.models.config import ModelConfig
 
     args.model = str(resolve_model_dir(args.model))

@@ -245,7 +245,7 @@ class AsyncLLMEngine:
             stream.fail(EngineDeadError("the server is shutting down"))
         self.streams.clear()
         self._step_thread.shutdown(wait=True)
-        gc.unfreeze()  # the engine's objects back under the collector (llm_engine.freeze_startup_heap)
+        gc.unfreeze()  # the engine's objects back under the collector (startup.freeze_startup_heap)
 
     async def add_request(
         self,

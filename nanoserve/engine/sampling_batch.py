@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.structured_output import GrammarCompiles
 from nanoserve.layers.sampler import SamplingBatch
 
 
@@ -127,3 +129,32 @@ def build_sampling_batch(
         all_greedy=all_greedy,
         max_logprobs=max_logprobs,
     )
+
+
+class SamplingBatches:
+    """The engine's sampler batches, with its defaults: for any rows (one per sequence given),
+    or for a step's sampling rows with the bitmask of its constrained ones."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        generator: torch.Generator,
+        grammars: GrammarCompiles,
+    ) -> None:
+        self.device, self.vocab_size, self.eos_token_ids = device, vocab_size, eos_token_ids
+        self.generator, self.grammars = generator, grammars
+
+    def rows(self, seqs: list[Sequence]) -> SamplingBatch | None:
+        return build_sampling_batch(
+            seqs, self.device, self.vocab_size, self.eos_token_ids, self.generator
+        )
+
+    def step(self, model_input: ModelInput) -> SamplingBatch | None:
+        """The constrained rows' matchers only advance when this step's tokens are appended,
+        so the batch may be built at launch (pipeline parallelism)."""
+        sampling = self.rows(model_input.sampling_seqs)
+        if sampling is not None and self.grammars.manager is not None:
+            self.grammars.manager.constrain(sampling, model_input.sampling_seqs, self.device)
+        return sampling

@@ -15,7 +15,7 @@ import logging
 import time
 
 from nanoserve import envs
-from nanoserve.engine.llm_engine import EngineStats
+from nanoserve.engine.stats import EngineStats
 
 logger = logging.getLogger("nanoserve.stats")
 

@@ -16,12 +16,12 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from nanoserve.errors import InvalidRequestError
-from nanoserve.sampling_params import StructuredOutputsParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -239,3 +239,42 @@ class StructuredOutputManager:
         if device.type == "cpu":
             return bitmask, row_ids
         return bitmask.to(device, non_blocking=True), row_ids.to(device, non_blocking=True)
+
+
+class GrammarCompiles:
+    """The engine's structured outputs: the manager (made on the first constrained request, on
+    whichever thread asks) and the compiles that requests already added still wait for."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.manager: StructuredOutputManager | None = None
+        self.pending: dict[str, Future] = {}  # request id → its grammar
+        self._lock = threading.Lock()
+
+    def prepare(self, params: SamplingParams) -> Future | None:
+        """Start compiling a constrained request's grammar (or find it in the cache); None for
+        a free request. The future raises InvalidRequestError for a bad schema, regex or
+        grammar. Callable from any thread."""
+        if params.structured_outputs is None:
+            return None
+        with self._lock:
+            if self.manager is None:
+                self.manager = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+        return self.manager.compile(params.structured_outputs)
+
+    def take_failed(self) -> tuple[list[str], BaseException | None]:
+        """Forget the compiles that ended; the requests whose compile failed, and an error."""
+        done = [rid for rid, future in self.pending.items() if future.done()]
+        failed = [rid for rid in done if self.pending[rid].exception() is not None]
+        errors = [self.pending.pop(rid).exception() for rid in done]
+        return failed, next((e for e in errors if e is not None), None)
+
+    def wait_for_one(self, timeout: float) -> None:
+        """Only grammars to wait for: block until one compiles (not a busy loop)."""
+        wait(list(self.pending.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from nanoserve.engine.llm_engine import EngineStats
+from nanoserve.engine.stats import EngineStats, LoRAStats
 
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
 
@@ -46,17 +46,18 @@ class EngineStatsCollector:
         if stats.spec_decoding is not None:
             yield from self._spec_decode_counters(stats.spec_decoding)
         if stats.lora is not None:
-            yield self._lora_info(*stats.lora)
+            yield self._lora_info(stats.lora)
 
     @staticmethod
-    def _lora_info(max_lora: int, waiting: list[str], running: list[str]) -> Metric:
+    def _lora_info(lora: LoRAStats) -> Metric:
         """vLLM's LoRA gauge: the adapters in use as labels, the time of the snapshot as value."""
         family = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        family.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], time.time())
+        labels = [str(lora.max_loras), ",".join(lora.waiting), ",".join(lora.running)]
+        family.add_metric(labels, time.time())
         return family
 
     def _spec_decode_counters(self, spec) -> Iterator[Metric]:

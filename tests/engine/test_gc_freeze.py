@@ -1,4 +1,4 @@
-"""The engine's start-up heap is frozen out of the cyclic collector's walks (llm_engine.
+"""The engine's start-up heap is frozen out of the cyclic collector's walks (startup.
 freeze_startup_heap) and handed back on shutdown, so that a dropped engine, in reference cycles
 as it is, is still freed by a collection."""
 

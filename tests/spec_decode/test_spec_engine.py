@@ -224,11 +224,9 @@ def test_draft_model_greedy_equals_plain_decoding(tiny_llama_dir, other_llama_di
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
     else:
         assert stats.num_accepted_tokens < stats.num_draft_tokens
-    assert not spec.llm_engine.proposer.shadows  # every finished sequence's draft blocks freed
-    assert (
-        spec.llm_engine.proposer.blocks.num_free_blocks
-        == spec.llm_engine.proposer.blocks.num_blocks
-    )
+    proposer = spec.llm_engine.speculation.proposer
+    assert not proposer.shadows  # every finished sequence's draft blocks freed
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
 def test_draft_model_sampling_is_seeded_and_bounded(tiny_llama_dir, other_llama_dir):

@@ -1,0 +1,283 @@
+"""Everything add_request does before a request reaches a scheduler (vLLM v1's input
+processor): the checks that depend on the engine, with vLLM's messages; tokenizing; and the
+request with its sequences, each with its detokenizer, seeded generator and grammar matcher."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import time
+
+import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.request import Request, stop_string_holdback
+from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.startup import ModelFiles
+from nanoserve.engine.structured_output import SequenceGrammar
+from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
+from nanoserve.lora.request import LoRARequest
+from nanoserve.outputs import RequestMetrics, RequestOutputKind
+from nanoserve.pooling import PoolingState
+from nanoserve.pooling_params import PoolingParams
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.tokenizer import IncrementalDetokenizer
+
+
+class InputProcessor:
+    def __init__(
+        self, config: EngineConfig, model: ModelFiles, max_model_len: int, device: torch.device
+    ) -> None:
+        self.config, self.model_config = config, model.model_config
+        self.tokenizer, self.pooler = model.tokenizer, model.pooler
+        self.max_model_len = max_model_len
+        self.device = device  # where seeded requests' generators live
+        self.max_prompt_chars = self._max_prompt_chars()
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    def check_request(
+        self,
+        params: SamplingParams | PoolingParams,
+        priority: int,
+        lora_request: LoRARequest | None,
+    ) -> None:
+        """What any request must satisfy before its prompt is read."""
+        if priority != 0 and self.config.scheduling_policy != "priority":  # vLLM's message
+            raise InvalidRequestError(
+                f"Got priority {priority} but Priority scheduling is not enabled."
+            )
+        if lora_request is not None and (
+            isinstance(params, PoolingParams) or self.pooler is not None
+        ):
+            raise InvalidRequestError(
+                "LoRA adapters are served for generating models only, not --runner pooling"
+            )
+
+    def generation_inputs(
+        self, prompt: PromptType, sampling_params: SamplingParams
+    ) -> tuple[str | None, list[int], SamplingParams]:
+        """A generating request's prompt text, token ids and checked params."""
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt_tokens(token_ids)
+        params = self._check_params(sampling_params, self.model_config.vocab_size)
+        self._check_lengths(len(token_ids), params)
+        return prompt_text, token_ids, params
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: float | None,
+        output_kind: RequestOutputKind,
+        lora_request: LoRARequest | None,
+        grammar: concurrent.futures.Future | None,
+    ) -> Request:
+        """The request with its n sequences, from what generation_inputs returned."""
+        seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
+        for seq in seqs:
+            seq.lora_id = lora_request.lora_int_id if lora_request is not None else 0
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.time()
+        )
+        return Request(
+            request_id,
+            prompt_text,
+            list(token_ids),
+            params,
+            seqs,
+            metrics,
+            output_kind=output_kind,
+            holdback=stop_string_holdback(params),
+            lora_request=lora_request,
+        )
+
+    def pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+    ) -> Request:
+        """An embedding request: its prompt is run once and pooled (one sequence)."""
+        if self.pooler is None:
+            raise InvalidRequestError(
+                "This model generates text; it does not embed (start a pooling model, "
+                "--runner pooling, to embed)."
+            )
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(
+                "This model is served as a pooling model (--runner pooling): it embeds, "
+                "it does not generate text."
+            )
+        try:
+            self.pooler.check_dimensions(params.dimensions, self.model_config.hidden_size)
+        except ValueError as error:
+            raise InvalidRequestError(str(error), "dimensions") from None
+        prompt_text, token_ids = self._tokenize(prompt)
+        self._check_prompt_tokens(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {len(token_ids)} tokens in the input for embedding generation. Please "
+                "reduce the length of the input.",
+                "input_tokens",
+            )
+        placeholder = SamplingParams(max_tokens=1)  # what the scheduler and outputs read
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            0,
+            list(token_ids),
+            len(token_ids),
+            placeholder,
+            priority,
+            next(self._arrivals),
+        )
+        seq.pooling = PoolingState(self.pooler, params)
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.time()
+        )
+        return Request(request_id, prompt_text, list(token_ids), placeholder, [seq], metrics)
+
+    def _check_prompt_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise InvalidRequestError("prompt token ids must be integers", "prompt")
+        vocab = self.model_config.vocab_size
+        for bad in (min(token_ids), max(token_ids)):  # vLLM's message
+            if not 0 <= bad < vocab:
+                raise InvalidRequestError(f"Token id {bad} is out of vocabulary", "prompt")
+
+    def _check_params(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """Bounds that depend on the engine (SamplingParams checked the rest when it was made),
+        with vLLM's messages. Returns the params with -1 (all) logprobs resolved to the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        params._validate()  # fields may have been assigned after construction
+        if params.n > self.config.max_n_sequences:
+            raise InvalidRequestError(
+                f"n must be <= {self.config.max_n_sequences} (max_n_sequences), got {params.n}", "n"
+            )
+        max_logprobs = vocab if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name, what in (("logprobs", "sample logprobs"), ("prompt_logprobs", "prompt logprobs")):
+            value = getattr(params, name)
+            if value is not None and (vocab if value == -1 else value) > max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {what} of {vocab if value == -1 else value}, which is greater than "
+                    f"max allowed: {max_logprobs}",
+                    name,
+                )
+        for name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+        ):
+            invalid = [t for t in token_ids if not 0 <= t < vocab]
+            if invalid:
+                raise InvalidRequestError(
+                    f"token_id(s) {invalid} in {name} contain out-of-vocab token ids. "
+                    f"Vocabulary size: {vocab}",
+                    name,
+                )
+        if params.logprobs == -1 or params.prompt_logprobs == -1:
+            params = params.clone()
+            params.logprobs = vocab if params.logprobs == -1 else params.logprobs
+            params.prompt_logprobs = (
+                vocab if params.prompt_logprobs == -1 else params.prompt_logprobs
+            )
+        return params
+
+    def _check_lengths(self, num_prompt: int, params: SamplingParams) -> None:
+        """The prompt and what it may generate fit in the context (vLLM's messages)."""
+        max_len = self.max_model_len
+        if num_prompt >= max_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_len} tokens. However, your request "
+                f"has {num_prompt} input tokens. Please reduce the length of the input messages.",
+                "input_tokens",
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise InvalidRequestError(  # vLLM blames the input too
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{max_len} tokens and your request has {num_prompt} input tokens "
+                f"({params.max_tokens} > {max_len} - {num_prompt}).",
+                "input_tokens",
+            )
+        if params.max_tokens is None and params.min_tokens > max_len - num_prompt:
+            raise InvalidRequestError(
+                f"min_tokens must be <= {max_len - num_prompt} (the context left after "
+                f"{num_prompt} prompt tokens), got {params.min_tokens}"
+            )
+
+    def _make_sequences(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        grammar: concurrent.futures.Future | None,
+    ) -> list[Sequence]:
+        """The request's n sequences, each with its detokenizer, seeded generator and grammar
+        matcher; the first scores the prompt when prompt logprobs are asked for."""
+        arrival = next(self._arrivals)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(
+                next(self._seq_ids),
+                request_id,
+                index,
+                list(token_ids),
+                len(token_ids),
+                params,
+                priority,
+                arrival,
+            )
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, params.skip_special_tokens
+            )
+            if grammar is not None:  # one matcher per sequence, one compiled grammar per request
+                seq.grammar = SequenceGrammar(grammar)
+            seqs.append(seq)
+        if (
+            params.prompt_logprobs is not None
+        ):  # once per request: the first sequence scores the prompt
+            seqs[0].prompt_logprobs = [None]
+        return seqs
+
+    def check_prompt_text(self, text: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {len(text)} characters of input, more than any {self.max_model_len} "
+                f"tokens can hold. Please reduce the length of the input messages.",
+                "input_tokens",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        self.check_prompt_text(text)
+        return self.tokenizer.encode(text)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        prompt = parse_prompt(prompt)
+        if isinstance(prompt, TextPrompt):
+            return prompt.prompt, self.encode(prompt.prompt)
+        return prompt.prompt, prompt.prompt_token_ids
+
+    def _max_prompt_chars(self) -> int:
+        """No text longer than this fits in the context: each token covers at most as many
+        characters as the longest vocabulary entry. Checked before tokenizing, which is slow."""
+        backend = self.tokenizer.backend
+        longest = max(
+            (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
+        )
+        return self.max_model_len * max(longest, 1)
