@@ -1,6 +1,6 @@
 """Everything add_request does before a request reaches a scheduler (vLLM v1's input
 processor): the checks that depend on the engine, with vLLM's messages; tokenizing; and the
-request with its sequences, each with its detokenizer, seeded generator and grammar matcher."""
+request with its sequences, each with its seeded generator and grammar matcher."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.pooling import PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.tokenizer import IncrementalDetokenizer
 
 
 class InputProcessor:
@@ -225,7 +224,7 @@ class InputProcessor:
         priority: int,
         grammar: concurrent.futures.Future | None,
     ) -> list[Sequence]:
-        """The request's n sequences, each with its detokenizer, seeded generator and grammar
+        """The request's n sequences, each with its seeded generator and grammar
         matcher; the first scores the prompt when prompt logprobs are asked for."""
         arrival = next(self._arrivals)
         seqs = []
@@ -242,9 +241,6 @@ class InputProcessor:
             )
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + index)
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, params.skip_special_tokens
-            )
             if grammar is not None:  # one matcher per sequence, one compiled grammar per request
                 seq.grammar = SequenceGrammar(grammar)
             seqs.append(seq)

@@ -362,7 +362,7 @@ def test_fused_decode_step_with_adapters_gives_the_modules_bits(
     """Decode steps with LoRA rows (two adapters and the base model mixed) run in the fused CPU
     decode step (kernels/cpu/decode_layers.cpp adds each layer's delta as LoRALinear.add_to
     does): the same tokens and logprobs, bit for bit, as the modules' path, at every level."""
-    from nanoserve.kernels import cpu_ops
+    from nanoserve.kernels.cpu import ops as cpu_ops
 
     if not cpu_ops.gemm_available():
         pytest.skip("the fused decode path needs the CPU kernels")
