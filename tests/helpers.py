@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+def random_prompts(
+    count: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 60
+) -> list[list[int]]:
+    """`count` prompts of random token ids (never the 0-2 special ids), the same for a seed."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+        for _ in range(count)
+    ]
 
 
 def wait_until(condition: Callable[[], T], what: str = "the condition", timeout: float = 60.0) -> T:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.engine.test_engine_tiny import random_prompts
 from tests.gguf_models import write_quantized_gguf
+from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

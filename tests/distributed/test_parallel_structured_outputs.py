@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from nanoserve import LLM, SamplingParams, StructuredOutputsParams
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 REGEX = r"[a-z]{2,8}( [a-z]{2,8}){2,5}\."
 

@@ -13,7 +13,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.distributed.pipeline import layer_partition
 from tests.conftest import write_random_llama
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, seed=7, logprobs=2, max_tokens=6, ignore_eos=True)

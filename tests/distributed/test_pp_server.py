@@ -8,7 +8,7 @@ from tests.distributed.test_tp_server import (
     kill_workers_during_a_stream,
     offline_texts,
 )
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 
 def test_pp2_server_matches_pp1_then_a_killed_stage_fails_it(tiny_llama_dir):

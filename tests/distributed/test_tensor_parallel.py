@@ -14,7 +14,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.layers.linear import divide, qkv_heads_per_rank
 from tests.conftest import write_random_llama
 from tests.distributed.ports import rendezvous_port
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

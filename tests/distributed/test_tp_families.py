@@ -8,7 +8,7 @@ import pytest
 
 from tests.distributed.test_tensor_parallel import greedy_ids
 from tests.engine.hf_oracle import hf_greedy
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 from tests.models.family_checkpoints import WINDOW, write_random_checkpoint
 from tests.models.test_families import load_hf
 

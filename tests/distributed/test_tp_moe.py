@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_tensor_parallel import greedy_ids
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 from tests.models.moe_checkpoints import MOE_FAMILIES, write_moe_checkpoint
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from nanoserve import LLM, SamplingParams
 from tests.distributed.ports import rendezvous_port
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 
 class ServerProcess:

@@ -14,7 +14,7 @@ import torch
 from nanoserve import LLM
 from nanoserve.beam_search import BeamSearchParams
 from tests.engine.hf_oracle import load_hf
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 
 @pytest.fixture(scope="module")

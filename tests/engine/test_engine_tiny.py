@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
 from tests.engine.hf_oracle import hf_greedy, load_hf
+from tests.helpers import random_prompts
 
 NUM_TOKENS = 32
-
-
-def random_prompts(
-    count: int, vocab: int, seed: int, min_len: int = 3, max_len: int = 60
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
-        for _ in range(count)
-    ]
 
 
 @pytest.fixture(scope="module")

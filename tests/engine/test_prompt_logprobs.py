@@ -8,7 +8,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from tests.engine.hf_oracle import load_hf
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 
 def test_prompt_logprobs_survive_chunking_preemption_and_n(tiny_llama_dir):

@@ -10,7 +10,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.sampler import SamplingBatch, apply_top_k_top_p_min_p
 from tests.engine.hf_oracle import load_hf
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.models.config import ModelConfig
 from tests.engine.hf_oracle import hf_greedy
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 from tests.models.family_checkpoints import WINDOW, write_random_checkpoint
 
 NUM_TOKENS = 12

@@ -14,7 +14,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.models.config import ModelConfig
 from tests.engine.hf_oracle import hf_greedy
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 from tests.models.moe_checkpoints import MOE_FAMILIES, NUM_EXPERTS, write_moe_checkpoint
 from tests.models.test_families import load_hf
 

@@ -15,7 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.models.gguf.model import check_quantization
 from nanoserve.models.mxfp4 import dequantize_mxfp4
 from tests.engine.hf_oracle import hf_greedy
-from tests.engine.test_engine_tiny import random_prompts
+from tests.helpers import random_prompts
 from tests.models.moe_checkpoints import write_moe_checkpoint
 from tests.models.test_families import load_hf
 from tests.mxfp4_models import mxfp4_checkpoint

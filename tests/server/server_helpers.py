@@ -4,6 +4,7 @@ a tiny raw-socket HTTP client, and a spy on the real engine's step that can hold
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -88,6 +89,16 @@ class Conn(socket.socket):
     """A client socket that keeps the bytes read past the end of a response."""
 
     _nanoserve_buffer = b""
+
+
+def sse_events(body: bytes) -> list:
+    """A streamed body's events: each data line's JSON, or the final "[DONE]"."""
+    events = []
+    for block in body.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
 
 
 def connect(port: int, timeout: float = 10.0) -> Conn:

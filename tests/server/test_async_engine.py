@@ -30,6 +30,7 @@ from tests.server.server_helpers import (
     http_request,
     letter_bias,
     read_response,
+    sse_events,
 )
 
 
@@ -86,15 +87,6 @@ def build_engine(model_dir, **engine_kwargs) -> LLMEngine:
 
 def post(port, path, body, timeout=60.0):
     return http_request(port, "POST", path, json.dumps(body), timeout=timeout)
-
-
-def sse_events(body: bytes) -> list:
-    events = []
-    for block in body.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def assert_no_step_while_idle(served: Served, spy: StepSpy, round_trips: int = 20) -> None:

@@ -14,8 +14,7 @@ import torch
 
 from tests.engine.hf_oracle import load_hf
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import http_request
-from tests.server.test_async_engine import sse_events
+from tests.server.server_helpers import http_request, sse_events
 
 PROMPT_IDS = [
     17,

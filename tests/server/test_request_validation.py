@@ -12,8 +12,8 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from tests.server.server_helpers import http_request
-from tests.server.test_async_engine import serve, sse_events  # noqa: F401 (serve: fixture)
+from tests.server.server_helpers import http_request, sse_events
+from tests.server.test_async_engine import serve  # noqa: F401 (serve: fixture)
 
 INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1

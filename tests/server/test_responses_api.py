@@ -17,17 +17,8 @@ import pytest
 from nanoserve.server.responses_input import ResponseStore
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
-from tests.server.tool_templates import QWEN_STYLE
+from tests.server.tool_templates import QWEN_STYLE, WEATHER_PARAMETERS
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "name": "get_weather",

@@ -19,17 +19,8 @@ import pytest
 
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
-from tests.server.tool_templates import LLAMA_STYLE, QWEN_STYLE
+from tests.server.tool_templates import LLAMA_STYLE, QWEN_STYLE, WEATHER_PARAMETERS
 
-WEATHER_PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
-        "unit": {"type": "string", "enum": ["c", "f"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "function": {

@@ -9,8 +9,7 @@ import json
 import pytest
 
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import http_request
-from tests.server.test_async_engine import sse_events
+from tests.server.server_helpers import http_request, sse_events
 
 PROMPT = list(range(10, 50))  # 40 tokens: two full 16-token blocks can come from the cache
 

@@ -9,8 +9,7 @@ import json
 import openai
 import pytest
 
-from tests.server.server_helpers import http_request
-from tests.server.test_async_engine import sse_events
+from tests.server.server_helpers import http_request, sse_events
 
 INT64_MAX = 2**63 - 1
 PROMPT_IDS = list(range(20, 32))  # 12 tokens

@@ -11,8 +11,7 @@ import pytest
 
 from nanoserve.server.http.types import HttpRequest, StreamingResponse
 from tests.server.conftest import ServerHandle
-from tests.server.server_helpers import http_request
-from tests.server.test_async_engine import sse_events
+from tests.server.server_helpers import http_request, sse_events
 
 
 @pytest.fixture(scope="module")

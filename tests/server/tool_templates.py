@@ -1,6 +1,16 @@
 """Small chat templates written after the Qwen2.5 / Qwen3 and Llama 3.1 families' real ones: how
 each writes the tool list, an assistant's tool calls and a tool's answer (and Qwen3's
-enable_thinking switch)."""
+enable_thinking switch), and the weather tool's parameters the tool-call tests ask for."""
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 
 QWEN_STYLE = """\
 {%- if tools %}
