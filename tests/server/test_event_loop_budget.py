@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
+from tests.helpers import wait_until
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
 
@@ -73,10 +73,7 @@ def pool_drains(handle: ServerHandle) -> None:
     async def in_flight() -> int:
         return preprocessor.in_flight
 
-    deadline = time.monotonic() + HANG  # a hang bound, not a measure
-    while handle.loop_thread.call(in_flight):
-        assert time.monotonic() < deadline, "a preprocessing job never ended"
-        time.sleep(0.01)
+    wait_until(lambda: not handle.loop_thread.call(in_flight), "preprocessing to end", HANG)
 
 
 @pytest.fixture(scope="module")
