@@ -360,7 +360,7 @@ class LLMEngine:
                 sampling = self.sampling.step(model_input)
             # Verification rows: a sequence's k + 1 rows each processed as its plain decode row.
             spec_rows = [
-                seq for seq in model_input.spec_seqs for _ in range(len(seq.spec_token_ids) + 1)
+                seq for seq in model_input.spec_seqs for _ in range(len(seq.proposal.token_ids) + 1)
             ]
             result = self.runner.sample(
                 logits, sampling, model_input, self.sampling.rows(spec_rows)
@@ -370,7 +370,8 @@ class LLMEngine:
             if seq.is_finished:  # aborted while in flight
                 continue
             self.requests[seq.request_id].record_scheduled(seq, now)
-            if seq.spec_token_ids:  # how many of its tokens count is known once verified (below)
+            # how many of its tokens count is known once verified (below)
+            if seq.proposal.token_ids:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.

@@ -41,7 +41,7 @@ class ModelInput:
     # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
     prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
     prompt_logprob_targets: torch.Tensor | None = None
-    # Speculative decoding: sequences verifying proposed tokens, each with len(spec_token_ids) + 1
+    # Speculative decoding: sequences verifying proposed tokens, each with its proposal's length + 1
     # rows of logits after the sampled rows (and before the prompt-logprob rows), in this order.
     spec_seqs: list[Sequence] = field(default_factory=list)
     # LoRA (--enable-lora), only in a step with a row of some adapter: the adapter id each slot
@@ -51,7 +51,7 @@ class ModelInput:
 
     @property
     def num_spec_rows(self) -> int:
-        return sum(len(seq.spec_token_ids) + 1 for seq in self.spec_seqs)
+        return sum(len(seq.proposal.token_ids) + 1 for seq in self.spec_seqs)
 
 
 HEADER_SIZE = 11  # int64 slots: the command, then its header's fields in order, zero-padded

@@ -218,14 +218,14 @@ class ModelRunner(KVCacheAllocation):
         decodes: list[ScheduledSequence] = []
         specs: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []
-        for (
-            item
-        ) in scheduled:  # a decode computes one generated token; prompt rows never count as one
+        # A decode computes one generated token; prompt rows never count as one.
+        for item in scheduled:
             is_decode = (
                 item.num_new_tokens == 1
                 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
             )
-            (specs if item.seq.spec_token_ids else decodes if is_decode else prompts).append(item)
+            group = specs if item.seq.proposal.token_ids else decodes if is_decode else prompts
+            group.append(item)
         rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
         lora_slots = None
         adapters = {item.seq.lora_id for item in scheduled if item.seq.lora_id}
@@ -470,7 +470,7 @@ class _HostRows:
         then computed exactly as a decode of that token would be (same kernels, same bits)."""
         seq = item.seq
         start = seq.num_computed_tokens
-        tokens = [seq.token_ids[start], *seq.spec_token_ids]
+        tokens = [seq.token_ids[start], *seq.proposal.token_ids]
         assert start == seq.num_tokens - 1 and len(tokens) == item.num_new_tokens
         table = (
             [block + block_offset for block in seq.block_table] if block_offset else seq.block_table

@@ -190,9 +190,11 @@ class Scheduler:
         """A running sequence's tokens this step: what it has not computed, and its proposed
         tokens (speculative decoding) as far as the budget and the free blocks allow: a proposal
         is cut, never the cause of a preemption."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
-        if seq.spec_token_ids:
-            del seq.spec_token_ids[max(0, num_new - 1) :]
+        num_new = min(
+            seq.num_tokens - seq.num_computed_tokens + len(seq.proposal.token_ids), budget
+        )
+        if seq.proposal.token_ids:
+            del seq.proposal.token_ids[max(0, num_new - 1) :]
             if not self.block_manager.can_allocate(seq, num_new):
                 seq.clear_proposal()
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -20,6 +20,20 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False, slots=True)
+class Proposal:
+    """Speculative decoding: the tokens proposed for one sequence's next step, made by one
+    proposer (spec_decode/ngram.py or draft.py) and read by the verification."""
+
+    token_ids: list[int] = field(default_factory=list)
+    # A draft model's distributions for those tokens ([k, V], sampled requests only; None: the
+    # proposal is deterministic, n-gram lookup or a greedy draft).
+    draft_probs: torch.Tensor | None = None
+    # A constrained sequence's verification rows' token bitmasks ([k + 1, words] int32; None:
+    # unconstrained), from its grammar walked along the proposal (spec_decode/grammar.py).
+    bitmask: torch.Tensor | None = None
+
+
 @dataclass(eq=False)
 class Sequence:
     seq_id: int
@@ -45,23 +59,17 @@ class Sequence:
     num_preemptions: int = 0
     virtual_engine: int = 0  # which scheduler holds it (pipeline parallelism; else 0)
     lora_id: int = 0  # the LoRA adapter it runs with (its LoRARequest's lora_int_id; 0: none)
-    # Speculative decoding: the tokens proposed for this step (verified with the last one, then
-    # cleared); empty when the step decodes it as usual.
-    spec_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: what is proposed for this step (verified with the last token, then
+    # cleared); no tokens when the step decodes it as usual.
+    proposal: Proposal = field(default_factory=Proposal)
     # Pooling models: the embedding being pooled from its prompt's hidden states, chunk by chunk.
     pooling: PoolingState | None = None
-    # A draft model's distributions for those tokens ([k, V], sampled requests only; None: the
-    # proposal is deterministic, n-gram lookup or a greedy draft).
-    spec_draft_probs: torch.Tensor | None = None
-    # A constrained sequence's verification rows' token bitmasks ([k + 1, words] int32; None:
-    # unconstrained), from its grammar walked along the proposal (engine/spec_decode/grammar.py).
-    spec_bitmask: torch.Tensor | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 
     def clear_proposal(self) -> None:
         """Speculative decoding: no proposal (before a step proposes, after it verified)."""
-        self.spec_token_ids, self.spec_draft_probs, self.spec_bitmask = [], None, None
+        self.proposal = Proposal()
 
     @property
     def num_tokens(self) -> int:

@@ -112,7 +112,7 @@ def after_verification(
     emitted last is computed now), give back the blocks of rejected ones, and register
     only blocks of kept tokens in the prefix cache."""
     for seq, emitted in zip(seqs, result.spec if result is not None and result.spec else ()):
-        spec_stats.observe(len(seq.spec_token_ids), len(emitted) - 1)
+        spec_stats.observe(len(seq.proposal.token_ids), len(emitted) - 1)
     for seq in seqs:
         if not seq.is_finished:
             seq.num_computed_tokens = seq.num_tokens - 1

@@ -1,5 +1,6 @@
 """Each piece of per-request state has one owner (issue 53): which engine modules may change which
-field of the scheduler's Sequence, the engine's Request and the output processor's OutputState.
+field of the scheduler's Sequence and its speculative Proposal, the engine's Request and the
+output processor's OutputState.
 
 Read from the source: an assignment, augmented assignment or `del` on `receiver.field` (or an
 item of it), a mutating call on it (`seq.token_ids.append(...)`), or a call of one of the class's
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from nanoserve.engine.output_state import OutputState
 from nanoserve.engine.request import Request
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Proposal, Sequence
 
 ENGINE = Path(__file__).resolve().parents[2] / "nanoserve" / "engine"
 
@@ -26,6 +27,7 @@ RECEIVERS = {
     "seq": Sequence,
     "seqs": Sequence,
     "shadow": Sequence,  # spec_decode/draft.py's copy of a sequence for the draft model
+    "proposal": Proposal,
     "request": Request,
     "state": OutputState,
 }
@@ -65,11 +67,12 @@ ALLOWED_WRITERS: dict[type, dict[str, set[str]]] = {
             "model_runner.py",
             "output_processor.py",
         },
-        # the speculative proposal
-        "spec_token_ids": {"scheduler.py", "spec_decode/ngram.py", "spec_decode/draft.py"},
-        "spec_draft_probs": {"spec_decode/draft.py"},
-        "spec_bitmask": {"spec_decode/draft.py", "spec_decode/grammar.py"},
         "clear_proposal": {"scheduler.py", "llm_engine.py", "speculation.py"},
+    },
+    Proposal: {
+        "token_ids": {"scheduler.py", "spec_decode/ngram.py", "spec_decode/draft.py"},
+        "draft_probs": {"spec_decode/draft.py"},
+        "bitmask": {"spec_decode/draft.py", "spec_decode/grammar.py"},
     },
     Request: {
         "finished": {"llm_engine.py", "async_engine.py"},
@@ -175,7 +178,7 @@ def f(seq, item, request, state, other):
     seq.block_table = []
     item.seq.num_computed_tokens += 4
     seqs[0].token_ids.append(5)
-    del seq.spec_token_ids[2:]
+    del seq.proposal.token_ids[2:]
     state.text, state.num_chars_sent = "a", 1
     request.record_tokens(0.0)
     seq.num_tokens  # a read
@@ -186,7 +189,7 @@ def f(seq, item, request, state, other):
         (Sequence, "block_table"),
         (Sequence, "num_computed_tokens"),
         (Sequence, "token_ids"),
-        (Sequence, "spec_token_ids"),
+        (Proposal, "token_ids"),
         (OutputState, "text"),
         (OutputState, "num_chars_sent"),
         (Request, "record_tokens"),

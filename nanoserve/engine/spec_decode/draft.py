@@ -101,8 +101,8 @@ class DraftProposer:
         batch_for: Callable[[list[Sequence]], SamplingBatch],
         vocab_size: int,
     ) -> None:
-        """Set `spec_token_ids` (and `spec_draft_probs` for sampled sequences, `spec_bitmask`
-        for constrained ones) of each sequence, at most `limit` tokens; a sequence whose shadow
+        """Set each sequence's proposal: its token ids, at most `limit` (with draft_probs for
+        sampled sequences, a bitmask for constrained ones); a sequence whose shadow
         doesn't fit the draft's pool proposes nothing this step. A constrained sequence's draft
         picks under its grammar's mask at each position (the matcher walked along the proposal,
         then rolled back), and stops where the grammar completes."""
@@ -117,12 +117,12 @@ class DraftProposer:
                 shadow, todo + limit
             )  # every position this step feeds, reserved now
             active.append((seq, shadow, limit))
-            seq.spec_token_ids, seq.spec_draft_probs = (
+            seq.proposal.token_ids, seq.proposal.draft_probs = (
                 [],
                 ([] if seq.params.temperature != 0 else None),
             )
             if seq.grammar is not None:
-                seq.spec_bitmask = bitmask_rows(limit + 1, vocab_size)
+                seq.proposal.bitmask = bitmask_rows(limit + 1, vocab_size)
         stopped: set[int] = set()  # constrained sequences whose grammar completed
         for step in range(max((limit for _, _, limit in active), default=0)):
             batch = [
@@ -144,7 +144,7 @@ class DraftProposer:
             seqs = [seq for seq, _ in batch]
             for seq in seqs:  # constrained: the grammar's state after `step` proposed tokens
                 if seq.grammar is not None:
-                    seq.grammar.matcher.fill_next_token_bitmask(seq.spec_bitmask, step)
+                    seq.grammar.matcher.fill_next_token_bitmask(seq.proposal.bitmask, step)
             tokens = self._pick(
                 logits[[order[id(shadow)] for _, shadow in batch]].float(),
                 seqs,
@@ -153,24 +153,24 @@ class DraftProposer:
             )
             for (seq, shadow), item, token in zip(batch, scheduled, tokens):
                 shadow.num_computed_tokens += item.num_new_tokens
-                seq.spec_token_ids.append(token)
+                seq.proposal.token_ids.append(token)
                 shadow.token_ids.append(token)
                 if seq.grammar is not None:
                     seq.grammar.matcher.accept_token(token)  # allowed by the mask
                     if seq.grammar.is_terminated:
                         stopped.add(seq.seq_id)
         for seq, _, _ in active:
-            if seq.spec_draft_probs is not None:
-                seq.spec_draft_probs = (
-                    torch.cat(seq.spec_draft_probs) if seq.spec_draft_probs else None
+            if seq.proposal.draft_probs is not None:
+                seq.proposal.draft_probs = (
+                    torch.cat(seq.proposal.draft_probs) if seq.proposal.draft_probs else None
                 )
             if seq.grammar is not None:  # the row after the proposal, then the matcher back
-                count, matcher = len(seq.spec_token_ids), seq.grammar.matcher
+                count, matcher = len(seq.proposal.token_ids), seq.grammar.matcher
                 if not matcher.is_terminated():
-                    matcher.fill_next_token_bitmask(seq.spec_bitmask, count)
+                    matcher.fill_next_token_bitmask(seq.proposal.bitmask, count)
                 if count:
                     matcher.rollback(count)
-                seq.spec_bitmask = seq.spec_bitmask[: count + 1]
+                seq.proposal.bitmask = seq.proposal.bitmask[: count + 1]
 
     @staticmethod
     def _pick(
@@ -183,7 +183,7 @@ class DraftProposer:
             if seq.grammar is not None:
                 apply_token_bitmask(
                     logits,
-                    seq.spec_bitmask[step : step + 1].to(logits.device),
+                    seq.proposal.bitmask[step : step + 1].to(logits.device),
                     torch.tensor([row], device=logits.device),
                 )
         processed = processed_logits(logits, batch)
@@ -193,7 +193,7 @@ class DraftProposer:
             if seq.params.temperature == 0:
                 tokens.append(int(processed[row].argmax()))
                 continue
-            seq.spec_draft_probs.append(probs[row : row + 1])
+            seq.proposal.draft_probs.append(probs[row : row + 1])
             noise = torch.empty_like(probs[row]).exponential_(
                 generator=seq.generator or batch.default_generator
             )

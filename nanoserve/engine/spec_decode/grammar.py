@@ -19,10 +19,10 @@ def bitmask_rows(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def constrain_proposal(seq: Sequence, vocab_size: int) -> None:
-    """Cut `seq.spec_token_ids` where its grammar refuses a token, or after the token that
-    completes it, and set `seq.spec_bitmask` (one row per verification row)."""
+    """Cut `seq.proposal.token_ids` where its grammar refuses a token, or after the token that
+    completes it, and set `seq.proposal.bitmask` (one row per verification row)."""
     matcher = seq.grammar.matcher
-    drafts = seq.spec_token_ids
+    drafts = seq.proposal.token_ids
     masks = bitmask_rows(len(drafts) + 1, vocab_size)
     matcher.fill_next_token_bitmask(masks, 0)
     kept = 0
@@ -35,4 +35,4 @@ def constrain_proposal(seq: Sequence, vocab_size: int) -> None:
     if kept:
         matcher.rollback(kept)
     del drafts[kept:]
-    seq.spec_bitmask = masks[: kept + 1]
+    seq.proposal.bitmask = masks[: kept + 1]

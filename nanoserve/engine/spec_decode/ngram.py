@@ -60,8 +60,8 @@ class NgramProposer:
         """The engine's call, as DraftProposer's: each sequence's proposal (at most its limit),
         cut where a constrained sequence's grammar refuses it (engine/spec_decode/grammar.py)."""
         for seq, limit in wanted:
-            seq.spec_token_ids = self.propose(seq.token_ids, limit)
-            if seq.grammar is not None and seq.spec_token_ids:
+            seq.proposal.token_ids = self.propose(seq.token_ids, limit)
+            if seq.grammar is not None and seq.proposal.token_ids:
                 constrain_proposal(seq, vocab_size)
 
     def drop(self, seq: Sequence) -> None:

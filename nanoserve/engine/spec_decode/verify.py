@@ -33,10 +33,10 @@ def apply_bitmasks(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]
     grammar's per-position bitmask."""
     row = 0
     for seq, count in zip(seqs, counts):
-        if seq.spec_bitmask is not None:
+        if seq.proposal.bitmask is not None:
             apply_token_bitmask(
                 logits,
-                seq.spec_bitmask[:count].to(logits.device),
+                seq.proposal.bitmask[:count].to(logits.device),
                 torch.arange(row, row + count, device=logits.device),
             )
         row += count
@@ -44,17 +44,17 @@ def apply_bitmasks(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]
 
 def _draft_rows(seq: Sequence) -> torch.Tensor | None:
     """A draft model's q rows for the proposals kept by the scheduler (None: deterministic)."""
-    probs = seq.spec_draft_probs
+    probs = seq.proposal.draft_probs
     if probs is None or seq.params.temperature == 0:
         return None
-    return probs[: len(seq.spec_token_ids)].to(torch.float32)
+    return probs[: len(seq.proposal.token_ids)].to(torch.float32)
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> list[Emitted]:
     """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order; `batch`: the sampler's
     batch over the same rows (each sequence once per row), whose processing (layers/sampler.py's
     processed_logits, sampling_probs) the rows get, as a plain decode row would."""
-    counts = [len(seq.spec_token_ids) + 1 for seq in seqs]
+    counts = [len(seq.proposal.token_ids) + 1 for seq in seqs]
     logits = logits.float()
     apply_bitmasks(logits, seqs, counts)
     raw = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
@@ -67,7 +67,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> 
         target = (processed if greedy else probs)[
             row : row + count
         ]  # greedy: only the argmax is read
-        spec = SpecSequence(list(seq.spec_token_ids), greedy, seq.generator)
+        spec = SpecSequence(list(seq.proposal.token_ids), greedy, seq.generator)
         tokens = rejection_sample(target, [spec], _draft_rows(seq), batch.default_generator)[0]
         logprobs: list = [None] * len(tokens)
         if seq.params.logprobs is not None:
