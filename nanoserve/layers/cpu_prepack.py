@@ -17,35 +17,31 @@ from collections import Counter
 
 from torch import nn
 
-from nanoserve.kernels import quant
-from nanoserve.kernels.gemm import gemm_packing, onednn_packing
+from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.fused_moe import FusedMoE
+from nanoserve.layers.linear import LinearBase
 
 
 def prepack_gemm_weights(model: nn.Module) -> tuple[int, int]:
-    """Give every module with a `gemm_weight` slot (the linear layers, the LM head) its packing
-    for kernels/cpu/gemm*.cpp, which then multiplies all of its rows. Returns (packed, slots)
-    over the layers that prompt rows pass through (not the LM head, which sees sampled rows
-    only): those are row-invariant without padding only when every one is packed."""
+    """Give every linear layer and the LM head its packing for our CPU GEMMs (a quantized
+    layer's: kernels/quant.py's own, never the bf16 one), which then multiply all of its rows.
+    Returns (packed, slots) over the layers that prompt rows pass through (not the LM head,
+    which sees sampled rows only): those are row-invariant without padding only when every
+    one is packed."""
     packed = slots = 0
     shared = shared_parameter_ids(model)
     for module in model.modules():
-        if hasattr(module, "prepack_gemm"):  # layers/fused_moe.FusedMoE: every expert's matrices
+        if isinstance(module, FusedMoE):  # every expert's matrices
             slots += 1
             packed += bool(module.prepack_gemm())
             continue
-        if not hasattr(module, "gemm_weight"):
+        if not isinstance(module, (LinearBase, ParallelLMHead)):
             continue
-        quantized = _quant_weights(module)
-        if quantized:  # a GGUF layer: kernels/quant.py's own packing, never the bf16 one
-            for weight in quantized:
-                quant.pack_for_cpu(weight)
-            is_packed = all(weight.packed is not None for weight in quantized)
-        else:
-            module.gemm_weight = gemm_packing(module.weight)
-            is_packed = module.gemm_weight is not None
-            if is_packed and id(module.weight) not in shared:
-                module.weight = nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
-        if not getattr(module, "sees_sampled_rows_only", False):
+        form = module.weight_form
+        is_packed = form.pack_for_cpu_gemm(module.weight)
+        if is_packed and not form.quantized and id(module.weight) not in shared:
+            module.weight = nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
+        if not isinstance(module, ParallelLMHead):
             slots += 1
             packed += is_packed
     return packed, slots
@@ -58,22 +54,11 @@ def shared_parameter_ids(model: nn.Module) -> set[int]:
     return {key for key, count in counts.items() if count > 1}
 
 
-def _quant_weights(module: nn.Module) -> list[quant.QuantWeight]:
-    if getattr(module, "quant_weight", None) is not None:
-        return [module.quant_weight]
-    return list(getattr(module, "quant_parts", None) or [])
-
-
 def prepack_linear_weights(model: nn.Module, batch_size_hint: int = 64) -> int:
-    """Give every module with a `packed_weight` slot that our GEMM does not multiply its oneDNN
+    """Give every dense linear layer and LM head that our GEMM does not multiply its oneDNN
     packing where oneDNN takes it; returns how many were packed."""
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if not hasattr(module, "packed_weight") or weight is None:
-            continue
-        if getattr(module, "gemm_weight", None) is not None or _quant_weights(module):
-            continue  # multiplied by gemm.cpp or kernels/quant.py instead
-        module.packed_weight = onednn_packing(weight, batch_size_hint)
-        count += module.packed_weight is not None
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            count += module.weight_form.pack_for_onednn(module.weight, batch_size_hint)
     return count

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
-from nanoserve.kernels.gemm import unquantized_gemm
-from nanoserve.kernels.quant import QuantWeight, dequantize, quant_gemm
+from nanoserve.kernels.quant import dequantize
+from nanoserve.layers.linear_weight import DenseWeight, LinearWeight
 
 
 class FileRows:
@@ -77,28 +77,19 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for the last token of each sequence; shards gathered to rank 0 for sampling."""
 
-    sees_sampled_rows_only = True  # see layers/cpu_prepack.prepack_gemm_weights
-
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
         super().__init__(vocab_size, hidden_size, dtype)
         if bias:
             raise ValueError("LM head bias is not supported")
-        self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
-        self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing
-        # A GGUF model's head in its quantization blocks (this rank's vocabulary rows; the tied
-        # embedding's, Q8_0 in the default model), multiplied by kernels/quant.py.
-        self.quant_weight: QuantWeight | None = None
-        self.quant_parts: list[QuantWeight] | None = None  # never set: one tensor, one type
+        # How the head's weight is multiplied (layers/linear_weight.py): a GGUF model's head keeps
+        # its quantization blocks (this rank's vocabulary rows; the tied embedding's, Q8_0 in the
+        # default model), one QuantWeight: one tensor, one type.
+        self.weight_form: LinearWeight = DenseWeight()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.quant_weight is not None:
-            logits = quant_gemm(hidden, self.quant_weight, None)
-            if logits.shape[-1] < self.shard_size:  # the last rank's padding rows: zero logits
-                logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
-        else:
-            logits = unquantized_gemm(
-                hidden, self.weight, None, self.gemm_weight, self.packed_weight
-            )
+        logits = self.weight_form.apply(hidden, self.weight, None)
+        if logits.shape[-1] < self.shard_size:  # the last rank's padding rows: zero logits
+            logits = F.pad(logits, (0, self.shard_size - logits.shape[-1]))
         if self.tp_size == 1:
             return logits
         gathered = gather_to_first(logits.contiguous(), dim=-1)

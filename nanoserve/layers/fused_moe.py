@@ -254,6 +254,13 @@ class FusedMoE(nn.Module):
         self.cpu_table = cpu_expert_table(self.w13_weight, self.w2_weight, self.packed)
         return all(p is not None for p in packings)
 
+    def kernel_bytes(self) -> int:
+        """Bytes the experts take beside their (non-meta) parameters: quantized experts' blocks
+        and the bf16 packings of prepack_gemm."""
+        quantized = sum(w.nbytes for weights in self.quant_experts.values() for w in weights)
+        packings = [p for p in self.packed or () if isinstance(p, torch.Tensor)]
+        return quantized + sum(p.numel() * p.element_size() for p in packings)
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
         packed = self.packed or (self.quant_experts.get("w13"), self.quant_experts.get("w2"))

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels.gemm import RowTiling, quantized_gemm, unquantized_gemm
-from nanoserve.kernels.quant import QuantWeight
+from nanoserve.kernels.gemm import RowTiling
+from nanoserve.layers.linear_weight import DenseWeight, LinearWeight
 
 
 def divide(size: int, tp_size: int, what: str) -> int:
@@ -74,18 +74,10 @@ class LinearBase(nn.Module):
             torch.empty(output_size, input_size, dtype=dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        self.packed_weight: torch.Tensor | None = None  # see layers/cpu_prepack.py
-        self.gemm_weight: torch.Tensor | None = None  # kernels/cpu/gemm.cpp's packing; see matmul
-        # A GGUF model's layer (models/gguf/weights.py; a compressed-tensors, GPTQ or AWQ
-        # checkpoint's too, models/quant_staging.py): the weight in its quantization blocks, multiplied by
-        # kernels/quant.py; `weight` is then on the meta device. A fused layer whose
-        # parts come in different block types (Q4_K_M's Q4_K q/k beside a Q6_K v) has one per
-        # run of output rows in `quant_parts` instead.
-        self.quant_weight: QuantWeight | None = None
-        self.quant_parts: list[QuantWeight] | None = None
-        # A GPTQ layer in activation order (models/gptq_awq.py): its columns were sorted by
-        # group at load, so the quantized GEMM takes its inputs in this order (int64 [k]).
-        self.input_perm: torch.Tensor | None = None
+        # How the weight is multiplied (layers/linear_weight.py): dense until a quantized
+        # checkpoint's loader (models/quant_staging.py, models/gguf/weights.py, models/fp8.py)
+        # gives the layer its blocks; `weight` is then on the meta device.
+        self.weight_form: LinearWeight = DenseWeight()
         # --enable-lora: this layer's adapter slots (lora/layers.py), whose delta matmul adds.
         self.lora = None
         if bias:
@@ -100,14 +92,7 @@ class LinearBase(nn.Module):
     def matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, rows: RowTiling | None = None
     ) -> torch.Tensor:
-        # The kernel (our CPU GEMMs, oneDNN, cuBLAS; for GGUF blocks kernels/quant.py's) is
-        # kernels/gemm.py's choice.
-        if self.quant_weight is not None or self.quant_parts is not None:
-            parts = [self.quant_weight] if self.quant_weight is not None else self.quant_parts
-            xq = x if self.input_perm is None else x.index_select(-1, self.input_perm)
-            out = quantized_gemm(xq, parts, bias, rows)
-        else:
-            out = unquantized_gemm(x, self.weight, bias, self.gemm_weight, self.packed_weight, rows)
+        out = self.weight_form.apply(x, self.weight, bias, rows)
         # (A row-parallel layer's delta is partial too: B (A_rank x_rank) sums over the ranks.)
         return out if self.lora is None else self.lora.add_to(x, out, rows)
 

@@ -157,7 +157,7 @@ class LoRAManager:
                     getattr(layer.mlp, "gate_up_proj", None),
                     getattr(layer.mlp, "down_proj", None),
                 ):
-                    lora = getattr(linear, "lora", None)  # (a MoE layer has no MLP linears)
+                    lora = None if linear is None else linear.lora  # (a MoE layer's MLP has none)
                     if lora is None or not lora.filled:
                         rows.append([0, 0, 0, 0])
                         continue

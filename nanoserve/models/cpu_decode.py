@@ -5,9 +5,9 @@ Python around them is several ms of a ~25 ms step. Llama's, Qwen3's (per-head Q/
 Qwen3-MoE's layers (the router, ns_moe_topk and the experts of kernels/cpu/moe.cpp in place of
 the MLP; no shared expert, no expert parallelism). For steps of decodes only, on one rank, with
 bf16 activations and every linear layer on one of our CPU GEMMs (bf16 weights packed for
-gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp through the layer's `quant_weight` /
-`quant_parts`; at any ISA level), `FusedDecode.run` calls the same kernels in the same order
-with the same inputs from C++, so its hidden states have the same bits as the modules'
+gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp: the layer's weight_form; at any ISA
+level), `FusedDecode.run` calls the same kernels in the same order with the same inputs from
+C++, so its hidden states have the same bits as the modules'
 (tests/engine/test_cpu_decode.py checks that), and everything else (embedding, final norm, LM
 head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
@@ -19,57 +19,23 @@ from torch import nn
 
 from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 from nanoserve.kernels.kv_dtype import fused_decode_kv_format
+from nanoserve.layers.linear_weight import LINEAR_ENTRIES
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
 
-_MAX_PARTS = 3  # decode_layers.cpp's kMaxParts: runs of output columns a linear layer may have
-_LINEAR_ENTRIES = 2 + 3 * _MAX_PARTS  # count, (format, weights, n) a part, input order
-
 
 def _linear_entry(linear: nn.Module) -> list[int] | None:
-    """A linear layer as decode_layers.cpp reads it: the number of parts, then (format, packed
-    weights' address, output columns) of each (format -1: bf16 on cpu_ops.pack_gemm_weight's
-    packing; else a GGUF block format, kernels/quant.py), padded to _MAX_PARTS, then the address
-    of its input order (GPTQ's activation order) or 0; None when the layer can't go (a bias, a weight not packed for the CPU GEMMs, columns not a multiple of 16)."""
-    if getattr(linear, "bias", None) is not None:  # Qwen2's QKV bias: the modules
+    """A linear layer as decode_layers.cpp reads it (layers/linear_weight.py's decode_entry:
+    the number of parts, then (format, packed weights' address, output columns) of each, then
+    its input order's address); None when the layer can't go (a bias: Qwen2's QKV, the
+    modules; a weight not packed for the CPU GEMMs; columns not a multiple of 16)."""
+    if linear.bias is not None:
         return None
-    quantized = getattr(linear, "quant_weight", None)
-    parts = [quantized] if quantized is not None else getattr(linear, "quant_parts", None)
-    if parts:
-        # (`weight` is a meta tensor of the layer's shape then; the parts must tile its rows.)
-        n, k = linear.weight.shape
-        if len(parts) > _MAX_PARTS or any(p.packed is None or p.n % 16 or p.k != k for p in parts):
-            return None
-        if sum(p.n for p in parts) != n:
-            return None
-        entry = [len(parts)]
-        for part in parts:
-            entry += [part.kernel_format, part.packed.data_ptr(), part.n]
-    else:
-        if (
-            linear.gemm_weight is None
-            or linear.weight.dtype != torch.bfloat16
-            or linear.weight.shape[0] % 16
-        ):
-            return None
-        entry = [1, -1, linear.gemm_weight.data_ptr(), linear.weight.shape[0]]
-    # Last: GPTQ's activation order (LinearBase.input_perm, int64 [k], kept alive by the layer), or 0.
-    order = getattr(linear, "input_perm", None)
-    if order is not None and (
-        order.dtype != torch.int64
-        or not order.is_contiguous()
-        or order.shape[0] != linear.weight.shape[1]
-    ):
-        return None
-    return (
-        entry
-        + [0] * (_LINEAR_ENTRIES - 1 - len(entry))
-        + [0 if order is None else order.data_ptr()]
-    )
+    return linear.weight_form.decode_entry(linear.weight)
 
 
-_MOE_ENTRIES = _LINEAR_ENTRIES + 5  # decode_layers.cpp's kMoeEntries: the router, then the experts
+_MOE_ENTRIES = LINEAR_ENTRIES + 5  # decode_layers.cpp's kMoeEntries: the router, then the experts
 
 
 def _moe_entry(mlp: nn.Module) -> list[int] | None:
@@ -126,7 +92,7 @@ class FusedDecode:
         self.kv_format = (
             kv_format  # the pools' elements (kv_dtype.fused_decode_kv_format): bf16 or fp8
         )
-        # [layers, 6 + 4 * _LINEAR_ENTRIES + _MOE_ENTRIES] (addresses kept alive by the model)
+        # [layers, 6 + 4 * LINEAR_ENTRIES + _MOE_ENTRIES] (addresses kept alive by the model)
         self.layer_table = layer_table
         self.hidden = config.hidden_size
         layers = model.model.layers
@@ -150,8 +116,8 @@ class FusedDecode:
         self.moe_inter = max((e.inter for e in sparse), default=0)
         # Scratch columns for inputs gathered in a layer's input order (GPTQ's activation order,
         # the last entry of a linear's row in the table); 0: no layer has one, no scratch.
-        entries = layer_table[:, 6 : 6 + 4 * _LINEAR_ENTRIES].reshape(
-            layer_table.shape[0], 4, _LINEAR_ENTRIES
+        entries = layer_table[:, 6 : 6 + 4 * LINEAR_ENTRIES].reshape(
+            layer_table.shape[0], 4, LINEAR_ENTRIES
         )
         self.gather_width = (
             max(self.hidden, self.num_heads * self.head_dim, self.inter)
@@ -198,11 +164,11 @@ class FusedDecode:
             norms = _qk_norms(attn, eps)
             if moe is None or norms is None:
                 return None
-            dense = [mlp.gate_up_proj, mlp.down_proj] if moe[_LINEAR_ENTRIES] == 0 else []
+            dense = [mlp.gate_up_proj, mlp.down_proj] if moe[LINEAR_ENTRIES] == 0 else []
             linears = [_linear_entry(lin) for lin in (attn.qkv_proj, attn.o_proj, *dense)]
             if any(entry is None for entry in linears):
                 return None
-            linears += [[0] * _LINEAR_ENTRIES] * (4 - len(linears))
+            linears += [[0] * LINEAR_ENTRIES] * (4 - len(linears))
             pool = attn.attn.key_cache
             if pool is None or pool.shape[1] != 16 or pool.dtype != cache.dtype:
                 return None

@@ -200,14 +200,11 @@ def quantize_online(model: nn.Module) -> int:
     Returns the number of layers quantized. CPU only (CUDA has no FP8 kernel here: ValueError)."""
     from nanoserve.distributed import all_reduce_max
     from nanoserve.layers.linear import LinearBase, RowParallelLinear
+    from nanoserve.layers.linear_weight import QuantizedWeight
 
     quantized = 0
     for name, module in model.named_modules():
-        if (
-            not isinstance(module, LinearBase)
-            or module.quant_weight is not None
-            or module.quant_parts is not None
-        ):
+        if not isinstance(module, LinearBase) or module.weight_form.quantized:
             continue
         weight = module.weight
         if not quant.takes_components(weight.device):  # CUDA: its kernel reads GGUF bytes only
@@ -229,8 +226,16 @@ def quantize_online(model: nn.Module) -> int:
         scale = (amax / largest).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
         q = (values / scale).clamp(-largest, largest).to(torch.float8_e4m3fn).view(torch.uint8)
         arrays = Fp8Weight(q.contiguous(), scale, k).kernel_arrays()
-        module.quant_weight = quant.QuantWeight(
-            quant.FP8, n, k, None, components=quant.QuantComponents(arrays["u"], arrays["scale"])
+        module.weight_form = QuantizedWeight(
+            [
+                quant.QuantWeight(
+                    quant.FP8,
+                    n,
+                    k,
+                    None,
+                    components=quant.QuantComponents(arrays["u"], arrays["scale"]),
+                )
+            ]
         )
         module.weight = nn.Parameter(
             torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False

@@ -14,7 +14,7 @@ The formats (w[i, o] for input i, output o; scales [groups, n] float16):
   Symmetric checkpoints store z = 2^(bits-1) everywhere: those become Q4_0 / Q8_0, the others
   (4-bit) Q4_1. `desc_act` (activation order, a `g_idx` that isn't i // group_size): the
   layer's inputs are sorted by group at load and its activations gathered in that order
-  (models/quant_staging.IntegerCheckpointLoader, LinearBase.input_perm).
+  (models/quant_staging.IntegerCheckpointLoader, QuantizedWeight.input_perm).
 - AWQ (version "gemm"): `qweight` int32 [k, n / 8] and `qzeros` int32 [groups, n / 8], packed
   along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7 within each word; w = scale[g] * (q - z[g]).
   Always Q4_1 (with `zero_point` false, Q4_0 around 8).

@@ -26,6 +26,7 @@ from nanoserve.kernels import quant
 from nanoserve.layers.embedding import ParallelLMHead
 from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.layers.linear import LinearBase, RowParallelLinear, load_parameter
+from nanoserve.layers.linear_weight import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 BLOCK = 32  # the kernel formats' block of inputs (Q8_0, Q4_0, Q4_1)
@@ -39,6 +40,9 @@ class StagedLinear:
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     row_qtype: list[str | None] = field(default_factory=list)  # per output row of this rank
     float_parts: int = 0
+    # GPTQ's activation order (IntegerCheckpointLoader._in_group_order): the layer's inputs,
+    # sorted by group at load, are gathered in this order at each GEMM (int64 [k]).
+    input_perm: torch.Tensor | None = None
 
 
 def stage_quantized(
@@ -96,9 +100,9 @@ def _quant_weight(
 
 
 def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared: bool) -> None:
-    """The layer's QuantWeight (or, when its fused parts differ in type, one per run of rows in
-    output order: `quant_parts`); its bf16 weight goes to the meta device unless shared (a tied
-    embedding)."""
+    """The layer's QuantizedWeight: one QuantWeight (or, when its fused parts differ in type,
+    one per run of rows in output order); its bf16 weight goes to the meta device unless shared
+    (a tied embedding)."""
     if any(qtype is None for qtype in parts.row_qtype):
         raise ValueError(f"{target}: the checkpoint lacks some of this layer's parts")
     device = module.weight.device
@@ -110,10 +114,7 @@ def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared
             arrays = {key: array[start:end] for key, array in parts.buffers[labels[start]].items()}
             weights.append(_quant_weight(labels[start], k_local, arrays, device))
             start = end
-    if len(weights) == 1:
-        module.quant_weight = weights[0]
-    else:
-        module.quant_parts = weights
+    module.weight_form = QuantizedWeight(weights, parts.input_perm)
     if not shared:
         module.weight = nn.Parameter(
             torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
@@ -322,7 +323,7 @@ class IntegerCheckpointLoader:
         self, layer: str, weight: IntegerWeight, module: nn.Module, target: str, param: nn.Parameter
     ) -> IntegerWeight | None:
         """GPTQ's activation order on the kernels: the layer's inputs sorted by group once at load
-        and the activations gathered in that order at each GEMM (LinearBase.input_perm). Every
+        and the activations gathered in that order at each GEMM (QuantizedWeight.input_perm). Every
         part of a fused layer must have the same order (GPTQ's q/k/v and gate/up do: one input, one
         Hessian), and a row-parallel layer must hold all its inputs (no tensor parallelism)."""
         if not (isinstance(module, LinearBase) and quant.takes_components(param.device)):
@@ -333,9 +334,10 @@ class IntegerCheckpointLoader:
         if sorted_weight is None or not sorted_weight[0].fits_kernels(param.shape[-1]):
             return None
         sorted_weight, order = sorted_weight
-        if module.input_perm is None and target not in self.staged:
-            module.input_perm = order
-        elif module.input_perm is None or not torch.equal(module.input_perm, order):
+        staged = self.staged.get(target)
+        if staged is None:
+            self.staged[target] = StagedLinear(input_perm=order)
+        elif staged.input_perm is None or not torch.equal(staged.input_perm, order):
             raise ValueError(
                 f"{layer}: its activation order (g_idx) differs from the other parts of "
                 f"{target.removesuffix('.weight')}, "

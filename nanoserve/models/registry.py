@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from nanoserve.distributed.pipeline import real_layers
-from nanoserve.layers.embedding import VocabParallelEmbedding
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.fused_moe import FusedMoE
+from nanoserve.layers.linear import LinearBase
 from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
@@ -92,25 +94,14 @@ def build_model(
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the weights take: parameters (not the meta placeholders of quantized or packed
-    layers) plus the packings layers/cpu_prepack.py made and the quantized layers' blocks."""
+    layers) plus what each layer's weight holds beside them (layers/cpu_prepack.py's packings,
+    quantized blocks) and a GGUF embedding's mapped rows."""
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     for module in model.modules():
-        weights = [
-            getattr(module, "quant_weight", None),
-            *(getattr(module, "quant_parts", None) or []),
-            *(
-                w
-                for experts in (getattr(module, "quant_experts", None) or {}).values()
-                for w in experts
-            ),
-        ]
-        total += sum(w.nbytes for w in weights if w is not None)
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            total += module.weight_form.nbytes()
+        elif isinstance(module, FusedMoE):
+            total += module.kernel_bytes()
         if isinstance(module, VocabParallelEmbedding) and module.file_rows is not None:
             total += module.file_rows.nbytes  # mapped from a GGUF file
-        packings = [
-            getattr(module, "gemm_weight", None),
-            getattr(module, "packed_weight", None),
-            *(getattr(module, "packed", None) or ()),
-        ]
-        total += sum(t.numel() * t.element_size() for t in packings if isinstance(t, torch.Tensor))
     return total

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
-from nanoserve.layers.fused_moe import expert_weight_target
+from nanoserve.layers.fused_moe import FusedMoE, expert_weight_target
 from nanoserve.layers.linear import load_parameter
 from nanoserve.models.mxfp4 import Mxfp4Tensors
 from nanoserve.models.quant_staging import IntegerCheckpointLoader, IntegerFormat
@@ -142,8 +142,8 @@ def load_weights(
         quantized.finish()
     if mxfp4 is not None:
         mxfp4.finish()
-    for module in model.modules():  # layers/fused_moe.FusedMoE
-        if hasattr(module, "finish_quantized"):
+    for module in model.modules():
+        if isinstance(module, FusedMoE):  # its quantized experts
             module.finish_quantized()
     expected = {
         n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)

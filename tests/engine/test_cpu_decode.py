@@ -14,6 +14,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import quant
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.quant import QuantWeight
+from nanoserve.layers.linear_weight import QuantizedWeight
 from nanoserve.models.cpu_decode import FusedDecode
 from tests.conftest import write_random_llama
 from tests.kernels.test_quant import random_blocks
@@ -139,29 +140,31 @@ def _quantize_layers(model) -> None:
         k_quants = hidden % 256 == 0 and inter % 256 == 0
         seed += 1
         if k_quants:
-            attn.qkv_proj.quant_parts = [
-                _quant_weight(qtype, n, hidden, seed + i)
-                for i, (qtype, n) in enumerate(
-                    [("q4_k", attn.q_size), ("q4_k", attn.kv_size), ("q6_k", attn.kv_size)]
-                )
-            ]
-        else:
-            attn.qkv_proj.quant_weight = _quant_weight(
-                "q4_0", attn.q_size + 2 * attn.kv_size, hidden, seed
+            attn.qkv_proj.weight_form = QuantizedWeight(
+                [
+                    _quant_weight(qtype, n, hidden, seed + i)
+                    for i, (qtype, n) in enumerate(
+                        [("q4_k", attn.q_size), ("q4_k", attn.kv_size), ("q6_k", attn.kv_size)]
+                    )
+                ]
             )
-        attn.o_proj.quant_weight = _quant_weight("q8_0", hidden, attn.q_size, seed + 3)
-        mlp.gate_up_proj.quant_weight = _quant_weight("q4_1", 2 * inter, hidden, seed + 4)
-        mlp.down_proj.quant_weight = _quant_weight(
-            "q6_k" if k_quants else "q8_0", hidden, inter, seed + 5
+        else:
+            attn.qkv_proj.weight_form = QuantizedWeight(
+                [_quant_weight("q4_0", attn.q_size + 2 * attn.kv_size, hidden, seed)]
+            )
+        attn.o_proj.weight_form = QuantizedWeight(
+            [_quant_weight("q8_0", hidden, attn.q_size, seed + 3)]
+        )
+        mlp.gate_up_proj.weight_form = QuantizedWeight(
+            [_quant_weight("q4_1", 2 * inter, hidden, seed + 4)]
+        )
+        mlp.down_proj.weight_form = QuantizedWeight(
+            [_quant_weight("q6_k" if k_quants else "q8_0", hidden, inter, seed + 5)]
         )
 
 
 def _linear_by_calls(linear, x):
-    parts = (
-        [linear.quant_weight]
-        if getattr(linear, "quant_weight", None) is not None
-        else linear.quant_parts
-    )
+    parts = linear.weight_form.parts
     return torch.cat([quant.quant_gemm(x, part, None) for part in parts], dim=-1)
 
 
@@ -264,7 +267,7 @@ def test_fused_decode_on_quantized_layers_gives_the_calls_bits(model_dir, cpu_is
 
 @pytest.mark.parametrize("preset", ["q4_1", "q4_k_m", "llama_cpp_q4_k_m", "llama_cpp_q5_k_m"])
 def test_fused_decode_on_a_gguf_file_gives_the_modules_bits(preset, tmp_path, cpu_isa):
-    """A GGUF model served as it is (its layers' quant_weight / quant_parts): the fused steps
+    """A GGUF model served as it is (its layers' QuantizedWeight forms): the fused steps
     and the modules' path give the same tokens and logprobs. The llama.cpp mixes on their own
     shape (hidden 384: Q5_0 / Q5_1 beside Q4_K / Q5_K, Q6_K and Q8_0)."""
     gguf_models = pytest.importorskip(

@@ -26,11 +26,11 @@ def test_packed_linear_equals_f_linear(rows):
     x = torch.randn(rows, 96).to(torch.bfloat16)
     expected = (linear(x), head(x))
     assert prepack_linear_weights(torch.nn.ModuleList([linear, head])) == 2
-    assert linear.packed_weight is not None and head.packed_weight is not None
+    assert linear.weight_form.onednn is not None and head.weight_form.onednn is not None
     for got, want in zip((linear(x), head(x)), expected):
         torch.testing.assert_close(got.float(), want.float(), atol=0.25, rtol=2e-2)
 
 
 def test_fp32_is_never_packed():
     linear = ColumnParallelLinear(32, 32, bias=False, dtype=torch.float32)
-    assert prepack_linear_weights(linear) == 0 and linear.packed_weight is None
+    assert prepack_linear_weights(linear) == 0 and linear.weight_form.onednn is None

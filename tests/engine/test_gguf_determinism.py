@@ -12,6 +12,8 @@ import random
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.linear import LinearBase
 from tests.gguf_models import write_quantized_gguf
 
 NUM_TOKENS = 16
@@ -118,9 +120,11 @@ def test_decode_rows_do_not_depend_on_the_batch(gguf_file, prompts, cold):
     llm = build(gguf_file, caching=False)
     model = llm.llm_engine.runner.model
     weights = [
-        m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None) is not None
+        w
+        for m in model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead)) and m.weight_form.quantized
+        for w in m.weight_form.parts
     ]
-    weights += [w for m in model.modules() for w in (getattr(m, "quant_parts", None) or [])]
     if any(w.packed is None for w in weights):
         pytest.skip(
             "the CPU quantized kernels don't take these layers here: decode rows are one torch "

@@ -125,13 +125,13 @@ def test_layers_hold_the_checkpoints_integers(checkpoint):
             (ours.mlp.down_proj, [theirs.mlp.down_proj]),
         ]
         for layer, parts in pairs:
-            weight = layer.quant_weight
+            (weight,) = layer.weight_form.parts
             assert weight.qtype == expected_qtype(checkpoint) and weight.raw is None
             assert weight.components is None or weight.packed is None  # never held twice
             assert layer.weight.device.type == "meta"
             expected = torch.cat([part.weight for part in parts])
             assert torch.equal(quant.dequantize_weight(weight), expected)
-    assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
+    assert not model.lm_head.weight_form.quantized and model.lm_head.weight.dtype == torch.float32
     assert torch.equal(
         model.lm_head.weight[: oracle.lm_head.weight.shape[0]], oracle.lm_head.weight
     )
@@ -225,7 +225,7 @@ def test_other_families(family, tmp_path):
         hf_dir = write_random_checkpoint(tmp_path / "hf", family, seed=6)
     path = compress_checkpoint(hf_dir, tmp_path / "model", "w8a8-channel")
     model = build(path, dtype="float32").llm_engine.runner.model
-    assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    assert all(layer.self_attn.qkv_proj.weight_form.quantized for layer in model.model.layers)
     if family == "qwen3_moe":
         experts = [layer.mlp.experts for layer in model.model.layers]
         assert all(set(e.quant_experts) == {"w13", "w2"} and e.w13_weight.is_meta for e in experts)
@@ -240,10 +240,10 @@ def test_other_families(family, tmp_path):
 
 def test_quantized_lm_head(tmp_path):
     """A checkpoint that quantizes lm_head too (not ignored): the head keeps its integers
-    (ParallelLMHead's quant_weight, as a GGUF head does)."""
+    (ParallelLMHead's QuantizedWeight, as a GGUF head does)."""
     path = write_compressed_llama(tmp_path, "w8a16-channel", seed=8, ignore=())
     model = build(path, dtype="float32").llm_engine.runner.model
-    assert model.lm_head.quant_weight is not None and model.lm_head.weight.device.type == "meta"
+    assert model.lm_head.weight_form.quantized and model.lm_head.weight.device.type == "meta"
     assert_close_to_transformers(path)
 
 
@@ -254,7 +254,7 @@ def test_cuda_dequantizes_at_load(tmp_path):
     path = write_compressed_llama(tmp_path, "w4a16-asym-group64", seed=8)
     model = build(path, "cuda", dtype="float32").llm_engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert qkv.quant_weight is None and qkv.weight.device.type == "cuda"
+    assert not qkv.weight_form.quantized and qkv.weight.device.type == "cuda"
     assert_close_to_transformers(path, "cuda")
 
 
@@ -309,7 +309,7 @@ def test_groups_smaller_than_a_block_are_dequantized_at_load(tmp_path):
     model = build(path, dtype="float32").llm_engine.runner.model
     oracle = dequantized_transformers(path)
     down = model.model.layers[0].mlp.down_proj
-    assert down.quant_weight is None and down.quant_parts is None
+    assert not down.weight_form.quantized
     assert torch.allclose(
         down.weight, oracle.model.layers[0].mlp.down_proj.weight, rtol=1e-2, atol=0
     )

@@ -101,12 +101,15 @@ def assert_layers_hold(model, meaning: dict[str, torch.Tensor]) -> None:
             for part in ours.split("."):
                 module = getattr(module, part)
             expected = torch.cat([meaning[f"model.layers.{index}.{part}.weight"] for part in parts])
-            assert module.quant_weight.qtype == quant.FP8 and module.weight.device.type == "meta"
-            assert torch.equal(quant.dequantize_weight(module.quant_weight), expected), (
+            assert (
+                module.weight_form.parts[0].qtype == quant.FP8
+                and module.weight.device.type == "meta"
+            )
+            assert torch.equal(quant.dequantize_weight(module.weight_form.parts[0]), expected), (
                 index,
                 ours,
             )
-    assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
+    assert not model.lm_head.weight_form.quantized and model.lm_head.weight.dtype == torch.float32
 
 
 def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
@@ -151,7 +154,8 @@ def test_other_family(tmp_path):
     path = quantize_checkpoint(hf, tmp_path / "model", "fp8-block128")
     model = build(path, dtype="float32").llm_engine.runner.model
     assert all(
-        layer.self_attn.qkv_proj.quant_weight.qtype == quant.FP8 for layer in model.model.layers
+        layer.self_attn.qkv_proj.weight_form.parts[0].qtype == quant.FP8
+        for layer in model.model.layers
     )
     assert_close_to_transformers(path, "fp8-block128")
 
@@ -210,8 +214,10 @@ def test_ignored_layers_stay_float(block128, tmp_path):
     with build(path, dtype="float32") as llm:
         model = llm.llm_engine.runner.model
         down = model.model.layers[1].mlp.down_proj
-        assert down.quant_weight is None and torch.equal(down.weight, meaning[f"{name}.weight"])
-        assert model.model.layers[0].mlp.down_proj.quant_weight.qtype == quant.FP8
+        assert not down.weight_form.quantized and torch.equal(
+            down.weight, meaning[f"{name}.weight"]
+        )
+        assert model.model.layers[0].mlp.down_proj.weight_form.parts[0].qtype == quant.FP8
         ours = greedy(llm)
     assert_same_greedy(ours, greedy(build(block128, dtype="float32")), typical=1e-4)
 

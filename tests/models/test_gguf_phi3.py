@@ -63,8 +63,8 @@ def test_fused_layers_keep_the_files_blocks_and_split_under_tensor_parallel(phi3
     with build(phi3_file, dtype="float32") as llm:
         layer = llm.llm_engine.runner.model.model.layers[0]
         assert (
-            layer.self_attn.qkv_proj.quant_weight is not None
-            and layer.mlp.gate_up_proj.quant_weight is not None
+            layer.self_attn.qkv_proj.weight_form.quantized
+            and layer.mlp.gate_up_proj.weight_form.quantized
         )
         one = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     with build(phi3_file, dtype="float32", tensor_parallel_size=2) as llm:

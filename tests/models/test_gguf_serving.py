@@ -19,6 +19,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
 from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.layers.embedding import ParallelLMHead
+from nanoserve.layers.linear import LinearBase
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf.model import (
     check_gguf_file,
@@ -160,7 +162,7 @@ def test_qwen2_file_config_tokenizer_and_biases(tmp_path):
     assert torch.equal(attention.qkv_proj.bias, expected_bias)
     expected_rows = torch.cat([values[f"blk.1.attn_{x}.weight"] for x in "qkv"])  # no un-permuting
     assert torch.equal(
-        quant.dequantize_weight(attention.qkv_proj.quant_weight),
+        quant.dequantize_weight(attention.qkv_proj.weight_form.parts[0]),
         quant.dequantize(expected_rows, "q4_1", 256),
     )
 
@@ -201,21 +203,26 @@ def test_linear_layers_hold_the_files_blocks(q4_1_file):
     )
     # Each layer holds its blocks once, in the CPU kernel's packing (the file's bytes dropped):
     # the same numbers as the file's, bit for bit.
-    assert qkv.quant_weight.qtype == "q4_1" and qkv.quant_weight.raw is None
+    assert qkv.weight_form.parts[0].qtype == "q4_1" and qkv.weight_form.parts[0].raw is None
     assert torch.equal(
-        quant.dequantize_weight(qkv.quant_weight), quant.dequantize(expected, "q4_1", 256)
+        quant.dequantize_weight(qkv.weight_form.parts[0]), quant.dequantize(expected, "q4_1", 256)
     )
-    assert (qkv.quant_weight.n, qkv.quant_weight.k) == (512, 256)
+    assert (qkv.weight_form.parts[0].n, qkv.weight_form.parts[0].k) == (512, 256)
     assert qkv.weight.device.type == "meta"  # no bf16 copy kept
     assert torch.equal(
-        quant.dequantize_weight(layer.mlp.down_proj.quant_weight),
-        quant.dequantize(raw["blk.1.ffn_down.weight"], "q4_1", layer.mlp.down_proj.quant_weight.k),
+        quant.dequantize_weight(layer.mlp.down_proj.weight_form.parts[0]),
+        quant.dequantize(
+            raw["blk.1.ffn_down.weight"], "q4_1", layer.mlp.down_proj.weight_form.parts[0].k
+        ),
     )
     # Tied head: the embedding's Q8_0 blocks. The embedding reads the file's rows where they lie
     # (no table of its own): each lookup gives the dequantized table's rows, rounded once.
-    assert model.lm_head.quant_weight.qtype == "q8_0" and model.lm_head.quant_weight.raw is None
+    assert (
+        model.lm_head.weight_form.parts[0].qtype == "q8_0"
+        and model.lm_head.weight_form.parts[0].raw is None
+    )
     assert torch.equal(
-        quant.dequantize_weight(model.lm_head.quant_weight),
+        quant.dequantize_weight(model.lm_head.weight_form.parts[0]),
         quant.dequantize(raw["token_embd.weight"], "q8_0", 256),
     )
     embed = model.model.embed_tokens
@@ -233,8 +240,7 @@ def test_linear_layers_hold_the_files_blocks(q4_1_file):
 def test_mixed_block_types_in_one_fused_layer(tmp_path):
     path = write_quantized_gguf(tmp_path, "q4_k_m", seed=3)
     qkv = build(path).llm_engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.quant_weight is None
-    assert [(w.qtype, w.n) for w in qkv.quant_parts] == [("q4_k", 256 + 128), ("q6_k", 128)]
+    assert [(w.qtype, w.n) for w in qkv.weight_form.parts] == [("q4_k", 256 + 128), ("q6_k", 128)]
 
 
 @pytest.mark.parametrize(
@@ -249,23 +255,25 @@ def test_llama_cpp_mix_keeps_each_tensors_blocks(tmp_path, preset, base, fallbac
     model = build(path).llm_engine.runner.model
     layers = model.model.layers
     q, kv = layers[0].self_attn.q_size, layers[0].self_attn.kv_size
-    assert layers[0].self_attn.qkv_proj.quant_weight.qtype == fallback
-    assert [(w.qtype, w.n) for w in layers[1].self_attn.qkv_proj.quant_parts] == [
+    assert layers[0].self_attn.qkv_proj.weight_form.parts[0].qtype == fallback
+    assert [(w.qtype, w.n) for w in layers[1].self_attn.qkv_proj.weight_form.parts] == [
         (fallback, q + kv),
         ("q8_0", kv),
     ]
-    assert [layer.mlp.down_proj.quant_weight.qtype for layer in layers] == [base, "q6_k"]
+    assert [layer.mlp.down_proj.weight_form.parts[0].qtype for layer in layers] == [base, "q6_k"]
     for layer in layers:
         assert (
-            layer.self_attn.o_proj.quant_weight.qtype
-            == layer.mlp.gate_up_proj.quant_weight.qtype
+            layer.self_attn.o_proj.weight_form.parts[0].qtype
+            == layer.mlp.gate_up_proj.weight_form.parts[0].qtype
             == fallback
         )
     if cpu_ops.gemm_available():
         weights = [
-            m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None) is not None
+            w
+            for m in model.modules()
+            if isinstance(m, (LinearBase, ParallelLMHead)) and m.weight_form.quantized
+            for w in m.weight_form.parts
         ]
-        weights += [w for m in model.modules() for w in (getattr(m, "quant_parts", None) or [])]
         assert weights and all(w.packed is not None for w in weights)
 
 
@@ -275,9 +283,7 @@ def test_float_linear_layers_are_plain_weights(tmp_path):
     values = {t.name: torch.from_numpy(np.array(t.data, dtype=np.float32)) for t in reader.tensors}
     model = build(path, dtype="float32").llm_engine.runner.model
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert (
-        qkv.quant_weight is None and qkv.quant_parts is None and model.lm_head.quant_weight is None
-    )
+    assert not qkv.weight_form.quantized and not model.lm_head.weight_form.quantized
     expected = torch.cat(
         [
             unpermute_rotary_rows(values["blk.0.attn_q.weight"], 4),
@@ -294,7 +300,10 @@ def test_untied_head_keeps_its_own_blocks(tmp_path):
         tmp_path, "q4_k_m", seed=3, tie=False, embedding="q4_k", head="q6_k"
     )
     model = build(path).llm_engine.runner.model
-    assert model.lm_head.quant_weight.qtype == "q6_k" and model.lm_head.weight.device.type == "meta"
+    assert (
+        model.lm_head.weight_form.parts[0].qtype == "q6_k"
+        and model.lm_head.weight.device.type == "meta"
+    )
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # Q4_K rows dequantized
 
 
@@ -355,9 +364,9 @@ def test_engine_equals_reference_gemm_bit_for_bit(tmp_path, preset, dtype, monke
     layers = [
         m
         for m in llm.llm_engine.runner.model.modules()
-        if getattr(m, "quant_weight", None) is not None
+        if isinstance(m, (LinearBase, ParallelLMHead)) and m.weight_form.quantized
     ]
-    assert layers and all(m.quant_weight.packed is None for m in layers)
+    assert layers and all(p.packed is None for m in layers for p in m.weight_form.parts)
     assert greedy(llm) == ours
 
 

@@ -227,15 +227,17 @@ def test_layers_hold_the_checkpoints_integers(scheme, checkpoint):
             layer = _layer(model, index, ours)
             expected = torch.cat([meaning[f"model.layers.{index}.{part}.weight"] for part in parts])
             if qtype is None:
-                assert layer.quant_weight is None and torch.equal(layer.weight, expected)
+                assert not layer.weight_form.quantized and torch.equal(layer.weight, expected)
                 continue
-            assert layer.quant_weight.qtype == qtype and layer.weight.device.type == "meta"
-            assert (layer.input_perm is not None) == SCHEMES[scheme][4]
-            if layer.input_perm is not None:
-                assert not torch.equal(layer.input_perm, torch.arange(expected.shape[1]))
-                expected = expected[:, layer.input_perm]
-            assert torch.equal(quant.dequantize_weight(layer.quant_weight), expected)
-    assert model.lm_head.quant_weight is None and model.lm_head.weight.dtype == torch.float32
+            assert layer.weight_form.parts[0].qtype == qtype and layer.weight.device.type == "meta"
+            assert (layer.weight_form.input_perm is not None) == SCHEMES[scheme][4]
+            if layer.weight_form.input_perm is not None:
+                assert not torch.equal(
+                    layer.weight_form.input_perm, torch.arange(expected.shape[1])
+                )
+                expected = expected[:, layer.weight_form.input_perm]
+            assert torch.equal(quant.dequantize_weight(layer.weight_form.parts[0]), expected)
+    assert not model.lm_head.weight_form.quantized and model.lm_head.weight.dtype == torch.float32
 
 
 def test_greedy_equals_the_reference_path(checkpoint, monkeypatch):
@@ -279,8 +281,8 @@ def _hooked_greedy(llm, model):
             continue
         parent, _, leaf = name.rpartition(".")
         fused = f"{parent}.{FUSED_INTO.get(leaf, leaf)}" if parent else name
-        if fused in ours and ours[fused].quant_weight is not None:
-            module.register_forward_pre_hook(_int8_blocks(getattr(ours[fused], "input_perm", None)))
+        if fused in ours and ours[fused].weight_form.quantized:
+            module.register_forward_pre_hook(_int8_blocks(ours[fused].weight_form.input_perm))
     return greedy(llm)
 
 
@@ -335,7 +337,7 @@ def test_other_families(family, scheme, tmp_path):
     hf_dir = write(tmp_path / "hf", family, seed=6)
     path = quantize_checkpoint(hf_dir, tmp_path / "model", scheme, seed=6)
     model = build(path, dtype="float32").llm_engine.runner.model
-    assert all(layer.self_attn.qkv_proj.quant_weight is not None for layer in model.model.layers)
+    assert all(layer.self_attn.qkv_proj.weight_form.quantized for layer in model.model.layers)
     if family == "qwen3_moe":
         assert_experts_hold(
             model, load_file(path.parent / "meaning.safetensors"), expected_qtype(scheme)
@@ -345,18 +347,20 @@ def test_other_families(family, scheme, tmp_path):
 
 def test_quantized_lm_head(tmp_path):
     """GPTQModel's lm_head option: the LM head's qweight too, kept as integers (ParallelLMHead's
-    quant_weight, as a GGUF head's), its values the checkpoint's meaning; logprobs close to
+    QuantizedWeight, as a GGUF head's), its values the checkpoint's meaning; logprobs close to
     transformers with the head's inputs rounded as ours."""
     path = write_quantized_llama(tmp_path, "gptq-4bit-asym-g64", seed=8, lm_head=True)
     model = build(path, dtype="float32").llm_engine.runner.model
     head = model.lm_head
     assert (
-        head.quant_weight is not None
-        and head.quant_weight.qtype == "q4_1"
+        head.weight_form.quantized
+        and head.weight_form.parts[0].qtype == "q4_1"
         and head.weight.device.type == "meta"
     )
     meaning = load_file(path.parent / "meaning.safetensors")["lm_head.weight"]
-    assert torch.equal(quant.dequantize_weight(head.quant_weight)[: meaning.shape[0]], meaning)
+    assert torch.equal(
+        quant.dequantize_weight(head.weight_form.parts[0])[: meaning.shape[0]], meaning
+    )
     assert_close_to_transformers(path)
 
 
@@ -473,11 +477,12 @@ def test_act_order_under_tensor_parallelism(tmp_path):
     with build(path, dtype="float32", tensor_parallel_size=2) as llm:
         layer = llm.llm_engine.runner.model.model.layers[0]
         assert (
-            layer.self_attn.qkv_proj.input_perm is not None
-            and layer.mlp.gate_up_proj.input_perm is not None
+            layer.self_attn.qkv_proj.weight_form.input_perm is not None
+            and layer.mlp.gate_up_proj.weight_form.input_perm is not None
         )
         assert (
-            layer.self_attn.o_proj.quant_weight is None and layer.mlp.down_proj.quant_weight is None
+            not layer.self_attn.o_proj.weight_form.quantized
+            and not layer.mlp.down_proj.weight_form.quantized
         )
     assert_close_to_transformers(path, tensor_parallel_size=2)
 

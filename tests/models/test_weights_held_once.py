@@ -26,16 +26,18 @@ def test_packed_weights_are_held_once(tmp_path, tie):
     runner = llm.llm_engine.runner
     model = runner.model
     linears = [module for module in model.modules() if isinstance(module, LinearBase)]
-    assert linears and all(m.gemm_weight is not None and m.weight.is_meta for m in linears)
+    assert linears and all(m.weight_form.gemm is not None and m.weight.is_meta for m in linears)
     head, embedding = model.lm_head, model.model.embed_tokens
-    assert head.gemm_weight is not None and not embedding.weight.is_meta
+    assert head.weight_form.gemm is not None and not embedding.weight.is_meta
     assert (head.weight is embedding.weight) == tie and head.weight.is_meta != tie
     held = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    packings = sum(m.gemm_weight.numel() * m.gemm_weight.element_size() for m in [*linears, head])
+    packings = sum(
+        m.weight_form.gemm.numel() * m.weight_form.gemm.element_size() for m in [*linears, head]
+    )
     assert runner.weight_bytes == held + packings
     # Each weight once in bf16 (padding aside); a tied head's packing is a second vocabulary table.
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    head_packing = head.gemm_weight.numel() * head.gemm_weight.element_size()
+    head_packing = head.weight_form.gemm.numel() * head.weight_form.gemm.element_size()
     assert runner.weight_bytes < dense * 1.1 + (head_packing if tie else 0)
     out = llm.generate(
         ["hello there"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -57,12 +59,13 @@ def test_a_released_weight_still_takes_any_rows(tmp_path):
     k = layer.weight.shape[1]
     wide = torch.randn(5, k + 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     rows = wide[:, 4 : 4 + k]
-    expected = unquantized_gemm(rows.contiguous(), layer.weight, None, layer.gemm_weight)
-    assert torch.equal(unquantized_gemm(rows, layer.weight, None, layer.gemm_weight), expected)
-    as_fp32 = unquantized_gemm(rows.float(), layer.weight, None, layer.gemm_weight)
+    expected = unquantized_gemm(rows.contiguous(), layer.weight, None, layer.weight_form.gemm)
+    assert torch.equal(unquantized_gemm(rows, layer.weight, None, layer.weight_form.gemm), expected)
+    as_fp32 = unquantized_gemm(rows.float(), layer.weight, None, layer.weight_form.gemm)
     assert as_fp32.dtype == torch.float32 and torch.equal(as_fp32, expected.float())
     assert torch.equal(
-        unquantized_gemm(rows.reshape(1, 5, k), layer.weight, None, layer.gemm_weight)[0], expected
+        unquantized_gemm(rows.reshape(1, 5, k), layer.weight, None, layer.weight_form.gemm)[0],
+        expected,
     )
 
 

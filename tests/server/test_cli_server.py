@@ -148,7 +148,7 @@ def assert_served_as_offline(path, quantization: str, qtype: str) -> None:
     prompt = "The capital of France is"
     with LLM(model=str(path), dtype="float32", max_model_len=512, device="cpu") as llm:
         layer = llm.llm_engine.runner.model.model.layers[0].mlp.down_proj
-        assert layer.quant_weight.qtype == qtype and layer.weight.device.type == "meta"
+        assert layer.weight_form.parts[0].qtype == qtype and layer.weight.device.type == "meta"
         offline = llm.generate(
             [prompt], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
         )[0]

@@ -107,7 +107,7 @@ bool add_lora(const int64_t* entry, const LoraRows& lora, void* out, int64_t ldo
 // out[rows, ldo] = x @ W^T over W's parts side by side, each as the modules multiply it: format
 // -1 the bf16 GEMM on cpu_ops.pack_gemm_weight's packing, else a GGUF format on
 // quant.pack_weight's (kernels/cpu/gemm_quant.cpp). The entry's last value, when not 0, is the
-// address of an int64 [k] input order (GPTQ's activation order, LinearBase.input_perm): x's
+// address of an int64 [k] input order (GPTQ's activation order, QuantizedWeight.input_perm): x's
 // columns are gathered in it into `gathered` [rows, k] first, as the modules' index_select does.
 // False when a GEMM refused its shapes.
 bool linear(const int64_t* entry, void* out, int64_t ldo, const void* x, int64_t ldx, int64_t rows, int64_t k,

@@ -1,7 +1,7 @@
 """A GGUF file's tensors into a model built from the config its metadata implies.
 
 Linear layers (and the LM head) keep the file's quantization blocks as they are in
-`quant_weight` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages
+their `weight_form` (kernels/quant.py multiplies them; models/quant_staging.py shards and stages
 them); their bf16 `weight` then lives on the meta device and takes no memory. On a CPU the token
 embedding stays in the file, mapped (layers/embedding.FileRows: rows read and dequantized as
 tokens ask for them); a tied head then takes the tensor as any other layer (its blocks, or a bf16
@@ -185,7 +185,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
         if parts.buffers:
             _finish_layer(model, modules[target.rsplit(".", 1)[0]], target, parts)
     for module in modules.values():
-        if hasattr(module, "finish_quantized"):  # layers/fused_moe.FusedMoE: its quantized experts
+        if isinstance(module, FusedMoE):  # its quantized experts
             module.finish_quantized()
     expected = set(params) - (
         {"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set()
@@ -203,8 +203,7 @@ def _finish_layer(model: nn.Module, module: nn.Module, target: str, parts: Stage
         model
     )  # a tied head (unless the embedding is mapped)
     finish_quantized(module, target, parts, shared)
-    for weight in [module.quant_weight] if module.quant_weight is not None else module.quant_parts:
-        quant.pack_for_cpu(weight)
+    module.weight_form.pack_for_cpu_gemm(module.weight)
     release_free_memory()  # the staging, freed into the heap, back to the kernel before the next layer's
 
 
