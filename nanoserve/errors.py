@@ -3,8 +3,6 @@ step's requests."""
 
 from __future__ import annotations
 
-import torch
-
 from nanoserve.outputs import RequestOutput
 
 
@@ -36,6 +34,10 @@ class StepError(RuntimeError):
 def is_device_fault(error: BaseException) -> bool:
     """A fault that leaves the device unusable for every request (a CUDA error poisons the
     context), as opposed to one request's bad input."""
+    # Imported here: `import nanoserve` (errors.py among its modules) must not load torch before
+    # the entry points set the OpenMP spin (envs.set_openmp_spin_default); a step has loaded it.
+    import torch
+
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True
