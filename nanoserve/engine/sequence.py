@@ -1,4 +1,8 @@
-"""One generated sequence (a request with n > 1 owns n of them) and its progress."""
+"""One generated sequence (a request with n > 1 owns n of them) as the scheduler sees it: its
+tokens, KV blocks, status, priority, adapter and pipeline stage, and its speculative Proposal.
+What goes back to the client (detokenizer, text, logprobs, what was sent) is the output
+processor's OutputState (engine/output_state.py); tests/engine/test_state_writers.py lists which
+module may change which field."""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class Proposal:
     bitmask: torch.Tensor | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a field nobody declared cannot be set in passing
 class Sequence:
     seq_id: int
     request_id: str
