@@ -13,7 +13,7 @@ import argparse
 
 from nanoserve import LLM
 from nanoserve.bench.throughput import greedy_timed, random_prompts
-from nanoserve.engine.llm_engine import resolve_model_dir
+from nanoserve.engine.startup import resolve_model_dir
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.models.config import ModelConfig
 
