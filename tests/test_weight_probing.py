@@ -28,6 +28,7 @@ WEIGHT_ATTRIBUTES = {
     "cpu_table",
     "prepack_gemm",
     "finish_quantized",
+    "kernel_components",
 }
 PROBES = {"getattr", "hasattr", "setattr", "delattr"}
 ALLOWED: set[tuple[str, str]] = set()  # (file relative to nanoserve/, attribute)

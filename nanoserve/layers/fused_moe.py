@@ -15,7 +15,12 @@ from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import quant
 from nanoserve.kernels.fused_moe import cpu_expert_table, fused_moe, pack_expert_weights
 from nanoserve.layers.linear import LinearBase, RowTiling
-from nanoserve.layers.quant_experts import BLOCK, QuantExpertStaging, shard_columns
+from nanoserve.layers.quant_experts import (
+    BLOCK,
+    QuantExpertStaging,
+    StackedQuantExperts,
+    shard_columns,
+)
 
 # Checkpoint names of an expert's three matrices -> (our stacked parameter, part): Mixtral's
 # w1 / w3 / w2, and Qwen-MoE's / OLMoE's gate_proj / up_proj / down_proj.
@@ -121,9 +126,7 @@ class FusedMoE(nn.Module):
         hidden], down_proj [experts, hidden, inter]). Experts of other ranks are skipped; with
         the intermediate dimension split, this rank's rows (gate, up) or columns (down)."""
         expert, part = shard_id
-        if hasattr(
-            loaded, "kernel_components"
-        ):  # a quantized stacked tensor (models/mxfp4.Mxfp4Weight)
+        if isinstance(loaded, StackedQuantExperts):  # models/mxfp4.Mxfp4Weight
             self._load_stacked_quantized(param, loaded)
             return
         if expert is None:

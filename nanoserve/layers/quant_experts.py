@@ -16,6 +16,16 @@ BLOCK = 32  # the kernel formats' block of inputs
 MATRICES = {"w13": (0, 1), "w2": (None,)}  # each matrix's parts: gate 0 and up 1; down None
 
 
+class StackedQuantExperts:
+    """A checkpoint's tensor of every expert's matrix in a kernel format (models/mxfp4.py's
+    Mxfp4Weight), which FusedMoE's loader takes expert by expert; known by its type, so a loader
+    never asks a tensor what it can do."""
+
+    def kernel_components(self, expert: int) -> tuple[str, dict[str, torch.Tensor]]:
+        """One expert's matrix as (a kernels/quant.py qtype, its arrays)."""
+        raise NotImplementedError
+
+
 class QuantExpertStaging:
     """Each expert's matrix becomes its QuantWeight, packed for the CPU kernel, as soon as its
     parts are in: a checkpoint's experts are never all held unpacked at once (their components

@@ -20,8 +20,9 @@ from torch import nn
 from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 from nanoserve.kernels.kv_dtype import fused_decode_kv_format
 from nanoserve.layers.linear_weight import LINEAR_ENTRIES
-from nanoserve.models.llama import LlamaForCausalLM
-from nanoserve.models.qwen3 import Qwen3ForCausalLM
+from nanoserve.models.llama import LlamaForCausalLM, LlamaMLP
+from nanoserve.models.mixtral import SparseMoeBlock
+from nanoserve.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
 
 
@@ -45,11 +46,11 @@ def _moe_entry(mlp: nn.Module) -> list[int] | None:
     renormalize and each expert's intermediate size. None when the block can't go (a shared
     expert, biases, another activation, expert parallelism, experts not packed, a router whose
     columns aren't whole tiles of 16)."""
-    experts = getattr(mlp, "experts", None)
-    if experts is None:
+    if not isinstance(mlp, SparseMoeBlock):
         return [0] * _MOE_ENTRIES
+    experts = mlp.experts
     if (
-        getattr(mlp, "shared_expert", None) is not None
+        mlp.shared_expert is not None
         or experts.cpu_table is None
         or experts.expert_map is not None
         or experts.activation is not None
@@ -71,13 +72,12 @@ def _moe_entry(mlp: nn.Module) -> list[int] | None:
 def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
     """The q_norm and k_norm weights' addresses (models/qwen3.py: per head, in place), [0, 0]
     without; None when they can't go (not bf16 rows of head_dim, another eps)."""
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    if q_norm is None and k_norm is None:
+    if not isinstance(attn, Qwen3Attention):
         return [0, 0]
+    q_norm, k_norm = attn.q_norm, attn.k_norm
     for norm in (q_norm, k_norm):
         if (
-            norm is None
-            or norm.weight.dtype != torch.bfloat16
+            norm.weight.dtype != torch.bfloat16
             or norm.weight.shape != (attn.head_dim,)
             or not norm.weight.is_contiguous()
             or norm.eps != eps
@@ -106,11 +106,11 @@ class FusedDecode:
         dense = [
             layer.mlp.down_proj.weight.shape[1]
             for layer in layers
-            if hasattr(layer.mlp, "down_proj")
+            if isinstance(layer.mlp, LlamaMLP)
         ]
         self.inter = max(dense, default=0)
         # MoE layers: the widest router, top_k and expert intermediate size (the scratch's sizes).
-        sparse = [layer.mlp.experts for layer in layers if hasattr(layer.mlp, "experts")]
+        sparse = [layer.mlp.experts for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
         self.num_experts = max((e.num_experts for e in sparse), default=0)
         self.top_k = max((e.top_k for e in sparse), default=0)
         self.moe_inter = max((e.inter for e in sparse), default=0)
@@ -152,7 +152,7 @@ class FusedDecode:
         dense_inters = {
             layer.mlp.down_proj.weight.shape[1]
             for layer in model.model.layers
-            if hasattr(layer.mlp, "down_proj")
+            if isinstance(layer.mlp, LlamaMLP)
         }
         if (
             len(dense_inters) > 1

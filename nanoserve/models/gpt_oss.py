@@ -21,6 +21,7 @@ from nanoserve.layers.fused_moe import FusedMoE, ReplicatedLinear
 from nanoserve.layers.linear import RowTiling
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from nanoserve.models.mxfp4 import Mxfp4Weight
 
 
 def gate_then_up(size: int) -> torch.Tensor:
@@ -41,9 +42,7 @@ class GptOssExperts(FusedMoE):
         if shard_id != (None, None):
             super().weight_loader(param, loaded, shard_id)
             return
-        if hasattr(
-            loaded, "kernel_components"
-        ):  # MXFP4 (models/mxfp4.py): [experts, outputs, inputs]
+        if isinstance(loaded, Mxfp4Weight):  # [experts, outputs, inputs]
             if param is self.w13_weight:
                 loaded = loaded.rows(gate_then_up(loaded.blocks.shape[1]))
             super().weight_loader(param, loaded, shard_id)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.layers.quant_experts import StackedQuantExperts
 from nanoserve.models.compressed_tensors import checkpoint_quant_method
 
 MXFP4_METHOD = "mxfp4"
@@ -75,7 +76,7 @@ def mxfp4_config(model_dir: Path) -> Mxfp4Tensors | None:
     return Mxfp4Tensors() if checkpoint_quant_method(model_dir) == MXFP4_METHOD else None
 
 
-class Mxfp4Weight:
+class Mxfp4Weight(StackedQuantExperts):
     """One stacked MXFP4 tensor: blocks uint8 [experts, outputs, groups, 16], scales uint8
     [experts, outputs, groups]. layers/fused_moe.FusedMoE's loader reads it through
     `kernel_components` (CPU) or `dequantized`."""
