@@ -132,24 +132,30 @@ class CallObjectReader:
             self.arguments.append(piece)
             self.arguments_length += len(piece)
 
-    def _in_string(self, text: str, index: int) -> int:
-        """A key or a string value: up to its closing quote (a backslash skips one character)."""
+    def _string_piece(self, text: str, index: int) -> tuple[int, bool]:
+        """Keeps a string's characters up to its closing quote (a backslash skips one character):
+        where the scan stopped, and whether the string closed there."""
         if self._escaped:
             self._escaped = False
             self._keep(text[index])
-            return index + 1
+            return index + 1, False
         found = _STRING_STOP.search(text, index)
         if found is None:
             self._keep(text[index:])
-            return len(text)
+            return len(text), False
         end = found.start() + 1
         self._keep(text[index:end])
         if text[end - 1] == "\\":
             self._escaped = True
-            return end
-        if self._state == _KEY:
+            return end, False
+        return end, True
+
+    def _in_string(self, text: str, index: int) -> int:
+        """A key or a string value."""
+        end, closed = self._string_piece(text, index)
+        if closed and self._state == _KEY:
             self._end_key()
-        else:
+        elif closed:
             self._end_value()
         return end
 
@@ -175,19 +181,9 @@ class CallObjectReader:
         return end
 
     def _in_inner_string(self, text: str, index: int) -> int:
-        if self._escaped:
-            self._escaped = False
-            self._keep(text[index])
-            return index + 1
-        found = _STRING_STOP.search(text, index)
-        if found is None:
-            self._keep(text[index:])
-            return len(text)
-        end = found.start() + 1
-        self._keep(text[index:end])
-        if text[end - 1] == "\\":
-            self._escaped = True
-        else:
+        """A string inside an array or object value: its close turns the depth positive again."""
+        end, closed = self._string_piece(text, index)
+        if closed:
             self._depth = -self._depth
         return end
 
