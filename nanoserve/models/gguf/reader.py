@@ -4,6 +4,9 @@ implies, and its tensors dequantized and renamed to the HF Llama layout (bfloat1
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import gguf
 import numpy as np
@@ -40,25 +43,6 @@ def _float32_value(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-# llama.cpp's architectures of the Llama family, each as the Hugging Face class it was converted
-# from: (architectures, model_type). Qwen2 is Llama with Q/K/V biases, and its converter keeps the
-# Q/K rows in Hugging Face's order (llama.cpp rotates them NeoX-style), where "llama" reorders them;
-# Qwen3 adds per-head Q/K norms, Qwen3-MoE routes to experts (stacked: ffn_*_exps). A "llama" file
-# with experts (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one. gpt-oss
-# (models/gpt_oss.py) keeps HF's rows too, with biases on q/k/v/o, the router and the experts,
-# attention sinks (attn_sinks), YaRN, a sliding window on every other layer from the first, and
-# its experts in MXFP4.
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "phi3": ("Phi3ForCausalLM", "phi3"),
-    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-}
 GPT_OSS = "gpt-oss"
 # Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
 # factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
@@ -72,7 +56,6 @@ GEMMA = ("gemma2", "gemma3")
 PHI3 = "phi3"
 ROPE_FACTOR_TENSORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-_MIXTRAL = ("MixtralForCausalLM", "mixtral")
 
 
 def gguf_architecture(metadata: dict, file_name: str) -> str:
@@ -100,7 +83,7 @@ def rotary_rows_permuted(config) -> bool:
         if isinstance(config, dict)
         else config.architecture
     )
-    return architecture in (GGUF_ARCHITECTURES["llama"][0], _MIXTRAL[0])
+    return architecture in (GGUF_ARCHITECTURES["llama"].hf_class, _MIXTRAL[0])
 
 
 # The hyperparameters llama_config reads, by the kind of value each must hold (a file whose bits
@@ -184,141 +167,265 @@ def _check_value_kinds(
         )
 
 
-def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
-    """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES;
-    GGUFImportError, one line naming `file_name`, for another architecture or a value of the
-    wrong kind)."""
-    architecture = gguf_architecture(metadata, file_name)
-    _check_value_kinds(metadata, architecture, tensor_names, file_name)
+class _Keys:
+    """One file's `{architecture}.*` metadata: `get` for a key the config needs (GGUFImportError,
+    one line, where it is missing), `opt` for one it may lack."""
 
-    def get(key: str, default=None):
-        value = metadata.get(f"{architecture}.{key}", default)
+    def __init__(self, metadata: dict, architecture: str):
+        self.metadata, self.architecture = metadata, architecture
+
+    def opt(self, key: str, default=None):
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def get(self, key: str, default=None):
+        value = self.opt(key, default)
         if value is None:
-            raise GGUFImportError(f"GGUF metadata lacks {architecture}.{key}")
+            raise GGUFImportError(f"GGUF metadata lacks {self.architecture}.{key}")
         return value
 
-    scaling = metadata.get(f"{architecture}.rope.scaling.type", "none")
-    rope_scaling = None
-    if architecture == GPT_OSS and scaling == "yarn" and "rope_freqs.weight" not in tensor_names:
-        # llama.cpp's converter writes the factor and the original context; the betas are
-        # gpt-oss's (llama.cpp's defaults too) unless the file says otherwise; transformers'
-        # gpt-oss YaRN does not round its correction range (truncate false).
-        rope_scaling = {
-            "rope_type": "yarn",
-            "factor": _float32_value(get("rope.scaling.factor")),
-            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
-            "beta_fast": _float32_value(
-                metadata.get(f"{architecture}.rope.scaling.yarn_beta_fast", 32.0)
-            ),
-            "beta_slow": _float32_value(
-                metadata.get(f"{architecture}.rope.scaling.yarn_beta_slow", 1.0)
-            ),
-            "truncate": False,
-        }
-    elif architecture == PHI3 and set(ROPE_FACTOR_TENSORS) <= tensor_names:
-        # LongRoPE: the factors themselves come from the tensors (with_rope_factors)
-        rope_scaling = {
-            "rope_type": "longrope",
-            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
-        }
-    elif (
-        architecture == "gemma3" and scaling == "linear" and "rope_freqs.weight" not in tensor_names
-    ):
-        rope_scaling = {
-            "rope_type": "linear",
-            "factor": _float32_value(get("rope.scaling.factor")),
-        }  # global layers
-    elif scaling != "none" or "rope_freqs.weight" in tensor_names:
+
+@dataclass(frozen=True)
+class _Shape:
+    """The attention sizes every family's extra keys may depend on."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+
+
+def _yarn_scaling(keys: _Keys, scaling: str, tensor_names: set[str]) -> dict | None:
+    """gpt-oss's YaRN: llama.cpp's converter writes the factor and the original context; the betas
+    are gpt-oss's (llama.cpp's defaults too) unless the file says otherwise; transformers' gpt-oss
+    YaRN does not round its correction range (truncate false)."""
+    if scaling != "yarn" or "rope_freqs.weight" in tensor_names:
+        return None
+    return {
+        "rope_type": "yarn",
+        "factor": _float32_value(keys.get("rope.scaling.factor")),
+        "original_max_position_embeddings": keys.get("rope.scaling.original_context_length"),
+        "beta_fast": _float32_value(keys.opt("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": _float32_value(keys.opt("rope.scaling.yarn_beta_slow", 1.0)),
+        "truncate": False,
+    }
+
+
+def _longrope_scaling(keys: _Keys, scaling: str, tensor_names: set[str]) -> dict | None:
+    """Phi-3's LongRoPE, where the file has its factor tensors (with_rope_factors reads them)."""
+    if not set(ROPE_FACTOR_TENSORS) <= tensor_names:
+        return None
+    return {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": keys.get("rope.scaling.original_context_length"),
+    }
+
+
+def _linear_scaling(keys: _Keys, scaling: str, tensor_names: set[str]) -> dict | None:
+    """Gemma 3's linear scaling (its global layers')."""
+    if scaling != "linear" or "rope_freqs.weight" in tensor_names:
+        return None
+    return {"rope_type": "linear", "factor": _float32_value(keys.get("rope.scaling.factor"))}
+
+
+def _local_experts(keys: _Keys) -> dict:
+    """Mixtral's and gpt-oss's router keys."""
+    return {
+        "num_local_experts": keys.get("expert_count"),
+        "num_experts_per_tok": keys.get("expert_used_count"),
+    }
+
+
+def _qwen_experts(keys: _Keys, norm_topk_prob: bool) -> dict:
+    """Qwen-MoE's router keys: Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe
+    graph does; Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B) does not."""
+    return {
+        "num_experts": keys.get("expert_count"),
+        "num_experts_per_tok": keys.get("expert_used_count"),
+        "norm_topk_prob": norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": keys.get("expert_feed_forward_length"),
+    }
+
+
+def _qwen2_experts(keys: _Keys) -> dict:
+    """Qwen2-MoE adds a shared expert behind a sigmoid gate."""
+    return _qwen_experts(keys, norm_topk_prob=False) | {
+        "shared_expert_intermediate_size": keys.get("expert_shared_feed_forward_length")
+    }
+
+
+def _gemma_keys(keys: _Keys, shape: _Shape, gemma: str, every: int) -> dict:
+    """Gemma's activation, window and query scale, a full-attention layer every `every` layers."""
+    layers, window = keys.get("block_count"), keys.get("attention.sliding_window")
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "query_pre_attn_scalar": shape.hidden_size // shape.num_heads
+        if layers == _GEMMA_27B_LAYERS[gemma]
+        else shape.head_dim,
+        "layer_types": [
+            "full_attention" if (index + 1) % every == 0 else "sliding_attention"
+            for index in range(layers)
+        ],
+    }
+
+
+def _gemma2_keys(keys: _Keys, shape: _Shape) -> dict:
+    """Gemma 2: sliding on every other layer, both softcaps always written."""
+    return _gemma_keys(keys, shape, "gemma2", every=2) | {
+        "attn_logit_softcapping": _float32_value(keys.get("attn_logit_softcapping")),
+        "final_logit_softcapping": _float32_value(keys.get("final_logit_softcapping")),
+    }
+
+
+def _gemma3_keys(keys: _Keys, shape: _Shape) -> dict:
+    """Gemma 3: sliding on five layers of six (rope base 10,000), a final softcap only where set."""
+    family = _gemma_keys(keys, shape, "gemma3", every=6) | {"rope_local_base_freq": 10000.0}
+    cap = keys.opt("final_logit_softcapping")  # (written only when set)
+    if cap:
+        family["final_logit_softcapping"] = _float32_value(cap)
+    return family
+
+
+def _phi3_keys(keys: _Keys, shape: _Shape) -> dict:
+    """Phi-3: the window on every layer when the file has one; rotary on part of each head."""
+    rotary = keys.opt("rope.dimension_count", shape.head_dim)
+    return {
+        "sliding_window": keys.opt("attention.sliding_window") or None,
+        "partial_rotary_factor": rotary / shape.head_dim,
+    }
+
+
+def _gpt_oss_keys(keys: _Keys, shape: _Shape) -> dict:
+    """gpt-oss: biases everywhere, a window on every other layer from the first, clamped SwiGLU."""
+    window = keys.get("attention.sliding_window")
+    layers = keys.get("block_count")
+    return {
+        "sliding_window": window,
+        "attention_bias": True,
+        "intermediate_size": keys.get("expert_feed_forward_length"),
+        "layer_types": [
+            "sliding_attention" if index % 2 == 0 else "full_attention" for index in range(layers)
+        ],
+        "swiglu_limit": 7.0,
+    }
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """What one llama.cpp architecture's config.json has beyond the keys every Llama shares:
+    its HF class, its RoPE scaling (None where the file must have none), its router keys (None:
+    experts are refused; `with_experts`: the HF class a file with experts is), its own keys."""
+
+    hf_class: str
+    model_type: str
+    rope_scaling: Callable[[_Keys, str, set[str]], dict | None] | None = None
+    experts: Callable[[_Keys], dict] | None = None
+    experts_required: bool = False
+    with_experts: tuple[str, str] | None = None
+    family: Callable[[_Keys, _Shape], dict] | None = None
+    # Phi's rope.dimension_count may be part of a head: not a head size for it.
+    rotary_is_head_size: bool = True
+
+
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# llama.cpp's architectures of the Llama family, each as the Hugging Face class it was converted
+# from. Qwen2 is Llama with Q/K/V biases, and its converter keeps the Q/K rows in Hugging Face's
+# order (llama.cpp rotates them NeoX-style), where "llama" reorders them; Qwen3 adds per-head Q/K
+# norms, Qwen3-MoE routes to experts (stacked: ffn_*_exps). A "llama" file with experts
+# (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one. gpt-oss
+# (models/gpt_oss.py) keeps HF's rows too, with biases on q/k/v/o, the router and the experts,
+# attention sinks (attn_sinks), YaRN, a sliding window on every other layer from the first, and
+# its experts in MXFP4.
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture(
+        "LlamaForCausalLM", "llama", experts=_local_experts, with_experts=_MIXTRAL
+    ),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": GGUFArchitecture(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        experts=partial(_qwen_experts, norm_topk_prob=True),
+        experts_required=True,
+    ),
+    GPT_OSS: GGUFArchitecture(
+        "GptOssForCausalLM",
+        "gpt_oss",
+        rope_scaling=_yarn_scaling,
+        experts=_local_experts,
+        experts_required=True,
+        family=_gpt_oss_keys,
+    ),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", family=_gemma2_keys),
+    "gemma3": GGUFArchitecture(
+        "Gemma3ForCausalLM", "gemma3_text", rope_scaling=_linear_scaling, family=_gemma3_keys
+    ),
+    PHI3: GGUFArchitecture(
+        "Phi3ForCausalLM",
+        "phi3",
+        rope_scaling=_longrope_scaling,
+        family=_phi3_keys,
+        rotary_is_head_size=False,
+    ),
+    "qwen2moe": GGUFArchitecture(
+        "Qwen2MoeForCausalLM", "qwen2_moe", experts=_qwen2_experts, experts_required=True
+    ),
+}
+
+
+def _rope_scaling(
+    arch: GGUFArchitecture, keys: _Keys, tensor_names: set[str], file_name: str
+) -> dict | None:
+    """The architecture's own RoPE scaling where it applies; a file with any other is refused."""
+    scaling = keys.opt("rope.scaling.type", "none")
+    if arch.rope_scaling is not None:
+        rope_scaling = arch.rope_scaling(keys, scaling, tensor_names)
+        if rope_scaling is not None:
+            return rope_scaling
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
         raise GGUFImportError(f"RoPE scaling ({scaling!r} / rope_freqs) is not supported")
+    return None
+
+
+def _class_and_experts(
+    arch: GGUFArchitecture, keys: _Keys, file_name: str
+) -> tuple[tuple[str, str], dict]:
+    """The HF (class, model_type) and the router keys: an expert count only where the
+    architecture routes, and always where it must."""
+    hf = (arch.hf_class, arch.model_type)
+    if not keys.opt("expert_count"):
+        if arch.experts_required:
+            raise GGUFImportError(f"GGUF metadata lacks {keys.architecture}.expert_count")
+        return hf, {}
+    if arch.experts is None:
+        raise GGUFImportError(
+            f"{file_name}: experts in a {keys.architecture!r} file are not supported"
+        )
+    return arch.with_experts or hf, arch.experts(keys)
+
+
+def llama_config(metadata: dict, tensor_names: set[str], file_name: str) -> dict:
+    """The Hugging Face config.json of a GGUF file of the Llama family (GGUF_ARCHITECTURES: the
+    keys every Llama shares, then its architecture's own; GGUFImportError, one line naming
+    `file_name`, for another architecture or a value of the wrong kind)."""
+    architecture = gguf_architecture(metadata, file_name)
+    _check_value_kinds(metadata, architecture, tensor_names, file_name)
+    arch, keys = GGUF_ARCHITECTURES[architecture], _Keys(metadata, architecture)
+    get = keys.get
+    rope_scaling = _rope_scaling(arch, keys, tensor_names, file_name)
     hidden_size = get("embedding_length")
     num_heads = get("attention.head_count")
     num_kv_heads = get("attention.head_count_kv", num_heads)
-    # Phi's rope.dimension_count may be part of a head: not a head size for it.
-    rotated = None if architecture == PHI3 else metadata.get(f"{architecture}.rope.dimension_count")
-    head_dim = metadata.get(
-        f"{architecture}.attention.key_length", rotated or hidden_size // num_heads
-    )
+    rotated = keys.opt("rope.dimension_count") if arch.rotary_is_head_size else None
+    head_dim = keys.opt("attention.key_length", rotated or hidden_size // num_heads)
     tokens = metadata.get("tokenizer.ggml.tokens") or []
-    vocab_size = metadata.get(f"{architecture}.vocab_size", len(tokens))
-    hf_class, model_type = GGUF_ARCHITECTURES[architecture]
-    experts = {}
-    if metadata.get(f"{architecture}.expert_count"):
-        if architecture == "llama":
-            hf_class, model_type = _MIXTRAL
-        elif architecture not in ("qwen3moe", "qwen2moe", GPT_OSS):
-            raise GGUFImportError(
-                f"{file_name}: experts in a {architecture!r} file are not supported"
-            )
-        qwen = architecture in ("qwen3moe", "qwen2moe")
-        experts = {
-            "num_experts" if qwen else "num_local_experts": get("expert_count"),
-            "num_experts_per_tok": get("expert_used_count"),
-            # Qwen3-MoE renormalises the top-k weights, as llama.cpp's qwen3moe graph does; Qwen2-MoE
-            # (Qwen1.5-MoE, Qwen2-57B-A14B) does not, and adds a shared expert behind a sigmoid gate.
-            **(
-                {
-                    "norm_topk_prob": architecture == "qwen3moe",
-                    "decoder_sparse_step": 1,
-                    "mlp_only_layers": [],
-                    "moe_intermediate_size": get("expert_feed_forward_length"),
-                }
-                if qwen
-                else {}
-            ),
-            **(
-                {"shared_expert_intermediate_size": get("expert_shared_feed_forward_length")}
-                if architecture == "qwen2moe"
-                else {}
-            ),
-        }
-    elif architecture in ("qwen3moe", "qwen2moe", GPT_OSS):
-        raise GGUFImportError(f"GGUF metadata lacks {architecture}.expert_count")
-    family = {}
-    if architecture in GEMMA:
-        layers, window = get("block_count"), get("attention.sliding_window")
-        every = 2 if architecture == "gemma2" else 6
-        family = {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "sliding_window": window,
-            "query_pre_attn_scalar": hidden_size // num_heads
-            if layers == _GEMMA_27B_LAYERS[architecture]
-            else head_dim,
-            "layer_types": [
-                "full_attention" if (index + 1) % every == 0 else "sliding_attention"
-                for index in range(layers)
-            ],
-        }
-        if architecture == "gemma2":
-            family |= {
-                "attn_logit_softcapping": _float32_value(get("attn_logit_softcapping")),
-                "final_logit_softcapping": _float32_value(get("final_logit_softcapping")),
-            }
-        else:
-            family |= {"rope_local_base_freq": 10000.0}
-            cap = metadata.get(f"{architecture}.final_logit_softcapping")  # (written only when set)
-            if cap:
-                family["final_logit_softcapping"] = _float32_value(cap)
-    if architecture == PHI3:
-        rotary = metadata.get(f"{architecture}.rope.dimension_count", head_dim)
-        family = {
-            "sliding_window": metadata.get(f"{architecture}.attention.sliding_window") or None,
-            "partial_rotary_factor": rotary / head_dim,
-        }
-    if architecture == GPT_OSS:
-        window = get("attention.sliding_window")
-        layers = get("block_count")
-        family = {
-            "sliding_window": window,
-            "attention_bias": True,
-            "intermediate_size": get("expert_feed_forward_length"),
-            "layer_types": [
-                "sliding_attention" if index % 2 == 0 else "full_attention"
-                for index in range(layers)
-            ],
-            "swiglu_limit": 7.0,
-        }
+    vocab_size = keys.opt("vocab_size", len(tokens))
+    (hf_class, model_type), experts = _class_and_experts(arch, keys, file_name)
+    shape = _Shape(hidden_size, num_heads, head_dim)
+    family = arch.family(keys, shape) if arch.family is not None else {}
     # A Qwen3-MoE file may carry no dense feed_forward_length (no layer uses one).
-    dense_ffn = metadata.get(f"{architecture}.feed_forward_length")
+    dense_ffn = keys.opt("feed_forward_length")
     if dense_ffn is None:
         dense_ffn = experts.get("moe_intermediate_size") or get("feed_forward_length")
     return {
