@@ -4,6 +4,8 @@ parameter taking only its own shard through its weight_loader."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import safe_open
@@ -62,6 +64,112 @@ def _extra_zero_bias(quantization: IntegerFormat, f, tensor_name: str) -> bool:
     return not bool(f.get_tensor(tensor_name).any())
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How this model's parameters are named and which it holds, where that differs from its
+    checkpoint: a headless decoder, a tied LM head, a pipeline stage's missing modules, fused
+    (packed) projections, renamed fragments. `steps`: the name steps that apply to it, in order."""
+
+    params: dict[str, nn.Parameter]
+    packed: dict
+    renames: dict
+    tied: bool
+    tied_head_from_embedding: bool
+    missing: tuple[str, ...]
+    steps: tuple[NameStep, ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _Layout:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        headless = bool(getattr(model.config, "headless", False))
+        if headless:
+            params.pop("lm_head.weight", None)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        steps = (
+            *((_headless_prefix,) if headless else ()),
+            *((_skip_tied_head,) if tied else ()),
+            _pipeline_stage,
+        )
+        return cls(
+            params=params,
+            packed=getattr(model, "packed_modules", {}),
+            renames=getattr(model, "checkpoint_renames", {}),  # checkpoint fragment -> ours
+            tied=tied,
+            # A last pipeline stage without the embedding loads a tied LM head from its tensor.
+            tied_head_from_embedding=tied
+            and "lm_head.weight" in params
+            and "model.embed_tokens.weight" not in params,
+            missing=missing_prefixes(model),
+            steps=steps,
+        )
+
+    def model_name(self, name: str) -> str | None:
+        """The name a checkpoint tensor has in this model, or None: not this model's to load."""
+        for step in self.steps:
+            name = step(self, name)
+            if name is None:
+                return None
+        return name
+
+    def expected(self) -> set[str]:
+        """The parameters the checkpoint must fill (a tied head is the embedding's, unless it is
+        loaded from the embedding's tensor on a stage without the embedding)."""
+        return {
+            n
+            for n in self.params
+            if not (self.tied and n == "lm_head.weight" and not self.tied_head_from_embedding)
+        }
+
+
+# A step from a checkpoint tensor's name towards this model's: the next name, or None: skip it.
+NameStep = Callable[[_Layout, str], str | None]
+
+
+def _headless_prefix(layout: _Layout, name: str) -> str | None:
+    """A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
+    without "model."; the LM head stays unloaded (a pooling model never computes logits)."""
+    return name if name.startswith("model.") else "model." + name
+
+
+def _skip_tied_head(layout: _Layout, name: str) -> str | None:
+    """A tied LM head is the embedding: a checkpoint's own copy of it is not loaded."""
+    return None if name == "lm_head.weight" else name
+
+
+def _pipeline_stage(layout: _Layout, name: str) -> str | None:
+    """Pipeline parallelism: tensors of other stages' modules are skipped; a last stage without
+    the embedding takes the embedding's tensor as its tied LM head."""
+    if layout.tied_head_from_embedding and name == "model.embed_tokens.weight":
+        return "lm_head.weight"
+    if is_missing_parameter(name, layout.missing):
+        return None
+    return name
+
+
+def _checkpoint_tensor(f, name: str, mxfp4: Mxfp4Tensors | None) -> tuple[str, object] | None:
+    """(the tensor's name, its paired MXFP4 weight or None: the loader reads a safetensors slice),
+    or None for a tensor not loaded by itself: a rotary cache, half of an MXFP4 pair."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    if mxfp4 is not None and mxfp4.owns(name):
+        return mxfp4.add(name, f.get_tensor(name))
+    return name, None
+
+
+def _finish(
+    model: nn.Module, quantized: IntegerCheckpointLoader | None, mxfp4: Mxfp4Tensors | None
+) -> None:
+    """Weights made of several tensors are built once all have arrived: integer layers, MXFP4
+    experts, MoE experts a checkpoint holds quantized."""
+    if quantized is not None:
+        quantized.finish()
+    if mxfp4 is not None:
+        mxfp4.finish()
+    for module in model.modules():
+        if isinstance(module, FusedMoE):  # its quantized experts
+            module.finish_quantized()
+
+
 def load_weights(
     model: nn.Module,
     model_dir: Path,
@@ -73,21 +181,7 @@ def load_weights(
     models/quant_staging.IntegerCheckpointLoader instead. `mxfp4`: an MXFP4 checkpoint's
     blocks and scales are paired into one Mxfp4Weight for the experts' loader (models/mxfp4.py).
     MoE experts a checkpoint holds quantized are made into their QuantWeights at the end."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    # A headless decoder (e5-mistral's MistralModel, ...): its tensors are the decoder's, named
-    # without "model."; the LM head stays unloaded (a pooling model never computes logits).
-    headless = bool(getattr(model.config, "headless", False))
-    if headless:
-        params.pop("lm_head.weight", None)
-    packed = getattr(model, "packed_modules", {})
-    renames = getattr(model, "checkpoint_renames", {})  # checkpoint fragment -> ours (Mixtral)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    # Pipeline parallelism: tensors of other stages' modules are skipped. A last stage without the
-    # embedding loads a tied LM head from the embedding's tensor.
-    missing = missing_prefixes(model)
-    tied_head_from_embedding = (
-        tied and "lm_head.weight" in params and "model.embed_tokens.weight" not in params
-    )
+    layout = _Layout.of(model)
     files = checkpoint_files(model_dir)
     quantized = (
         None
@@ -98,58 +192,45 @@ def load_weights(
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
-                    continue
-                source = None  # the paired MXFP4 weight; None: the loader reads a safetensors slice
-                if mxfp4 is not None and mxfp4.owns(name):
-                    paired = mxfp4.add(name, f.get_tensor(name))
-                    if paired is None:
-                        continue
-                    name, source = paired
-                tensor_name = name
-                name, role = (name, None) if quantized is None else quantized.split_name(name)
-                if headless and not name.startswith("model."):
-                    name = "model." + name
-                if tied and name == "lm_head.weight":
-                    continue
-                if tied_head_from_embedding and name == "model.embed_tokens.weight":
-                    name_in_model = "lm_head.weight"
-                elif is_missing_parameter(name, missing):
-                    continue
-                else:
-                    name_in_model = name
-                target, shard_id = _target(name_in_model, packed, renames)
-                param = params.get(target)
-                if (
-                    param is None
-                    and quantized is not None
-                    and _extra_zero_bias(quantization, f, tensor_name)
-                ):
-                    continue
-                if param is None:
-                    raise ValueError(
-                        f"{file.name}: unexpected tensor {tensor_name!r} for this architecture"
-                    )
-                loaded_names.add(target)
-                if role is not None:
-                    layer = tensor_name[: tensor_name.rindex(".")]
-                    quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
-                    continue
-                load_parameter(
-                    param, f.get_slice(tensor_name) if source is None else source, shard_id
-                )
-    if quantized is not None:
-        quantized.finish()
-    if mxfp4 is not None:
-        mxfp4.finish()
-    for module in model.modules():
-        if isinstance(module, FusedMoE):  # its quantized experts
-            module.finish_quantized()
-    expected = {
-        n for n in params if not (tied and n == "lm_head.weight" and not tied_head_from_embedding)
-    }
-    absent = sorted(expected - loaded_names)
+                target = _load_tensor(layout, file, f, name, quantization, quantized, mxfp4)
+                if target is not None:
+                    loaded_names.add(target)
+    _finish(model, quantized, mxfp4)
+    absent = sorted(layout.expected() - loaded_names)
     if absent:
         raise ValueError(
             f"{model_dir}: checkpoint lacks {len(absent)} tensor(s), e.g. {absent[:3]}"
         )
+
+
+def _load_tensor(
+    layout: _Layout,
+    file: Path,
+    f,
+    name: str,
+    quantization: IntegerFormat | None,
+    quantized: IntegerCheckpointLoader | None,
+    mxfp4: Mxfp4Tensors | None,
+) -> str | None:
+    """One checkpoint tensor into its parameter (an integer layer's part to `quantized`): the
+    parameter's name, or None where the tensor is not this model's to load."""
+    checkpoint = _checkpoint_tensor(f, name, mxfp4)
+    if checkpoint is None:
+        return None
+    tensor_name, source = checkpoint
+    name, role = (tensor_name, None) if quantized is None else quantized.split_name(tensor_name)
+    name_in_model = layout.model_name(name)
+    if name_in_model is None:
+        return None
+    target, shard_id = _target(name_in_model, layout.packed, layout.renames)
+    param = layout.params.get(target)
+    if param is None and quantized is not None and _extra_zero_bias(quantization, f, tensor_name):
+        return None
+    if param is None:
+        raise ValueError(f"{file.name}: unexpected tensor {tensor_name!r} for this architecture")
+    if role is not None:
+        layer = tensor_name[: tensor_name.rindex(".")]
+        quantized.add(layer, role, f.get_tensor(tensor_name), target, param, shard_id)
+    else:
+        load_parameter(param, f.get_slice(tensor_name) if source is None else source, shard_id)
+    return target
