@@ -20,7 +20,6 @@ from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.preprocess import Preprocessor
 from nanoserve.server.request_logger import RequestLogger
 from nanoserve.server.response_cache import ResponseCache
-from nanoserve.server.responses_input import ResponseStore
 from nanoserve.server.serving import ServingContext, load_generation_defaults
 from nanoserve.server.shutdown_signals import ShutdownSignals
 
@@ -125,8 +124,8 @@ async def start_server(
         tokenizer_info=options.enable_tokenizer_info_endpoint,
         ui=not options.no_ui,
         dev_routes=options.server_dev_mode,
+        responses_store_max_bytes=options.responses_store_max_bytes,
     )
-    app.response_store = ResponseStore(max_bytes=options.responses_store_max_bytes)
     http = HttpServer(
         app, options.limits, error_response=http_error_response, check_headers=app.refuse_headers
     )

@@ -20,7 +20,11 @@ from nanoserve.server.completions import create_completion
 from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
 from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
 from nanoserve.server.responses import create_response
-from nanoserve.server.responses_input import ResponsesRequest, ResponseStore
+from nanoserve.server.responses_input import (
+    DEFAULT_STORE_MAX_BYTES,
+    ResponsesRequest,
+    ResponseStore,
+)
 from nanoserve.server.schemas import (
     APIError,
     ChatCompletionRequest,
@@ -169,6 +173,7 @@ class OpenAIApp:
         ui: bool = True,
         runtime_lora: bool = False,
         dev_routes: bool = False,
+        responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES,
     ) -> None:
         """`runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (--enable-lora
         with NANOSERVE_ALLOW_RUNTIME_LORA_UPDATING or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
@@ -179,7 +184,8 @@ class OpenAIApp:
         self.api_key = api_key
         self.server_load_tracking = server_load_tracking
         self.server_load = 0  # completion and chat requests in flight (with the tracking flag)
-        self.response_store = ResponseStore()  # /v1/responses' store and previous_response_id
+        # /v1/responses' store and previous_response_id
+        self.response_store = ResponseStore(max_bytes=responses_store_max_bytes)
         self.routes: dict[str, dict[str, Handler]] = {
             "/health": {"GET": self.health},
             "/ping": {"GET": self.health, "POST": self.health},
