@@ -1,7 +1,8 @@
-"""The route table: OpenAI endpoints plus vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info, /invocations and (in development mode) /reset_prefix_cache, and
-the chat page (server/ui.py). With an API key every route but OPEN_PATHS needs it. Maps every
-error to vLLM's {"error": {...}} body once, here."""
+"""The route table: OpenAI endpoints, vLLM's pooling routes (score, rerank, classify, pooling),
+plus vLLM's /health, /version, /tokenize, /detokenize, /metrics, /load, /tokenizer_info,
+/invocations and (in development mode) /reset_prefix_cache, and the chat page (server/ui.py).
+With an API key every route but OPEN_PATHS needs it. Maps every error to vLLM's {"error": {...}}
+body once, here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ import msgspec
 import nanoserve
 from nanoserve.server import metrics as metrics_module
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
+from nanoserve.server.classify import (
+    ClassifyRequest,
+    PoolingRequest,
+    create_classify,
+    create_pooling,
+)
 from nanoserve.server.completions import create_completion
 from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
 from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
@@ -38,6 +45,7 @@ from nanoserve.server.schemas import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from nanoserve.server.scoring import RerankRequest, ScoreRequest, create_rerank, create_score
 from nanoserve.server.serving import (
     TOO_DEEP,
     ServingContext,
@@ -197,6 +205,14 @@ class OpenAIApp:
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/responses": {"POST": self.responses},
             "/v1/embeddings": {"POST": self.embeddings},
+            # vLLM's pooling routes beside embeddings (server/scoring.py, classify.py)
+            "/v1/score": {"POST": self.score},
+            "/score": {"POST": self.score},
+            "/v1/rerank": {"POST": self.rerank},
+            "/rerank": {"POST": self.rerank},
+            "/v2/rerank": {"POST": self.rerank},
+            "/classify": {"POST": self.classify},
+            "/pooling": {"POST": self.pooling},
             "/invocations": {"POST": self.invocations},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
@@ -418,8 +434,23 @@ class OpenAIApp:
 
     async def embeddings(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, EmbeddingRequest))
-        is_pooling = self.ctx.engine.engine.is_pooling
-        return await self._tracked(lambda: create_embedding(self.ctx, body, is_pooling))
+        return await self._tracked(lambda: create_embedding(self.ctx, body))
+
+    async def score(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, ScoreRequest))
+        return await self._tracked(lambda: create_score(self.ctx, body))
+
+    async def rerank(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, RerankRequest))
+        return await self._tracked(lambda: create_rerank(self.ctx, body))
+
+    async def classify(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, ClassifyRequest))
+        return await self._tracked(lambda: create_classify(self.ctx, body))
+
+    async def pooling(self, request: HttpRequest):
+        body = with_request_id(request, decode_body(request, PoolingRequest))
+        return await self._tracked(lambda: create_pooling(self.ctx, body))
 
     async def responses(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, ResponsesRequest))

@@ -3,10 +3,15 @@ list of strings, a list of token ids or a list of token-id lists; `encoding_form
 "base64" (little-endian float32 bytes, what the `openai` client sends by default when numpy is
 present and decodes itself); `dimensions` for Matryoshka models; `usage` counts the prompt
 tokens. Each input is one engine request (a prompt pass, pooled; no KV kept after), batched with
-everything else the scheduler runs."""
+everything else the scheduler runs.
+
+Also the part every pooling route shares (scoring.py, classify.py): the checks of an input list,
+its tokenizing and truncation, the task a served model answers, and the submission of one
+engine request per prompt, all or none, aborted if the client goes."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 import time
@@ -15,7 +20,7 @@ from typing import Any
 import msgspec
 
 from nanoserve.inputs import TokensPrompt
-from nanoserve.outputs import RequestOutputKind
+from nanoserve.outputs import RequestOutput, RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.http.types import Response
 from nanoserve.server.schemas import APIError
@@ -47,34 +52,64 @@ def _is_ids(value: Any) -> bool:
     )
 
 
-def _inputs(request: EmbeddingRequest) -> list[str | list[int]]:
-    value = request.input
-    if isinstance(value, str) or _is_ids(value):
-        items = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, str) or _is_ids(v) for v in value):
-        items = value
+def pooling_tasks(engine: Any) -> frozenset[str]:
+    """The pooling tasks (PoolingParams.task) the served model answers: none for a generating
+    model; "embed" for an embedding model."""
+    return frozenset({"embed"}) if engine.is_pooling else frozenset()
+
+
+def check_task(ctx: ServingContext, tasks: tuple[str, ...], api: str) -> str:
+    """The first of `tasks` the model answers; a 400 naming the API otherwise (vLLM's message),
+    with the flag that serves such a model."""
+    served = pooling_tasks(ctx.engine.engine)
+    for task in tasks:
+        if task in served:
+            return task
+    if not served:
+        how = "it generates text (serve a pooling model with --runner pooling)"
     else:
+        how = f"it is served for {', '.join(sorted(served))}"
+    raise APIError(400, f"The model does not support {api}: {how}.", "model")
+
+
+def check_inputs(value: Any, field: str, allow_ids: bool = True) -> list[str | list[int]]:
+    """A pooling route's list of inputs: one string (or token-id list) or a non-empty list of
+    them, at most MAX_INPUTS, no empty string; a 400 naming `field` otherwise."""
+    if isinstance(value, str) or (allow_ids and _is_ids(value)):
+        items = [value]
+    elif (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, str) or (allow_ids and _is_ids(v)) for v in value)
+    ):
+        items = value
+    elif allow_ids:
         raise bad_request(
-            "input must be a string, a list of strings, a list of token ids or a list "
+            f"{field} must be a string, a list of strings, a list of token ids or a list "
             "of token-id lists (non-empty)",
-            "input",
+            field,
         )
+    else:
+        raise bad_request(f"{field} must be a string or a non-empty list of strings", field)
     if len(items) > MAX_INPUTS:
         raise bad_request(
-            f"input holds {len(items)} items; at most {MAX_INPUTS} per request", "input"
+            f"{field} holds {len(items)} items; at most {MAX_INPUTS} per request", field
         )
     if any(isinstance(item, str) and not item for item in items):
-        raise bad_request("input strings must not be empty", "input")
+        raise bad_request(f"{field} strings must not be empty", field)
     return items
 
 
-async def _prompts(
-    ctx: ServingContext, request: EmbeddingRequest, items: list[str | list[int]]
+async def tokenized_prompts(
+    ctx: ServingContext, request: Any, items: list[str | list[int]]
 ) -> list[TokensPrompt]:
-    ctx.check_truncation(request, reserve=0)  # a pooling prompt may fill the context
+    """Each input as a prompt: strings tokenized off the loop, then cut per the request's
+    `truncate_prompt_tokens` / `truncation_side` (a pooling prompt may fill the context)."""
+    ctx.check_truncation(request, reserve=0)
     texts = [item for item in items if isinstance(item, str)]
+    add_special_tokens = getattr(request, "add_special_tokens", True)
     encoded = iter(
-        await ctx.encode_many(texts, request.add_special_tokens, ctx.truncation_side_of(request))
+        await ctx.encode_many(texts, add_special_tokens, ctx.truncation_side_of(request))
     )
     prompts = []
     for item in items:
@@ -85,60 +120,89 @@ async def _prompts(
     return prompts
 
 
-def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+async def pool(
+    ctx: ServingContext,
+    base_id: str,
+    prompts: list[TokensPrompt],
+    params: PoolingParams,
+    priority: int,
+) -> list[RequestOutput]:
+    """One engine request per prompt (`base_id`, or `base_id-i` for several), all or none;
+    their final outputs in order. The requests are queued together, so the engine takes them
+    all between two steps (added one at a time, each would wait for a step of its own). A
+    client that goes away aborts the unfinished ones."""
+    ctx.check_capacity()
+
+    def add(index: int, prompt: TokensPrompt):
+        request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+        return ctx.engine.add_request(
+            request_id, prompt, params, priority, RequestOutputKind.FINAL_ONLY
+        )
+
+    adds = [asyncio.ensure_future(add(index, prompt)) for index, prompt in enumerate(prompts)]
+    try:
+        await asyncio.gather(*adds, return_exceptions=True)
+    except BaseException:  # cancelled (the client left): withdraw every request
+        _withdraw(ctx, adds)
+        raise
+    refused = [add.exception() for add in adds if add.exception() is not None]
+    if refused:  # all or none
+        _withdraw(ctx, adds)
+        raise refused[0]
+    return await ctx.final_outputs([add.result() for add in adds])
+
+
+def _withdraw(ctx: ServingContext, adds: list[asyncio.Future]) -> None:
+    """An add still waiting withdraws its own request when cancelled (add_request); one that
+    was accepted is aborted here, even if the caller was cancelled before it could see it."""
+    for add in adds:
+        if not add.done():
+            add.cancel()
+        elif not add.cancelled() and add.exception() is None:
+            ctx.engine.abort(add.result().request_id)
+
+
+def pooled_data(final: RequestOutput) -> list[float]:
+    """A pooling request's result: the embedding, class probabilities or [score]."""
+    return final.embedding
+
+
+def usage(prompt_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def create_embedding(
-    ctx: ServingContext, request: EmbeddingRequest, is_pooling: bool
-) -> Response:
+async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> Response:
     ctx.check_model(request.model)
-    if not is_pooling:
-        raise APIError(
-            400,
-            "The model does not support Embeddings API: it generates text (serve an "
-            "embedding model with --runner pooling, or --task embed).",
-            "model",
-        )
+    check_task(ctx, ("embed",), "Embeddings API")
     if request.encoding_format not in ("float", "base64"):
         raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
     if request.dimensions is not None and request.dimensions < 1:
         raise bad_request("dimensions must be a positive integer", "dimensions")
-    items = _inputs(request)
-    prompts = await _prompts(ctx, request, items)
+    items = check_inputs(request.input, "input")
+    prompts = await tokenized_prompts(ctx, request, items)
     params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
     base_id = response_id("embd", request.request_id)
-    ctx.check_capacity()
-    streams = []
-    try:
-        for index, prompt in enumerate(prompts):
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
-            streams.append(
-                await ctx.engine.add_request(
-                    request_id, prompt, params, request.priority, RequestOutputKind.FINAL_ONLY
-                )
-            )
-    except BaseException:  # all or none
-        ctx.abort_unfinished(streams)
-        raise
-    finals = await ctx.final_outputs(streams)
+    finals = await pool(ctx, base_id, prompts, params, request.priority)
     data = [
         {
             "object": "embedding",
             "index": index,
-            "embedding": _encode(final.embedding, request.encoding_format),
+            "embedding": encode_vector(pooled_data(final), request.encoding_format),
         }
         for index, final in enumerate(finals)
     ]
-    prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     body = {
         "id": base_id,
         "object": "list",
         "created": int(time.time()),
         "model": ctx.served_model_name,
         "data": data,
-        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
     }
     return Response(200, encode_json(body))

@@ -1,0 +1,171 @@
+"""POST /classify (vLLM's classification API for sequence classifiers) and POST /pooling
+(vLLM's raw pooling API: whatever the model pools, for each input).
+
+Both take `input` as /v1/embeddings does (a string, strings, token ids or token-id lists). A
+classify item is the class probabilities (`probs`, the raw logits with `use_activation` false),
+their count and the most likely class's label from the checkpoint's `id2label` (transformers'
+`LABEL_<i>` without one). A pooling item's `data` is what the model's task gives: the embedding
+of an embedding model (with `dimensions`, `normalize` and `encoding_format` as /v1/embeddings),
+the class probabilities of a classifier. `task` picks one the model serves; the per-token tasks
+of vLLM (token_embed, token_classify) are not served here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from nanoserve.pooling_params import PoolingParams
+from nanoserve.server.embeddings import (
+    check_inputs,
+    check_task,
+    encode_vector,
+    pool,
+    pooled_data,
+    pooling_tasks,
+    tokenized_prompts,
+    usage,
+)
+from nanoserve.server.http.types import Response
+from nanoserve.server.scoring import check_unsupported
+from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
+
+SERVED_TASKS = ("embed", "classify")  # what /pooling's `task` may name
+
+
+class ClassifyRequest(msgspec.Struct):
+    """vLLM's ClassificationCompletionRequest."""
+
+    input: Any = None
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    request_id: str | None = None
+    use_activation: bool | None = None
+    softmax: bool | None = None  # vLLM's older names of use_activation
+    activation: bool | None = None
+    # vLLM's, not supported here: a 400 naming them when set
+    mm_processor_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class PoolingRequest(ClassifyRequest):
+    """vLLM's PoolingCompletionRequest (its chat form, `messages`, is refused)."""
+
+    task: str | None = None  # None: the model's own
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None
+    messages: list[Any] | None = None
+
+
+@lru_cache(maxsize=8)
+def _labels(model_dir: str) -> dict[int, str]:
+    """config.json's id2label (its keys are strings in the file)."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    id2label = raw.get("id2label")
+    if not isinstance(id2label, dict):
+        return {}
+    labels = {}
+    for key, label in id2label.items():
+        try:
+            labels[int(key)] = str(label)
+        except ValueError:
+            continue
+    return labels
+
+
+def label_of(ctx: ServingContext, probs: list[float]) -> str:
+    best = max(range(len(probs)), key=probs.__getitem__)
+    return _labels(str(ctx.engine.engine.model_dir)).get(best, f"LABEL_{best}")
+
+
+def _check_common(ctx: ServingContext, request: ClassifyRequest) -> None:
+    ctx.check_model(request.model)
+    check_unsupported(request)
+
+
+async def create_classify(ctx: ServingContext, request: ClassifyRequest) -> Response:
+    _check_common(ctx, request)
+    check_task(ctx, ("classify",), "Classification API")
+    items = check_inputs(request.input, "input")
+    prompts = await tokenized_prompts(ctx, request, items)
+    base_id = response_id("classify", request.request_id)
+    finals = await pool(ctx, base_id, prompts, PoolingParams(), request.priority)
+    data = []
+    for index, final in enumerate(finals):
+        probs = pooled_data(final)
+        data.append(
+            {
+                "index": index,
+                "label": label_of(ctx, probs),
+                "probs": probs,
+                "num_classes": len(probs),
+            }
+        )
+    body = {
+        "id": base_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.served_model_name,
+        "data": data,
+        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
+    }
+    return Response(200, encode_json(body))
+
+
+def _pooling_task(ctx: ServingContext, request: PoolingRequest) -> str:
+    if request.task is None:
+        return check_task(ctx, SERVED_TASKS, "Pooling API")
+    if request.task not in SERVED_TASKS:
+        raise bad_request(
+            f"task {request.task!r} is not supported by this server (one of "
+            f"{list(SERVED_TASKS)}, or none for the model's own)",
+            "task",
+        )
+    if request.task not in pooling_tasks(ctx.engine.engine):
+        raise bad_request(f"The model is not served for task {request.task!r}", "task")
+    return request.task
+
+
+async def create_pooling(ctx: ServingContext, request: PoolingRequest) -> Response:
+    _check_common(ctx, request)
+    if request.messages is not None:
+        raise bad_request("`messages` is not supported by this server (send `input`)", "messages")
+    task = _pooling_task(ctx, request)
+    if request.encoding_format not in ("float", "base64"):
+        raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
+    if request.dimensions is not None and (task != "embed" or request.dimensions < 1):
+        raise bad_request("dimensions must be a positive integer, for task embed", "dimensions")
+    items = check_inputs(request.input, "input")
+    prompts = await tokenized_prompts(ctx, request, items)
+    params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+    base_id = response_id("pool", request.request_id)
+    finals = await pool(ctx, base_id, prompts, params, request.priority)
+    body = {
+        "id": base_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.served_model_name,
+        "data": [
+            {
+                "index": index,
+                "object": "pooling",
+                "data": encode_vector(pooled_data(final), request.encoding_format),
+            }
+            for index, final in enumerate(finals)
+        ],
+        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
+    }
+    return Response(200, encode_json(body))

@@ -1,0 +1,182 @@
+"""POST /v1/score and /score (vLLM's score API, after sentence-transformers' cross-encoder), and
+/v1/rerank, /rerank and /v2/rerank (the Jina / Cohere rerank shape vLLM serves).
+
+A score request pairs `text_1` with `text_2` as vLLM does: 1:1, 1:N (one text_1 against every
+text_2) or N:N (pairwise); anything else is a 400. A rerank request scores its `query` against
+each of its `documents` and answers them best first, the `top_n` best when it is positive.
+
+An embedding model scores a pair by the cosine of the two texts' embeddings (each text is one
+engine request; a single text_1 is embedded once). Its usage counts, per pair, both texts'
+tokens and, when the tokenizer has a pad token, one more: vLLM joins the two prompts with it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import torch
+
+from nanoserve.pooling_params import PoolingParams
+from nanoserve.server.embeddings import (
+    check_inputs,
+    check_task,
+    pool,
+    pooled_data,
+    tokenized_prompts,
+    usage,
+)
+from nanoserve.server.http.types import Response
+from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
+
+
+class ScoringFields(msgspec.Struct):
+    """What vLLM's score and rerank requests share (its PoolingBasicRequestMixin and
+    ClassifyRequestMixin)."""
+
+    model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # -1: max_model_len
+    truncation_side: str | None = None
+    priority: int = 0
+    request_id: str | None = None
+    # A cross-encoder's activation on its logit (sigmoid); vLLM's older names come after.
+    use_activation: bool | None = None
+    softmax: bool | None = None
+    activation: bool | None = None
+    # vLLM's, not supported here: a 400 naming them when set (not silently ignored)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+
+
+class ScoreRequest(ScoringFields):
+    text_1: Any = None  # a string or a list of strings: checked by the handler
+    text_2: Any = None
+
+
+class RerankRequest(ScoringFields):
+    query: Any = None  # a string
+    documents: Any = None  # a string or a list of strings
+    top_n: int = 0  # <= 0: all of them
+    return_documents: bool = True  # Jina's: False leaves `document` out of each result
+
+
+def activation_of(request: Any) -> bool | None:
+    """vLLM's get_use_activation: use_activation, else the older softmax, else activation."""
+    for name in ("use_activation", "softmax", "activation"):
+        value = getattr(request, name)
+        if value is not None:
+            return value
+    return None
+
+
+def check_unsupported(request: Any) -> None:
+    for name in ("mm_processor_kwargs", "cache_salt"):
+        if getattr(request, name) is not None:
+            raise bad_request(f"`{name}` is not supported by this server", name)
+
+
+def check_request(ctx: ServingContext, request: ScoringFields, api: str) -> None:
+    """The model, the task it is served for, and the fields we do not apply."""
+    ctx.check_model(request.model)
+    check_task(ctx, ("embed",), api)
+    check_unsupported(request)
+
+
+def _texts(value: Any, field: str) -> list[str]:
+    if value is None:
+        raise bad_request(f"{field} is required", field)
+    return check_inputs(value, field, allow_ids=False)  # type: ignore[return-value]
+
+
+def _cosines(vectors_1: list[list[float]], vectors_2: list[list[float]]) -> list[float]:
+    """Each pair's cosine in float32, as vLLM's (torch's CosineSimilarity, eps 1e-8)."""
+    first = torch.tensor(vectors_1, dtype=torch.float32)
+    second = torch.tensor(vectors_2, dtype=torch.float32)
+    if first.shape[0] == 1:
+        first = first.expand_as(second)
+    return torch.nn.functional.cosine_similarity(first, second, dim=1).tolist()
+
+
+async def _embedding_scores(
+    ctx: ServingContext,
+    request: ScoringFields,
+    base_id: str,
+    texts_1: list[str],
+    texts_2: list[str],
+) -> tuple[list[float], int]:
+    """Each pair's cosine and the usage's prompt tokens (see the module's docstring)."""
+    prompts = await tokenized_prompts(ctx, request, [*texts_1, *texts_2])
+    finals = await pool(ctx, base_id, prompts, PoolingParams(), request.priority)
+    vectors = [pooled_data(final) for final in finals]
+    size = len(vectors) * len(vectors[0])
+    scores = await ctx.off_loop(size, _cosines, vectors[: len(texts_1)], vectors[len(texts_1) :])
+    lengths = [len(prompt.prompt_token_ids) for prompt in prompts]
+    lengths_1, lengths_2 = lengths[: len(texts_1)], lengths[len(texts_1) :]
+    if len(lengths_1) == 1:
+        lengths_1 = lengths_1 * len(lengths_2)
+    pad = 0 if ctx.tokenizer.pad_token_id is None else 1
+    return scores, sum(a + pad + b for a, b in zip(lengths_1, lengths_2))
+
+
+async def _scores(
+    ctx: ServingContext,
+    request: ScoringFields,
+    base_id: str,
+    texts_1: list[str],
+    texts_2: list[str],
+) -> tuple[list[float], int]:
+    """The scores of texts_1 against texts_2 (1:1, 1:N or N:N) and the prompt tokens used."""
+    if len(texts_1) > 1 and len(texts_1) != len(texts_2):
+        raise bad_request(
+            f"Input lengths must be either 1:1, 1:N or N:N, got {len(texts_1)}:{len(texts_2)}",
+            "text_2",
+        )
+    return await _embedding_scores(ctx, request, base_id, texts_1, texts_2)
+
+
+async def create_score(ctx: ServingContext, request: ScoreRequest) -> Response:
+    check_request(ctx, request, "Score API")
+    texts_1 = _texts(request.text_1, "text_1")
+    texts_2 = _texts(request.text_2, "text_2")
+    base_id = response_id("score", request.request_id)
+    scores, prompt_tokens = await _scores(ctx, request, base_id, texts_1, texts_2)
+    body = {
+        "id": base_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.served_model_name,
+        "data": [
+            {"index": index, "object": "score", "score": score}
+            for index, score in enumerate(scores)
+        ],
+        "usage": usage(prompt_tokens),
+    }
+    return Response(200, encode_json(body))
+
+
+async def create_rerank(ctx: ServingContext, request: RerankRequest) -> Response:
+    check_request(ctx, request, "Rerank API")
+    if not isinstance(request.query, str) or not request.query:
+        raise bad_request("query must be a non-empty string", "query")
+    documents = _texts(request.documents, "documents")
+    base_id = response_id("rerank", request.request_id)
+    scores, prompt_tokens = await _scores(ctx, request, base_id, [request.query], documents)
+    ranked = sorted(range(len(scores)), key=lambda index: scores[index], reverse=True)
+    if request.top_n > 0:
+        ranked = ranked[: request.top_n]
+    results = []
+    for index in ranked:
+        result: dict[str, Any] = {"index": index}
+        if request.return_documents:
+            result["document"] = {"text": documents[index]}
+        result["relevance_score"] = scores[index]
+        results.append(result)
+    body = {
+        "id": base_id,
+        "model": ctx.served_model_name,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+        "results": results,
+    }
+    return Response(200, encode_json(body))
