@@ -32,7 +32,7 @@ from nanoserve.server.embeddings import (
     usage,
 )
 from nanoserve.server.http.types import Response
-from nanoserve.server.scoring import check_unsupported
+from nanoserve.server.scoring import activation_of, check_unsupported
 from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 
 SERVED_TASKS = ("embed", "classify")  # what /pooling's `task` may name
@@ -102,7 +102,8 @@ async def create_classify(ctx: ServingContext, request: ClassifyRequest) -> Resp
     items = check_inputs(request.input, "input")
     prompts = await tokenized_prompts(ctx, request, items)
     base_id = response_id("classify", request.request_id)
-    finals = await pool(ctx, base_id, prompts, PoolingParams(), request.priority)
+    params = PoolingParams(task="classify", activation=activation_of(request))
+    finals = await pool(ctx, base_id, prompts, params, request.priority)
     data = []
     for index, final in enumerate(finals):
         probs = pooled_data(final)
@@ -125,32 +126,44 @@ async def create_classify(ctx: ServingContext, request: ClassifyRequest) -> Resp
     return Response(200, encode_json(body))
 
 
-def _pooling_task(ctx: ServingContext, request: PoolingRequest) -> str:
-    if request.task is None:
-        return check_task(ctx, SERVED_TASKS, "Pooling API")
-    if request.task not in SERVED_TASKS:
+def _pooling_params(ctx: ServingContext, request: PoolingRequest) -> PoolingParams:
+    """The task (the request's, else the model's default) and its options, checked."""
+    served = pooling_tasks(ctx.engine.engine)
+    task = request.task
+    if task is None:  # the model's embed or classify (a cross-encoder's default may be score)
+        task = check_task(ctx, SERVED_TASKS, "Pooling API")
+    if task not in SERVED_TASKS:
         raise bad_request(
-            f"task {request.task!r} is not supported by this server (one of "
-            f"{list(SERVED_TASKS)}, or none for the model's own)",
+            f"task {task!r} is not supported by this server (one of {list(SERVED_TASKS)}, or "
+            "none for the model's own)",
             "task",
         )
-    if request.task not in pooling_tasks(ctx.engine.engine):
-        raise bad_request(f"The model is not served for task {request.task!r}", "task")
-    return request.task
+    if task not in served:
+        raise bad_request(
+            f"The model is not served for task {task!r} (it is for {', '.join(served)})", "task"
+        )
+    if request.encoding_format not in ("float", "base64"):
+        raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
+    activation = activation_of(request)
+    if task == "classify":
+        for name in ("dimensions", "normalize"):
+            if getattr(request, name) is not None:
+                raise bad_request(f"`{name}` is for task embed, not classify", name)
+        return PoolingParams(task=task, activation=activation)
+    if request.dimensions is not None and request.dimensions < 1:
+        raise bad_request("dimensions must be a positive integer", "dimensions")
+    # vLLM's newer name of an embedding's normalization is use_activation
+    normalize = request.normalize if request.normalize is not None else activation
+    return PoolingParams(task=task, dimensions=request.dimensions, normalize=normalize)
 
 
 async def create_pooling(ctx: ServingContext, request: PoolingRequest) -> Response:
     _check_common(ctx, request)
     if request.messages is not None:
         raise bad_request("`messages` is not supported by this server (send `input`)", "messages")
-    task = _pooling_task(ctx, request)
-    if request.encoding_format not in ("float", "base64"):
-        raise bad_request("encoding_format must be 'float' or 'base64'", "encoding_format")
-    if request.dimensions is not None and (task != "embed" or request.dimensions < 1):
-        raise bad_request("dimensions must be a positive integer, for task embed", "dimensions")
+    params = _pooling_params(ctx, request)
     items = check_inputs(request.input, "input")
     prompts = await tokenized_prompts(ctx, request, items)
-    params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
     base_id = response_id("pool", request.request_id)
     finals = await pool(ctx, base_id, prompts, params, request.priority)
     body = {

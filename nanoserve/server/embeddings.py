@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from nanoserve.inputs import TokensPrompt
-from nanoserve.outputs import RequestOutput, RequestOutputKind
+from nanoserve.inputs import TextPairPrompt, TokensPrompt
+from nanoserve.outputs import PoolingRequestOutput, RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.http.types import Response
 from nanoserve.server.schemas import APIError
@@ -52,10 +52,11 @@ def _is_ids(value: Any) -> bool:
     )
 
 
-def pooling_tasks(engine: Any) -> frozenset[str]:
-    """The pooling tasks (PoolingParams.task) the served model answers: none for a generating
-    model; "embed" for an embedding model."""
-    return frozenset({"embed"}) if engine.is_pooling else frozenset()
+def pooling_tasks(engine: Any) -> tuple[str, ...]:
+    """The pooling tasks (PoolingParams.task) the served model answers, its default first: none
+    for a generating model; embed and score (by cosine) for an embedding model; classify and
+    score for a sequence classifier (a cross-encoder)."""
+    return tuple(engine.pooling_tasks) if engine.is_pooling else ()
 
 
 def check_task(ctx: ServingContext, tasks: tuple[str, ...], api: str) -> str:
@@ -68,7 +69,7 @@ def check_task(ctx: ServingContext, tasks: tuple[str, ...], api: str) -> str:
     if not served:
         how = "it generates text (serve a pooling model with --runner pooling)"
     else:
-        how = f"it is served for {', '.join(sorted(served))}"
+        how = f"it is served for {', '.join(served)}"
     raise APIError(400, f"The model does not support {api}: {how}.", "model")
 
 
@@ -123,17 +124,17 @@ async def tokenized_prompts(
 async def pool(
     ctx: ServingContext,
     base_id: str,
-    prompts: list[TokensPrompt],
+    prompts: list[TokensPrompt] | list[TextPairPrompt],
     params: PoolingParams,
     priority: int,
-) -> list[RequestOutput]:
+) -> list[PoolingRequestOutput]:
     """One engine request per prompt (`base_id`, or `base_id-i` for several), all or none;
     their final outputs in order. The requests are queued together, so the engine takes them
     all between two steps (added one at a time, each would wait for a step of its own). A
     client that goes away aborts the unfinished ones."""
     ctx.check_capacity()
 
-    def add(index: int, prompt: TokensPrompt):
+    def add(index: int, prompt: TokensPrompt | TextPairPrompt):
         request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
         return ctx.engine.add_request(
             request_id, prompt, params, priority, RequestOutputKind.FINAL_ONLY
@@ -162,9 +163,9 @@ def _withdraw(ctx: ServingContext, adds: list[asyncio.Future]) -> None:
             ctx.engine.abort(add.result().request_id)
 
 
-def pooled_data(final: RequestOutput) -> list[float]:
+def pooled_data(final: PoolingRequestOutput) -> list[float]:
     """A pooling request's result: the embedding, class probabilities or [score]."""
-    return final.embedding
+    return final.outputs.data
 
 
 def usage(prompt_tokens: int) -> dict[str, int]:
@@ -186,7 +187,7 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> Re
         raise bad_request("dimensions must be a positive integer", "dimensions")
     items = check_inputs(request.input, "input")
     prompts = await tokenized_prompts(ctx, request, items)
-    params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
+    params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize, task="embed")
     base_id = response_id("embd", request.request_id)
     finals = await pool(ctx, base_id, prompts, params, request.priority)
     data = [

@@ -5,6 +5,12 @@ A score request pairs `text_1` with `text_2` as vLLM does: 1:1, 1:N (one text_1 
 text_2) or N:N (pairwise); anything else is a 400. A rerank request scores its `query` against
 each of its `documents` and answers them best first, the `top_n` best when it is positive.
 
+A cross-encoder (a sequence classifier: bge-reranker, ms-marco MiniLM) scores each pair as one
+prompt, the two texts tokenized together as transformers' `tokenizer(text_1, text_2)` does
+(nanoserve/inputs.py's TextPairPrompt; the engine cuts it to `truncate_prompt_tokens` keeping the
+special tokens); its score is the model's logit through `use_activation`'s sigmoid (the raw logit
+with false). Usage counts each pair prompt's tokens.
+
 An embedding model scores a pair by the cosine of the two texts' embeddings (each text is one
 engine request; a single text_1 is embedded once). Its usage counts, per pair, both texts'
 tokens and, when the tokenizer has a pad token, one more: vLLM joins the two prompts with it.
@@ -18,12 +24,14 @@ from typing import Any
 import msgspec
 import torch
 
+from nanoserve.inputs import TextPairPrompt
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.embeddings import (
     check_inputs,
     check_task,
     pool,
     pooled_data,
+    pooling_tasks,
     tokenized_prompts,
     usage,
 )
@@ -80,7 +88,7 @@ def check_unsupported(request: Any) -> None:
 def check_request(ctx: ServingContext, request: ScoringFields, api: str) -> None:
     """The model, the task it is served for, and the fields we do not apply."""
     ctx.check_model(request.model)
-    check_task(ctx, ("embed",), api)
+    check_task(ctx, ("score",), api)
     check_unsupported(request)
 
 
@@ -108,7 +116,8 @@ async def _embedding_scores(
 ) -> tuple[list[float], int]:
     """Each pair's cosine and the usage's prompt tokens (see the module's docstring)."""
     prompts = await tokenized_prompts(ctx, request, [*texts_1, *texts_2])
-    finals = await pool(ctx, base_id, prompts, PoolingParams(), request.priority)
+    params = PoolingParams(task="embed")
+    finals = await pool(ctx, base_id, prompts, params, request.priority)
     vectors = [pooled_data(final) for final in finals]
     size = len(vectors) * len(vectors[0])
     scores = await ctx.off_loop(size, _cosines, vectors[: len(texts_1)], vectors[len(texts_1) :])
@@ -133,7 +142,40 @@ async def _scores(
             f"Input lengths must be either 1:1, 1:N or N:N, got {len(texts_1)}:{len(texts_2)}",
             "text_2",
         )
-    return await _embedding_scores(ctx, request, base_id, texts_1, texts_2)
+    if "embed" in pooling_tasks(ctx.engine.engine):
+        return await _embedding_scores(ctx, request, base_id, texts_1, texts_2)
+    return await _cross_encoder_scores(ctx, request, base_id, texts_1, texts_2)
+
+
+async def _cross_encoder_scores(
+    ctx: ServingContext,
+    request: ScoringFields,
+    base_id: str,
+    texts_1: list[str],
+    texts_2: list[str],
+) -> tuple[list[float], int]:
+    """Each pair's score as one prompt, and the prompts' tokens."""
+    ctx.check_truncation(request, reserve=0)
+    if request.truncation_side == "left":
+        raise bad_request(
+            "truncation_side 'left' is not supported for a cross-encoder's pairs (they are "
+            "cut as the tokenizer cuts them, from the right)",
+            "truncation_side",
+        )
+    if len(texts_1) == 1:
+        texts_1 = texts_1 * len(texts_2)
+    prompts = [TextPairPrompt(first, second) for first, second in zip(texts_1, texts_2)]
+    try:
+        params = PoolingParams(
+            task="score",
+            activation=activation_of(request),
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
+        )
+    except ValueError as error:  # truncate_prompt_tokens 0: no pair is left
+        raise bad_request(str(error), "truncate_prompt_tokens") from None
+    finals = await pool(ctx, base_id, prompts, params, request.priority)
+    scores = [pooled_data(final)[0] for final in finals]
+    return scores, sum(len(final.prompt_token_ids) for final in finals)
 
 
 async def create_score(ctx: ServingContext, request: ScoreRequest) -> Response:
