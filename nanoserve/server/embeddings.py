@@ -107,6 +107,11 @@ async def tokenized_prompts(
     """Each input as a prompt: strings tokenized off the loop, then cut per the request's
     `truncate_prompt_tokens` / `truncation_side` (a pooling prompt may fill the context)."""
     ctx.check_truncation(request, reserve=0)
+    if request.truncate_prompt_tokens == 0:
+        raise bad_request(
+            "truncate_prompt_tokens 0 would leave no prompt: -1 (max_model_len) or >= 1",
+            "truncate_prompt_tokens",
+        )
     texts = [item for item in items if isinstance(item, str)]
     add_special_tokens = getattr(request, "add_special_tokens", True)
     encoded = iter(

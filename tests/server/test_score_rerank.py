@@ -172,6 +172,11 @@ TOO_MANY = ["x"] * 2049
         ),
         (
             "/v1/score",
+            {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens",
+        ),
+        (
+            "/v1/score",
             {"text_1": "a", "text_2": "b", "truncation_side": "middle"},
             "truncation_side",
         ),
