@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from nanoserve.inputs import TextPairPrompt, TokensPrompt
+from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import PoolingRequestOutput, RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.http.types import Response
@@ -101,26 +101,55 @@ def check_inputs(value: Any, field: str, allow_ids: bool = True) -> list[str | l
     return items
 
 
-async def tokenized_prompts(
-    ctx: ServingContext, request: Any, items: list[str | list[int]]
-) -> list[TokensPrompt]:
-    """Each input as a prompt: strings tokenized off the loop, then cut per the request's
-    `truncate_prompt_tokens` / `truncation_side` (a pooling prompt may fill the context)."""
+def is_encoder(ctx: ServingContext) -> bool:
+    """An encoder-only model (BERT, XLM-RoBERTa): its tokenizer's truncation keeps the special
+    tokens."""
+    return ctx.engine.engine.model_config.encoder is not None
+
+
+def check_truncation(ctx: ServingContext, request: Any) -> None:
+    """vLLM's checks of truncate_prompt_tokens and truncation_side, for a pooling prompt (which
+    may fill the context); 0 would leave no prompt."""
     ctx.check_truncation(request, reserve=0)
     if request.truncate_prompt_tokens == 0:
         raise bad_request(
             "truncate_prompt_tokens 0 would leave no prompt: -1 (max_model_len) or >= 1",
             "truncate_prompt_tokens",
         )
-    texts = [item for item in items if isinstance(item, str)]
+
+
+def truncation_limit(ctx: ServingContext, request: Any) -> int | None:
+    """The tokens truncate_prompt_tokens keeps (-1: the model's context), or None."""
+    limit = request.truncate_prompt_tokens
+    return ctx.max_model_len if limit == -1 else limit
+
+
+async def tokenized_prompts(
+    ctx: ServingContext, request: Any, items: list[str | list[int]]
+) -> list[TokensPrompt]:
+    """Each input as a prompt: strings tokenized off the loop, then cut per the request's
+    `truncate_prompt_tokens` / `truncation_side` (a pooling prompt may fill the context). An
+    encoder's texts cut from the right are cut as its tokenizer cuts them ([CLS] and [SEP]
+    stay, as vLLM and sentence-transformers do); token ids are cut as they are."""
+    check_truncation(ctx, request)
+    side = ctx.truncation_side_of(request)
     add_special_tokens = getattr(request, "add_special_tokens", True)
-    encoded = iter(
-        await ctx.encode_many(texts, add_special_tokens, ctx.truncation_side_of(request))
-    )
+    texts = [ctx.fit(item, side) for item in items if isinstance(item, str)]
+    keep = truncation_limit(ctx, request)
+    if keep is not None and side == "right" and add_special_tokens and is_encoder(ctx):
+        tokenizer = ctx.tokenizer
+        encoded = await ctx.map_sliced(
+            texts,
+            [len(text) for text in texts],
+            lambda some: [tokenizer.encode_with_types(text, None, keep)[0] for text in some],
+        )
+    else:
+        encoded = await ctx.encode_many(texts, add_special_tokens, side)
+    tokens = iter(encoded)
     prompts = []
     for item in items:
         ids, _ = ctx.truncate(
-            next(encoded) if isinstance(item, str) else list(item), request, reserve=0
+            next(tokens) if isinstance(item, str) else list(item), request, reserve=0
         )
         prompts.append(TokensPrompt(ids, item if isinstance(item, str) else None))
     return prompts
@@ -129,7 +158,7 @@ async def tokenized_prompts(
 async def pool(
     ctx: ServingContext,
     base_id: str,
-    prompts: list[TokensPrompt] | list[TextPairPrompt],
+    prompts: list[TokensPrompt],
     params: PoolingParams,
     priority: int,
 ) -> list[PoolingRequestOutput]:
@@ -139,7 +168,7 @@ async def pool(
     client that goes away aborts the unfinished ones."""
     ctx.check_capacity()
 
-    def add(index: int, prompt: TokensPrompt | TextPairPrompt):
+    def add(index: int, prompt: TokensPrompt):
         request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
         return ctx.engine.add_request(
             request_id, prompt, params, priority, RequestOutputKind.FINAL_ONLY

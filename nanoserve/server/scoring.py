@@ -6,9 +6,9 @@ text_2) or N:N (pairwise); anything else is a 400. A rerank request scores its `
 each of its `documents` and answers them best first, the `top_n` best when it is positive.
 
 A cross-encoder (a sequence classifier: bge-reranker, ms-marco MiniLM) scores each pair as one
-prompt, the two texts tokenized together as transformers' `tokenizer(text_1, text_2)` does
-(nanoserve/inputs.py's TextPairPrompt; the engine cuts it to `truncate_prompt_tokens` keeping the
-special tokens); its score is the model's logit through `use_activation`'s sigmoid (the raw logit
+prompt, the two texts tokenized together off the loop as transformers' `tokenizer(text_1,
+text_2)` does, with token types, and cut to `truncate_prompt_tokens` as its truncation cuts a
+pair (the special tokens stay); its score is the model's logit through `use_activation`'s sigmoid (the raw logit
 with false). Usage counts each pair prompt's tokens.
 
 An embedding model scores a pair by the cosine of the two texts' embeddings (each text is one
@@ -24,15 +24,17 @@ from typing import Any
 import msgspec
 import torch
 
-from nanoserve.inputs import TextPairPrompt
+from nanoserve.inputs import TokensPrompt
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.embeddings import (
     check_inputs,
     check_task,
+    check_truncation,
     pool,
     pooled_data,
     pooling_tasks,
     tokenized_prompts,
+    truncation_limit,
     usage,
 )
 from nanoserve.server.http.types import Response
@@ -155,7 +157,7 @@ async def _cross_encoder_scores(
     texts_2: list[str],
 ) -> tuple[list[float], int]:
     """Each pair's score as one prompt, and the prompts' tokens."""
-    ctx.check_truncation(request, reserve=0)
+    check_truncation(ctx, request)
     if request.truncation_side == "left":
         raise bad_request(
             "truncation_side 'left' is not supported for a cross-encoder's pairs (they are "
@@ -164,18 +166,32 @@ async def _cross_encoder_scores(
         )
     if len(texts_1) == 1:
         texts_1 = texts_1 * len(texts_2)
-    prompts = [TextPairPrompt(first, second) for first, second in zip(texts_1, texts_2)]
-    try:
-        params = PoolingParams(
-            task="score",
-            activation=activation_of(request),
-            truncate_prompt_tokens=request.truncate_prompt_tokens,
-        )
-    except ValueError as error:  # truncate_prompt_tokens 0: no pair is left
-        raise bad_request(str(error), "truncate_prompt_tokens") from None
+    prompts = await _pair_prompts(ctx, request, list(zip(texts_1, texts_2)))
+    params = PoolingParams(task="score", activation=activation_of(request))
     finals = await pool(ctx, base_id, prompts, params, request.priority)
     scores = [pooled_data(final)[0] for final in finals]
-    return scores, sum(len(final.prompt_token_ids) for final in finals)
+    return scores, sum(len(prompt.prompt_token_ids) for prompt in prompts)
+
+
+async def _pair_prompts(
+    ctx: ServingContext, request: ScoringFields, pairs: list[tuple[str, str]]
+) -> list[TokensPrompt]:
+    """Each pair tokenized as one prompt off the loop (the tokenizer's pair encoding, with
+    its token types), cut to truncate_prompt_tokens as the tokenizer cuts a pair."""
+    keep = truncation_limit(ctx, request)
+    if keep is None:  # a pair longer than any context is refused before it is tokenized
+        for first, second in pairs:
+            ctx.fit(first + second, None)
+    tokenizer = ctx.tokenizer
+
+    def encode(some: list[tuple[str, str]]) -> list[TokensPrompt]:
+        prompts = []
+        for first, second in some:
+            ids, types = tokenizer.encode_with_types(first, second, keep)
+            prompts.append(TokensPrompt(ids, None, types))
+        return prompts
+
+    return await ctx.map_sliced(pairs, [len(a) + len(b) for a, b in pairs], encode)
 
 
 async def create_score(ctx: ServingContext, request: ScoreRequest) -> Response:

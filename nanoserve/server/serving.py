@@ -200,7 +200,7 @@ class ServingContext:
         """Run fn on the preprocessing pool when the input is large, so the loop stays free."""
         return await self.preprocessor.run(size, fn, *args, **kwargs)
 
-    def _fit(self, text: str, truncation_side: str | None) -> str:
+    def fit(self, text: str, truncation_side: str | None) -> str:
         """With a truncation side, text longer than any context is first cut (by characters,
         from that side); the tokens are truncated later. Without one it is a 400."""
         if len(text) > self.max_prompt_chars and truncation_side is not None:
@@ -219,7 +219,7 @@ class ServingContext:
     async def encode(
         self, text: str, add_special_tokens: bool, truncation_side: str | None = None
     ) -> list[int]:
-        text = self._fit(text, truncation_side)
+        text = self.fit(text, truncation_side)
         return await self.off_loop(
             len(text), self.tokenizer.encode, text, add_special_tokens=add_special_tokens
         )
@@ -228,25 +228,28 @@ class ServingContext:
         self, texts: list[str], add_special_tokens: bool, truncation_side: str | None = None
     ) -> list[list[int]]:
         """The prompts of one request, each checked for length before any is tokenized, then
-        tokenized in slices of about PROMPT_SLICE_CHARS characters, one slice at a time: the
-        pool serves other requests' inputs between two slices, and the loop is never held
-        for more than a slice below SMALL_INPUT characters."""
-        texts = [self._fit(text, truncation_side) for text in texts]
+        tokenized in slices (map_sliced)."""
+        texts = [self.fit(text, truncation_side) for text in texts]
+        return await self.map_sliced(
+            texts,
+            [len(text) for text in texts],
+            lambda some: self.tokenizer.encode_each(some, add_special_tokens),
+        )
+
+    async def map_sliced(self, items: list, sizes: list[int], fn: Callable[[list], list]) -> list:
+        """fn over `items` (their sizes in characters) in slices of about PROMPT_SLICE_CHARS
+        characters, one slice at a time, the results joined: the pool serves other requests'
+        inputs between two slices, and the loop is never held for more than a slice below
+        SMALL_INPUT characters."""
         prepare_by = self.preprocessor.deadline()
-        result: list[list[int]] = []
+        result: list = []
         start = 0
-        while start < len(texts):
-            end, size = start + 1, len(texts[start])
-            while end < len(texts) and size + len(texts[end]) <= PROMPT_SLICE_CHARS:
-                size += len(texts[end])
+        while start < len(items):
+            end, size = start + 1, sizes[start]
+            while end < len(items) and size + sizes[end] <= PROMPT_SLICE_CHARS:
+                size += sizes[end]
                 end += 1
-            result += await self.preprocessor.run(
-                size,
-                self.tokenizer.encode_each,
-                texts[start:end],
-                add_special_tokens,
-                prepare_by=prepare_by,
-            )
+            result += await self.preprocessor.run(size, fn, items[start:end], prepare_by=prepare_by)
             start = end
         return result
 

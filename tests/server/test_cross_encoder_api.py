@@ -15,6 +15,7 @@ import torch
 from tests.models.encoder_checkpoints import write_encoder_checkpoint
 from tests.server.conftest import ServerHandle
 from tests.server.server_helpers import http_request
+from tests.server.test_event_loop_budget import Spy
 
 QUERY = "what is the capital of france"
 DOCUMENTS = ["paris is the capital city of france", "a dog", "two slow green rivers", "paris"]
@@ -197,3 +198,37 @@ def test_pooling_on_a_classifier_gives_its_probabilities(classifier):
         assert [d["data"] for d in pooled["data"]] == [d["probs"] for d in classified["data"]]
     status, payload = post(classifier, "/pooling", {"input": "a", "dimensions": 2})
     assert status == 400 and payload["error"]["param"] == "dimensions"
+
+
+def test_long_pairs_are_tokenized_off_the_event_loop(cross_encoder, monkeypatch):
+    """Pairs of more than SMALL_INPUT characters are tokenized on the preprocessing pool, and
+    the engine is handed their tokens (it tokenizes nothing on the loop)."""
+    tokenizer = cross_encoder.server.app.ctx.tokenizer
+    spy = Spy(monkeypatch, tokenizer, "encode_with_types")
+    documents = ["paris is the capital city of france " * 150, "a dog " * 900]
+    status, body = post(
+        cross_encoder,
+        "/v1/rerank",
+        {"query": QUERY, "documents": documents, "truncate_prompt_tokens": -1},
+    )
+    assert status == 200, body
+    assert len(spy.threads) == len(documents) and spy.off_the_loop()
+    max_len = cross_encoder.engine.max_model_len
+    assert body["usage"]["prompt_tokens"] == max_len * len(documents)
+
+
+def test_an_encoders_truncation_keeps_its_special_tokens(classifier, classifier_dir):
+    """truncate_prompt_tokens cuts an encoder's text as its tokenizer does ([CLS] / </s> stay):
+    the same answer as the token ids transformers' truncation gives."""
+    import transformers as hf
+
+    keep = 5
+    tokenizer = hf.AutoTokenizer.from_pretrained(classifier_dir)
+    ids = tokenizer(TEXTS[1], truncation=True, max_length=keep)["input_ids"]
+    assert len(ids) == keep and ids[-1] == tokenizer.sep_token_id
+    status, cut = post(classifier, "/classify", {"input": TEXTS[1], "truncate_prompt_tokens": keep})
+    assert status == 200, cut
+    status, given = post(classifier, "/classify", {"input": [ids]})
+    assert status == 200, given
+    assert cut["data"][0]["probs"] == given["data"][0]["probs"]
+    assert cut["usage"]["prompt_tokens"] == keep
