@@ -170,6 +170,10 @@ async def pool(
 
     def add(index: int, prompt: TokensPrompt):
         request_id = base_id if len(prompts) == 1 else f"{base_id}-{index}"
+        if ctx.request_logger is not None:  # --enable-log-requests, as the other routes
+            ctx.request_logger.log_inputs(
+                request_id, prompt.prompt, prompt.prompt_token_ids, params, priority
+            )
         return ctx.engine.add_request(
             request_id, prompt, params, priority, RequestOutputKind.FINAL_ONLY
         )

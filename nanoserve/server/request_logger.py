@@ -1,11 +1,12 @@
 """vLLM's request log (--enable-log-requests): one INFO line per request the engine is given,
-with its id, prompt length and sampling params. The prompt itself goes only to a DEBUG line,
+with its id, prompt length and sampling (or pooling) params. The prompt itself goes only to a DEBUG line,
 cut to --max-log-len characters and token ids (None: all of it, vLLM's default)."""
 
 from __future__ import annotations
 
 import logging
 
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.requests")
@@ -20,7 +21,7 @@ class RequestLogger:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
     ) -> None:
         if logger.isEnabledFor(logging.DEBUG):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import struct
 
 import pytest
@@ -21,7 +22,9 @@ TEXTS = ["The quick brown fox", "jumps over the lazy dog", "hello"]
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     handle = ServerHandle(
-        tiny_llama_dir, {"dtype": "float32", "runner": "pooling", "num_kv_blocks": 128}
+        tiny_llama_dir,
+        {"dtype": "float32", "runner": "pooling", "num_kv_blocks": 128},
+        enable_log_requests=True,
     )
     yield handle
     handle.close()
@@ -113,3 +116,20 @@ def test_classify_refuses_an_embedding_model(server):
     assert status == 400, payload
     assert payload["error"]["message"].startswith("The model does not support Classification API")
     assert "embed" in payload["error"]["message"] and payload["error"]["param"] == "model"
+
+
+def test_each_engine_request_is_logged(server, caplog):
+    """--enable-log-requests: one line per engine request, as the generating routes."""
+    caplog.set_level(logging.INFO, logger="nanoserve.requests")
+    status, _ = post(server, "/pooling", {"input": TEXTS[:2]}, {"X-Request-Id": "logged"})
+    assert status == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanoserve.requests"]
+    for index, text in enumerate(TEXTS[:2]):
+        tokens = len(server.engine.tokenizer.encode(text))
+        assert any(
+            line.startswith(
+                f"Received request pool-logged-{index}: prompt_token_ids_len: {tokens}, "
+                "priority: 0, params: PoolingParams("
+            )
+            for line in lines
+        ), lines
