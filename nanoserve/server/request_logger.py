@@ -1,6 +1,6 @@
 """vLLM's request log (--enable-log-requests): one INFO line per request the engine is given,
-with its id, prompt length and sampling (or pooling) params. The prompt itself goes only to a DEBUG line,
-cut to --max-log-len characters and token ids (None: all of it, vLLM's default)."""
+with its id, prompt length and sampling (or pooling) params. The prompt itself goes only to a
+DEBUG line, cut to --max-log-len characters and token ids (None: all of it, vLLM's default)."""
 
 from __future__ import annotations
 

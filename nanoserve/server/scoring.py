@@ -5,11 +5,11 @@ A score request pairs `text_1` with `text_2` as vLLM does: 1:1, 1:N (one text_1 
 text_2) or N:N (pairwise); anything else is a 400. A rerank request scores its `query` against
 each of its `documents` and answers them best first, the `top_n` best when it is positive.
 
-A cross-encoder (a sequence classifier: bge-reranker, ms-marco MiniLM) scores each pair as one
-prompt, the two texts tokenized together off the loop as transformers' `tokenizer(text_1,
-text_2)` does, with token types, and cut to `truncate_prompt_tokens` as its truncation cuts a
-pair (the special tokens stay); its score is the model's logit through `use_activation`'s sigmoid (the raw logit
-with false). Usage counts each pair prompt's tokens.
+A cross-encoder (a sequence classifier: bge-reranker, ms-marco MiniLM, a decoder reranker)
+scores each pair as one prompt, the two texts tokenized together off the loop as transformers'
+`tokenizer(text_1, text_2)` does, with token types, and cut to `truncate_prompt_tokens` as its
+truncation cuts a pair (the special tokens stay); its score is the model's logit through a
+sigmoid (`use_activation` false: the raw logit). Usage counts each pair prompt's tokens.
 
 An embedding model scores a pair by the cosine of the two texts' embeddings (each text is one
 engine request; a single text_1 is embedded once). Its usage counts, per pair, both texts'
