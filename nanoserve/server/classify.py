@@ -12,10 +12,7 @@ of vLLM (token_embed, token_classify) are not served here.
 
 from __future__ import annotations
 
-import json
 import time
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -67,28 +64,10 @@ class PoolingRequest(ClassifyRequest):
     messages: list[Any] | None = None
 
 
-@lru_cache(maxsize=8)
-def _labels(model_dir: str) -> dict[int, str]:
-    """config.json's id2label (its keys are strings in the file)."""
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    id2label = raw.get("id2label")
-    if not isinstance(id2label, dict):
-        return {}
-    labels = {}
-    for key, label in id2label.items():
-        try:
-            labels[int(key)] = str(label)
-        except ValueError:
-            continue
-    return labels
-
-
 def label_of(ctx: ServingContext, probs: list[float]) -> str:
+    """The most likely class's name: the checkpoint's id2label (ModelConfig reads it)."""
     best = max(range(len(probs)), key=probs.__getitem__)
-    return _labels(str(ctx.engine.engine.model_dir)).get(best, f"LABEL_{best}")
+    return ctx.engine.engine.model_config.id2label.get(best, f"LABEL_{best}")
 
 
 def _check_common(ctx: ServingContext, request: ClassifyRequest) -> None:

@@ -139,6 +139,8 @@ def test_rerank_orders_by_the_cross_encoder(cross_encoder, cross_encoder_dir):
         [(QUERY, d) for d in DOCUMENTS]
     )
     order = sorted(range(len(DOCUMENTS)), key=lambda i: float(expected[i]), reverse=True)
+    ranked = [float(expected[i]) for i in order]
+    assert all(a - b > 1e-3 for a, b in zip(ranked, ranked[1:]))  # one order, not a near-tie
     status, body = post(
         cross_encoder, "/v2/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 3}
     )
@@ -232,3 +234,51 @@ def test_an_encoders_truncation_keeps_its_special_tokens(classifier, classifier_
     assert status == 200, given
     assert cut["data"][0]["probs"] == given["data"][0]["probs"]
     assert cut["usage"]["prompt_tokens"] == keep
+
+
+@pytest.fixture(scope="module")
+def yes_no_reranker(tmp_path_factory):
+    """A random Qwen3 causal LM served as Qwen3-Reranker is, by vLLM's --hf-overrides: the
+    score is the softmax of the LM head's logits of two tokens ("no", "yes")."""
+    from tests.models.family_checkpoints import write_random_checkpoint
+
+    path = write_random_checkpoint(tmp_path_factory.mktemp("reranker") / "qwen3", "qwen3", seed=5)
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    no, yes = sorted(vocab, key=vocab.get)[300:302]
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True,
+    }
+    handle = ServerHandle(
+        path, {"dtype": "float32", "runner": "pooling", "hf_overrides": json.dumps(overrides)}
+    )
+    yield handle, path, (vocab[no], vocab[yes])
+    handle.close()
+
+
+def test_rerank_on_a_yes_no_decoder_reranker(yes_no_reranker):
+    import transformers as hf
+
+    server, path, (no, yes) = yes_no_reranker
+    query = "<Query>: Paris is the capital of?\n"
+    documents = ["<Document>: France. Berlin is", "<Document>: def add(a, b):", "<Document>: 東京"]
+    tokenizer = hf.AutoTokenizer.from_pretrained(path)
+    model = hf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected, lengths = [], []
+    for document in documents:
+        ids = tokenizer(query, document)["input_ids"]  # the two texts' tokens, one prompt
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        expected.append(float(logits[[no, yes]].softmax(-1)[1]))
+        lengths.append(len(ids))
+    status, body = post(server, "/rerank", {"query": query, "documents": documents})
+    assert status == 200, body
+    order = sorted(range(len(documents)), key=lambda i: expected[i], reverse=True)
+    ranked = [expected[i] for i in order]
+    assert all(a - b > 1e-3 for a, b in zip(ranked, ranked[1:]))  # one order, not a near-tie
+    assert [r["index"] for r in body["results"]] == order
+    assert all(abs(r["relevance_score"] - expected[r["index"]]) < 1e-4 for r in body["results"])
+    assert body["usage"]["prompt_tokens"] == sum(lengths)
+    status, payload = post(server, "/v1/embeddings", {"input": "a"})
+    assert status == 400 and payload["error"]["param"] == "model"
