@@ -70,6 +70,10 @@ class RerankRequest(ScoringFields):
     documents: Any = None  # a string or a list of strings
     top_n: int = 0  # <= 0: all of them
     return_documents: bool = True  # Jina's: False leaves `document` out of each result
+    # Cohere's, not supported here: a 400 naming them when set
+    rank_fields: list[Any] | None = None
+    max_chunks_per_doc: int | None = None
+    max_tokens_per_doc: int | None = None
 
 
 def activation_of(request: Any) -> bool | None:
@@ -81,9 +85,19 @@ def activation_of(request: Any) -> bool | None:
     return None
 
 
+# vLLM's and Cohere's fields that nanoserve does not apply: refused when set, not ignored
+UNSUPPORTED = (
+    "mm_processor_kwargs",
+    "cache_salt",
+    "rank_fields",
+    "max_chunks_per_doc",
+    "max_tokens_per_doc",
+)
+
+
 def check_unsupported(request: Any) -> None:
-    for name in ("mm_processor_kwargs", "cache_salt"):
-        if getattr(request, name) is not None:
+    for name in UNSUPPORTED:
+        if getattr(request, name, None) is not None:
             raise bad_request(f"`{name}` is not supported by this server", name)
 
 

@@ -186,6 +186,12 @@ TOO_MANY = ["x"] * 2049
             "mm_processor_kwargs",
         ),
         ("/v1/score", {"text_1": "a", "text_2": "b", "priority": "high"}, "priority"),
+        (
+            "/v1/rerank",
+            {"query": "q", "documents": ["a"], "max_tokens_per_doc": 9},
+            "max_tokens_per_doc",
+        ),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "rank_fields": ["t"]}, "rank_fields"),
         ("/v1/rerank", {"documents": ["a"]}, "query"),
         ("/v1/rerank", {"query": ["a"], "documents": ["a"]}, "query"),
         ("/v1/rerank", {"query": "q"}, "documents"),
