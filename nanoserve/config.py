@@ -13,7 +13,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # kernels/kv_dtype.py
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 RUNNERS = ("auto", "generate", "pooling")
-TASKS = ("auto", "generate", "embed", "embedding")
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+POOLING_TASK_FLAGS = ("embed", "embedding", "classify", "score")
 
 
 def arg(default=None, help: str = "", **cli):
@@ -155,13 +156,16 @@ class EngineConfig:
     )
     # vLLM's --runner / --task: "pooling" serves embeddings (/v1/embeddings, LLM.embed) instead of
     # generating; "auto" picks pooling for a headless checkpoint (MistralModel, ...), else
-    # generate. --task embed (or embedding) is vLLM's older spelling of --runner pooling.
+    # generate. --task embed (or embedding) is vLLM's older spelling of --runner pooling;
+    # --task classify / score also pool, and set the task a request without one gets (the
+    # model must support it: classify and score need a sequence classifier or cross-encoder).
     runner: str = arg(
         "auto", "generate text, or pool hidden states into embeddings", choices=RUNNERS
     )
     task: str = arg(
         "auto",
-        "vLLM's older flag: embed = --runner pooling, generate = --runner generate",
+        "vLLM's older flag: embed, classify or score = --runner pooling with that default "
+        "task, generate = --runner generate",
         choices=TASKS,
     )
     # --pooler-config: '{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}' over what the
@@ -257,7 +261,7 @@ class EngineConfig:
             raise ValueError(
                 f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
             )
-        pooling_task = self.task in ("embed", "embedding")
+        pooling_task = self.task in POOLING_TASK_FLAGS
         if (
             self.runner != "auto"
             and self.task != "auto"
@@ -298,7 +302,7 @@ class EngineConfig:
         """ "generate" or "pooling": the flags', else pooling for a headless checkpoint."""
         if self.runner != "auto":
             return self.runner
-        if self.task in ("embed", "embedding"):
+        if self.task in POOLING_TASK_FLAGS:
             return "pooling"
         if self.task == "generate":
             return "generate"

@@ -1,7 +1,13 @@
 """Prompts as the engine takes them, with vLLM's names: `TextPrompt` (text the engine tokenizes)
 and `TokensPrompt` (token ids, with the text they came from when it is known, for echo and logs).
 `LLM.generate` also takes what vLLM users pass: a string, a list of token ids, or a dict
-`{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `parse_prompt` turns each into one of the two."""
+`{"prompt": ...}` / `{"prompt_token_ids": [...]}`; `parse_prompt` turns each into one of the two.
+
+A cross-encoder scores a pair of texts as one prompt: `TextPairPrompt(text, text_pair)` (or the
+dict `{"text": a, "text_pair": b}`), which the model's tokenizer encodes as a pair, as
+transformers' `tokenizer(a, b)` does: `[CLS] a [SEP] b [SEP]` with token type ids 0 then 1
+(BERT), `<s> a </s></s> b </s>` (XLM-RoBERTa). A caller that tokenized the pair itself passes a
+TokensPrompt with its `token_type_ids`."""
 
 from __future__ import annotations
 
@@ -20,22 +26,41 @@ class TextPrompt:
 class TokensPrompt:
     prompt_token_ids: list[int]
     prompt: str | None = None  # the text the ids came from, when known
+    # Encoder models: each token's segment (0 first text, 1 the pair's second); None: all 0.
+    token_type_ids: list[int] | None = None
 
 
-PromptType = str | list[int] | dict | TextPrompt | TokensPrompt
+@dataclass(slots=True)
+class TextPairPrompt:
+    """A (query, document) pair for a cross-encoder, tokenized together as one prompt."""
+
+    text: str
+    text_pair: str
 
 
-def parse_prompt(prompt: Any) -> TextPrompt | TokensPrompt:
-    if isinstance(prompt, (TextPrompt, TokensPrompt)):
+PromptType = str | list[int] | dict | TextPrompt | TokensPrompt | TextPairPrompt
+
+
+def parse_prompt(prompt: Any) -> TextPrompt | TokensPrompt | TextPairPrompt:
+    if isinstance(prompt, (TextPrompt, TokensPrompt, TextPairPrompt)):
         return prompt
     if isinstance(prompt, str):
         return TextPrompt(prompt)
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return TokensPrompt(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
+            types = prompt.get("token_type_ids")
+            return TokensPrompt(
+                list(prompt["prompt_token_ids"]),
+                prompt.get("prompt"),
+                list(types) if types is not None else None,
+            )
+        if "text" in prompt and "text_pair" in prompt:
+            return TextPairPrompt(str(prompt["text"]), str(prompt["text_pair"]))
         if "prompt" in prompt:
             return TextPrompt(prompt["prompt"])
-        raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        raise InvalidRequestError(
+            "a prompt dict needs 'prompt', 'prompt_token_ids', or 'text' and 'text_pair'"
+        )
     if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
         return TokensPrompt(list(prompt))
     raise InvalidRequestError(

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
+import torch
 from tqdm.auto import tqdm
 
 from nanoserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
-from nanoserve.inputs import TextPrompt, TokensPrompt
+from nanoserve.inputs import TextPairPrompt, TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import (
-    EmbeddingOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingRequestOutput,
     RequestOutput,
     RequestOutputKind,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
@@ -64,21 +70,22 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts) -> list:
-        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt)) or (
+        if isinstance(prompts, (str, dict, TextPrompt, TokensPrompt, TextPairPrompt)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         return list(prompts)
 
-    def embed(
+    def encode(
         self,
         prompts,
         pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[EmbeddingRequestOutput]:
-        """vLLM's `LLM.embed` on a pooling model (--runner pooling / runner="pooling"): one
-        embedding per prompt (prompts as in generate), pooled and normalized as the checkpoint
-        says (nanoserve/pooling.py)."""
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode` on a pooling model: each prompt's pooled result, as the params'
+        `task` asks (None: the model's default task); `outputs.data` holds it. A prompt is
+        any prompt `generate` takes, or a pair for a cross-encoder: `TextPairPrompt(a, b)` or
+        `{"text": a, "text_pair": b}` (nanoserve/inputs.py)."""
         prompts = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
@@ -96,14 +103,91 @@ class LLM:
                     request_id, prompt, params, output_kind=RequestOutputKind.FINAL_ONLY
                 )
                 ids.append(request_id)
-            outputs = self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
+            return self._run(ids, use_tqdm and len(prompts) >= PROGRESS_BAR_MIN_PROMPTS)
         except BaseException:
             self.llm_engine.abort_request(ids)
             raise
+
+    def embed(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed` on a pooling model (--runner pooling / runner="pooling"): one
+        embedding per prompt (prompts as in generate), pooled and normalized as the checkpoint
+        says (nanoserve/pooling.py)."""
+        outputs = self.encode(prompts, _with_task(pooling_params, "embed"), use_tqdm)
         return [
-            EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids)
+            EmbeddingRequestOutput(o.request_id, o.outputs, o.prompt_token_ids) for o in outputs
+        ]
+
+    def classify(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify` on a sequence classifier (`*ForSequenceClassification`): each
+        prompt's class probabilities (`outputs.probs`; softmax over the labels, sigmoid for a
+        one-label model, unless the params' `activation` is False). `id2label` of the model:
+        `LLM.llm_engine.model_config.encoder.id2label`."""
+        outputs = self.encode(prompts, _with_task(pooling_params, "classify"), use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                o.request_id, ClassificationOutput(o.outputs.data), o.prompt_token_ids
+            )
             for o in outputs
         ]
+
+    def score(
+        self,
+        text_1: str | Seq[str],
+        text_2: str | Seq[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one score per (text_1, text_2) pair, pairing as vLLM does: one
+        text_1 with each text_2 (1:N), or the lists item by item (N:N, equal lengths). A
+        cross-encoder reads each pair as one prompt (its classifier's activated logit); an
+        embedding model scores by the cosine of the two texts' embeddings."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds:
+            raise ValueError("score needs at least one text_1 and one text_2")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        elif len(firsts) != len(seconds):
+            raise ValueError(
+                f"text_1 and text_2 must have the same length (or text_1 one text), got "
+                f"{len(firsts)} and {len(seconds)}"
+            )
+        params = pooling_params or PoolingParams()
+        if "classify" in self.llm_engine.pooling_tasks:  # a cross-encoder
+            pairs = [TextPairPrompt(a, b) for a, b in zip(firsts, seconds)]
+            outputs = self.encode(pairs, _with_task(params, "score"), use_tqdm)
+            return [
+                ScoringRequestOutput(
+                    o.request_id, ScoringOutput(o.outputs.data[0]), o.prompt_token_ids
+                )
+                for o in outputs
+            ]
+        embed_params = _with_task(params, "embed")
+        embedded = self.encode(firsts + seconds, embed_params, use_tqdm)
+        half = len(firsts)
+        results = []
+        for first, second in zip(embedded[:half], embedded[half:]):
+            a = torch.tensor(first.outputs.data)
+            b = torch.tensor(second.outputs.data)
+            cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+            results.append(
+                ScoringRequestOutput(
+                    first.request_id,
+                    ScoringOutput(cosine),
+                    first.prompt_token_ids + second.prompt_token_ids,
+                )
+            )
+        return results
 
     def generate(
         self,
@@ -265,3 +349,12 @@ class LLM:
             # The template already carries BOS where the model wants it.
             prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+def _with_task(
+    params: PoolingParams | Seq[PoolingParams] | None, task: str
+) -> PoolingParams | list[PoolingParams]:
+    """The params (one, or one per prompt) asking for `task`."""
+    if params is None or isinstance(params, PoolingParams):
+        return dataclasses.replace(params or PoolingParams(), task=task)
+    return [dataclasses.replace(p, task=task) for p in params]

@@ -82,8 +82,6 @@ class RequestOutput:
     # One entry per prompt token (the first is None) once the prompt is scored; None when the
     # request did not ask for prompt_logprobs.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # Pooling models: the prompt's embedding (float32 values), in the final output.
-    embedding: list[float] | None = None
     lora_request: object | None = None  # the LoRARequest it ran with (nanoserve.lora), if any
 
     def add(self, delta: RequestOutput) -> None:
@@ -107,12 +105,68 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingOutput:
-    embedding: list[float]
+class PoolingOutput:
+    """A pooling request's result (vLLM's): `data` is the embedding (task embed), the class
+    probabilities (classify) or `[score]` (score), as float32 values in a list."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self.data)
+
+
+# vLLM's name for an embedding's output: the same object (`.embedding` is `.data`).
+EmbeddingOutput = PoolingOutput
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's: a sequence classifier's class probabilities (logits with activation=False)."""
+
+    probs: list[float]
+
+    @property
+    def data(self) -> list[float]:
+        return self.probs
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's: one (text_1, text_2) pair's score."""
+
+    score: float
+
+    @property
+    def data(self) -> list[float]:
+        return [self.score]
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """A pooling request's one (final) output from the engine (vLLM's PoolingRequestOutput):
+    `outputs.data` holds the result whatever the task. `embedding` is `outputs.data`, kept for
+    the readers of the engine's earlier output."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.outputs.data
 
 
 @dataclass(slots=True)
@@ -120,6 +174,31 @@ class EmbeddingRequestOutput:
     """vLLM's: what LLM.embed returns per prompt."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's: what LLM.classify returns per prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's: what LLM.score returns per (text_1, text_2) pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# What LLMEngine.step returns per request: a generating request's output, or a pooling
+# request's final one.
+StepOutput = RequestOutput | PoolingRequestOutput

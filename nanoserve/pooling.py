@@ -52,9 +52,16 @@ class PoolerConfig:
 
     @classmethod
     def for_model(
-        cls, model_dir: str | Path | None, override: str | dict | None = None
+        cls,
+        model_dir: str | Path | None,
+        override: str | dict | None = None,
+        default_type: str = "LAST",
     ) -> PoolerConfig:
-        found = _sentence_transformers_config(Path(model_dir)) if model_dir is not None else {}
+        """`default_type`: the pooling without sentence-transformers files (LAST for decoders,
+        CLS for encoders, as vLLM)."""
+        found = {"pooling_type": default_type}
+        if model_dir is not None:
+            found.update(_sentence_transformers_config(Path(model_dir)))
         if model_dir is not None:
             found.update(_matryoshka(Path(model_dir)))
         return cls(**{**found, **cls.parse(override)})

@@ -140,6 +140,38 @@ class Tokenizer:
             result.append(ids)
         return result
 
+    def encode_with_types(
+        self, text: str, text_pair: str | None = None, max_length: int | None = None
+    ) -> tuple[list[int], list[int]]:
+        """One text, or a pair as one prompt, with the tokenizer.json's special tokens and
+        token type ids (transformers' `tokenizer(text, text_pair)`: BERT's `[CLS] a [SEP] b
+        [SEP]`, types 0 then 1; XLM-R's `<s> a </s></s> b </s>`). `max_length`: at most that
+        many ids, specials included, cut as the tokenizers library's longest_first
+        truncation cuts (the longer text first, from the right)."""
+        backend = self._backend
+        first = backend.encode(text, add_special_tokens=False)
+        second = (
+            backend.encode(text_pair, add_special_tokens=False) if text_pair is not None else None
+        )
+        if max_length is not None:
+            budget = max(0, max_length - backend.num_special_tokens_to_add(second is not None))
+            if second is None:
+                if len(first.ids) > budget:
+                    first.truncate(budget)
+            elif len(first.ids) + len(second.ids) > budget:
+                # tokenizers' LongestFirst: the shorter keeps up to half, the longer the rest.
+                first_longer = len(first.ids) > len(second.ids)
+                small = min(len(second.ids) if first_longer else len(first.ids), budget // 2)
+                large = budget - small
+                first.truncate(large if first_longer else small)
+                second.truncate(small if first_longer else large)
+        encoding = backend.post_process(first, second, add_special_tokens=True)
+        ids, types = list(encoding.ids), list(encoding.type_ids)
+        if self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+            types.insert(0, 0)
+        return ids, types
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

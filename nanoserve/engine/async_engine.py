@@ -481,7 +481,8 @@ class AsyncLLMEngine:
             stream.put(output)
             if output.finished:
                 del self.streams[output.request_id]
-                reason = (output.outputs[0].finish_reason if output.outputs else None) or "stop"
+                generated = isinstance(output, RequestOutput) and output.outputs  # not pooled
+                reason = (output.outputs[0].finish_reason if generated else None) or "stop"
                 self._observe_finished(stream, output, reason, now)
         if observer is not None and step_tokens:
             observer.on_step(step_tokens)

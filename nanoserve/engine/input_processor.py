@@ -5,6 +5,7 @@ request with its sequences, each with its seeded generator and grammar matcher."
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import time
 
@@ -16,12 +17,15 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.startup import ModelFiles
 from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
-from nanoserve.inputs import PromptType, TextPrompt, parse_prompt
+from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
-from nanoserve.pooling import PoolingState
+from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
+
+# How a sequence classifier's prompt is pooled before its head: its first token's row.
+CLASSIFIER_POOLING = PoolerConfig(pooling_type="CLS", normalize=False)
 
 
 class InputProcessor:
@@ -30,6 +34,8 @@ class InputProcessor:
     ) -> None:
         self.config, self.model_config = config, model.model_config
         self.tokenizer, self.pooler = model.tokenizer, model.pooler
+        self.pooling_tasks, self.default_task = model.pooling_tasks, model.default_task
+        self.encoder = self.model_config.encoder is not None
         self.max_model_len = max_model_len
         self.device = device  # where seeded requests' generators live
         self.max_prompt_chars = self._max_prompt_chars()
@@ -114,17 +120,18 @@ class InputProcessor:
                 "This model is served as a pooling model (--runner pooling): it embeds, "
                 "it does not generate text."
             )
+        params = self._pooling_task(params)
         try:
             self.pooler.check_dimensions(params.dimensions, self.model_config.hidden_size)
         except ValueError as error:
             raise InvalidRequestError(str(error), "dimensions") from None
-        prompt_text, token_ids = self._tokenize(prompt)
+        prompt_text, token_ids, token_types = self._tokenize_pooling(prompt, params)
         self._check_prompt_tokens(token_ids)
         if len(token_ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                 f"requested {len(token_ids)} tokens in the input for embedding generation. Please "
-                "reduce the length of the input.",
+                "reduce the length of the input (or set truncate_prompt_tokens).",
                 "input_tokens",
             )
         placeholder = SamplingParams(max_tokens=1)  # what the scheduler and outputs read
@@ -137,12 +144,76 @@ class InputProcessor:
             placeholder,
             priority,
             next(self._arrivals),
+            token_type_ids=token_types,
         )
-        seq.pooling = PoolingState(self.pooler, params)
+        # A classifier reads its first token's hidden state (its head does the rest).
+        pooler = self.pooler if params.task == "embed" else CLASSIFIER_POOLING
+        seq.pooling = PoolingState(pooler, params)
         metrics = RequestMetrics(
             arrival_time=arrival_time if arrival_time is not None else time.time()
         )
         return Request(request_id, prompt_text, list(token_ids), placeholder, [seq], metrics)
+
+    def _pooling_task(self, params: PoolingParams) -> PoolingParams:
+        """The params with their task resolved (None: the model's default) and checked."""
+        task = params.task or self.default_task
+        if task not in self.pooling_tasks:
+            raise InvalidRequestError(
+                f"task {task!r} is not supported by this model "
+                f"({self.model_config.architecture}: {', '.join(self.pooling_tasks)})",
+                "task",
+            )
+        if task == "score" and "classify" not in self.pooling_tasks:
+            raise InvalidRequestError(
+                "an embedding model scores a pair by the cosine of the two embeddings: embed "
+                "each text (LLM.score does)",
+                "task",
+            )
+        if task == "embed" and params.activation is not None:
+            raise InvalidRequestError(
+                "activation is for classify and score, not embed", "activation"
+            )
+        return params if params.task == task else dataclasses.replace(params, task=task)
+
+    def _tokenize_pooling(
+        self, prompt: PromptType, params: PoolingParams
+    ) -> tuple[str | None, list[int], list[int] | None]:
+        """A pooling prompt's text, token ids and (encoders) token type ids, truncated to
+        `truncate_prompt_tokens` (-1: the model's limit) as the tokenizer truncates: the
+        specials stay; token ids given as such keep their last tokens, as vLLM's."""
+        prompt = parse_prompt(prompt)
+        limit = params.truncate_prompt_tokens
+        if limit == -1:
+            limit = self.max_model_len
+        if limit is not None and limit > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens value ({limit}) is greater than max_model_len "
+                f"({self.max_model_len}). Please, select a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+        if isinstance(prompt, TextPairPrompt):
+            if params.task == "embed":
+                raise InvalidRequestError(
+                    "a text pair is scored (task score), not embedded", "task"
+                )
+            self.check_prompt_text(prompt.text + prompt.text_pair)
+            ids, types = self.tokenizer.encode_with_types(prompt.text, prompt.text_pair, limit)
+            return None, ids, types
+        if isinstance(prompt, TextPrompt) and (self.encoder or limit is not None):
+            self.check_prompt_text(prompt.prompt)
+            ids, types = self.tokenizer.encode_with_types(prompt.prompt, None, limit)
+            return prompt.prompt, ids, types if self.encoder else None
+        prompt_text, token_ids = self._tokenize(prompt)
+        types = prompt.token_type_ids if isinstance(prompt, TokensPrompt) else None
+        if types is not None and len(types) != len(token_ids):
+            raise InvalidRequestError(
+                f"token_type_ids has {len(types)} entries for {len(token_ids)} tokens",
+                "token_type_ids",
+            )
+        if limit is not None and len(token_ids) > limit:
+            token_ids = token_ids[-limit:]
+            types = types[-limit:] if types is not None else None
+        return prompt_text, token_ids, types
 
     def _check_prompt_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -265,6 +336,8 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         prompt = parse_prompt(prompt)
+        if isinstance(prompt, TextPairPrompt):
+            raise InvalidRequestError("a text pair is a prompt for a cross-encoder's score task")
         if isinstance(prompt, TextPrompt):
             return prompt.prompt, self.encode(prompt.prompt)
         return prompt.prompt, prompt.prompt_token_ids

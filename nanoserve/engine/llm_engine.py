@@ -37,7 +37,7 @@ from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.lora.registry import LoRARegistry
 from nanoserve.lora.request import LoRARequest
 from nanoserve.models.gguf.model import check_gguf_file, find_gguf_file
-from nanoserve.outputs import RequestOutput, RequestOutputKind
+from nanoserve.outputs import RequestOutput, RequestOutputKind, StepOutput
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
@@ -50,6 +50,7 @@ class LLMEngine:
         model = open_model(config)
         self.model_dir, self.model_config = model.model_dir, model.model_config
         self.tokenizer, self.pooler = model.tokenizer, model.pooler  # pooler None: generates
+        self.pooling_tasks, self.default_task = model.pooling_tasks, model.default_task
         self.model_path = str(config.model or self.model_dir)
         # vLLM names a model by its --model argument; the default model by its own name.
         self.served_model_name = config.served_model_name or config.model or self.model_dir.name
@@ -286,7 +287,7 @@ class LLMEngine:
         )
 
     # ---- one step -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         if self.ranks.dead_reason is not None:
             raise RuntimeError(self.ranks.dead_reason)
         if self.grammars.pending:
@@ -327,7 +328,7 @@ class LLMEngine:
             outputs = self.abort_request(request_ids)
             raise StepError(request_ids, error, outputs) from error
 
-    def _run_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+    def _run_step(self, scheduler_output: SchedulerOutput) -> list[StepOutput]:
         now = time.time()
         model_input = self.runner.prepare(scheduler_output.scheduled_seqs)
         logits = self.runner.forward(model_input)  # a pooling model's: the hidden states
@@ -339,6 +340,7 @@ class LLMEngine:
                 self.requests,
                 self.schedulers,
                 self.output_processor,
+                self.runner.classifier_head,
             )
         return self._finish_step(scheduler_output, model_input, logits, now)
 

@@ -17,6 +17,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_pp_world_size, get_rank, get_world_size
 from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
+from nanoserve.engine.encoder_step import encoder_model_input
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
@@ -57,7 +58,7 @@ from nanoserve.lora.layers import lora_batch
 from nanoserve.lora.manager import LoRAManager
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.cpu_decode import FusedDecode
-from nanoserve.models.registry import build_model, model_weight_bytes
+from nanoserve.models.registry import build_model, model_pooling_tasks, model_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,9 @@ class ModelRunner(KVCacheAllocation):
         self.kv_dtype = cache_dtype(config.kv_cache_dtype, self.dtype)  # the KV pool's elements
         # A pooling model (--runner pooling): forward returns the final hidden states of every
         # row, no logits (the engine pools them); it never decodes.
-        self.pooling = config.resolve_runner(model_config.headless) == "pooling"
+        self.pooling = config.resolve_runner(model_config.pooling_only) == "pooling"
+        # An encoder (models/bert.py): whole prompts, bidirectional, no KV cache at all.
+        self.encoder = model_config.encoder is not None
         self.block_size = config.block_size
         self.memory_at_start = (
             MemoryAtStart.take(self.device) if self.device.type == "cuda" else None
@@ -118,15 +121,19 @@ class ModelRunner(KVCacheAllocation):
                 self.pad_prompt_rows = (
                     True  # the LoRA GEMMs' rows are invariant in whole tiles only
                 )
+        # A sequence classifier's head, run by the pooling step on its pooled rows.
+        self.classifier_head = (
+            self.model.classify if "classify" in model_pooling_tasks(model_config) else None
+        )
         self.weight_bytes = model_weight_bytes(self.model)
         self.rank_weight_bytes = [self.weight_bytes]
         self.broadcast_seconds = 0.0
         self.broadcast_steps = 0
         self.num_swap_blocks = 0  # host blocks for swapped-out sequences (preemption mode "swap")
-        self.num_kv_blocks = self._allocate_kv_cache()
+        self.num_kv_blocks = 0 if self.encoder else self._allocate_kv_cache()
         # Pipeline parallelism: this rank's stage (engine/pipeline_stage.py); None with one stage.
         self.pipeline = PipelineStage(self) if get_pp_world_size() > 1 else None
-        self.swapper = self._allocate_host_pool()
+        self.swapper = None if self.encoder else self._allocate_host_pool()
         self.max_model_len = self._max_model_len()
         # CPU: steps of decodes only run their decoder layers in one C++ call (models/cpu_decode.py).
         self.fused_decode = (
@@ -153,6 +160,8 @@ class ModelRunner(KVCacheAllocation):
     def _max_model_len(self) -> int:
         """The longest sequence a step can hold (the engine lowers its limit the same way)."""
         longest = self.config.max_model_len or self.model_config.max_position_embeddings
+        if self.encoder:
+            return longest
         return min(longest, self.num_kv_blocks * self.block_size)
 
     def make_decode_graphs(self, capture: bool | None = None) -> DecodeGraphs:
@@ -214,7 +223,9 @@ class ModelRunner(KVCacheAllocation):
         layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded
         to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
         `block_offset`: where the scheduler's blocks start in the pool (pipeline parallelism gives
-        each virtual engine its own share)."""
+        each virtual engine its own share). An encoder's step: its whole prompts packed."""
+        if self.encoder:
+            return encoder_model_input(scheduled, self._to_device)
         decodes: list[ScheduledSequence] = []
         specs: list[ScheduledSequence] = []
         prompts: list[ScheduledSequence] = []

@@ -15,6 +15,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.encoder_step import NoKVBlocks
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.pipeline_stage import LaunchedStep
@@ -136,6 +137,15 @@ class VirtualEngines:
 def make_virtual_engines(
     config: EngineConfig, runner: ModelRunner, generating: bool, max_len: int
 ) -> VirtualEngines:
+    if runner.encoder:  # whole prompts, no KV blocks (engine/encoder_step.py)
+        scheduler = Scheduler(
+            NoKVBlocks(config.block_size),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.scheduling_policy,
+            whole_prompts=True,
+        )
+        return VirtualEngines([scheduler.block_manager], [scheduler], None, max_len)
     num_virtual_engines = config.pipeline_parallel_size
     blocks_each = runner.num_kv_blocks // num_virtual_engines
     if blocks_each < 1:

@@ -76,10 +76,13 @@ class Scheduler:
         host_pool: HostBlockPool | None = None,
         virtual_engine: int = 0,
         max_loras: int = 0,
+        whole_prompts: bool = False,
     ):
         """`host_pool`: preempt by swapping into it (None: by recompute). `virtual_engine`: which
         share of the pool `block_manager` hands out (pipeline parallelism). `max_loras`: distinct
-        LoRA adapters among the running sequences at most (0: LoRA is off)."""
+        LoRA adapters among the running sequences at most (0: LoRA is off). `whole_prompts`:
+        never split a prompt (encoder models' bidirectional attention); one longer than the
+        token budget runs alone in its step."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
@@ -93,6 +96,7 @@ class Scheduler:
         self.host_pool = host_pool
         self.virtual_engine = virtual_engine
         self.max_loras = max_loras
+        self.whole_prompts = whole_prompts
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -230,6 +234,10 @@ class Scheduler:
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self.whole_prompts and num_new < seq.num_tokens - seq.num_computed_tokens:
+                if output.scheduled_seqs or self.running:
+                    break  # it runs next step, first
+                num_new = seq.num_tokens - seq.num_computed_tokens
             if not self.block_manager.can_allocate(seq, num_new):
                 if not self.running and not output.scheduled_seqs:
                     # Even an empty pool can't hold this sequence's next chunk: shrink the chunk.

@@ -68,6 +68,8 @@ class Sequence:
     proposal: Proposal = field(default_factory=Proposal)
     # Pooling models: the embedding being pooled from its prompt's hidden states, chunk by chunk.
     pooling: PoolingState | None = None
+    # Encoder models: each prompt token's type id (a pair's second text is 1); None: all 0.
+    token_type_ids: list[int] | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
 

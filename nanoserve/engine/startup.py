@@ -12,7 +12,7 @@ from pathlib import Path
 from nanoserve.config import EngineConfig
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf.model import check_quantization, find_gguf_file, gguf_tokenizer
-from nanoserve.models.registry import check_pipeline_support
+from nanoserve.models.registry import check_pipeline_support, model_pooling_tasks
 from nanoserve.pooling import PoolerConfig
 from nanoserve.tokenizer import Tokenizer
 
@@ -26,6 +26,9 @@ class ModelFiles:
     tokenizer: Tokenizer
     pooler: PoolerConfig | None  # None: the model generates
     max_model_len: int  # as asked for; the KV cache may lower it
+    # A pooling model's tasks (PoolingParams.task) and the one a request without one gets.
+    pooling_tasks: tuple[str, ...] = ()
+    default_task: str | None = None
 
 
 def open_model(config: EngineConfig) -> ModelFiles:
@@ -37,7 +40,13 @@ def open_model(config: EngineConfig) -> ModelFiles:
     tokenizer = load_tokenizer(config.tokenizer, model_dir)
     max_model_len = requested_max_model_len(config, model_config)
     check_pipeline_support(model_config, config.pipeline_parallel_size)
-    return ModelFiles(model_dir, model_config, tokenizer, pooler, max_model_len)
+    tasks = model_pooling_tasks(model_config) if pooler is not None else ()
+    default_task = None
+    if pooler is not None:
+        default_task = config.task if config.task in ("classify", "score") else tasks[0]
+    return ModelFiles(
+        model_dir, model_config, tokenizer, pooler, max_model_len, tasks, default_task
+    )
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -93,7 +102,12 @@ def make_pooler(
 ) -> PoolerConfig | None:
     """--runner pooling (or --task embed, or a headless checkpoint): how prompts become
     embeddings; None for a generating model."""
-    if config.resolve_runner(model_config.headless) == "generate":
+    if config.resolve_runner(model_config.pooling_only) == "generate":
+        if model_config.encoder is not None:
+            raise ValueError(
+                f"{model_config.architecture} is an encoder: it does not generate text; serve "
+                "it with --runner pooling"
+            )
         if model_config.headless:
             raise ValueError(
                 f"{model_config.architecture.removesuffix('ForCausalLM')}Model checkpoints have no "
@@ -104,7 +118,18 @@ def make_pooler(
         raise ValueError("--speculative-config is for generating models, not --runner pooling")
     if config.pipeline_parallel_size > 1:
         raise ValueError("--runner pooling is not supported with pipeline parallelism")
-    return PoolerConfig.for_model(model_dir, config.pooler_config)
+    tasks = model_pooling_tasks(model_config)
+    task = "embed" if config.task == "embedding" else config.task
+    if task in ("embed", "classify", "score") and task not in tasks:
+        raise ValueError(
+            f"--task {task}: {model_config.architecture} does not support it (it supports "
+            f"{', '.join(tasks)}{'; classify needs a sequence classifier' if task == 'classify' else ''})"
+        )
+    if model_config.encoder is not None and config.tensor_parallel_size > 1:
+        raise ValueError("encoder models run on one rank: use --tensor-parallel-size 1")
+    # An encoder without sentence-transformers files pools its [CLS] row (vLLM's default).
+    default_type = "CLS" if model_config.encoder is not None else "LAST"
+    return PoolerConfig.for_model(model_dir, config.pooler_config, default_type)
 
 
 def requested_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -61,7 +61,8 @@ def collect_stats(
     return EngineStats(
         num_running=len({s.request_id for x in schedulers for s in x.running}),
         num_waiting=len({s.request_id for x in schedulers for s in x.waiting}),
-        kv_cache_usage=sum(m.num_used_blocks for m in managers) / num_blocks,
+        # (An encoder model holds no KV blocks.)
+        kv_cache_usage=sum(m.num_used_blocks for m in managers) / num_blocks if num_blocks else 0.0,
         num_preemptions_total=sum(x.num_preemptions for x in schedulers),
         prefix_cache_queries_total=sum(m.prefix_cache_queries for m in managers),
         prefix_cache_hits_total=sum(m.prefix_cache_hits for m in managers),

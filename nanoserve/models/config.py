@@ -30,6 +30,14 @@ HEADLESS_ARCHITECTURES = {
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
 }
+# Encoder-only models (bidirectional attention, absolute positions, token types): pooling
+# models only, with no KV cache (models/bert.py).
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "XLMRobertaModel",
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
 MOE_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
@@ -49,6 +57,37 @@ _DTYPE_NAMES = {
     "float": torch.float32,
     "fp32": torch.float32,
 }
+
+
+@dataclass(slots=True)
+class EncoderConfig:
+    """What an encoder-only checkpoint (ENCODER_ARCHITECTURES) adds to the shared fields."""
+
+    type_vocab_size: int
+    layer_norm_eps: float
+    # Position ids start here: 0 for BERT; XLM-RoBERTa's count from padding_idx + 1.
+    position_offset: int
+    num_labels: int  # a sequence classifier's classes (0: no classification head)
+    position_table_size: int  # config.json's max_position_embeddings (rows of the table)
+    id2label: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_raw(cls, raw: dict, architecture: str) -> EncoderConfig | None:
+        if architecture not in ENCODER_ARCHITECTURES:
+            return None
+        roberta = architecture.startswith("XLMRoberta")
+        labels = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+        classifier = architecture.endswith("ForSequenceClassification")
+        return cls(
+            type_vocab_size=int(raw.get("type_vocab_size", 2)),
+            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+            position_offset=int(raw.get("pad_token_id", 1)) + 1 if roberta else 0,
+            num_labels=(len(labels) if labels else int(raw.get("num_labels", 2)))
+            if classifier
+            else 0,
+            position_table_size=int(raw.get("max_position_embeddings", 512)),
+            id2label=labels if classifier else {},
+        )
 
 
 @dataclass(slots=True)
@@ -152,6 +191,7 @@ class ModelConfig:
     # the "model." prefix. Such a model only embeds (--runner pooling).
     headless: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts families
+    encoder: EncoderConfig | None = None  # encoder-only families (BERT, XLM-RoBERTa)
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
 
@@ -182,7 +222,10 @@ class ModelConfig:
         """`raw`: config.json's content; `model_dir` names the model in errors."""
         architectures = raw.get("architectures") or []
         headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
-        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        architecture = next(
+            (a for a in architectures if a in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES),
+            None,
+        )
         if architecture is None and headless is not None:
             architecture = HEADLESS_ARCHITECTURES[headless]
         if architecture is None:
@@ -193,7 +236,10 @@ class ModelConfig:
             )
             raise ValueError(
                 f"{model_dir}: unsupported architecture {named}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES))}"
+                "supported: "
+                + ", ".join(
+                    SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES) + ENCODER_ARCHITECTURES
+                )
             )
         num_heads = raw["num_attention_heads"]
         hidden = raw["hidden_size"]
@@ -224,6 +270,7 @@ class ModelConfig:
             partial_rotary = rope_parameters.get("partial_rotary_factor")
         sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         num_layers = raw["num_hidden_layers"]
+        encoder = EncoderConfig.from_raw(raw, architecture)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -236,7 +283,9 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            # An encoder's usable length: its table less XLM-RoBERTa's offset (514 - 2 = 512).
+            max_position_embeddings=raw.get("max_position_embeddings", 2048)
+            - (encoder.position_offset if encoder is not None else 0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(
                 raw.get(
@@ -259,7 +308,13 @@ class ModelConfig:
             rope_local_base_freq=float(rope_local) if rope_local is not None else None,
             moe=MoEConfig.from_raw(raw, architecture),
             headless=headless is not None and architecture == HEADLESS_ARCHITECTURES[headless],
+            encoder=encoder,
         )
+
+    @property
+    def pooling_only(self) -> bool:
+        """The checkpoint cannot generate: a headless decoder, or an encoder."""
+        return self.headless or self.encoder is not None
 
     def resolve_dtype(self, requested: str) -> torch.dtype:
         if requested == "auto":

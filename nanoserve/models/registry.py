@@ -11,6 +11,7 @@ from nanoserve.distributed.pipeline import real_layers
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.layers.linear import LinearBase
+from nanoserve.models.bert import ENCODER_CLASSES
 from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
@@ -41,6 +42,7 @@ MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    **ENCODER_CLASSES,  # pooling models only (--runner pooling)
 }
 
 
@@ -51,6 +53,12 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
     model_class = MODEL_CLASSES[config.architecture]
     if pipeline_parallel_size > 1 and not getattr(model_class, "supports_pipeline_parallel", False):
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
+
+
+def model_pooling_tasks(config: ModelConfig) -> tuple[str, ...]:
+    """What a pooling model answers (PoolingParams.task), its default first: a sequence
+    classifier classifies and scores pairs; an embedding model embeds (and scores by cosine)."""
+    return getattr(MODEL_CLASSES[config.architecture], "pooling_tasks", ("embed", "score"))
 
 
 def build_model(
@@ -72,7 +80,7 @@ def build_model(
         config = dataclasses.replace(config, enable_expert_parallel=True)
     with torch.device(device):
         model = model_class(config, dtype)
-    if max_model_len is not None:
+    if max_model_len is not None and config.encoder is None:
         for layer in real_layers(model.model.layers):  # this pipeline stage's
             attention = layer.self_attn.attn
             if attention.sliding_window is not None and attention.sliding_window >= max_model_len:

@@ -77,6 +77,7 @@ class _Layout:
     tied_head_from_embedding: bool
     missing: tuple[str, ...]
     steps: tuple[NameStep, ...]
+    skips: tuple[str, ...] = ()  # checkpoint tensors (name prefixes) the model does not use
 
     @classmethod
     def of(cls, model: nn.Module) -> _Layout:
@@ -86,6 +87,7 @@ class _Layout:
             params.pop("lm_head.weight", None)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         steps = (
+            _skip_unused,
             *((_headless_prefix,) if headless else ()),
             *((_skip_tied_head,) if tied else ()),
             _pipeline_stage,
@@ -101,6 +103,7 @@ class _Layout:
             and "model.embed_tokens.weight" not in params,
             missing=missing_prefixes(model),
             steps=steps,
+            skips=tuple(getattr(model, "checkpoint_skips", ())),
         )
 
     def model_name(self, name: str) -> str | None:
@@ -123,6 +126,11 @@ class _Layout:
 
 # A step from a checkpoint tensor's name towards this model's: the next name, or None: skip it.
 NameStep = Callable[[_Layout, str], str | None]
+
+
+def _skip_unused(layout: _Layout, name: str) -> str | None:
+    """Tensors the model never reads (an encoder's unused pooler or masked-LM head)."""
+    return None if name.startswith(layout.skips) else name
 
 
 def _headless_prefix(layout: _Layout, name: str) -> str | None:
