@@ -70,6 +70,11 @@ class Tokenizer:
         generation_eos_token_ids: list[int] | None = None,
         chat_template: str | None = None,
     ) -> None:
+        # A tokenizer.json may carry the padding and truncation it was trained with
+        # (all-MiniLM-L6-v2's pads every text to 128): transformers turns both off and applies
+        # what each call asks; so do we (encode_with_types truncates by itself).
+        backend.no_padding()
+        backend.no_truncation()
         self._backend = backend
         config = tokenizer_config or {}
         self.config = dict(config)  # tokenizer_config.json as read (GET /tokenizer_info shows it)

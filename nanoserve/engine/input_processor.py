@@ -196,11 +196,13 @@ class InputProcessor:
                 raise InvalidRequestError(
                     "a text pair is scored (task score), not embedded", "task"
                 )
-            self.check_prompt_text(prompt.text + prompt.text_pair)
+            if limit is None:  # (a truncated prompt may be as long as it likes)
+                self.check_prompt_text(prompt.text + prompt.text_pair)
             ids, types = self.tokenizer.encode_with_types(prompt.text, prompt.text_pair, limit)
             return None, ids, types
         if isinstance(prompt, TextPrompt) and (self.encoder or limit is not None):
-            self.check_prompt_text(prompt.prompt)
+            if limit is None:
+                self.check_prompt_text(prompt.prompt)
             ids, types = self.tokenizer.encode_with_types(prompt.prompt, None, limit)
             return prompt.prompt, ids, types if self.encoder else None
         prompt_text, token_ids = self._tokenize(prompt)

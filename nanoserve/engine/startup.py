@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,10 @@ def open_model(config: EngineConfig) -> ModelFiles:
     pooler = make_pooler(config, model_config, model_dir)
     tokenizer = load_tokenizer(config.tokenizer, model_dir)
     max_model_len = requested_max_model_len(config, model_config)
+    if pooler is not None and config.max_model_len is None:
+        max_model_len = min(
+            max_model_len, sentence_transformers_max_length(model_dir) or max_model_len
+        )
     check_pipeline_support(model_config, config.pipeline_parallel_size)
     tasks = model_pooling_tasks(model_config) if pooler is not None else ()
     default_task = None
@@ -130,6 +135,17 @@ def make_pooler(
     # An encoder without sentence-transformers files pools its [CLS] row (vLLM's default).
     default_type = "CLS" if model_config.encoder is not None else "LAST"
     return PoolerConfig.for_model(model_dir, config.pooler_config, default_type)
+
+
+def sentence_transformers_max_length(model_dir: Path) -> int | None:
+    """sentence_bert_config.json's max_seq_length: the length sentence-transformers cuts a
+    prompt to, which vLLM serves such a model with (all-MiniLM-L6-v2: 256 of its 512)."""
+    try:
+        raw = json.loads((model_dir / "sentence_bert_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    length = raw.get("max_seq_length") if isinstance(raw, dict) else None
+    return int(length) if isinstance(length, int) and length > 0 else None
 
 
 def requested_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

