@@ -28,6 +28,7 @@ from nanoserve.engine.llm_engine import LLMEngine, StepError
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.errors import InvalidRequestError
 from nanoserve.outputs import RequestOutput, RequestOutputKind
+from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoserve.engine")
@@ -251,12 +252,14 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         lora_request=None,
     ) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises
+        """Queue a request; returns its stream once the engine accepted it (a pooling request,
+        PoolingParams, ends with one PoolingRequestOutput; its prompt may be a cross-encoder's
+        pair, nanoserve/inputs.py's TextPairPrompt or {"text", "text_pair"}). Raises
         InvalidRequestError (the engine's user-facing message) or EngineDeadError. The server
         asks for DELTA outputs: each one carries only what is new."""
         if self.dead_error is not None:

@@ -273,3 +273,41 @@ def test_real_all_minilm_matches_sentence_transformers(dtype):
         assert len(output.outputs.data) == 384
         assert cosine(output.outputs.data, reference) > 0.9999
     assert alone.outputs.data == pytest.approx(got[1].outputs.data, abs=1e-6)
+
+
+def test_async_engine_takes_pair_prompts(llms):
+    """The server's path: AsyncLLMEngine.add_request with a pair prompt and a score task; the
+    final output's outputs.data is LLM.score's."""
+    import asyncio
+
+    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.outputs import PoolingRequestOutput, RequestOutputKind
+
+    llm = llms("bert-ce")
+    expected = [o.outputs.score for o in llm.score(QUERY, DOCUMENTS, use_tqdm=False)]
+
+    async def run() -> list[PoolingRequestOutput]:
+        engine = AsyncLLMEngine(llm.llm_engine)
+        engine.start()
+        try:
+            streams = [
+                await engine.add_request(
+                    f"pair-{i}",
+                    {"text": QUERY, "text_pair": document},
+                    PoolingParams(task="score"),
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                )
+                for i, document in enumerate(DOCUMENTS)
+            ]
+            finals = []
+            for stream in streams:
+                async for output in stream:
+                    final = output
+                finals.append(final)
+            return finals
+        finally:
+            await engine.stop()
+
+    finals = asyncio.run(run())
+    assert [type(f) for f in finals] == [PoolingRequestOutput] * len(DOCUMENTS)
+    assert [f.outputs.data[0] for f in finals] == pytest.approx(expected, abs=1e-6)
