@@ -311,3 +311,20 @@ def test_async_engine_takes_pair_prompts(llms):
     finals = asyncio.run(run())
     assert [type(f) for f in finals] == [PoolingRequestOutput] * len(DOCUMENTS)
     assert [f.outputs.data[0] for f in finals] == pytest.approx(expected, abs=1e-6)
+
+
+def test_tokens_prompt_with_token_types_equals_the_pair(llms):
+    from nanoserve.inputs import TokensPrompt
+
+    llm = llms("bert-ce")
+    ids, types = llm.get_tokenizer().encode_with_types(QUERY, DOCUMENTS[0])
+    params = PoolingParams(task="score")
+    (pair,) = llm.encode([TextPairPrompt(QUERY, DOCUMENTS[0])], params, use_tqdm=False)
+    (tokens,) = llm.encode([TokensPrompt(ids, token_type_ids=types)], params, use_tqdm=False)
+    (untyped,) = llm.encode([TokensPrompt(ids)], params, use_tqdm=False)
+    assert tokens.prompt_token_ids == pair.prompt_token_ids == ids
+    assert tokens.outputs.data == pytest.approx(pair.outputs.data, abs=1e-6)
+    assert untyped.outputs.data != pytest.approx(pair.outputs.data, abs=1e-6)  # types matter
+    with pytest.raises(InvalidRequestError, match="token_type_ids") as error:
+        llm.encode([TokensPrompt(ids, token_type_ids=types[:-1])], params, use_tqdm=False)
+    assert error.value.param == "token_type_ids"
