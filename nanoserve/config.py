@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from nanoserve.json_flags import json_object_flag
 from nanoserve.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
@@ -14,6 +15,13 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 RUNNERS = ("auto", "generate", "pooling")
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
+HF_OVERRIDE_FIELDS = {
+    "architectures",
+    "num_labels",
+    "id2label",
+    "classifier_from_token",
+    "is_original_qwen3_reranker",
+}
 POOLING_TASK_FLAGS = ("embed", "embedding", "classify", "score")
 
 
@@ -175,6 +183,15 @@ class EngineConfig:
         "pooling models: JSON overriding the checkpoint's pooling, e.g. "
         '\'{"pooling_type": "MEAN", "normalize": false}\'',
     )
+    # vLLM's --hf-overrides: fields merged over the checkpoint's config.json before it is read;
+    # the ones read here serve a causal LM as a classifier (models/sequence_classification.py):
+    # '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
+    # "yes"], "is_original_qwen3_reranker": true}' serves Qwen3-Reranker as vLLM does.
+    hf_overrides: str | dict | None = arg(
+        None,
+        "JSON merged over the checkpoint's config.json (architectures, num_labels, id2label, "
+        "classifier_from_token, is_original_qwen3_reranker)",
+    )
     # vLLM's --speculative-config: JSON text (or a dict through LLM(...)), read by
     # speculative_config.py; None: no speculation.
     speculative_config: str | dict | None = arg(
@@ -272,6 +289,8 @@ class EngineConfig:
             from nanoserve.pooling import PoolerConfig
 
             PoolerConfig.parse(self.pooler_config)  # a bad one is one clear error here
+        if self.hf_overrides is not None:
+            json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
         speculative = self.speculative
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
@@ -307,6 +326,13 @@ class EngineConfig:
         if self.task == "generate":
             return "generate"
         return "pooling" if headless_checkpoint else "generate"
+
+    @property
+    def model_overrides(self) -> dict | None:
+        """--hf-overrides as a dict (checked), or None."""
+        if self.hf_overrides is None:
+            return None
+        return json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -131,7 +131,7 @@ class LLM:
         """vLLM's `LLM.classify` on a sequence classifier (`*ForSequenceClassification`): each
         prompt's class probabilities (`outputs.probs`; softmax over the labels, sigmoid for a
         one-label model, unless the params' `activation` is False). `id2label` of the model:
-        `LLM.llm_engine.model_config.encoder.id2label`."""
+        `LLM.llm_engine.model_config.id2label`."""
         outputs = self.encode(prompts, _with_task(pooling_params, "classify"), use_tqdm)
         return [
             ClassificationRequestOutput(

@@ -24,8 +24,10 @@ from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.sampling_params import SamplingParams
 
-# How a sequence classifier's prompt is pooled before its head: its first token's row.
-CLASSIFIER_POOLING = PoolerConfig(pooling_type="CLS", normalize=False)
+# How a sequence classifier's prompt is pooled before its head: an encoder's first token's
+# row, a decoder's last.
+ENCODER_CLASSIFIER_POOLING = PoolerConfig(pooling_type="CLS", normalize=False)
+DECODER_CLASSIFIER_POOLING = PoolerConfig(pooling_type="LAST", normalize=False)
 
 
 class InputProcessor:
@@ -147,7 +149,9 @@ class InputProcessor:
             token_type_ids=token_types,
         )
         # A classifier reads its first token's hidden state (its head does the rest).
-        pooler = self.pooler if params.task == "embed" else CLASSIFIER_POOLING
+        pooler = self.pooler
+        if params.task != "embed":
+            pooler = ENCODER_CLASSIFIER_POOLING if self.encoder else DECODER_CLASSIFIER_POOLING
         seq.pooling = PoolingState(pooler, params)
         metrics = RequestMetrics(
             arrival_time=arrival_time if arrival_time is not None else time.time()
@@ -199,7 +203,7 @@ class InputProcessor:
             if limit is None:  # (a truncated prompt may be as long as it likes)
                 self.check_prompt_text(prompt.text + prompt.text_pair)
             ids, types = self.tokenizer.encode_with_types(prompt.text, prompt.text_pair, limit)
-            return None, ids, types
+            return None, ids, types if self.encoder else None
         if isinstance(prompt, TextPrompt) and (self.encoder or limit is not None):
             if limit is None:
                 self.check_prompt_text(prompt.prompt)

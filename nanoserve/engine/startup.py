@@ -36,7 +36,7 @@ def open_model(config: EngineConfig) -> ModelFiles:
     """Find the model, check that it can be served as asked, read its config and tokenizer."""
     model_dir = resolve_model_dir(config.model)
     check_quantization(config.quantization, model_dir)
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = ModelConfig.from_dir(model_dir, config.model_overrides)
     pooler = make_pooler(config, model_config, model_dir)
     tokenizer = load_tokenizer(config.tokenizer, model_dir)
     max_model_len = requested_max_model_len(config, model_config)
@@ -113,6 +113,10 @@ def make_pooler(
                 f"{model_config.architecture} is an encoder: it does not generate text; serve "
                 "it with --runner pooling"
             )
+        if model_config.num_labels:
+            raise ValueError(
+                "sequence classifiers do not generate text: serve them with --runner pooling"
+            )
         if model_config.headless:
             raise ValueError(
                 f"{model_config.architecture.removesuffix('ForCausalLM')}Model checkpoints have no "
@@ -132,6 +136,8 @@ def make_pooler(
         )
     if model_config.encoder is not None and config.tensor_parallel_size > 1:
         raise ValueError("encoder models run on one rank: use --tensor-parallel-size 1")
+    if model_config.num_labels and config.tensor_parallel_size > 1:
+        raise ValueError("sequence classifiers run on one rank: use --tensor-parallel-size 1")
     # An encoder without sentence-transformers files pools its [CLS] row (vLLM's default).
     default_type = "CLS" if model_config.encoder is not None else "LAST"
     return PoolerConfig.for_model(model_dir, config.pooler_config, default_type)

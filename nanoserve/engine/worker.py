@@ -53,7 +53,12 @@ def plan_topology(config: EngineConfig, model_config: ModelConfig) -> Topology:
 
 def run_worker(device: torch.device, config: EngineConfig, model_dir: str) -> None:
     """A rank > 0, after it joined the process group on `device` (launcher.WorkerGroup's target)."""
-    runner = ModelRunner(config, ModelConfig.from_dir(model_dir), Path(model_dir), device=device)
+    runner = ModelRunner(
+        config,
+        ModelConfig.from_dir(model_dir, config.model_overrides),
+        Path(model_dir),
+        device=device,
+    )
     runner.worker_loop()
 
 
@@ -65,5 +70,5 @@ def start_workers(config: EngineConfig, topology: Topology, model_dir: str) -> W
 def run_node(config: EngineConfig, model_dir: str) -> int:
     """A host with --node-rank > 0 (`nanoserve serve --node-rank K`): run its ranks until rank 0
     stops them (or one fails); the exit code."""
-    topology = plan_topology(config, ModelConfig.from_dir(model_dir))
+    topology = plan_topology(config, ModelConfig.from_dir(model_dir, config.model_overrides))
     return run_ranks(topology, run_worker, (config, model_dir))

@@ -212,9 +212,7 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.bert = BertModel(config, dtype, with_pooler=True)
-        self.classifier = ColumnParallelLinear(
-            config.hidden_size, config.encoder.num_labels, True, dtype
-        )
+        self.classifier = ColumnParallelLinear(config.hidden_size, config.num_labels, True, dtype)
 
     packed_modules = PACKED_QKV
 
@@ -234,9 +232,7 @@ class ClassificationHead(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.dense = ColumnParallelLinear(config.hidden_size, config.hidden_size, True, dtype)
-        self.out_proj = ColumnParallelLinear(
-            config.hidden_size, config.encoder.num_labels, True, dtype
-        )
+        self.out_proj = ColumnParallelLinear(config.hidden_size, config.num_labels, True, dtype)
 
     def forward(self, first_rows: torch.Tensor) -> torch.Tensor:
         return self.out_proj(torch.tanh(self.dense(first_rows)))

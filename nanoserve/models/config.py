@@ -30,6 +30,14 @@ HEADLESS_ARCHITECTURES = {
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
 }
+# Decoder sequence classifiers (rerankers such as Qwen3-Reranker converted to one label): the
+# decoder's tensors with a `score` head in place of the LM head; pooling models only.
+SEQUENCE_CLASSIFIERS = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+}
 # Encoder-only models (bidirectional attention, absolute positions, token types): pooling
 # models only, with no KV cache (models/bert.py).
 ENCODER_ARCHITECTURES = (
@@ -67,26 +75,18 @@ class EncoderConfig:
     layer_norm_eps: float
     # Position ids start here: 0 for BERT; XLM-RoBERTa's count from padding_idx + 1.
     position_offset: int
-    num_labels: int  # a sequence classifier's classes (0: no classification head)
     position_table_size: int  # config.json's max_position_embeddings (rows of the table)
-    id2label: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_raw(cls, raw: dict, architecture: str) -> EncoderConfig | None:
         if architecture not in ENCODER_ARCHITECTURES:
             return None
         roberta = architecture.startswith("XLMRoberta")
-        labels = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
-        classifier = architecture.endswith("ForSequenceClassification")
         return cls(
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
             position_offset=int(raw.get("pad_token_id", 1)) + 1 if roberta else 0,
-            num_labels=(len(labels) if labels else int(raw.get("num_labels", 2)))
-            if classifier
-            else 0,
             position_table_size=int(raw.get("max_position_embeddings", 512)),
-            id2label=labels if classifier else {},
         )
 
 
@@ -192,6 +192,14 @@ class ModelConfig:
     headless: bool = False
     moe: MoEConfig | None = None  # mixture-of-experts families
     encoder: EncoderConfig | None = None  # encoder-only families (BERT, XLM-RoBERTa)
+    # A sequence classifier's labels (*ForSequenceClassification; 0: no classification head).
+    num_labels: int = 0
+    id2label: dict[int, str] = field(default_factory=dict)
+    # vLLM's classifier_from_token: a decoder classifier whose labels are these tokens' rows of
+    # its LM head; with is_original_qwen3_reranker, one label: the second's logit less the
+    # first's (Qwen3-Reranker's "yes" vs "no", as vLLM serves it).
+    classifier_from_token: tuple[str, ...] = ()
+    original_qwen3_reranker: bool = False
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
 
@@ -202,20 +210,21 @@ class ModelConfig:
         return int(self.sliding_window)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
-        config.json it implies; models/gguf/model.py)."""
+        config.json it implies; models/gguf/model.py); `overrides` (--hf-overrides) merged
+        over it."""
         from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config
 
         gguf_file = find_gguf_file(Path(model_dir))
         if gguf_file is not None:
-            return cls.from_hf_config(gguf_hf_config(gguf_file), model_dir)
+            return cls.from_hf_config({**gguf_hf_config(gguf_file), **(overrides or {})}, model_dir)
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(
                 f"{model_dir}: no config.json (expected a Hugging Face model directory)"
             )
-        return cls.from_hf_config(json.loads(path.read_text()), model_dir)
+        return cls.from_hf_config({**json.loads(path.read_text()), **(overrides or {})}, model_dir)
 
     @classmethod
     def from_hf_config(cls, raw: dict, model_dir: str | Path) -> ModelConfig:
@@ -228,6 +237,11 @@ class ModelConfig:
         )
         if architecture is None and headless is not None:
             architecture = HEADLESS_ARCHITECTURES[headless]
+        classifier = next((a for a in architectures if a in SEQUENCE_CLASSIFIERS), None)
+        if architecture is None and classifier is not None:
+            architecture = SEQUENCE_CLASSIFIERS[classifier]
+        elif architecture is not None and architecture.endswith("ForSequenceClassification"):
+            classifier = architecture
         if architecture is None:
             named = (
                 ", ".join(architectures)
@@ -238,7 +252,10 @@ class ModelConfig:
                 f"{model_dir}: unsupported architecture {named}; "
                 "supported: "
                 + ", ".join(
-                    SUPPORTED_ARCHITECTURES + tuple(HEADLESS_ARCHITECTURES) + ENCODER_ARCHITECTURES
+                    SUPPORTED_ARCHITECTURES
+                    + tuple(HEADLESS_ARCHITECTURES)
+                    + ENCODER_ARCHITECTURES
+                    + tuple(SEQUENCE_CLASSIFIERS)
                 )
             )
         num_heads = raw["num_attention_heads"]
@@ -309,17 +326,40 @@ class ModelConfig:
             moe=MoEConfig.from_raw(raw, architecture),
             headless=headless is not None and architecture == HEADLESS_ARCHITECTURES[headless],
             encoder=encoder,
+            **_labels(raw, classifier),
         )
 
     @property
     def pooling_only(self) -> bool:
-        """The checkpoint cannot generate: a headless decoder, or an encoder."""
-        return self.headless or self.encoder is not None
+        """The checkpoint cannot generate: a headless decoder, an encoder, a classifier."""
+        return self.headless or self.encoder is not None or self.num_labels > 0
 
     def resolve_dtype(self, requested: str) -> torch.dtype:
         if requested == "auto":
             return _DTYPE_NAMES.get(str(self.torch_dtype), torch.float32)
         return _DTYPE_NAMES[requested]
+
+
+def _labels(raw: dict, classifier: str | None) -> dict:
+    """A sequence classifier's label fields (none for other checkpoints)."""
+    if classifier is None:
+        return {}
+    tokens = tuple(str(t) for t in raw.get("classifier_from_token") or ())
+    original = bool(raw.get("is_original_qwen3_reranker"))
+    if original and len(tokens) != 2:
+        raise ValueError("is_original_qwen3_reranker needs two classifier_from_token entries")
+    labels = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+    if tokens:
+        count = 1 if original else len(tokens)
+        labels = {} if original else dict(enumerate(tokens))
+    else:
+        count = len(labels) if labels else int(raw.get("num_labels", 2))
+    return {
+        "num_labels": count,
+        "id2label": labels or {i: f"LABEL_{i}" for i in range(count)},
+        "classifier_from_token": tokens,
+        "original_qwen3_reranker": original,
+    }
 
 
 def _layer_types(

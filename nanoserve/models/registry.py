@@ -27,6 +27,7 @@ from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from nanoserve.models.sequence_classification import label_token_ids, sequence_classifier_class
 from nanoserve.models.weights import load_weights
 
 MODEL_CLASSES = {
@@ -46,19 +47,29 @@ MODEL_CLASSES = {
 }
 
 
+def model_class(config: ModelConfig) -> type[torch.nn.Module]:
+    """The class that serves `config`: its architecture's, made a sequence classifier for a
+    decoder *ForSequenceClassification checkpoint (models/sequence_classification.py)."""
+    base = MODEL_CLASSES[config.architecture]
+    if config.num_labels and config.encoder is None:
+        return sequence_classifier_class(base)
+    return base
+
+
 def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> None:
     """A model class takes part in pipeline parallelism by building its layers with
     distributed/pipeline.py's make_layers and taking `intermediate` in forward; it says so with
     `supports_pipeline_parallel = True`."""
-    model_class = MODEL_CLASSES[config.architecture]
-    if pipeline_parallel_size > 1 and not getattr(model_class, "supports_pipeline_parallel", False):
+    if pipeline_parallel_size > 1 and (
+        config.num_labels or not getattr(model_class(config), "supports_pipeline_parallel", False)
+    ):
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
 
 
 def model_pooling_tasks(config: ModelConfig) -> tuple[str, ...]:
     """What a pooling model answers (PoolingParams.task), its default first: a sequence
     classifier classifies and scores pairs; an embedding model embeds (and scores by cosine)."""
-    return getattr(MODEL_CLASSES[config.architecture], "pooling_tasks", ("embed", "score"))
+    return getattr(model_class(config), "pooling_tasks", ("embed", "score"))
 
 
 def build_model(
@@ -75,11 +86,13 @@ def build_model(
     `max_model_len`: no sequence is longer. A sliding window at least that long never leaves
     a key out, so such layers drop it and keep the fast kernels (the CPU's C++ attention and
     fused decode step; Mistral's 4,096-token window when serving up to 4,096 tokens)."""
-    model_class = MODEL_CLASSES[config.architecture]
+    model_type = model_class(config)
     if enable_expert_parallel:  # MoE layers place whole experts on ranks (layers/fused_moe.py)
         config = dataclasses.replace(config, enable_expert_parallel=True)
     with torch.device(device):
-        model = model_class(config, dtype)
+        model = model_type(config, dtype)
+    if config.classifier_from_token:
+        model.label_token_ids = label_token_ids(config, model_dir)
     if max_model_len is not None and config.encoder is None:
         for layer in real_layers(model.model.layers):  # this pipeline stage's
             attention = layer.self_attn.attn

@@ -127,8 +127,12 @@ def _configs(family: str, specials: dict, vocab: int):
     raise ValueError(family)
 
 
-def write_random_checkpoint(out_dir: Path, family: str, seed: int = 0) -> Path:
+def write_random_checkpoint(
+    out_dir: Path, family: str, seed: int = 0, num_labels: int | None = None
+) -> Path:
+    """`num_labels`: the family's *ForSequenceClassification with that many labels instead."""
     import torch
+    import transformers as hf
 
     out_dir.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out_dir)
@@ -137,6 +141,12 @@ def write_random_checkpoint(out_dir: Path, family: str, seed: int = 0) -> Path:
         for t in json.loads((out_dir / "tokenizer.json").read_text())["added_tokens"]
     }
     config, model_class = _configs(family, specials, vocab)
+    if num_labels is not None:
+        name = model_class.__name__.replace("ForCausalLM", "ForSequenceClassification")
+        model_class = getattr(hf, name)
+        config.num_labels = num_labels
+        config.id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
+        config.label2id = {v: k for k, v in config.id2label.items()}
     torch.manual_seed(seed)
     model = model_class(config).float()
     # Large weights make greedy choices decisive; norms off 1 (or off 0 for Gemma's 1 + w).

@@ -147,9 +147,7 @@ def test_classify_matches_transformers(checkpoints, llms, family):
             logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
         assert output.outputs.num_classes == 3
         assert output.outputs.probs == pytest.approx(logits.softmax(-1).tolist(), abs=1e-4)
-    assert llms(name).llm_engine.model_config.encoder.id2label == {
-        i: f"LABEL_{i}" for i in range(3)
-    }
+    assert llms(name).llm_engine.model_config.id2label == {i: f"LABEL_{i}" for i in range(3)}
 
 
 def test_embedding_model_scores_by_cosine(llms):
