@@ -119,6 +119,13 @@ def _sentence_transformers_config(model_dir: Path) -> dict:
                 fields["pooling_type"] = "MEAN"
             elif pooling.get("pooling_mode_cls_token"):
                 fields["pooling_type"] = "CLS"
+            else:
+                modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v)
+                raise ValueError(f"{model_dir}: unsupported sentence-transformers pooling {modes}")
+        elif not kind.endswith("Transformer"):
+            # A Dense (or other) module after pooling changes the vector: refuse, rather than
+            # serve embeddings that are not the model's.
+            raise ValueError(f"{model_dir}: unsupported sentence-transformers module {kind!r}")
     return fields
 
 

@@ -326,3 +326,24 @@ def test_tokens_prompt_with_token_types_equals_the_pair(llms):
     with pytest.raises(InvalidRequestError, match="token_type_ids") as error:
         llm.encode([TokensPrompt(ids, token_type_ids=types[:-1])], params, use_tqdm=False)
     assert error.value.param == "token_type_ids"
+
+
+def test_unsupported_sentence_transformers_modules_are_refused(checkpoints, tmp_path):
+    """A Dense module after pooling (or a max pooling) would change the vector: a clear error
+    at start, not embeddings that are not the model's."""
+    import json
+    import shutil
+
+    path = tmp_path / "dense"
+    shutil.copytree(checkpoints["bert"], path)
+    modules = json.loads((path / "modules.json").read_text())
+    dense = {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}
+    (path / "modules.json").write_text(json.dumps([*modules, dense]))
+    with pytest.raises(ValueError, match="unsupported sentence-transformers module"):
+        LLM(str(path), runner="pooling")
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(
+        ValueError, match=r"unsupported sentence-transformers pooling \['pooling_mode_max"
+    ):
+        LLM(str(path), runner="pooling")
