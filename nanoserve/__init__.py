@@ -1,7 +1,7 @@
 """nanoserve: a small, fast LLM inference server."""
 
 from nanoserve.beam_search import BeamSearchParams
-from nanoserve.inputs import TextPrompt, TokensPrompt
+from nanoserve.inputs import TextPairPrompt, TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.pooling_params import PoolingParams
@@ -37,5 +37,6 @@ __all__ = [
     "LoRARequest",
     "TextPrompt",
     "TokensPrompt",
+    "TextPairPrompt",
     "__version__",
 ]

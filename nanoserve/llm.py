@@ -81,11 +81,15 @@ class LLM:
         prompts,
         pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode` on a pooling model: each prompt's pooled result, as the params'
-        `task` asks (None: the model's default task); `outputs.data` holds it. A prompt is
-        any prompt `generate` takes, or a pair for a cross-encoder: `TextPairPrompt(a, b)` or
-        `{"text": a, "text_pair": b}` (nanoserve/inputs.py)."""
+        `task` asks (or `pooling_task` over them; None: the model's default task);
+        `outputs.data` holds it. A prompt is any prompt `generate` takes, or a pair for a
+        cross-encoder: `TextPairPrompt(a, b)` or `{"text": a, "text_pair": b}`
+        (nanoserve/inputs.py)."""
+        if pooling_task is not None:
+            pooling_params = _with_task(pooling_params, pooling_task)
         prompts = self._prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)

@@ -46,9 +46,10 @@ def open_model(config: EngineConfig) -> ModelFiles:
         )
     check_pipeline_support(model_config, config.pipeline_parallel_size)
     tasks = model_pooling_tasks(model_config) if pooler is not None else ()
-    default_task = None
-    if pooler is not None:
-        default_task = config.task if config.task in ("classify", "score") else tasks[0]
+    default_task = tasks[0] if tasks else None
+    if config.task in ("classify", "score") and "classify" in tasks:
+        # (--task score on an embedding model scores by cosine: its prompts still embed)
+        default_task = config.task
     return ModelFiles(
         model_dir, model_config, tokenizer, pooler, max_model_len, tasks, default_task
     )

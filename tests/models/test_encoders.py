@@ -122,7 +122,7 @@ def test_cross_encoder_scores_match_cross_encoder_predict(checkpoints, llms, fam
     # The pair as one prompt through encode: the same [score], and the raw logit without
     # the activation (sigmoid for one label).
     pair = TextPairPrompt(QUERY, DOCUMENTS[0])
-    (scored,) = llms(name).encode([pair], PoolingParams(task="score"), use_tqdm=False)
+    (scored,) = llms(name).encode([pair], use_tqdm=False, pooling_task="score")
     (raw,) = llms(name).encode(
         [{"text": QUERY, "text_pair": DOCUMENTS[0]}],
         PoolingParams(task="score", activation=False),
@@ -150,7 +150,7 @@ def test_classify_matches_transformers(checkpoints, llms, family):
     assert llms(name).llm_engine.model_config.id2label == {i: f"LABEL_{i}" for i in range(3)}
 
 
-def test_embedding_model_scores_by_cosine(llms):
+def test_embedding_model_scores_by_cosine(checkpoints, llms):
     llm = llms("bert")
     scores = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
     embeddings = llm.embed([QUERY, *DOCUMENTS], use_tqdm=False)
@@ -159,6 +159,15 @@ def test_embedding_model_scores_by_cosine(llms):
         assert score.outputs.score == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match="same length"):
         llm.score(["a", "b"], ["c", "d", "e"])
+    # --task score on an embedding model (as vLLM allows): its prompts still embed.
+    scorer = LLM(str(checkpoints["bert"]), task="score", dtype="float32")
+    try:
+        (again,) = scorer.score(QUERY, DOCUMENTS[0], use_tqdm=False)
+        (plain,) = scorer.encode(QUERY, use_tqdm=False)
+    finally:
+        scorer.shutdown()
+    assert again.outputs.score == pytest.approx(scores[0].outputs.score, abs=1e-6)
+    assert plain.outputs.data == pytest.approx(embeddings[0].outputs.data, abs=1e-6)
 
 
 @pytest.mark.parametrize("name", ["bert", "xlm-roberta-ce"])
