@@ -82,6 +82,12 @@ class EncoderConfig:
         if architecture not in ENCODER_ARCHITECTURES:
             return None
         roberta = architecture.startswith("XLMRoberta")
+        position_kind = raw.get("position_embedding_type") or "absolute"
+        if position_kind != "absolute":
+            raise ValueError(
+                f"{architecture}: position_embedding_type {position_kind!r} is not supported "
+                "(absolute only)"
+            )
         return cls(
             type_vocab_size=int(raw.get("type_vocab_size", 2)),
             layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),

