@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.models.bert import EncoderBatch
 
 # CPU layers whose weights our GEMM can't take (fp32, K not a multiple of 32, or
 # NANOSERVE_CPU_GEMM=onednn): prompt rows are multiplied in oneDNN GEMMs of exactly this many rows
@@ -31,7 +32,7 @@ def prefill_row_tile(device: torch.device) -> int:
 class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | EncoderBatch  # EncoderBatch: an encoder's whole prompts
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
     sampling_seqs: list[Sequence]  # the sequences that sample this step, in logits_indices order
     # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
