@@ -159,7 +159,8 @@ class Tokenizer:
             backend.encode(text_pair, add_special_tokens=False) if text_pair is not None else None
         )
         if max_length is not None:
-            budget = max(0, max_length - backend.num_special_tokens_to_add(second is not None))
+            specials = backend.num_special_tokens_to_add(second is not None)
+            budget = max(0, max_length - specials - int(self._prepend_bos))
             if second is None:
                 if len(first.ids) > budget:
                     first.truncate(budget)

@@ -148,7 +148,7 @@ class InputProcessor:
             next(self._arrivals),
             token_type_ids=token_types,
         )
-        # A classifier reads its first token's hidden state (its head does the rest).
+        # A classifier's head reads one row: an encoder's first, a decoder's last.
         pooler = self.pooler
         if params.task != "embed":
             pooler = ENCODER_CLASSIFIER_POOLING if self.encoder else DECODER_CLASSIFIER_POOLING

@@ -109,3 +109,22 @@ def test_causal_lm_as_yes_no_reranker(checkpoints):
         assert score.outputs.score == pytest.approx(expected, abs=1e-4)
     with pytest.raises(ValueError, match="--hf-overrides: unknown field"):
         LLM(str(path), runner="pooling", hf_overrides='{"vocab_size": 3}')
+
+
+def test_truncation_keeps_the_limit(checkpoints):
+    """truncate_prompt_tokens on a decoder classifier: at most that many tokens, for a text
+    (the tokenizer's cut) and for token ids (the last ones, as vLLM's)."""
+    from nanoserve import PoolingParams, TokensPrompt
+
+    llm = LLM(str(checkpoints["classify"]), dtype="float32")
+    try:
+        params = PoolingParams(truncate_prompt_tokens=5)
+        (text,) = llm.classify(TEXTS[0] * 8, params, use_tqdm=False)
+        ids = llm.get_tokenizer().encode(TEXTS[0] * 8)
+        (tokens,) = llm.classify(TokensPrompt(ids), params, use_tqdm=False)
+        (tail,) = llm.classify(TokensPrompt(ids[-5:]), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert text.prompt_token_ids == ids[:5]
+    assert tokens.prompt_token_ids == ids[-5:]
+    assert tokens.outputs.probs == pytest.approx(tail.outputs.probs, abs=1e-6)
