@@ -194,6 +194,12 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def _prefilled(messages: list[dict[str, Any]]) -> bool:
+    """A last assistant message (without tool calls) is Anthropic's prefill: the answer goes on
+    from its text, as chat's continue_final_message renders it, instead of a new turn."""
+    return messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]
+
+
 def _tool_use(request: CountTokensRequest, auto_tools_enabled: bool) -> ToolUse:
     """Anthropic's tools and tool_choice as the chat endpoint's, checked by the same code."""
     tools = None
@@ -266,11 +272,12 @@ async def count_tokens(ctx: ServingContext, request: CountTokensRequest) -> Resp
     ctx.check_model(request.model)
     messages = chat_messages(request)
     tool_use = _tool_use(request, True)  # counting needs no parser, only the rendered tools
+    prefill = _prefilled(messages)
     prompt = await render_chat_prompt(
         ctx,
         messages,
-        True,
-        False,
+        not prefill,
+        prefill,
         None,
         _template_kwargs(ctx, request, None),
         False,
@@ -374,8 +381,9 @@ async def create_message(ctx: ServingContext, request: MessagesRequest):
     params = ctx.sampling_params(chat, request.max_tokens, None)
     reader = output_reader(ctx, tool_use)
     constrain_for_tools(params, tool_use, reader)
+    prefill = _prefilled(messages)
     prompt = await render_chat_prompt(
-        ctx, messages, True, False, None, kwargs, False, tools=tool_use.tools
+        ctx, messages, not prefill, prefill, None, kwargs, False, tools=tool_use.tools
     )
     message_id = f"msg_{request.request_id or uuid.uuid4().hex[:24]}"
     cache_key, streams = ctx.cached_streams(message_id, [prompt], params, lora)

@@ -1,8 +1,9 @@
-"""The route table: OpenAI endpoints, Anthropic's /v1/messages (server/anthropic.py), vLLM's /health, /version, /tokenize, /detokenize,
-/metrics, /load, /tokenizer_info, /invocations and (in development mode) /reset_prefix_cache, and
-the chat page (server/ui.py). With an API key every route but OPEN_PATHS needs it, sent as
-`Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`. Maps every error once, here: to
-vLLM's {"error": {...}} body, or on the Anthropic paths to Anthropic's error body."""
+"""The route table: OpenAI endpoints, Anthropic's /v1/messages (server/anthropic.py), vLLM's
+/health, /version, /tokenize, /detokenize, /metrics, /load, /tokenizer_info, /invocations and (in
+development mode) /reset_prefix_cache, and the chat page (server/ui.py). With an API key every
+route but OPEN_PATHS needs it, sent as `Authorization: Bearer <key>` or Anthropic's
+`x-api-key: <key>`. Maps every error once, here: to vLLM's {"error": {...}} body, or on the
+Anthropic paths to Anthropic's error body."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What the chat and completions streams share: reading one or several request streams as their
-outputs arrive, the SSE frame around each route's own chunks (the response cache's copy, the
+"""What the chat, completions and Anthropic messages streams share: reading one or several
+request streams as their outputs arrive, the SSE frame around each route's own chunks (the response cache's copy, the
 closing usage chunk, [DONE], an in-band error after the 200 went out, and the abort of what is
 left when the client goes away)."""
 

@@ -193,6 +193,23 @@ def test_system_prompt_as_a_string_and_as_blocks(server):
     assert prompt_tokens(as_string) > prompt_tokens(create(server))  # it reached the template
 
 
+def test_a_last_assistant_message_is_continued(server):
+    """Anthropic's prefill: the answer goes on from the assistant's text, as the chat endpoint's
+    continue_final_message."""
+    prefill = [*ASK, {"role": "assistant", "content": "The capital city is"}]
+    message = create(server, messages=prefill)
+    oracle = chat(
+        server,
+        prefill,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert text_of(message) == oracle.choices[0].message.content
+    counted = client(server).messages.count_tokens(
+        model=server.engine.served_model_name, messages=prefill
+    )
+    assert counted.input_tokens == prompt_tokens(message) == oracle.usage.prompt_tokens
+
+
 def test_stop_sequences_stop_and_are_named(server):
     whole = text_of(create(server, max_tokens=24))
     words = whole.split()
