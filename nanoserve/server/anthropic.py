@@ -191,6 +191,8 @@ def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
         messages.append({"role": "system", "content": system})
     for index, message in enumerate(request.messages):
         messages += _message(index, message)
+    if not messages or messages[-1]["role"] == "system":
+        raise _bad("messages: no message has any content", "messages")
     return messages
 
 

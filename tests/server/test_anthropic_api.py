@@ -81,7 +81,7 @@ def client(handle, **kwargs) -> anthropic.Anthropic:
 
 
 def create(handle, **kwargs):
-    kwargs.setdefault("max_tokens", 24)
+    kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("messages", ASK)
     return client(handle).messages.create(
         model=handle.engine.served_model_name, extra_body=GREEDY, **kwargs
@@ -89,7 +89,7 @@ def create(handle, **kwargs):
 
 
 def streamed(handle, **kwargs):
-    kwargs.setdefault("max_tokens", 24)
+    kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("messages", ASK)
     with client(handle).messages.stream(
         model=handle.engine.served_model_name, extra_body=GREEDY, **kwargs
@@ -98,7 +98,7 @@ def streamed(handle, **kwargs):
 
 
 def chat(handle, messages, **kwargs):
-    kwargs.setdefault("max_tokens", 24)
+    kwargs.setdefault("max_tokens", 16)
     return handle.client().chat.completions.create(
         model=handle.engine.served_model_name, messages=messages, temperature=0, **kwargs
     )
@@ -162,7 +162,7 @@ def test_stream_accumulates_to_the_plain_message(server):
     plain = create(server)
     assert_same_message(streamed(server), plain)
     # The events, in Anthropic's order (the client skips the ping).
-    body = {"model": "x", "max_tokens": 24, "messages": ASK, "stream": True, **GREEDY}
+    body = {"model": "x", "max_tokens": 16, "messages": ASK, "stream": True, **GREEDY}
     body["model"] = server.engine.served_model_name
     status, _, raw = http_request(server.port, "POST", "/v1/messages", json.dumps(body))
     assert status == 200
@@ -211,11 +211,11 @@ def test_a_last_assistant_message_is_continued(server):
 
 
 def test_stop_sequences_stop_and_are_named(server):
-    whole = text_of(create(server, max_tokens=24))
+    whole = text_of(create(server, max_tokens=16))
     words = whole.split()
     assert len(words) >= 4, whole
     stop = words[2]  # a word from the answer itself: the greedy answer reaches it
-    message = create(server, max_tokens=24, stop_sequences=["@@never@@", stop])
+    message = create(server, max_tokens=16, stop_sequences=["@@never@@", stop])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert text_of(message) == whole[: whole.index(stop)]
     assert_same_message(streamed(server, stop_sequences=["@@never@@", stop]), message)
@@ -279,8 +279,8 @@ def test_disable_parallel_tool_use_gives_one_call(server):
 
 
 def test_auto_reads_the_parsers_calls_as_the_chat_endpoint(server):
-    message = create(server, messages=WEATHER_ASK, tools=TOOLS, max_tokens=60)
-    oracle = chat(server, WEATHER_ASK, tools=_chat_tools(TOOLS), tool_choice="auto", max_tokens=60)
+    message = create(server, messages=WEATHER_ASK, tools=TOOLS, max_tokens=40)
+    oracle = chat(server, WEATHER_ASK, tools=_chat_tools(TOOLS), tool_choice="auto", max_tokens=40)
     choice = oracle.choices[0]
     assert text_of(message) == (choice.message.content or "")
     uses = [block for block in message.content if block.type == "tool_use"]
@@ -291,7 +291,7 @@ def test_auto_reads_the_parsers_calls_as_the_chat_endpoint(server):
     assert message.stop_reason == (
         "tool_use" if calls else "max_tokens" if choice.finish_reason == "length" else "end_turn"
     )
-    assert_same_message(streamed(server, messages=WEATHER_ASK, tools=TOOLS, max_tokens=60), message)
+    assert_same_message(streamed(server, messages=WEATHER_ASK, tools=TOOLS, max_tokens=40), message)
     none = create(server, messages=WEATHER_ASK, tools=TOOLS, tool_choice={"type": "none"})
     assert [block.type for block in none.content] == ["text"]
 
@@ -416,6 +416,7 @@ def test_unknown_fields_are_refused_naming_them(server, body, name):
     [
         ({"messages": ASK, "max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "type"),
         ({"messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 4}}, "thinking"),
         (
@@ -629,12 +630,12 @@ def thinking_server(smollm2_dir, template):
 
 
 def test_thinking_is_read_by_the_reasoning_parser(thinking_server):
-    thinking = {"type": "enabled", "budget_tokens": 16}
-    message = create(thinking_server, thinking=thinking, max_tokens=20)
+    thinking = {"type": "enabled", "budget_tokens": 8}
+    message = create(thinking_server, thinking=thinking, max_tokens=12)
     oracle = chat(
         thinking_server,
         ASK,
-        max_tokens=20,
+        max_tokens=12,
         extra_body={"chat_template_kwargs": {"enable_thinking": True}},
     )
     reasoning = oracle.choices[0].message.model_extra["reasoning_content"]
@@ -643,13 +644,13 @@ def test_thinking_is_read_by_the_reasoning_parser(thinking_server):
     assert blocks[0].type == "thinking" and blocks[0].thinking == reasoning
     assert blocks[0].signature
     assert text_of(message) == (oracle.choices[0].message.content or "")
-    assert_same_message(streamed(thinking_server, thinking=thinking, max_tokens=20), message)
+    assert_same_message(streamed(thinking_server, thinking=thinking, max_tokens=12), message)
     # thinking disabled reaches the template (Qwen3's switch), which closes the thinking block
-    disabled = create(thinking_server, thinking={"type": "disabled"}, max_tokens=20)
+    disabled = create(thinking_server, thinking={"type": "disabled"}, max_tokens=12)
     disabled_oracle = chat(
         thinking_server,
         ASK,
-        max_tokens=20,
+        max_tokens=12,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert prompt_tokens(disabled) == disabled_oracle.usage.prompt_tokens
