@@ -25,6 +25,7 @@ WEIGHT_ATTRIBUTES = {
     "lora",
     "packed",
     "quant_experts",
+    "expert_weights",
     "cpu_table",
     "prepack_gemm",
     "finish_quantized",

@@ -9,31 +9,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from nanoserve.engine.block_counts import BlockCounts
 from nanoserve.engine.sequence import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
-
-
-class BlockCounts:
-    """Used / free counts of a pool with `num_blocks` blocks and a `free_blocks` collection (the
-    device pool here, the host pool of engine/swap.py)."""
-
-    num_blocks: int
-    free_blocks: object
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 class BlockManager(BlockCounts):

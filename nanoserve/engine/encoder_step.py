@@ -1,20 +1,15 @@
 """Encoder models' steps (BERT, XLM-RoBERTa: models/bert.py). Their attention is bidirectional,
 so a prompt runs whole in one step (never chunked: every token sees every other), several
 prompts packed up to the step's token budget; nothing is cached, so no KV block is held: the
-scheduler runs over NoKVBlocks. The step's rows and token types become an EncoderBatch."""
+scheduler runs over NoKVBlocks. The step's rows and token types become an EncoderBatch
+(engine/encoder_input.py, on the model runner's side)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
-import torch
-
-from nanoserve.engine.block_manager import BlockCounts
-from nanoserve.engine.model_input import ModelInput
-from nanoserve.engine.scheduler import ScheduledSequence
+from nanoserve.engine.block_counts import BlockCounts
 from nanoserve.engine.sequence import Sequence
-from nanoserve.models.bert import EncoderBatch
 
 
 class NoKVBlocks(BlockCounts):
@@ -46,30 +41,3 @@ class NoKVBlocks(BlockCounts):
 
     def reset_prefix_cache(self) -> int:
         return 0
-
-
-def encoder_model_input(
-    scheduled: list[ScheduledSequence], to_device: Callable[[list, torch.dtype], torch.Tensor]
-) -> ModelInput:
-    """The step's prompts packed one after another, each whole, positions from 0."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    token_types: list[int] = []
-    cu_seqlens = [0]
-    for item in scheduled:
-        seq = item.seq
-        assert item.num_new_tokens == seq.num_tokens and seq.num_computed_tokens == 0, (
-            "an encoder prompt runs whole"
-        )
-        input_ids += seq.token_ids
-        positions += range(seq.num_tokens)
-        token_types += seq.token_type_ids or [0] * seq.num_tokens
-        cu_seqlens.append(len(input_ids))
-    batch = EncoderBatch(cu_seqlens, to_device(token_types, torch.long))
-    return ModelInput(
-        input_ids=to_device(input_ids, torch.long),
-        positions=to_device(positions, torch.long),
-        metadata=batch,
-        logits_indices=to_device([], torch.long),
-        sampling_seqs=[],
-    )

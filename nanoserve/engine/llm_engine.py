@@ -25,6 +25,7 @@ from nanoserve.engine.ranks import OtherRanks
 from nanoserve.engine.request import Request
 from nanoserve.engine.sampling_batch import SamplingBatches
 from nanoserve.engine.scheduler import SchedulerOutput
+from nanoserve.engine.seq_inputs import step_inputs, step_seqs
 from nanoserve.engine.sequence import SequenceStatus
 from nanoserve.engine.speculation import Speculation
 from nanoserve.engine.startup import freeze_startup_heap, open_model
@@ -330,7 +331,7 @@ class LLMEngine:
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> list[StepOutput]:
         now = time.time()
-        model_input = self.runner.prepare(scheduler_output.scheduled_seqs)
+        model_input = self.runner.prepare(step_inputs(scheduler_output.scheduled_seqs))
         logits = self.runner.forward(model_input)  # a pooling model's: the hidden states
         if self.pooler is not None:
             return finish_pooling_step(
@@ -362,7 +363,9 @@ class LLMEngine:
                 sampling = self.sampling.step(model_input)
             # Verification rows: a sequence's k + 1 rows each processed as its plain decode row.
             spec_rows = [
-                seq for seq in model_input.spec_seqs for _ in range(len(seq.proposal.token_ids) + 1)
+                item.sampling
+                for item in model_input.spec_inputs
+                for _ in range(len(item.proposal) + 1)
             ]
             result = self.runner.sample(
                 logits, sampling, model_input, self.sampling.rows(spec_rows)
@@ -378,15 +381,13 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             # Its own virtual engine's table: block ids are only meaningful in their own share.
             self.block_managers[seq.virtual_engine].register_full_blocks(seq)
+        # The runner saw frozen inputs: its results go to the live sequences they were made from.
+        seqs = step_seqs(scheduler_output, model_input)
         processed = self.output_processor.process(
-            self.requests,
-            model_input.sampling_seqs,
-            result,
-            model_input.prompt_logprob_seqs,
-            model_input.spec_seqs,
+            self.requests, seqs.sampled, result, seqs.prompt_logprobs, seqs.verified
         )
-        if model_input.spec_seqs:
-            self.speculation.after_verification(model_input.spec_seqs, result)
+        if seqs.verified:
+            self.speculation.after_verification(seqs.verified, result)
         for seq in processed.finished_seqs:  # freed by the scheduler that holds them
             self.schedulers[seq.virtual_engine].remove(seq)
             if self.speculation is not None:

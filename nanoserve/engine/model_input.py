@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.step_input import SeqInput
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.bert import EncoderBatch
 
@@ -34,17 +34,20 @@ class ModelInput:
     positions: torch.Tensor
     metadata: AttentionMetadata | EncoderBatch  # EncoderBatch: an encoder's whole prompts
     logits_indices: torch.Tensor  # rows of the hidden states whose next token is sampled
-    sampling_seqs: list[Sequence]  # the sequences that sample this step, in logits_indices order
+    # The sequences that sample this step, in logits_indices order (what the runner was given of
+    # them: engine/step_input.py; never the live sequences).
+    sampling_inputs: list[SeqInput]
     # A decode step loaded into DecodeGraphs' static buffers: the batch size it was padded to
     # (its first len(logits_indices) rows are real). 0: an eager step.
     graph_size: int = 0
     # Prompt logprobs, only for sequences that ask: their prompt rows follow the sampling rows in
-    # logits_indices; (sequence, its number of rows) in that order, and each row's next prompt token.
-    prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
+    # logits_indices, each sequence's len(prompt_logprob_targets) rows in this order, and each
+    # row's next prompt token.
+    prompt_logprob_inputs: list[SeqInput] = field(default_factory=list)
     prompt_logprob_targets: torch.Tensor | None = None
     # Speculative decoding: sequences verifying proposed tokens, each with its proposal's length + 1
     # rows of logits after the sampled rows (and before the prompt-logprob rows), in this order.
-    spec_seqs: list[Sequence] = field(default_factory=list)
+    spec_inputs: list[SeqInput] = field(default_factory=list)
     # LoRA (--enable-lora), only in a step with a row of some adapter: the adapter id each slot
     # holds (lora/manager.py) and each row's slot (-1: the base model).
     lora_slots: list[int] | None = None
@@ -52,7 +55,7 @@ class ModelInput:
 
     @property
     def num_spec_rows(self) -> int:
-        return sum(len(seq.proposal.token_ids) + 1 for seq in self.spec_seqs)
+        return sum(len(spec.proposal) + 1 for spec in self.spec_inputs)
 
 
 HEADER_SIZE = 11  # int64 slots: the command, then its header's fields in order, zero-padded

@@ -17,7 +17,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_pp_world_size, get_rank, get_world_size
 from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
-from nanoserve.engine.encoder_step import encoder_model_input
+from nanoserve.engine.encoder_input import encoder_model_input
 from nanoserve.engine.gpu_memory import MemoryAtStart
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
@@ -37,9 +37,8 @@ from nanoserve.engine.model_input import (
     unpack_swap,
 )
 from nanoserve.engine.pipeline_stage import PipelineStage
-from nanoserve.engine.scheduler import ScheduledSequence
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
+from nanoserve.engine.step_input import SeqInput
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.cpu.malloc import keep_freed_memory, release_free_memory
@@ -218,28 +217,25 @@ class ModelRunner(KVCacheAllocation):
         return lora_batch(self.lora.batch(model_input.lora_rows))
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledSequence], block_offset: int = 0) -> ModelInput:
+    def prepare(self, inputs: list[SeqInput], block_offset: int = 0) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
         layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded
         to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
-        `block_offset`: where the scheduler's blocks start in the pool (pipeline parallelism gives
-        each virtual engine its own share). An encoder's step: its whole prompts packed."""
+        `inputs`: the scheduled sequences as the scheduler's side describes them
+        (engine/seq_inputs.py); nothing here sees or changes a live sequence. `block_offset`:
+        where the scheduler's blocks start in the pool (pipeline parallelism gives each virtual
+        engine its own share). An encoder's step: its whole prompts packed."""
         if self.encoder:
-            return encoder_model_input(scheduled, self._to_device)
-        decodes: list[ScheduledSequence] = []
-        specs: list[ScheduledSequence] = []
-        prompts: list[ScheduledSequence] = []
-        # A decode computes one generated token; prompt rows never count as one.
-        for item in scheduled:
-            is_decode = (
-                item.num_new_tokens == 1
-                and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
-            )
-            group = specs if item.seq.proposal.token_ids else decodes if is_decode else prompts
+            return encoder_model_input(inputs, self._to_device)
+        decodes: list[SeqInput] = []
+        specs: list[SeqInput] = []
+        prompts: list[SeqInput] = []
+        for item in inputs:
+            group = specs if item.proposal else decodes if item.is_decode else prompts
             group.append(item)
-        rows = _HostRows(max(len(s.seq.block_table) for s in scheduled))
+        rows = _HostRows(max(len(item.block_table) for item in inputs))
         lora_slots = None
-        adapters = {item.seq.lora_id for item in scheduled if item.seq.lora_id}
+        adapters = {item.lora_id for item in inputs if item.lora_id}
         if adapters:  # the step's slot table; each row gets its sequence's slot
             lora_slots = self.lora.assign(adapters)
             rows.lora_slot_of = {
@@ -270,9 +266,9 @@ class ModelRunner(KVCacheAllocation):
                 positions=graph_positions,
                 metadata=graph_metadata,
                 logits_indices=graphs.row_indices[:num_decode_rows],
-                sampling_seqs=rows.sampling_seqs,
+                sampling_inputs=rows.sampling_inputs,
                 graph_size=size,
-                spec_seqs=rows.spec_seqs,
+                spec_inputs=rows.spec_inputs,
             )
         tile = prefill_row_tile(self.device)
         if tile and self.pad_prompt_rows:
@@ -306,11 +302,11 @@ class ModelRunner(KVCacheAllocation):
             logits_indices=to_device(
                 rows.logits_indices + rows.spec_rows + rows.prompt_rows, torch.long
             ),
-            sampling_seqs=rows.sampling_seqs,
-            spec_seqs=rows.spec_seqs,
+            sampling_inputs=rows.sampling_inputs,
+            spec_inputs=rows.spec_inputs,
         )
-        if rows.prompt_logprob_seqs:
-            model_input.prompt_logprob_seqs = rows.prompt_logprob_seqs
+        if rows.prompt_logprob_inputs:
+            model_input.prompt_logprob_inputs = rows.prompt_logprob_inputs
             model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
         return model_input
 
@@ -356,13 +352,13 @@ class ModelRunner(KVCacheAllocation):
         (their logits come last)."""
         if logits is None:
             return None
-        num_sampled, num_spec = len(model_input.sampling_seqs), model_input.num_spec_rows
+        num_sampled, num_spec = len(model_input.sampling_inputs), model_input.num_spec_rows
         prompt_logprobs = spec = None
-        if model_input.prompt_logprob_seqs:
+        if model_input.prompt_logprob_inputs:
             prompt_logprobs = self._prompt_logprobs(logits[num_sampled + num_spec :], model_input)
         if num_spec:
             spec = verify(
-                logits[num_sampled : num_sampled + num_spec], model_input.spec_seqs, spec_sampling
+                logits[num_sampled : num_sampled + num_spec], model_input.spec_inputs, spec_sampling
             )
         logits = logits[:num_sampled]
         if sampling is None:  # no sequence completes its prompt or decodes as usual this step
@@ -377,7 +373,9 @@ class ModelRunner(KVCacheAllocation):
     @staticmethod
     def _prompt_logprobs(logits: torch.Tensor, model_input: ModelInput) -> LogprobsTensors:
         """Raw (unprocessed) logprobs of each prompt row's next token, and the top k."""
-        num_top = max(seq.params.prompt_logprobs for seq, _ in model_input.prompt_logprob_seqs)
+        num_top = max(
+            item.sampling.params.prompt_logprobs for item in model_input.prompt_logprob_inputs
+        )
         return gather_logprobs(
             logits.float().log_softmax(dim=-1), model_input.prompt_logprob_targets, num_top
         )
@@ -457,37 +455,37 @@ class _HostRows:
         default_factory=list
     )  # padded with block 0, never read past seq_lens
     logits_indices: list[int] = field(default_factory=list)
-    sampling_seqs: list[Sequence] = field(default_factory=list)
-    # Prompt logprobs: the rows scored, each one's next prompt token, (sequence, its row count).
+    sampling_inputs: list[SeqInput] = field(default_factory=list)
+    # Prompt logprobs: the rows scored, each one's next prompt token, and the sequences scored.
     prompt_rows: list[int] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
-    prompt_logprob_seqs: list[tuple[Sequence, int]] = field(default_factory=list)
+    prompt_logprob_inputs: list[SeqInput] = field(default_factory=list)
     # Speculative decoding: the verification rows (their logits follow the sampled rows) and
     # the sequences they verify.
     spec_rows: list[int] = field(default_factory=list)
-    spec_seqs: list[Sequence] = field(default_factory=list)
+    spec_inputs: list[SeqInput] = field(default_factory=list)
     # LoRA: each row's slot (-1: the base model), kept only in a step with some adapter's rows.
     lora_rows: list[int] | None = None
     lora_slot_of: dict[int, int] = field(default_factory=dict)
 
-    def _add_lora_rows(self, seq: Sequence, count: int) -> None:
+    def _add_lora_rows(self, item: SeqInput, count: int) -> None:
         if self.lora_rows is not None:
-            self.lora_rows.extend([self.lora_slot_of.get(seq.lora_id, -1)] * count)
+            self.lora_rows.extend([self.lora_slot_of.get(item.lora_id, -1)] * count)
 
-    def add_spec(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
+    def _block_table(self, item: SeqInput, block_offset: int) -> list[int]:
+        """Its blocks' ids in the whole pool (the scheduler's share starts at block_offset)."""
+        if block_offset:
+            return [block + block_offset for block in item.block_table]
+        return list(item.block_table)
+
+    def add_spec(self, item: SeqInput, block_offset: int, block_size: int) -> None:
         """A sequence's last token and its k proposed tokens as k + 1 decode rows: row j is one
         query at position start + j that sees the keys up to it (its own seq_len), the earlier
         rows' keys being stored in the same layer before attention reads them. Each row is
         then computed exactly as a decode of that token would be (same kernels, same bits)."""
-        seq = item.seq
-        start = seq.num_computed_tokens
-        tokens = [seq.token_ids[start], *seq.proposal.token_ids]
-        assert start == seq.num_tokens - 1 and len(tokens) == item.num_new_tokens
-        table = (
-            [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
-        )
+        table = self._block_table(item, block_offset)
         padded = table + [0] * (self.max_blocks - len(table))
-        for position, token in enumerate(tokens, start):
+        for position, token in enumerate(item.token_ids, item.start):
             self.input_ids.append(token)
             self.positions.append(position)
             self.slot_mapping.append(
@@ -497,43 +495,31 @@ class _HostRows:
             self.seq_lens.append(position + 1)
             self.block_rows.append(padded)
             self.spec_rows.append(len(self.input_ids) - 1)
-        self.spec_seqs.append(seq)
-        self._add_lora_rows(seq, len(tokens))
+        self.spec_inputs.append(item)
+        self._add_lora_rows(item, item.num_new_tokens)
 
-    def add(self, item: ScheduledSequence, block_offset: int, block_size: int) -> None:
-        """One sequence's rows: its tokens from num_computed_tokens on, num_new_tokens of them."""
-        seq = item.seq
-        start = seq.num_computed_tokens
-        end = start + item.num_new_tokens
-        if seq.needs_prompt_logprobs:
-            self._add_prompt_logprob_rows(seq, start, end)
-        self.input_ids.extend(seq.token_ids[start:end])
-        self._add_lora_rows(seq, end - start)
+    def add(self, item: SeqInput, block_offset: int, block_size: int) -> None:
+        """One sequence's rows: its tokens from `start` on, num_new_tokens of them."""
+        start, count = item.start, item.num_new_tokens
+        end = start + count
+        if item.prompt_logprob_targets:  # rows whose next token is a prompt token to score
+            row = len(self.input_ids) + item.prompt_logprob_offset
+            self.prompt_rows.extend(range(row, row + len(item.prompt_logprob_targets)))
+            self.prompt_targets.extend(item.prompt_logprob_targets)
+            self.prompt_logprob_inputs.append(item)
+        self.input_ids.extend(item.token_ids)
+        self._add_lora_rows(item, count)
         self.positions.extend(range(start, end))
-        table = (
-            [block + block_offset for block in seq.block_table] if block_offset else seq.block_table
-        )
+        table = self._block_table(item, block_offset)
         self.slot_mapping.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)
         )
-        self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + item.num_new_tokens)
+        self.cu_seqlens_q.append(self.cu_seqlens_q[-1] + count)
         self.seq_lens.append(end)
         self.block_rows.append(table + [0] * (self.max_blocks - len(table)))
         if item.completes_prompt:
             self.logits_indices.append(self.cu_seqlens_q[-1] - 1)
-            self.sampling_seqs.append(seq)
-
-    def _add_prompt_logprob_rows(self, seq: Sequence, start: int, end: int) -> None:
-        """Rows whose next token is a prompt token not yet scored (called before the
-        sequence's own rows are appended)."""
-        assert start < len(seq.prompt_logprobs), "prompt rows skipped without logits"
-        first = max(start, len(seq.prompt_logprobs) - 1)
-        last = min(end, seq.num_prompt_tokens - 1)
-        if last > first:
-            row = len(self.input_ids) + first - start
-            self.prompt_rows.extend(range(row, row + last - first))
-            self.prompt_targets.extend(seq.token_ids[first + 1 : last + 1])
-            self.prompt_logprob_seqs.append((seq, last - first))
+            self.sampling_inputs.append(item)
 
     def pad_prompt_rows(self, num_decodes: int, tile: int) -> None:
         """Prompt rows up to a whole number of `tile`-row tiles (slot -1: nothing is stored)."""

@@ -20,6 +20,7 @@ from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.pipeline_stage import LaunchedStep
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.seq_inputs import step_inputs
 from nanoserve.engine.swap import HostBlockPool
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.outputs import RequestOutput
@@ -102,14 +103,15 @@ class PipelineDriver:
             started = time.time()
             # The shares of the device pool lie one after another, in virtual engine order.
             offset = sum(manager.num_blocks for manager in self.block_managers[:virtual_engine])
-            model_input = self.runner.prepare(scheduler_output.scheduled_seqs, block_offset=offset)
+            inputs = step_inputs(scheduler_output.scheduled_seqs)
+            model_input = self.runner.prepare(inputs, block_offset=offset)
             # Built now (nothing it reads changes while in flight): a plain greedy step only
             # needs the last stage's argmax, not its logits (a constrained one needs them).
             sampling = self.sampling_batch(model_input)
             tokens_only = (
                 sampling is not None
                 and sampling.plain_greedy
-                and not model_input.prompt_logprob_seqs
+                and not model_input.prompt_logprob_inputs
             )
             launched = self.stage.launch(model_input, virtual_engine, tokens_only)
             self.in_flight[virtual_engine] = InFlightStep(

@@ -1,4 +1,5 @@
-"""Builds the per-step SamplingBatch tensors from the sequences that sample this step.
+"""Builds the per-step SamplingBatch tensors from the sequences that sample this step, as the
+step's SamplingInputs describe them (engine/step_input.py; never the live sequences).
 Tensors that no sequence needs stay None, so the common case (greedy or plain temperature)
 costs nothing extra."""
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.engine.model_input import ModelInput
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.step_input import SamplingInput
 from nanoserve.engine.structured_output import GrammarCompiles
 from nanoserve.layers.sampler import SamplingBatch
 
@@ -41,26 +42,26 @@ def _token_matrix(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
 
 
 def _logit_bias(
-    seqs: list[Sequence], vocab_size: int, eos_token_ids: set[int]
+    inputs: list[SamplingInput], vocab_size: int, eos_token_ids: set[int]
 ) -> torch.Tensor | None:
     """[rows, vocab] additive biases: each request's logit_bias, and -inf on its stop and EOS
     tokens until min_tokens are out. The entries are gathered by list extends (no Python work
     per entry) and written by two index_put_ calls for the whole batch: one tensor store per
     entry cost ~6 ms a step for a 300-entry logit_bias."""
     rows, cols, values, blocked_rows, blocked_cols = [], [], [], [], []
-    for row, seq in enumerate(seqs):
-        p = seq.params
+    for row, item in enumerate(inputs):
+        p = item.params
         if p.logit_bias:
             rows += [row] * len(p.logit_bias)
             cols += p.logit_bias.keys()
             values += p.logit_bias.values()
-        if seq.num_output_tokens < p.min_tokens:
+        if item.num_output_tokens < p.min_tokens:
             blocked = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
             blocked_rows += [row] * len(blocked)
             blocked_cols += blocked
     if not rows and not blocked_rows:
         return None
-    logit_bias = torch.zeros(len(seqs), vocab_size)
+    logit_bias = torch.zeros(len(inputs), vocab_size)
     for index_rows, index_cols, value in ((rows, cols, values), (blocked_rows, blocked_cols, None)):
         if not index_rows:
             continue
@@ -76,15 +77,15 @@ def _logit_bias(
 
 
 def build_sampling_batch(
-    seqs: list[Sequence],
+    inputs: list[SamplingInput],
     device: torch.device,
     vocab_size: int,
     eos_token_ids: set[int],
     default_generator: torch.Generator,
 ) -> SamplingBatch | None:
-    if not seqs:
+    if not inputs:
         return None
-    params = [s.params for s in seqs]
+    params = [item.params for item in inputs]
     temperature = [p.temperature for p in params]
     all_greedy = all(t == 0.0 for t in temperature)
     use_top_p = not all_greedy and any(p.top_p < 1.0 for p in params)
@@ -97,15 +98,15 @@ def build_sampling_batch(
     output_counts = prompt_mask = None
     if use_presence or use_frequency or use_repetition:
         output_counts = _to_device(
-            _token_matrix([s.output_token_ids for s in seqs], vocab_size), device
+            _token_matrix([item.output_token_ids for item in inputs], vocab_size), device
         )
     if use_repetition:
         prompt_mask = _to_device(
-            _token_matrix([s.token_ids[: s.num_prompt_tokens] for s in seqs], vocab_size) > 0,
+            _token_matrix([item.prompt_token_ids for item in inputs], vocab_size) > 0,
             device,
         )
 
-    logit_bias = _logit_bias(seqs, vocab_size, eos_token_ids)
+    logit_bias = _logit_bias(inputs, vocab_size, eos_token_ids)
     max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
     return SamplingBatch(
         temperature=_column(temperature, torch.float32, device),
@@ -124,7 +125,7 @@ def build_sampling_batch(
         output_counts=output_counts,
         prompt_mask=prompt_mask,
         logit_bias=_to_device(logit_bias, device) if logit_bias is not None else None,
-        generators=[s.generator for s in seqs],
+        generators=[item.generator for item in inputs],
         default_generator=default_generator,
         all_greedy=all_greedy,
         max_logprobs=max_logprobs,
@@ -146,15 +147,16 @@ class SamplingBatches:
         self.device, self.vocab_size, self.eos_token_ids = device, vocab_size, eos_token_ids
         self.generator, self.grammars = generator, grammars
 
-    def rows(self, seqs: list[Sequence]) -> SamplingBatch | None:
+    def rows(self, inputs: list[SamplingInput]) -> SamplingBatch | None:
         return build_sampling_batch(
-            seqs, self.device, self.vocab_size, self.eos_token_ids, self.generator
+            inputs, self.device, self.vocab_size, self.eos_token_ids, self.generator
         )
 
     def step(self, model_input: ModelInput) -> SamplingBatch | None:
         """The constrained rows' matchers only advance when this step's tokens are appended,
         so the batch may be built at launch (pipeline parallelism)."""
-        sampling = self.rows(model_input.sampling_seqs)
+        inputs = [item.sampling for item in model_input.sampling_inputs]
+        sampling = self.rows(inputs)
         if sampling is not None and self.grammars.manager is not None:
-            self.grammars.manager.constrain(sampling, model_input.sampling_seqs, self.device)
+            self.grammars.manager.constrain(sampling, inputs, self.device)
         return sampling

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.seq_inputs import sampling_input
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.draft import DraftProposer
 from nanoserve.engine.spec_decode.metrics import SpecDecodingStats
 from nanoserve.engine.spec_decode.ngram import NgramProposer
 from nanoserve.engine.startup import resolve_model_dir
+from nanoserve.engine.step_input import SamplingInput
 from nanoserve.layers.sampler import SamplerOutput, SamplingBatch
 from nanoserve.models.config import ModelConfig
 
@@ -28,16 +30,21 @@ class Speculation:
         model_config: ModelConfig,
         runner: ModelRunner,
         max_model_len: int,
-        rows_batch: Callable[[list[Sequence]], SamplingBatch | None],
+        rows_batch: Callable[[list[SamplingInput]], SamplingBatch | None],
         block_managers: list[BlockManager],
     ) -> None:
         self.proposer = make_proposer(config, model_config, runner)
         self.stats = SpecDecodingStats(config.speculative.num_speculative_tokens)
         self.max_model_len, self.vocab_size = max_model_len, model_config.vocab_size
-        self.rows_batch, self.block_managers = rows_batch, block_managers
+        self.block_managers = block_managers
+        self.rows_batch = rows_batch  # the sampler's batch over the given rows
+
+    def seqs_batch(self, seqs: list[Sequence]) -> SamplingBatch | None:
+        """The sampler's batch for a draft's rows, one per sequence."""
+        return self.rows_batch([sampling_input(seq) for seq in seqs])
 
     def propose(self, running: list[Sequence]) -> None:
-        propose(self.proposer, running, self.max_model_len, self.rows_batch, self.vocab_size)
+        propose(self.proposer, running, self.max_model_len, self.seqs_batch, self.vocab_size)
 
     def after_verification(self, seqs: list[Sequence], result: SamplerOutput | None) -> None:
         after_verification(seqs, result, self.stats, self.block_managers)

@@ -216,9 +216,10 @@ class StructuredOutputManager:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- each step ----------------------------------------------------------------------------
-    def constrain(self, sampling, seqs: list, device: torch.device) -> None:
-        """Give a step's SamplingBatch the bitmask of its constrained rows, if it has any."""
-        rows = [(row, seq.grammar) for row, seq in enumerate(seqs) if seq.grammar is not None]
+    def constrain(self, sampling, inputs: list, device: torch.device) -> None:
+        """Give a step's SamplingBatch the bitmask of its constrained rows, if it has any
+        (`inputs`: the rows' SamplingInputs, engine/step_input.py, which imports this module)."""
+        rows = [(row, item.grammar) for row, item in enumerate(inputs) if item.grammar is not None]
         if rows:
             sampling.token_bitmask, sampling.bitmask_rows = self.fill_bitmask(rows, device)
 

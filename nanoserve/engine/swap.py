@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanoserve.engine.block_manager import BlockCounts
+from nanoserve.engine.block_counts import BlockCounts
 
 
 @dataclass(slots=True)

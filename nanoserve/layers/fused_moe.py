@@ -13,7 +13,8 @@ from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
 from nanoserve.kernels import quant
-from nanoserve.kernels.fused_moe import cpu_expert_table, fused_moe, pack_expert_weights
+from nanoserve.kernels.fused_moe import fused_moe
+from nanoserve.layers.expert_weights import MATRICES, ExpertWeights
 from nanoserve.layers.linear import LinearBase, RowTiling
 from nanoserve.layers.quant_experts import (
     BLOCK,
@@ -109,14 +110,12 @@ class FusedMoE(nn.Module):
                 torch.empty(self.num_local_experts, hidden_size, dtype=dtype), requires_grad=False
             )
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.bias_loader
-        self.packed: tuple | None = None  # see prepack_gemm
-        self.cpu_table: torch.Tensor | None = None  # kernels/fused_moe.cpu_expert_table of `packed`
-        # A quantized checkpoint's experts kept in a kernel format (layers/quant_experts.py):
-        # "w13" / "w2" -> one QuantWeight per local expert, for the matrices that are.
+        # What the kernels multiply beside the parameters: packings, quantized experts
+        # (layers/expert_weights.py); a quantized checkpoint's experts are staged until whole.
+        self.expert_weights = ExpertWeights()
         self.quant_staging = QuantExpertStaging(
             self.num_local_experts, {"w13": hidden_size, "w2": self.inter}
         )
-        self.quant_experts: dict[str, list] = {}
 
     def weight_loader(
         self, param: nn.Parameter, loaded, shard_id: tuple[int | None, int | None]
@@ -205,16 +204,22 @@ class FusedMoE(nn.Module):
     def finish_quantized(self) -> None:
         """The staged quantized experts into QuantWeights (models/weights.load_weights calls it once
         every tensor is read); the float parameters they replace go to the meta device."""
-        for matrix in ("w13", "w2"):
-            param = getattr(self, f"{matrix}_weight")
+        for matrix in MATRICES:
             weights = self.quant_staging.finish(matrix)
             if weights is not None:
-                self.quant_experts[matrix] = weights
-                setattr(
-                    self,
-                    f"{matrix}_weight",
-                    nn.Parameter(param.detach().to("meta"), requires_grad=False),
-                )
+                self.expert_weights.set_quantized(matrix, weights)
+                self._to_meta(matrix)
+
+    def _to_meta(self, matrix: str) -> None:
+        """The matrix's float parameter keeps only its shape and dtype (another form holds it)."""
+        param = self.w13_weight if matrix == "w13" else self.w2_weight
+        if param.is_meta:  # a quantized matrix's, since its experts were finished
+            return
+        meta = nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        if matrix == "w13":
+            self.w13_weight = meta
+        else:
+            self.w2_weight = meta
 
     def bias_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         """Every expert's biases in one tensor: w13_bias [experts, 2 * inter] (gate, then up) or
@@ -238,35 +243,21 @@ class FusedMoE(nn.Module):
         the only copy: the parameters move to the meta device (kernels/fused_moe.py reads the
         matrices back from the packing for the paths that multiply them as they are). Quantized
         experts: each QuantWeight in the quantized kernel's packing (rows invariant either way)."""
-        packings = []
-        for matrix in ("w13", "w2"):
-            param = getattr(self, f"{matrix}_weight")
-            if matrix in self.quant_experts:
-                for weight in self.quant_experts[matrix]:
-                    quant.pack_for_cpu(weight)
-                packings.append(self.quant_experts[matrix])
-            else:
-                packings.append(pack_expert_weights(param))
-                if packings[-1] is not None:
-                    setattr(
-                        self,
-                        f"{matrix}_weight",
-                        nn.Parameter(param.detach().to("meta"), requires_grad=False),
-                    )
-        self.packed = tuple(packings) if any(p is not None for p in packings) else None
-        self.cpu_table = cpu_expert_table(self.w13_weight, self.w2_weight, self.packed)
-        return all(p is not None for p in packings)
+        weights, packed = self.expert_weights, []
+        for matrix, param in zip(MATRICES, (self.w13_weight, self.w2_weight)):
+            packed.append(weights.pack_for_cpu(matrix, param))
+            if packed[-1]:
+                self._to_meta(matrix)
+        weights.build_cpu_table(self.w13_weight, self.w2_weight)
+        return all(packed)
 
     def kernel_bytes(self) -> int:
         """Bytes the experts take beside their (non-meta) parameters: quantized experts' blocks
         and the bf16 packings of prepack_gemm."""
-        quantized = sum(w.nbytes for weights in self.quant_experts.values() for w in weights)
-        packings = [p for p in self.packed or () if isinstance(p, torch.Tensor)]
-        return quantized + sum(p.numel() * p.element_size() for p in packings)
+        return self.expert_weights.nbytes()
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         bias = None if self.w13_bias is None else (self.w13_bias, self.w2_bias)
-        packed = self.packed or (self.quant_experts.get("w13"), self.quant_experts.get("w2"))
         out = fused_moe(
             hidden,
             router_logits,
@@ -275,10 +266,10 @@ class FusedMoE(nn.Module):
             self.top_k,
             self.renormalize,
             self.expert_map,
-            packed,
+            self.expert_weights.operands(),
             bias,
             self.activation,
-            self.cpu_table,
+            self.expert_weights.cpu_table,
         )
         return all_reduce(out)
 

@@ -178,7 +178,14 @@ class BertModel(nn.Module):
     and masked-LM head are not loaded (an embedding model pools from modules.json)."""
 
     pooling_tasks = ("embed", "score")
-    checkpoint_skips = ("pooler.", "cls.", "lm_head.", "embeddings.position_ids")
+    # Unused tensors, also under the prefix a checkpoint saved from a model with heads has
+    # (BertForMaskedLM's "bert.", its "cls." head); that prefix is dropped.
+    checkpoint_skips = tuple(
+        prefix + name
+        for prefix in ("", "bert.", "roberta.")
+        for name in ("pooler.", "embeddings.position_ids", "embeddings.token_type_ids")
+    ) + ("cls.", "lm_head.")
+    checkpoint_renames = {"bert.": ""}
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, with_pooler: bool = False) -> None:
         super().__init__()
@@ -200,6 +207,8 @@ class BertModel(nn.Module):
 
 class XLMRobertaModel(BertModel):
     """The same encoder; its config sets the position offset and the single token type."""
+
+    checkpoint_renames = {"roberta.": ""}
 
 
 class BertForSequenceClassification(nn.Module):

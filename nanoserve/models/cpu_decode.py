@@ -51,7 +51,7 @@ def _moe_entry(mlp: nn.Module) -> list[int] | None:
     experts = mlp.experts
     if (
         mlp.shared_expert is not None
-        or experts.cpu_table is None
+        or experts.expert_weights.cpu_table is None
         or experts.expert_map is not None
         or experts.activation is not None
         or experts.w13_bias is not None
@@ -61,7 +61,7 @@ def _moe_entry(mlp: nn.Module) -> list[int] | None:
     if router is None or mlp.gate.weight.shape[0] != experts.num_experts:
         return None
     return router + [
-        experts.cpu_table.data_ptr(),
+        experts.expert_weights.cpu_table.data_ptr(),
         experts.num_experts,
         experts.top_k,
         int(experts.renormalize),

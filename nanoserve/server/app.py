@@ -1,8 +1,10 @@
-"""The route table: OpenAI endpoints, vLLM's pooling routes (score, rerank, classify, pooling),
-plus vLLM's /health, /version, /tokenize, /detokenize, /metrics, /load, /tokenizer_info,
-/invocations and (in development mode) /reset_prefix_cache, and the chat page (server/ui.py).
-With an API key every route but OPEN_PATHS needs it. Maps every error to vLLM's {"error": {...}}
-body once, here."""
+"""The route table: OpenAI endpoints, Anthropic's /v1/messages (server/anthropic.py), vLLM's
+pooling routes (score, rerank, classify, pooling: server/scoring.py, classify.py), vLLM's
+/health, /version, /tokenize, /detokenize, /metrics, /load, /tokenizer_info, /invocations and (in
+development mode) /reset_prefix_cache, and the chat page (server/ui.py). With an API key every
+route but OPEN_PATHS needs it, sent as `Authorization: Bearer <key>` or Anthropic's
+`x-api-key: <key>`. Maps every error once, here: to vLLM's {"error": {...}} body, or on the
+Anthropic paths to Anthropic's error body."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from urllib.parse import unquote
 import msgspec
 
 import nanoserve
+from nanoserve.server import anthropic
 from nanoserve.server import metrics as metrics_module
+from nanoserve.server.anthropic_schemas import CountTokensRequest, MessagesRequest
 from nanoserve.server.chat import create_chat_completion, render_chat_prompt
 from nanoserve.server.classify import (
     ClassifyRequest,
@@ -204,6 +208,8 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/responses": {"POST": self.responses},
+            anthropic.PATH: {"POST": self.messages},
+            anthropic.COUNT_TOKENS_PATH: {"POST": self.count_message_tokens},
             "/v1/embeddings": {"POST": self.embeddings},
             # vLLM's pooling routes beside embeddings (server/scoring.py, classify.py)
             "/v1/score": {"POST": self.score},
@@ -244,7 +250,7 @@ class OpenAIApp:
     async def __call__(self, request: HttpRequest) -> Response | StreamingResponse:
         try:
             # Before the route is looked up: without the key, no route's existence shows.
-            self.authenticate(request.path, request.header("authorization"))
+            self.authenticate(request)
             methods = self._methods(request.path)
             if methods is None:
                 raise APIError(404, f"Route {request.path} not found.")
@@ -262,22 +268,31 @@ class OpenAIApp:
             api_error = to_api_error(error)
             if api_error is None:
                 raise  # the connection answers 500 and logs it
+            if anthropic.is_anthropic_path(request.path):
+                return anthropic.error_response(api_error)
             return error_response(api_error)
 
     def needs_key(self, path: str) -> bool:
         return self.api_key is not None and path not in OPEN_PATHS
 
-    def authenticate(self, path: str, authorization: str | None) -> None:
-        """Raises the 401 unless the path is open or `authorization` (the header's value)
-        carries the key; the HTTP layer may call it as soon as the headers are in."""
-        if not self.needs_key(path):
+    def authenticate(self, request: HttpRequest) -> None:
+        """Raises the 401 unless the path is open or the request carries the key, in its
+        `Authorization: Bearer` header or (Anthropic's clients) its `x-api-key` header; the HTTP
+        layer may call it as soon as the headers are in."""
+        if not self.needs_key(request.path):
             return
-        scheme, _, token = (authorization or "").partition(" ")
         expected = self.api_key.encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        scheme, _, token = (request.header("authorization") or "").partition(" ")
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), expected
+        )
+        api_key = request.header("x-api-key")
+        keyed = api_key is not None and hmac.compare_digest(api_key.strip().encode(), expected)
+        if not (bearer or keyed):
             raise APIError(
                 401,
-                "Unauthorized: a valid API key is required (Authorization: Bearer <key>).",
+                "Unauthorized: a valid API key is required (Authorization: Bearer <key>, or "
+                "x-api-key: <key>).",
                 headers=[("www-authenticate", "Bearer")],
             )
 
@@ -285,8 +300,10 @@ class OpenAIApp:
         """The HTTP layer's check once a request's headers are in (`HttpServer`'s
         `check_headers`): the 401 to send instead of reading its body, or None."""
         try:
-            self.authenticate(request.path, request.header("authorization"))
+            self.authenticate(request)
         except APIError as error:
+            if anthropic.is_anthropic_path(request.path):
+                return anthropic.error_response(error)
             return error_response(error)
         return None
 
@@ -455,6 +472,16 @@ class OpenAIApp:
     async def responses(self, request: HttpRequest):
         body = with_request_id(request, decode_body(request, ResponsesRequest))
         return await self._tracked(lambda: create_response(self.ctx, self.response_store, body))
+
+    async def messages(self, request: HttpRequest):
+        """Anthropic's POST /v1/messages."""
+        body = with_request_id(request, decode_body(request, MessagesRequest))
+        return await self._tracked(lambda: anthropic.create_message(self.ctx, body))
+
+    async def count_message_tokens(self, request: HttpRequest) -> Response:
+        """Anthropic's POST /v1/messages/count_tokens."""
+        body = decode_body(request, CountTokensRequest)
+        return await anthropic.count_tokens(self.ctx, body)
 
     def _stored_id(self, request: HttpRequest) -> str:
         return unquote(request.path[len(RESPONSES_PREFIX) :])

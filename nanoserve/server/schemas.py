@@ -38,6 +38,14 @@ class APIError(Exception):
         self.headers = headers or []
 
 
+class OverloadedError(APIError):
+    """The 503 for a full waiting queue (--max-waiting-requests), apart from other 503s: the
+    Anthropic routes answer it as their 529 overloaded_error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, headers=[("retry-after", "1")])
+
+
 ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",

@@ -31,6 +31,7 @@ from nanoserve.server.schemas import (
     APIError,
     ErrorInfo,
     ErrorResponse,
+    OverloadedError,
     PromptTokensDetails,
     SamplingFields,
     Usage,
@@ -189,11 +190,9 @@ class ServingContext:
         if limit is not None and self.engine.num_waiting >= limit:
             if self.on_admission_rejected is not None:
                 self.on_admission_rejected("max_num_queued_reqs")
-            raise APIError(
-                503,
+            raise OverloadedError(
                 f"The server is overloaded: {self.engine.num_waiting} requests are "
-                f"waiting (limit {limit}). Retry later.",
-                headers=[("retry-after", "1")],
+                f"waiting (limit {limit}). Retry later."
             )
 
     async def off_loop(self, size: int, fn, *args, **kwargs):

@@ -1,5 +1,5 @@
-"""What the chat and completions streams share: reading one or several request streams as their
-outputs arrive, the SSE frame around each route's own chunks (the response cache's copy, the
+"""What the chat, completions and Anthropic messages streams share: reading one or several
+request streams as their outputs arrive, the SSE frame around each route's own chunks (the response cache's copy, the
 closing usage chunk, [DONE], an in-band error after the 200 went out, and the abort of what is
 left when the client goes away)."""
 
@@ -63,13 +63,22 @@ async def stream_response(
     progress: dict[int, ChoiceProgress],
     events_of: Callable[[int, RequestOutput], list[bytes]],
     usage_chunk: Callable[[Usage], bytes],
+    *,
+    opening: bytes = b"",
+    closing: bytes = DONE,
+    error_event: Callable[[BaseException], bytes] = sse_error,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body of a streamed response. `events_of(prompt index, output)`: the route's chunks
     for one output (they update `progress`, whose token counts make the final usage);
-    `usage_chunk`: the route's closing chunk that carries only the usage."""
+    `usage_chunk`: the route's closing chunk that carries only the usage. OpenAI's frame by
+    default; a route with other framing (Anthropic's messages) gives its first events
+    (`opening`, sent at once), its last bytes (`closing`, after the usage chunk and after an
+    error event) and the event that reports an error after the 200 went out (`error_event`)."""
     finals: list = [None] * len(streams)  # the whole answers, for the response cache
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
     try:
+        if opening:
+            yield opening
         async for index, output in merge_streams(streams):
             cached[index] = output.num_cached_tokens
             events = events_of(index, output)
@@ -81,8 +90,9 @@ async def stream_response(
         if include_usage:
             completion_tokens = sum(p.num_tokens for p in progress.values())
             yield usage_chunk(ctx.usage(prompt_tokens, completion_tokens, sum(cached.values())))
-        yield DONE
+        if closing:
+            yield closing
     except Exception as error:  # after the 200 went out: report in-band, then end the stream
-        yield sse_error(error) + DONE
+        yield error_event(error) + closing
     finally:
         ctx.abort_unfinished(streams)

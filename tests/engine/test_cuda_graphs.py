@@ -228,7 +228,7 @@ def test_static_buffer_steps_match_eager_steps(tiny_llama_dir, promise):
             assert torch.equal(got.seq_lens[:n], want.seq_lens)
             width = want.block_table.shape[1]
             assert torch.equal(got.block_table[:n, :width], want.block_table)
-            assert model_input.sampling_seqs == eager.sampling_seqs
+            assert model_input.sampling_inputs == eager.sampling_inputs
             # The eager pass writes this step's K/V; the static pass overwrites the same slots.
             eager_logits[id(model_input)] = forward(eager)
         return model_input
@@ -337,7 +337,7 @@ def record_verifications_in_graphs(runner) -> list[int]:
 
     def recording_prepare(scheduled):
         model_input = prepare(scheduled)
-        if model_input.graph_size and model_input.spec_seqs:
+        if model_input.graph_size and model_input.spec_inputs:
             recorded.append(model_input.graph_size)
         return model_input
 

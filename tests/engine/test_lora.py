@@ -154,7 +154,7 @@ def test_max_loras_bounds_the_adapters_of_a_step(tiny_llama_dir, lora_adapters):
         seen, prepare = [], runner.prepare
 
         def watch(scheduled, *args):
-            seen.append({item.seq.lora_id for item in scheduled if item.seq.lora_id})
+            seen.append({item.lora_id for item in scheduled if item.lora_id})
             return prepare(scheduled, *args)
 
         runner.prepare = watch

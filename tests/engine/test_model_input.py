@@ -44,7 +44,7 @@ def test_a_step_round_trips():
         torch.tensor([17, 24, 25, 26]),
         metadata,
         torch.tensor([0, 3]),
-        sampling_seqs=["not sent"],
+        sampling_inputs=["not sent"],
     )
     header, payload = pack_step(step, cpu, virtual_engine=1, tokens_only=True)
     values = header.tolist()
@@ -64,7 +64,7 @@ def test_a_step_round_trips():
         got.metadata.num_decode_seqs,
         got.metadata.prefill_row_tile,
     ) == (3, 27, 1, prefill_row_tile(cpu))
-    assert got.sampling_seqs == []  # rank 0 alone samples
+    assert got.sampling_inputs == []  # rank 0 alone samples
 
 
 def test_a_swap_round_trips():

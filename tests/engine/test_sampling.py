@@ -233,14 +233,13 @@ def test_whole_vocabulary_logprobs_leave_the_callers_params_alone(tiny_llama_dir
 def test_logit_bias_tensor_matches_entry_by_entry():
     """The batch's bias rows (two index_put_ calls) against the rule written out entry by
     entry: biases added, stop and EOS tokens -inf while min_tokens holds them back."""
-    from types import SimpleNamespace
-
     from nanoserve.engine.sampling_batch import _logit_bias
+    from nanoserve.engine.step_input import SamplingInput
 
     vocab, eos, inf = 50, 5, float("inf")
 
     def seq(num_output_tokens: int = 0, **params):
-        return SimpleNamespace(params=SamplingParams(**params), num_output_tokens=num_output_tokens)
+        return SamplingInput(0, SamplingParams(**params), None, num_output_tokens)
 
     seqs = [
         seq(logit_bias={3: 1.5, 7: -2.0, 49: 100.0}),

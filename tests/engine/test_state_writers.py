@@ -7,7 +7,11 @@ item of it), a mutating call on it (`seq.token_ids.append(...)`), or a call of o
 own methods (`request.record_tokens(...)`), where the receiver's name says its class (`seq`,
 `request`, `state`, ...; test_the_receiver_names_hold checks the annotations keep to it). A module
 that starts writing a field not listed for it here fails: give the field an owner instead, or
-widen the list on purpose. A class's writes to `self` are its own business."""
+widen the list on purpose. A class's writes to `self` are its own business.
+
+Below the engine core, the model runner, the sampler's batch and the verification get a step's
+frozen inputs (engine/step_input.py), not the live sequences: they cannot import, even through
+another module, anything that holds the scheduler's or the output processor's state."""
 
 from __future__ import annotations
 
@@ -16,9 +20,14 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import pytest
+
 from nanoserve.engine.output_state import OutputState
 from nanoserve.engine.request import Request
 from nanoserve.engine.sequence import Proposal, Sequence
+from nanoserve.engine.step_input import SamplingInput, SeqInput
+from nanoserve.sampling_params import SamplingParams
+from tests.test_import_graph import imported_modules, module_names
 
 ENGINE = Path(__file__).resolve().parents[2] / "nanoserve" / "engine"
 
@@ -214,3 +223,63 @@ def test_the_receiver_names_hold():
                 if expected is not None and node.arg not in expected:
                     wrong.append(f"{path.name}: {node.arg}: {node.annotation.id}")
     assert wrong == [], wrong
+
+
+# Given a step's frozen inputs, never the live state (engine/step_input.py).
+STEP_CONSUMERS = (
+    "nanoserve.engine.model_runner",
+    "nanoserve.engine.model_input",
+    "nanoserve.engine.sampling_batch",
+    "nanoserve.engine.spec_decode.verify",
+)
+# The modules that define or hand out the live per-request state.
+LIVE_STATE = {
+    "nanoserve.engine.sequence",
+    "nanoserve.engine.scheduler",
+    "nanoserve.engine.seq_inputs",
+    "nanoserve.engine.request",
+    "nanoserve.engine.output_state",
+    "nanoserve.engine.output_processor",
+    "nanoserve.engine.llm_engine",
+}
+
+
+def reachable(module: str) -> set[str]:
+    """Every nanoserve module `module` imports, directly or through others."""
+    known = set(module_names())
+    seen, todo = set(), [module]
+    while todo:
+        for name in imported_modules(todo.pop(), known) - seen:
+            seen.add(name)
+            todo.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("module", STEP_CONSUMERS)
+def test_the_runner_and_the_sampling_see_no_live_sequence(module):
+    """They can neither name a Sequence nor reach a module that does, so whatever they read of
+    a sequence came in its SeqInput, and nothing they do changes one."""
+    assert reachable(module) & LIVE_STATE == set()
+    assert "Sequence" not in {
+        node.id
+        for node in ast.walk(ast.parse(Path(importlib_path(module)).read_text()))
+        if isinstance(node, ast.Name)
+    }
+
+
+def importlib_path(module: str) -> str:
+    return str(ENGINE.parent.parent.joinpath(*module.split(".")).with_suffix(".py"))
+
+
+def test_the_import_scan_sees_a_path_to_the_live_state():
+    """The check above fails when it should: the engine core reaches the sequences."""
+    assert "nanoserve.engine.sequence" in reachable("nanoserve.engine.llm_engine")
+    assert "nanoserve.engine.sequence" in reachable("nanoserve.engine.pipeline_driver")
+
+
+def test_a_step_input_cannot_be_changed():
+    sampling = SamplingInput(0, SamplingParams(), None, 0)
+    item = SeqInput(0, (1, 2), 0, (3,), 0, False, True, sampling)
+    for record, name, value in ((item, "start", 1), (sampling, "num_output_tokens", 1)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, name, value)

@@ -151,7 +151,7 @@ def assert_experts_hold(model, meaning: dict, qtype: str) -> None:
         experts = layer.mlp.experts
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
         for expert, (w13, w2) in enumerate(
-            zip(experts.quant_experts["w13"], experts.quant_experts["w2"])
+            zip(experts.expert_weights.quantized("w13"), experts.expert_weights.quantized("w2"))
         ):
             assert w13.qtype == w2.qtype == qtype
             prefix = f"model.layers.{index}.mlp.experts.{expert}."

@@ -228,12 +228,15 @@ def test_other_families(family, tmp_path):
     assert all(layer.self_attn.qkv_proj.weight_form.quantized for layer in model.model.layers)
     if family == "qwen3_moe":
         experts = [layer.mlp.experts for layer in model.model.layers]
-        assert all(set(e.quant_experts) == {"w13", "w2"} and e.w13_weight.is_meta for e in experts)
+        assert all(
+            e.expert_weights.quantized_matrices() == {"w13", "w2"} and e.w13_weight.is_meta
+            for e in experts
+        )
         assert all(
             w.qtype == "q8_0"
             for e in experts
-            for matrices in e.quant_experts.values()
-            for w in matrices
+            for matrix in ("w13", "w2")
+            for w in e.expert_weights.quantized(matrix)
         )
     assert_close_to_transformers(path)
 

@@ -360,3 +360,27 @@ def test_unsupported_sentence_transformers_modules_are_refused(checkpoints, tmp_
         ValueError, match=r"unsupported sentence-transformers pooling \['pooling_mode_max"
     ):
         LLM(str(path), runner="pooling")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_saved_with_a_head_prefix_loads(checkpoints, llms, tmp_path, family):
+    """A bare encoder saved from a model with heads (BertForMaskedLM: "bert." before every
+    name, a "cls." head beside): the same vectors."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / family
+    shutil.copytree(checkpoints[family], path)
+    prefix = "bert." if family == "bert" else "roberta."
+    tensors = load_file(path / "model.safetensors")
+    renamed = {prefix + name: tensor for name, tensor in tensors.items()}
+    renamed["cls.predictions.bias"] = torch.zeros(8)
+    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), runner="pooling", dtype="float32")
+    try:
+        got = llm.embed(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for output, expected in zip(got, llms(family).embed(TEXTS, use_tqdm=False)):
+        assert output.outputs.data == pytest.approx(expected.outputs.data, abs=1e-6)

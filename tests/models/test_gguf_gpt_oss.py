@@ -92,7 +92,9 @@ def test_experts_hold_the_files_mxfp4_blocks(gpt_oss_file):
     for index, layer in enumerate(model.model.layers):
         moe = layer.mlp.experts
         assert moe.w13_weight.is_meta and moe.w2_weight.is_meta
-        for expert, (w13, w2) in enumerate(zip(moe.quant_experts["w13"], moe.quant_experts["w2"])):
+        for expert, (w13, w2) in enumerate(
+            zip(moe.expert_weights.quantized("w13"), moe.expert_weights.quantized("w2"))
+        ):
             assert w13.qtype == w2.qtype == quant.MXFP4 and w13.packed is not None
             gate_up = torch.cat(
                 [

@@ -93,7 +93,9 @@ def test_experts_hold_the_files_blocks(moe_file):
         assert moe.w13_weight.is_meta and moe.w2_weight.is_meta
         qtype = tensors[f"blk.{index}.ffn_gate_exps.weight"].tensor_type.name.lower()
         assert qtype in {experts for _, experts in MOE_FILES.values()}
-        for expert, (w13, w2) in enumerate(zip(moe.quant_experts["w13"], moe.quant_experts["w2"])):
+        for expert, (w13, w2) in enumerate(
+            zip(moe.expert_weights.quantized("w13"), moe.expert_weights.quantized("w2"))
+        ):
             assert w13.qtype == w2.qtype == qtype and w13.packed is not None
             gate_up = torch.cat(
                 [

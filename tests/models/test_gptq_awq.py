@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve.kernels import quant
 from nanoserve.kernels.choice import reset_kernel_choice
+from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.models.gptq_awq import group_quant_config, parse_config
 from tests.gptq_awq_models import (
     SCHEMES,
@@ -272,9 +273,8 @@ def _hooked_greedy(llm, model):
     rounds its inputs as ours (in its input order); those dequantized at load don't."""
     ours = dict(llm.llm_engine.runner.model.named_modules())  # (rank 0's)
     for name, module in model.named_modules():
-        if name.endswith(".experts") and getattr(
-            ours.get(name), "quant_experts", None
-        ):  # stacked MoE experts
+        experts = ours.get(name)
+        if isinstance(experts, FusedMoE) and experts.expert_weights.quantized_matrices():
             module.forward = types.MethodType(_experts_with_rounded_inputs, module)
             continue
         if not (name.endswith("_proj") or name == "lm_head"):

@@ -110,7 +110,10 @@ def test_bf16_tokens_do_not_depend_on_the_batch_and_decode_is_not_fused(family, 
     assert runner.fused_decode is None  # models/cpu_decode.py takes Llama's layers only
     experts = [layer.mlp.experts for layer in runner.model.model.layers]
     if cpu_ops.available():  # every expert on kernels/cpu/gemm*.cpp: prompt rows need no padding
-        assert all(e.packed is not None for e in experts) and not runner.pad_prompt_rows
+        assert (
+            all(e.expert_weights.operands() != (None, None) for e in experts)
+            and not runner.pad_prompt_rows
+        )
     prompts = random_prompts(4, 300, seed=12, min_len=5, max_len=40)
     batched = generate_ids(llm, prompts)
     assert [generate_ids(llm, [p])[0] for p in prompts] == batched

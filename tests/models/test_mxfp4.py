@@ -75,7 +75,7 @@ def test_dequantized_mxfp4_gpt_oss_matches_transformers(checkpoints, monkeypatch
     monkeypatch.setattr(quant, "takes_components", lambda device: False)
     llm = LLM(model=str(quant_dir), dtype="float32", num_kv_blocks=32)
     experts = llm.llm_engine.runner.model.model.layers[0].mlp.experts
-    assert not experts.quant_experts and not experts.w13_weight.is_meta
+    assert not experts.expert_weights.quantized_matrices() and not experts.w13_weight.is_meta
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -102,7 +102,7 @@ def test_mxfp4_experts_stay_quantized_on_the_cpu(checkpoints):
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta  # the float copies are gone
         theirs = oracle.model.layers[index].mlp.experts
         for expert, (w13, w2) in enumerate(
-            zip(experts.quant_experts["w13"], experts.quant_experts["w2"])
+            zip(experts.expert_weights.quantized("w13"), experts.expert_weights.quantized("w2"))
         ):
             assert w13.qtype == w2.qtype == "mxfp4"
             assert w13.nbytes * 8 == w13.n * w13.k * 5  # a nibble a weight, an fp32 scale per 32
@@ -132,10 +132,8 @@ def test_mxfp4_bf16_tokens_do_not_depend_on_the_batch(checkpoints):
         max_num_batched_tokens=24,
         enable_prefix_caching=False,
     )
-    assert set(llm.llm_engine.runner.model.model.layers[0].mlp.experts.quant_experts) == {
-        "w13",
-        "w2",
-    }
+    experts = llm.llm_engine.runner.model.model.layers[0].mlp.experts
+    assert experts.expert_weights.quantized_matrices() == {"w13", "w2"}
     prompts = random_prompts(4, 300, seed=12, min_len=5, max_len=40)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

@@ -108,7 +108,8 @@ def test_moe_experts_are_held_once(tmp_path, monkeypatch):
     packed = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
     layers = [m for m in packed.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
     assert layers and all(
-        m.packed is not None and m.w13_weight.is_meta and m.w2_weight.is_meta for m in layers
+        m.expert_weights.operands() != (None, None) and m.w13_weight.is_meta and m.w2_weight.is_meta
+        for m in layers
     )
     assert (
         len(packed.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids) == 6
@@ -119,7 +120,7 @@ def test_moe_experts_are_held_once(tmp_path, monkeypatch):
     plain = LLM(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)
     monkeypatch.delenv("NANOSERVE_CPU_GEMM")
     assert all(
-        m.packed is None and not m.w13_weight.is_meta
+        m.expert_weights.operands() == (None, None) and not m.w13_weight.is_meta
         for m in plain.llm_engine.runner.model.modules()
         if isinstance(m, FusedMoE)
     )

@@ -1,6 +1,7 @@
 """With --api-key, authentication is an allowlist (issue 52 row 1): every route in the app's table
 (and under its /v1/models/ and /v1/responses/ prefixes), optional ones switched on, answers 401
-with the OpenAI error body without the key, except /health, /ping, /version and the chat page.
+with the OpenAI error body without the key (Anthropic's on /v1/messages), except /health, /ping,
+/version and the chat page. The key opens them as a bearer token or as an `x-api-key` header.
 Routes that change server state exist only in development mode (NANOSERVE_SERVER_DEV_MODE)."""
 
 from __future__ import annotations
@@ -36,9 +37,16 @@ WRONG = [
     {"Authorization": KEY},
     {"Authorization": f"Basic {KEY}"},
     {"Authorization": f"Bearer {KEY}x"},
+    {"x-api-key": "wrong"},
+    {"x-api-key": f"{KEY}x"},
+    {"x-api-key": f"Bearer {KEY}"},
 ]
+RIGHT = [{"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}]
 UNAUTHORIZED = {
-    "message": "Unauthorized: a valid API key is required (Authorization: Bearer <key>).",
+    "message": (
+        "Unauthorized: a valid API key is required (Authorization: Bearer <key>, or "
+        "x-api-key: <key>)."
+    ),
     "type": "AuthenticationError",
     "param": None,
     "code": 401,
@@ -98,6 +106,8 @@ def test_every_route_but_the_allowlist_needs_the_key(keyed_server):
         "/v1/unload_lora_adapter",
         "/v1/models/some-id",
         "/v1/responses/some-id",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     } <= paths
     assert ALLOWLIST <= paths
     closed = [(method, path) for method, path in routes if path not in ALLOWLIST]
@@ -105,12 +115,20 @@ def test_every_route_but_the_allowlist_needs_the_key(keyed_server):
         for headers in WRONG:
             status, response_headers, body = send(port, method, path, headers)
             assert status == 401, (method, path, headers, body)
-            assert json.loads(body) == {"error": UNAUTHORIZED}, (method, path)
+            assert json.loads(body) == unauthorized(path), (method, path)
             assert response_headers["www-authenticate"] == "Bearer"
     # with the key each of them is reached (whatever it then answers)
     for method, path in closed:
-        status, _, body = send(port, method, path, {"Authorization": f"Bearer {KEY}"})
-        assert status != 401, (method, path, body)
+        for headers in RIGHT:
+            status, _, body = send(port, method, path, headers)
+            assert status != 401, (method, path, headers, body)
+
+
+def unauthorized(path: str) -> dict:
+    if path.startswith("/v1/messages"):  # Anthropic's routes answer in Anthropic's shape
+        message = UNAUTHORIZED["message"]
+        return {"type": "error", "error": {"type": "authentication_error", "message": message}}
+    return {"error": UNAUTHORIZED}
 
 
 def test_the_allowlist_answers_without_the_key(keyed_server):

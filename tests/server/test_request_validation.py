@@ -148,7 +148,7 @@ def faulty_engine(tiny_llama_dir):
     real_forward = engine.runner.forward
 
     def forward(model_input):
-        if any(seq.token_ids[:4] == POISON for seq in model_input.sampling_seqs):
+        if any(item.token_ids[:4] == tuple(POISON) for item in model_input.sampling_inputs):
             raise RuntimeError("Overflow when unpacking long long")
         return real_forward(model_input)
 

@@ -22,6 +22,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import ScheduledSequence
+from nanoserve.engine.seq_inputs import step_inputs
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.grammar import bitmask_rows
 from nanoserve.kernels import apply_token_bitmask
@@ -136,17 +137,17 @@ class DraftProposer:
                 ScheduledSequence(shadow, shadow.num_tokens - shadow.num_computed_tokens)
                 for _, shadow in batch
             ]
-            model_input = self.runner.prepare(scheduled)
+            model_input = self.runner.prepare(step_inputs(scheduled))
             logits = self.runner.forward(model_input)  # one row per shadow (its last token's), in
-            order = {
-                id(s): row for row, s in enumerate(model_input.sampling_seqs)
-            }  # the runner's order
+            order = {  # the runner's order (a shadow has its sequence's seq_id)
+                item.seq_id: row for row, item in enumerate(model_input.sampling_inputs)
+            }
             seqs = [seq for seq, _ in batch]
             for seq in seqs:  # constrained: the grammar's state after `step` proposed tokens
                 if seq.grammar is not None:
                     seq.grammar.matcher.fill_next_token_bitmask(seq.proposal.bitmask, step)
             tokens = self._pick(
-                logits[[order[id(shadow)] for _, shadow in batch]].float(),
+                logits[[order[shadow.seq_id] for _, shadow in batch]].float(),
                 seqs,
                 step,
                 batch_for(seqs),

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.rejection_sampler import SpecSequence, rejection_sample
+from nanoserve.engine.step_input import SeqInput
 from nanoserve.kernels import apply_token_bitmask
 from nanoserve.layers.sampler import (
     SamplingBatch,
@@ -28,51 +28,52 @@ from nanoserve.layers.sampler import (
 Emitted = list[tuple[int, tuple[int, list[int], list[float]] | None]]
 
 
-def apply_bitmasks(logits: torch.Tensor, seqs: list[Sequence], counts: list[int]) -> None:
+def apply_bitmasks(logits: torch.Tensor, inputs: list[SeqInput], counts: list[int]) -> None:
     """In place: each constrained sequence's rows (counts[i] of them, in order) under its
     grammar's per-position bitmask."""
     row = 0
-    for seq, count in zip(seqs, counts):
-        if seq.proposal.bitmask is not None:
+    for item, count in zip(inputs, counts):
+        if item.bitmask is not None:
             apply_token_bitmask(
                 logits,
-                seq.proposal.bitmask[:count].to(logits.device),
+                item.bitmask[:count].to(logits.device),
                 torch.arange(row, row + count, device=logits.device),
             )
         row += count
 
 
-def _draft_rows(seq: Sequence) -> torch.Tensor | None:
+def _draft_rows(item: SeqInput) -> torch.Tensor | None:
     """A draft model's q rows for the proposals kept by the scheduler (None: deterministic)."""
-    probs = seq.proposal.draft_probs
-    if probs is None or seq.params.temperature == 0:
+    probs = item.draft_probs
+    if probs is None or item.sampling.params.temperature == 0:
         return None
-    return probs[: len(seq.proposal.token_ids)].to(torch.float32)
+    return probs[: len(item.proposal)].to(torch.float32)
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence], batch: SamplingBatch) -> list[Emitted]:
-    """logits: [sum(k_i + 1), V], each sequence's rows in `seqs` order; `batch`: the sampler's
+def verify(logits: torch.Tensor, inputs: list[SeqInput], batch: SamplingBatch) -> list[Emitted]:
+    """logits: [sum(k_i + 1), V], each sequence's rows in `inputs` order; `batch`: the sampler's
     batch over the same rows (each sequence once per row), whose processing (layers/sampler.py's
     processed_logits, sampling_probs) the rows get, as a plain decode row would."""
-    counts = [len(seq.proposal.token_ids) + 1 for seq in seqs]
+    counts = [len(item.proposal) + 1 for item in inputs]
     logits = logits.float()
-    apply_bitmasks(logits, seqs, counts)
+    apply_bitmasks(logits, inputs, counts)
     raw = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
     processed = processed_logits(logits, batch)
     probs = processed if batch.all_greedy else sampling_probs(processed, batch)
     out: list[Emitted] = []
     row = 0
-    for seq, count in zip(seqs, counts):
-        greedy = seq.params.temperature == 0
+    for item, count in zip(inputs, counts):
+        params = item.sampling.params
+        greedy = params.temperature == 0
         target = (processed if greedy else probs)[
             row : row + count
         ]  # greedy: only the argmax is read
-        spec = SpecSequence(list(seq.proposal.token_ids), greedy, seq.generator)
-        tokens = rejection_sample(target, [spec], _draft_rows(seq), batch.default_generator)[0]
+        spec = SpecSequence(list(item.proposal), greedy, item.sampling.generator)
+        tokens = rejection_sample(target, [spec], _draft_rows(item), batch.default_generator)[0]
         logprobs: list = [None] * len(tokens)
-        if seq.params.logprobs is not None:
+        if params.logprobs is not None:
             emitted = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-            tensors = gather_logprobs(raw[row : row + len(tokens)], emitted, seq.params.logprobs)
+            tensors = gather_logprobs(raw[row : row + len(tokens)], emitted, params.logprobs)
             logprobs = list(
                 zip(tensors.ranks.tolist(), tensors.token_ids.tolist(), tensors.logprobs.tolist())
             )

@@ -45,10 +45,10 @@ def _float32_value(value: float) -> float:
 
 GPT_OSS = "gpt-oss"
 # Gemma 2 / 3 (models/gemma.py): llama.cpp's converter stores each RMSNorm's weight as 1 + w (the
-# factor itself; transformers keeps w), rows in HF's order, no query_pre_attn_scalar (llama.cpp
-# takes the head size, hidden / heads for the 27B models), Gemma 2's sliding window on every other
-# layer from the first and Gemma 3's on five layers of six, the sliding layers' rope base 10,000.
-GEMMA = ("gemma2", "gemma3")
+# factor itself; transformers keeps w: GGUFArchitecture.norm_weight), rows in HF's order, no
+# query_pre_attn_scalar (llama.cpp takes the head size, hidden / heads for the 27B models), Gemma
+# 2's sliding window on every other layer from the first and Gemma 3's on five layers of six, the
+# sliding layers' rope base 10,000.
 # Phi-3 / Phi-4-mini (models/phi3.py): q/k/v fused (attn_qkv) and gate/up fused (ffn_up) as the HF
 # checkpoint has them, rows in HF's order, rotary on rope.dimension_count of each head (Phi-4-mini:
 # three quarters), LongRoPE's factors as the tensors rope_factors_short / rope_factors_long (read
@@ -326,6 +326,23 @@ class GGUFArchitecture:
     family: Callable[[_Keys, _Shape], dict] | None = None
     # Phi's rope.dimension_count may be part of a head: not a head size for it.
     rotary_is_head_size: bool = True
+    # Its RMSNorm weights (`*norm.weight`) from the file's values to the model's, where they
+    # differ (None: taken as stored).
+    norm_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _norm_from_factor(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma: the file holds each RMSNorm's factor 1 + w, the model (as transformers) w."""
+    return weight - 1.0
+
+
+def tensor_step(architecture: str | None, tensor_name: str) -> Callable | None:
+    """The architecture's step from a dense tensor's values in the file (`tensor_name`: its
+    GGUF name) to its parameter's; None where the values are taken as stored."""
+    arch = GGUF_ARCHITECTURES.get(architecture)
+    if arch is not None and tensor_name.endswith("norm.weight"):
+        return arch.norm_weight
+    return None
 
 
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -357,9 +374,15 @@ GGUF_ARCHITECTURES = {
         experts_required=True,
         family=_gpt_oss_keys,
     ),
-    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", family=_gemma2_keys),
+    "gemma2": GGUFArchitecture(
+        "Gemma2ForCausalLM", "gemma2", family=_gemma2_keys, norm_weight=_norm_from_factor
+    ),
     "gemma3": GGUFArchitecture(
-        "Gemma3ForCausalLM", "gemma3_text", rope_scaling=_linear_scaling, family=_gemma3_keys
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        rope_scaling=_linear_scaling,
+        family=_gemma3_keys,
+        norm_weight=_norm_from_factor,
     ),
     PHI3: GGUFArchitecture(
         "Phi3ForCausalLM",
@@ -569,8 +592,9 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
-    """The file's tensors dequantized (bf16) under their HF names; Gemma's norms back to w from the
-    stored 1 + w; Phi-3's LongRoPE factor tensors left to the config."""
+    """The file's tensors dequantized (bf16) under their HF names, each through its
+    architecture's step (tensor_step: Gemma's norms back to w from the stored 1 + w); Phi-3's
+    LongRoPE factor tensors left to the config."""
     state_dict = {}
     permuted = rotary_rows_permuted(config)
     architecture = reader_architecture(reader)
@@ -593,8 +617,9 @@ def llama_state_dict(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.T
             ) from error
         # np.array copies: unquantized tensors come back as read-only views of the memory map.
         weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
-        if architecture in GEMMA and name.endswith("norm.weight"):
-            weight = weight - 1.0
+        step = tensor_step(architecture, tensor.name)
+        if step is not None:
+            weight = step(weight)
         if name.endswith("q_proj.weight") and permuted:
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight") and permuted:

@@ -14,6 +14,7 @@ layers whole blocks of each row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +30,12 @@ from nanoserve.layers.fused_moe import FusedMoE
 from nanoserve.layers.linear import LinearBase, load_parameter
 from nanoserve.models.gguf.header import VOCABULARY_ARRAYS, read_gguf_header
 from nanoserve.models.gguf.reader import (
-    GEMMA,
     ROPE_FACTOR_TENSORS,
     GGUFImportError,
     expert_part,
     hf_tensor_name,
     rotary_rows_permuted,
+    tensor_step,
     unpermute_rotary_rows,
 )
 from nanoserve.models.quant_staging import StagedLinear, finish_quantized, stage_quantized
@@ -164,8 +165,9 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
             if target not in params:
                 raise GGUFImportError(f"{tensor.name}: no parameter {target!r} in this model")
             module = modules[target.rsplit(".", 1)[0]]
-            if architecture in GEMMA and tensor.name.endswith("norm.weight"):
-                _load_gemma_norm(params[target], tensor, gguf_file)
+            step = tensor_step(architecture, tensor.name)
+            if step is not None:  # the architecture's own values (Gemma's norms)
+                _load_stepped(params[target], tensor, gguf_file, step)
                 loaded.add(target)
                 continue
             stacked, part = expert_part(tensor.name)
@@ -282,9 +284,9 @@ def _load_experts(
         moe.weight_loader(param, values, (expert, part))
 
 
-def _load_gemma_norm(param: nn.Parameter, tensor, gguf_file: Path) -> None:
-    """A Gemma RMSNorm weight: the file holds the factor 1 + w, the model (as transformers) w."""
-    param.data.copy_(_dense(tensor, None, gguf_file).reshape(param.shape) - 1.0)
+def _load_stepped(param: nn.Parameter, tensor, gguf_file: Path, step: Callable) -> None:
+    """A dense tensor whose values the architecture changes on the way (reader.tensor_step)."""
+    param.data.copy_(step(_dense(tensor, None, gguf_file).reshape(param.shape)))
 
 
 def _load_expert_biases(
