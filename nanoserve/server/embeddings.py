@@ -23,7 +23,7 @@ from nanoserve.inputs import TokensPrompt
 from nanoserve.outputs import PoolingRequestOutput, RequestOutputKind
 from nanoserve.pooling_params import PoolingParams
 from nanoserve.server.http.types import Response
-from nanoserve.server.schemas import APIError
+from nanoserve.server.schemas import APIError, Usage
 from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per embeddings request
@@ -206,8 +206,9 @@ def pooled_data(final: PoolingRequestOutput) -> list[float]:
     return final.outputs.data
 
 
-def usage(prompt_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+def usage(prompt_tokens: int) -> Usage:
+    """vLLM's UsageInfo of a pooling response: prompt tokens only (completion_tokens 0)."""
+    return Usage(prompt_tokens, prompt_tokens)
 
 
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -63,7 +63,12 @@ def test_pooling_gives_the_embeddings(server, task):
     assert all(d["object"] == "pooling" for d in result["data"])
     assert all(close(d["data"], e) for d, e in zip(result["data"], expected))
     tokens = sum(len(server.engine.tokenizer.encode(t)) for t in TEXTS)
-    assert result["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert result["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
 
 
 def test_pooling_base64_normalize_token_ids_and_truncation(server):

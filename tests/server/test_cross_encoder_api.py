@@ -94,7 +94,12 @@ def test_score_equals_sentence_transformers_cross_encoder(cross_encoder, cross_e
     assert [d["index"] for d in body["data"]] == list(range(len(DOCUMENTS)))
     assert all(abs(d["score"] - float(e)) < 1e-4 for d, e in zip(body["data"], expected))
     tokens = sum(pair_lengths(cross_encoder_dir, [QUERY] * len(DOCUMENTS), DOCUMENTS))
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
     status, pairwise = post(
         cross_encoder, "/score", {"text_1": [QUERY] * len(DOCUMENTS), "text_2": DOCUMENTS}
     )
@@ -183,7 +188,12 @@ def test_classify_equals_transformers(classifier, classifier_dir):
 
     tokenizer = hf.AutoTokenizer.from_pretrained(classifier_dir)
     tokens = sum(len(tokenizer(text)["input_ids"]) for text in TEXTS)
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }
     status, raw = post(classifier, "/classify", {"input": TEXTS[0], "use_activation": False})
     assert status == 200, raw
     logits = hf_logits(classifier_dir, TEXTS[:1])[0]

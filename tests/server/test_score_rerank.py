@@ -80,7 +80,12 @@ def test_score_one_to_many_is_the_cosine_of_the_embeddings(server, path):
     expected = [cosine(query, document) for document in documents]
     assert all(close(d["score"], e) for d, e in zip(body["data"], expected)), (body, expected)
     tokens = sum(pair_tokens(server, QUERY, document) for document in DOCUMENTS)
-    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert body["usage"] == {
+        "prompt_tokens": tokens,
+        "total_tokens": tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+    }  # vLLM's UsageInfo
 
 
 def test_score_one_to_one_and_pairwise(server):
