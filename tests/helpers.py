@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -33,3 +35,29 @@ def wait_until(condition: Callable[[], T], what: str = "the condition", timeout:
             return value
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def write_sentence_transformers_files(model_dir: Path, pooling: dict[str, object]) -> None:
+    """An embedding checkpoint's sentence-transformers files, as such models ship them:
+    modules.json (Transformer, Pooling, Normalize) and 1_Pooling/config.json holding `pooling`."""
+    modules = [
+        ("0", "", "Transformer"),
+        ("1", "1_Pooling", "Pooling"),
+        ("2", "2_Normalize", "Normalize"),
+    ]
+    (model_dir / "modules.json").write_text(
+        json.dumps(
+            [
+                {
+                    "idx": index,
+                    "name": name,
+                    "path": path,
+                    "type": f"sentence_transformers.models.{kind}",
+                }
+                for index, (name, path, kind) in enumerate(modules)
+            ]
+        )
+    )
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    (model_dir / "2_Normalize").mkdir(exist_ok=True)

@@ -12,7 +12,6 @@ of vLLM (token_embed, token_classify) are not served here.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -22,15 +21,15 @@ from nanoserve.server.embeddings import (
     check_inputs,
     check_task,
     encode_vector,
+    list_response,
     pool,
     pooled_data,
     pooling_tasks,
     tokenized_prompts,
-    usage,
 )
 from nanoserve.server.http.types import Response
 from nanoserve.server.scoring import activation_of, check_unsupported
-from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
+from nanoserve.server.serving import ServingContext, bad_request, response_id
 
 SERVED_TASKS = ("embed", "classify")  # what /pooling's `task` may name
 
@@ -94,15 +93,7 @@ async def create_classify(ctx: ServingContext, request: ClassifyRequest) -> Resp
                 "num_classes": len(probs),
             }
         )
-    body = {
-        "id": base_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.served_model_name,
-        "data": data,
-        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
-    }
-    return Response(200, encode_json(body))
+    return list_response(ctx, base_id, data, sum(len(p.prompt_token_ids) for p in prompts))
 
 
 def _pooling_params(ctx: ServingContext, request: PoolingRequest) -> PoolingParams:
@@ -145,19 +136,12 @@ async def create_pooling(ctx: ServingContext, request: PoolingRequest) -> Respon
     prompts = await tokenized_prompts(ctx, request, items)
     base_id = response_id("pool", request.request_id)
     finals = await pool(ctx, base_id, prompts, params, request.priority)
-    body = {
-        "id": base_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.served_model_name,
-        "data": [
-            {
-                "index": index,
-                "object": "pooling",
-                "data": encode_vector(pooled_data(final), request.encoding_format),
-            }
-            for index, final in enumerate(finals)
-        ],
-        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
-    }
-    return Response(200, encode_json(body))
+    data = [
+        {
+            "index": index,
+            "object": "pooling",
+            "data": encode_vector(pooled_data(final), request.encoding_format),
+        }
+        for index, final in enumerate(finals)
+    ]
+    return list_response(ctx, base_id, data, sum(len(p.prompt_token_ids) for p in prompts))

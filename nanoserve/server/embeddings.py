@@ -211,6 +211,21 @@ def usage(prompt_tokens: int) -> Usage:
     return Usage(prompt_tokens, prompt_tokens)
 
 
+def list_response(
+    ctx: ServingContext, base_id: str, data: list[dict[str, Any]], prompt_tokens: int
+) -> Response:
+    """A pooling route's 200 body (embeddings, score, classify, pooling): vLLM's list shape."""
+    body = {
+        "id": base_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ctx.served_model_name,
+        "data": data,
+        "usage": usage(prompt_tokens),
+    }
+    return Response(200, encode_json(body))
+
+
 def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
@@ -237,12 +252,4 @@ async def create_embedding(ctx: ServingContext, request: EmbeddingRequest) -> Re
         }
         for index, final in enumerate(finals)
     ]
-    body = {
-        "id": base_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.served_model_name,
-        "data": data,
-        "usage": usage(sum(len(p.prompt_token_ids) for p in prompts)),
-    }
-    return Response(200, encode_json(body))
+    return list_response(ctx, base_id, data, sum(len(p.prompt_token_ids) for p in prompts))

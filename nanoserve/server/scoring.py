@@ -18,7 +18,6 @@ tokens and, when the tokenizer has a pad token, one more: vLLM joins the two pro
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -30,12 +29,12 @@ from nanoserve.server.embeddings import (
     check_inputs,
     check_task,
     check_truncation,
+    list_response,
     pool,
     pooled_data,
     pooling_tasks,
     tokenized_prompts,
     truncation_limit,
-    usage,
 )
 from nanoserve.server.http.types import Response
 from nanoserve.server.serving import ServingContext, bad_request, encode_json, response_id
@@ -214,18 +213,10 @@ async def create_score(ctx: ServingContext, request: ScoreRequest) -> Response:
     texts_2 = _texts(request.text_2, "text_2")
     base_id = response_id("score", request.request_id)
     scores, prompt_tokens = await _scores(ctx, request, base_id, texts_1, texts_2)
-    body = {
-        "id": base_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": ctx.served_model_name,
-        "data": [
-            {"index": index, "object": "score", "score": score}
-            for index, score in enumerate(scores)
-        ],
-        "usage": usage(prompt_tokens),
-    }
-    return Response(200, encode_json(body))
+    data = [
+        {"index": index, "object": "score", "score": score} for index, score in enumerate(scores)
+    ]
+    return list_response(ctx, base_id, data, prompt_tokens)
 
 
 async def create_rerank(ctx: ServingContext, request: RerankRequest) -> Response:

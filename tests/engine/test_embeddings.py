@@ -15,6 +15,7 @@ import torch
 from nanoserve import LLM, PoolingParams, SamplingParams
 from nanoserve.errors import InvalidRequestError
 from tests.conftest import build_tokenizer
+from tests.helpers import write_sentence_transformers_files
 from tests.models.family_checkpoints import write_random_checkpoint
 
 
@@ -81,34 +82,8 @@ def test_sentence_transformers_files_choose_mean_and_normalize(tmp_path):
     """A Qwen3-Embedding-like checkpoint: Qwen3ForCausalLM weights with modules.json saying mean
     pooling then Normalize; --task embed (vLLM's older flag) serves it."""
     model_dir = write_random_checkpoint(tmp_path / "qwen3-embed", "qwen3")
-    (model_dir / "modules.json").write_text(
-        json.dumps(
-            [
-                {
-                    "idx": 0,
-                    "name": "0",
-                    "path": "",
-                    "type": "sentence_transformers.models.Transformer",
-                },
-                {
-                    "idx": 1,
-                    "name": "1",
-                    "path": "1_Pooling",
-                    "type": "sentence_transformers.models.Pooling",
-                },
-                {
-                    "idx": 2,
-                    "name": "2",
-                    "path": "2_Normalize",
-                    "type": "sentence_transformers.models.Normalize",
-                },
-            ]
-        )
-    )
-    (model_dir / "1_Pooling").mkdir()
-    (model_dir / "1_Pooling" / "config.json").write_text(
-        json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False})
-    )
+    pooling = {"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": False}
+    write_sentence_transformers_files(model_dir, pooling)
     llm = LLM(model=str(model_dir), dtype="float32", task="embed", num_kv_blocks=128)
     token_lists = prompts(seed=1)
     check_close(embed(llm, token_lists), hf_embeddings(model_dir, token_lists, "MEAN", True))

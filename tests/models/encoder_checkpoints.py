@@ -5,8 +5,9 @@ sequence classifier (a cross-encoder)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from tests.helpers import write_sentence_transformers_files
 
 WORDS = (
     "the a an of to in is was for on that with as by at from it this be are or "
@@ -99,33 +100,6 @@ def write_encoder_checkpoint(
     tokenizer.model_max_length = 512
     tokenizer.save_pretrained(out_dir)
     if not classifier:
-        (out_dir / "modules.json").write_text(
-            json.dumps(
-                [
-                    {
-                        "idx": 0,
-                        "name": "0",
-                        "path": "",
-                        "type": "sentence_transformers.models.Transformer",
-                    },
-                    {
-                        "idx": 1,
-                        "name": "1",
-                        "path": "1_Pooling",
-                        "type": "sentence_transformers.models.Pooling",
-                    },
-                    {
-                        "idx": 2,
-                        "name": "2",
-                        "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize",
-                    },
-                ]
-            )
-        )
-        (out_dir / "1_Pooling").mkdir(exist_ok=True)
-        (out_dir / "1_Pooling" / "config.json").write_text(
-            json.dumps({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True})
-        )
-        (out_dir / "2_Normalize").mkdir(exist_ok=True)
+        pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}
+        write_sentence_transformers_files(out_dir, pooling)
     return out_dir
