@@ -199,6 +199,11 @@ class EngineConfig:
         'speculative decoding, as JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'',
     )
+    # vLLM's --limit-mm-per-prompt: JSON text (or a dict through LLM(...)); images only.
+    limit_mm_per_prompt: str | dict | None = arg(
+        None,
+        "vision-language models: items per prompt, as JSON: '{\"image\": 2}' (default: 1 image)",
+    )
     # vLLM's LoRA flags: adapters (PEFT directories) applied per request beside the base weights
     # (nanoserve/lora/). The server's --lora-modules names the ones it serves.
     enable_lora: bool = arg(
@@ -291,6 +296,7 @@ class EngineConfig:
             PoolerConfig.parse(self.pooler_config)  # a bad one is one clear error here
         if self.hf_overrides is not None:
             json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
+        self.max_images_per_prompt  # noqa: B018 (checked now, not at the first image)
         speculative = self.speculative
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
@@ -333,6 +339,17 @@ class EngineConfig:
         if self.hf_overrides is None:
             return None
         return json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        """--limit-mm-per-prompt's image count (1 when not given)."""
+        if self.limit_mm_per_prompt is None:
+            return 1
+        limits = json_object_flag(self.limit_mm_per_prompt, "--limit-mm-per-prompt", {"image"})
+        count = limits.get("image", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: 'image' must be a count >= 0, got {count!r}")
+        return count
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

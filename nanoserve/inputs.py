@@ -7,7 +7,11 @@ A cross-encoder scores a pair of texts as one prompt: `TextPairPrompt(text, text
 dict `{"text": a, "text_pair": b}`), which the model's tokenizer encodes as a pair, as
 transformers' `tokenizer(a, b)` does: `[CLS] a [SEP] b [SEP]` with token type ids 0 then 1
 (BERT), `<s> a </s></s> b </s>` (XLM-RoBERTa). A caller that tokenized the pair itself passes a
-TokensPrompt with its `token_type_ids`."""
+TokensPrompt with its `token_type_ids`.
+
+A vision-language model's prompt carries its images as vLLM's offline API does:
+`{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": image}}`
+(a PIL image or a list of them, one per image placeholder, in order)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from nanoserve.errors import InvalidRequestError
 @dataclass(slots=True)
 class TextPrompt:
     prompt: str
+    multi_modal_data: dict | None = None  # {"image": PIL image or list of them}
 
 
 @dataclass(slots=True)
@@ -28,6 +33,7 @@ class TokensPrompt:
     prompt: str | None = None  # the text the ids came from, when known
     # Encoder models: each token's segment (0 first text, 1 the pair's second); None: all 0.
     token_type_ids: list[int] | None = None
+    multi_modal_data: dict | None = None  # {"image": PIL image or list of them}
 
 
 @dataclass(slots=True)
@@ -53,11 +59,12 @@ def parse_prompt(prompt: Any) -> TextPrompt | TokensPrompt | TextPairPrompt:
                 list(prompt["prompt_token_ids"]),
                 prompt.get("prompt"),
                 list(types) if types is not None else None,
+                prompt.get("multi_modal_data"),
             )
         if "text" in prompt and "text_pair" in prompt:
             return TextPairPrompt(str(prompt["text"]), str(prompt["text_pair"]))
         if "prompt" in prompt:
-            return TextPrompt(prompt["prompt"])
+            return TextPrompt(prompt["prompt"], prompt.get("multi_modal_data"))
         raise InvalidRequestError(
             "a prompt dict needs 'prompt', 'prompt_token_ids', or 'text' and 'text_pair'"
         )

@@ -15,6 +15,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.inputs import TextPairPrompt, TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.multimodal.chat import chat_images, has_images
 from nanoserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -351,7 +352,14 @@ class LLM:
                 **{**(chat_template_kwargs or {}), "tools": tools},
             )
             # The template already carries BOS where the model wants it.
-            prompts.append(TokensPrompt(tokenizer.encode(text, add_special_tokens=False), text))
+            images = chat_images(conversation) if has_images(conversation) else None
+            prompts.append(
+                TokensPrompt(
+                    tokenizer.encode(text, add_special_tokens=False),
+                    text,
+                    multi_modal_data={"image": images} if images else None,
+                )
+            )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 

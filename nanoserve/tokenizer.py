@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 import time
 from datetime import datetime
@@ -76,6 +77,9 @@ class Tokenizer:
         backend.no_padding()
         backend.no_truncation()
         self._backend = backend
+        # A vision-language model's image placeholder text ("<image>"): set where the model is
+        # opened (engine/startup.py); None: image parts are refused.
+        self.image_placeholder: str | None = None
         config = tokenizer_config or {}
         self.config = dict(config)  # tokenizer_config.json as read (GET /tokenizer_info shows it)
         self.truncation_side = (
@@ -254,8 +258,11 @@ class Tokenizer:
             raise ChatTemplateError(
                 "add_generation_prompt and continue_final_message cannot both be true"
             )
+        parts = self.image_placeholder is not None and _reads_content_parts(template)
         messages = [
-            _assistant_fields(_decode_tool_arguments(_flatten_content(message)))
+            _assistant_fields(
+                _decode_tool_arguments(_flatten_content(message, self.image_placeholder, parts))
+            )
             for message in messages
         ]
         # A marker after the last message's text shows where that text ends once rendered, so the
@@ -296,24 +303,46 @@ class Tokenizer:
         return rendered
 
 
-def _flatten_content(message: dict) -> dict:
-    """A copy of the message whose content is a string: text parts are joined with newlines."""
+# A template that reads a message's content as parts (LLaVA's: `for content in message['content']
+# | selectattr('type', 'equalto', 'image')`), as vLLM's "openai" content format detects it.
+_CONTENT_PARTS = re.compile(r"""for\s+\w+\s+in\s+message(\[['"]content['"]\]|\.content\b)""")
+
+
+def _reads_content_parts(template: str) -> bool:
+    return _CONTENT_PARTS.search(template) is not None
+
+
+def _flatten_content(
+    message: dict, image_placeholder: str | None = None, keep_parts: bool = False
+) -> dict:
+    """A copy of the message whose content is a string: text parts are joined with newlines,
+    an image part (a vision-language model's) is its placeholder where the part was. With
+    `keep_parts` (a vision-language model's template that reads parts, as LLaVA's) the content is
+    a list of parts instead, text ones and {"type": "image"}, a string becoming one text part."""
     message = dict(message)
     content = message.get("content")
-    if isinstance(content, (list, tuple)):
-        texts = []
+    if keep_parts and isinstance(content, str):
+        message["content"] = [{"type": "text", "text": content}]
+    elif isinstance(content, (list, tuple)):
+        texts, parts = [], []
         for part in content:
             if isinstance(part, str):
                 texts.append(part)
+                parts.append({"type": "text", "text": part})
             elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
                 texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            elif isinstance(part, dict) and part.get("type") == "image_url" and image_placeholder:
+                texts.append(image_placeholder)
+                parts.append({"type": "image"})
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                served = "text and image_url" if image_placeholder else "only text"
                 raise ChatTemplateError(
-                    f"unsupported message content part of type {kind!r}; "
-                    "only text parts are supported"
+                    f"unsupported message content part of type {kind!r}; this model takes "
+                    f"{served} parts"
                 )
-        message["content"] = "\n".join(texts)
+        message["content"] = parts if keep_parts else "\n".join(texts)
     return message
 
 

@@ -244,6 +244,7 @@ def test_the_pages_show_the_commands_they_describe():
         ("docs/parallelism.md", "nanoserve serve"),
         ("docs/lora.md", "nanoserve serve"),
         ("docs/tools.md", "nanoserve serve"),
+        ("docs/images.md", "nanoserve serve"),
         ("docs/deployment.md", "nanoserve serve"),
         ("docs/benchmarks.md", "make bench"),
         ("docs/benchmarks.md", "nanoserve bench"),

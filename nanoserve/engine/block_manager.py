@@ -1,7 +1,7 @@
 """Paged KV blocks: allocation with ref counts, and prefix caching.
 
-A full block is keyed by a hash chained over every token before it, so equal keys mean equal
-prefixes. Freed cached blocks stay findable until a new allocation needs the space; the least
+A full block is keyed by a hash chained over every token before it (and the hashes of the
+images whose tokens it holds, with where they sit), so equal keys mean equal prefixes. Freed cached blocks stay findable until a new allocation needs the space; the least
 recently freed go first.
 """
 
@@ -26,7 +26,8 @@ class BlockManager(BlockCounts):
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        # What each cached block's key was made of (its tokens, its images): checked on a hit.
+        self.block_tokens: list[tuple | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         # Blocks with ref count 0, oldest-freed first; cached ones among them can still be hit.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -43,8 +44,20 @@ class BlockManager(BlockCounts):
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
 
     # ---- prefix cache -------------------------------------------------------------------
-    def _hash(self, parent: int | None, tokens: tuple[int, ...]) -> int:
+    def _hash(self, parent: int | None, tokens: tuple) -> int:
         return hash((parent, tokens))
+
+    def _block_content(self, seq: Sequence, index: int) -> tuple:
+        """Block `index`'s tokens, and for each image with tokens in it its hash and its first
+        token's place relative to the block: an image token id alone does not say which image."""
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        tokens = tuple(seq.token_ids[start:end])
+        images = tuple(
+            (image.image_hash, image.position - start)
+            for image in seq.images
+            if image.position < end and image.end > start
+        )
+        return (tokens, images) if images else tokens
 
     @staticmethod
     def _root(seq: Sequence):
@@ -65,7 +78,7 @@ class BlockManager(BlockCounts):
         self.prefix_cache_queries += seq.num_tokens
         parent = self._root(seq)
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            tokens = self._block_content(seq, i)
             key = self._hash(parent, tokens)
             block = self.hash_to_block.get(key)
             if block is None or self.block_tokens[block] != tokens:
@@ -87,7 +100,7 @@ class BlockManager(BlockCounts):
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             parent = seq.block_hashes[i - 1] if i else self._root(seq)
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            tokens = self._block_content(seq, i)
             key = self._hash(parent, tokens)
             seq.block_hashes.append(key)
             block = seq.block_table[i]

@@ -19,6 +19,9 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.multimodal.image import ImageLimits
+from nanoserve.multimodal.inputs import ImagePromptBuilder, PromptImage
+from nanoserve.multimodal.processor import ClipImageProcessor
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
@@ -41,6 +44,17 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.device = device  # where seeded requests' generators live
         self.max_prompt_chars = self._max_prompt_chars()
+        vision = self.model_config.vision
+        self.images = (  # a vision-language model's image placeholders and preprocessing
+            None
+            if vision is None
+            else ImagePromptBuilder(
+                ClipImageProcessor.from_dir(model.model_dir, vision.image_size),
+                vision.image_token_id,
+                vision.image_seq_length,
+                ImageLimits(max_images=config.max_images_per_prompt),
+            )
+        )
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -64,13 +78,42 @@ class InputProcessor:
 
     def generation_inputs(
         self, prompt: PromptType, sampling_params: SamplingParams
-    ) -> tuple[str | None, list[int], SamplingParams]:
-        """A generating request's prompt text, token ids and checked params."""
+    ) -> tuple[str | None, list[int], SamplingParams, tuple[PromptImage, ...]]:
+        """A generating request's prompt text, token ids, checked params and images."""
+        prompt = parse_prompt(prompt)
         prompt_text, token_ids = self._tokenize(prompt)
+        token_ids, images = self._prompt_images(prompt, token_ids)
         self._check_prompt_tokens(token_ids)
         params = self._check_params(sampling_params, self.model_config.vocab_size)
         self._check_lengths(len(token_ids), params)
-        return prompt_text, token_ids, params
+        return prompt_text, token_ids, params, images
+
+    def _prompt_images(
+        self, prompt: TextPrompt | TokensPrompt | TextPairPrompt, token_ids: list[int]
+    ) -> tuple[list[int], tuple[PromptImage, ...]]:
+        """The prompt with each image placeholder expanded to its image's tokens, and the
+        images; a text-only model refuses images."""
+        data = getattr(prompt, "multi_modal_data", None) or {}
+        unknown = sorted(set(data) - {"image"})
+        if unknown:
+            raise InvalidRequestError(
+                f"multi_modal_data: only 'image' is served, not {unknown}", "multi_modal_data"
+            )
+        images = data.get("image")
+        if images is None:
+            images = []
+        elif not isinstance(images, (list, tuple)):
+            images = [images]
+        if self.images is None:
+            if images:
+                raise InvalidRequestError(
+                    f"{self.model_config.architecture} is a text-only model: it takes no images",
+                    "image_url",
+                )
+            return token_ids, ()
+        if not images and self.images.image_token_id not in token_ids:
+            return token_ids, ()
+        return self.images.expand(token_ids, list(images), "image_url")
 
     def make_request(
         self,
@@ -83,9 +126,10 @@ class InputProcessor:
         output_kind: RequestOutputKind,
         lora_request: LoRARequest | None,
         grammar: concurrent.futures.Future | None,
+        images: tuple[PromptImage, ...] = (),
     ) -> Request:
         """The request with its n sequences, from what generation_inputs returned."""
-        seqs = self._make_sequences(request_id, token_ids, params, priority, grammar)
+        seqs = self._make_sequences(request_id, token_ids, params, priority, grammar, images)
         for seq in seqs:
             seq.lora_id = lora_request.lora_int_id if lora_request is not None else 0
         metrics = RequestMetrics(
@@ -300,6 +344,7 @@ class InputProcessor:
         params: SamplingParams,
         priority: int,
         grammar: concurrent.futures.Future | None,
+        images: tuple[PromptImage, ...] = (),
     ) -> list[Sequence]:
         """The request's n sequences, each with its seeded generator and grammar
         matcher; the first scores the prompt when prompt logprobs are asked for."""
@@ -315,6 +360,7 @@ class InputProcessor:
                 params,
                 priority,
                 arrival,
+                images=images,
             )
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(params.seed + index)

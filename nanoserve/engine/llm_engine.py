@@ -159,7 +159,7 @@ class LLMEngine:
                 request_id, prompt, sampling_params, priority, arrival_time
             )
         else:
-            prompt_text, token_ids, params = self.inputs.generation_inputs(prompt, sampling_params)
+            text, token_ids, params, images = self.inputs.generation_inputs(prompt, sampling_params)
             grammar = self.prepare_structured_output(params)
             if grammar is not None and grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()
@@ -167,7 +167,7 @@ class LLMEngine:
                 self.lora_registry.add(lora_request)
             request = self.inputs.make_request(
                 request_id,
-                prompt_text,
+                text,
                 token_ids,
                 params,
                 priority,
@@ -175,6 +175,7 @@ class LLMEngine:
                 output_kind,
                 lora_request,
                 grammar,
+                images,
             )
             if grammar is not None and not grammar.done():
                 self.grammars.pending[request_id] = grammar

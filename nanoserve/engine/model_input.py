@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
-from nanoserve.engine.step_input import SeqInput
+from nanoserve.engine.step_input import ImageSlice, SeqInput
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.bert import EncoderBatch
 
@@ -52,6 +52,8 @@ class ModelInput:
     # holds (lora/manager.py) and each row's slot (-1: the base model).
     lora_slots: list[int] | None = None
     lora_rows: torch.Tensor | None = None
+    # Vision-language models: (the step row of a slice's first token, the image slice).
+    image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
 
     @property
     def num_spec_rows(self) -> int:

@@ -19,6 +19,7 @@ from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.encoder_input import encoder_model_input
 from nanoserve.engine.gpu_memory import MemoryAtStart
+from nanoserve.engine.image_step import EncoderCache, embed_with_images
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
     LoRAHeader,
@@ -38,7 +39,7 @@ from nanoserve.engine.model_input import (
 )
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.spec_decode.verify import verify
-from nanoserve.engine.step_input import SeqInput
+from nanoserve.engine.step_input import ImageSlice, SeqInput
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.cpu.malloc import keep_freed_memory, release_free_memory
@@ -123,6 +124,12 @@ class ModelRunner(KVCacheAllocation):
         # A sequence classifier's head, run by the pooling step on its pooled rows.
         self.classifier_head = (
             self.model.classify if "classify" in model_pooling_tasks(model_config) else None
+        )
+        # Vision-language models: image embeddings by image hash (engine/image_step.py).
+        self.encoder_cache = (
+            EncoderCache(self.model.embed_images, self.device)
+            if model_config.vision is not None
+            else None
         )
         self.weight_bytes = model_weight_bytes(self.model)
         self.rank_weight_bytes = [self.weight_bytes]
@@ -304,6 +311,7 @@ class ModelRunner(KVCacheAllocation):
             ),
             sampling_inputs=rows.sampling_inputs,
             spec_inputs=rows.spec_inputs,
+            image_rows=rows.image_rows,
         )
         if rows.prompt_logprob_inputs:
             model_input.prompt_logprob_inputs = rows.prompt_logprob_inputs
@@ -387,7 +395,7 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
         hidden = None
-        if self.fused_decode is not None:
+        if self.fused_decode is not None and not model_input.image_rows:
             lora = None
             if model_input.lora_slots is not None:  # the step's adapters into the slots first
                 self.lora.apply(model_input.lora_slots)
@@ -399,6 +407,20 @@ class ModelRunner(KVCacheAllocation):
                     self.fused_decode.run(*inputs)
                     if lora is None
                     else self.fused_decode.run(*inputs, lora)
+                )
+        if hidden is None and model_input.image_rows:
+            with self.lora_context(model_input):
+                embeds = embed_with_images(
+                    self.model.embed_tokens,
+                    model_input.input_ids,
+                    model_input.image_rows,
+                    self.encoder_cache,
+                )
+                hidden = self.model(
+                    model_input.input_ids,
+                    model_input.positions,
+                    model_input.metadata,
+                    inputs_embeds=embeds,
                 )
         if hidden is None:
             with self.lora_context(model_input):
@@ -467,6 +489,8 @@ class _HostRows:
     # LoRA: each row's slot (-1: the base model), kept only in a step with some adapter's rows.
     lora_rows: list[int] | None = None
     lora_slot_of: dict[int, int] = field(default_factory=dict)
+    # Vision-language models: (the step row of an image slice's first token, the slice).
+    image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
 
     def _add_lora_rows(self, item: SeqInput, count: int) -> None:
         if self.lora_rows is not None:
@@ -507,6 +531,7 @@ class _HostRows:
             self.prompt_rows.extend(range(row, row + len(item.prompt_logprob_targets)))
             self.prompt_targets.extend(item.prompt_logprob_targets)
             self.prompt_logprob_inputs.append(item)
+        self.image_rows.extend((len(self.input_ids) + piece.row, piece) for piece in item.images)
         self.input_ids.extend(item.token_ids)
         self._add_lora_rows(item, count)
         self.positions.extend(range(start, end))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.step_input import SamplingInput, SeqInput
+from nanoserve.engine.step_input import ImageSlice, SamplingInput, SeqInput
 
 
 def sampling_input(seq: Sequence) -> SamplingInput:
@@ -58,7 +58,26 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
         prompt_logprob_offset=offset,
         prompt_logprob_targets=targets,
         token_type_ids=tuple(seq.token_type_ids[start:end]) if seq.token_type_ids else (),
+        images=image_slices(seq, start, start + len(token_ids)) if seq.images else (),
     )
+
+
+def image_slices(seq: Sequence, start: int, end: int) -> tuple[ImageSlice, ...]:
+    """The parts of its images whose tokens are rows [start, end) of the sequence."""
+    slices = []
+    for image in seq.images:
+        first, last = max(image.position, start), min(image.end, end)
+        if first < last:
+            slices.append(
+                ImageSlice(
+                    image.image_hash,
+                    image.pixel_values,
+                    row=first - start,
+                    offset=first - image.position,
+                    count=last - first,
+                )
+            )
+    return tuple(slices)
 
 
 def step_inputs(scheduled: list[ScheduledSequence]) -> list[SeqInput]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.engine.structured_output import SequenceGrammar
+from nanoserve.multimodal.inputs import PromptImage
 from nanoserve.outputs import Logprob
 from nanoserve.pooling import PoolingState
 from nanoserve.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class Sequence:
     token_type_ids: list[int] | None = None
     # Structured outputs: this sequence's grammar matcher (engine/structured_output.py).
     grammar: SequenceGrammar | None = None
+    # Vision-language models: its prompt's images, in prompt order (kept through preemption).
+    images: tuple[PromptImage, ...] = ()
 
     def clear_proposal(self) -> None:
         """Speculative decoding: no proposal (before a step proposes, after it verified)."""

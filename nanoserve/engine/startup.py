@@ -13,7 +13,11 @@ from pathlib import Path
 from nanoserve.config import EngineConfig
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf.model import check_quantization, find_gguf_file, gguf_tokenizer
-from nanoserve.models.registry import check_pipeline_support, model_pooling_tasks
+from nanoserve.models.registry import (
+    check_pipeline_support,
+    check_vision_support,
+    model_pooling_tasks,
+)
 from nanoserve.pooling import PoolerConfig
 from nanoserve.tokenizer import Tokenizer
 
@@ -45,6 +49,11 @@ def open_model(config: EngineConfig) -> ModelFiles:
             max_model_len, sentence_transformers_max_length(model_dir) or max_model_len
         )
     check_pipeline_support(model_config, config.pipeline_parallel_size)
+    check_vision_support(model_config, config.tensor_parallel_size)
+    if model_config.vision is not None:  # chat templates render image parts as this text
+        tokenizer.image_placeholder = tokenizer.backend.id_to_token(
+            model_config.vision.image_token_id
+        )
     tasks = model_pooling_tasks(model_config) if pooler is not None else ()
     default_task = tasks[0] if tasks else None
     if config.task in ("classify", "score") and "classify" in tasks:

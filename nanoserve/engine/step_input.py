@@ -16,6 +16,18 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageSlice:
+    """Rows of one image's embeddings a step places: its embedding rows from `offset` on, `count`
+    of them, at the sequence's rows from `row` on (a chunk of the prompt may cut the image)."""
+
+    image_hash: str  # the encoder cache's key
+    pixel_values: torch.Tensor  # [3, H, W]: encoded when the cache lacks the image
+    row: int  # among the SeqInput's token_ids
+    offset: int
+    count: int
+
+
 # frozen: nothing that reads one can change it; eq=False: compared by identity (tensors inside).
 @dataclass(frozen=True, slots=True, eq=False)
 class SamplingInput:
@@ -59,6 +71,8 @@ class SeqInput:
     prompt_logprob_targets: tuple[int, ...] = ()
     # Encoder models: the token type of each of token_ids (a cross-encoder's pair; empty: all 0).
     token_type_ids: tuple[int, ...] = ()
+    # Vision-language models: the images whose tokens are among token_ids (empty: none).
+    images: tuple[ImageSlice, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from nanoserve.models.llava_config import LLAVA_ARCHITECTURE, VisionConfig, llava_text_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -208,6 +211,8 @@ class ModelConfig:
     original_qwen3_reranker: bool = False
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
+    # Vision-language models (LLaVA): the vision tower and projector; None: text only.
+    vision: VisionConfig | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
@@ -236,6 +241,11 @@ class ModelConfig:
     def from_hf_config(cls, raw: dict, model_dir: str | Path) -> ModelConfig:
         """`raw`: config.json's content; `model_dir` names the model in errors."""
         architectures = raw.get("architectures") or []
+        if LLAVA_ARCHITECTURE in architectures:  # its language model's fields, then the vision's
+            text = cls.from_hf_config(llava_text_config(raw), model_dir)
+            return dataclasses.replace(
+                text, architecture=LLAVA_ARCHITECTURE, vision=VisionConfig.from_raw(raw)
+            )
         headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
         architecture = next(
             (a for a in architectures if a in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES),
@@ -262,6 +272,7 @@ class ModelConfig:
                     + tuple(HEADLESS_ARCHITECTURES)
                     + ENCODER_ARCHITECTURES
                     + tuple(SEQUENCE_CLASSIFIERS)
+                    + (LLAVA_ARCHITECTURE,)
                 )
             )
         num_heads = raw["num_attention_heads"]

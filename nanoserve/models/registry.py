@@ -21,6 +21,7 @@ from nanoserve.models.gguf.weights import load_gguf_weights
 from nanoserve.models.gpt_oss import GptOssForCausalLM
 from nanoserve.models.gptq_awq import group_quant_config
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.llava import LlavaForConditionalGeneration
 from nanoserve.models.mixtral import MixtralForCausalLM
 from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.olmoe import OlmoeForCausalLM
@@ -43,6 +44,7 @@ MODEL_CLASSES = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     **ENCODER_CLASSES,  # pooling models only (--runner pooling)
 }
 
@@ -64,6 +66,13 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
         config.num_labels or not getattr(model_class(config), "supports_pipeline_parallel", False)
     ):
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
+
+
+def check_vision_support(config: ModelConfig, tensor_parallel_size: int) -> None:
+    """A vision-language model runs on one rank for now: its step's image rows are not sent to
+    other ranks yet."""
+    if config.vision is not None and tensor_parallel_size > 1:
+        raise ValueError(f"{config.architecture} does not support --tensor-parallel-size > 1 yet")
 
 
 def model_pooling_tasks(config: ModelConfig) -> tuple[str, ...]:

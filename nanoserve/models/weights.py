@@ -78,6 +78,8 @@ class _Layout:
     missing: tuple[str, ...]
     steps: tuple[NameStep, ...]
     skips: tuple[str, ...] = ()  # checkpoint tensors (name prefixes) the model does not use
+    # (checkpoint prefix, ours) pairs: a wrapper's names for its parts (LLaVA's language_model.)
+    prefixes: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module) -> _Layout:
@@ -86,7 +88,9 @@ class _Layout:
         if headless:
             params.pop("lm_head.weight", None)
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        prefixes = tuple(getattr(model, "checkpoint_prefixes", ()))
         steps = (
+            *((_wrapper_prefix,) if prefixes else ()),
             _skip_unused,
             *((_headless_prefix,) if headless else ()),
             *((_skip_tied_head,) if tied else ()),
@@ -104,6 +108,7 @@ class _Layout:
             missing=missing_prefixes(model),
             steps=steps,
             skips=tuple(getattr(model, "checkpoint_skips", ())),
+            prefixes=prefixes,
         )
 
     def model_name(self, name: str) -> str | None:
@@ -131,6 +136,15 @@ NameStep = Callable[[_Layout, str], str | None]
 def _skip_unused(layout: _Layout, name: str) -> str | None:
     """Tensors the model never reads (an encoder's unused pooler or masked-LM head)."""
     return None if name.startswith(layout.skips) else name
+
+
+def _wrapper_prefix(layout: _Layout, name: str) -> str | None:
+    """A vision-language checkpoint's parts under their wrapper's prefixes, renamed to ours (the
+    first matching prefix; transformers 4.x and 5.x name them differently)."""
+    for old, new in layout.prefixes:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def _headless_prefix(layout: _Layout, name: str) -> str | None:

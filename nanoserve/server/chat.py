@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
+from nanoserve.multimodal.chat import chat_images, has_images
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput, delta_messages
 from nanoserve.server.http.types import Response, StreamingResponse
@@ -123,6 +124,9 @@ async def render_chat_prompt(
     ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
+    if has_images(messages):  # decoded off the loop: an image may take a while
+        images = await ctx.off_loop(size, chat_images, messages)
+        return TokensPrompt(ids, text, multi_modal_data={"image": images})
     return TokensPrompt(ids, text)
 
 
@@ -251,7 +255,8 @@ def _response(
                 list(choice.token_ids) if request.return_token_ids else None,
             )
         )
-    prompt_ids = prompt.prompt_token_ids
+    # the engine's ids: a prompt's image placeholders are its images' tokens there
+    prompt_ids = final.prompt_token_ids or prompt.prompt_token_ids
     usage = ctx.usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
     return Response(
         200,
@@ -315,6 +320,8 @@ class _ChatChunks:
 
     def events(self, _: int, output: RequestOutput) -> list[bytes]:
         events: list[bytes] = []
+        # the engine's ids: a prompt's image placeholders are its images' tokens there
+        self.prompt_ids = output.prompt_token_ids or self.prompt_ids
         for choice in output.outputs:
             state = self.progress.get(choice.index)
             if state is None:

@@ -447,6 +447,8 @@ class ServingContext:
         cache = self.response_cache
         if cache is None or not cache.enabled or not is_cacheable(params):
             return None, None
+        if any(prompt.multi_modal_data for prompt in prompts):  # its ids don't say which image
+            return None, None
         model = f"{self.served_model_name}\0{self.model_path}"
         if lora is not None:  # an adapter's answers are its own (by id: one id, one adapter)
             model += f"\0lora\0{lora.lora_int_id}\0{lora.lora_path}"

@@ -76,11 +76,14 @@ async def stream_response(
     error event) and the event that reports an error after the 200 went out (`error_event`)."""
     finals: list = [None] * len(streams)  # the whole answers, for the response cache
     cached: dict[int, int] = {}  # prompt index -> prompt tokens served from the prefix cache
+    engine_prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens in the engine
     try:
         if opening:
             yield opening
         async for index, output in merge_streams(streams):
             cached[index] = output.num_cached_tokens
+            if output.prompt_token_ids:  # the engine's count: images' tokens included
+                engine_prompt_tokens[index] = len(output.prompt_token_ids)
             events = events_of(index, output)
             if cache_key is not None:
                 finals[index] = fold(finals[index], output)
@@ -89,6 +92,8 @@ async def stream_response(
         ctx.store_response(cache_key, finals)
         if include_usage:
             completion_tokens = sum(p.num_tokens for p in progress.values())
+            if len(engine_prompt_tokens) == len(streams):
+                prompt_tokens = sum(engine_prompt_tokens.values())
             yield usage_chunk(ctx.usage(prompt_tokens, completion_tokens, sum(cached.values())))
         if closing:
             yield closing

@@ -27,7 +27,9 @@ def inputs(tiny_llama_dir) -> InputProcessor:
 
 
 def test_a_text_prompt_is_tokenized_and_its_params_checked(inputs):
-    text, token_ids, params = inputs.generation_inputs("hello world", SamplingParams(logprobs=-1))
+    text, token_ids, params, _ = inputs.generation_inputs(
+        "hello world", SamplingParams(logprobs=-1)
+    )
     assert text == "hello world" and token_ids == inputs.tokenizer.encode("hello world")
     assert params.logprobs == inputs.model_config.vocab_size  # -1: the whole vocabulary
 

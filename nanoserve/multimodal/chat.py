@@ -1,0 +1,47 @@
+"""The images of a chat conversation: each `image_url` content part (OpenAI's shape,
+`{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}`)
+decoded in order, each refusal a 400 naming the part's field."""
+
+from __future__ import annotations
+
+from PIL import Image
+
+from nanoserve.errors import InvalidRequestError
+from nanoserve.multimodal.image import ImageLimits, image_from_url
+
+DETAILS = ("auto", "low", "high")  # accepted; LLaVA-1.5 sees every image at one resolution
+
+
+def image_parts(messages: list[dict]):
+    """(the part's field name, the part) for each image_url part, in order."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, (list, tuple)):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                yield f"messages[{i}].content[{j}].image_url", part
+
+
+def has_images(messages: list[dict]) -> bool:
+    return next(image_parts(messages), None) is not None
+
+
+def chat_images(messages: list[dict], limits: ImageLimits | None = None) -> list[Image.Image]:
+    """The conversation's images, decoded from their data: URLs."""
+    limits = limits or ImageLimits()
+    images = []
+    for field, part in image_parts(messages):
+        spec = part.get("image_url")
+        if isinstance(spec, str):  # some clients send the URL itself
+            spec = {"url": spec}
+        if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+            raise InvalidRequestError("an image_url part needs image_url.url (a string)", field)
+        detail = spec.get("detail", "auto")
+        if detail not in DETAILS:
+            raise InvalidRequestError(
+                f"image_url.detail must be one of {', '.join(DETAILS)}, got {detail!r}",
+                f"{field}.detail",
+            )
+        images.append(image_from_url(spec["url"], limits, f"{field}.url"))
+    return images

@@ -1,0 +1,89 @@
+"""Images as clients send them: bytes (png, jpeg, webp, gif's first frame) or data: URLs,
+decoded with PIL under the limits (decoded bytes, pixels); each refusal is a 400 naming the
+request field."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+
+from PIL import Image
+
+from nanoserve.errors import InvalidRequestError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """--limit-mm-per-prompt's images per prompt; the bytes an image's data may take once
+    decoded from base64; the pixels (width x height) an image may have."""
+
+    max_images: int = 1
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 4096 * 4096
+
+    def check_count(self, count: int, field: str) -> None:
+        if count > self.max_images:
+            raise InvalidRequestError(
+                f"At most {self.max_images} image(s) may be provided in one prompt, got {count} "
+                "(--limit-mm-per-prompt)",
+                field,
+            )
+
+    def check_size(self, image: Image.Image, field: str) -> None:
+        width, height = image.size
+        if width * height > self.max_pixels:
+            raise InvalidRequestError(
+                f"the image has {width}x{height} pixels, more than the limit of "
+                f"{self.max_pixels} pixels",
+                field,
+            )
+
+
+def decode_image(data: bytes, limits: ImageLimits, field: str) -> Image.Image:
+    """`data` as an image (an animated gif: its first frame), loaded and checked."""
+    if len(data) > limits.max_bytes:
+        raise InvalidRequestError(
+            f"the image's data is {len(data)} bytes, more than the limit of {limits.max_bytes}",
+            field,
+        )
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        limits.check_size(image, field)  # before the pixels are decoded
+        image.seek(0)
+        image.load()
+    except InvalidRequestError:
+        raise
+    except (OSError, ValueError, Image.DecompressionBombError) as error:
+        raise InvalidRequestError(
+            f"the image could not be decoded (png, jpeg, webp or gif): {error}", field
+        ) from None
+    return image
+
+
+def image_from_url(url: str, limits: ImageLimits, field: str) -> Image.Image:
+    """An image_url part's url: a base64 data: URL. Remote URLs are refused (not fetched yet)."""
+    if url.startswith(("http://", "https://")):
+        raise InvalidRequestError("image URLs are not fetched yet: send a data: URL", field)
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "an image URL must be a data: URL (data:image/png;base64,...)", field
+        )
+    header, sep, payload = url[len("data:") :].partition(",")
+    if not sep or not header.endswith(";base64") or not header.startswith("image/"):
+        raise InvalidRequestError(
+            "an image data: URL must read data:image/<format>;base64,<data>", field
+        )
+    # base64 takes 4 characters per 3 bytes: refuse before decoding what cannot fit.
+    if len(payload) // 4 * 3 > limits.max_bytes + 3:
+        raise InvalidRequestError(
+            f"the image's data is more than the limit of {limits.max_bytes} bytes", field
+        )
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("the image data: URL is not valid base64", field) from None
+    return decode_image(data, limits, field)
