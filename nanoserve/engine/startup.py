@@ -49,7 +49,12 @@ def open_model(config: EngineConfig) -> ModelFiles:
             max_model_len, sentence_transformers_max_length(model_dir) or max_model_len
         )
     check_pipeline_support(model_config, config.pipeline_parallel_size)
-    check_vision_support(model_config, config.tensor_parallel_size)
+    speculative = config.speculative
+    check_vision_support(
+        model_config,
+        config.tensor_parallel_size,
+        speculative is not None and speculative.method == "draft_model",
+    )
     if model_config.vision is not None:  # chat templates render image parts as this text
         tokenizer.image_placeholder = tokenizer.backend.id_to_token(
             model_config.vision.image_token_id

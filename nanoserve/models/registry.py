@@ -68,11 +68,19 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
         raise ValueError(f"{config.architecture} does not support --pipeline-parallel-size > 1 yet")
 
 
-def check_vision_support(config: ModelConfig, tensor_parallel_size: int) -> None:
-    """A vision-language model runs on one rank for now: its step's image rows are not sent to
-    other ranks yet."""
-    if config.vision is not None and tensor_parallel_size > 1:
+def check_vision_support(
+    config: ModelConfig, tensor_parallel_size: int, draft_model: bool = False
+) -> None:
+    """A vision-language model runs on one rank for now (its step's image rows are not sent to
+    other ranks yet), and without a draft model (a draft would read image tokens as text)."""
+    if config.vision is None:
+        return
+    if tensor_parallel_size > 1:
         raise ValueError(f"{config.architecture} does not support --tensor-parallel-size > 1 yet")
+    if draft_model:
+        raise ValueError(
+            f"{config.architecture} does not support a draft model in --speculative-config yet"
+        )
 
 
 def model_pooling_tasks(config: ModelConfig) -> tuple[str, ...]:

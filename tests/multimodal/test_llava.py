@@ -198,9 +198,12 @@ def test_image_count_placeholders_and_text_only_refusals(llm, tiny_llama_dir):
     assert error.value.param == "image_url"
 
 
-def test_tensor_parallel_is_refused(llava_dir):
+def test_tensor_parallel_and_draft_models_are_refused(llava_dir, tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         check_vision_support(ModelConfig.from_dir(llava_dir), 2)
+    draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model"):
+        LLM(model=str(llava_dir), num_kv_blocks=16, speculative_config=draft)
 
 
 def test_limit_flag_is_checked():
@@ -211,3 +214,22 @@ def test_limit_flag_is_checked():
         EngineConfig(limit_mm_per_prompt={"video": 1})
     with pytest.raises(ValueError, match="--limit-mm-per-prompt"):
         EngineConfig(limit_mm_per_prompt={"image": -1})
+
+
+def test_string_content_template_gets_the_placeholder_where_the_part_was(llava_dir):
+    """A template that reads content as a string (ChatML's) gets the image's placeholder text
+    in place of the part; a text-only model's tokenizer refuses the part."""
+    from nanoserve.engine.startup import load_tokenizer
+    from tests.conftest import CHATML_TEMPLATE
+
+    tokenizer = load_tokenizer(None, llava_dir)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "See"}, part]}]
+    with pytest.raises(ValueError, match="image_url"):
+        tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE)
+    tokenizer.image_placeholder = "<image>"
+    text = tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE)
+    plain = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "See\n<image>"}], chat_template=CHATML_TEMPLATE
+    )
+    assert text == plain
