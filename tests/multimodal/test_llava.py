@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from nanoserve import LLM, SamplingParams
 from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.registry import build_model, check_vision_support
+from nanoserve.models.registry import build_model, check_pipeline_support, check_vision_support
 from nanoserve.multimodal.processor import ClipImageProcessor
 from tests.multimodal.llava_checkpoint import IMAGE_SIZE, transformers_processor
 from tests.multimodal.test_preprocessing import random_image
@@ -201,6 +201,8 @@ def test_image_count_placeholders_and_text_only_refusals(llm, tiny_llama_dir):
 def test_tensor_parallel_and_draft_models_are_refused(llava_dir, tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         check_vision_support(ModelConfig.from_dir(llava_dir), 2)
+    with pytest.raises(ValueError, match="pipeline-parallel-size"):
+        check_pipeline_support(ModelConfig.from_dir(llava_dir), 2)
     draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="draft model"):
         LLM(model=str(llava_dir), num_kv_blocks=16, speculative_config=draft)
