@@ -1,8 +1,9 @@
 """Paged KV blocks: allocation with ref counts, and prefix caching.
 
 A full block is keyed by a hash chained over every token before it (and the hashes of the
-images whose tokens it holds, with where they sit), so equal keys mean equal prefixes. Freed cached blocks stay findable until a new allocation needs the space; the least
-recently freed go first.
+images whose tokens it holds, with where they sit), so equal keys mean equal prefixes. Freed
+cached blocks stay findable until a new allocation needs the space; the least recently freed go
+first.
 """
 
 from __future__ import annotations
