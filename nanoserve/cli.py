@@ -17,7 +17,7 @@ class CliError(Exception):
     """A user mistake: printed as one line, exit code 2."""
 
 
-_FLAG_TYPES = {"str": str, "int": int, "float": float, "str | dict": str}
+_FLAG_TYPES = {"str": str, "int": int, "float": float, "str | dict": str, "list[str]": str}
 
 
 def _env_default(name: str, kind: type):
@@ -52,6 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             type=_FLAG_TYPES[kind],
             default=default,
             choices=meta.get("choices"),
+            nargs=meta.get("nargs"),
             help=meta["help"],
         )
 

@@ -204,6 +204,14 @@ class EngineConfig:
         None,
         "vision-language models: items per prompt, as JSON: '{\"image\": 2}' (default: 1 image)",
     )
+    # vLLM's --allowed-media-domains: the only hosts an http(s) image URL may name; a listed
+    # host may resolve to a private address (multimodal/fetch.py). None: any public host.
+    allowed_media_domains: list[str] | None = arg(
+        None,
+        "vision-language models: the only host names an http(s) image URL may name (default: "
+        "any host with public addresses; a listed host may be an internal one)",
+        nargs="+",
+    )
     # vLLM's LoRA flags: adapters (PEFT directories) applied per request beside the base weights
     # (nanoserve/lora/). The server's --lora-modules names the ones it serves.
     enable_lora: bool = arg(

@@ -123,6 +123,24 @@ _declare(
     positive number: the default.""",
 )
 _declare(
+    "NANOSERVE_IMAGE_FETCH_TIMEOUT",
+    None,
+    """Seconds the http(s) image URLs of one request may take to
+    fetch, all of them together (a positive number, default 5; VLLM_IMAGE_FETCH_TIMEOUT also
+    works).""",
+)
+_declare("VLLM_IMAGE_FETCH_TIMEOUT", None, "vLLM's name for NANOSERVE_IMAGE_FETCH_TIMEOUT.")
+_declare(
+    "NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS",
+    None,
+    """0: an image URL that redirects is refused; 1 (the default): its redirects
+    are followed (at most 5, each checked as the URL is; VLLM_MEDIA_URL_ALLOW_REDIRECTS also
+    works).""",
+)
+_declare(
+    "VLLM_MEDIA_URL_ALLOW_REDIRECTS", None, "vLLM's name for NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS."
+)
+_declare(
     "NANOSERVE_KERNELS",
     "auto",
     """auto (Triton on CUDA, the C++ kernels on a CPU), triton
@@ -247,6 +265,27 @@ def log_stats_interval() -> float:
     except ValueError:
         return default
     return value if value > 0 else default
+
+
+def image_fetch_timeout() -> float:
+    """NANOSERVE_IMAGE_FETCH_TIMEOUT, else VLLM_IMAGE_FETCH_TIMEOUT: a positive number of
+    seconds, else the default."""
+    default = 5.0  # vLLM's
+    value = read("NANOSERVE_IMAGE_FETCH_TIMEOUT") or read("VLLM_IMAGE_FETCH_TIMEOUT")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return default
+    return seconds if seconds > 0 else default
+
+
+def media_url_allow_redirects() -> bool:
+    """NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS, else VLLM_MEDIA_URL_ALLOW_REDIRECTS (on when
+    unset)."""
+    name = "NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS"
+    if read(name) is None:
+        name = "VLLM_MEDIA_URL_ALLOW_REDIRECTS"
+    return read(name) is None or _flag(name)
 
 
 KERNEL_CHOICES = ("auto", "triton", "reference")

@@ -16,6 +16,7 @@ from nanoserve.engine.stat_logger import LoggingStatLogger
 from nanoserve.inputs import TextPairPrompt, TextPrompt, TokensPrompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.multimodal.chat import chat_images, has_images
+from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -44,6 +45,7 @@ class LLM:
         elif model is not None or engine_args:
             raise TypeError("LLM takes either config= or model= and engine arguments, not both")
         self.llm_engine = LLMEngine(config)
+        self.media_fetch = FetchPolicy.create(config.allowed_media_domains)
         self._counter = itertools.count()
         self.stat_logger = (
             None
@@ -352,7 +354,11 @@ class LLM:
                 **{**(chat_template_kwargs or {}), "tools": tools},
             )
             # The template already carries BOS where the model wants it.
-            images = chat_images(conversation) if has_images(conversation) else None
+            images = (
+                chat_images(conversation, None, self.media_fetch)
+                if has_images(conversation)
+                else None
+            )
             prompts.append(
                 TokensPrompt(
                     tokenizer.encode(text, add_special_tokens=False),

@@ -1,12 +1,15 @@
 """The images of a chat conversation: each `image_url` content part (OpenAI's shape,
-`{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}`)
-decoded in order, each refusal a 400 naming the part's field."""
+`{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}`,
+or an http(s) URL) decoded in order, each refusal a 400 naming the part's field."""
 
 from __future__ import annotations
+
+import time
 
 from PIL import Image
 
 from nanoserve.errors import InvalidRequestError
+from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.multimodal.image import ImageLimits, image_from_url
 
 DETAILS = ("auto", "low", "high")  # accepted; LLaVA-1.5 sees every image at one resolution
@@ -27,9 +30,24 @@ def has_images(messages: list[dict]) -> bool:
     return next(image_parts(messages), None) is not None
 
 
-def chat_images(messages: list[dict], limits: ImageLimits | None = None) -> list[Image.Image]:
-    """The conversation's images, decoded from their data: URLs."""
+def has_remote_images(messages: list[dict]) -> bool:
+    """Whether an image part names an http(s) URL (fetching it blocks: not on an event loop)."""
+    for _, part in image_parts(messages):
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+            return True
+    return False
+
+
+def chat_images(
+    messages: list[dict], limits: ImageLimits | None = None, fetch: FetchPolicy | None = None
+) -> list[Image.Image]:
+    """The conversation's images, decoded from their data: URLs or fetched (in order, all of
+    them within the one timeout of `fetch`'s policy, default: any public host)."""
     limits = limits or ImageLimits()
+    fetch = fetch or FetchPolicy()
+    deadline = time.monotonic() + fetch.timeout
     images = []
     for field, part in image_parts(messages):
         spec = part.get("image_url")
@@ -43,5 +61,5 @@ def chat_images(messages: list[dict], limits: ImageLimits | None = None) -> list
                 f"image_url.detail must be one of {', '.join(DETAILS)}, got {detail!r}",
                 f"{field}.detail",
             )
-        images.append(image_from_url(spec["url"], limits, f"{field}.url"))
+        images.append(image_from_url(spec["url"], limits, f"{field}.url", fetch, deadline))
     return images

@@ -1,17 +1,19 @@
-"""Images as clients send them: bytes (png, jpeg, webp, gif's first frame) or data: URLs,
-decoded with PIL under the limits (decoded bytes, pixels); each refusal is a 400 naming the
-request field."""
+"""Images as clients send them: bytes (png, jpeg, webp, gif's first frame), data: URLs or
+http(s) URLs (fetched by fetch.py), decoded with PIL under the limits (decoded bytes, pixels);
+each refusal is a 400 naming the request field."""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import io
+import time
 from dataclasses import dataclass
 
 from PIL import Image
 
 from nanoserve.errors import InvalidRequestError
+from nanoserve.multimodal.fetch import FetchPolicy, fetch_url
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
@@ -22,6 +24,7 @@ class ImageLimits:
     decoded from base64; the pixels (width x height) an image may have."""
 
     max_images: int = 1
+    # the bytes of an image's data, from a data: URL's base64 or an http(s) URL's body
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 4096 * 4096
 
@@ -64,10 +67,21 @@ def decode_image(data: bytes, limits: ImageLimits, field: str) -> Image.Image:
     return image
 
 
-def image_from_url(url: str, limits: ImageLimits, field: str) -> Image.Image:
-    """An image_url part's url: a base64 data: URL. Remote URLs are refused (not fetched yet)."""
-    if url.startswith(("http://", "https://")):
-        raise InvalidRequestError("image URLs are not fetched yet: send a data: URL", field)
+def image_from_url(
+    url: str,
+    limits: ImageLimits,
+    field: str,
+    fetch: FetchPolicy | None = None,
+    deadline: float | None = None,
+) -> Image.Image:
+    """An image_url part's url: a base64 data: URL, or an http(s) URL fetched under `fetch`'s
+    policy (default: any public host) by `deadline` (time.monotonic(); default: the policy's
+    timeout from now)."""
+    if url[:8].lower().startswith(("http://", "https://")):
+        fetch = fetch or FetchPolicy()
+        if deadline is None:
+            deadline = time.monotonic() + fetch.timeout
+        return decode_image(fetch_url(url, fetch, limits.max_bytes, field, deadline), limits, field)
     if not url.startswith("data:"):
         raise InvalidRequestError(
             "an image URL must be a data: URL (data:image/png;base64,...)", field

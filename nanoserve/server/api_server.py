@@ -13,6 +13,7 @@ from nanoserve import envs
 from nanoserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, new_step_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.lora.request import LoRARequest
+from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.server.app import OpenAIApp, http_error_response
 from nanoserve.server.args import ChatFeatures, ServerOptions
 from nanoserve.server.http.server import HttpServer
@@ -112,6 +113,7 @@ async def start_server(
         chat_template=chat.chat_template,
         auto_tool_parser=chat.auto_tool_parser,
         reasoning_parser=chat.reasoning_parser,
+        media_fetch=FetchPolicy.create(engine.config.allowed_media_domains),
         lora_modules={lora.lora_name: lora for lora in lora_modules},
         next_lora_id=len(lora_modules) + 1,
     )

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 from nanoserve.engine.async_engine import RequestStream
 from nanoserve.inputs import TokensPrompt
-from nanoserve.multimodal.chat import chat_images, has_images
+from nanoserve.multimodal.chat import chat_images, has_images, has_remote_images
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.server.chat_output import ChatOutputReader, ChoiceOutput, delta_messages
 from nanoserve.server.http.types import Response, StreamingResponse
@@ -125,7 +125,9 @@ async def render_chat_prompt(
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     if has_images(messages):  # decoded off the loop: an image may take a while
-        images = await ctx.off_loop(size, chat_images, messages)
+        if has_remote_images(messages):  # a fetch blocks: always on the pool
+            size = max(size, SMALL_INPUT)
+        images = await ctx.off_loop(size, chat_images, messages, None, ctx.media_fetch)
         return TokensPrompt(ids, text, multi_modal_data={"image": images})
     return TokensPrompt(ids, text)
 

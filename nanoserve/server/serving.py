@@ -21,6 +21,7 @@ from nanoserve.engine.llm_engine import StepError
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import TokensPrompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
@@ -147,6 +148,8 @@ class ServingContext:
     chat_template: str | None = None  # --chat-template: instead of the model's
     auto_tool_parser: type[ToolParser] | None = None  # --enable-auto-tool-choice's parser
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    # --allowed-media-domains and the fetch timeout: what an http(s) image URL may reach
+    media_fetch: FetchPolicy = field(default_factory=FetchPolicy)
     # --lora-modules (and adapters loaded at run time): a request whose model names one runs with it.
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1
