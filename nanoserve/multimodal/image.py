@@ -84,7 +84,8 @@ def image_from_url(
         return decode_image(fetch_url(url, fetch, limits.max_bytes, field, deadline), limits, field)
     if not url.startswith("data:"):
         raise InvalidRequestError(
-            "an image URL must be a data: URL (data:image/png;base64,...)", field
+            "an image URL must be a data: URL (data:image/png;base64,...) or an http(s) URL",
+            field,
         )
     header, sep, payload = url[len("data:") :].partition(",")
     if not sep or not header.endswith(";base64") or not header.startswith("image/"):

@@ -254,3 +254,25 @@ def test_a_server_that_never_answers_times_out(images):
 )
 def test_address_check(address, public):
     assert is_public_address(address) is public
+
+
+def test_the_flag_and_the_environment(monkeypatch):
+    import argparse
+
+    from nanoserve.cli import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--allowed-media-domains", "a.example", "B.example."])
+    config = engine_config_from_args(args)
+    assert config.allowed_media_domains == ["a.example", "B.example."]
+    assert engine_config_from_args(parser.parse_args([])).allowed_media_domains is None
+    for name in ("NANOSERVE_IMAGE_FETCH_TIMEOUT", "NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "2.5")
+    monkeypatch.setenv("VLLM_MEDIA_URL_ALLOW_REDIRECTS", "0")
+    policy = FetchPolicy.create(config.allowed_media_domains)
+    assert policy == FetchPolicy(frozenset({"a.example", "b.example"}), 2.5, False)
+    monkeypatch.setenv("NANOSERVE_IMAGE_FETCH_TIMEOUT", "-1")  # not positive: the default
+    monkeypatch.setenv("NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1")
+    assert FetchPolicy.create(None) == FetchPolicy(None, 5.0, True)

@@ -83,9 +83,9 @@ def post_chat(port: int, messages: list[dict]) -> tuple[int, dict]:
     [
         (image_message(data_url(IMAGE), count=2), "image_url", "At most 1 image"),
         (
-            image_message("https://example.com/cat.png"),
+            image_message("http://127.0.0.1:9/cat.png"),  # loopback: refused, not fetched
             "messages[0].content[0].image_url.url",
-            "not fetched yet",
+            "not a public address",
         ),
         (
             image_message(data_url(Image.new("L", (4100, 4100)))),

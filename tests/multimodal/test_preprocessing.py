@@ -100,7 +100,7 @@ def test_pixel_hash_tells_images_apart():
 @pytest.mark.parametrize(
     "url,limits,message",
     [
-        ("https://example.com/cat.png", ImageLimits(), "not fetched yet"),
+        ("https://127.0.0.1:9/cat.png", ImageLimits(), "not a public address"),
         ("ftp://example.com/cat.png", ImageLimits(), "data: URL"),
         ("data:image/png;base64,!!!!", ImageLimits(), "not valid base64"),
         ("data:text/plain;base64,aGk=", ImageLimits(), "data:image/"),
