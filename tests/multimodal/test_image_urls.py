@@ -22,6 +22,7 @@ from tests.multimodal.test_images_api import image_message, post_chat
 from tests.multimodal.test_llava import GREEDY, make_llm
 from tests.multimodal.test_preprocessing import data_url, random_image
 from tests.server.conftest import ServerHandle
+from tests.server.server_helpers import http_request
 
 IMAGE = random_image(72, 60, "RGB", 31)
 FIELD = "messages[0].content[0].image_url.url"
@@ -43,6 +44,8 @@ class ImageServer:
     def __init__(self) -> None:
         self.png = png_bytes(IMAGE)
         self.release = threading.Event()
+        # /hang-until: `entered` when a fetch reached it, then held until `let_go`
+        self.entered, self.let_go = threading.Event(), threading.Event()
         self.sent = {"huge": 0, "huge-declared": 0}
         self.done = {name: threading.Event() for name in self.sent}  # its handler returned
         owner = self
@@ -66,6 +69,9 @@ class ImageServer:
                     self.huge(path[1:])
                 elif path == "/hang":
                     owner.release.wait()
+                elif path == "/hang-until":
+                    owner.entered.set()
+                    owner.let_go.wait()
                 else:
                     self.reply(404, b"not found", "text/plain")
 
@@ -105,6 +111,7 @@ class ImageServer:
 
     def close(self) -> None:
         self.release.set()
+        self.let_go.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -118,14 +125,16 @@ def images():
 
 @pytest.fixture(scope="module")
 def url_server(llava_dir):
-    handle = ServerHandle(
-        llava_dir,
-        engine_kwargs={
-            "dtype": "float32",
-            "num_kv_blocks": 64,
-            "allowed_media_domains": ["127.0.0.1"],
-        },
-    )
+    with pytest.MonkeyPatch.context() as env:  # read once, at start
+        env.setenv("NANOSERVE_IMAGE_FETCH_TIMEOUT", "120")
+        handle = ServerHandle(
+            llava_dir,
+            engine_kwargs={
+                "dtype": "float32",
+                "num_kv_blocks": 64,
+                "allowed_media_domains": ["127.0.0.1"],
+            },
+        )
     yield handle
     handle.close()
 
@@ -182,6 +191,26 @@ def test_refusals_over_the_api_are_400s_naming_the_part(url_server, images, path
     assert status == 400, body
     assert body["error"]["param"] == FIELD
     assert message in body["error"]["message"]
+
+
+def test_a_fetch_does_not_block_the_server(url_server, images):
+    """While a fetch waits on an image server that does not answer, the server answers other
+    requests; the image server hanging up is then a 400."""
+    result = {}
+    thread = threading.Thread(
+        target=lambda: result.update(
+            reply=post_chat(url_server.port, image_message(images.url("/hang-until")))
+        )
+    )
+    thread.start()
+    images.entered.wait()
+    status, _, _ = http_request(url_server.port, "GET", "/health")
+    assert status == 200 and "reply" not in result
+    images.let_go.set()
+    thread.join()
+    status, body = result["reply"]
+    assert status == 400 and body["error"]["param"] == FIELD
+    assert "could not be fetched" in body["error"]["message"]
 
 
 def test_a_loopback_host_is_refused_by_default(images):
