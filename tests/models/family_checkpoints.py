@@ -170,3 +170,17 @@ def write_random_checkpoint(
         (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
         (out_dir / "chat_template.jinja").write_text(GEMMA_TEMPLATE)
     return out_dir
+
+
+def yes_no_reranker_overrides(path: Path) -> tuple[dict, tuple[int, int]]:
+    """A random Qwen3 causal LM served as Qwen3-Reranker is, by vLLM's --hf-overrides: the
+    score is the softmax of the LM head's logits of two tokens ("no", "yes"), here two tokens
+    of the test vocabulary. Returns the overrides and the two tokens' ids (no, yes)."""
+    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
+    no, yes = sorted(vocab, key=vocab.get)[300:302]
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": [no, yes],
+        "is_original_qwen3_reranker": True,
+    }
+    return overrides, (vocab[no], vocab[yes])

@@ -13,7 +13,7 @@ import torch
 
 from nanoserve import LLM
 from nanoserve.errors import InvalidRequestError
-from tests.models.family_checkpoints import write_random_checkpoint
+from tests.models.family_checkpoints import write_random_checkpoint, yes_no_reranker_overrides
 
 QUERY = "<Query>: Paris is the capital of?\n"
 DOCUMENTS = ["<Document>: France. Berlin is", "<Document>: def add(a, b):", "<Document>: 東京"]
@@ -90,13 +90,7 @@ def test_causal_lm_as_yes_no_reranker(checkpoints):
 
     path = checkpoints["causal"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
-    no, yes = sorted(vocab, key=vocab.get)[300:302]
-    overrides = {
-        "architectures": ["Qwen3ForSequenceClassification"],
-        "classifier_from_token": [no, yes],
-        "is_original_qwen3_reranker": True,
-    }
+    overrides, (no_id, yes_id) = yes_no_reranker_overrides(path)
     llm = LLM(str(path), runner="pooling", dtype="float32", hf_overrides=json.dumps(overrides))
     try:
         scores = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
@@ -105,7 +99,7 @@ def test_causal_lm_as_yes_no_reranker(checkpoints):
     for document, score in zip(DOCUMENTS, scores):
         ids = tokenizer(QUERY, document)["input_ids"]
         logits = transformers_logits(path, ids, causal=True)
-        expected = logits[[vocab[no], vocab[yes]]].softmax(-1)[1].item()
+        expected = logits[[no_id, yes_id]].softmax(-1)[1].item()
         assert score.outputs.score == pytest.approx(expected, abs=1e-4)
     with pytest.raises(ValueError, match="--hf-overrides: unknown field"):
         LLM(str(path), runner="pooling", hf_overrides='{"vocab_size": 3}')

@@ -250,20 +250,14 @@ def test_an_encoders_truncation_keeps_its_special_tokens(classifier, classifier_
 def yes_no_reranker(tmp_path_factory):
     """A random Qwen3 causal LM served as Qwen3-Reranker is, by vLLM's --hf-overrides: the
     score is the softmax of the LM head's logits of two tokens ("no", "yes")."""
-    from tests.models.family_checkpoints import write_random_checkpoint
+    from tests.models.family_checkpoints import write_random_checkpoint, yes_no_reranker_overrides
 
     path = write_random_checkpoint(tmp_path_factory.mktemp("reranker") / "qwen3", "qwen3", seed=5)
-    vocab = json.loads((path / "tokenizer.json").read_text())["model"]["vocab"]
-    no, yes = sorted(vocab, key=vocab.get)[300:302]
-    overrides = {
-        "architectures": ["Qwen3ForSequenceClassification"],
-        "classifier_from_token": [no, yes],
-        "is_original_qwen3_reranker": True,
-    }
+    overrides, ids = yes_no_reranker_overrides(path)
     handle = ServerHandle(
         path, {"dtype": "float32", "runner": "pooling", "hf_overrides": json.dumps(overrides)}
     )
-    yield handle, path, (vocab[no], vocab[yes])
+    yield handle, path, ids
     handle.close()
 
 
