@@ -201,13 +201,22 @@ def feature_gguf(feature: Feature) -> None:
     """A Q4_K_M GGUF as llama.cpp mixes it (Q4_K, Q6_K for some V / down projections, Q5_0 where
     rows are short) through the dequantize-GEMM (kernels/quant_triton.py), eager and graphs; the
     CPU path's tokens reported beside (int8 activations: not the same arithmetic)."""
+    import nanoserve.kernels.quant_triton as quant_triton
     from tests.gguf_models import dequantized_transformers, write_quantized_gguf
 
     path = write_quantized_gguf(feature.work, "llama_cpp_q4_k_m", seed=28)
     prompts = random_prompts(feature.count(4), seed=1)
-    llm = quantized_checks(
-        feature, "q4_k_m", path, dequantized_transformers(path), prompts, eager_too=True
-    )
+    launches = []
+    real = quant_triton.gguf_gemm  # (kernels/quant.py imports it at each call)
+    quant_triton.gguf_gemm = lambda *a, **k: launches.append(1) or real(*a, **k)
+    try:
+        llm = quantized_checks(
+            feature, "q4_k_m", path, dequantized_transformers(path), prompts, eager_too=True
+        )
+    finally:
+        quant_triton.gguf_gemm = real
+    if not feature.smoke:
+        feature.check("the Triton dequantize-GEMM ran", bool(launches))
     feature.figure = decode_speed(feature, llm)
     num_tokens = feature.count(NUM_TOKENS, 6)
     ours = [tokens for tokens, _ in greedy(llm, prompts, num_tokens)]
@@ -269,15 +278,27 @@ def feature_moe_mxfp4(feature: Feature) -> None:
         load_file(float_dir / "model.safetensors") | meaning, oracle_dir / "model.safetensors"
     )
     prompts = random_prompts(feature.count(4), seed=4)
+    # Count the calls of the module's Triton launchers (fused_experts_triton, and any other
+    # fused_experts*triton* a quantized-experts kernel adds) through the module's globals.
     launches = []
-    real = fused_moe.fused_experts_triton
-    fused_moe.fused_experts_triton = lambda *a, **k: launches.append(1) or real(*a, **k)
+    launchers = {
+        name: value
+        for name, value in vars(fused_moe).items()
+        if name.startswith("fused_experts") and "triton" in name and callable(value)
+    }
+
+    def counting(launcher):
+        return lambda *a, **k: launches.append(1) or launcher(*a, **k)
+
+    for name, launcher in launchers.items():
+        setattr(fused_moe, name, counting(launcher))
     try:
         llm = quantized_checks(
             feature, "gpt-oss mxfp4", quant_dir, load_hf(oracle_dir), prompts, eager_too=True
         )
     finally:
-        fused_moe.fused_experts_triton = real
+        for name, launcher in launchers.items():
+            setattr(fused_moe, name, launcher)
     if not feature.smoke:
         feature.check("fused-MoE Triton kernel launched", bool(launches))
     feature.check(
