@@ -256,4 +256,4 @@ def test_issue29_targets_are_judged_from_the_stages(tmp_path):
         "served SmolLM2 at concurrency 64: TPOT p50 ≤ 2.5 ms": False,
     }
     markdown = (out / "e2e.md").read_text()
-    assert "| q4_k_m | 1.00 | 5.50 | 1.00 | 1.0 | 1.0 | 2.90 |" in markdown
+    assert "| llama-3.1-8b-q4_k_m | 1.00 | 5.50 | 1.00 | 1.0 | 1.0 | 2.90 |" in markdown

@@ -252,16 +252,16 @@ def to_markdown(report: dict) -> str:
     if big:
         lines += [
             "",
-            "## Llama-3.1-8B shape, random weights (batch 1, CUDA graphs)",
+            "## 8B stages: Llama-3.1-8B's shape, random weights (batch 1, CUDA graphs)",
             "",
-            "| format | file GB | weights on the GPU GB | engine's count GB | write s | load s "
+            "| stage | file GB | weights on the GPU GB | engine's count GB | write s | load s "
             "| TPOT ms |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]
         for stage in big:
             held = stage.get("weights_gpu_bytes")
             lines.append(
-                f"| {stage['format']} | {stage['file_bytes'] / 1e9:.2f} | "
+                f"| {stage['name']} | {stage['file_bytes'] / 1e9:.2f} | "
                 f"{'' if held is None else f'{held / 1e9:.2f}'} | "
                 f"{stage['weight_bytes'] / 1e9:.2f} | {stage['write_s']:.1f} | "
                 f"{stage['load_s']:.1f} | {stage['tpot_ms']:.2f} |"
