@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -294,9 +295,10 @@ def write_checkpoint(fmt: str, shape: dict, out_dir: Path, tokenizer_dir: Path, 
     return path
 
 
+@contextmanager
 def build_memory(device: str):
-    """Wraps the runner's model build to record torch.cuda.memory_allocated across it: the bytes
-    the weights (and whatever the load leaves on the device) hold. Returns the record."""
+    """Within: the runner's model build records torch.cuda.memory_allocated across it (the
+    bytes the weights, and whatever the load leaves on the device, hold) in the dict yielded."""
     import nanoserve.engine.model_runner as model_runner
 
     record = {}
@@ -311,33 +313,43 @@ def build_memory(device: str):
         return model
 
     model_runner.build_model = build
-    return record
+    try:
+        yield record
+    finally:
+        model_runner.build_model = real
 
 
 def measure(args) -> dict:
-    from nanoserve import LLM
-
     device = "cpu" if args.smoke else "cuda"
     shape = dict(SMOKE_SHAPE if args.smoke else LLAMA_3_1_8B)
     if args.smoke:  # room for the tokenizer's vocabulary, whichever it is
         shape["vocab"] = max(shape["vocab"], -(-tokenizer_size(Path(args.tokenizer)) // 64) * 64)
     work = Path(args.work) / f"big-{args.format}"
     shutil.rmtree(work, ignore_errors=True)
+    try:
+        return measure_in(args, shape, work, device)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # 16 GB for bf16
+
+
+def measure_in(args, shape: dict, work: Path, device: str) -> dict:
+    from nanoserve import LLM
+
     started = time.perf_counter()
     path = write_checkpoint(args.format, shape, work, Path(args.tokenizer), device)
     file_bytes = sum(f.stat().st_size for f in work.rglob("*") if f.is_file())
     result = {"shape": shape, "write_s": time.perf_counter() - started, "file_bytes": file_bytes}
-    record = build_memory(device)
     started = time.perf_counter()
-    llm = LLM(
-        model=str(path),
-        dtype="bfloat16",
-        device=device,
-        seed=0,
-        max_model_len=1024,
-        max_num_seqs=4,
-        num_kv_blocks=512,
-    )
+    with build_memory(device) as record:
+        llm = LLM(
+            model=str(path),
+            dtype="bfloat16",
+            device=device,
+            seed=0,
+            max_model_len=1024,
+            max_num_seqs=4,
+            num_kv_blocks=512,
+        )
     result["load_s"] = time.perf_counter() - started
     runner = llm.llm_engine.runner
     result |= record
@@ -353,8 +365,6 @@ def measure(args) -> dict:
     result["tpot_ms"] = 1e3 * statistics.median(tpots)
     graphs = runner.decode_graphs
     result["graph_steps"] = graphs.num_steps if graphs is not None else 0
-    del llm
-    shutil.rmtree(work, ignore_errors=True)
     result["ok"] = args.smoke or result["graph_steps"] > 0
     if not result["ok"]:
         result["error"] = "no decode step went through the CUDA graphs"
