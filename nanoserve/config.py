@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from nanoserve.json_flags import json_object_flag
+from nanoserve.multimodal.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageLimits
 from nanoserve.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
@@ -212,6 +213,16 @@ class EngineConfig:
         "any host with public addresses; a listed host may be an internal one)",
         nargs="+",
     )
+    # One image's limits (multimodal/image.py's ImageLimits; vLLM has no flags for these).
+    max_image_bytes: int = arg(
+        MAX_IMAGE_BYTES,
+        "vision-language models: the bytes one image's data may take (a data: URL's decoded "
+        "base64, an http(s) URL's body); more is a 400",
+    )
+    max_image_pixels: int = arg(
+        MAX_IMAGE_PIXELS,
+        "vision-language models: the pixels (width x height) one image may have; more is a 400",
+    )
     # vLLM's LoRA flags: adapters (PEFT directories) applied per request beside the base weights
     # (nanoserve/lora/). The server's --lora-modules names the ones it serves.
     enable_lora: bool = arg(
@@ -305,6 +316,10 @@ class EngineConfig:
         if self.hf_overrides is not None:
             json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
         self.max_images_per_prompt  # noqa: B018 (checked now, not at the first image)
+        for name in ("max_image_bytes", "max_image_pixels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         speculative = self.speculative
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
@@ -358,6 +373,11 @@ class EngineConfig:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: 'image' must be a count >= 0, got {count!r}")
         return count
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """--limit-mm-per-prompt's image count, --max-image-bytes and --max-image-pixels."""
+        return ImageLimits(self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -19,7 +19,6 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
-from nanoserve.multimodal.image import ImageLimits
 from nanoserve.multimodal.inputs import ImagePromptBuilder, PromptImage
 from nanoserve.multimodal.processor import ClipImageProcessor
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
@@ -52,7 +51,7 @@ class InputProcessor:
                 ClipImageProcessor.from_dir(model.model_dir, vision.image_size),
                 vision.image_token_id,
                 vision.image_seq_length,
-                ImageLimits(max_images=config.max_images_per_prompt),
+                config.image_limits,
             )
         )
         self._seq_ids = itertools.count()
@@ -87,6 +86,11 @@ class InputProcessor:
         params = self._check_params(sampling_params, self.model_config.vocab_size)
         self._check_lengths(len(token_ids), params)
         return prompt_text, token_ids, params, images
+
+    def model_token_ids(self, prompt: TokensPrompt) -> list[int]:
+        """The prompt's token ids as the model reads them (/tokenize): each image placeholder
+        expanded to its image's tokens, the images checked as a request's are."""
+        return self._prompt_images(prompt, list(prompt.prompt_token_ids))[0]
 
     def _prompt_images(
         self, prompt: TextPrompt | TokensPrompt | TextPairPrompt, token_ids: list[int]

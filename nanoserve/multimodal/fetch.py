@@ -202,14 +202,16 @@ class _Fetch:
         declared = response.getheader("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             raise self.refuse(
-                f"the image URL's body is {declared} bytes, more than the limit of {self.max_bytes}"
+                f"the image URL's body is {declared} bytes, more than the limit of "
+                f"{self.max_bytes} (--max-image-bytes)"
             )
         body = bytearray()
         while chunk := response.read(CHUNK):
             body += chunk
             if len(body) > self.max_bytes:  # stop reading: never more than limit + a chunk
                 raise self.refuse(
-                    f"the image URL's body is more than the limit of {self.max_bytes} bytes"
+                    f"the image URL's body is more than the limit of {self.max_bytes} bytes "
+                    "(--max-image-bytes)"
                 )
         return response.status, None, bytes(body)
 
