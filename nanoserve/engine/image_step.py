@@ -17,15 +17,17 @@ ENCODER_CACHE_ENTRIES = 64
 
 
 class EncoderCache:
-    """Image embeddings ([image_seq_length, hidden]) by image hash, least recently used first."""
+    """Image embeddings ([the image's rows, hidden]) by image hash, least recently used first.
+    An image's row count is its own (LLaVA: image_seq_length; Qwen2.5-VL: from its grid)."""
 
     def __init__(
         self,
-        encode: Callable[[torch.Tensor], torch.Tensor],
+        encode: Callable[[list[torch.Tensor], list[tuple | None]], list[torch.Tensor]],
         device: torch.device,
         max_entries: int = ENCODER_CACHE_ENTRIES,
     ):
-        self.encode = encode  # [images, 3, H, W] -> [images, rows, hidden]
+        # (each image's pixel values, each one's grid or None) -> each one's [rows, hidden]
+        self.encode = encode
         self.device = device
         self.max_entries = max_entries
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -33,14 +35,15 @@ class EncoderCache:
 
     def embeddings(self, slices: list[ImageSlice]) -> dict[str, torch.Tensor]:
         """Each slice's image's embeddings: cached ones reused, the others encoded in one batch."""
-        missing: dict[str, torch.Tensor] = {}
+        missing: dict[str, ImageSlice] = {}
         for piece in slices:
             if piece.image_hash not in self.entries:
-                missing.setdefault(piece.image_hash, piece.pixel_values)
+                missing.setdefault(piece.image_hash, piece)
         found = {h: self.entries[h] for h in {p.image_hash for p in slices} if h in self.entries}
         if missing:
-            pixels = torch.stack(list(missing.values())).to(self.device)
-            for image_hash, rows in zip(missing, self.encode(pixels), strict=True):
+            pixels = [piece.pixel_values.to(self.device) for piece in missing.values()]
+            grids = [piece.grid_thw for piece in missing.values()]
+            for image_hash, rows in zip(missing, self.encode(pixels, grids), strict=True):
                 found[image_hash] = rows
             self.num_encoded_images += len(missing)
         for image_hash, rows in found.items():
