@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.input_processor import image_prompt_builder
+from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.registry import build_model
+from nanoserve.models.registry import build_model, check_vision_support
 from nanoserve.multimodal.image import ImageLimits
 from nanoserve.multimodal.inputs import PromptImage
 from nanoserve.multimodal.mrope import mrope_positions, rope_shift
@@ -237,3 +238,17 @@ def test_openai_client_with_a_data_url(qwen_vl_dir, hf_model, hf_processor):
     assert response.choices[0].message.content == expected
     num_prompt = len(hf_processor(text=text, images=IMAGES[:1])["input_ids"][0])
     assert response.usage.prompt_tokens == num_prompt  # the image's 20 tokens counted
+
+
+def test_refusals(llm, qwen_vl_dir, hf_processor):
+    """An aspect ratio the processor cannot resize and a placeholder count that does not match
+    are 400s naming the field; tensor parallelism is refused at start."""
+    text = chat_text(hf_processor, 1)
+    thin = random_image(4, 900, "RGB", 5)
+    with pytest.raises(InvalidRequestError, match="aspect ratio") as error:
+        llm.generate({"prompt": text, "multi_modal_data": {"image": thin}}, GREEDY)
+    assert error.value.param == "image_url"
+    with pytest.raises(InvalidRequestError, match="placeholder") as error:
+        llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES}}, GREEDY)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        check_vision_support(ModelConfig.from_dir(qwen_vl_dir), 2)
