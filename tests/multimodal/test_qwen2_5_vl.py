@@ -252,3 +252,31 @@ def test_refusals(llm, qwen_vl_dir, hf_processor):
         llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES}}, GREEDY)
     with pytest.raises(ValueError, match="tensor-parallel-size"):
         check_vision_support(ModelConfig.from_dir(qwen_vl_dir), 2)
+
+
+def test_encoder_cache_keeps_each_images_rows_within_its_budget(qwen_vl_dir):
+    """Images of 20 and 10 rows: a 25-row budget keeps the last one only; a cached image is
+    not encoded again, a dropped one is."""
+    from nanoserve.engine.image_step import EncoderCache
+    from nanoserve.engine.step_input import ImageSlice
+    from nanoserve.multimodal.processor import pixel_hash
+
+    config = ModelConfig.from_dir(qwen_vl_dir)
+    model = build_model(config, torch.float32, torch.device("cpu"), qwen_vl_dir)
+    processor = QwenVLImageProcessor.from_dir(qwen_vl_dir, 14, 2, 2)
+    slices = []
+    for image in IMAGES:
+        done = processor.preprocess(image)
+        image_hash = pixel_hash(done.pixel_values, done.grid_thw)
+        slices.append(ImageSlice(image_hash, done.pixel_values, 0, 0, 1, done.grid_thw))
+    cache = EncoderCache(model.embed_image_list, torch.device("cpu"), max_rows=25)
+    with torch.no_grad():
+        first = cache.embeddings(slices[:1])[slices[0].image_hash]
+        assert first.shape[0] == 20 and cache.num_rows == 20
+        cache.embeddings(slices[:1])
+        assert cache.num_encoded_images == 1
+        assert cache.embeddings(slices[1:])[slices[1].image_hash].shape[0] == 10
+        assert list(cache.entries) == [slices[1].image_hash] and cache.num_rows == 10
+        again = cache.embeddings(slices[:1])[slices[0].image_hash]
+    assert cache.num_encoded_images == 3
+    assert torch.equal(again, first)
