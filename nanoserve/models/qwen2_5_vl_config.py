@@ -54,9 +54,16 @@ class QwenVisionConfig:
     hidden_act: str
     rope_theta: float  # the vision tower's 2D rotary
     image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
     mrope_section: tuple[
         int, ...
     ]  # frequencies per (temporal, height, width), summing to half a head
+
+    @property
+    def placeholder_token_ids(self) -> tuple[int, ...]:
+        """What an image part is in a chat template that reads content as a string."""
+        return (self.vision_start_token_id, self.image_token_id, self.vision_end_token_id)
 
     @property
     def patch_dim(self) -> int:
@@ -98,6 +105,8 @@ class QwenVisionConfig:
             hidden_act=str(vision["hidden_act"]),
             rope_theta=float(vision_rope.get("rope_theta", 10000.0)),
             image_token_id=int(raw.get("image_token_id", 151655)),
+            vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+            vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
             mrope_section=section,
         )
 

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
 from nanoserve.engine.input_processor import image_prompt_builder
 from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
@@ -280,3 +281,16 @@ def test_encoder_cache_keeps_each_images_rows_within_its_budget(qwen_vl_dir):
         again = cache.embeddings(slices[:1])[slices[0].image_hash]
     assert cache.num_encoded_images == 3
     assert torch.equal(again, first)
+
+
+def test_string_content_template_gets_the_vision_tokens(qwen_vl_dir):
+    """A template that reads content as a string (ChatML's) gets Qwen's whole image
+    placeholder, vision start and end included, where the part was."""
+    from nanoserve.engine.startup import open_model
+    from tests.conftest import CHATML_TEMPLATE
+
+    tokenizer = open_model(EngineConfig(model=str(qwen_vl_dir))).tokenizer
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "See"}, part]}]
+    text = tokenizer.apply_chat_template(messages, chat_template=CHATML_TEMPLATE)
+    assert "See\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>" in text
