@@ -54,6 +54,10 @@ class ModelInput:
     lora_rows: torch.Tensor | None = None
     # Vision-language models: (the step row of a slice's first token, the image slice).
     image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL), only in a step with image rows: each row's (temporal, height, width)
+    # positions [3, rows]; `positions` then stay the KV cache's. Without: `positions` are the
+    # rotary ones (a text row's three M-RoPE positions are one).
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def num_spec_rows(self) -> int:

@@ -127,7 +127,7 @@ class ModelRunner(KVCacheAllocation):
         )
         # Vision-language models: image embeddings by image hash (engine/image_step.py).
         self.encoder_cache = (
-            EncoderCache(self.model.embed_images, self.device)
+            EncoderCache(self.model.embed_image_list, self.device)
             if model_config.vision is not None
             else None
         )
@@ -313,6 +313,9 @@ class ModelRunner(KVCacheAllocation):
             spec_inputs=rows.spec_inputs,
             image_rows=rows.image_rows,
         )
+        mrope = rows.mrope_positions()
+        if mrope is not None:
+            model_input.mrope_positions = to_device(mrope.tolist(), torch.long)
         if rows.prompt_logprob_inputs:
             model_input.prompt_logprob_inputs = rows.prompt_logprob_inputs
             model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
@@ -416,11 +419,13 @@ class ModelRunner(KVCacheAllocation):
                     model_input.image_rows,
                     self.encoder_cache,
                 )
+                mrope = model_input.mrope_positions
                 hidden = self.model(
                     model_input.input_ids,
                     model_input.positions,
                     model_input.metadata,
                     inputs_embeds=embeds,
+                    **({} if mrope is None else {"mrope_positions": mrope}),
                 )
         if hidden is None:
             with self.lora_context(model_input):
@@ -491,6 +496,17 @@ class _HostRows:
     lora_slot_of: dict[int, int] = field(default_factory=dict)
     # Vision-language models: (the step row of an image slice's first token, the slice).
     image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
+    # M-RoPE: (the step row of a sequence's first token, its rows' [3, n] positions).
+    mrope_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def mrope_positions(self) -> torch.Tensor | None:
+        """[3, rows]: each row's position thrice, the image rows' M-RoPE ones in their place."""
+        if not self.mrope_rows:
+            return None
+        positions = torch.tensor(self.positions, dtype=torch.long).repeat(3, 1)
+        for row, rows in self.mrope_rows:
+            positions[:, row : row + rows.shape[1]] = rows
+        return positions
 
     def _add_lora_rows(self, item: SeqInput, count: int) -> None:
         if self.lora_rows is not None:
@@ -511,7 +527,7 @@ class _HostRows:
         padded = table + [0] * (self.max_blocks - len(table))
         for position, token in enumerate(item.token_ids, item.start):
             self.input_ids.append(token)
-            self.positions.append(position)
+            self.positions.append(position + item.position_shift)
             self.slot_mapping.append(
                 table[position // block_size] * block_size + position % block_size
             )
@@ -532,9 +548,12 @@ class _HostRows:
             self.prompt_targets.extend(item.prompt_logprob_targets)
             self.prompt_logprob_inputs.append(item)
         self.image_rows.extend((len(self.input_ids) + piece.row, piece) for piece in item.images)
+        if item.mrope_positions is not None:
+            self.mrope_rows.append((len(self.input_ids), item.mrope_positions))
         self.input_ids.extend(item.token_ids)
         self._add_lora_rows(item, count)
-        self.positions.extend(range(start, end))
+        shift = item.position_shift  # M-RoPE: text after images sits earlier than its index
+        self.positions.extend(range(start + shift, end + shift))
         table = self._block_table(item, block_offset)
         self.slot_mapping.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)

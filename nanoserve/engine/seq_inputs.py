@@ -11,6 +11,7 @@ from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.step_input import ImageSlice, SamplingInput, SeqInput
+from nanoserve.multimodal.mrope import mrope_positions, overlaps_image, rope_shift, uses_mrope
 
 
 def sampling_input(seq: Sequence) -> SamplingInput:
@@ -36,6 +37,12 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
     start = seq.num_computed_tokens
     end = start + item.num_new_tokens
     offset, targets = 0, ()
+    shift, mrope = 0, None  # M-RoPE (multimodal/mrope.py): a sequence with Qwen2.5-VL's images
+    if seq.images and uses_mrope(seq.images):
+        if overlaps_image(seq.images, start, end):
+            mrope = mrope_positions(seq.images, start, end)
+        else:
+            shift = rope_shift(seq.images, start)
     if proposal.token_ids:
         token_ids = (seq.token_ids[start], *proposal.token_ids)
         assert start == seq.num_tokens - 1 and len(token_ids) == item.num_new_tokens
@@ -59,6 +66,8 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
         prompt_logprob_targets=targets,
         token_type_ids=tuple(seq.token_type_ids[start:end]) if seq.token_type_ids else (),
         images=image_slices(seq, start, start + len(token_ids)) if seq.images else (),
+        position_shift=shift,
+        mrope_positions=mrope,
     )
 
 
@@ -75,6 +84,7 @@ def image_slices(seq: Sequence, start: int, end: int) -> tuple[ImageSlice, ...]:
                     row=first - start,
                     offset=first - image.position,
                     count=last - first,
+                    grid_thw=image.grid_thw,
                 )
             )
     return tuple(slices)

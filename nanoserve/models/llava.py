@@ -63,6 +63,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         out = self.multi_modal_projector(features.reshape(images * rows, hidden))
         return out.reshape(images, rows, -1)
 
+    def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
+        """The encoder cache's call: each image's [image_seq_length, hidden] (grids: None)."""
+        return list(self.embed_images(torch.stack(pixel_values)))
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 

@@ -26,6 +26,7 @@ from nanoserve.models.mixtral import MixtralForCausalLM
 from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
+from nanoserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from nanoserve.models.sequence_classification import label_token_ids, sequence_classifier_class
@@ -45,6 +46,7 @@ MODEL_CLASSES = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     **ENCODER_CLASSES,  # pooling models only (--runner pooling)
 }
 
