@@ -19,6 +19,7 @@ from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.encoder_input import encoder_model_input
 from nanoserve.engine.gpu_memory import MemoryAtStart
+from nanoserve.engine.image_broadcast import gather_image_embeds, receive_values, send_values
 from nanoserve.engine.image_step import EncoderCache, embed_with_images
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
@@ -125,10 +126,11 @@ class ModelRunner(KVCacheAllocation):
         self.classifier_head = (
             self.model.classify if "classify" in model_pooling_tasks(model_config) else None
         )
-        # Vision-language models: image embeddings by image hash (engine/image_step.py).
+        # Vision-language models: image embeddings by image hash (engine/image_step.py), on rank
+        # 0 only, which runs the encoder (engine/image_broadcast.py).
         self.encoder_cache = (
             EncoderCache(self.model.embed_image_list, self.device)
-            if model_config.vision is not None
+            if model_config.vision is not None and self.rank == 0
             else None
         )
         self.weight_bytes = model_weight_bytes(self.model)
@@ -341,10 +343,16 @@ class ModelRunner(KVCacheAllocation):
         """The logits of the sampled rows (rank 0), or None. On CUDA the work is queued and
         this returns at once, so the host can prepare sampling while the device computes."""
         if self.world_size > 1:
+            if model_input.image_rows:  # encoded here, placed on every rank
+                model_input.image_embeds = gather_image_embeds(
+                    model_input.image_rows, self.encoder_cache, self.dtype, self.device
+                )
             started = time.perf_counter()
             header, payload = pack_step(model_input, self.device)
             dist.broadcast(header, src=0)
             dist.broadcast(payload, src=0)
+            if model_input.image_embeds is not None:
+                send_values(model_input.image_embeds)
             self.broadcast_seconds += time.perf_counter() - started
             self.broadcast_steps += 1
         return self._forward(model_input)
@@ -398,7 +406,8 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
         hidden = None
-        if self.fused_decode is not None and not model_input.image_rows:
+        images = bool(model_input.image_rows) or model_input.image_embeds is not None
+        if self.fused_decode is not None and not images:
             lora = None
             if model_input.lora_slots is not None:  # the step's adapters into the slots first
                 self.lora.apply(model_input.lora_slots)
@@ -411,14 +420,19 @@ class ModelRunner(KVCacheAllocation):
                     if lora is None
                     else self.fused_decode.run(*inputs, lora)
                 )
-        if hidden is None and model_input.image_rows:
+        if hidden is None and images:
             with self.lora_context(model_input):
-                embeds = embed_with_images(
-                    self.model.embed_tokens,
-                    model_input.input_ids,
-                    model_input.image_rows,
-                    self.encoder_cache,
-                )
+                if model_input.image_embeds is not None:  # tensor parallel: rank 0's rows
+                    embeds = model_input.image_embeds.place(
+                        self.model.embed_tokens(model_input.input_ids)
+                    )
+                else:
+                    embeds = embed_with_images(
+                        self.model.embed_tokens,
+                        model_input.input_ids,
+                        model_input.image_rows,
+                        self.encoder_cache,
+                    )
                 mrope = model_input.mrope_positions
                 hidden = self.model(
                     model_input.input_ids,
@@ -458,7 +472,15 @@ class ModelRunner(KVCacheAllocation):
             elif isinstance(header, LoRAHeader):
                 self.lora_message(header, payload)
             else:
-                self._forward(unpack_step(header, payload))
+                model_input = unpack_step(header, payload)
+                if model_input.image_embeds is not None:
+                    receive_values(
+                        model_input.image_embeds,
+                        self.model_config.hidden_size,
+                        self.dtype,
+                        self.device,
+                    )
+                self._forward(model_input)
 
     def shutdown(self) -> None:
         if self.world_size > 1 and self.rank == 0:
