@@ -312,3 +312,33 @@ def test_the_flag():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args(["--async-scheduling"])).async_scheduling
     assert not engine_config_from_args(parser.parse_args([])).async_scheduling
+
+
+def test_structured_outputs_and_beam_search(sync_llm, async_llm):
+    """A constrained request's grammar takes each token on the host before its next bitmask:
+    the steps after one it sampled in are drained, and it gets the same text as without the
+    flag beside free requests that overlap. Beam search (one-token requests) is unchanged."""
+    from nanoserve import StructuredOutputsParams
+    from nanoserve.beam_search import BeamSearchParams
+
+    vocab = sync_llm.llm_engine.model_config.vocab_size
+    prompts = random_prompts(3, vocab, seed=17)
+    regex = r"[a-z]{3,8}( [a-z]{2,6}){2,4}\."
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+        ),
+        LONG,
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
+    expected = generate(sync_llm, prompts, params)
+    log = async_llm.llm_engine.async_scheduling.log
+    drained = log.num_drained
+    got = generate(async_llm, prompts, params)
+    assert summary(got) == summary(expected)
+    assert got[0].outputs[0].finish_reason == "stop"  # the grammar completed
+    assert log.num_drained - drained >= len(got[0].outputs[0].token_ids) - 1
+    beams = BeamSearchParams(beam_width=3, max_tokens=6)
+    ours, theirs = (llm.beam_search([{"prompt_token_ids": prompts[1]}], beams) for llm in
+                    (async_llm, sync_llm))  # fmt: skip
+    assert [s.tokens for s in ours[0].sequences] == [s.tokens for s in theirs[0].sequences]
