@@ -12,12 +12,15 @@ import json
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.swap import HostBlockPool
 from nanoserve.outputs import RequestOutputKind
 from tests.helpers import random_prompts
 
@@ -282,6 +285,75 @@ def test_scheduler_counts_the_tokens_still_on_the_device():
     collect()  # 2 tokens out, 1 on the device: max_tokens reached whatever it is
     assert seq.num_output_placeholders == 1
     assert scheduler.schedule().scheduled_seqs == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 14)),
+        min_size=1,
+        max_size=16,
+    ),
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(8, 96),
+    max_seqs=st.integers(1, 6),
+    swap=st.booleans(),
+)
+def test_scheduler_with_one_step_in_flight(requests, num_blocks, budget, max_seqs, swap):
+    """The scheduler driven as engine/async_scheduling.py drives it (each step launched before
+    the one before is collected; a request may end early, as by EOS, whatever its placeholder):
+    the budgets hold, a row's blocks cover it, every request ends with its tokens, none is
+    scheduled past max_tokens, and no block is leaked."""
+    block_size = 4
+    manager = BlockManager(num_blocks, block_size)
+    host = HostBlockPool(64) if swap else None
+    scheduler = Scheduler(manager, max_seqs, budget, host_pool=host, max_model_len=160)
+    pending, seqs, in_flight = list(enumerate(requests)), [], []
+    ends_at = {}  # seq_id -> the output length at which it "hits EOS" (0: never)
+    for _ in range(3000):
+        if pending:
+            i, (prompt_len, max_tokens, eos_at) = pending.pop(0)
+            prompt_len = min(prompt_len, num_blocks * block_size - max_tokens - 1)
+            params = SamplingParams(max_tokens=max_tokens)
+            seq = Sequence(i, str(i), 0, [3 + i] * prompt_len, prompt_len, params, 0, i)
+            ends_at[i] = eos_at
+            seqs.append(seq)
+            scheduler.add(seq)
+        output = scheduler.schedule()
+        assert output.total_num_scheduled_tokens <= budget
+        sampled = []
+        for item in output.scheduled_seqs:  # launch
+            seq = item.seq
+            assert seq.num_output_tokens + seq.num_output_placeholders < seq.params.max_tokens
+            assert (
+                len(seq.block_table) * block_size >= seq.num_computed_tokens + item.num_new_tokens
+            )
+            if item.completes_prompt:
+                seq.num_output_placeholders += 1
+                sampled.append(seq)
+            seq.num_computed_tokens += item.num_new_tokens
+        for seq in in_flight:  # collect the step before
+            seq.num_output_placeholders -= 1
+            if seq.is_finished:
+                continue
+            if seq.status is SequenceStatus.RUNNING:
+                known = min(seq.num_computed_tokens, seq.num_tokens)
+                manager.register_full_blocks(seq, known)
+            seq.token_ids.append(7)
+            out = seq.num_output_tokens
+            if out >= seq.params.max_tokens or out == ends_at[seq.seq_id]:
+                scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+        in_flight = sampled
+        if not (pending or scheduler.has_work() or in_flight):
+            break
+    else:
+        raise AssertionError("the scheduler made no progress")
+    for seq in seqs:
+        assert seq.is_finished and seq.num_output_placeholders == 0
+        eos_at = ends_at[seq.seq_id] or seq.params.max_tokens
+        assert seq.num_output_tokens == min(seq.params.max_tokens, eos_at)
+    assert manager.num_used_blocks == 0 and (host is None or host.usage == 0)
 
 
 @pytest.mark.parametrize(
