@@ -73,7 +73,7 @@ class StepLog:
 
 
 @dataclass(slots=True)
-class LaunchedStep:
+class StepInFlight:
     """A step launched and not yet collected: its sampled tokens on the device, and their copy
     on the host (complete once `copied` has happened; None on a CPU, where it already is)."""
 
@@ -149,7 +149,7 @@ class AsyncScheduling:
         self.runner, self.scheduler, self.block_manager = runner, scheduler, block_manager
         self.sampling, self.output_processor, self.grammars = sampling, output_processor, grammars
         self.requests = requests
-        self.in_flight: LaunchedStep | None = None
+        self.in_flight: StepInFlight | None = None
         self.log = StepLog()
 
     @classmethod
@@ -193,11 +193,11 @@ class AsyncScheduling:
             if launched is not None:
                 failed += launched.scheduler_output.request_ids
             outputs = self._collect_or_fail(in_flight, fail, failed)
-        elif launched is None and self.grammars.pending:
+        elif launched is None and not outputs and self.grammars.pending:
             self.grammars.wait_for_one(timeout=0.1)  # nothing to run until a grammar compiles
         return outputs
 
-    def _must_drain(self, in_flight: LaunchedStep) -> bool:
+    def _must_drain(self, in_flight: StepInFlight) -> bool:
         """The next step's plan needs what `in_flight` produced on the host (see above)."""
         model_input = in_flight.model_input
         return bool(model_input.prompt_logprob_inputs) or any(
@@ -205,8 +205,8 @@ class AsyncScheduling:
         )
 
     def _launch(
-        self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None
-    ) -> LaunchedStep:
+        self, scheduler_output: SchedulerOutput, previous: StepInFlight | None
+    ) -> StepInFlight:
         """Prepare, run and sample the step (queued, on CUDA); its tokens count as computed and
         the sequences that sample hold a placeholder for their new token."""
         log = self.log
@@ -230,10 +230,10 @@ class AsyncScheduling:
             if item.completes_prompt:  # (read before its tokens count as computed)
                 seq.num_output_placeholders += 1
             seq.num_computed_tokens += item.num_new_tokens
-        return LaunchedStep(number, scheduler_output, model_input, result, host_result, copied)
+        return StepInFlight(number, scheduler_output, model_input, result, host_result, copied)
 
     def _collect_or_fail(
-        self, step: LaunchedStep, fail: FailStep, request_ids: list[str]
+        self, step: StepInFlight, fail: FailStep, request_ids: list[str]
     ) -> list[StepOutput]:
         """`step` collected; should that fail, so do `request_ids` (those of every step that
         was in flight: none is left)."""
@@ -244,7 +244,7 @@ class AsyncScheduling:
             self.in_flight = None
             fail(error, list(dict.fromkeys(request_ids)))
 
-    def _collect(self, step: LaunchedStep) -> list[StepOutput]:
+    def _collect(self, step: StepInFlight) -> list[StepOutput]:
         """Apply a step's tokens to its sequences (those finished meanwhile skipped): stop
         checks, detokenizing, outputs; the finished ones are freed."""
         self.log.num_collected += 1

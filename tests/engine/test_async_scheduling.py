@@ -356,6 +356,38 @@ def test_scheduler_with_one_step_in_flight(requests, num_blocks, budget, max_seq
     assert manager.num_used_blocks == 0 and (host is None or host.usage == 0)
 
 
+def test_a_failed_step_fails_the_requests_in_flight_and_the_engine_goes_on(async_llm):
+    """A step that raises while the one before is in flight fails the requests of both
+    (StepError, as without the flag a failed step fails its own); nothing is left in flight or
+    held, and the next request runs."""
+    from nanoserve.errors import StepError
+
+    engine = async_llm.llm_engine
+    for i in range(2):
+        engine.add_request(f"fail-{i}", {"prompt_token_ids": [5 + i] * 9}, LONG)
+    forward, calls = engine.runner.forward, []
+
+    def failing_forward(model_input):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return forward(model_input)
+
+    engine.runner.forward = failing_forward
+    try:
+        with pytest.raises(StepError) as caught:
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.runner.forward = forward
+    assert sorted(caught.value.request_ids) == ["fail-0", "fail-1"]
+    assert {o.outputs[0].finish_reason for o in caught.value.outputs} == {"abort"}
+    assert engine.async_scheduling.in_flight is None and not engine.has_unfinished_requests()
+    assert engine.block_managers[0].num_used_blocks == 0
+    (output,) = generate(async_llm, [[5] * 9], LONG)
+    assert len(output.outputs[0].token_ids) == 24
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
