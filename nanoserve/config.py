@@ -24,6 +24,9 @@ HF_OVERRIDE_FIELDS = {
     "is_original_qwen3_reranker",
 }
 POOLING_TASK_FLAGS = ("embed", "embedding", "classify", "score")
+ASYNC_POOLING_REFUSAL = (
+    "--async-scheduling is not supported with pooling models (they sample nothing)"
+)
 
 
 def arg(default=None, help: str = "", **cli):
@@ -342,6 +345,8 @@ class EngineConfig:
             )
         if self.async_scheduling and speculative is not None:
             raise ValueError("--async-scheduling is not supported with speculative decoding")
+        if self.async_scheduling and (self.runner == "pooling" or pooling_task):
+            raise ValueError(ASYNC_POOLING_REFUSAL)
         if self.async_scheduling and self.pipeline_parallel_size > 1:
             raise ValueError(
                 "--async-scheduling is not supported with pipeline parallelism (its stages "

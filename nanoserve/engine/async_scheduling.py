@@ -40,6 +40,7 @@ from typing import NoReturn
 
 import torch
 
+from nanoserve.config import ASYNC_POOLING_REFUSAL
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
@@ -155,10 +156,8 @@ class AsyncScheduling:
     @classmethod
     def of(cls, engine) -> AsyncScheduling:
         """For an LLMEngine (engine/llm_engine.py, which imports this module), from its parts."""
-        if engine.pooler is not None:
-            raise ValueError(
-                "--async-scheduling is not supported with pooling models (they sample nothing)"
-            )
+        if engine.pooler is not None:  # (a headless checkpoint; config.py refuses the flags)
+            raise ValueError(ASYNC_POOLING_REFUSAL)
         (scheduler,), (block_manager,) = engine.schedulers, engine.block_managers
         return cls(
             engine.runner,

@@ -402,9 +402,16 @@ def test_refused_where_it_cannot_work(extra, message):
         EngineConfig(async_scheduling=True, **extra)
 
 
-def test_refused_for_a_pooling_model(tiny_llama_dir):
+def test_refused_for_a_pooling_model():
+    from types import SimpleNamespace
+
+    from nanoserve.engine.async_scheduling import AsyncScheduling
+
+    for flags in ({"runner": "pooling"}, {"task": "embed"}):
+        with pytest.raises(ValueError, match="not supported with pooling models"):
+            EngineConfig(async_scheduling=True, **flags)
     with pytest.raises(ValueError, match="not supported with pooling models"):
-        LLM(model=str(tiny_llama_dir), runner="pooling", async_scheduling=True, num_kv_blocks=64)
+        AsyncScheduling.of(SimpleNamespace(pooler=object()))  # a pooling model found at load
 
 
 def test_the_flag():
