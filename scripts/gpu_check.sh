@@ -18,6 +18,8 @@
 #   kernels       decode attention and add+RMSNorm bandwidth against the copy bandwidth, every
 #                 kernel checked against its reference (nanoserve.bench.kernels)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
+#   async-scheduling  --async-scheduling's greedy tokens = without it (fp32, CUDA graphs), and
+#                 offline tok/s with and without it on SmolLM2 (nanoserve.bench.async_scheduling)
 #   serve         nanoserve bench serve at concurrency 1, 16 and 64
 #   tp2           tests/distributed -k tp2_cuda, when 2+ GPUs are visible
 #   report        e2e.json and e2e.md, with the targets (nanoserve.bench.gpu_report)
@@ -48,11 +50,11 @@ main() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET NANOSERVE_KERNELS
     SMOKE=()
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,kernels,throughput,serve,tp2
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,kernels,throughput,async-scheduling,serve,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,kernels,throughput,serve
+        DEFAULT_STAGES=setup,tokens,memory,kernels,throughput,async-scheduling,serve
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -75,6 +77,7 @@ main() {
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
+    run_stage async-scheduling async-scheduling 60 $PY -m nanoserve.bench.async_scheduling --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     serve
     tp2
     echo "== report $(date +%T)"

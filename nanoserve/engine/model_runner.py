@@ -40,7 +40,7 @@ from nanoserve.engine.model_input import (
 )
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.spec_decode.verify import verify
-from nanoserve.engine.step_input import ImageSlice, SeqInput
+from nanoserve.engine.step_input import PLACEHOLDER_TOKEN, ImageSlice, PreviousTokens, SeqInput
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.cpu.malloc import keep_freed_memory, release_free_memory
@@ -226,14 +226,21 @@ class ModelRunner(KVCacheAllocation):
         return lora_batch(self.lora.batch(model_input.lora_rows))
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, inputs: list[SeqInput], block_offset: int = 0) -> ModelInput:
+    def prepare(
+        self,
+        inputs: list[SeqInput],
+        block_offset: int = 0,
+        previous: PreviousTokens | None = None,
+    ) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
         layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded
         to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
         `inputs`: the scheduled sequences as the scheduler's side describes them
         (engine/seq_inputs.py); nothing here sees or changes a live sequence. `block_offset`:
         where the scheduler's blocks start in the pool (pipeline parallelism gives each virtual
-        engine its own share). An encoder's step: its whole prompts packed."""
+        engine its own share). An encoder's step: its whole prompts packed. `previous`: with
+        --async-scheduling, the step before's sampled tokens, still on the device, which the
+        decode rows holding PLACEHOLDER_TOKEN take (written into the input ids on the device)."""
         if self.encoder:
             return encoder_model_input(inputs, self._to_device)
         decodes: list[SeqInput] = []
@@ -270,6 +277,7 @@ class ModelRunner(KVCacheAllocation):
                 rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens, rows.block_rows
             )
             graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
+            self._resolve_placeholders(graph_ids, rows, previous)
             return ModelInput(
                 input_ids=graph_ids,
                 positions=graph_positions,
@@ -284,10 +292,23 @@ class ModelRunner(KVCacheAllocation):
             rows.pad_prompt_rows(num_decode_rows, tile)
         max_seqlen_q = max([1] + [s.num_new_tokens for s in prompts])
         model_input = self._eager_input(rows, num_decode_rows, max_seqlen_q, tile)
+        self._resolve_placeholders(model_input.input_ids, rows, previous)
         if lora_slots is not None:
             model_input.lora_slots = lora_slots
             model_input.lora_rows = self._to_device(rows.lora_rows, torch.long)
         return model_input
+
+    def _resolve_placeholders(
+        self, input_ids: torch.Tensor, rows: _HostRows, previous: PreviousTokens | None
+    ) -> None:
+        """The decode rows whose token the step before sampled get it from that step's tokens
+        on the device, in place: the host never waits for them."""
+        if not rows.placeholder_rows:
+            return
+        assert previous is not None, "a placeholder token without the step that samples it"
+        targets = self._to_device(rows.placeholder_rows, torch.long)
+        sources = self._to_device([previous.row_of[i] for i in rows.placeholder_seqs], torch.long)
+        input_ids[targets] = previous.token_ids[sources].to(input_ids.dtype)
 
     def _eager_input(
         self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int
@@ -520,6 +541,9 @@ class _HostRows:
     image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
     # M-RoPE: (the step row of a sequence's first token, its rows' [3, n] positions).
     mrope_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # --async-scheduling: the decode rows holding PLACEHOLDER_TOKEN, and their sequences.
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_seqs: list[int] = field(default_factory=list)
 
     def mrope_positions(self) -> torch.Tensor | None:
         """[3, rows]: each row's position thrice, the image rows' M-RoPE ones in their place."""
@@ -572,6 +596,9 @@ class _HostRows:
         self.image_rows.extend((len(self.input_ids) + piece.row, piece) for piece in item.images)
         if item.mrope_positions is not None:
             self.mrope_rows.append((len(self.input_ids), item.mrope_positions))
+        if item.is_decode and item.token_ids[0] == PLACEHOLDER_TOKEN:
+            self.placeholder_rows.append(len(self.input_ids))
+            self.placeholder_seqs.append(item.seq_id)
         self.input_ids.extend(item.token_ids)
         self._add_lora_rows(item, count)
         shift = item.position_shift  # M-RoPE: text after images sits earlier than its index

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.step_input import ImageSlice, SamplingInput, SeqInput
+from nanoserve.engine.step_input import PLACEHOLDER_TOKEN, ImageSlice, SamplingInput, SeqInput
 from nanoserve.multimodal.mrope import mrope_positions, overlaps_image, rope_shift, uses_mrope
 
 
@@ -23,7 +23,8 @@ def sampling_input(seq: Sequence) -> SamplingInput:
         seq_id=seq.seq_id,
         params=params,
         generator=seq.generator,
-        num_output_tokens=seq.num_output_tokens,
+        # (a token still on the device counts: min_tokens holds EOS back until it is out)
+        num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
         output_token_ids=tuple(seq.output_token_ids) if penalized else (),
         prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]) if repetition else (),
         grammar=seq.grammar,
@@ -48,6 +49,9 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
         assert start == seq.num_tokens - 1 and len(token_ids) == item.num_new_tokens
     else:
         token_ids = tuple(seq.token_ids[start:end])
+        if len(token_ids) < end - start:  # --async-scheduling: its last token is on the device
+            assert end - start == 1 and seq.num_output_placeholders, "a placeholder in a prompt"
+            token_ids = (PLACEHOLDER_TOKEN,)
         if seq.needs_prompt_logprobs:
             offset, targets = _prompt_logprob_targets(seq, start, end)
     return SeqInput(

@@ -46,6 +46,21 @@ class SamplingInput:
     grammar: SequenceGrammar | None = None
 
 
+# --async-scheduling: in a SeqInput's token_ids, the token its sequence sampled in the step
+# before, not yet known on the host; the model runner takes it from that step's sampled tokens
+# on the device (PreviousTokens), as SGLang resolves its future token ids.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreviousTokens:
+    """The tokens the step before sampled, still on the device ([S] int64), and each sampling
+    sequence's row among them, by seq_id."""
+
+    token_ids: torch.Tensor
+    row_of: dict[int, int]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class SeqInput:
     """One scheduled sequence's part of a step."""
