@@ -46,6 +46,7 @@ class LLM:
             raise TypeError("LLM takes either config= or model= and engine arguments, not both")
         self.llm_engine = LLMEngine(config)
         self.media_fetch = FetchPolicy.create(config.allowed_media_domains)
+        self.image_limits = config.image_limits
         self._counter = itertools.count()
         self.stat_logger = (
             None
@@ -355,7 +356,7 @@ class LLM:
             )
             # The template already carries BOS where the model wants it.
             images = (
-                chat_images(conversation, None, self.media_fetch)
+                chat_images(conversation, self.image_limits, self.media_fetch)
                 if has_images(conversation)
                 else None
             )

@@ -270,11 +270,7 @@ class Tokenizer:
         # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
         continue_marker = "NANOSERVE_CONTINUE_FINAL_MESSAGE "
         if continue_final_message:
-            if not messages or not isinstance(messages[-1].get("content"), str):
-                raise ChatTemplateError(
-                    "continue_final_message needs a final message with text content"
-                )
-            messages[-1]["content"] += continue_marker
+            _mark_final_text(messages, continue_marker)
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -301,6 +297,22 @@ class Tokenizer:
             trimmed = not rendered.startswith(continue_marker, cut)
             rendered = rendered[:cut].rstrip() if trimmed else rendered[:cut]
         return rendered
+
+
+def _mark_final_text(messages: list[dict], marker: str) -> None:
+    """The marker after the final message's text: its content string's, or (content parts, as
+    LLaVA's template reads them) its last text part's, as transformers marks it."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, str):
+        messages[-1]["content"] = content + marker
+        return
+    if isinstance(content, list):
+        for index in range(len(content) - 1, -1, -1):
+            part = content[index]
+            if part.get("type") == "text":
+                content[index] = {**part, "text": part["text"] + marker}
+                return
+    raise ChatTemplateError("continue_final_message needs a final message with text content")
 
 
 # A template that reads a message's content as parts (LLaVA's: `for content in message['content']

@@ -18,6 +18,8 @@
 #   kernels       decode attention and add+RMSNorm bandwidth against the copy bandwidth, every
 #                 kernel checked against its reference (nanoserve.bench.kernels)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
+#   async-scheduling  --async-scheduling's greedy tokens = without it (fp32, CUDA graphs), and
+#                 offline tok/s with and without it on SmolLM2 (nanoserve.bench.async_scheduling)
 #   serve         nanoserve bench serve at concurrency 1, 16 and 64
 #   feature-*     one per feature built since run3, beside the kernel tests (tests/gpu_features.py,
 #                 the tests' tiny checkpoints): feature-gguf feature-gptq-awq feature-fp8
@@ -57,11 +59,11 @@ main() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET NANOSERVE_KERNELS
     SMOKE=()
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,kernels,throughput,serve,8b,tp2
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,kernels,throughput,async-scheduling,serve,8b,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,features,kernels,throughput,serve,8b
+        DEFAULT_STAGES=setup,tokens,memory,features,kernels,throughput,async-scheduling,serve,8b
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -86,6 +88,7 @@ main() {
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
+    run_stage async-scheduling async-scheduling 60 $PY -m nanoserve.bench.async_scheduling --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     serve
     big_shapes
     tp2

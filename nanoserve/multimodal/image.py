@@ -16,17 +16,20 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.fetch import FetchPolicy, fetch_url
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# The defaults of --max-image-bytes and --max-image-pixels (config.py).
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_IMAGE_PIXELS = 4096 * 4096
 
 
 @dataclass(frozen=True, slots=True)
 class ImageLimits:
-    """--limit-mm-per-prompt's images per prompt; the bytes an image's data may take once
-    decoded from base64; the pixels (width x height) an image may have."""
+    """--limit-mm-per-prompt's images per prompt; --max-image-bytes, the bytes an image's data
+    may take (a data: URL's decoded base64, an http(s) URL's body); --max-image-pixels, the
+    pixels (width x height) an image may have."""
 
     max_images: int = 1
-    # the bytes of an image's data, from a data: URL's base64 or an http(s) URL's body
-    max_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 4096 * 4096
+    max_bytes: int = MAX_IMAGE_BYTES
+    max_pixels: int = MAX_IMAGE_PIXELS
 
     def check_count(self, count: int, field: str) -> None:
         if count > self.max_images:
@@ -41,7 +44,7 @@ class ImageLimits:
         if width * height > self.max_pixels:
             raise InvalidRequestError(
                 f"the image has {width}x{height} pixels, more than the limit of "
-                f"{self.max_pixels} pixels",
+                f"{self.max_pixels} pixels (--max-image-pixels)",
                 field,
             )
 
@@ -50,7 +53,8 @@ def decode_image(data: bytes, limits: ImageLimits, field: str) -> Image.Image:
     """`data` as an image (an animated gif: its first frame), loaded and checked."""
     if len(data) > limits.max_bytes:
         raise InvalidRequestError(
-            f"the image's data is {len(data)} bytes, more than the limit of {limits.max_bytes}",
+            f"the image's data is {len(data)} bytes, more than the limit of {limits.max_bytes} "
+            "(--max-image-bytes)",
             field,
         )
     try:
@@ -95,7 +99,9 @@ def image_from_url(
     # base64 takes 4 characters per 3 bytes: refuse before decoding what cannot fit.
     if len(payload) // 4 * 3 > limits.max_bytes + 3:
         raise InvalidRequestError(
-            f"the image's data is more than the limit of {limits.max_bytes} bytes", field
+            f"the image's data is more than the limit of {limits.max_bytes} bytes "
+            "(--max-image-bytes)",
+            field,
         )
     try:
         data = base64.b64decode(payload, validate=True)

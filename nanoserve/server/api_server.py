@@ -114,6 +114,7 @@ async def start_server(
         auto_tool_parser=chat.auto_tool_parser,
         reasoning_parser=chat.reasoning_parser,
         media_fetch=FetchPolicy.create(engine.config.allowed_media_domains),
+        image_limits=engine.config.image_limits,
         lora_modules={lora.lora_name: lora for lora in lora_modules},
         next_lora_id=len(lora_modules) + 1,
     )

@@ -127,7 +127,7 @@ async def render_chat_prompt(
     if has_images(messages):  # decoded off the loop: an image may take a while
         if has_remote_images(messages):  # a fetch blocks: always on the pool
             size = max(size, SMALL_INPUT)
-        images = await ctx.off_loop(size, chat_images, messages, None, ctx.media_fetch)
+        images = await ctx.off_loop(size, chat_images, messages, ctx.image_limits, ctx.media_fetch)
         return TokensPrompt(ids, text, multi_modal_data={"image": images})
     return TokensPrompt(ids, text)
 
