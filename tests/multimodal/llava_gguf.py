@@ -15,7 +15,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from tests.gguf_models import _add_tokenizer, _finish, _gguf_name, _llama_cpp_permute
 
@@ -23,16 +23,20 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def _weights(hf_dir: Path) -> dict:
-    return {
-        name: tensor.float() for name, tensor in load_file(hf_dir / "model.safetensors").items()
-    }
+def _weights(hf_dir: Path):
+    """(name, float32 tensor) one at a time (a real shape's checkpoint never whole in float32)."""
+    with safe_open(hf_dir / "model.safetensors", framework="pt") as checkpoint:
+        for name in checkpoint.keys():  # noqa: SIM118 (safe_open has no iterator)
+            yield name, checkpoint.get_tensor(name).float()
 
 
-def write_text_gguf(hf_dir: Path, path: Path, drop_image_token: bool = False) -> Path:
+def write_text_gguf(
+    hf_dir: Path, path: Path, drop_image_token: bool = False, matrix_type: str = "F16"
+) -> Path:
     """The language model as a "llama" GGUF file. `drop_image_token`: its vocabulary without
     "<image>" (renamed "<unused_image>"), as a GGUF converted from the original LLaVA weights,
-    whose tokenizer has no image token."""
+    whose tokenizer has no image token. `matrix_type`: the matrices' GGUF type (F16, BF16, Q8_0,
+    Q4_0: the gguf package's quantizer)."""
     config = json.loads((hf_dir / "config.json").read_text())
     text = config["text_config"]
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -45,7 +49,9 @@ def write_text_gguf(hf_dir: Path, path: Path, drop_image_token: bool = False) ->
     writer.add_rope_dimension_count(text["hidden_size"] // text["num_attention_heads"])
     writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
     writer.add_rope_freq_base(text.get("rope_parameters", {}).get("rope_theta", 10000.0))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    file_types = {"F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_types.get(matrix_type, "MOSTLY_Q4_0")))
+    quant_type = getattr(gguf.GGMLQuantizationType, matrix_type)
     tokenizer_dir = hf_dir
     if drop_image_token:
         tokenizer_dir = path.parent / "tokenizer_without_image"
@@ -56,7 +62,7 @@ def write_text_gguf(hf_dir: Path, path: Path, drop_image_token: bool = False) ->
             (hf_dir / "tokenizer_config.json").read_text()
         )
     _add_tokenizer(writer, tokenizer_dir)
-    for name, weight in _weights(hf_dir).items():
+    for name, weight in _weights(hf_dir):
         if not name.startswith("language_model."):
             continue
         name = name.removeprefix("language_model.")
@@ -67,7 +73,11 @@ def write_text_gguf(hf_dir: Path, path: Path, drop_image_token: bool = False) ->
             weight = _llama_cpp_permute(weight, text["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = _llama_cpp_permute(weight, text["num_key_value_heads"])
-        writer.add_tensor(_gguf_name(name), weight.numpy().astype(np.float16))
+        if quant_type == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(_gguf_name(name), weight.numpy().astype(np.float16))
+        else:
+            data = gguf.quants.quantize(weight.numpy(), quant_type)
+            writer.add_tensor(_gguf_name(name), data, raw_dtype=quant_type)
     return _finish(writer, path)
 
 
@@ -107,12 +117,14 @@ def write_mmproj_gguf(
     overrides: dict | None = None,
     drop: tuple[str, ...] = (),
     replace: dict[str, np.ndarray] | None = None,
+    matrix_type: str = "F16",
 ) -> Path:
     """The vision tower and projector as an mmproj file. `feature_layer_key`: write
     clip.vision.feature_layer (the converter does when the config it reads has
     vision_feature_layer), else only the layers up to it. `overrides`: metadata written in place
     of the converter's; `drop`: tensors left out, `replace`: tensors written in place of the
-    checkpoint's (the refusal tests)."""
+    checkpoint's (the refusal tests). `matrix_type` "Q8_0": the layers' and the projector's
+    matrices in Q8_0 (as convert_hf_to_gguf.py --outtype q8_0 writes an mmproj)."""
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
     layers = vision["num_hidden_layers"]
@@ -155,7 +167,7 @@ def write_mmproj_gguf(
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, value)
-    for name, weight in _weights(hf_dir).items():
+    for name, weight in _weights(hf_dir):
         if not name.startswith(("vision_tower.", "multi_modal_projector.")):
             continue
         if "post_layernorm" in name or "position_ids" in name:
@@ -167,5 +179,9 @@ def write_mmproj_gguf(
             continue
         values = (replace or {}).get(gguf_name, weight.numpy())
         f16 = values.ndim == 4 or (values.ndim == 2 and gguf_name.endswith(".weight"))
+        if matrix_type == "Q8_0" and f16 and gguf_name.startswith(("v.blk.", "mm.")):
+            q8_0 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(values, q8_0), raw_dtype=q8_0)
+            continue
         writer.add_tensor(gguf_name, values.astype(np.float16 if f16 else np.float32))
     return _finish(writer, path)

@@ -93,6 +93,28 @@ def test_image_embeddings_equal_transformers(
     assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight[:64], reference)
 
 
+def test_q8_0_mmproj_is_dequantized(hf_dir, text_gguf, tmp_path):
+    """A block-type tower: each matrix holds the gguf package's dequantization of its blocks."""
+    import gguf
+    from safetensors import safe_open
+
+    path = write_mmproj_gguf(hf_dir, tmp_path / "mmproj-q8_0.gguf", matrix_type="Q8_0")
+    config = ModelConfig.from_dir(text_gguf, None, str(path))
+    model = build_model(config, torch.float32, torch.device("cpu"), text_gguf)
+    with safe_open(hf_dir / "model.safetensors", framework="pt") as checkpoint:
+        fc1 = checkpoint.get_tensor("vision_tower.encoder.layers.0.mlp.fc1.weight").float()
+        linear_2 = checkpoint.get_tensor("multi_modal_projector.linear_2.weight").float()
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for ours, weight in (
+        (model.vision_tower.vision_model.encoder.layers[0].mlp.fc1.weight, fc1),
+        (model.multi_modal_projector.linear_2.weight, linear_2),
+    ):
+        blocks = gguf.quants.quantize(weight.numpy(), q8_0)
+        expected = torch.from_numpy(gguf.quants.dequantize(blocks, q8_0)).reshape(weight.shape)
+        assert torch.equal(ours, expected)
+        assert not torch.equal(ours, weight)  # (the blocks did round)
+
+
 @pytest.mark.parametrize("text,images", [(ONE_IMAGE, IMAGES[:1]), (TWO_IMAGES, IMAGES)])
 def test_greedy_tokens_equal_transformers(llm, hf_dir, hf_llava, text, images):
     processor = transformers_processor(hf_dir)
