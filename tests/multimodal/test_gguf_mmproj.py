@@ -205,3 +205,38 @@ def test_serve_flag_is_llama_servers(text_gguf, mmproj):
     add_engine_args(parser)
     args = parser.parse_args(["--model", str(text_gguf), "--mmproj", str(mmproj)])
     assert engine_config_from_args(args).mmproj == str(mmproj)
+
+
+def test_openai_client_against_the_gguf_pair(text_gguf, mmproj, hf_dir, hf_llava):
+    """`nanoserve serve --model text.gguf --mmproj mmproj.gguf` on a real socket: the `openai`
+    client's answer to a data: URL image is transformers'."""
+    from tests.server.conftest import ServerHandle
+
+    processor = transformers_processor(hf_dir)
+    hf_messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    ]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True)
+    expected = hf_greedy(hf_llava, processor, text, [IMAGES[0]])
+    server = ServerHandle(
+        text_gguf, engine_kwargs={"mmproj": str(mmproj), "dtype": "float32", "num_kv_blocks": 64}
+    )
+    try:
+        client = server.client()
+        part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}
+        response = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[
+                {"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}
+            ],
+            temperature=0,
+            max_tokens=len(expected),
+        )
+        expected_text = processor.tokenizer.decode(expected, skip_special_tokens=True)
+        assert expected_text.strip()
+        assert response.choices[0].message.content == expected_text
+        assert response.usage.prompt_tokens == len(
+            processor(text=text, images=[IMAGES[0]])["input_ids"][0]
+        )
+    finally:
+        server.close()
