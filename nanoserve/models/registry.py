@@ -16,7 +16,8 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from nanoserve.models.gguf.mmproj import MMPROJ_PARAMETERS, load_mmproj_weights
+from nanoserve.models.gguf.mmproj import MMPROJ_PARAMETERS
+from nanoserve.models.gguf.mmproj_weights import load_mmproj_weights
 from nanoserve.models.gguf.model import find_gguf_file
 from nanoserve.models.gguf.weights import load_gguf_weights
 from nanoserve.models.gpt_oss import GptOssForCausalLM

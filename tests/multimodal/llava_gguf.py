@@ -117,13 +117,14 @@ def write_mmproj_gguf(
     overrides: dict | None = None,
     drop: tuple[str, ...] = (),
     replace: dict[str, np.ndarray] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
     matrix_type: str = "F16",
 ) -> Path:
     """The vision tower and projector as an mmproj file. `feature_layer_key`: write
     clip.vision.feature_layer (the converter does when the config it reads has
     vision_feature_layer), else only the layers up to it. `overrides`: metadata written in place
     of the converter's; `drop`: tensors left out, `replace`: tensors written in place of the
-    checkpoint's (the refusal tests). `matrix_type` "Q8_0": the layers' and the projector's
+    checkpoint's, `extra`: tensors added (the refusal tests). `matrix_type` "Q8_0": the layers' and the projector's
     matrices in Q8_0 (as convert_hf_to_gguf.py --outtype q8_0 writes an mmproj)."""
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
@@ -184,4 +185,6 @@ def write_mmproj_gguf(
             writer.add_tensor(gguf_name, gguf.quants.quantize(values, q8_0), raw_dtype=q8_0)
             continue
         writer.add_tensor(gguf_name, values.astype(np.float16 if f16 else np.float32))
+    for gguf_name, values in (extra or {}).items():
+        writer.add_tensor(gguf_name, values)
     return _finish(writer, path)

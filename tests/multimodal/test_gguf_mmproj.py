@@ -175,7 +175,16 @@ REFUSALS = [
     ({"overrides": {"clip.vision.feature_layer": [1, 2]}}, "only one feature layer"),
     ({"overrides": {"clip.vision.image_mean": [0.5]}}, "image_mean must be 3 numbers"),
     ({"overrides": {"clip.vision.embedding_length": None}}, "lacks clip.vision.embedding_length"),
-    ({"drop": ("v.blk.0.attn_q.bias",)}, r"lacks 1 tensor\(s\).*qkv_proj.bias"),
+    ({"drop": ("v.blk.0.attn_q.bias",)}, r"lacks 1 tensor\(s\).*qkv_proj.bias \(its q part\)"),
+    (
+        {"replace": {"v.blk.0.attn_out.weight": np.zeros((16, 32), np.float16)}},
+        r"tensor v.blk.0.attn_out.weight has shape \(16, 32\)",
+    ),
+    (
+        {"extra": {"v.post_ln.weight": np.ones(32, np.float32)}},
+        "tensor v.post_ln.weight is not part of a CLIP tower",
+    ),
+    ({"drop": ("v.blk.0.ln2.weight",)}, r"lacks 1 tensor\(s\).*layers.0.layer_norm2.weight"),
 ]
 
 

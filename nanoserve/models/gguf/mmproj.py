@@ -3,13 +3,14 @@ serve vision models: the LLaVA-1.5 family's CLIP vision tower and two-layer "mlp
 llama.cpp's converter for it writes them (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py;
 convert_hf_to_gguf.py --mmproj refuses a CLIP-tower LLaVA): `general.architecture` "clip",
 `clip.projector_type` "mlp", the `clip.vision.*` hyperparameters, tensors `v.*` and `mm.0` / `mm.2`.
-The pair is served as transformers' LlavaForConditionalGeneration (models/llava.py): the text
-file's weights as any GGUF model's (models/gguf/weights.py), the tower's dequantized into its
-parameters here (F32 / F16 / BF16 as they are; Q8_0 and other block types through the gguf
-package's dequantization).
+This module reads and checks the file: the VisionConfig it implies, its preprocessing, the image
+placeholder of the text model's prompts. The pair is served as transformers'
+LlavaForConditionalGeneration (models/llava.py): the text file's weights as any GGUF model's
+(models/gguf/weights.py), the tower's and projector's dequantized into their parameters
+(models/gguf/mmproj_weights.py).
 
-Where this follows transformers rather than llama.cpp's clip.cpp (both are tested against
-transformers; docs/images.md says what a user sees):
+Where this follows transformers rather than llama.cpp's clip.cpp (tests/multimodal/
+test_gguf_mmproj.py holds it to transformers; docs/images.md says what a user sees):
 - the tower runs the layers `clip.vision.feature_layer` names, else every stored layer (the
   converter already dropped the last one, LLaVA's vision_feature_layer -2; clip.cpp drops one more,
   llama.cpp issue 25817);
@@ -24,17 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from pathlib import Path
 
-import gguf
-import numpy as np
-import torch
-from torch import nn
-
-from nanoserve.layers.linear import load_parameter
-from nanoserve.models.gguf.header import GGUFHeader, GGUFTensorInfo, read_gguf_header
-from nanoserve.models.gguf.reader import GGUFImportError
+from nanoserve.models.gguf.header import GGUFHeader, read_gguf_header
+from nanoserve.models.gguf.reader import GGUFImportError, _float32_value
 from nanoserve.models.llava_config import VisionConfig
 from nanoserve.multimodal.processor import ClipImageProcessor
 
@@ -49,32 +43,6 @@ MEDIA_MARKER = "<__media__>"
 MMPROJ_PARAMETERS = ("vision_tower.", "multi_modal_projector.")
 # Text models an mmproj goes with: Llama-architecture GGUF files (Vicuna, Mistral, Llama 3).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM",)
-
-_TOWER = "vision_tower.vision_model."
-_FIXED_NAMES = {
-    "v.class_embd": _TOWER + "embeddings.class_embedding",
-    "v.patch_embd.weight": _TOWER + "embeddings.patch_embedding.weight",
-    "v.position_embd.weight": _TOWER + "embeddings.position_embedding.weight",
-    "v.pre_ln.weight": _TOWER + "pre_layrnorm.weight",
-    "v.pre_ln.bias": _TOWER + "pre_layrnorm.bias",
-    "mm.0.weight": "multi_modal_projector.linear_1.weight",
-    "mm.0.bias": "multi_modal_projector.linear_1.bias",
-    "mm.2.weight": "multi_modal_projector.linear_2.weight",
-    "mm.2.bias": "multi_modal_projector.linear_2.bias",
-}
-_LAYER_PARTS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_out": "self_attn.out_proj",
-    "ln1": "layer_norm1",
-    "ln2": "layer_norm2",
-    "ffn_up": "mlp.fc1",
-    "ffn_down": "mlp.fc2",
-}
-_LAYER_TENSOR = re.compile(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Q/K/V go into the fused qkv_proj (models/clip.py), as a Hugging Face checkpoint's do.
-_PACKED = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,11 +81,6 @@ def _triple(metadata: dict, key: str, path: Path) -> tuple[float, float, float]:
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
         raise _refuse(path, f"{key} must be 3 numbers, got {value!r}")
     return tuple(float(v) for v in value)
-
-
-def _float32_value(value: float) -> float:
-    # GGUF stores float32: 1e-5 arrives as 9.999999747378752e-06; keep the value that was meant.
-    return float(str(np.float32(value)))
 
 
 def _projector_type(metadata: dict) -> str | None:
@@ -322,85 +285,3 @@ def attach_image_token(tokenizer, vision: VisionConfig) -> VisionConfig:
     return dataclasses.replace(
         vision, image_token_id=backend.token_to_id(MEDIA_MARKER), image_fill_token_id=fill
     )
-
-
-def _parameter_name(file: MmprojFile, tensor_name: str) -> str | None:
-    """Our parameter's name for a file tensor; None for a layer past the feature layer."""
-    name = _FIXED_NAMES.get(tensor_name)
-    if name is not None:
-        return name
-    match = _LAYER_TENSOR.fullmatch(tensor_name)
-    if match is None or match.group(2) not in _LAYER_PARTS:
-        raise file.refuse(f"tensor {tensor_name} is not part of a CLIP tower or an mlp projector")
-    layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
-    if layer >= file.vision.num_hidden_layers:
-        raise file.refuse(
-            f"tensor {tensor_name}: layer {layer} is past clip.vision.block_count "
-            f"{file.vision.num_hidden_layers}"
-        )
-    if layer >= file.vision.num_layers_used:
-        return None
-    if file.ffn_names_swapped and part in ("ffn_up", "ffn_down"):
-        part = "ffn_down" if part == "ffn_up" else "ffn_up"
-    return f"{_TOWER}encoder.layers.{layer}.{_LAYER_PARTS[part]}.{kind}"
-
-
-def _tensor_values(file: MmprojFile, tensor: GGUFTensorInfo) -> torch.Tensor:
-    """float32 in torch's shape (GGUF lists dims fastest first)."""
-    raw = np.fromfile(file.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
-    if raw.size != tensor.n_bytes:
-        raise file.refuse(f"tensor {tensor.name}: the file ends inside its data")
-    try:
-        values = gguf.quants.dequantize(raw, tensor.tensor_type)
-    except NotImplementedError:
-        raise file.refuse(
-            f"tensor {tensor.name}: type {tensor.tensor_type.name} cannot be dequantized"
-        ) from None
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(shape))
-
-
-def load_mmproj_weights(model: nn.Module, mmproj: str | Path) -> None:
-    """The vision tower's and projector's parameters from the mmproj file, dequantized into the
-    activation dtype; every one of them must be there (one line naming the first missing)."""
-    file = read_mmproj(mmproj)
-    params = dict(model.named_parameters())
-    expected = {name for name in params if name.startswith(MMPROJ_PARAMETERS)}
-    loaded: set[str] = set()
-    for tensor in file.header.tensors:
-        name = _parameter_name(file, tensor.name)
-        if name is None:
-            continue
-        shard_id = None
-        stem, _, kind = name.rpartition(".")
-        module = stem.rpartition(".")[2]
-        if module in _PACKED:
-            shard_id = _PACKED[module]
-            name = f"{stem.rpartition('.')[0]}.qkv_proj.{kind}"
-        param = params.get(name)
-        if param is None:
-            raise file.refuse(f"tensor {tensor.name} has no place in this model ({name})")
-        values = _tensor_values(file, tensor)
-        expected_shape = _part_shape(param, shard_id)
-        if tuple(values.shape) != expected_shape:
-            raise file.refuse(
-                f"tensor {tensor.name} has shape {tuple(values.shape)} (torch order), the model "
-                f"wants {expected_shape}"
-            )
-        load_parameter(param, values, shard_id)
-        loaded.add(f"{name}:{shard_id}" if shard_id else name)
-    missing = sorted(
-        name
-        for name in expected
-        if name not in loaded and not all(f"{name}:{s}" in loaded for s in "qkv")
-    )
-    if missing:
-        raise file.refuse(f"lacks {len(missing)} tensor(s) this tower needs, e.g. {missing[:3]}")
-
-
-def _part_shape(param: nn.Parameter, shard_id: str | None) -> tuple[int, ...]:
-    """The shape a file tensor must have to fill `param` (a q, k or v part of the fused qkv)."""
-    shape = tuple(param.shape)
-    if shard_id is None:
-        return shape
-    return (shape[0] // 3, *shape[1:])  # CLIP's q, k and v have as many heads each
