@@ -75,9 +75,15 @@ def test_image_embeddings_equal_transformers(
     hf_dir, text_gguf, hf_llava, tmp_path, names, feature_layer_key
 ):
     """fc1 as the converter names it (ffn_down) and as gguf-py does (ffn_up); the feature layer
-    from the stored layers or from clip.vision.feature_layer."""
+    from the stored layers or from clip.vision.feature_layer; a post-norm in the file unused,
+    as transformers' LLaVA never applies it."""
+    post_norm = {"v.post_ln.weight": np.full(32, 3.0, np.float32)}  # kept by old conversions
     path = write_mmproj_gguf(
-        hf_dir, tmp_path / "mmproj.gguf", names=names, feature_layer_key=feature_layer_key
+        hf_dir,
+        tmp_path / "mmproj.gguf",
+        names=names,
+        feature_layer_key=feature_layer_key,
+        extra=post_norm if feature_layer_key else None,
     )
     config = ModelConfig.from_dir(text_gguf, None, str(path))
     assert config.vision.num_layers_used == 1 and config.mmproj_file == path.resolve()
@@ -180,9 +186,9 @@ REFUSALS = [
         {"replace": {"v.blk.0.attn_out.weight": np.zeros((16, 32), np.float16)}},
         r"tensor v.blk.0.attn_out.weight has shape \(16, 32\)",
     ),
-    (
-        {"extra": {"v.post_ln.weight": np.ones(32, np.float32)}},
-        "tensor v.post_ln.weight is not part of a CLIP tower",
+    (  # (mlp_norm's, Yi-VL's projector, under an "mlp" header)
+        {"extra": {"mm.1.weight": np.ones(64, np.float32)}},
+        "tensor mm.1.weight is not part of a CLIP tower",
     ),
     ({"drop": ("v.blk.0.ln2.weight",)}, r"lacks 1 tensor\(s\).*layers.0.layer_norm2.weight"),
 ]

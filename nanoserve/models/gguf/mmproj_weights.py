@@ -44,8 +44,16 @@ _LAYER_TENSOR = re.compile(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PACKED = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
 
 
+# CLIP's post-norm: LLaVA reads a layer's hidden state before it (transformers never applies
+# it); older conversions kept it, clip.cpp applies it when present.
+_UNUSED = ("v.post_ln.weight", "v.post_ln.bias")
+
+
 def _parameter_name(file: MmprojFile, tensor_name: str) -> str | None:
-    """Our parameter's name for a file tensor; None for a layer past the feature layer."""
+    """Our parameter's name for a file tensor; None for one LLaVA does not read (a layer past
+    the feature layer, the post-norm)."""
+    if tensor_name in _UNUSED:
+        return None
     name = _FIXED_NAMES.get(tensor_name)
     if name is not None:
         return name
