@@ -180,6 +180,18 @@ REFUSALS = [
     ),
     ({"overrides": {"clip.vision.feature_layer": [1, 2]}}, "only one feature layer"),
     ({"overrides": {"clip.vision.image_mean": [0.5]}}, "image_mean must be 3 numbers"),
+    (  # a corrupt count: refused before a tower of that size is built
+        {"overrides": {"clip.vision.block_count": 1 << 30}},
+        "runs 1073741824 vision layers .* lacks v.blk.1073741823.attn_q.weight",
+    ),
+    (
+        {"overrides": {"clip.vision.image_size": 1 << 20, "clip.vision.patch_size": 1 << 18}},
+        r"tensor v.patch_embd.weight has shape \(14, 14, 3, 32\), not \(262144, 262144, 3, 32\)",
+    ),
+    (
+        {"overrides": {"clip.vision.feed_forward_length": 1 << 30}},
+        "tensor v.blk.0.ffn_up.weight has shape .* feed_forward_length 1073741824",
+    ),
     ({"overrides": {"clip.vision.embedding_length": None}}, "lacks clip.vision.embedding_length"),
     ({"drop": ("v.blk.0.attn_q.bias",)}, r"lacks 1 tensor\(s\).*qkv_proj.bias \(its q part\)"),
     (

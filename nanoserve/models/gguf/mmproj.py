@@ -161,6 +161,7 @@ def _vision_config(path: Path, header: GGUFHeader) -> tuple[VisionConfig, bool, 
     shapes = {
         "v.class_embd": (hidden,),
         "v.position_embd.weight": (hidden, patches + 1),
+        "v.patch_embd.weight": (patch_size, patch_size, 3, hidden),
         "mm.0.weight": (hidden, None),  # GGUF lists dims fastest first: (inputs, outputs)
     }
     for name, expected in shapes.items():
@@ -182,6 +183,7 @@ def _vision_config(path: Path, header: GGUFHeader) -> tuple[VisionConfig, bool, 
         raise _refuse(
             path, f"tensor mm.2.weight has shape {mm2}, not ({projector_hidden}, *) after mm.0"
         )
+    _check_layers(path, tensors, used, hidden, intermediate)
     down = tensors.get("v.blk.0.ffn_down.weight")
     # clip.cpp's rule: the converter named fc1 (hidden -> intermediate) ffn_down; such a
     # ffn_down reads the hidden size.
@@ -204,6 +206,26 @@ def _vision_config(path: Path, header: GGUFHeader) -> tuple[VisionConfig, bool, 
         image_seq_length=patches,
     )
     return vision, swapped, mm2[1]
+
+
+def _check_layers(path: Path, tensors: dict, used: int, hidden: int, intermediate: int) -> None:
+    """The layers to run are in the file, their MLP of the sizes the header gives (before a
+    tower of the header's sizes is built: a corrupt count must not allocate)."""
+    if used == 0:
+        return
+    last = f"v.blk.{used - 1}.attn_q.weight"
+    if last not in tensors:
+        raise _refuse(path, f"runs {used} vision layers (its header says so) but lacks {last}")
+    for name in ("v.blk.0.ffn_up.weight", "v.blk.0.ffn_down.weight"):
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise _refuse(path, f"lacks tensor {name}")
+        if sorted(int(d) for d in tensor.shape) != sorted((hidden, intermediate)):
+            raise _refuse(
+                path,
+                f"tensor {name} has shape {tuple(int(d) for d in tensor.shape)}, not "
+                f"embedding_length {hidden} x feed_forward_length {intermediate}",
+            )
 
 
 @functools.lru_cache(maxsize=4)
