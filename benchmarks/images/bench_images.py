@@ -181,7 +181,12 @@ def write_checkpoint(hf_dir: Path, shape: dict) -> None:
         vision_feature_select_strategy="default",
     )
     torch.manual_seed(0)
-    model = hf.LlavaForConditionalGeneration(config).to(torch.bfloat16)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of a float32 build
+    try:
+        model = hf.LlavaForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     model.save_pretrained(hf_dir, safe_serialization=True)
     size = vision["image_size"]
     hf.CLIPImageProcessorPil(
