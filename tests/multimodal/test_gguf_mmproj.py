@@ -267,3 +267,20 @@ def test_openai_client_against_the_gguf_pair(text_gguf, mmproj, hf_dir, hf_llava
         )
     finally:
         server.close()
+
+
+def test_tensor_parallel_gguf_pair_equals_transformers(text_gguf, mmproj, hf_dir, hf_llava):
+    """--tp 2 (gloo, rank 1 a child process): rank 1 reads the text file's half and no tower."""
+    expected = hf_greedy(hf_llava, transformers_processor(hf_dir), ONE_IMAGE, IMAGES[:1])
+    with LLM(
+        model=str(text_gguf),
+        mmproj=str(mmproj),
+        dtype="float32",
+        num_kv_blocks=64,
+        tensor_parallel_size=2,
+    ) as llm:
+        prompt = {"prompt": ONE_IMAGE, "multi_modal_data": {"image": IMAGES[0]}}
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        rank_bytes = list(llm.llm_engine.runner.rank_weight_bytes)
+    assert out.outputs[0].token_ids == expected
+    assert rank_bytes[0] > rank_bytes[1]  # the tower and projector on rank 0 only

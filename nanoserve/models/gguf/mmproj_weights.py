@@ -94,6 +94,8 @@ def load_mmproj_weights(model: nn.Module, mmproj: str | Path) -> None:
     file = read_mmproj(mmproj)
     params = dict(model.named_parameters())
     expected = {name for name in params if name.startswith(MMPROJ_PARAMETERS)}
+    if not expected:  # a rank > 0 under tensor parallelism: the tower lives on rank 0 only
+        return
     loaded: set[str] = set()
     for tensor in file.header.tensors:
         name = _parameter_name(file, tensor.name)
