@@ -3,7 +3,9 @@ its wire format for the other ranks. The step's inputs travel as two broadcasts:
 header and one flat int64 tensor holding every per-step array. A step that swaps KV blocks
 between the device and the host pool sends its copies the same way first (CMD_SWAP). A step with
 image rows (a vision-language model) sends their embeddings after its payload
-(engine/image_broadcast.py)."""
+(engine/image_broadcast.py), and with M-RoPE (Qwen2.5-VL) its rows' three positions in the
+payload; any other step's rotary positions are `positions`, the sequences' position shifts
+already added (engine/model_runner._HostRows.add)."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class ModelInput:
         return sum(len(spec.proposal) + 1 for spec in self.spec_inputs)
 
 
-HEADER_SIZE = 12  # int64 slots: the command, then its header's fields in order, zero-padded
+HEADER_SIZE = 13  # int64 slots: the command, then its header's fields in order, zero-padded
 CMD_STEP, CMD_STOP, CMD_SWAP, CMD_LORA = 1, 2, 3, 4
 
 
@@ -88,6 +90,7 @@ class StepHeader:
     virtual_engine: int = 0  # pipeline parallelism: the step's virtual engine
     tokens_only: bool = False  # pipeline: the last stage sends greedy token ids, not logits
     num_image_rows: int = 0  # rows that take image embeddings (their values follow the payload)
+    mrope: bool = False  # the payload holds ModelInput.mrope_positions ([3, num_tokens])
 
     def part_sizes(self) -> list[int]:
         """Lengths of the payload's parts, in pack_step's order."""
@@ -103,6 +106,8 @@ class StepHeader:
         ]
         if self.num_lora_slots:
             sizes += [self.num_lora_slots, num_tokens]
+        if self.mrope:
+            sizes.append(3 * num_tokens)
         return sizes + [self.num_image_rows] if self.num_image_rows else sizes
 
     def payload_size(self) -> int:
@@ -218,6 +223,9 @@ def pack_step(
     if model_input.lora_slots is not None:
         num_lora_slots = len(model_input.lora_slots)
         parts += [torch.tensor(model_input.lora_slots), model_input.lora_rows]
+    mrope = model_input.mrope_positions
+    if mrope is not None:
+        parts.append(mrope.flatten())
     image_embeds = model_input.image_embeds
     if image_embeds is not None:
         parts.append(image_embeds.rows)
@@ -234,6 +242,7 @@ def pack_step(
         virtual_engine=virtual_engine,
         tokens_only=tokens_only,
         num_image_rows=0 if image_embeds is None else image_embeds.rows.numel(),
+        mrope=mrope is not None,
     )
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header_tensor(header, device), payload
@@ -255,9 +264,12 @@ def unpack_step(header: StepHeader, payload: torch.Tensor) -> ModelInput:
     )
     model_input = ModelInput(input_ids, positions, metadata, logits_indices, [])
     if header.num_lora_slots:
-        model_input.lora_slots, model_input.lora_rows = rest[0].tolist(), rest[1]
+        (lora_slots, model_input.lora_rows), rest = rest[:2], rest[2:]
+        model_input.lora_slots = lora_slots.tolist()
+    if header.mrope:
+        model_input.mrope_positions, rest = rest[0].view(3, header.num_tokens), rest[1:]
     if header.num_image_rows:  # the values come next (image_broadcast.receive_values)
-        model_input.image_embeds = ImageEmbeds(rest[-1], None)
+        model_input.image_embeds = ImageEmbeds(rest[0], None)
     return model_input
 
 

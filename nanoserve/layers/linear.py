@@ -4,7 +4,7 @@ Each parameter owns a ``weight_loader(param, loaded, shard_id=None)``; the loade
 lazy slice object (safetensors ``get_slice``) or a tensor, and reads only this rank's rows or
 columns, so a rank holds about 1/N of the weights. A layer built with ``disable_tp=True`` (vLLM's
 flag) is whole on the rank that builds it and never all-reduces: a vision tower that runs on
-rank 0 only (models/llava.py).
+rank 0 only (models/llava.py, models/qwen2_5_vl.py).
 """
 
 from __future__ import annotations
@@ -140,11 +140,18 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one matrix (gate + up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        disable_tp: bool = False,
+    ):
         self.output_sizes = output_sizes
         for size in output_sizes:  # each part splits on its own (the MLP's gate and up)
-            divide(size, get_tp_world_size(), "the model's {} MLP features")
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+            divide(size, _tp_size(disable_tp), "the model's {} MLP features")
+        super().__init__(input_size, sum(output_sizes), bias, dtype, disable_tp)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id == "fused":  # all parts in one checkpoint tensor, in order

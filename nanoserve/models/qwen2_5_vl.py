@@ -3,7 +3,12 @@ size (patches embedded by a linear map, 2D rotary, window attention with some bl
 whole image, RMSNorm + SwiGLU blocks, a merger of 2x2 patches into one token) and a Qwen2
 language model whose rotary is M-RoPE: an image token's query and key turn by its (temporal,
 height, width) positions, each on its own section of the frequencies (multimodal/mrope.py
-computes the positions; kernels/rotary.mrope_cos_sin the rows the rotary kernels read)."""
+computes the positions; kernels/rotary.mrope_cos_sin the rows the rotary kernels read).
+
+Under tensor parallelism the language model splits as any Qwen2 does; the vision tower is whole
+on rank 0 (its linear layers built with disable_tp) and absent from the other ranks, which
+receive the image rows' embeddings and the step's M-RoPE positions with the step
+(engine/image_broadcast.py, engine/model_input.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.distributed import get_rank
 from nanoserve.kernels import mrope_cos_sin, silu_and_mul
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.linear import (
@@ -54,8 +60,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.num_heads, self.head_dim = config.num_heads, hidden // config.num_heads
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, True, dtype)
-        self.proj = RowParallelLinear(hidden, hidden, True, dtype)
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, True, dtype, disable_tp=True)
+        self.proj = RowParallelLinear(hidden, hidden, True, dtype, disable_tp=True)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
@@ -80,8 +86,10 @@ class VisionMLP(nn.Module):
     def __init__(self, config: QwenVisionConfig, dtype: torch.dtype):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, True, dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, True, dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter] * 2, True, dtype, disable_tp=True
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, True, dtype, disable_tp=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -108,9 +116,9 @@ class PatchMerger(nn.Module):
         merged = config.hidden_size * config.spatial_merge_size**2
         self.ln_q = RMSNorm(config.hidden_size, VISION_NORM_EPS, dtype)
         self.mlp = nn.Sequential(
-            ColumnParallelLinear(merged, merged, True, dtype),
+            ColumnParallelLinear(merged, merged, True, dtype, disable_tp=True),
             nn.GELU(),
-            RowParallelLinear(merged, config.out_hidden_size, True, dtype),
+            RowParallelLinear(merged, config.out_hidden_size, True, dtype, disable_tp=True),
         )
         self.merged = merged
 
@@ -194,6 +202,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
 
 class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     supports_pipeline_parallel = False
+    # The encoder runs on rank 0, whose step broadcast carries its rows and the M-RoPE positions.
+    supports_tensor_parallel = True
     # Checkpoint name prefixes -> ours, the first that matches: transformers 4.x (and 5's
     # save_pretrained) write model.* and visual.*; 5.x's modules are model.language_model.*
     # and model.visual.*; lm_head.* in both.
@@ -205,8 +215,12 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__(config, dtype)
         assert isinstance(config.vision, QwenVisionConfig)
-        self.visual = Qwen2_5_VisionTransformer(config.vision, dtype)
         self.mrope_section = config.vision.mrope_section
+        if get_rank() > 0:  # the encoder runs on rank 0 only: no tower here
+            self.visual = None
+            self.checkpoint_skips = ("visual.",)
+            return
+        self.visual = Qwen2_5_VisionTransformer(config.vision, dtype)
 
     def embed_image_list(
         self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]

@@ -75,9 +75,9 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
 def check_vision_support(
     config: ModelConfig, tensor_parallel_size: int, draft_model: bool = False
 ) -> None:
-    """A vision-language model runs with tensor parallelism where its class says so (LLaVA: the
-    encoder on rank 0, its rows broadcast with the step), and without a draft model (a draft
-    would read image tokens as text)."""
+    """A vision-language model runs with tensor parallelism where its class says so (LLaVA,
+    Qwen2.5-VL: the encoder on rank 0, its rows broadcast with the step), and without a draft
+    model (a draft would read image tokens as text)."""
     if config.vision is None:
         return
     if tensor_parallel_size > 1 and not getattr(

@@ -55,7 +55,9 @@ async def start_server(
     engine: LLMEngine, options: ServerOptions, step_executor: ThreadPoolExecutor | None = None
 ) -> RunningServer:
     """Serve an already built LLMEngine on the running loop; returns once listening.
-    `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
+    `step_executor`: the thread the engine was built on (see `new_step_executor`). The engine
+    stays the caller's: after the server's shutdown, `engine.shutdown()` stops its worker ranks
+    (as `serve` does, which owns the signals that may have to kill them meanwhile)."""
     config = engine.config
     chat = ChatFeatures.from_options(options, engine.model_config.architecture)
     lora_modules = _load_lora_modules(engine, options)

@@ -18,7 +18,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.input_processor import image_prompt_builder
 from nanoserve.errors import InvalidRequestError
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.registry import build_model, check_vision_support
+from nanoserve.models.registry import build_model, check_pipeline_support, check_vision_support
 from nanoserve.multimodal.image import ImageLimits
 from nanoserve.multimodal.inputs import PromptImage
 from nanoserve.multimodal.mrope import mrope_positions, rope_shift
@@ -243,7 +243,8 @@ def test_openai_client_with_a_data_url(qwen_vl_dir, hf_model, hf_processor):
 
 def test_refusals(llm, qwen_vl_dir, hf_processor):
     """An aspect ratio the processor cannot resize and a placeholder count that does not match
-    are 400s naming the field; tensor parallelism is refused at start."""
+    are 400s naming the field; pipeline parallelism is refused at start (tensor parallelism is
+    taken: test_qwen2_5_vl_tensor_parallel.py)."""
     text = chat_text(hf_processor, 1)
     thin = random_image(4, 900, "RGB", 5)
     with pytest.raises(InvalidRequestError, match="aspect ratio") as error:
@@ -251,8 +252,10 @@ def test_refusals(llm, qwen_vl_dir, hf_processor):
     assert error.value.param == "image_url"
     with pytest.raises(InvalidRequestError, match="placeholder") as error:
         llm.generate({"prompt": text, "multi_modal_data": {"image": IMAGES}}, GREEDY)
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        check_vision_support(ModelConfig.from_dir(qwen_vl_dir), 2)
+    config = ModelConfig.from_dir(qwen_vl_dir)
+    check_vision_support(config, 2)
+    with pytest.raises(ValueError, match="pipeline-parallel-size"):
+        check_pipeline_support(config, 2)
 
 
 def test_encoder_cache_keeps_each_images_rows_within_its_budget(qwen_vl_dir):
