@@ -55,11 +55,32 @@ class ImagePromptBuilder:
             if token != self.image_token_id:
                 expanded.append(token)
                 continue
-            image = next(pending)
-            self.limits.check_size(image, field)
-            pixels = self.processor.pixel_values(image)
+            pixels = self._pixel_values(next(pending), field)
             prompt_images.append(
                 PromptImage(pixels, pixel_hash(pixels), len(expanded), self.image_seq_length)
             )
             expanded.extend([self.image_token_id] * self.image_seq_length)
         return expanded, tuple(prompt_images)
+
+    def _pixel_values(self, image: Image.Image, field: str) -> torch.Tensor:
+        """The image checked and preprocessed: a PIL image (LLM.generate's may be lazily loaded)
+        within the pixel limit, before and after its resize to the model's size (an extreme
+        aspect ratio would blow up there: 1x4096 pixels become 336x1376256)."""
+        if not isinstance(image, Image.Image):
+            raise InvalidRequestError(
+                f"multi_modal_data's images are PIL images, got {type(image).__name__}",
+                "multi_modal_data",
+            )
+        self.limits.check_size(image, field)
+        width, height = self.processor.resized_size(*image.size)
+        if width * height > self.limits.max_pixels:
+            raise InvalidRequestError(
+                f"the image's {image.width}x{image.height} pixels would be resized to "
+                f"{width}x{height} for the model, more than the limit of "
+                f"{self.limits.max_pixels} pixels (--max-image-pixels)",
+                field,
+            )
+        try:
+            return self.processor.pixel_values(image)
+        except (OSError, ValueError, SyntaxError, EOFError) as error:
+            raise InvalidRequestError(f"the image could not be decoded: {error}", field) from None
