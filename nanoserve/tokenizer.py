@@ -354,7 +354,11 @@ def _flatten_content(
             elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
                 texts.append(part["text"])
                 parts.append({"type": "text", "text": part["text"]})
-            elif isinstance(part, dict) and part.get("type") == "image_url" and image_placeholder:
+            elif (
+                isinstance(part, dict)
+                and part.get("type") in ("image_url", "image_pil")
+                and image_placeholder
+            ):
                 texts.append(image_placeholder)
                 parts.append({"type": "image"})
             else:

@@ -111,3 +111,13 @@ def test_text_only_model_names_the_image_part(tiny_llama_dir):
             )
     finally:
         handle.close()
+
+
+def test_an_image_pil_part_over_http_is_a_400_naming_it(llava_server):  # noqa: F811
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": "cat.png"}]}]
+    body = json.dumps({"messages": messages, "max_tokens": 2})
+    status, _, raw = http_request(llava_server.port, "POST", "/v1/chat/completions", body)
+    error = json.loads(raw)["error"]
+    assert status == 400
+    assert error["param"] == "messages[0].content[0].image_pil"
+    assert "PIL image" in error["message"]

@@ -72,3 +72,27 @@ def test_bad_images_are_one_line_value_errors_that_leave_nothing(llm, multi_moda
     assert not engine.has_unfinished_requests()
     assert engine.block_managers[0].num_used_blocks == 0
     assert llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_chat_takes_vllms_image_pil_parts(llm):
+    """`{"type": "image_pil", "image_pil": image}` (vLLM's LLM.chat part) reads as the same
+    image sent as a PNG data: URL, mixed with image_url parts in their order."""
+
+    def message(*parts) -> list[dict]:
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare."}]}]
+
+    def pil(image) -> dict:
+        return {"type": "image_pil", "image_pil": image}
+
+    def url(image) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_url(image)}}
+
+    by_pil = llm.chat(message(pil(IMAGES[0]), url(IMAGES[1])), GREEDY, use_tqdm=False)[0]
+    by_url = llm.chat(message(url(IMAGES[0]), url(IMAGES[1])), GREEDY, use_tqdm=False)[0]
+    assert by_pil.prompt_token_ids == by_url.prompt_token_ids
+    assert by_pil.outputs[0].token_ids == by_url.outputs[0].token_ids
+    swapped = llm.chat(message(pil(IMAGES[1]), url(IMAGES[0])), GREEDY, use_tqdm=False)[0]
+    assert swapped.outputs[0].token_ids != by_pil.outputs[0].token_ids
+    with pytest.raises(ValueError, match="image_pil part holds a PIL image, got str") as error:
+        llm.chat(message(pil("cat.png")), GREEDY, use_tqdm=False)
+    assert error.value.param == "messages[0].content[0].image_pil"
