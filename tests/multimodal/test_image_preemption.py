@@ -13,8 +13,8 @@ from tests.multimodal.test_llava import TWO_IMAGES, make_llm
 from tests.multimodal.test_preprocessing import data_url, random_image
 
 POOL = [random_image(56 + 5 * i, 64 - 3 * i, "RGB", 300 + i) for i in range(4)]
-# Four requests of 2 images each: 32 image tokens + ~15 of text, then 40 output tokens: about
-# 6 blocks of 16 each; 10 blocks hold fewer than two of them at once.
+# Four requests of 2 images each: 32 image tokens + 32 of text, then 40 output tokens: 7 blocks
+# of 16 each; 10 blocks hold one of them at a time.
 PROMPTS = [
     {"prompt": TWO_IMAGES, "multi_modal_data": {"image": [POOL[i], POOL[(i + 1) % 4]]}}
     for i in range(4)
@@ -128,3 +128,21 @@ def test_evicted_image_is_encoded_again_with_the_same_tokens(llava_dir):
     again = llm.generate(first, PARAMS, use_tqdm=False)[0].outputs[0].token_ids
     assert cache.num_encoded_images == 3
     assert again == before
+
+
+def test_swap_with_the_prefix_cache_and_repeated_images(llava_dir, expected):
+    """The requests again, in reverse order: the last ones' blocks are still in the prefix cache
+    (found by image) when they come first; swapped out and in (swapped-in blocks registered
+    again), the tokens unchanged."""
+    llm = make_llm(
+        llava_dir, preemption_mode="swap", num_swap_blocks=128, num_kv_blocks=20, block_size=8
+    )
+    first = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    before = llm.llm_engine.stats()
+    again = llm.generate(PROMPTS[::-1], PARAMS, use_tqdm=False)
+    after = llm.llm_engine.stats()
+    assert after.num_swap_outs_total > before.num_swap_outs_total > 0
+    assert after.prefix_cache_hits_total > before.prefix_cache_hits_total
+    assert [o.outputs[0].token_ids for o in first] == expected
+    assert [o.outputs[0].token_ids for o in again] == expected[::-1]
+    assert_no_blocks_held(llm)
