@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.multimodal.test_llava import GREEDY, IMAGES, ONE_IMAGE, TWO_IMAGES, make_llm
+from tests.multimodal.test_llava import GREEDY, IMAGES, ONE_IMAGE, TWO_IMAGES, hf_llava, make_llm  # noqa: F401
 from tests.multimodal.test_preprocessing import data_url
 
 
@@ -96,3 +96,26 @@ def test_chat_takes_vllms_image_pil_parts(llm):
     with pytest.raises(ValueError, match="image_pil part holds a PIL image, got str") as error:
         llm.chat(message(pil("cat.png")), GREEDY, use_tqdm=False)
     assert error.value.param == "messages[0].content[0].image_pil"
+
+
+def test_prompt_logprobs_with_an_image_equal_transformers(llm, llava_dir, hf_llava):  # noqa: F811
+    """Every prompt position's logprob, the image tokens' included (the cache is skipped)."""
+    import torch
+
+    from nanoserve import SamplingParams
+    from tests.multimodal.llava_checkpoint import transformers_processor
+
+    prompt = {"prompt": ONE_IMAGE, "multi_modal_data": {"image": IMAGES[1]}}
+    llm.generate(prompt, GREEDY, use_tqdm=False)  # its blocks cached first
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    inputs = transformers_processor(llava_dir)(
+        text=ONE_IMAGE, images=[IMAGES[1]], return_tensors="pt"
+    )
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_llava(**inputs).logits[0], dim=-1)
+    ids = inputs["input_ids"][0].tolist()
+    assert out.prompt_token_ids == ids and out.prompt_logprobs[0] is None
+    expected = [logprobs[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    got = [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    assert got == pytest.approx(expected, abs=1e-4)
