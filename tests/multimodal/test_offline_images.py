@@ -1,14 +1,22 @@
 """vLLM's offline API with images: a list of prompts in one `LLM.generate` call (one PIL image,
 a list, token ids, none) and a list of conversations in one `LLM.chat` call each give what each
 gives alone (each alone is checked against transformers in test_llava.py); bad image inputs are
-one-line ValueErrors, as vLLM raises them, and leave nothing behind in the engine."""
+one-line ValueErrors, as vLLM raises them, and leave nothing behind in the engine; vLLM's
+image_pil chat parts; prompt logprobs with an image against transformers."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tests.multimodal.test_llava import GREEDY, IMAGES, ONE_IMAGE, TWO_IMAGES, hf_llava, make_llm  # noqa: F401
+from tests.multimodal.test_llava import (  # noqa: F401 (hf_llava: a fixture)
+    GREEDY,
+    IMAGES,
+    ONE_IMAGE,
+    TWO_IMAGES,
+    hf_llava,
+    make_llm,
+)
 from tests.multimodal.test_preprocessing import data_url
 
 
