@@ -24,6 +24,9 @@ HF_OVERRIDE_FIELDS = {
     "is_original_qwen3_reranker",
 }
 POOLING_TASK_FLAGS = ("embed", "embedding", "classify", "score")
+ASYNC_POOLING_REFUSAL = (
+    "--async-scheduling is not supported with pooling models (they sample nothing)"
+)
 
 
 def arg(default=None, help: str = "", **cli):
@@ -117,6 +120,14 @@ class EngineConfig:
         "fcfs: first come, first served (a request's priority must be 0); priority: lower "
         "priority value first, then arrival",
         choices=SCHEDULING_POLICIES,
+    )
+    # vLLM's --async-scheduling (SGLang's overlap scheduler): step N+1 is scheduled and launched
+    # before step N's tokens are collected, so scheduling, output processing and detokenizing run
+    # while the device computes (engine/async_scheduling.py). Off by default, as vLLM's.
+    async_scheduling: bool = arg(
+        False,
+        "schedule and launch each step before collecting the previous one's tokens, so host "
+        "work (scheduling, stop checks, detokenizing) overlaps the device's step",
     )
     # The periodic "Engine 000: Avg prompt throughput ..." line; on for a server, as `vllm serve`
     # (the offline LLM turns it off unless asked, as vLLM's LLM does).
@@ -331,6 +342,15 @@ class EngineConfig:
             raise ValueError(
                 "speculative decoding with a draft model is not supported with tensor "
                 "parallelism (n-gram speculation is)"
+            )
+        if self.async_scheduling and speculative is not None:
+            raise ValueError("--async-scheduling is not supported with speculative decoding")
+        if self.async_scheduling and (self.runner == "pooling" or pooling_task):
+            raise ValueError(ASYNC_POOLING_REFUSAL)
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--async-scheduling is not supported with pipeline parallelism (its stages "
+                "already overlap the steps of its virtual engines)"
             )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")

@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,8 +20,12 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.models.llava_config import VisionConfig
+from nanoserve.models.qwen2_5_vl_config import QwenVisionConfig
+from nanoserve.multimodal.image import ImageLimits
 from nanoserve.multimodal.inputs import ImagePromptBuilder, PromptImage
 from nanoserve.multimodal.processor import ClipImageProcessor
+from nanoserve.multimodal.qwen_processor import QwenVLImageProcessor
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
@@ -47,10 +52,9 @@ class InputProcessor:
         self.images = (  # a vision-language model's image placeholders and preprocessing
             None
             if vision is None
-            else ImagePromptBuilder(
-                ClipImageProcessor.from_dir(model.model_dir, vision.image_size),
-                vision.image_token_id,
-                vision.image_seq_length,
+            else image_prompt_builder(
+                vision,
+                model.model_dir,
                 config.image_limits,
             )
         )
@@ -411,3 +415,16 @@ class InputProcessor:
             (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
         )
         return self.max_model_len * max(longest, 1)
+
+
+def image_prompt_builder(
+    vision: VisionConfig | QwenVisionConfig, model_dir: Path, limits: ImageLimits
+) -> ImagePromptBuilder:
+    """The checkpoint's image processor (preprocessor_config.json) and prompt expansion."""
+    if isinstance(vision, QwenVisionConfig):  # each image's token count from its grid
+        processor = QwenVLImageProcessor.from_dir(
+            model_dir, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        )
+        return ImagePromptBuilder(processor, vision.image_token_id, 0, limits)
+    processor = ClipImageProcessor.from_dir(model_dir, vision.image_size)
+    return ImagePromptBuilder(processor, vision.image_token_id, vision.image_seq_length, limits)

@@ -56,8 +56,8 @@ def open_model(config: EngineConfig) -> ModelFiles:
         speculative is not None and speculative.method == "draft_model",
     )
     if model_config.vision is not None:  # chat templates render image parts as this text
-        tokenizer.image_placeholder = tokenizer.backend.id_to_token(
-            model_config.vision.image_token_id
+        tokenizer.image_placeholder = "".join(  # Qwen2.5-VL's: its vision start and end too
+            tokenizer.backend.id_to_token(i) for i in model_config.vision.placeholder_token_ids
         )
     tasks = model_pooling_tasks(model_config) if pooler is not None else ()
     default_task = tasks[0] if tasks else None

@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 from nanoserve.models.llava_config import LLAVA_ARCHITECTURE, VisionConfig, llava_text_config
+from nanoserve.models.qwen2_5_vl_config import (
+    QWEN2_5_VL_ARCHITECTURE,
+    QwenVisionConfig,
+    qwen2_5_vl_text_config,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -211,8 +216,8 @@ class ModelConfig:
     original_qwen3_reranker: bool = False
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
-    # Vision-language models (LLaVA): the vision tower and projector; None: text only.
-    vision: VisionConfig | None = None
+    # Vision-language models (LLaVA, Qwen2.5-VL): the vision tower and projector; None: text only.
+    vision: VisionConfig | QwenVisionConfig | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
@@ -246,6 +251,10 @@ class ModelConfig:
             return dataclasses.replace(
                 text, architecture=LLAVA_ARCHITECTURE, vision=VisionConfig.from_raw(raw)
             )
+        if QWEN2_5_VL_ARCHITECTURE in architectures:  # Qwen2 text, then the vision tower
+            text = cls.from_hf_config(qwen2_5_vl_text_config(raw), model_dir)
+            vision = QwenVisionConfig.from_raw(raw, text.head_dim)
+            return dataclasses.replace(text, architecture=QWEN2_5_VL_ARCHITECTURE, vision=vision)
         headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
         architecture = next(
             (a for a in architectures if a in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES),
@@ -272,7 +281,7 @@ class ModelConfig:
                     + tuple(HEADLESS_ARCHITECTURES)
                     + ENCODER_ARCHITECTURES
                     + tuple(SEQUENCE_CLASSIFIERS)
-                    + (LLAVA_ARCHITECTURE,)
+                    + (LLAVA_ARCHITECTURE, QWEN2_5_VL_ARCHITECTURE)
                 )
             )
         num_heads = raw["num_attention_heads"]

@@ -52,6 +52,11 @@ class VisionConfig:
     image_seq_length: int  # image tokens per image in the prompt (LlavaProcessor's expansion)
 
     @property
+    def placeholder_token_ids(self) -> tuple[int, ...]:
+        """What an image part is in a chat template that reads content as a string."""
+        return (self.image_token_id,)
+
+    @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 

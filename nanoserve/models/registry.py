@@ -26,6 +26,7 @@ from nanoserve.models.mixtral import MixtralForCausalLM
 from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
+from nanoserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from nanoserve.models.sequence_classification import label_token_ids, sequence_classifier_class
@@ -45,6 +46,7 @@ MODEL_CLASSES = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     **ENCODER_CLASSES,  # pooling models only (--runner pooling)
 }
 
@@ -71,11 +73,14 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
 def check_vision_support(
     config: ModelConfig, tensor_parallel_size: int, draft_model: bool = False
 ) -> None:
-    """A vision-language model runs on one rank for now (its step's image rows are not sent to
-    other ranks yet), and without a draft model (a draft would read image tokens as text)."""
+    """A vision-language model runs with tensor parallelism where its class says so (LLaVA: the
+    encoder on rank 0, its rows broadcast with the step), and without a draft model (a draft
+    would read image tokens as text)."""
     if config.vision is None:
         return
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and not getattr(
+        model_class(config), "supports_tensor_parallel", False
+    ):
         raise ValueError(f"{config.architecture} does not support --tensor-parallel-size > 1 yet")
     if draft_model:
         raise ValueError(

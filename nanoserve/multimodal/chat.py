@@ -13,7 +13,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.multimodal.image import ImageLimits, image_from_url
 
-DETAILS = ("auto", "low", "high")  # accepted; LLaVA-1.5 sees every image at one resolution
+DETAILS = ("auto", "low", "high")  # accepted, changing nothing (as vLLM)
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
