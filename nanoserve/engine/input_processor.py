@@ -20,6 +20,7 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.models.gguf.mmproj import mmproj_image_processor
 from nanoserve.models.llava_config import VisionConfig
 from nanoserve.models.qwen2_5_vl_config import QwenVisionConfig
 from nanoserve.multimodal.image import ImageLimits
@@ -56,6 +57,7 @@ class InputProcessor:
                 vision,
                 model.model_dir,
                 config.image_limits,
+                self.model_config.mmproj_file,
             )
         )
         self._seq_ids = itertools.count()
@@ -418,13 +420,27 @@ class InputProcessor:
 
 
 def image_prompt_builder(
-    vision: VisionConfig | QwenVisionConfig, model_dir: Path, limits: ImageLimits
+    vision: VisionConfig | QwenVisionConfig,
+    model_dir: Path,
+    limits: ImageLimits,
+    mmproj_file: Path | None = None,
 ) -> ImagePromptBuilder:
-    """The checkpoint's image processor (preprocessor_config.json) and prompt expansion."""
+    """The checkpoint's image processor (preprocessor_config.json; a GGUF mmproj's, --mmproj)
+    and prompt expansion."""
     if isinstance(vision, QwenVisionConfig):  # each image's token count from its grid
         processor = QwenVLImageProcessor.from_dir(
             model_dir, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
         )
         return ImagePromptBuilder(processor, vision.image_token_id, 0, limits)
-    processor = ClipImageProcessor.from_dir(model_dir, vision.image_size)
-    return ImagePromptBuilder(processor, vision.image_token_id, vision.image_seq_length, limits)
+    processor = (
+        ClipImageProcessor.from_dir(model_dir, vision.image_size)
+        if mmproj_file is None
+        else mmproj_image_processor(mmproj_file)
+    )
+    return ImagePromptBuilder(
+        processor,
+        vision.image_token_id,
+        vision.image_seq_length,
+        limits,
+        vision.image_fill_token_id,
+    )

@@ -218,6 +218,9 @@ class ModelConfig:
     enable_expert_parallel: bool = False
     # Vision-language models (LLaVA, Qwen2.5-VL): the vision tower and projector; None: text only.
     vision: VisionConfig | QwenVisionConfig | None = None
+    # The GGUF mmproj file (--mmproj) the vision tower and projector come from, beside a GGUF
+    # text model (models/gguf/mmproj.py); None: the checkpoint's own.
+    mmproj_file: Path | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
@@ -226,15 +229,38 @@ class ModelConfig:
         return int(self.sliding_window)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
+    def from_dir(
+        cls, model_dir: str | Path, overrides: dict | None = None, mmproj: str | None = None
+    ) -> ModelConfig:
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
         config.json it implies; models/gguf/model.py); `overrides` (--hf-overrides) merged
-        over it."""
-        from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config
+        over it. `mmproj` (--mmproj): a GGUF vision tower and projector beside a GGUF text
+        model, the pair a LLaVA (models/gguf/mmproj.py)."""
+        from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config, gguf_metadata
 
         gguf_file = find_gguf_file(Path(model_dir))
         if gguf_file is not None:
-            return cls.from_hf_config({**gguf_hf_config(gguf_file), **(overrides or {})}, model_dir)
+            config = cls.from_hf_config(
+                {**gguf_hf_config(gguf_file), **(overrides or {})}, model_dir
+            )
+            if mmproj is None:
+                return config
+            from nanoserve.models.gguf.mmproj import mmproj_vision
+
+            text_architecture = gguf_metadata(gguf_file)[0].get("general.architecture")
+            vision = mmproj_vision(
+                mmproj, config.architecture, text_architecture, config.hidden_size
+            )
+            return dataclasses.replace(
+                config,
+                architecture=LLAVA_ARCHITECTURE,
+                vision=vision,
+                mmproj_file=Path(mmproj).expanduser().resolve(),
+            )
+        if mmproj is not None:
+            raise ValueError(
+                f"--mmproj goes with a GGUF text model (--model FILE.gguf), not {model_dir}"
+            )
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(

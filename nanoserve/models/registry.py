@@ -16,6 +16,8 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from nanoserve.models.gguf.mmproj import MMPROJ_PARAMETERS
+from nanoserve.models.gguf.mmproj_weights import load_mmproj_weights
 from nanoserve.models.gguf.model import find_gguf_file
 from nanoserve.models.gguf.weights import load_gguf_weights
 from nanoserve.models.gpt_oss import GptOssForCausalLM
@@ -121,8 +123,12 @@ def build_model(
             if attention.sliding_window is not None and attention.sliding_window >= max_model_len:
                 attention.sliding_window = None
     gguf_file = find_gguf_file(model_dir)
-    if gguf_file is not None:
-        load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
+    if gguf_file is not None:  # linear layers keep the file's quantization blocks
+        if config.mmproj_file is None:
+            load_gguf_weights(model, gguf_file)
+        else:  # a LLaVA: the text model's file, then the tower and projector's (--mmproj)
+            load_gguf_weights(model, gguf_file, elsewhere=MMPROJ_PARAMETERS)
+            load_mmproj_weights(model, config.mmproj_file)
     else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
         checkpoint = (
             compressed_tensors_config(model_dir)

@@ -42,6 +42,9 @@ class ImagePromptBuilder:
     image_token_id: int
     image_seq_length: int  # tokens per image where the processor does not say (LLaVA's)
     limits: ImageLimits
+    # The id the image's positions hold (None: image_token_id; a placeholder past the model's
+    # vocabulary, llama.cpp's "<__media__>", expands to an id inside it).
+    fill_token_id: int | None = None
 
     def expand(
         self, token_ids: list[int], images: list[Image.Image], field: str
@@ -73,7 +76,8 @@ class ImagePromptBuilder:
                     processed.rope_grid,
                 )
             )
-            expanded.extend([self.image_token_id] * length)
+            fill = self.image_token_id if self.fill_token_id is None else self.fill_token_id
+            expanded.extend([fill] * length)
         return expanded, tuple(prompt_images)
 
     def _preprocess(self, image: Image.Image, field: str) -> ProcessedImage:

@@ -122,9 +122,10 @@ def _rotary_heads(name: str, config) -> int | None:
     return None
 
 
-def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
+def load_gguf_weights(model: nn.Module, gguf_file: Path, elsewhere: tuple[str, ...] = ()) -> None:
     """Each tensor to its parameter as models/weights.load_weights does (fused parts, pipeline
-    stages, the tied head), then each quantized layer's staged parts into its QuantWeight."""
+    stages, the tied head), then each quantized layer's staged parts into its QuantWeight.
+    `elsewhere`: prefixes of the parameters another file gives (a LLaVA's mmproj)."""
     # The checked header (models/gguf/header.py), not the gguf package's reader, which trusts the
     # file; the vocabulary's arrays (~200 MiB as Python objects for 128k tokens) checked, not kept.
     header = read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS)
@@ -192,7 +193,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     expected = set(params) - (
         {"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set()
     )
-    absent = sorted(expected - loaded)
+    absent = sorted(name for name in expected - loaded if not name.startswith(elsewhere))
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
 
