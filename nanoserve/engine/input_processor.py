@@ -104,6 +104,11 @@ class InputProcessor:
         """The prompt with each image placeholder expanded to its image's tokens, and the
         images; a text-only model refuses images."""
         data = getattr(prompt, "multi_modal_data", None) or {}
+        if not isinstance(data, dict):
+            raise InvalidRequestError(
+                "multi_modal_data is a dict: {'image': a PIL image or a list of them}",
+                "multi_modal_data",
+            )
         unknown = sorted(set(data) - {"image"})
         if unknown:
             raise InvalidRequestError(

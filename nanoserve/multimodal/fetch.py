@@ -80,13 +80,25 @@ def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
     return context
 
 
+# NAT64's well-known prefix (RFC 6052): a gateway forwards 64:ff9b::a.b.c.d to a.b.c.d, so
+# 64:ff9b::a9fe:a9fe reaches 169.254.169.254. Its local-use prefix (RFC 8215) is not public.
+NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+NAT64_LOCAL_PREFIX = ipaddress.ip_network("64:ff9b:1::/48")
+
+
 def is_public_address(address: str) -> bool:
     """Whether a connection to `address` (an IPv4 or IPv6 literal) may leave the host's
     networks: global unicast only (no private, loopback, link-local, shared, reserved,
-    unspecified or multicast address; an IPv4-mapped IPv6 address as its IPv4 address)."""
+    unspecified or multicast address; an IPv6 address that carries an IPv4 one, IPv4-mapped,
+    6to4 or NAT64, as that IPv4 address)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone id is no part of it
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in NAT64_LOCAL_PREFIX:
+            return False
+        if ip in NAT64_PREFIX:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        else:
+            ip = ip.ipv4_mapped or ip.sixtofour or ip
     return ip.is_global and not ip.is_multicast
 
 

@@ -10,7 +10,7 @@ import io
 import time
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.fetch import FetchPolicy, fetch_url
@@ -41,6 +41,8 @@ class ImageLimits:
 
     def check_size(self, image: Image.Image, field: str) -> None:
         width, height = image.size
+        if width == 0 or height == 0:
+            raise InvalidRequestError(f"the image has no pixels ({width}x{height})", field)
         if width * height > self.max_pixels:
             raise InvalidRequestError(
                 f"the image has {width}x{height} pixels, more than the limit of "
@@ -62,9 +64,27 @@ def decode_image(data: bytes, limits: ImageLimits, field: str) -> Image.Image:
         limits.check_size(image, field)  # before the pixels are decoded
         image.seek(0)
         image.load()
+        # A photo's EXIF orientation applied, as transformers' load_image applies it to a URL's
+        # or base64 image (vLLM does not): the model sees the picture upright.
+        ImageOps.exif_transpose(image, in_place=True)
     except InvalidRequestError:
         raise
-    except (OSError, ValueError, Image.DecompressionBombError) as error:
+    except Image.DecompressionBombError:
+        # PIL's own limit (twice Image.MAX_IMAGE_PIXELS), met on opening, before ours.
+        bomb = 2 * Image.MAX_IMAGE_PIXELS
+        limit = (
+            f"the limit of {limits.max_pixels} pixels (--max-image-pixels)"
+            if limits.max_pixels < bomb
+            else "PIL's decompression-bomb limit, which caps --max-image-pixels"
+        )
+        raise InvalidRequestError(
+            f"the image has more than {bomb} pixels, more than {limit}", field
+        ) from None
+    except UnidentifiedImageError:
+        raise InvalidRequestError(
+            "the image could not be decoded: its data is not a png, jpeg, webp or gif image", field
+        ) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as error:
         raise InvalidRequestError(
             f"the image could not be decoded (png, jpeg, webp or gif): {error}", field
         ) from None

@@ -12,7 +12,7 @@ from PIL import Image
 
 from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.image import ImageLimits
-from nanoserve.multimodal.processor import ClipImageProcessor, pixel_hash
+from nanoserve.multimodal.processor import ClipImageProcessor, ProcessedImage, pixel_hash
 from nanoserve.multimodal.qwen_processor import QwenVLImageProcessor
 
 
@@ -64,12 +64,7 @@ class ImagePromptBuilder:
             if token != self.image_token_id:
                 expanded.append(token)
                 continue
-            image = next(pending)
-            self.limits.check_size(image, field)
-            try:
-                processed = self.processor.preprocess(image)
-            except ValueError as error:  # an aspect ratio the processor cannot resize
-                raise InvalidRequestError(str(error), field) from None
+            processed = self._preprocess(next(pending), field)
             length = processed.num_tokens or self.image_seq_length
             prompt_images.append(
                 PromptImage(
@@ -84,3 +79,31 @@ class ImagePromptBuilder:
             fill = self.image_token_id if self.fill_token_id is None else self.fill_token_id
             expanded.extend([fill] * length)
         return expanded, tuple(prompt_images)
+
+    def _preprocess(self, image: Image.Image, field: str) -> ProcessedImage:
+        """The image checked and preprocessed: a PIL image (LLM.generate's may be lazily loaded)
+        within the pixel limit, before and after its resize to the model's size (an extreme
+        aspect ratio would blow up there: CLIP's 336-pixel shortest edge makes 1x4096 pixels
+        336x1376256)."""
+        if not isinstance(image, Image.Image):
+            raise InvalidRequestError(
+                f"multi_modal_data's images are PIL images, got {type(image).__name__}",
+                "multi_modal_data",
+            )
+        self.limits.check_size(image, field)
+        try:
+            width, height = self.processor.resized_size(*image.size)
+            if width * height > self.limits.max_pixels:
+                raise InvalidRequestError(
+                    f"the image's {image.width}x{image.height} pixels would be resized to "
+                    f"{width}x{height} for the model, more than the limit of "
+                    f"{self.limits.max_pixels} pixels (--max-image-pixels)",
+                    field,
+                )
+            return self.processor.preprocess(image)
+        except InvalidRequestError:
+            raise
+        except ValueError as error:  # an aspect ratio the processor cannot resize (Qwen's)
+            raise InvalidRequestError(str(error), field) from None
+        except (OSError, SyntaxError, EOFError) as error:  # a lazily loaded file's pixels
+            raise InvalidRequestError(f"the image could not be decoded: {error}", field) from None

@@ -120,7 +120,7 @@ async def render_chat_prompt(
             **kwargs,
         )
     except (ValueError, TypeError) as error:  # ChatTemplateError is a ValueError
-        raise bad_request(str(error), "messages") from None
+        raise bad_request(str(error), getattr(error, "param", None) or "messages") from None
     ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
