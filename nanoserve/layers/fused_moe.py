@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels import quant
 from nanoserve.kernels.fused_moe import fused_moe
+from nanoserve.kernels.fused_moe_quant import quantized_expert_form
 from nanoserve.layers.expert_weights import MATRICES, ExpertWeights
 from nanoserve.layers.linear import LinearBase, RowTiling
 from nanoserve.layers.quant_experts import (
@@ -114,7 +114,7 @@ class FusedMoE(nn.Module):
         # (layers/expert_weights.py); a quantized checkpoint's experts are staged until whole.
         self.expert_weights = ExpertWeights()
         self.quant_staging = QuantExpertStaging(
-            self.num_local_experts, {"w13": hidden_size, "w2": self.inter}
+            self.num_local_experts, {"w13": hidden_size, "w2": self.inter}, self.w13_weight.device
         )
 
     def weight_loader(
@@ -151,9 +151,9 @@ class FusedMoE(nn.Module):
 
     def _load_stacked_quantized(self, param: nn.Parameter, loaded) -> None:
         """Every expert's matrix in one quantized tensor, [experts, outputs (gate rows then up rows
-        for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU) and
-        the shard is whole blocks, dequantized into the parameter otherwise."""
-        if not quant.takes_components(param.device) or not self.takes_quantized(param):
+        for w13), inputs]: kept in its kernel format where the quantized kernels take it
+        (keeps_quantized), dequantized into the parameter otherwise."""
+        if not self.keeps_quantized(param, loaded.qtype):
             FusedMoE.weight_loader(
                 self, param, loaded.dequantized(param.dtype), (None, None)
             )  # our layout
@@ -178,6 +178,14 @@ class FusedMoE(nn.Module):
         are the split intermediate dimension)."""
         return param is self.w13_weight or self.expert_parallel or self.inter % BLOCK == 0
 
+    def keeps_quantized(self, param: nn.Parameter, qtype: str) -> bool:
+        """Whether experts of kernel format `qtype` stay quantized in this matrix: the kernels
+        on its device take them (kernels/fused_moe_quant.quantized_expert_form: the C++ ones on
+        a CPU, the fused-MoE Triton kernel on CUDA) and the shard is whole blocks."""
+        return quantized_expert_form(param.device, qtype) is not None and self.takes_quantized(
+            param
+        )
+
     def load_quantized(
         self,
         param: nn.Parameter,
@@ -192,6 +200,11 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
+        if param.dim() == 3 and param.stride(0) != 0:
+            # The float parameter will never be filled: its memory goes back now, not when the
+            # layer finishes, so that a GPU holds the experts' blocks, not them and a float copy
+            # (the parameter keeps its identity and shape, a view of one element, for the loaders).
+            param.data = param.data.new_empty(()).expand(param.shape)
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         if part is None:
             arrays = shard_columns(arrays, start, self.inter, qtype)
@@ -215,7 +228,9 @@ class FusedMoE(nn.Module):
         param = self.w13_weight if matrix == "w13" else self.w2_weight
         if param.is_meta:  # a quantized matrix's, since its experts were finished
             return
-        meta = nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        meta = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+        )
         if matrix == "w13":
             self.w13_weight = meta
         else:

@@ -44,3 +44,56 @@ def test_mixtral_on_triton_kernels_matches_transformers(tmp_path, monkeypatch):
         kernels.reset_kernel_choice()
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert launches  # the experts ran on the Triton kernel
+
+
+def _greedy_under(choice: str, path, monkeypatch):
+    """(the LLM, greedy tokens and their logprobs) with NANOSERVE_KERNELS=`choice` from load on."""
+    monkeypatch.setenv("NANOSERVE_KERNELS", choice)
+    kernels.reset_kernel_choice()
+    try:
+        llm = LLM(model=str(path), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=32)
+        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+        prompts = [{"prompt_token_ids": p} for p in ([5, 9, 17, 33, 2], list(range(40, 61)))]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        kernels.reset_kernel_choice()
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [
+        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        for o in outputs
+    ]
+    return llm, tokens, logprobs
+
+
+def test_gguf_moe_experts_stay_in_their_blocks_for_the_triton_kernel(tmp_path, monkeypatch):
+    """A Mixtral GGUF file (Q4_0 experts, top-2) loaded for the Triton kernels (as on CUDA; the
+    interpreter here): each layer's gate/up and down experts held as the file's blocks
+    (ExpertBlocks, no float copy), their bytes the file's expert tensors' bytes, and the tokens
+    and logprobs of the reference path (the loop over the same experts dequantized)."""
+    import gguf
+
+    from nanoserve.layers.fused_moe import FusedMoE
+    from tests.gguf_models import write_moe_gguf
+
+    path = write_moe_gguf(tmp_path, "mixtral", "q4_0", seed=3)
+    launches = []
+    real = fused_moe.fused_experts_triton
+    monkeypatch.setattr(
+        fused_moe, "fused_experts_triton", lambda *a, **k: launches.append(1) or real(*a, **k)
+    )
+    llm, tokens, logprobs = _greedy_under("triton", path, monkeypatch)
+    assert launches
+    layers = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers
+    for moe in layers:
+        weights = moe.expert_weights
+        assert weights.held_form("w13") == weights.held_form("w2") == "blocks"
+        assert moe.w13_weight.is_meta and moe.w2_weight.is_meta
+        assert weights.cpu_table is None
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors if "_exps." in t.name)
+    assert sum(moe.kernel_bytes() for moe in layers) == file_bytes
+    _, ref_tokens, ref_logprobs = _greedy_under("reference", path, monkeypatch)
+    assert tokens == ref_tokens
+    for ours, theirs in zip(logprobs, ref_logprobs):
+        assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs))
