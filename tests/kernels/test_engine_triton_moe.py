@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import nanoserve.kernels as kernels
 import nanoserve.kernels.fused_moe as fused_moe
@@ -97,3 +98,50 @@ def test_gguf_moe_experts_stay_in_their_blocks_for_the_triton_kernel(tmp_path, m
     assert tokens == ref_tokens
     for ours, theirs in zip(logprobs, ref_logprobs):
         assert all(abs(a - b) < 1e-3 for a, b in zip(ours, theirs))
+
+
+def test_mxfp4_experts_stay_in_blocks_for_the_triton_kernel(tmp_path, monkeypatch):
+    """Loaded for the Triton kernels (as on CUDA; the interpreter here), each layer's experts are
+    one ExpertBlocks a matrix holding the checkpoint's own bytes (codes as nibbles, an E8M0 byte
+    per 32) and exactly transformers' dequantized values; the logprobs are transformers' on them
+    (no activation rounding on this path)."""
+    from safetensors.torch import load_file
+
+    from nanoserve.models.gpt_oss import deinterleave
+    from tests.helpers import random_prompts
+    from tests.models.test_mxfp4 import _prompt_logprobs, write_mxfp4_checkpoint
+
+    pytest.importorskip("transformers.integrations.mxfp4")
+    _, quant_dir, oracle_dir = write_mxfp4_checkpoint(tmp_path)
+    oracle = load_hf(oracle_dir)
+    stored = load_file(quant_dir / "model.safetensors")
+    monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
+    try:
+        llm = LLM(
+            model=str(quant_dir), dtype="float32", num_kv_blocks=16, max_num_batched_tokens=16
+        )
+        prompt = random_prompts(1, oracle.config.vocab_size, seed=23, min_len=12, max_len=12)[0]
+        got = _prompt_logprobs(llm, prompt)
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        kernels.reset_kernel_choice()
+    for index, layer in enumerate(llm.llm_engine.runner.model.model.layers):
+        experts, weights = layer.mlp.experts, layer.mlp.experts.expert_weights
+        assert weights.held_form("w13") == weights.held_form("w2") == "blocks"
+        assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
+        file_bytes = sum(
+            t.numel() * t.element_size()
+            for name, t in stored.items()
+            if name.startswith(f"model.layers.{index}.") and name.endswith(("_blocks", "_scales"))
+        )
+        assert experts.kernel_bytes() == file_bytes
+        theirs = oracle.model.layers[index].mlp.experts
+        w13, w2 = (blocks.dequantized() for blocks in weights.operands())
+        assert torch.equal(w13, deinterleave(theirs.gate_up_proj.detach()).transpose(1, 2))
+        assert torch.equal(w2, theirs.down_proj.detach().transpose(1, 2))
+    with torch.inference_mode():
+        reference = oracle(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for position in range(1, len(prompt)):
+        token = prompt[position]
+        assert abs(got[position][token].logprob - float(reference[position - 1, token])) < 1e-3
