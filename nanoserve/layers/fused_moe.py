@@ -89,12 +89,14 @@ class FusedMoE(nn.Module):
             self.inter = intermediate_size // tp_size
             self.expert_map = None
         self.tp_rank = tp_rank
+        # Allocated by the first float expert the loader writes (_allocate): a quantized
+        # checkpoint's experts never take a float copy's memory, not even during the load.
         self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.inter, hidden_size, dtype=dtype),
+            _unallocated((self.num_local_experts, 2 * self.inter, hidden_size), dtype),
             requires_grad=False,
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, self.inter, dtype=dtype),
+            _unallocated((self.num_local_experts, hidden_size, self.inter), dtype),
             requires_grad=False,
         )
         self.w13_weight.weight_loader = self.weight_loader
@@ -141,6 +143,7 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
+        _allocate(param)
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         if part is None:
             param.data[local].copy_(loaded[:, start : start + self.inter])
@@ -200,11 +203,6 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
-        if param.dim() == 3 and param.stride(0) != 0:
-            # The float parameter will never be filled: its memory goes back now, not when the
-            # layer finishes, so that a GPU holds the experts' blocks, not them and a float copy
-            # (the parameter keeps its identity and shape, a view of one element, for the loaders).
-            param.data = param.data.new_empty(()).expand(param.shape)
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         if part is None:
             arrays = shard_columns(arrays, start, self.inter, qtype)
@@ -287,6 +285,17 @@ class FusedMoE(nn.Module):
             self.expert_weights.cpu_table,
         )
         return all_reduce(out)
+
+
+def _unallocated(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` on the default device that holds one element (every stride 0)."""
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+def _allocate(param: nn.Parameter) -> None:
+    """Gives an _unallocated parameter its memory (same identity, shape, dtype and device)."""
+    if param.dim() and param.stride(-1) == 0:
+        param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
 
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")

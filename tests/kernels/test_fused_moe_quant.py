@@ -213,3 +213,23 @@ def test_dispatch_keeps_blocks_and_reference_reads_them(monkeypatch):
         monkeypatch.delenv("NANOSERVE_KERNELS", raising=False)
         kernels.reset_kernel_choice()
     assert calls == [1]  # the Triton kernel for "triton", the loop for "reference"
+
+
+def test_gpu_check_stage_runs_and_reports(tmp_path):
+    """scripts/gpu_check.sh's quant-moe stage (nanoserve.bench.gpu_moe_quant) with --smoke: a
+    tiny layer checked against its reference, held bytes equal to the checkpoint's, a table."""
+    import json
+
+    from nanoserve.bench import gpu_moe_quant
+
+    if torch.cuda.is_available():
+        pytest.skip("the full stage runs in scripts/gpu_check.sh on a GPU")
+    work, out = tmp_path / "work", tmp_path / "out"
+    argv = ["--work", str(work), "--out", str(out), "--name", "tiny", "--smoke"]
+    assert gpu_moe_quant.main(argv) == 0
+    result = json.loads((work / "quant_moe-tiny.json").read_text())
+    assert result["ok"] and set(result["formats"]) == set(gpu_moe_quant.SMOKE_FORMATS)
+    for found in result["formats"].values():
+        assert found["held_over_file"] == 1.0 and all(found["checks"].values())
+        assert max(found["max_relative_error"].values()) < 1e-4
+    assert "| mxfp4 | 1.000 |" in (out / "quant_moe.md").read_text()
