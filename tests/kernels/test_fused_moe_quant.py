@@ -233,3 +233,34 @@ def test_gpu_check_stage_runs_and_reports(tmp_path):
         assert found["held_over_file"] == 1.0 and all(found["checks"].values())
         assert max(found["max_relative_error"].values()) < 1e-4
     assert "| mxfp4 | 1.000 |" in (out / "quant_moe.md").read_text()
+
+
+def test_staging_fills_one_expert_blocks_as_experts_come_in(monkeypatch):
+    """Where experts are held for the Triton kernel, the load's staging copies each expert into
+    its matrix's ExpertBlocks once its gate and up parts are in (no QuantWeight kept), and an
+    expert missing a part is still an error when the layer finishes."""
+    import nanoserve.kernels as kernels
+    from nanoserve.layers.quant_experts import QuantExpertStaging
+
+    rng = np.random.default_rng(3)
+    parts = [[gguf_expert("q4_0", 16, 64, rng) for _ in range(2)] for _ in range(2)]
+    monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    kernels.reset_kernel_choice()
+    try:
+        staging = QuantExpertStaging(2, {"w13": 64, "w2": 32}, torch.device("cpu"))
+        for expert, (gate, up) in enumerate(parts):
+            staging.add("w13", expert, 0, "q4_0", {"raw": gate[0].raw})
+            assert staging.weights.get("w13", [None, None])[expert] is None  # waits for up
+            staging.add("w13", expert, 1, "q4_0", {"raw": up[0].raw})
+            assert staging.weights["w13"][expert] is True
+        blocks = staging.finish("w13")
+        broken = QuantExpertStaging(2, {"w13": 64, "w2": 32}, torch.device("cpu"))
+        broken.add("w13", 0, 0, "q4_0", {"raw": parts[0][0][0].raw})
+        with pytest.raises(ValueError, match="every expert's gate, up and down"):
+            broken.finish("w13")
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        kernels.reset_kernel_choice()
+    assert isinstance(blocks, ExpertBlocks) and blocks.quants.shape == (2, 32, 36)
+    for expert, (gate, up) in enumerate(parts):
+        assert torch.equal(blocks.dequantized()[expert], torch.cat([gate[1], up[1]]))
