@@ -19,6 +19,7 @@ Held forms (`ExpertBlocks.layout`), per expert and output row:
 Each dequantized value is the fp32 operation kernels/quant.dequantize_weight does, so the kernel
 multiplies exactly the weights the CPU path and the reference read.
 
+`quant_grouped_gemm_reference` is the launcher's torch reference (same signature).
 `quantized_expert_form` is the one place that decides, by device, how a quantized checkpoint's
 experts are held: "cpu" (a QuantWeight per expert, packed for the C++ kernels), "triton" (an
 ExpertBlocks on the device) or None (dequantized at load).
@@ -345,3 +346,25 @@ def quant_grouped_gemm(
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4,
     )
+
+
+def quant_grouped_gemm_reference(
+    a: torch.Tensor,
+    blocks: ExpertBlocks,
+    out: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    block_experts: torch.Tensor,
+    a_rows_per_row: int,
+    block_m: int,
+) -> None:
+    """quant_grouped_gemm in torch: each block's rows (padding skipped) times its expert's
+    matrix dequantized by kernels/quant.dequantize_weight, in fp32, rounded once to out's dtype."""
+    rows = sorted_rows.reshape(-1, block_m).cpu()
+    for block, expert in enumerate(block_experts.tolist()):
+        if expert >= blocks.num_experts:
+            continue
+        valid = rows[block][rows[block] < out.shape[0]].to(out.device)
+        if valid.numel() == 0:
+            continue
+        weight = quant.dequantize_weight(blocks.expert_weight(expert)).to(a.device)
+        out[valid] = (a[valid // a_rows_per_row].float() @ weight.t()).to(out.dtype)

@@ -264,3 +264,24 @@ def test_staging_fills_one_expert_blocks_as_experts_come_in(monkeypatch):
     assert isinstance(blocks, ExpertBlocks) and blocks.quants.shape == (2, 32, 36)
     for expert, (gate, up) in enumerate(parts):
         assert torch.equal(blocks.dequantized()[expert], torch.cat([gate[1], up[1]]))
+
+
+@pytest.mark.parametrize("qtype", ["q5_1", "q4_1 ints"])
+def test_one_grouped_gemm_equals_its_reference(qtype):
+    """quant_grouped_gemm against quant_grouped_gemm_reference on one launch: rows of three
+    experts in blocks of 16, padding rows left untouched."""
+    from nanoserve.kernels.fused_moe import moe_align_block_size
+    from nanoserve.kernels.fused_moe_quant import quant_grouped_gemm, quant_grouped_gemm_reference
+
+    qtype, components = qtype.split()[0], qtype.endswith("ints")
+    rng = np.random.default_rng(4)
+    make = components_expert if components else gguf_expert
+    blocks = ExpertBlocks.stack([make(qtype, 80, 64, rng)[0] for _ in range(3)], DEVICE)
+    ids = torch.tensor([[0, 2], [2, 1], [0, -1], [2, 0]] * 5, device=DEVICE)
+    sorted_rows, block_experts = moe_align_block_size(ids, 3, 16)
+    a = torch.randn(20, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got, want = (torch.full((40, 80), 7.0, device=DEVICE) for _ in range(2))
+    quant_grouped_gemm(a, blocks, got, sorted_rows, block_experts, 2, 16)
+    quant_grouped_gemm_reference(a, blocks, want, sorted_rows, block_experts, 2, 16)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got[5] == 7.0).all() and not (got[0] == 7.0).any()  # row 5: expert -1, untouched
