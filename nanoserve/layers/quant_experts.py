@@ -2,10 +2,10 @@
 each expert's gate/up matrix and down matrix becomes one QuantWeight, which the grouped MoE path
 multiplies with quant_gemm (kernels/fused_moe.py); on CUDA every expert's matrix goes into one
 ExpertBlocks on the device, which the fused-MoE Triton kernel dequantizes in registers
-(kernels/fused_moe_quant.py decides which, by device: quantized_expert_form). layers/fused_moe.FusedMoE stages the parts
-here as its loaders read them (this rank's rows of gate and up; of down, whole blocks of its
-columns: 32, or a GGUF type's block), each expert's weight made and packed once its parts are in;
-`finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
+(kernels/fused_moe_quant.quantized_expert_form decides which, by device).
+layers/fused_moe.FusedMoE stages the parts here as its loaders read them (this rank's rows of
+gate and up; of down, whole blocks of its columns: 32, or a GGUF type's block), each expert's
+weight made and packed (or put in its blocks) once its parts are in; `finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
 other may stay float: a down matrix whose shard is not whole blocks)."""
 
 from __future__ import annotations
