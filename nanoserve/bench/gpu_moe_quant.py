@@ -6,7 +6,7 @@ scripts/gpu_check.sh):
 For each format (GGUF Q4_K, Q6_K, Q8_0; MXFP4; FP8 E4M3; GPTQ/AWQ-style Q4_1 integers), a MoE
 layer of Qwen3-30B-A3B's shape (128 experts, hidden 2048, expert intermediate 768, top-8) with
 random experts held as kernels/fused_moe_quant.ExpertBlocks: the GPU memory they take against
-the checkpoint's bytes (within 5% for GGUF and MXFP4, held as stored; FP8 and Q4_1's ratio), and the layer's output against the reference (the experts
+the checkpoint's bytes (within 5% for GGUF, MXFP4 and FP8; Q4_1's ratio reported), and the layer's output against the reference (the experts
 dequantized, then the loop over experts in fp32) at one token and at 256; figures: the layer's
 time at one token (a decode step) and 256, against the same layer in bf16, and the bandwidth of
 the experts' bytes a decode step reads. Writes WORK/quant_moe-<name>.json (gpu_report lists it) and, with --out, OUT/quant_moe.md.
@@ -69,9 +69,9 @@ def random_expert(qtype: str, n: int, k: int, generator: torch.Generator):
         values = (torch.randn(n, k, generator=generator, device=device) * 64).clamp(-448, 448)
         u = values.to(torch.float8_e4m3fn).view(torch.uint8)
         scale, mins = torch.full((n, blocks), size / 64, device=device), None
-    else:  # q4_1: 4-bit integers, a scale and a min per 32 (AWQ's and asymmetric GPTQ's)
+    else:  # q4_1: 4-bit integers, a scale and a min per 128, repeated per 32 (AWQ's loader)
         u = randint(0, 16, (n, k)).to(torch.uint8)
-        scale = (rand(n, blocks) + 0.5) * size / 8
+        scale = ((rand(n, blocks // 4) + 0.5) * size / 8).repeat_interleave(4, dim=1)
         mins = -8 * scale
     components = quant.QuantComponents(u, scale, mins)
     return quant.QuantWeight(qtype, n, k, None, components=components)
@@ -91,9 +91,10 @@ def file_bytes(qtype: str, n: int, k: int) -> int:
     return n * k // 32 * 17 if qtype == quant.MXFP4 else n * k + 4 * n
 
 
-# Held as the checkpoint's own bytes (so within 5% of them); the others keep an fp32 scale (and
-# min) per 32, as the CPU kernels do, and report their ratio.
-AS_STORED = ("q4_k", "q6_k", "q8_0", "mxfp4")
+# Held within 5% of the checkpoint's bytes (GGUF and MXFP4 as stored; FP8's byte a weight and a
+# scale a row, held once per row); Q4_1 reports its ratio (fp32 scale and min per 128 against
+# AWQ's f16 scale and 4-bit zero point).
+AS_STORED = ("q4_k", "q6_k", "q8_0", "mxfp4", "fp8_e4m3")
 
 
 def timed(fn, device: torch.device, iterations: int) -> float:

@@ -7,11 +7,11 @@ Held forms (`ExpertBlocks.layout`), per expert and output row:
   0 GGUF rows   the file's bytes as they are (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K),
                 dequantized by kernels/quant_triton.py's _gguf_chunk (the dense GEMM's helper)
   1 nibbles     4-bit integers u (value i < 16 the low nibble of byte i of its block of 16
-                bytes, else the high nibble of byte i - 16, as Q4_0), an fp32 scale per 32 and
-                for Q4_1 an fp32 min:             w = scale * (u - offset) (+ min)
+                bytes, else the high nibble of byte i - 16, as Q4_0), an fp32 scale per group
+                (32 inputs, or as many as the scales repeat over) and for Q4_1 an fp32 min:             w = scale * (u - offset) (+ min)
                 (GPTQ / AWQ / compressed-tensors int4: Q4_0, Q4_1)
   2 bytes       8-bit integers u (Q8_0 from int8 checkpoints, offset 128), as 1
-  3 FP8         E4M3 bytes and an fp32 scale per 32: w = e4m3(u) * scale, decoded with integer
+  3 FP8         E4M3 bytes and an fp32 scale per group: w = e4m3(u) * scale, decoded with integer
                 operations (no fp8 type needed: any GPU, the interpreter)
   4 MXFP4       E2M1 codes as nibbles (as 1) and an E8M0 exponent byte per 32 (17 bytes a block,
                 as a GGUF file's MXFP4 and gpt-oss's checkpoint hold them): w = 2^(e - 128) * 2v
@@ -68,8 +68,11 @@ def quantized_expert_form(device: torch.device, qtype: str) -> str | None:
 class ExpertBlocks:
     """One matrix (gate/up or down) of every local expert, stacked, in its quantized blocks:
     `quants` uint8 [experts, n, row bytes] (GGUF rows, or the integers / codes / E4M3 bytes),
-    `scales` ([experts, n, k / 32]: fp32, MXFP4's uint8 exponents; None for GGUF rows, which
-    hold theirs) and `mins` (fp32, Q4_1 only)."""
+    `scales` ([experts, n, k / scale_group]: fp32, MXFP4's uint8 exponents; None for GGUF rows,
+    which hold theirs) and `mins` (fp32, Q4_1 only). A checkpoint's scales per group of 128
+    inputs, per row or per 128 x 128 block (GPTQ, AWQ, FP8), which the kernel formats repeat
+    per 32, are held once per `scale_group` inputs: the largest power-of-two multiple of 32
+    that every expert's scales (and mins) repeat over (32 for MXFP4)."""
 
     qtype: str
     n: int
@@ -78,17 +81,20 @@ class ExpertBlocks:
     quants: torch.Tensor
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
+    scale_group: int = 32
 
     @classmethod
     def empty(cls, experts: int, like: quant.QuantWeight, device: torch.device) -> ExpertBlocks:
         """Room for `experts` matrices of `like`'s format and shape on `device` (ExpertBlocks.put
         fills them, one expert at a time as a load reads them)."""
         one = _held_arrays(like)
+        group = 32 if _layout(like) in (GGUF, MXFP4) else _scale_group(one, like.k)
+        one = _grouped(one, group)
         stacked = {
             key: None if a is None else a.new_empty((experts, *a.shape), device=device)
             for key, a in one.items()
         }
-        return cls(like.qtype, like.n, like.k, _layout(like), **stacked)
+        return cls(like.qtype, like.n, like.k, _layout(like), **stacked, scale_group=group)
 
     @classmethod
     def stack(cls, weights: list[quant.QuantWeight], device: torch.device) -> ExpertBlocks:
@@ -118,7 +124,14 @@ class ExpertBlocks:
                 f"expert {expert}: {weight.qtype} [{weight.n}, {weight.k}] among experts of "
                 f"{self.qtype} [{self.n}, {self.k}]: a layer's experts must share one format"
             )
-        for key, array in _held_arrays(weight).items():
+        arrays = _held_arrays(weight)
+        group = _scale_group(arrays, self.k, self.scale_group) if self.layout in _GROUPED else 32
+        if group < self.scale_group:  # this expert's scales vary more often: all held finer
+            repeat = self.scale_group // group
+            self.scales = self.scales.repeat_interleave(repeat, dim=-1)
+            self.mins = None if self.mins is None else self.mins.repeat_interleave(repeat, dim=-1)
+            self.scale_group = group
+        for key, array in _grouped(arrays, self.scale_group).items():
             if array is not None:
                 getattr(self, key)[expert].copy_(array)
 
@@ -144,12 +157,37 @@ class ExpertBlocks:
         if self.layout in (NIBBLES, MXFP4):
             blocks = quants.reshape(self.n, -1, 16)
             quants = torch.cat([blocks & 15, blocks >> 4], dim=-1).reshape(self.n, self.k)
-        scales = self.scales[expert].cpu()
+        repeat = self.scale_group // 32
+        scales = self.scales[expert].cpu().repeat_interleave(repeat, dim=-1)
         if self.layout == MXFP4:
             scales = torch.ldexp(torch.ones(scales.shape), scales.to(torch.int32) - 128)
-        mins = None if self.mins is None else self.mins[expert].cpu()
+        mins = None if self.mins is None else self.mins[expert].cpu().repeat_interleave(repeat, -1)
         components = quant.QuantComponents(quants.contiguous(), scales.contiguous(), mins)
         return quant.QuantWeight(self.qtype, self.n, self.k, None, components=components)
+
+
+_GROUPED = (NIBBLES, BYTES, FP8)  # layouts whose fp32 scales (and mins) may be grouped
+
+
+def _scale_group(arrays: dict[str, torch.Tensor | None], k: int, most: int | None = None) -> int:
+    """The largest power-of-two multiple of 32 inputs (at most `most`, dividing k) over which
+    the per-32 scales and mins of `arrays` repeat."""
+    group, per_32 = 32, [arrays[key] for key in ("scales", "mins") if arrays[key] is not None]
+    while k % (2 * group) == 0 and (most is None or 2 * group <= most):
+        runs = [a.reshape(a.shape[0], -1, 2 * group // 32) for a in per_32]
+        if not all(bool((run == run[..., :1]).all()) for run in runs):
+            break
+        group *= 2
+    return group
+
+
+def _grouped(arrays: dict[str, torch.Tensor | None], group: int) -> dict:
+    """`arrays` with their per-32 scales and mins kept once per `group` inputs."""
+    step = group // 32
+    return {
+        key: a if a is None or key == "quants" or step == 1 else a[:, ::step].contiguous()
+        for key, a in arrays.items()
+    }
 
 
 def _layout(weight: quant.QuantWeight) -> int:
@@ -193,12 +231,15 @@ def _component_chunk(
     chunk,
     kk,
     wmask,
+    scale_chunks,
     LAYOUT: tl.constexpr,
     OFFSET: tl.constexpr,
     HAS_MIN: tl.constexpr,
 ):
     """Inputs 32 * chunk .. 32 * chunk + 31 of the rows at `q_rows` (quants), `s_rows` (scales),
-    `m_rows` (mins), [BLOCK_N, 1] pointers each: [BLOCK_N, 32] fp32 (layouts 1-4, see above)."""
+    `m_rows` (mins), [BLOCK_N, 1] pointers each: [BLOCK_N, 32] fp32 (layouts 1-4, see above).
+    `scale_chunks`: chunks of 32 inputs a scale (and min) covers."""
+    group = chunk // scale_chunks
     if LAYOUT == 1 or LAYOUT == 4:
         byte = tl.load(q_rows + chunk * 16 + (kk[None, :] % 16), mask=wmask, other=0).to(tl.int32)
         u = tl.where(kk[None, :] < 16, byte & 15, byte >> 4)
@@ -210,7 +251,7 @@ def _component_chunk(
         e, m = magnitude >> 1, magnitude & 1
         twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
         twice = tl.where(u >= 8, -twice, twice).to(tl.float32)
-        exponent = tl.load(s_rows + chunk, mask=wmask, other=0).to(tl.int32)
+        exponent = tl.load(s_rows + group, mask=wmask, other=0).to(tl.int32)
         # 2^(e - 128): the fp32 whose exponent field is e (2^(e - 127)), halved; e = 0: 2^-126 / 4
         power = (tl.maximum(exponent, 1) << 23).to(tl.float32, bitcast=True)
         scale = power * tl.where(exponent == 0, 0.25, 0.5)
@@ -221,11 +262,11 @@ def _component_chunk(
         normal = ((e + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
         magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
         value = tl.where(u >= 128, -magnitude, magnitude)
-        w = value * tl.load(s_rows + chunk, mask=wmask, other=0.0)
+        w = value * tl.load(s_rows + group, mask=wmask, other=0.0)
     else:
-        w = tl.load(s_rows + chunk, mask=wmask, other=0.0) * (u - OFFSET).to(tl.float32)
+        w = tl.load(s_rows + group, mask=wmask, other=0.0) * (u - OFFSET).to(tl.float32)
         if HAS_MIN:
-            w = w + tl.load(m_rows + chunk, mask=wmask, other=0.0)
+            w = w + tl.load(m_rows + group, mask=wmask, other=0.0)
     return w
 
 
@@ -249,6 +290,7 @@ def _quant_grouped_gemm_kernel(
     stride_sn,
     stride_cm,
     num_experts,
+    scale_chunks,
     LAYOUT: tl.constexpr,
     QTYPE: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
@@ -281,7 +323,9 @@ def _quant_grouped_gemm_kernel(
         if LAYOUT == 0:
             w = _gguf_chunk(q_rows, chunk, kk, wmask, QTYPE, BLOCK_BYTES)
         else:
-            w = _component_chunk(q_rows, s_rows, m_rows, chunk, kk, wmask, LAYOUT, OFFSET, HAS_MIN)
+            w = _component_chunk(
+                q_rows, s_rows, m_rows, chunk, kk, wmask, scale_chunks, LAYOUT, OFFSET, HAS_MIN
+            )
         acc += tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION)
     tl.store(
         c_ptr + rows[:, None] * stride_cm + cols[None, :],
@@ -336,6 +380,7 @@ def quant_grouped_gemm(
         0 if gguf else scales.stride(1),
         out.stride(0),
         blocks.num_experts,
+        blocks.scale_group // 32,
         LAYOUT=blocks.layout,
         QTYPE=format_code(blocks.qtype) if gguf else 0,
         BLOCK_BYTES=GGUF_QTYPES[blocks.qtype][1] if gguf else 0,

@@ -40,9 +40,12 @@ def gguf_expert(qtype: str, n: int, k: int, rng) -> tuple[quant.QuantWeight, tor
     return quant.QuantWeight(qtype, n, k, raw), torch.from_numpy(values)
 
 
-def components_expert(qtype: str, n: int, k: int, rng) -> tuple[quant.QuantWeight, torch.Tensor]:
-    """(a QuantWeight of kernel components, as a checkpoint's loader makes them, its values)."""
-    blocks = k // 32
+def components_expert(
+    qtype: str, n: int, k: int, rng, group: int = 32
+) -> tuple[quant.QuantWeight, torch.Tensor]:
+    """(a QuantWeight of kernel components, as a checkpoint's loader makes them, its values);
+    `group`: inputs a scale (and min) covers, repeated per 32 as the loaders do."""
+    blocks = k // group
     size = 2 / np.sqrt(k)
     if qtype == quant.MXFP4:  # codes and a power-of-two scale 2^(e - 128) per 32
         codes = torch.from_numpy(rng.integers(0, 16, size=(n, k), dtype=np.uint8))
@@ -56,7 +59,7 @@ def components_expert(qtype: str, n: int, k: int, rng) -> tuple[quant.QuantWeigh
         fp8[0, :8] = torch.tensor([0.0, -0.0, 2**-9, -(2**-9), 7 * 2**-9, 2**-6, 448, -448])
         scale = torch.from_numpy(rng.uniform(0.5, 1.5, size=(n, blocks)).astype(np.float32))
         scale = scale * (size / 100)
-        values = fp8.float() * scale.repeat_interleave(32, dim=1)
+        values = fp8.float() * scale.repeat_interleave(group, dim=1)
         parts = quant.QuantComponents(fp8.view(torch.uint8), scale)
     else:  # GPTQ / AWQ-style integers: Q4_0 (offset 8), Q4_1 (a min), Q8_0 (offset 128)
         top = 256 if qtype == "q8_0" else 16
@@ -69,6 +72,13 @@ def components_expert(qtype: str, n: int, k: int, rng) -> tuple[quant.QuantWeigh
             mins = torch.from_numpy(rng.normal(0, size, size=(n, blocks)).astype(np.float32))
         parts = quant.QuantComponents(u, scale, mins)
         values = None
+    if group != 32:
+        repeat = group // 32
+        parts = quant.QuantComponents(
+            parts.u,
+            parts.scale.repeat_interleave(repeat, dim=1),
+            None if parts.mins is None else parts.mins.repeat_interleave(repeat, dim=1),
+        )
     weight = quant.QuantWeight(qtype, n, k, None, components=parts)
     return weight, (quant.dequantize_weight(weight) if values is None else values)
 
@@ -96,6 +106,8 @@ CASES = [
     (quant.FP8, 64, 32),
     ("q4_0 ints", 64, 32),
     ("q4_1 ints", 64, 32),
+    ("q4_1 ints g64", 128, 64),  # a scale and min per 64 inputs (held once per 64)
+    ("fp8_e4m3 g64", 128, 64),
 ]
 
 
@@ -103,9 +115,15 @@ CASES = [
 @pytest.mark.parametrize("tokens", [1, 70])  # 70 x 2 rows: blocks of 64, several an expert
 def test_quantized_experts_equal_the_dequantized_loop(case, tokens):
     qtype, hidden, inter = case
-    qtype, components = qtype.split()[0], qtype.endswith("ints")
+    qtype, components = qtype.split()[0], "ints" in case[0] or "g64" in case[0]
+    group = 64 if case[0].endswith("g64") else 32
     rng = np.random.default_rng(tokens)
-    make = gguf_expert if qtype in quant.GGUF_QTYPES and not components else components_expert
+
+    def make(qtype, n, k, rng):
+        if qtype in quant.GGUF_QTYPES and not components:
+            return gguf_expert(qtype, n, k, rng)
+        return components_expert(qtype, n, k, rng, group)
+
     (q13, v13), (q2, v2) = (
         ([w for w, _ in pairs], torch.stack([v for _, v in pairs]))
         for pairs in (
@@ -114,6 +132,7 @@ def test_quantized_experts_equal_the_dequantized_loop(case, tokens):
         )
     )
     blocks13, blocks2 = (ExpertBlocks.stack(w, DEVICE) for w in (q13, q2))
+    assert blocks13.scale_group == blocks2.scale_group == group
     hidden_states = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(5))
     weights, ids = routing(tokens, seed=tokens)
     expected = fused_experts_reference(hidden_states, v13, v2, weights, ids)
@@ -145,6 +164,23 @@ def test_bytes_held_are_the_formats_own():
         weight, _ = components_expert(qtype, 16, 64, rng)
         blocks = ExpertBlocks.stack([weight], torch.device("cpu"))
         assert blocks.nbytes == 16 * 2 * bytes_per_32, qtype
+
+
+def test_scales_repeated_by_the_loader_are_held_once_per_group():
+    """A GPTQ-style Q4_0 with a scale per 128 inputs holds 0.53 bytes a weight, not 0.625; an
+    FP8 matrix with a scale per row about a byte a weight; an expert whose scales vary more
+    often than the first's makes every expert's held at its finer group, values unchanged."""
+    rng = np.random.default_rng(5)
+    gptq, _ = components_expert("q4_0", 16, 256, rng, group=128)
+    blocks = ExpertBlocks.stack([gptq], torch.device("cpu"))
+    assert blocks.scale_group == 128 and blocks.nbytes == 16 * 256 // 2 + 16 * 2 * 4
+    per_row, _ = components_expert(quant.FP8, 16, 256, rng, group=256)
+    assert ExpertBlocks.stack([per_row], torch.device("cpu")).nbytes == 16 * 256 + 16 * 4
+    coarse, coarse_values = components_expert("q4_1", 16, 256, rng, group=128)
+    fine, fine_values = components_expert("q4_1", 16, 256, rng, group=64)
+    blocks = ExpertBlocks.stack([coarse, fine], torch.device("cpu"))
+    assert blocks.scale_group == 64 and blocks.scales.shape == (2, 16, 4)
+    assert torch.equal(blocks.dequantized(), torch.stack([coarse_values, fine_values]))
 
 
 def test_experts_of_another_format_are_refused():
