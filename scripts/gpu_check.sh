@@ -2,6 +2,7 @@
 # One end-to-end run of nanoserve on one CUDA GPU (sized for the H200: about 8 minutes), from the
 # repository root, with python3. Everything goes to $OUT if set, else benchmarks/gpu/:
 #   gpu_check.log  this script's whole output      kernels.json, kernels.md  kernel benchmark
+#   quant_moe.md   fused MoE on quantized experts
 #   pytest.log     the GPU test run                e2e.json, e2e.md          stages and targets
 #   serve.json, serve.png  the served benchmark
 #
@@ -17,6 +18,8 @@
 #   memory        the KV pool against --gpu-memory-utilization and free memory (gpu_e2e memory)
 #   kernels       decode attention and add+RMSNorm bandwidth against the copy bandwidth, every
 #                 kernel checked against its reference (nanoserve.bench.kernels)
+#   quant-moe     the fused-MoE Triton kernel on quantized experts (GGUF, MXFP4, FP8, int4)
+#                 against its reference, GPU memory held, decode time (nanoserve.bench.gpu_moe_quant)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
 #   async-scheduling  --async-scheduling's greedy tokens = without it (fp32, CUDA graphs), and
 #                 offline tok/s with and without it on SmolLM2 (nanoserve.bench.async_scheduling)
@@ -59,11 +62,13 @@ main() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET NANOSERVE_KERNELS
     SMOKE=()
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,kernels,throughput,async-scheduling,serve,8b,tp2
+    # kernels (met in run1-3) is left out of the GPU default to keep the run inside its budget:
+    # GPU_CHECK_STAGES=kernels runs it.
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,quant-moe,throughput,async-scheduling,serve,8b,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,features,kernels,throughput,async-scheduling,serve,8b
+        DEFAULT_STAGES=setup,tokens,memory,features,kernels,quant-moe,throughput,async-scheduling,serve,8b
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -86,6 +91,7 @@ main() {
     features
     finish_kernel_tests
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
+    quant_moe
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage async-scheduling async-scheduling 60 $PY -m nanoserve.bench.async_scheduling --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
@@ -267,6 +273,14 @@ finish_kernel_tests() {
     done
     for i in "${!SHARDS[@]}"; do echo "### ${SHARDS[$i]}"; cat "$WORK/pytest$i.log"; done >"$OUT_DIR/pytest.log"
     record kernel-tests $result $((SECONDS - KERNEL_TESTS_BEGIN))
+}
+
+# ---- the fused-MoE Triton kernel on quantized experts ------------------------------------
+quant_moe() {
+    local name=qwen3-30b-a3b-layer
+    [ ${#SMOKE[@]} = 0 ] || name=smoke
+    run_stage quant-moe quant-moe 75 $PY -m nanoserve.bench.gpu_moe_quant --work "$WORK" \
+        --out "$OUT_DIR" --name "$name" "${SMOKE[@]}"
 }
 
 # ---- served benchmark ------------------------------------------------------------------------

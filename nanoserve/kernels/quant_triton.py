@@ -68,38 +68,48 @@ def _gguf_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for chunk in range(0, K // 32):
         x = tl.load(x_rows + chunk * 32 + kk[None, :], mask=mask_m[:, None], other=0.0)
-        if QTYPE < 3:  # one 32-value block per chunk
-            base = w_rows + chunk * BLOCK_BYTES
-            d = _f16(base, wmask)
-            if QTYPE == 0:
-                q = tl.load(base + 2 + kk[None, :], mask=wmask, other=0).to(tl.int8, bitcast=True)
-                w = d * q.to(tl.float32)
-            else:
-                qs = 4 if QTYPE == 2 else 2
-                byte = tl.load(base + qs + (kk[None, :] % 16), mask=wmask, other=0).to(tl.int32)
-                q = tl.where(kk[None, :] < 16, byte & 15, byte >> 4).to(tl.float32)
-                if QTYPE == 1:
-                    w = d * (q - 8.0)
-                else:
-                    w = d * q + _f16(base + 2, wmask)
-        elif QTYPE == 3:
-            w = _q4_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
-        elif QTYPE == 4:
-            w = _q6_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
-        elif QTYPE == 7:
-            w = _q5_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
-        else:  # Q5_0 / Q5_1: one 32-value block per chunk
-            base = w_rows + chunk * BLOCK_BYTES
-            d = _f16(base, wmask)
-            if QTYPE == 5:
-                w = d * (_q5_values(base + 2, kk, wmask) - 16.0)
-            else:
-                w = d * _q5_values(base + 4, kk, wmask) + _f16(base + 2, wmask)
+        w = _gguf_chunk(w_rows, chunk, kk, wmask, QTYPE, BLOCK_BYTES)
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@lazy_jit
+def _gguf_chunk(w_rows, chunk, kk, wmask, QTYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    """Values 32 * chunk .. 32 * chunk + 31 of the GGUF rows starting at `w_rows` (a [BLOCK_N, 1]
+    tensor of row pointers), dequantized: [BLOCK_N, 32] fp32. QTYPE: kernels/gguf_formats.
+    format_code; BLOCK_BYTES: the bytes of one block of QTYPE. Shared with kernels/
+    fused_moe_quant.py's grouped GEMM over quantized experts."""
+    if QTYPE < 3:  # one 32-value block per chunk
+        base = w_rows + chunk * BLOCK_BYTES
+        d = _f16(base, wmask)
+        if QTYPE == 0:
+            q = tl.load(base + 2 + kk[None, :], mask=wmask, other=0).to(tl.int8, bitcast=True)
+            w = d * q.to(tl.float32)
+        else:
+            qs = 4 if QTYPE == 2 else 2
+            byte = tl.load(base + qs + (kk[None, :] % 16), mask=wmask, other=0).to(tl.int32)
+            q = tl.where(kk[None, :] < 16, byte & 15, byte >> 4).to(tl.float32)
+            if QTYPE == 1:
+                w = d * (q - 8.0)
+            else:
+                w = d * q + _f16(base + 2, wmask)
+    elif QTYPE == 3:
+        w = _q4_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
+    elif QTYPE == 4:
+        w = _q6_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
+    elif QTYPE == 7:
+        w = _q5_k_chunk(w_rows + (chunk // 8) * BLOCK_BYTES, chunk % 8, kk, wmask)
+    else:  # Q5_0 / Q5_1: one 32-value block per chunk
+        base = w_rows + chunk * BLOCK_BYTES
+        d = _f16(base, wmask)
+        if QTYPE == 5:
+            w = d * (_q5_values(base + 2, kk, wmask) - 16.0)
+        else:
+            w = d * _q5_values(base + 4, kk, wmask) + _f16(base + 2, wmask)
+    return w
 
 
 @lazy_jit
@@ -173,7 +183,14 @@ def _q6_k_chunk(base, sub, kk, wmask):
 
 def _bind_helpers() -> None:
     bind_helpers(
-        globals(), "_f16", "_k_scale_min", "_q4_k_chunk", "_q5_values", "_q5_k_chunk", "_q6_k_chunk"
+        globals(),
+        "_gguf_chunk",
+        "_f16",
+        "_k_scale_min",
+        "_q4_k_chunk",
+        "_q5_values",
+        "_q5_k_chunk",
+        "_q6_k_chunk",
     )
 
 

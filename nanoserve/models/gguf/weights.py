@@ -24,6 +24,7 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
 from nanoserve.kernels.cpu.malloc import release_free_memory
+from nanoserve.kernels.fused_moe_quant import quantized_expert_form
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.fused_moe import FusedMoE
@@ -266,7 +267,7 @@ def _load_experts(
     whole_blocks = qtype is not None and (
         part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0
     )
-    quantized = whole_blocks and quant.takes_components(param.device)
+    quantized = whole_blocks and quantized_expert_form(param.device, qtype) is not None
     outputs = int(tensor.shape[1])  # rows an expert
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
         raw = _raw_rows(tensor, gguf_file, slice(expert * outputs, (expert + 1) * outputs))
