@@ -87,10 +87,12 @@ def write_qwen_mmproj_gguf(
     drop: tuple[str, ...] = (),
     replace: dict[str, np.ndarray] | None = None,
     extra: dict[str, np.ndarray] | None = None,
+    matrix_type: str = "F16",
 ) -> Path:
     """The tower and merger as an mmproj file. `overrides`: metadata written in place of the
     converter's (None: left out); `drop`: tensors left out, `replace`: tensors written in place
-    of the checkpoint's, `extra`: tensors added (the refusal tests)."""
+    of the checkpoint's, `extra`: tensors added (the refusal tests). `matrix_type` "Q8_0": the
+    blocks' and the merger's matrices in Q8_0 (`--outtype q8_0`; the patch embedding stays F16)."""
     config = json.loads((hf_dir / "config.json").read_text())
     vision = config["vision_config"]
     text = config.get("text_config") or config
@@ -137,6 +139,12 @@ def write_qwen_mmproj_gguf(
                 continue
             values = (replace or {}).get(gguf_name, values)
             f16 = values.ndim >= 2
+            # (rows not of whole 32-value blocks stay F16, as the converter falls back)
+            blocks = values.ndim == 2 and values.shape[1] % 32 == 0
+            if matrix_type == "Q8_0" and blocks and gguf_name.startswith(("v.blk", "mm.")):
+                q8_0 = gguf.GGMLQuantizationType.Q8_0
+                writer.add_tensor(gguf_name, gguf.quants.quantize(values, q8_0), raw_dtype=q8_0)
+                continue
             writer.add_tensor(
                 gguf_name, np.ascontiguousarray(values, np.float16 if f16 else np.float32)
             )

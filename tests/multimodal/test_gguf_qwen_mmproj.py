@@ -4,8 +4,9 @@ weights are float16 values, converted in the test to the two files llama.cpp's c
 (tests/multimodal/qwen_vl_gguf.py: a "qwen2vl" text file with its M-RoPE sections, a
 "qwen2.5vl_merger" mmproj), served in fp32: the processor's pixels, image embeddings, greedy
 tokens and prompt ids equal to Qwen2_5_VLForConditionalGeneration's on the checkpoint, for one
-image, two images of different sizes, text only and a chat request; the text file alone serves
-as a Qwen2; each malformed or mismatched file one line."""
+image, two images of different sizes, text only, a chat request and the `openai` client on a
+real socket; a Q8_0 tower dequantized; the file's pixel bounds; the text file alone serves as a
+Qwen2; each malformed or mismatched file one line."""
 
 from __future__ import annotations
 
@@ -93,6 +94,50 @@ def test_pixels_and_image_embeddings_equal_transformers(
     prefix = "model.visual." if "model.visual.merger.mlp.2.weight" in state else "visual."
     for name in ("patch_embed.proj.weight", "blocks.1.attn.qkv.bias", "merger.mlp.0.weight"):
         assert torch.equal(model.visual.get_parameter(name), state[prefix + name])
+
+
+def test_q8_0_mmproj_is_dequantized(hf_dir, text_gguf, tmp_path):
+    """A block-type tower: each matrix holds the gguf package's dequantization of its blocks
+    (Q/K/V each quantized alone, as the converter splits them before quantizing)."""
+    import gguf
+    from safetensors import safe_open
+
+    path = write_qwen_mmproj_gguf(hf_dir, tmp_path / "mmproj-q8_0.gguf", matrix_type="Q8_0")
+    config = ModelConfig.from_dir(text_gguf, None, str(path))
+    model = build_model(config, torch.float32, torch.device("cpu"), text_gguf)
+    with safe_open(hf_dir / "model.safetensors", framework="pt") as checkpoint:
+        names = [n for n in checkpoint.keys() if n.endswith("blocks.0.attn.qkv.weight")]  # noqa: SIM118
+        qkv = checkpoint.get_tensor(names[0]).float()
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    parts = []
+    for part in qkv.chunk(3):
+        blocks = gguf.quants.quantize(part.numpy(), q8_0)
+        parts.append(torch.from_numpy(gguf.quants.dequantize(blocks, q8_0)).reshape(part.shape))
+    ours = model.visual.blocks[0].attn.qkv.weight
+    assert torch.equal(ours, torch.cat(parts))
+    assert not torch.equal(ours, qkv)  # (the blocks did round)
+
+
+def test_pixel_bounds_from_the_file(hf_dir, text_gguf, tmp_path):
+    """clip.vision.image_min_pixels / image_max_pixels, where a file has them, bound the resize
+    as min_pixels / max_pixels bound transformers'."""
+    import transformers as hf
+
+    from tests.multimodal.test_preprocessing import random_image
+
+    bounds = {
+        "clip.vision.image_min_pixels": 28 * 28 * 2,
+        "clip.vision.image_max_pixels": 28 * 28 * 6,
+    }
+    path = write_qwen_mmproj_gguf(hf_dir, tmp_path / "bounded.gguf", overrides=bounds)
+    image = random_image(400, 300, "RGB", 5)
+    ours = mmproj_image_processor(path).preprocess(image)
+    theirs = hf.Qwen2VLImageProcessorPil.from_pretrained(
+        hf_dir, min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 6
+    )(images=[image], return_tensors="pt")
+    assert ours.grid_thw == tuple(theirs["image_grid_thw"][0].tolist())
+    assert ours.num_tokens <= 6
+    assert torch.equal(ours.pixel_values, theirs["pixel_values"])
 
 
 @pytest.mark.parametrize("images", [1, 2, 0], ids=["one-image", "two-images", "text-only"])
@@ -196,3 +241,34 @@ def test_mismatched_pairs_are_one_line(text_gguf, mmproj, tmp_path):
     llava_mmproj = write_mmproj_gguf(llava, tmp_path / "llava-mmproj.gguf")
     with pytest.raises(GGUFImportError, match="the text model is a 'qwen2vl' GGUF file"):
         ModelConfig.from_dir(text_gguf, None, str(llava_mmproj))
+
+
+def test_openai_client_against_the_gguf_pair(text_gguf, mmproj, hf_model, hf_processor):
+    """`nanoserve serve --model text.gguf --mmproj mmproj.gguf` on a real socket: the `openai`
+    client's answer to a data: URL image is transformers'."""
+    from tests.server.conftest import ServerHandle
+
+    text = chat_text(hf_processor, 1, "What is this?")
+    expected = hf_greedy(hf_model, hf_processor, text, IMAGES[:1])
+    server = ServerHandle(
+        text_gguf, engine_kwargs={"mmproj": str(mmproj), "dtype": "float32", "num_kv_blocks": 64}
+    )
+    try:
+        client = server.client()
+        part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}
+        response = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[
+                {"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}
+            ],
+            temperature=0,
+            max_tokens=len(expected),
+        )
+        expected_text = hf_processor.tokenizer.decode(expected, skip_special_tokens=True)
+        assert expected_text.strip()
+        assert response.choices[0].message.content == expected_text
+        assert response.usage.prompt_tokens == len(
+            hf_processor(text=text, images=IMAGES[:1])["input_ids"][0]
+        )
+    finally:
+        server.close()
