@@ -192,6 +192,10 @@ REFUSALS = [
         "tensor v.blk.0.ffn_gate.weight has shape",
     ),
     ({"overrides": {"clip.vision.image_std": [0.5]}}, "image_std must be 3 numbers"),
+    (
+        {"overrides": {"clip.vision.image_min_pixels": 1000, "clip.vision.image_max_pixels": 10}},
+        "image_min_pixels 1000 is above image_max_pixels 10",
+    ),
     ({"drop": ("v.blk.1.attn_k.bias",)}, r"lacks 1 tensor\(s\).*qkv.bias \(its k part\)"),
     (
         {"drop": ("v.blk.1.ffn_up.weight",)},

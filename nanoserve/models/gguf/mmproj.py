@@ -1,6 +1,7 @@
 """GGUF `mmproj` files beside a GGUF text model, as llama.cpp's `llama-server --mmproj` and Ollama
-serve vision models: Qwen2.5-VL's (models/gguf/mmproj_qwen.py) and the LLaVA-1.5 family's CLIP vision tower and two-layer "mlp" projector, as
-llama.cpp's converter for it writes them (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py;
+serve vision models, by the file's `clip.projector_type`: Qwen2.5-VL's "qwen2.5vl_merger"
+(models/gguf/mmproj_qwen.py reads it) and the LLaVA-1.5 family's CLIP vision tower and two-layer
+"mlp" projector, as llama.cpp's converter for it writes them (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py;
 convert_hf_to_gguf.py --mmproj refuses a CLIP-tower LLaVA): `general.architecture` "clip",
 `clip.projector_type` "mlp", the `clip.vision.*` hyperparameters, tensors `v.*` and `mm.0` / `mm.2`.
 This module reads and checks the file: the VisionConfig it implies, its preprocessing, the image

@@ -108,7 +108,10 @@ def read_qwen_mmproj(path: Path, header: GGUFHeader, whole, triple) -> QwenMmpro
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise refuse(f"clip.vision.{key} must be a whole number >= 1, got {value!r}")
     if hidden % heads or (hidden // heads) % 4:
-        raise refuse(f"embedding_length {hidden} is not head_count {heads} heads of 4k values")
+        raise refuse(
+            f"embedding_length {hidden} is not head_count {heads} heads of a size divisible by 4 "
+            "(the 2D rotary's)"
+        )
     if window % (patch_size * merge):
         raise refuse(f"window_size {window} is not a multiple of patch_size x spatial_merge_size")
     merged = hidden * merge * merge
@@ -138,14 +141,15 @@ def read_qwen_mmproj(path: Path, header: GGUFHeader, whole, triple) -> QwenMmpro
                 f"tensor {name} has shape {shape}, not {tuple(e or '*' for e in expected)} "
                 f"(embedding_length {hidden}, feed_forward_length {intermediate})"
             )
-    bounds = [metadata.get(f"clip.vision.image_{k}_pixels") for k in ("min", "max")]
     min_pixels, max_pixels = (
-        b if b is not None else d for b, d in zip(bounds, (MIN_PIXELS, MAX_PIXELS))
-    )
-    if not 0 < min_pixels <= max_pixels:
-        raise refuse(
-            f"image_min_pixels {min_pixels} / image_max_pixels {max_pixels} are not bounds"
+        whole(metadata, key, path) if key in metadata else default
+        for key, default in (
+            ("clip.vision.image_min_pixels", MIN_PIXELS),
+            ("clip.vision.image_max_pixels", MAX_PIXELS),
         )
+    )
+    if min_pixels > max_pixels:
+        raise refuse(f"image_min_pixels {min_pixels} is above image_max_pixels {max_pixels}")
     return QwenMmprojFile(
         path,
         header,

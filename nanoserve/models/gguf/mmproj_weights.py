@@ -1,7 +1,8 @@
 """An mmproj file's tensors (models/gguf/mmproj.py reads and checks the file) into a LLaVA's
 vision tower and projector: each tensor named as llama.cpp's LLaVA converter names it, mapped to
 our parameter (Q/K/V into the fused qkv_proj, fc1 / fc2 under either of the converter's names),
-dequantized to float32 by the gguf package and loaded in the activations' dtype."""
+dequantized to float32 by the gguf package and loaded in the activations' dtype. A Qwen2.5-VL
+file's go through models/gguf/mmproj_qwen.load_qwen_mmproj_weights with the same dequantizing."""
 
 from __future__ import annotations
 
