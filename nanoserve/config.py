@@ -47,11 +47,11 @@ class EngineConfig:
         "served with its quantized weights as they are (default: SmolLM2-135M-Instruct, "
         "imported once into bf16)",
     )
-    # llama-server's --mmproj: a LLaVA's CLIP tower and projector beside a GGUF text model.
+    # llama-server's --mmproj: a vision tower and projector beside a GGUF text model.
     mmproj: str | None = arg(
         None,
-        "GGUF mmproj file (llama.cpp's vision tower and projector, LLaVA-1.5's CLIP + mlp) served "
-        "with a GGUF --model as one vision-language model",
+        "GGUF mmproj file (llama.cpp's vision tower and projector: LLaVA-1.5's CLIP + mlp, "
+        "Qwen2.5-VL's qwen2.5vl_merger) served with a GGUF --model as one vision-language model",
     )
     served_model_name: str | None = arg(None, "model name reported by the API")
     tokenizer: str | None = arg(

@@ -428,8 +428,12 @@ def image_prompt_builder(
     """The checkpoint's image processor (preprocessor_config.json; a GGUF mmproj's, --mmproj)
     and prompt expansion."""
     if isinstance(vision, QwenVisionConfig):  # each image's token count from its grid
-        processor = QwenVLImageProcessor.from_dir(
-            model_dir, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        processor = (
+            QwenVLImageProcessor.from_dir(
+                model_dir, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+            )
+            if mmproj_file is None
+            else mmproj_image_processor(mmproj_file)
         )
         return ImagePromptBuilder(processor, vision.image_token_id, 0, limits)
     processor = (

@@ -247,13 +247,18 @@ class ModelConfig:
                 return config
             from nanoserve.models.gguf.mmproj import mmproj_vision
 
-            text_architecture = gguf_metadata(gguf_file)[0].get("general.architecture")
             vision = mmproj_vision(
-                mmproj, config.architecture, text_architecture, config.hidden_size
+                mmproj,
+                config.architecture,
+                gguf_metadata(gguf_file)[0],
+                config.hidden_size,
+                config.head_dim,
             )
             return dataclasses.replace(
                 config,
-                architecture=LLAVA_ARCHITECTURE,
+                architecture=QWEN2_5_VL_ARCHITECTURE
+                if isinstance(vision, QwenVisionConfig)
+                else LLAVA_ARCHITECTURE,
                 vision=vision,
                 mmproj_file=Path(mmproj).expanduser().resolve(),
             )

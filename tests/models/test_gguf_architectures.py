@@ -28,6 +28,7 @@ HYPERPARAMETERS = {
     "expert_used_count": 2,
     "expert_feed_forward_length": 32,
     "expert_shared_feed_forward_length": 96,
+    "rope.dimension_sections": [2, 3, 3, 0],  # qwen2vl's M-RoPE: half of key_length 16
 }
 TENSORS = {f"blk.{index}.attn_q.weight" for index in range(LAYERS)} | {"output.weight"}
 

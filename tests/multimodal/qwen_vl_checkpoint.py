@@ -52,7 +52,12 @@ def _add_vision_tokens(out_dir: Path) -> dict[str, int]:
     return {t["content"]: t["id"] for t in json.loads(tokenizer.to_str())["added_tokens"]}
 
 
-def write_random_qwen_vl(out_dir: Path, seed: int = 0) -> Path:
+def write_random_qwen_vl(
+    out_dir: Path, seed: int = 0, f16_exact: bool = False, window_size: int = 56
+) -> Path:
+    """`f16_exact`: every weight a float16 value (in float32), so that GGUF files storing them in
+    F16, as llama.cpp's converter does, hold them exactly (tests/multimodal/qwen_vl_gguf.py).
+    `window_size`: the tower's window in pixels (56: 2x2 tokens; 112, Qwen2.5-VL's: 4x4)."""
     import torch
     import transformers as hf
 
@@ -82,7 +87,7 @@ def write_random_qwen_vl(out_dir: Path, seed: int = 0) -> Path:
         "patch_size": PATCH_SIZE,
         "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": 2,
-        "window_size": 56,  # 2x2 tokens per window
+        "window_size": window_size,
         "out_hidden_size": 64,
         "fullatt_block_indexes": [1],
     }
@@ -106,6 +111,8 @@ def write_random_qwen_vl(out_dir: Path, seed: int = 0) -> Path:
                 param.add_(torch.randn_like(param) * 0.2)
             elif name.endswith("bias"):
                 param.normal_(0, 0.5)
+            if f16_exact:
+                param.copy_(param.half().float())
     model.generation_config.eos_token_id = specials["<|im_end|>"]
     model.save_pretrained(out_dir, safe_serialization=True)
     processor = hf.Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)

@@ -1,6 +1,7 @@
 """GGUF `mmproj` files beside a GGUF text model, as llama.cpp's `llama-server --mmproj` and Ollama
-serve vision models: the LLaVA-1.5 family's CLIP vision tower and two-layer "mlp" projector, as
-llama.cpp's converter for it writes them (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py;
+serve vision models, by the file's `clip.projector_type`: Qwen2.5-VL's "qwen2.5vl_merger"
+(models/gguf/mmproj_qwen.py reads it) and the LLaVA-1.5 family's CLIP vision tower and two-layer
+"mlp" projector, as llama.cpp's converter for it writes them (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py;
 convert_hf_to_gguf.py --mmproj refuses a CLIP-tower LLaVA): `general.architecture` "clip",
 `clip.projector_type` "mlp", the `clip.vision.*` hyperparameters, tensors `v.*` and `mm.0` / `mm.2`.
 This module reads and checks the file: the VisionConfig it implies, its preprocessing, the image
@@ -28,9 +29,21 @@ import functools
 from pathlib import Path
 
 from nanoserve.models.gguf.header import GGUFHeader, read_gguf_header
+from nanoserve.models.gguf.mmproj_qwen import (
+    PROJECTOR_TYPE as QWEN_PROJECTOR_TYPE,
+)
+from nanoserve.models.gguf.mmproj_qwen import (
+    QwenMmprojFile,
+    attach_vision_tokens,
+    qwen_image_processor,
+    qwen_vision_config,
+    read_qwen_mmproj,
+)
 from nanoserve.models.gguf.reader import GGUFImportError, _float32_value
 from nanoserve.models.llava_config import VisionConfig
+from nanoserve.models.qwen2_5_vl_config import QwenVisionConfig
 from nanoserve.multimodal.processor import ClipImageProcessor
+from nanoserve.multimodal.qwen_processor import QwenVLImageProcessor
 
 MMPROJ_ARCHITECTURE = "clip"
 PROJECTOR_TYPE = "mlp"  # LLaVA-1.5's: Linear, GELU, Linear
@@ -40,7 +53,7 @@ PROJECTOR_TYPE = "mlp"  # LLaVA-1.5's: Linear, GELU, Linear
 IMAGE_TOKEN = "<image>"
 MEDIA_MARKER = "<__media__>"
 # Parameters the mmproj file gives (the text file gives the others).
-MMPROJ_PARAMETERS = ("vision_tower.", "multi_modal_projector.")
+MMPROJ_PARAMETERS = ("vision_tower.", "multi_modal_projector.", "visual.")
 # Text models an mmproj goes with: Llama-architecture GGUF files (Vicuna, Mistral, Llama 3).
 TEXT_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -91,7 +104,7 @@ def _projector_type(metadata: dict) -> str | None:
 
 
 def _check_header(path: Path, metadata: dict) -> None:
-    """The file is a vision tower with LLaVA-1.5's projector, nothing else."""
+    """The file is a vision tower with LLaVA-1.5's projector or Qwen2.5-VL's merger."""
     architecture = metadata.get("general.architecture")
     if architecture != MMPROJ_ARCHITECTURE:
         raise _refuse(
@@ -102,11 +115,13 @@ def _check_header(path: Path, metadata: dict) -> None:
     if metadata.get("clip.has_vision_encoder") is False:
         raise _refuse(path, "has no vision encoder (clip.has_vision_encoder is false)")
     projector = _projector_type(metadata)
+    if projector == QWEN_PROJECTOR_TYPE:
+        return  # mmproj_qwen.read_qwen_mmproj checks the rest
     if projector != PROJECTOR_TYPE:
         raise _refuse(
             path,
             f"projector type {projector!r} is not supported (LLaVA-1.5's 'mlp' projector with a "
-            "CLIP tower is)",
+            f"CLIP tower and Qwen2.5-VL's {QWEN_PROJECTOR_TYPE!r} are)",
         )
     if metadata.get("clip.has_text_encoder") is True:
         raise _refuse(path, "holds a CLIP text encoder too (convert it with --vision-only)")
@@ -229,9 +244,11 @@ def _check_layers(path: Path, tensors: dict, used: int, hidden: int, intermediat
 
 
 @functools.lru_cache(maxsize=4)
-def _read(path: Path, size: int, mtime: float) -> MmprojFile:
+def _read(path: Path, size: int, mtime: float) -> MmprojFile | QwenMmprojFile:
     header = read_gguf_header(path)
     _check_header(path, header.metadata)
+    if _projector_type(header.metadata) == QWEN_PROJECTOR_TYPE:
+        return read_qwen_mmproj(path, header, _whole, _triple)
     vision, swapped, output = _vision_config(path, header)
     return MmprojFile(
         path,
@@ -244,7 +261,7 @@ def _read(path: Path, size: int, mtime: float) -> MmprojFile:
     )
 
 
-def read_mmproj(path: str | Path) -> MmprojFile:
+def read_mmproj(path: str | Path) -> MmprojFile | QwenMmprojFile:
     """The mmproj file, checked (GGUFImportError, one line, for a malformed or unsupported one);
     cached per file version."""
     path = Path(path).expanduser()
@@ -255,11 +272,18 @@ def read_mmproj(path: str | Path) -> MmprojFile:
 
 
 def mmproj_vision(
-    mmproj: str | Path, text_architecture: str, text_gguf_architecture: str, text_hidden: int
-) -> VisionConfig:
+    mmproj: str | Path,
+    text_architecture: str,
+    text_metadata: dict,
+    text_hidden: int,
+    text_head_dim: int,
+) -> VisionConfig | QwenVisionConfig:
     """The vision config of `mmproj` served beside a GGUF text model (its HF architecture, its
-    `general.architecture`, its hidden size), each mismatch one line."""
+    metadata, its hidden and head sizes), each mismatch one line."""
     file = read_mmproj(mmproj)
+    if isinstance(file, QwenMmprojFile):
+        return qwen_vision_config(file, text_metadata, text_head_dim, text_hidden)
+    text_gguf_architecture = text_metadata.get("general.architecture")
     if text_architecture not in TEXT_ARCHITECTURES or text_gguf_architecture != "llama":
         raise file.refuse(
             f"the text model is a {text_gguf_architecture!r} GGUF file ({text_architecture}); "
@@ -273,9 +297,12 @@ def mmproj_vision(
     return file.vision
 
 
-def mmproj_image_processor(mmproj: str | Path) -> ClipImageProcessor:
-    """CLIP's preprocessing at the tower's image size, with the file's mean and std."""
+def mmproj_image_processor(mmproj: str | Path) -> ClipImageProcessor | QwenVLImageProcessor:
+    """CLIP's preprocessing at the tower's image size, with the file's mean and std (Qwen2.5-VL:
+    its processor's, mmproj_qwen.qwen_image_processor)."""
     file = read_mmproj(mmproj)
+    if isinstance(file, QwenMmprojFile):
+        return qwen_image_processor(file)
     size = file.vision.image_size
     return ClipImageProcessor(
         shortest_edge=size,
@@ -287,12 +314,16 @@ def mmproj_image_processor(mmproj: str | Path) -> ClipImageProcessor:
     )
 
 
-def attach_image_token(tokenizer, vision: VisionConfig) -> VisionConfig:
+def attach_image_token(tokenizer, vision: VisionConfig | QwenVisionConfig) -> VisionConfig:
     """The image placeholder of a GGUF text model's prompts: its "<image>" token where its
     vocabulary has one, else llama.cpp's "<__media__>" marker, added to `tokenizer` as a special
     token past the model's vocabulary; image positions then hold the pad (or unknown, or 0) token,
-    whose embedding rows the image's replace."""
+    whose embedding rows the image's replace. Qwen2.5-VL's are its own vision tokens (read from
+    the vocabulary by mmproj_qwen.attach_vision_tokens)."""
     from tokenizers import AddedToken
+
+    if isinstance(vision, QwenVisionConfig):
+        return attach_vision_tokens(tokenizer, vision)
 
     backend = tokenizer.backend
     image_id = backend.token_to_id(IMAGE_TOKEN)

@@ -1,7 +1,8 @@
 """An mmproj file's tensors (models/gguf/mmproj.py reads and checks the file) into a LLaVA's
 vision tower and projector: each tensor named as llama.cpp's LLaVA converter names it, mapped to
 our parameter (Q/K/V into the fused qkv_proj, fc1 / fc2 under either of the converter's names),
-dequantized to float32 by the gguf package and loaded in the activations' dtype."""
+dequantized to float32 by the gguf package and loaded in the activations' dtype. A Qwen2.5-VL
+file's go through models/gguf/mmproj_qwen.load_qwen_mmproj_weights with the same dequantizing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 from nanoserve.layers.linear import load_parameter
 from nanoserve.models.gguf.header import GGUFTensorInfo
 from nanoserve.models.gguf.mmproj import MMPROJ_PARAMETERS, MmprojFile, read_mmproj
+from nanoserve.models.gguf.mmproj_qwen import QwenMmprojFile, load_qwen_mmproj_weights
 
 _TOWER = "vision_tower.vision_model."
 _FIXED_NAMES = {
@@ -73,7 +75,7 @@ def _parameter_name(file: MmprojFile, tensor_name: str) -> str | None:
     return f"{_TOWER}encoder.layers.{layer}.{_LAYER_PARTS[part]}.{kind}"
 
 
-def _tensor_values(file: MmprojFile, tensor: GGUFTensorInfo) -> torch.Tensor:
+def _tensor_values(file: MmprojFile | QwenMmprojFile, tensor: GGUFTensorInfo) -> torch.Tensor:
     """float32 in torch's shape (GGUF lists dims fastest first)."""
     raw = np.fromfile(file.path, dtype=np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
     if raw.size != tensor.n_bytes:
@@ -92,6 +94,9 @@ def load_mmproj_weights(model: nn.Module, mmproj: str | Path) -> None:
     """The vision tower's and projector's parameters from the mmproj file, dequantized into the
     activation dtype; every one of them must be there (one line naming the first missing ones)."""
     file = read_mmproj(mmproj)
+    if isinstance(file, QwenMmprojFile):
+        load_qwen_mmproj_weights(model, file, _tensor_values)
+        return
     params = dict(model.named_parameters())
     expected = {name for name in params if name.startswith(MMPROJ_PARAMETERS)}
     if not expected:  # a rank > 0 under tensor parallelism: the tower lives on rank 0 only

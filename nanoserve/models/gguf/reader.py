@@ -301,6 +301,33 @@ def _phi3_keys(keys: _Keys, shape: _Shape) -> dict:
     }
 
 
+def mrope_sections(keys: _Keys, head_dim: int) -> tuple[int, ...]:
+    """Qwen2-VL's M-RoPE split of a head's frequencies (temporal, height, width), as llama.cpp's
+    converter writes it (`qwen2vl.rope.dimension_sections`: the checkpoint's mrope_section padded
+    with zeros to four entries); the sections must cover half a head."""
+    key = f"{keys.architecture}.rope.dimension_sections"
+    sections = keys.get("rope.dimension_sections")
+    if not isinstance(sections, list) or not 3 <= len(sections) <= 4:
+        raise GGUFImportError(f"GGUF metadata {key} is {sections!r}, not 3 or 4 whole numbers")
+    if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sections):
+        raise GGUFImportError(f"GGUF metadata {key} is {sections!r}, not 3 or 4 whole numbers")
+    if len(sections) == 4 and sections[3]:
+        raise GGUFImportError(f"GGUF metadata {key} {sections}: a fourth section is not supported")
+    if sum(sections) * 2 != head_dim:
+        raise GGUFImportError(
+            f"GGUF metadata {key} {sections} does not cover half of the head dimension {head_dim}"
+        )
+    return tuple(int(s) for s in sections[:3])
+
+
+def _qwen2vl_keys(keys: _Keys, shape: _Shape) -> dict:
+    """Qwen2-VL / Qwen2.5-VL's language model: Qwen2 with M-RoPE. The sections are checked here;
+    a text-only prompt turns every section by the same position (plain RoPE), so the file alone
+    serves as a Qwen2; beside an mmproj (models/gguf/mmproj_qwen.py) the sections are used."""
+    mrope_sections(keys, shape.head_dim)
+    return {}
+
+
 def _gpt_oss_keys(keys: _Keys, shape: _Shape) -> dict:
     """gpt-oss: biases everywhere, a window on every other layer from the first, clamped SwiGLU."""
     window = keys.get("attention.sliding_window")
@@ -358,12 +385,14 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # (`llama.expert_count`) is a Mixtral, as llama.cpp's converter writes one. gpt-oss
 # (models/gpt_oss.py) keeps HF's rows too, with biases on q/k/v/o, the router and the experts,
 # attention sinks (attn_sinks), YaRN, a sliding window on every other layer from the first, and
-# its experts in MXFP4.
+# its experts in MXFP4. "qwen2vl" (Qwen2-VL and Qwen2.5-VL's language model) is Qwen2 with
+# M-RoPE sections (rope.dimension_sections).
 GGUF_ARCHITECTURES = {
     "llama": GGUFArchitecture(
         "LlamaForCausalLM", "llama", experts=_local_experts, with_experts=_MIXTRAL
     ),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2"),
+    "qwen2vl": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", family=_qwen2vl_keys),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": GGUFArchitecture(
         "Qwen3MoeForCausalLM",
