@@ -179,7 +179,8 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
         data[:at] + b"gemma" + data[at + 5 :]
     )  # same length: the file stays well-formed
     supported = (
-        "'llama', 'qwen2', 'qwen3', 'qwen3moe', 'gpt-oss', 'gemma2', 'gemma3', 'phi3', 'qwen2moe'"
+        "'llama', 'qwen2', 'qwen2vl', 'qwen3', 'qwen3moe', 'gpt-oss', 'gemma2', 'gemma3', 'phi3', "
+        "'qwen2moe'"
     )
     with pytest.raises(
         ValueError, match=rf"architecture 'gemma' is not supported \(supported: {supported}\)"
