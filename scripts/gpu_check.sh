@@ -18,6 +18,9 @@
 #   kernels       decode attention and add+RMSNorm bandwidth against the copy bandwidth, every
 #                 kernel checked against its reference (nanoserve.bench.kernels)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
+#   quant         quantized weights kept on CUDA (issue 57; nanoserve.bench.gpu_quant): every
+#                 format's GEMV and GEMM = its torch reference, timed; GPU memory for the weights
+#                 of a Q4_K_M file of the 1B and the 8B shape against the file's size
 #   serve         nanoserve bench serve at concurrency 1, 16 and 64
 #   tp2           tests/distributed -k tp2_cuda, when 2+ GPUs are visible
 #   report        e2e.json and e2e.md, with the targets (nanoserve.bench.gpu_report)
@@ -48,11 +51,11 @@ main() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET NANOSERVE_KERNELS
     SMOKE=()
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,kernels,throughput,serve,tp2
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,kernels,quant,throughput,serve,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,kernels,throughput,serve
+        DEFAULT_STAGES=setup,tokens,memory,kernels,quant,throughput,serve
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -73,6 +76,7 @@ main() {
     run_stage memory memory 60 $PY -m nanoserve.bench.gpu_e2e memory --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     finish_kernel_tests
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
+    quant
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
     serve
@@ -242,6 +246,20 @@ finish_kernel_tests() {
     done
     for i in "${!SHARDS[@]}"; do echo "### ${SHARDS[$i]}"; cat "$WORK/pytest$i.log"; done >"$OUT_DIR/pytest.log"
     record kernel-tests $result $((SECONDS - KERNEL_TESTS_BEGIN))
+}
+
+# ---- quantized weights on CUDA (issue 57) ----------------------------------------------------
+quant() {
+    wants quant || return 0
+    local run=($PY -m nanoserve.bench.gpu_quant) shapes=(llama-3.2-1b llama-3.1-8b) shape
+    if [ ${#SMOKE[@]} != 0 ]; then  # the CUDA forms on a CPU: Triton's interpreter
+        run=(env NANOSERVE_KERNELS=triton TRITON_INTERPRET=1 "${run[@]}") shapes=(smoke)
+    fi
+    run_stage quant quant-kernels 90 "${run[@]}" quant-kernels --work "$WORK" "${SMOKE[@]}"
+    for shape in "${shapes[@]}"; do
+        run_stage quant "quant-memory-$shape" 120 "${run[@]}" quant-memory --shape "$shape" \
+            --work "$WORK" "${SMOKE[@]}"
+    done
 }
 
 # ---- served benchmark ------------------------------------------------------------------------

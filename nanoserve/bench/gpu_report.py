@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from nanoserve.bench import gpu_quant
+
 BATCH1_SPEEDUP_TARGET = 2.0
 TPOT_TARGET_MS = {"llama-3.2-1b": 3.0}
 
@@ -71,6 +73,7 @@ def targets(stages: list[dict], kernels: dict | None) -> list[dict]:
                         "met": tpot <= TPOT_TARGET_MS[name],
                     }
                 )
+    rows += gpu_quant.report_targets(stages)  # issue 57's quantized weights on CUDA
     for result in (kernels or {}).get("results", []):
         if "target_fraction" in result:
             rows.append(

@@ -21,9 +21,13 @@ from nanoserve.models.config import ModelConfig
 from nanoserve.models.gguf.header import read_gguf_header
 from nanoserve.models.registry import build_model, model_weight_bytes
 
-pytest.importorskip("transformers", reason="the checkpoints are written with transformers")
-
 ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"  # where the layers' kernels run (the interpreter on a CPU)
+if (
+    not ON_CUDA
+):  # before Triton is first imported (transformers imports it; tests/kernels/conftest.py)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("transformers", reason="the checkpoints are written with transformers")
 # our fused layer -> the checkpoint layers stacked in it, in order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -85,8 +89,6 @@ def meaning(source: str, path: Path, file: Path) -> dict[str, torch.Tensor]:
 
 def held_for_triton(monkeypatch):
     monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
     reset_kernel_choice()
     yield
     monkeypatch.delenv("NANOSERVE_KERNELS")
@@ -123,7 +125,7 @@ LAYER_SOURCES = [
 def test_layers_held_for_triton_multiply_as_their_checkpoint_means(tmp_path, triton_forms, source):
     path, file = write_source(source, tmp_path)
     quantization = "fp8" if source.startswith("online") else None
-    model = build(path, torch.float32, "cpu", quantization)
+    model = build(path, torch.float32, DEVICE, quantization)
     weights = meaning(source, path, file)
     generator = torch.Generator().manual_seed(0)
     layers = [
@@ -139,10 +141,10 @@ def test_layers_held_for_triton_multiply_as_their_checkpoint_means(tmp_path, tri
         assert all(part.triton and part.packed is None for part in form.parts), name
         if not name.startswith(last):  # (the interpreter is slow: one decoder layer multiplies)
             continue
-        weight = expected_weight(name, weights)
+        weight = expected_weight(name, weights).to(DEVICE)
         # decode rows (the GEMV) on every layer, prompt rows (the tiled GEMM) on every other one
         for m in (2, 5) if index % 2 == 0 else (2,):
-            x = torch.randn(m, weight.shape[1], generator=generator)
+            x = torch.randn(m, weight.shape[1], generator=generator).to(DEVICE)
             torch.testing.assert_close(
                 form.apply(x, module.weight, None), x @ weight.T, atol=2e-4, rtol=1e-4
             )
@@ -150,7 +152,7 @@ def test_layers_held_for_triton_multiply_as_their_checkpoint_means(tmp_path, tri
         rows = model.model.embed_tokens.file_rows
         assert rows is not None and rows.qtype == "q8_0"
         ids = torch.tensor([[0, 5, 77], [5, 3, 1]])
-        looked_up = model.model.embed_tokens(ids)
+        looked_up = model.model.embed_tokens(ids.to(DEVICE)).cpu()
         torch.testing.assert_close(looked_up, weights["model.embed_tokens.weight"][ids])
         head = model.lm_head.weight_form.parts
         assert (head[0].raw is rows.data) == (not source.endswith("untied"))
