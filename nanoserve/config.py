@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from nanoserve.json_flags import json_object_flag
+from nanoserve.multimodal.image import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, ImageLimits
 from nanoserve.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float", "bf16", "fp16", "fp32")
@@ -23,6 +24,9 @@ HF_OVERRIDE_FIELDS = {
     "is_original_qwen3_reranker",
 }
 POOLING_TASK_FLAGS = ("embed", "embedding", "classify", "score")
+ASYNC_POOLING_REFUSAL = (
+    "--async-scheduling is not supported with pooling models (they sample nothing)"
+)
 
 
 def arg(default=None, help: str = "", **cli):
@@ -42,6 +46,12 @@ class EngineConfig:
         "Hugging Face-layout model directory, or a GGUF file (or a directory holding one) "
         "served with its quantized weights as they are (default: SmolLM2-135M-Instruct, "
         "imported once into bf16)",
+    )
+    # llama-server's --mmproj: a LLaVA's CLIP tower and projector beside a GGUF text model.
+    mmproj: str | None = arg(
+        None,
+        "GGUF mmproj file (llama.cpp's vision tower and projector, LLaVA-1.5's CLIP + mlp) served "
+        "with a GGUF --model as one vision-language model",
     )
     served_model_name: str | None = arg(None, "model name reported by the API")
     tokenizer: str | None = arg(
@@ -116,6 +126,14 @@ class EngineConfig:
         "fcfs: first come, first served (a request's priority must be 0); priority: lower "
         "priority value first, then arrival",
         choices=SCHEDULING_POLICIES,
+    )
+    # vLLM's --async-scheduling (SGLang's overlap scheduler): step N+1 is scheduled and launched
+    # before step N's tokens are collected, so scheduling, output processing and detokenizing run
+    # while the device computes (engine/async_scheduling.py). Off by default, as vLLM's.
+    async_scheduling: bool = arg(
+        False,
+        "schedule and launch each step before collecting the previous one's tokens, so host "
+        "work (scheduling, stop checks, detokenizing) overlaps the device's step",
     )
     # The periodic "Engine 000: Avg prompt throughput ..." line; on for a server, as `vllm serve`
     # (the offline LLM turns it off unless asked, as vLLM's LLM does).
@@ -212,6 +230,16 @@ class EngineConfig:
         "any host with public addresses; a listed host may be an internal one)",
         nargs="+",
     )
+    # One image's limits (multimodal/image.py's ImageLimits; vLLM has no flags for these).
+    max_image_bytes: int = arg(
+        MAX_IMAGE_BYTES,
+        "vision-language models: the bytes one image's data may take (a data: URL's decoded "
+        "base64, an http(s) URL's body); more is a 400",
+    )
+    max_image_pixels: int = arg(
+        MAX_IMAGE_PIXELS,
+        "vision-language models: the pixels (width x height) one image may have; more is a 400",
+    )
     # vLLM's LoRA flags: adapters (PEFT directories) applied per request beside the base weights
     # (nanoserve/lora/). The server's --lora-modules names the ones it serves.
     enable_lora: bool = arg(
@@ -305,6 +333,10 @@ class EngineConfig:
         if self.hf_overrides is not None:
             json_object_flag(self.hf_overrides, "--hf-overrides", HF_OVERRIDE_FIELDS)
         self.max_images_per_prompt  # noqa: B018 (checked now, not at the first image)
+        for name in ("max_image_bytes", "max_image_pixels"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         speculative = self.speculative
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
@@ -316,6 +348,15 @@ class EngineConfig:
             raise ValueError(
                 "speculative decoding with a draft model is not supported with tensor "
                 "parallelism (n-gram speculation is)"
+            )
+        if self.async_scheduling and speculative is not None:
+            raise ValueError("--async-scheduling is not supported with speculative decoding")
+        if self.async_scheduling and (self.runner == "pooling" or pooling_task):
+            raise ValueError(ASYNC_POOLING_REFUSAL)
+        if self.async_scheduling and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--async-scheduling is not supported with pipeline parallelism (its stages "
+                "already overlap the steps of its virtual engines)"
             )
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
@@ -358,6 +399,11 @@ class EngineConfig:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: 'image' must be a count >= 0, got {count!r}")
         return count
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """--limit-mm-per-prompt's image count, --max-image-bytes and --max-image-pixels."""
+        return ImageLimits(self.max_images_per_prompt, self.max_image_bytes, self.max_image_pixels)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

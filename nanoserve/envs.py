@@ -141,6 +141,12 @@ _declare(
     "VLLM_MEDIA_URL_ALLOW_REDIRECTS", None, "vLLM's name for NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS."
 )
 _declare(
+    "NANOSERVE_MEDIA_CA_BUNDLE",
+    None,
+    """A PEM file of CA certificates that https image URLs are
+    also verified against, beside the system's (an internal image host's private CA).""",
+)
+_declare(
     "NANOSERVE_KERNELS",
     "auto",
     """auto (Triton on CUDA, the C++ kernels on a CPU), triton
@@ -277,6 +283,11 @@ def image_fetch_timeout() -> float:
     except (TypeError, ValueError):
         return default
     return seconds if seconds > 0 else default
+
+
+def media_ca_bundle() -> str | None:
+    """NANOSERVE_MEDIA_CA_BUNDLE: the path of a PEM file of extra CA certificates, or None."""
+    return read("NANOSERVE_MEDIA_CA_BUNDLE")
 
 
 def media_url_allow_redirects() -> bool:

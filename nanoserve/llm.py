@@ -46,6 +46,7 @@ class LLM:
             raise TypeError("LLM takes either config= or model= and engine arguments, not both")
         self.llm_engine = LLMEngine(config)
         self.media_fetch = FetchPolicy.create(config.allowed_media_domains)
+        self.image_limits = config.image_limits
         self._counter = itertools.count()
         self.stat_logger = (
             None
@@ -283,15 +284,27 @@ class LLM:
             BeamSearch(self._prompt_ids(prompt), params, self.llm_engine.eos_token_ids)
             for prompt in prompts
         ]
+        # Each beam's request carries its prompt's images (vLLM's multi_modal_data): the encoder
+        # cache and the prefix cache (keyed by image) share their work across the beams.
+        images = [
+            prompt.get("multi_modal_data")
+            if isinstance(prompt, dict)
+            else getattr(prompt, "multi_modal_data", None)
+            for prompt in prompts
+        ]
         while True:
-            work = [(search, tokens) for search in searches for tokens in search.pending()]
+            work = [
+                (search, TokensPrompt(tokens, multi_modal_data=data))
+                for search, data in zip(searches, images)
+                for tokens in search.pending()
+            ]
             if not work:
                 break
             step = SamplingParams(
                 max_tokens=1, temperature=0, logprobs=searches[0].num_logprobs, ignore_eos=True
             )
             outputs = self.generate(
-                [TokensPrompt(tokens) for _, tokens in work],
+                [prompt for _, prompt in work],
                 step,
                 use_tqdm=False,
                 lora_request=lora_request,
@@ -355,7 +368,7 @@ class LLM:
             )
             # The template already carries BOS where the model wants it.
             images = (
-                chat_images(conversation, None, self.media_fetch)
+                chat_images(conversation, self.image_limits, self.media_fetch)
                 if has_images(conversation)
                 else None
             )

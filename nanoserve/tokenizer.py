@@ -19,7 +19,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 
 class ChatTemplateError(ValueError):
-    """The chat template is missing, or refused to render these messages."""
+    """The chat template is missing, or refused to render these messages. `param`: the request
+    field to blame, when one is (an unsupported content part: messages[i].content[j])."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 _GIL_FREE_ENCODE_CHARS = 4096
@@ -261,20 +266,18 @@ class Tokenizer:
         parts = self.image_placeholder is not None and _reads_content_parts(template)
         messages = [
             _assistant_fields(
-                _decode_tool_arguments(_flatten_content(message, self.image_placeholder, parts))
+                _decode_tool_arguments(
+                    _flatten_content(message, self.image_placeholder, parts, f"messages[{i}]")
+                )
             )
-            for message in messages
+            for i, message in enumerate(messages)
         ]
         # A marker after the last message's text shows where that text ends once rendered, so the
         # template's end-of-turn tokens after it can be cut off. It ends in a space: if the template
         # strips that, it strips the message's trailing whitespace too, and so do we (as transformers).
         continue_marker = "NANOSERVE_CONTINUE_FINAL_MESSAGE "
         if continue_final_message:
-            if not messages or not isinstance(messages[-1].get("content"), str):
-                raise ChatTemplateError(
-                    "continue_final_message needs a final message with text content"
-                )
-            messages[-1]["content"] += continue_marker
+            _mark_final_text(messages, continue_marker)
         context = {
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -303,6 +306,22 @@ class Tokenizer:
         return rendered
 
 
+def _mark_final_text(messages: list[dict], marker: str) -> None:
+    """The marker after the final message's text: its content string's, or (content parts, as
+    LLaVA's template reads them) its last text part's, as transformers marks it."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, str):
+        messages[-1]["content"] = content + marker
+        return
+    if isinstance(content, list):
+        for index in range(len(content) - 1, -1, -1):
+            part = content[index]
+            if part.get("type") == "text":
+                content[index] = {**part, "text": part["text"] + marker}
+                return
+    raise ChatTemplateError("continue_final_message needs a final message with text content")
+
+
 # A template that reads a message's content as parts (LLaVA's: `for content in message['content']
 # | selectattr('type', 'equalto', 'image')`), as vLLM's "openai" content format detects it.
 _CONTENT_PARTS = re.compile(r"""for\s+\w+\s+in\s+message(\[['"]content['"]\]|\.content\b)""")
@@ -313,7 +332,10 @@ def _reads_content_parts(template: str) -> bool:
 
 
 def _flatten_content(
-    message: dict, image_placeholder: str | None = None, keep_parts: bool = False
+    message: dict,
+    image_placeholder: str | None = None,
+    keep_parts: bool = False,
+    field: str = "messages",
 ) -> dict:
     """A copy of the message whose content is a string: text parts are joined with newlines,
     an image part (a vision-language model's) is its placeholder where the part was. With
@@ -325,14 +347,18 @@ def _flatten_content(
         message["content"] = [{"type": "text", "text": content}]
     elif isinstance(content, (list, tuple)):
         texts, parts = [], []
-        for part in content:
+        for j, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
                 parts.append({"type": "text", "text": part})
             elif isinstance(part, dict) and part.get("type", "text") == "text" and "text" in part:
                 texts.append(part["text"])
                 parts.append({"type": "text", "text": part["text"]})
-            elif isinstance(part, dict) and part.get("type") == "image_url" and image_placeholder:
+            elif (
+                isinstance(part, dict)
+                and part.get("type") in ("image_url", "image_pil")
+                and image_placeholder
+            ):
                 texts.append(image_placeholder)
                 parts.append({"type": "image"})
             else:
@@ -340,7 +366,8 @@ def _flatten_content(
                 served = "text and image_url" if image_placeholder else "only text"
                 raise ChatTemplateError(
                     f"unsupported message content part of type {kind!r}; this model takes "
-                    f"{served} parts"
+                    f"{served} parts",
+                    f"{field}.content[{j}]",
                 )
         message["content"] = parts if keep_parts else "\n".join(texts)
     return message

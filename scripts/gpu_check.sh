@@ -2,6 +2,7 @@
 # One end-to-end run of nanoserve on one CUDA GPU (sized for the H200: about 8 minutes), from the
 # repository root, with python3. Everything goes to $OUT if set, else benchmarks/gpu/:
 #   gpu_check.log  this script's whole output      kernels.json, kernels.md  kernel benchmark
+#   quant_moe.md   fused MoE on quantized experts
 #   pytest.log     the GPU test run                e2e.json, e2e.md          stages and targets
 #   serve.json, serve.png  the served benchmark
 #
@@ -17,13 +18,25 @@
 #   memory        the KV pool against --gpu-memory-utilization and free memory (gpu_e2e memory)
 #   kernels       decode attention and add+RMSNorm bandwidth against the copy bandwidth, every
 #                 kernel checked against its reference (nanoserve.bench.kernels)
+#   quant-moe     the fused-MoE Triton kernel on quantized experts (GGUF, MXFP4, FP8, int4)
+#                 against its reference, GPU memory held, decode time (nanoserve.bench.gpu_moe_quant)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
 #   quant         quantized weights kept on CUDA (issue 57; nanoserve.bench.gpu_quant): every
 #                 format's GEMV and GEMM = its torch reference, timed; GPU memory for the weights
-#                 of a Q4_K_M file of the 1B and the 8B shape against the file's size
+#                 of a Q4_K_M file of the 1B shape against the file's size (the 8B: 8b-q4_k_m)
+#   async-scheduling  --async-scheduling's greedy tokens = without it (fp32, CUDA graphs), and
+#                 offline tok/s with and without it on SmolLM2 (nanoserve.bench.async_scheduling)
 #   serve         nanoserve bench serve at concurrency 1, 16 and 64
+#   feature-*     one per feature built since run3, beside the kernel tests (tests/gpu_features.py,
+#                 the tests' tiny checkpoints): feature-gguf feature-gptq-awq feature-fp8
+#                 feature-moe-mxfp4 feature-kv-fp8 feature-spec-graphs feature-lora feature-embed;
+#                 each greedy tokens on CUDA = the torch reference (transformers / peft on the
+#                 weights the file means) or the CPU path, and one figure; "features" picks all
+#   8b-*          issue 29 on Llama-3.1-8B's shape, random weights drawn on the GPU and written as
+#                 8b-bf16 (safetensors), 8b-fp8 (128 x 128 blocks), 8b-q4_k_m (a Q4_K_M-like GGUF):
+#                 batch-1 TPOT and the weights' GPU memory (nanoserve.bench.gpu_big); "8b" picks all
 #   tp2           tests/distributed -k tp2_cuda, when 2+ GPUs are visible
-#   report        e2e.json and e2e.md, with the targets (nanoserve.bench.gpu_report)
+#   report        e2e.json and e2e.md, with issue 10's and issue 29's targets (nanoserve.bench.gpu_report)
 #
 # The ONE command, from a session with the device tool (in the checkout the session started in):
 #   scripts/fetch_device_wheels.sh      # here, once: fills .device-wheels/ (gitignored)
@@ -36,7 +49,8 @@
 # on a random model of its shape (same speed; the token checks then compare random weights).
 #
 # Environment: GPU_CHECK_STAGES=tokens,kernels,...  (default: all)  GPU_CHECK_BUDGET_S (470)
-#   GPU_CHECK_WITHOUT_GPU=1: exercise this script on a CPU with tiny models (--smoke), quickly;
+#   GPU_CHECK_WITHOUT_GPU=1: exercise this script on a CPU with tiny models (--smoke; a budget of
+#   1500 s unless GPU_CHECK_BUDGET_S says otherwise: a few minutes on an idle machine);
 #   kernel-tests is then left out unless GPU_CHECK_STAGES names it (the interpreter is slow).
 # pytest and transformers are optional: without them their checks are skipped, with a message.
 # Exit status: 0 all passed, 1 something failed or was skipped for lack of time, 2 no CUDA device.
@@ -51,11 +65,13 @@ main() {
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     unset TRITON_INTERPRET NANOSERVE_KERNELS
     SMOKE=()
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,kernels,quant,throughput,serve,tp2
+    # kernels (met in run1-3) is left out of the GPU default to keep the run inside its budget:
+    # GPU_CHECK_STAGES=kernels runs it.
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,quant-moe,quant,throughput,async-scheduling,serve,8b,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,kernels,quant,throughput,serve
+        DEFAULT_STAGES=setup,tokens,memory,features,kernels,quant-moe,quant,throughput,async-scheduling,serve,8b
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -63,6 +79,7 @@ main() {
     fi
     STAGES=${GPU_CHECK_STAGES:-$DEFAULT_STAGES}
     DEADLINE=${GPU_CHECK_BUDGET_S:-470}
+    [ ${#SMOKE[@]} = 0 ] || DEADLINE=${GPU_CHECK_BUDGET_S:-1500}
     STATUS_FILE=$WORK/stage-status
     : >"$STATUS_FILE"
     status=0
@@ -74,12 +91,16 @@ main() {
     start_kernel_tests
     run_stage tokens tokens 100 $PY -m nanoserve.bench.gpu_e2e tokens --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage memory memory 60 $PY -m nanoserve.bench.gpu_e2e memory --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
+    features
     finish_kernel_tests
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
+    quant_moe
     quant
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
+    run_stage async-scheduling async-scheduling 60 $PY -m nanoserve.bench.async_scheduling --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     serve
+    big_shapes
     tp2
     echo "== report $(date +%T)"
     $PY -m nanoserve.bench.gpu_report --work "$WORK" --out "$OUT_DIR" --stage-status "$STATUS_FILE" || status=1
@@ -87,7 +108,11 @@ main() {
     return $status
 }
 
-wants() { [[ ",$STAGES," == *",$1,"* ]]; }
+wants() {  # wants KEY...: GPU_CHECK_STAGES names one of them
+    local key
+    for key; do [[ ",$STAGES," == *",$key,"* ]] && return 0; done
+    return 1
+}
 
 seconds_left() { echo $((DEADLINE - (SECONDS - started))); }
 
@@ -100,9 +125,15 @@ record() {  # record NAME RESULT SECONDS
 # run_stage KEY NAME CAP COMMAND...: when GPU_CHECK_STAGES has KEY, under min(CAP, the time
 # left less 15 s kept for the report).
 run_stage() {
-    local key=$1 name=$2 cap=$3
-    shift 3
-    wants "$key" || return 0
+    wants "$1" || return 0
+    shift
+    limited "$@"
+}
+
+# limited NAME CAP COMMAND...: the stage NAME under min(CAP, the time left less 15 s), recorded.
+limited() {
+    local name=$1 cap=$2
+    shift 2
     local limit=$(($(seconds_left) - 15))
     [ "$cap" -lt "$limit" ] && limit=$cap
     if [ "$limit" -lt 10 ]; then
@@ -144,7 +175,7 @@ setup() {
     mkdir -p "$models"
     local imported
     imported=$($PY -c "
-from nanoserve.config import nanoserve_home
+from nanoserve.envs import nanoserve_home
 d = nanoserve_home() / 'models' / 'SmolLM2-135M-Instruct'
 print(d if (d / '.nanoserve-import.json').is_file() and (d / 'model.safetensors').is_file() else '')")
     TOKENIZER=.device-wheels/tokenizer
@@ -248,10 +279,18 @@ finish_kernel_tests() {
     record kernel-tests $result $((SECONDS - KERNEL_TESTS_BEGIN))
 }
 
+# ---- the fused-MoE Triton kernel on quantized experts ------------------------------------
+quant_moe() {
+    local name=qwen3-30b-a3b-layer
+    [ ${#SMOKE[@]} = 0 ] || name=smoke
+    run_stage quant-moe quant-moe 75 $PY -m nanoserve.bench.gpu_moe_quant --work "$WORK" \
+        --out "$OUT_DIR" --name "$name" "${SMOKE[@]}"
+}
+
 # ---- quantized weights on CUDA (issue 57) ----------------------------------------------------
 quant() {
     wants quant || return 0
-    local run=($PY -m nanoserve.bench.gpu_quant) shapes=(llama-3.2-1b llama-3.1-8b) shape
+    local run=($PY -m nanoserve.bench.gpu_quant) shapes=(llama-3.2-1b) shape
     if [ ${#SMOKE[@]} != 0 ]; then  # the CUDA forms on a CPU: Triton's interpreter
         run=(env NANOSERVE_KERNELS=triton TRITON_INTERPRET=1 "${run[@]}") shapes=(smoke)
     fi
@@ -277,6 +316,50 @@ serve() {
     fi
     run_stage serve serve 100 $PY -m nanoserve bench serve "${args[@]}" --result-dir "$WORK/serve" --label serve
     cp "$WORK"/serve/serve.json "$WORK"/serve/serve.png "$OUT_DIR/" 2>/dev/null || true
+}
+
+# ---- one check per feature built since run3, beside the kernel tests -----------------------
+# feature NAME CAP: tests/gpu_features.py NAME, when GPU_CHECK_STAGES has feature-NAME or features.
+feature() {
+    wants features "feature-$1" || return 0
+    if [ "$HAVE_FEATURE_DEPS" = 0 ]; then
+        record "feature-$1" skipped-no-transformers 0
+        return
+    fi
+    limited "feature-$1" "$2" $PY -m tests.gpu_features "$1" --work "$WORK" "${SMOKE[@]}"
+}
+
+features() {
+    wants features feature-gguf feature-gptq-awq feature-fp8 feature-moe-mxfp4 feature-kv-fp8 \
+        feature-spec-graphs feature-lora feature-embed || return 0
+    HAVE_FEATURE_DEPS=1
+    if ! $PY -c "import tests.conftest, transformers" 2>/dev/null; then
+        echo "gpu_check: tests/conftest.py or transformers does not import here: no feature checks"
+        HAVE_FEATURE_DEPS=0
+    fi
+    # (one list, one line each: stages other branches add go on lines of their own)
+    feature gguf 60
+    feature gptq-awq 50
+    feature fp8 50
+    feature moe-mxfp4 60
+    feature kv-fp8 50
+    feature spec-graphs 50
+    feature lora 50
+    feature embed 40
+}
+
+# ---- issue 29 on Llama-3.1-8B's shape: random weights drawn on the GPU, one format a stage ----
+# big FORMAT CAP: nanoserve.bench.gpu_big FORMAT (writes the checkpoint, then measures it).
+big() {
+    wants 8b "8b-$1" || return 0
+    limited "8b-$1" "$2" $PY -m nanoserve.bench.gpu_big "$1" --tokenizer "${TOKENIZER:-$SMOL}" \
+        --work "$WORK" "${SMOKE[@]}"
+}
+
+big_shapes() {  # the quantized ones first: they are what issue 57 is about
+    big q4_k_m 90
+    big fp8 80
+    big bf16 100
 }
 
 # ---- tensor parallel equality on 2 GPUs ------------------------------------------------------

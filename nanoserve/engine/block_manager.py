@@ -94,11 +94,14 @@ class BlockManager(BlockCounts):
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
         self.prefix_cache_hits += seq.num_cached_tokens
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Make the sequence's newly completed blocks findable by later requests."""
+    def register_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Make the sequence's newly completed blocks findable by later requests: those within
+        its first `num_tokens` tokens (default: its computed ones; with --async-scheduling the
+        computed ones whose ids are known)."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = num_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, num_full):
             parent = seq.block_hashes[i - 1] if i else self._root(seq)
             tokens = self._block_content(seq, i)

@@ -11,43 +11,57 @@ import torch
 
 from nanoserve.engine.step_input import ImageSlice
 
-# Images whose embeddings are kept (576 rows x hidden each; 64 LLaVA-1.5-7B images: 600 MB in
-# bf16), the least recently used dropped first.
+# Images whose embeddings are kept, the least recently used dropped first: at most 64 images
+# and at most 64 x 576 rows in all (64 LLaVA-1.5-7B images: 600 MB in bf16; a Qwen2.5-VL image
+# may take up to 16,384 rows, so the rows bound what a few large images keep: 260 MB for
+# Qwen2.5-VL-7B's 3,584-wide rows).
 ENCODER_CACHE_ENTRIES = 64
+ENCODER_CACHE_ROWS = 64 * 576
 
 
 class EncoderCache:
-    """Image embeddings ([image_seq_length, hidden]) by image hash, least recently used first."""
+    """Image embeddings ([the image's rows, hidden]) by image hash, least recently used first.
+    An image's row count is its own (LLaVA: image_seq_length; Qwen2.5-VL: from its grid)."""
 
     def __init__(
         self,
-        encode: Callable[[torch.Tensor], torch.Tensor],
+        encode: Callable[[list[torch.Tensor], list[tuple | None]], list[torch.Tensor]],
         device: torch.device,
         max_entries: int = ENCODER_CACHE_ENTRIES,
+        max_rows: int = ENCODER_CACHE_ROWS,
     ):
-        self.encode = encode  # [images, 3, H, W] -> [images, rows, hidden]
+        # (each image's pixel values, each one's grid or None) -> each one's [rows, hidden]
+        self.encode = encode
         self.device = device
-        self.max_entries = max_entries
+        self.max_entries, self.max_rows = max_entries, max_rows
+        self.num_rows = 0  # the kept embeddings' rows, all images together
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_encoded_images = 0  # vision encoder runs, one per image encoded
 
     def embeddings(self, slices: list[ImageSlice]) -> dict[str, torch.Tensor]:
         """Each slice's image's embeddings: cached ones reused, the others encoded in one batch."""
-        missing: dict[str, torch.Tensor] = {}
+        missing: dict[str, ImageSlice] = {}
         for piece in slices:
             if piece.image_hash not in self.entries:
-                missing.setdefault(piece.image_hash, piece.pixel_values)
+                missing.setdefault(piece.image_hash, piece)
         found = {h: self.entries[h] for h in {p.image_hash for p in slices} if h in self.entries}
         if missing:
-            pixels = torch.stack(list(missing.values())).to(self.device)
-            for image_hash, rows in zip(missing, self.encode(pixels), strict=True):
+            pixels = [piece.pixel_values.to(self.device) for piece in missing.values()]
+            grids = [piece.grid_thw for piece in missing.values()]
+            for image_hash, rows in zip(missing, self.encode(pixels, grids), strict=True):
                 found[image_hash] = rows
             self.num_encoded_images += len(missing)
         for image_hash, rows in found.items():
+            if image_hash not in self.entries:
+                self.num_rows += rows.shape[0]
             self.entries[image_hash] = rows
             self.entries.move_to_end(image_hash)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        # (this step's images stay in `found` even where they are dropped here)
+        while self.entries and (
+            len(self.entries) > self.max_entries or self.num_rows > self.max_rows
+        ):
+            _, dropped = self.entries.popitem(last=False)
+            self.num_rows -= dropped.shape[0]
         return found
 
 

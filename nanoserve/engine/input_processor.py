@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,9 +20,13 @@ from nanoserve.engine.structured_output import SequenceGrammar
 from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import PromptType, TextPairPrompt, TextPrompt, TokensPrompt, parse_prompt
 from nanoserve.lora.request import LoRARequest
+from nanoserve.models.gguf.mmproj import mmproj_image_processor
+from nanoserve.models.llava_config import VisionConfig
+from nanoserve.models.qwen2_5_vl_config import QwenVisionConfig
 from nanoserve.multimodal.image import ImageLimits
 from nanoserve.multimodal.inputs import ImagePromptBuilder, PromptImage
 from nanoserve.multimodal.processor import ClipImageProcessor
+from nanoserve.multimodal.qwen_processor import QwenVLImageProcessor
 from nanoserve.outputs import RequestMetrics, RequestOutputKind
 from nanoserve.pooling import PoolerConfig, PoolingState
 from nanoserve.pooling_params import PoolingParams
@@ -48,11 +53,11 @@ class InputProcessor:
         self.images = (  # a vision-language model's image placeholders and preprocessing
             None
             if vision is None
-            else ImagePromptBuilder(
-                ClipImageProcessor.from_dir(model.model_dir, vision.image_size),
-                vision.image_token_id,
-                vision.image_seq_length,
-                ImageLimits(max_images=config.max_images_per_prompt),
+            else image_prompt_builder(
+                vision,
+                model.model_dir,
+                config.image_limits,
+                self.model_config.mmproj_file,
             )
         )
         self._seq_ids = itertools.count()
@@ -88,12 +93,22 @@ class InputProcessor:
         self._check_lengths(len(token_ids), params)
         return prompt_text, token_ids, params, images
 
+    def model_token_ids(self, prompt: TokensPrompt) -> list[int]:
+        """The prompt's token ids as the model reads them (/tokenize): each image placeholder
+        expanded to its image's tokens, the images checked as a request's are."""
+        return self._prompt_images(prompt, list(prompt.prompt_token_ids))[0]
+
     def _prompt_images(
         self, prompt: TextPrompt | TokensPrompt | TextPairPrompt, token_ids: list[int]
     ) -> tuple[list[int], tuple[PromptImage, ...]]:
         """The prompt with each image placeholder expanded to its image's tokens, and the
         images; a text-only model refuses images."""
         data = getattr(prompt, "multi_modal_data", None) or {}
+        if not isinstance(data, dict):
+            raise InvalidRequestError(
+                "multi_modal_data is a dict: {'image': a PIL image or a list of them}",
+                "multi_modal_data",
+            )
         unknown = sorted(set(data) - {"image"})
         if unknown:
             raise InvalidRequestError(
@@ -402,3 +417,30 @@ class InputProcessor:
             (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
         )
         return self.max_model_len * max(longest, 1)
+
+
+def image_prompt_builder(
+    vision: VisionConfig | QwenVisionConfig,
+    model_dir: Path,
+    limits: ImageLimits,
+    mmproj_file: Path | None = None,
+) -> ImagePromptBuilder:
+    """The checkpoint's image processor (preprocessor_config.json; a GGUF mmproj's, --mmproj)
+    and prompt expansion."""
+    if isinstance(vision, QwenVisionConfig):  # each image's token count from its grid
+        processor = QwenVLImageProcessor.from_dir(
+            model_dir, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        )
+        return ImagePromptBuilder(processor, vision.image_token_id, 0, limits)
+    processor = (
+        ClipImageProcessor.from_dir(model_dir, vision.image_size)
+        if mmproj_file is None
+        else mmproj_image_processor(mmproj_file)
+    )
+    return ImagePromptBuilder(
+        processor,
+        vision.image_token_id,
+        vision.image_seq_length,
+        limits,
+        vision.image_fill_token_id,
+    )

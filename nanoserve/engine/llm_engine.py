@@ -11,10 +11,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import NoReturn
 
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.async_scheduling import AsyncScheduling
 from nanoserve.engine.input_processor import InputProcessor
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
@@ -115,6 +117,7 @@ class LLMEngine:
             config.max_cpu_loras or config.max_loras,
             self._loras_in_use,
         )
+        self.async_scheduling = AsyncScheduling.of(self) if config.async_scheduling else None
         freeze_startup_heap()
 
     @property
@@ -274,7 +277,8 @@ class LLMEngine:
         return self.pipeline.in_flight if self.pipeline is not None else []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or any(self.in_flight)
+        overlapped = self.async_scheduling is not None and self.async_scheduling.in_flight
+        return bool(self.requests) or any(self.in_flight) or bool(overlapped)
 
     def stats(self) -> EngineStats:
         lora_registry = self.lora_registry if self.config.enable_lora else None
@@ -301,13 +305,13 @@ class LLMEngine:
         self.lora_registry.finish_removals()
         if self.pipeline is not None:
             return self.pipeline.step()
+        if self.async_scheduling is not None:
+            return self.async_scheduling.step(self._fail_step)
         (scheduler,) = self.schedulers  # without pipeline parallelism there is one virtual engine
         if self.speculation is not None:
             self.speculation.propose(scheduler.running)
         scheduler_output = scheduler.schedule()
-        if (
-            scheduler_output.swap_plan
-        ):  # before the forward pass that may overwrite the freed blocks
+        if scheduler_output.swap_plan:  # before the forward pass that may overwrite the blocks
             self.runner.swap(scheduler_output.swap_plan)
         if not scheduler_output.scheduled_seqs:
             if self.grammars.pending:
@@ -316,19 +320,15 @@ class LLMEngine:
         try:
             return self._run_step(scheduler_output)
         except Exception as error:
-            # With other ranks the step's collectives may be half done: only a restart recovers.
-            if (
-                self.ranks.dead_reason is not None
-                or self.ranks.workers is not None
-                or is_device_fault(error)
-            ):
-                raise
-            request_ids = scheduler_output.request_ids
-            logger.exception(
-                "a step failed; failing its %d request(s), the engine goes on", len(request_ids)
-            )
-            outputs = self.abort_request(request_ids)
-            raise StepError(request_ids, error, outputs) from error
+            self._fail_step(error, scheduler_output.request_ids)
+
+    def _fail_step(self, error: Exception, request_ids: list[str]) -> NoReturn:
+        """A failed step fails its requests (StepError) and the engine goes on. With other ranks
+        the step's collectives may be half done, as after a device fault: only a restart helps."""
+        if self.ranks.dead_reason or self.ranks.workers is not None or is_device_fault(error):
+            raise error
+        logger.exception("a step failed; failing its %d request(s); going on", len(request_ids))
+        raise StepError(request_ids, error, self.abort_request(request_ids)) from error
 
     def _run_step(self, scheduler_output: SchedulerOutput) -> list[StepOutput]:
         now = time.time()

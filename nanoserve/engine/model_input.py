@@ -1,7 +1,11 @@
 """What one step runs: ModelInput (the batch tensors and attention metadata rank 0 builds), and
 its wire format for the other ranks. The step's inputs travel as two broadcasts: a fixed-size
 header and one flat int64 tensor holding every per-step array. A step that swaps KV blocks
-between the device and the host pool sends its copies the same way first (CMD_SWAP)."""
+between the device and the host pool sends its copies the same way first (CMD_SWAP). A step with
+image rows (a vision-language model) sends their embeddings after its payload
+(engine/image_broadcast.py), and with M-RoPE (Qwen2.5-VL) its rows' three positions in the
+payload; any other step's rotary positions are `positions`, the sequences' position shifts
+already added (engine/model_runner._HostRows.add)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.distributed as dist
 
+from nanoserve.engine.image_broadcast import ImageEmbeds
 from nanoserve.engine.step_input import ImageSlice, SeqInput
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.bert import EncoderBatch
@@ -54,13 +59,19 @@ class ModelInput:
     lora_rows: torch.Tensor | None = None
     # Vision-language models: (the step row of a slice's first token, the image slice).
     image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL), only in a step with image rows: each row's (temporal, height, width)
+    # positions [3, rows]; `positions` then stay the KV cache's. Without: `positions` are the
+    # rotary ones (a text row's three M-RoPE positions are one).
+    mrope_positions: torch.Tensor | None = None
+    # Tensor parallelism: the image rows' embeddings as rank 0 sends them to every rank.
+    image_embeds: ImageEmbeds | None = None
 
     @property
     def num_spec_rows(self) -> int:
         return sum(len(spec.proposal) + 1 for spec in self.spec_inputs)
 
 
-HEADER_SIZE = 11  # int64 slots: the command, then its header's fields in order, zero-padded
+HEADER_SIZE = 13  # int64 slots: the command, then its header's fields in order, zero-padded
 CMD_STEP, CMD_STOP, CMD_SWAP, CMD_LORA = 1, 2, 3, 4
 
 
@@ -78,6 +89,8 @@ class StepHeader:
     num_lora_slots: int = 0  # the LoRA slots the payload names (0: no LoRA rows)
     virtual_engine: int = 0  # pipeline parallelism: the step's virtual engine
     tokens_only: bool = False  # pipeline: the last stage sends greedy token ids, not logits
+    num_image_rows: int = 0  # rows that take image embeddings (their values follow the payload)
+    mrope: bool = False  # the payload holds ModelInput.mrope_positions ([3, num_tokens])
 
     def part_sizes(self) -> list[int]:
         """Lengths of the payload's parts, in pack_step's order."""
@@ -91,7 +104,11 @@ class StepHeader:
             num_seqs,
             self.num_logits,
         ]
-        return sizes + [self.num_lora_slots, num_tokens] if self.num_lora_slots else sizes
+        if self.num_lora_slots:
+            sizes += [self.num_lora_slots, num_tokens]
+        if self.mrope:
+            sizes.append(3 * num_tokens)
+        return sizes + [self.num_image_rows] if self.num_image_rows else sizes
 
     def payload_size(self) -> int:
         return sum(self.part_sizes())
@@ -206,6 +223,12 @@ def pack_step(
     if model_input.lora_slots is not None:
         num_lora_slots = len(model_input.lora_slots)
         parts += [torch.tensor(model_input.lora_slots), model_input.lora_rows]
+    mrope = model_input.mrope_positions
+    if mrope is not None:
+        parts.append(mrope.flatten())
+    image_embeds = model_input.image_embeds
+    if image_embeds is not None:
+        parts.append(image_embeds.rows)
     num_seqs, max_blocks = metadata.block_table.shape
     header = StepHeader(
         num_tokens=model_input.input_ids.numel(),
@@ -218,13 +241,15 @@ def pack_step(
         num_lora_slots=num_lora_slots,
         virtual_engine=virtual_engine,
         tokens_only=tokens_only,
+        num_image_rows=0 if image_embeds is None else image_embeds.rows.numel(),
+        mrope=mrope is not None,
     )
     payload = torch.cat([p.to(device=device, dtype=torch.long) for p in parts])
     return header_tensor(header, device), payload
 
 
 def unpack_step(header: StepHeader, payload: torch.Tensor) -> ModelInput:
-    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices, *lora = payload.split(
+    input_ids, positions, slots, table, cu_seqlens, seq_lens, logits_indices, *rest = payload.split(
         header.part_sizes()
     )
     metadata = AttentionMetadata(
@@ -239,7 +264,12 @@ def unpack_step(header: StepHeader, payload: torch.Tensor) -> ModelInput:
     )
     model_input = ModelInput(input_ids, positions, metadata, logits_indices, [])
     if header.num_lora_slots:
-        model_input.lora_slots, model_input.lora_rows = lora[0].tolist(), lora[1]
+        (lora_slots, model_input.lora_rows), rest = rest[:2], rest[2:]
+        model_input.lora_slots = lora_slots.tolist()
+    if header.mrope:
+        model_input.mrope_positions, rest = rest[0].view(3, header.num_tokens), rest[1:]
+    if header.num_image_rows:  # the values come next (image_broadcast.receive_values)
+        model_input.image_embeds = ImageEmbeds(rest[0], None)
     return model_input
 
 

@@ -19,6 +19,7 @@ from nanoserve.distributed.rank import resolve_device_type
 from nanoserve.engine.cuda_graphs import CaptureStats, DecodeGraphs
 from nanoserve.engine.encoder_input import encoder_model_input
 from nanoserve.engine.gpu_memory import MemoryAtStart
+from nanoserve.engine.image_broadcast import gather_image_embeds, receive_values, send_values
 from nanoserve.engine.image_step import EncoderCache, embed_with_images
 from nanoserve.engine.kv_allocation import KVCacheAllocation
 from nanoserve.engine.model_input import (
@@ -39,7 +40,7 @@ from nanoserve.engine.model_input import (
 )
 from nanoserve.engine.pipeline_stage import PipelineStage
 from nanoserve.engine.spec_decode.verify import verify
-from nanoserve.engine.step_input import ImageSlice, SeqInput
+from nanoserve.engine.step_input import PLACEHOLDER_TOKEN, ImageSlice, PreviousTokens, SeqInput
 from nanoserve.engine.swap import SwapPlan
 from nanoserve.kernels.cpu import ops as cpu_ops
 from nanoserve.kernels.cpu.malloc import keep_freed_memory, release_free_memory
@@ -125,10 +126,11 @@ class ModelRunner(KVCacheAllocation):
         self.classifier_head = (
             self.model.classify if "classify" in model_pooling_tasks(model_config) else None
         )
-        # Vision-language models: image embeddings by image hash (engine/image_step.py).
+        # Vision-language models: image embeddings by image hash (engine/image_step.py), on rank
+        # 0 only, which runs the encoder (engine/image_broadcast.py).
         self.encoder_cache = (
-            EncoderCache(self.model.embed_images, self.device)
-            if model_config.vision is not None
+            EncoderCache(self.model.embed_image_list, self.device)
+            if model_config.vision is not None and self.rank == 0
             else None
         )
         self.weight_bytes = model_weight_bytes(self.model)
@@ -224,14 +226,21 @@ class ModelRunner(KVCacheAllocation):
         return lora_batch(self.lora.batch(model_input.lora_rows))
 
     # ---- one step -------------------------------------------------------------------------
-    def prepare(self, inputs: list[SeqInput], block_offset: int = 0) -> ModelInput:
+    def prepare(
+        self,
+        inputs: list[SeqInput],
+        block_offset: int = 0,
+        previous: PreviousTokens | None = None,
+    ) -> ModelInput:
         """Decodes of generated tokens first (one row each), then prompt chunks. On CPU, when some
         layer's weights are not on our GEMM (kernels/cpu/gemm*.cpp), the prompt rows are padded
         to a whole number of PREFILL_ROW_TILE tiles (see AttentionMetadata.prefill_row_tile).
         `inputs`: the scheduled sequences as the scheduler's side describes them
         (engine/seq_inputs.py); nothing here sees or changes a live sequence. `block_offset`:
         where the scheduler's blocks start in the pool (pipeline parallelism gives each virtual
-        engine its own share). An encoder's step: its whole prompts packed."""
+        engine its own share). An encoder's step: its whole prompts packed. `previous`: with
+        --async-scheduling, the step before's sampled tokens, still on the device, which the
+        decode rows holding PLACEHOLDER_TOKEN take (written into the input ids on the device)."""
         if self.encoder:
             return encoder_model_input(inputs, self._to_device)
         decodes: list[SeqInput] = []
@@ -268,6 +277,7 @@ class ModelRunner(KVCacheAllocation):
                 rows.input_ids, rows.positions, rows.slot_mapping, rows.seq_lens, rows.block_rows
             )
             graph_ids, graph_positions, graph_metadata = graphs.inputs(size)
+            self._resolve_placeholders(graph_ids, rows, previous)
             return ModelInput(
                 input_ids=graph_ids,
                 positions=graph_positions,
@@ -282,10 +292,23 @@ class ModelRunner(KVCacheAllocation):
             rows.pad_prompt_rows(num_decode_rows, tile)
         max_seqlen_q = max([1] + [s.num_new_tokens for s in prompts])
         model_input = self._eager_input(rows, num_decode_rows, max_seqlen_q, tile)
+        self._resolve_placeholders(model_input.input_ids, rows, previous)
         if lora_slots is not None:
             model_input.lora_slots = lora_slots
             model_input.lora_rows = self._to_device(rows.lora_rows, torch.long)
         return model_input
+
+    def _resolve_placeholders(
+        self, input_ids: torch.Tensor, rows: _HostRows, previous: PreviousTokens | None
+    ) -> None:
+        """The decode rows whose token the step before sampled get it from that step's tokens
+        on the device, in place: the host never waits for them."""
+        if not rows.placeholder_rows:
+            return
+        assert previous is not None, "a placeholder token without the step that samples it"
+        targets = self._to_device(rows.placeholder_rows, torch.long)
+        sources = self._to_device([previous.row_of[i] for i in rows.placeholder_seqs], torch.long)
+        input_ids[targets] = previous.token_ids[sources].to(input_ids.dtype)
 
     def _eager_input(
         self, rows: _HostRows, num_decodes: int, max_seqlen_q: int, tile: int
@@ -313,6 +336,9 @@ class ModelRunner(KVCacheAllocation):
             spec_inputs=rows.spec_inputs,
             image_rows=rows.image_rows,
         )
+        mrope = rows.mrope_positions()
+        if mrope is not None:
+            model_input.mrope_positions = to_device(mrope.tolist(), torch.long)
         if rows.prompt_logprob_inputs:
             model_input.prompt_logprob_inputs = rows.prompt_logprob_inputs
             model_input.prompt_logprob_targets = to_device(rows.prompt_targets, torch.long)
@@ -338,10 +364,16 @@ class ModelRunner(KVCacheAllocation):
         """The logits of the sampled rows (rank 0), or None. On CUDA the work is queued and
         this returns at once, so the host can prepare sampling while the device computes."""
         if self.world_size > 1:
+            if model_input.image_rows:  # encoded here, placed on every rank
+                model_input.image_embeds = gather_image_embeds(
+                    model_input.image_rows, self.encoder_cache, self.dtype, self.device
+                )
             started = time.perf_counter()
             header, payload = pack_step(model_input, self.device)
             dist.broadcast(header, src=0)
             dist.broadcast(payload, src=0)
+            if model_input.image_embeds is not None:
+                send_values(model_input.image_embeds)
             self.broadcast_seconds += time.perf_counter() - started
             self.broadcast_steps += 1
         return self._forward(model_input)
@@ -395,7 +427,8 @@ class ModelRunner(KVCacheAllocation):
             hidden = self.decode_graphs.run(model_input.graph_size)
             return self.model.compute_logits(hidden[:num_logits])
         hidden = None
-        if self.fused_decode is not None and not model_input.image_rows:
+        images = bool(model_input.image_rows) or model_input.image_embeds is not None
+        if self.fused_decode is not None and not images:
             lora = None
             if model_input.lora_slots is not None:  # the step's adapters into the slots first
                 self.lora.apply(model_input.lora_slots)
@@ -408,19 +441,26 @@ class ModelRunner(KVCacheAllocation):
                     if lora is None
                     else self.fused_decode.run(*inputs, lora)
                 )
-        if hidden is None and model_input.image_rows:
+        if hidden is None and images:
             with self.lora_context(model_input):
-                embeds = embed_with_images(
-                    self.model.embed_tokens,
-                    model_input.input_ids,
-                    model_input.image_rows,
-                    self.encoder_cache,
-                )
+                if model_input.image_embeds is not None:  # tensor parallel: rank 0's rows
+                    embeds = model_input.image_embeds.place(
+                        self.model.embed_tokens(model_input.input_ids)
+                    )
+                else:
+                    embeds = embed_with_images(
+                        self.model.embed_tokens,
+                        model_input.input_ids,
+                        model_input.image_rows,
+                        self.encoder_cache,
+                    )
+                mrope = model_input.mrope_positions
                 hidden = self.model(
                     model_input.input_ids,
                     model_input.positions,
                     model_input.metadata,
                     inputs_embeds=embeds,
+                    **({} if mrope is None else {"mrope_positions": mrope}),
                 )
         if hidden is None:
             with self.lora_context(model_input):
@@ -453,7 +493,15 @@ class ModelRunner(KVCacheAllocation):
             elif isinstance(header, LoRAHeader):
                 self.lora_message(header, payload)
             else:
-                self._forward(unpack_step(header, payload))
+                model_input = unpack_step(header, payload)
+                if model_input.image_embeds is not None:
+                    receive_values(
+                        model_input.image_embeds,
+                        self.model_config.hidden_size,
+                        self.dtype,
+                        self.device,
+                    )
+                self._forward(model_input)
 
     def shutdown(self) -> None:
         if self.world_size > 1 and self.rank == 0:
@@ -491,6 +539,20 @@ class _HostRows:
     lora_slot_of: dict[int, int] = field(default_factory=dict)
     # Vision-language models: (the step row of an image slice's first token, the slice).
     image_rows: list[tuple[int, ImageSlice]] = field(default_factory=list)
+    # M-RoPE: (the step row of a sequence's first token, its rows' [3, n] positions).
+    mrope_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # --async-scheduling: the decode rows holding PLACEHOLDER_TOKEN, and their sequences.
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_seqs: list[int] = field(default_factory=list)
+
+    def mrope_positions(self) -> torch.Tensor | None:
+        """[3, rows]: each row's position thrice, the image rows' M-RoPE ones in their place."""
+        if not self.mrope_rows:
+            return None
+        positions = torch.tensor(self.positions, dtype=torch.long).repeat(3, 1)
+        for row, rows in self.mrope_rows:
+            positions[:, row : row + rows.shape[1]] = rows
+        return positions
 
     def _add_lora_rows(self, item: SeqInput, count: int) -> None:
         if self.lora_rows is not None:
@@ -511,7 +573,7 @@ class _HostRows:
         padded = table + [0] * (self.max_blocks - len(table))
         for position, token in enumerate(item.token_ids, item.start):
             self.input_ids.append(token)
-            self.positions.append(position)
+            self.positions.append(position + item.position_shift)
             self.slot_mapping.append(
                 table[position // block_size] * block_size + position % block_size
             )
@@ -532,9 +594,15 @@ class _HostRows:
             self.prompt_targets.extend(item.prompt_logprob_targets)
             self.prompt_logprob_inputs.append(item)
         self.image_rows.extend((len(self.input_ids) + piece.row, piece) for piece in item.images)
+        if item.mrope_positions is not None:
+            self.mrope_rows.append((len(self.input_ids), item.mrope_positions))
+        if item.is_decode and item.token_ids[0] == PLACEHOLDER_TOKEN:
+            self.placeholder_rows.append(len(self.input_ids))
+            self.placeholder_seqs.append(item.seq_id)
         self.input_ids.extend(item.token_ids)
         self._add_lora_rows(item, count)
-        self.positions.extend(range(start, end))
+        shift = item.position_shift  # M-RoPE: text after images sits earlier than its index
+        self.positions.extend(range(start + shift, end + shift))
         table = self._block_table(item, block_offset)
         self.slot_mapping.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)

@@ -90,6 +90,9 @@ class OutputProcessor:
         self.prompt_tokens_total = 0
         self.prompt_tokens_cached_total = 0
         self.generation_tokens_total = 0
+        # Vision-language models: the images of prompts, and their tokens (in prompt_tokens too).
+        self.prompt_images_total = 0
+        self.prompt_image_tokens_total = 0
 
     def process(
         self,
@@ -145,6 +148,9 @@ class OutputProcessor:
             request.prompt_counted = True
             self.prompt_tokens_total += seq.num_prompt_tokens
             self.prompt_tokens_cached_total += request.metrics.num_cached_tokens
+            if seq.images:
+                self.prompt_images_total += len(seq.images)
+                self.prompt_image_tokens_total += sum(image.length for image in seq.images)
 
     # ---- logprobs ---------------------------------------------------------------------------
     @staticmethod

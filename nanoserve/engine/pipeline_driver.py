@@ -174,6 +174,7 @@ def make_virtual_engines(
             host_pool,
             virtual_engine,
             max_loras=config.max_loras if config.enable_lora else 0,
+            max_model_len=max_len,
         )
         for virtual_engine, manager in enumerate(block_managers)
     ]

@@ -33,8 +33,13 @@ class ScheduledSequence:
 
     @property
     def completes_prompt(self) -> bool:
-        """After this step the sequence has computed every token it holds, so it samples."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """After this step the sequence has computed every token it holds (those still on the
+        device with --async-scheduling included), so it samples."""
+        seq = self.seq
+        return (
+            seq.num_computed_tokens + self.num_new_tokens
+            == seq.num_tokens + seq.num_output_placeholders
+        )
 
 
 @dataclass(slots=True)
@@ -77,12 +82,15 @@ class Scheduler:
         virtual_engine: int = 0,
         max_loras: int = 0,
         whole_prompts: bool = False,
+        max_model_len: int | None = None,
     ):
         """`host_pool`: preempt by swapping into it (None: by recompute). `virtual_engine`: which
         share of the pool `block_manager` hands out (pipeline parallelism). `max_loras`: distinct
         LoRA adapters among the running sequences at most (0: LoRA is off). `whole_prompts`:
         never split a prompt (encoder models' bidirectional attention); one longer than the
-        token budget runs alone in its step."""
+        token budget runs alone in its step. `max_model_len`: the longest a sequence gets (with
+        --async-scheduling, one whose tokens still on the device reach it, or its max_tokens, is
+        finished: it is not scheduled again)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r}")
         self.block_manager = block_manager
@@ -97,6 +105,7 @@ class Scheduler:
         self.virtual_engine = virtual_engine
         self.max_loras = max_loras
         self.whole_prompts = whole_prompts
+        self.max_model_len = max_model_len
         self.num_preemptions = 0
         self.num_swap_outs = 0
 
@@ -177,6 +186,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if seq.num_output_placeholders and self._reaches_its_length(seq):
+                continue  # its last token is on the device: collecting it finishes the sequence
             num_new = self._num_new_running(seq, budget)
             while not self.block_manager.can_allocate(seq, num_new):
                 victim = self.running[-1]
@@ -194,9 +205,8 @@ class Scheduler:
         """A running sequence's tokens this step: what it has not computed, and its proposed
         tokens (speculative decoding) as far as the budget and the free blocks allow: a proposal
         is cut, never the cause of a preemption."""
-        num_new = min(
-            seq.num_tokens - seq.num_computed_tokens + len(seq.proposal.token_ids), budget
-        )
+        num_tokens = seq.num_tokens + seq.num_output_placeholders
+        num_new = min(num_tokens - seq.num_computed_tokens + len(seq.proposal.token_ids), budget)
         if seq.proposal.token_ids:
             del seq.proposal.token_ids[max(0, num_new - 1) :]
             if not self.block_manager.can_allocate(seq, num_new):
@@ -204,11 +214,22 @@ class Scheduler:
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         return num_new
 
+    def _reaches_its_length(self, seq: Sequence) -> bool:
+        """Its tokens, those still on the device included, reach its max_tokens or the model's
+        length (output_processor.check_stop's "length"), so it finishes whatever they are."""
+        if self.max_model_len is None:
+            return False
+        num_output = seq.num_output_tokens + seq.num_output_placeholders
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
+            return True
+        return seq.num_tokens + seq.num_output_placeholders >= self.max_model_len
+
     def _schedule_swapped(self, output: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in order, while their blocks fit."""
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            if not self._lora_fits(seq, self._running_loras()):
+            if not seq.is_schedulable or not self._lora_fits(seq, self._running_loras()):
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new):

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from nanoserve.engine.model_input import ModelInput
 from nanoserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.step_input import ImageSlice, SamplingInput, SeqInput
+from nanoserve.engine.step_input import PLACEHOLDER_TOKEN, ImageSlice, SamplingInput, SeqInput
+from nanoserve.multimodal.mrope import mrope_positions, overlaps_image, rope_shift, uses_mrope
 
 
 def sampling_input(seq: Sequence) -> SamplingInput:
@@ -22,7 +23,8 @@ def sampling_input(seq: Sequence) -> SamplingInput:
         seq_id=seq.seq_id,
         params=params,
         generator=seq.generator,
-        num_output_tokens=seq.num_output_tokens,
+        # (a token still on the device counts: min_tokens holds EOS back until it is out)
+        num_output_tokens=seq.num_output_tokens + seq.num_output_placeholders,
         output_token_ids=tuple(seq.output_token_ids) if penalized else (),
         prompt_token_ids=tuple(seq.token_ids[: seq.num_prompt_tokens]) if repetition else (),
         grammar=seq.grammar,
@@ -36,11 +38,20 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
     start = seq.num_computed_tokens
     end = start + item.num_new_tokens
     offset, targets = 0, ()
+    shift, mrope = 0, None  # M-RoPE (multimodal/mrope.py): a sequence with Qwen2.5-VL's images
+    if seq.images and uses_mrope(seq.images):
+        if overlaps_image(seq.images, start, end):
+            mrope = mrope_positions(seq.images, start, end)
+        else:
+            shift = rope_shift(seq.images, start)
     if proposal.token_ids:
         token_ids = (seq.token_ids[start], *proposal.token_ids)
         assert start == seq.num_tokens - 1 and len(token_ids) == item.num_new_tokens
     else:
         token_ids = tuple(seq.token_ids[start:end])
+        if len(token_ids) < end - start:  # --async-scheduling: its last token is on the device
+            assert end - start == 1 and seq.num_output_placeholders, "a placeholder in a prompt"
+            token_ids = (PLACEHOLDER_TOKEN,)
         if seq.needs_prompt_logprobs:
             offset, targets = _prompt_logprob_targets(seq, start, end)
     return SeqInput(
@@ -59,6 +70,8 @@ def seq_input(item: ScheduledSequence) -> SeqInput:
         prompt_logprob_targets=targets,
         token_type_ids=tuple(seq.token_type_ids[start:end]) if seq.token_type_ids else (),
         images=image_slices(seq, start, start + len(token_ids)) if seq.images else (),
+        position_shift=shift,
+        mrope_positions=mrope,
     )
 
 
@@ -75,6 +88,7 @@ def image_slices(seq: Sequence, start: int, end: int) -> tuple[ImageSlice, ...]:
                     row=first - start,
                     offset=first - image.position,
                     count=last - first,
+                    grid_thw=image.grid_thw,
                 )
             )
     return tuple(slices)

@@ -51,6 +51,10 @@ class Sequence:
     arrival_order: int
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # --async-scheduling: tokens sampled by steps launched but not yet collected (at most 2: the
+    # step in flight and the one just launched). The scheduler counts them as the sequence's;
+    # the next step's input refers to them on the device (engine/async_scheduling.py).
+    num_output_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)  # while swapped out
     num_hashed_blocks: int = 0  # leading full blocks registered in the prefix cache
@@ -102,8 +106,10 @@ class Sequence:
 
     @property
     def is_schedulable(self) -> bool:
-        """False while its grammar is still compiling: it waits in the queue, others go first."""
-        return self.grammar is None or self.grammar.is_ready
+        """False while its grammar is still compiling: it waits in the queue, others go first.
+        (And, never seen in practice, while a preempted sequence's last token is still coming:
+        with --async-scheduling it is collected before the next schedule.)"""
+        return (self.grammar is None or self.grammar.is_ready) and not self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from nanoserve.config import EngineConfig
 from nanoserve.models.config import ModelConfig
+from nanoserve.models.gguf.mmproj import attach_image_token
 from nanoserve.models.gguf.model import check_quantization, find_gguf_file, gguf_tokenizer
 from nanoserve.models.registry import (
     check_pipeline_support,
@@ -40,7 +42,7 @@ def open_model(config: EngineConfig) -> ModelFiles:
     """Find the model, check that it can be served as asked, read its config and tokenizer."""
     model_dir = resolve_model_dir(config.model)
     check_quantization(config.quantization, model_dir)
-    model_config = ModelConfig.from_dir(model_dir, config.model_overrides)
+    model_config = ModelConfig.from_dir(model_dir, config.model_overrides, config.mmproj)
     pooler = make_pooler(config, model_config, model_dir)
     tokenizer = load_tokenizer(config.tokenizer, model_dir)
     max_model_len = requested_max_model_len(config, model_config)
@@ -55,9 +57,12 @@ def open_model(config: EngineConfig) -> ModelFiles:
         config.tensor_parallel_size,
         speculative is not None and speculative.method == "draft_model",
     )
+    if model_config.mmproj_file is not None:  # "<image>", or llama.cpp's "<__media__>"
+        vision = attach_image_token(tokenizer, model_config.vision)
+        model_config = dataclasses.replace(model_config, vision=vision)
     if model_config.vision is not None:  # chat templates render image parts as this text
-        tokenizer.image_placeholder = tokenizer.backend.id_to_token(
-            model_config.vision.image_token_id
+        tokenizer.image_placeholder = "".join(  # Qwen2.5-VL's: its vision start and end too
+            tokenizer.backend.id_to_token(i) for i in model_config.vision.placeholder_token_ids
         )
     tasks = model_pooling_tasks(model_config) if pooler is not None else ()
     default_task = tasks[0] if tasks else None

@@ -4,8 +4,10 @@
     Running: 4 reqs, Waiting: 0 reqs, GPU KV cache usage: 12.5%, Prefix cache hit rate: 40.0%
 
 Throughputs are the engine's token counters' growth since the previous line over the time
-between them. "Preemptions: N" joins the line when the interval had any. A line whose interval
-and the one before it moved no tokens goes to DEBUG, so an idle server stays quiet at INFO.
+between them. "Preemptions: N" joins the line when the interval had any, and so does "Prompt
+image tokens: N (M images)" (a vision-language model's prompt images; the prompt throughput
+counts their tokens too). A line whose interval and the one before it moved no tokens goes to
+DEBUG, so an idle server stays quiet at INFO.
 The KV cache is named "GPU KV cache" on every device, as vLLM's CPU backend names it too.
 """
 
@@ -33,6 +35,8 @@ class LoggingStatLogger:
         self.prompt_tokens = stats.prompt_tokens_total
         self.generation_tokens = stats.generation_tokens_total
         self.preemptions = stats.num_preemptions_total
+        self.images = stats.prompt_images_total
+        self.image_tokens = stats.prompt_image_tokens_total
         self.spec = stats.spec_decoding
 
     def maybe_log(self, stats: EngineStats, now: float | None = None) -> None:
@@ -52,6 +56,8 @@ class LoggingStatLogger:
             else 0.0
         )
         preemptions = stats.num_preemptions_total - self.preemptions
+        images = stats.prompt_images_total - self.images
+        image_tokens = stats.prompt_image_tokens_total - self.image_tokens
         previous_spec = self.spec
         self._mark(stats, now)
         idle = not any(
@@ -68,6 +74,9 @@ class LoggingStatLogger:
         if preemptions > 0:
             parts.append("Preemptions: %d")
             args.append(preemptions)
+        if images > 0:
+            parts.append("Prompt image tokens: %d (%d images)")
+            args += [image_tokens, images]
         queries = stats.prefix_cache_queries_total
         hit_rate = stats.prefix_cache_hits_total / queries if queries else 0.0
         parts += ["GPU KV cache usage: %.1f%%", "Prefix cache hit rate: %.1f%%"]

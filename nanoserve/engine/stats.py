@@ -37,6 +37,8 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     prompt_tokens_cached_total: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_images_total: int = 0  # vision-language models: the images of prompts
+    prompt_image_tokens_total: int = 0  # and their tokens (counted in prompt_tokens_total too)
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_swapped: int = 0  # requests with a sequence swapped out to the host pool
@@ -69,6 +71,8 @@ def collect_stats(
         prompt_tokens_total=tokens.prompt_tokens_total,
         generation_tokens_total=tokens.generation_tokens_total,
         prompt_tokens_cached_total=tokens.prompt_tokens_cached_total,
+        prompt_images_total=tokens.prompt_images_total,
+        prompt_image_tokens_total=tokens.prompt_image_tokens_total,
         block_size=config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
         num_swapped=len({s.request_id for x in schedulers for s in x.swapped}),

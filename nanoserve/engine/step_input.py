@@ -22,10 +22,11 @@ class ImageSlice:
     of them, at the sequence's rows from `row` on (a chunk of the prompt may cut the image)."""
 
     image_hash: str  # the encoder cache's key
-    pixel_values: torch.Tensor  # [3, H, W]: encoded when the cache lacks the image
+    pixel_values: torch.Tensor  # encoded when the cache lacks the image ([3, H, W]; Qwen: rows)
     row: int  # among the SeqInput's token_ids
     offset: int
     count: int
+    grid_thw: tuple[int, int, int] | None = None  # Qwen2.5-VL: the image's grid in patches
 
 
 # frozen: nothing that reads one can change it; eq=False: compared by identity (tensors inside).
@@ -43,6 +44,21 @@ class SamplingInput:
     prompt_token_ids: tuple[int, ...] = ()
     # Structured outputs: the matcher that fills its row's token bitmask (None: unconstrained).
     grammar: SequenceGrammar | None = None
+
+
+# --async-scheduling: in a SeqInput's token_ids, the token its sequence sampled in the step
+# before, not yet known on the host; the model runner takes it from that step's sampled tokens
+# on the device (PreviousTokens), as SGLang resolves its future token ids.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreviousTokens:
+    """The tokens the step before sampled, still on the device ([S] int64), and each sampling
+    sequence's row among them, by seq_id."""
+
+    token_ids: torch.Tensor
+    row_of: dict[int, int]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -73,6 +89,11 @@ class SeqInput:
     token_type_ids: tuple[int, ...] = ()
     # Vision-language models: the images whose tokens are among token_ids (empty: none).
     images: tuple[ImageSlice, ...] = ()
+    # M-RoPE (Qwen2.5-VL, multimodal/mrope.py): rows that hold image tokens get their
+    # (temporal, height, width) positions [3, num_new_tokens]; the others' rotary position is
+    # their position plus position_shift (how much earlier the images before them put them).
+    position_shift: int = 0
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def num_new_tokens(self) -> int:

@@ -55,7 +55,7 @@ def run_worker(device: torch.device, config: EngineConfig, model_dir: str) -> No
     """A rank > 0, after it joined the process group on `device` (launcher.WorkerGroup's target)."""
     runner = ModelRunner(
         config,
-        ModelConfig.from_dir(model_dir, config.model_overrides),
+        ModelConfig.from_dir(model_dir, config.model_overrides, config.mmproj),
         Path(model_dir),
         device=device,
     )
@@ -70,5 +70,7 @@ def start_workers(config: EngineConfig, topology: Topology, model_dir: str) -> W
 def run_node(config: EngineConfig, model_dir: str) -> int:
     """A host with --node-rank > 0 (`nanoserve serve --node-rank K`): run its ranks until rank 0
     stops them (or one fails); the exit code."""
-    topology = plan_topology(config, ModelConfig.from_dir(model_dir, config.model_overrides))
+    topology = plan_topology(
+        config, ModelConfig.from_dir(model_dir, config.model_overrides, config.mmproj)
+    )
     return run_ranks(topology, run_worker, (config, model_dir))

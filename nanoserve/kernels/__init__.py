@@ -32,6 +32,7 @@ from nanoserve.kernels.rotary import (
     apply_rotary_reference,
     apply_rotary_triton,
     build_cos_sin_cache,
+    mrope_cos_sin,
 )
 from nanoserve.kernels.token_bitmask import (
     apply_token_bitmask_cpu,
@@ -339,6 +340,7 @@ __all__ = [
     "apply_rotary",
     "apply_token_bitmask",
     "build_cos_sin_cache",
+    "mrope_cos_sin",
     "fused_add_rms_norm",
     "fused_decode_layers",
     "fused_decode_layers_available",

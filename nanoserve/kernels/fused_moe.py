@@ -15,7 +15,9 @@ with one signature:
   (`moe_align_block_size`, every size fixed by the number of rows, experts and BLOCK_M, never
   read back from the GPU, so a decode step can be captured in a CUDA graph), a block of rows
   multiplying one expert's matrix: two launches of `_grouped_gemm_kernel` (gate/up from the
-  token rows, down from the SiLU x mul rows), then the same fp32 top-k sum.
+  token rows, down from the SiLU x mul rows), then the same fp32 top-k sum. Quantized experts
+  stay in their blocks there (kernels/fused_moe_quant.py's ExpertBlocks), dequantized in
+  registers by the same grouping's kernel.
 
 Expert parallelism: `topk_ids` holds local expert indices, -1 for experts on other ranks; those
 slots contribute nothing here (their rank adds them in the all-reduce).
@@ -24,7 +26,8 @@ slots contribute nothing here (their rank adds them in the all-reduce).
 and down outputs. `packed`: (packed13, packed2), each the stacked bf16 packings of
 `pack_expert_weights` or a list of kernels/quant.py QuantWeights, one per expert (a quantized
 checkpoint's experts, kept in a kernel format on the CPU: the grouped path multiplies them with
-quant_gemm, whose rows are invariant to the batch too; the loop reads them dequantized).
+quant_gemm, whose rows are invariant to the batch too; the loop reads them dequantized), or an
+ExpertBlocks (a quantized checkpoint's experts on CUDA: the Triton path multiplies them).
 `activation`: what turns a gate/up row into the down GEMM's input (SiLU x mul unless a family
 says otherwise: gpt-oss's `swiglu_oai`).
 """
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from nanoserve.kernels import quant, silu_and_mul
 from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.cpu import ops as cpu_ops
+from nanoserve.kernels.fused_moe_quant import ExpertBlocks, quant_grouped_gemm
 from nanoserve.kernels.gemm import gemm_packing, unquantized_gemm
 from nanoserve.kernels.triton_utils import cdiv, check_triton_device, lazy_jit
 
@@ -166,6 +170,8 @@ def unpacked_experts(weights: torch.Tensor, packed) -> torch.Tensor:
     `weights` as they are else."""
     if not weights.is_meta or packed is None:
         return weights
+    if isinstance(packed, ExpertBlocks):  # quantized experts held for the Triton kernel
+        return packed.dequantized(weights.dtype).to(packed.device)
     if isinstance(packed, (list, tuple)):
         return torch.stack([quant.dequantize_weight(w) for w in packed]).to(weights.dtype)
     return torch.stack(
@@ -377,6 +383,14 @@ def moe_align_block_size(
 
 
 def _launch(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m) -> None:
+    """One grouped GEMM: `weights` the float matrices [experts, n, k] or an ExpertBlocks
+    (quantized experts, kernels/fused_moe_quant.py)."""
+    if isinstance(weights, ExpertBlocks):
+        quant_grouped_gemm(a, weights, out, sorted_rows, block_experts, a_rows_per_row, block_m)
+        return
+    check_triton_device(a, weights)
+    if weights.stride(2) != 1:
+        raise ValueError("the expert weights must be contiguous in their last dimension")
     num_experts, n, k = weights.shape
     grid = (block_experts.shape[0], cdiv(n, BLOCK_N))
     _grouped_gemm_kernel[grid](
@@ -414,27 +428,38 @@ def _add_expert_bias_(
     rows += torch.where((ids >= 0)[:, None], bias[ids.clamp(min=0)], 0).to(rows.dtype)
 
 
+def _matrix_shape(weights) -> tuple[int, int, int]:
+    """(experts, n, k) of float matrices or an ExpertBlocks."""
+    if isinstance(weights, ExpertBlocks):
+        return weights.num_experts, weights.n, weights.k
+    return tuple(weights.shape)
+
+
 def fused_experts_triton(
     hidden, w13, w2, topk_weights, topk_ids, packed=None, bias=None, activation=None
 ) -> torch.Tensor:
-    """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton."""
+    """As kernels/fused_moe.fused_experts_reference, with the grouped GEMMs in Triton. `packed`:
+    None, or (w13's, w2's) ExpertBlocks or None each: a matrix held quantized is multiplied
+    from its blocks (its parameter may be on the meta device)."""
     check_moe_shapes(hidden, w13, w2, topk_weights, topk_ids)
-    check_triton_device(hidden, w13, w2, topk_weights, topk_ids)
-    if hidden.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError("hidden and the expert weights must be contiguous in their last dimension")
+    check_triton_device(hidden, topk_weights, topk_ids)
+    if hidden.stride(1) != 1:
+        raise ValueError("hidden must be contiguous in its last dimension")
+    packed13, packed2 = packed if packed is not None else (None, None)
+    w13 = packed13 if isinstance(packed13, ExpertBlocks) else w13
+    w2 = packed2 if isinstance(packed2, ExpertBlocks) else w2
     tokens, top_k = topk_ids.shape
+    num_experts, two_inter, size = _matrix_shape(w13)
     # tl.dot needs >= 16 rows. Few rows per expert (decode): 16, little padding; many
     # (prefill): 64, each expert's matrix tile read once for more rows.
-    block_m = 16 if tokens * top_k <= 32 * w13.shape[0] else 64
-    sorted_rows, block_experts = moe_align_block_size(topk_ids, w13.shape[0], block_m)
-    gate_up = torch.empty((tokens * top_k, w13.shape[1]), dtype=hidden.dtype, device=hidden.device)
+    block_m = 16 if tokens * top_k <= 32 * num_experts else 64
+    sorted_rows, block_experts = moe_align_block_size(topk_ids, num_experts, block_m)
+    gate_up = torch.empty((tokens * top_k, two_inter), dtype=hidden.dtype, device=hidden.device)
     _launch(hidden, w13, gate_up, sorted_rows, block_experts, top_k, block_m)
     b13, b2 = bias if bias is not None else (None, None)
     _add_expert_bias_(gate_up, b13, topk_ids)
     act = (activation or silu_and_mul)(gate_up)
-    expert_rows = torch.zeros(
-        (tokens * top_k, w2.shape[1]), dtype=hidden.dtype, device=hidden.device
-    )
+    expert_rows = torch.zeros((tokens * top_k, size), dtype=hidden.dtype, device=hidden.device)
     _launch(act, w2, expert_rows, sorted_rows, block_experts, 1, block_m)
     _add_expert_bias_(expert_rows, b2, topk_ids)
     return combine_topk(
@@ -469,15 +494,23 @@ def fused_experts(
         out = cpu_ops.moe_experts(hidden, table, topk_ids, topk_weights, w13.shape[1] // 2)
         if out is not None:
             return out
-    if choice == "reference" or choice == "triton" or hidden.is_cuda:
-        packed13, packed2 = packed if packed is not None else (None, None)
-        w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
+    packed13, packed2 = packed if packed is not None else (None, None)
+    blocks = isinstance(packed13, ExpertBlocks) or isinstance(packed2, ExpertBlocks)
     if choice == "reference":
+        w13, w2 = unpacked_experts(w13, packed13), unpacked_experts(w2, packed2)
         return fused_experts_reference(
             hidden, w13, w2, topk_weights, topk_ids, None, bias, activation
         )
-    if choice == "triton" or hidden.is_cuda:
-        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, None, bias, activation)
+    if choice == "triton" or hidden.is_cuda or blocks:
+        # Experts held in blocks for the Triton kernel (kernels/fused_moe_quant.py) stay so;
+        # other packings are read back as float matrices.
+        if not isinstance(packed13, ExpertBlocks):
+            w13, packed13 = unpacked_experts(w13, packed13), None
+        if not isinstance(packed2, ExpertBlocks):
+            w2, packed2 = unpacked_experts(w2, packed2), None
+        return fused_experts_triton(
+            hidden, w13, w2, topk_weights, topk_ids, (packed13, packed2), bias, activation
+        )
     return fused_experts_grouped(hidden, w13, w2, topk_weights, topk_ids, packed, bias, activation)
 
 

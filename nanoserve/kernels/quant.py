@@ -657,13 +657,6 @@ def _pack_in_slices(w: QuantWeight) -> torch.Tensor:
     return packed
 
 
-def takes_components(device: torch.device) -> bool:
-    """Whether a MoE expert given as components (not GGUF bytes) stays in them on `device`: on a
-    CPU (the C++ kernel, or reference_gemm); CUDA's experts are dequantized at load. Linear
-    layers ask `linear_keeps_blocks`."""
-    return device.type == "cpu"
-
-
 def held_for_triton(device: torch.device) -> bool:
     """Whether quantized weights on `device` are held in the Triton kernels' form (`place`): on
     CUDA, and on a CPU under NANOSERVE_KERNELS=triton (the interpreter: the CUDA path's load and

@@ -31,6 +31,7 @@ from nanoserve.kernels.quant_blocks import KERNEL_FORMATS, OFFSETS, dequantize_g
 from nanoserve.kernels.triton_utils import bind_helpers, cdiv, check_triton_device, lazy_jit
 
 tl = None  # triton.language, bound on the first Triton launch (see triton_utils)
+_gguf_chunk = gguf_chunk  # kernels/fused_moe_quant.py's name for it (bound by _bind_helpers)
 
 
 @lazy_jit

@@ -38,6 +38,25 @@ def build_cos_sin_cache(
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention).float()
 
 
+def mrope_cos_sin(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, mrope_section: tuple[int, ...]
+) -> torch.Tensor:
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL): [rows, rotary_dim], one cos/sin row per token, its
+    frequencies split in sections (temporal, height, width: mrope_section, summing to
+    rotary_dim / 2) each turned by the token's position of that section. positions: [3, rows].
+    Given with positions 0..rows-1 to the rotary kernels, it rotates each row as its own."""
+    half = cos_sin_cache.shape[1] // 2
+    assert sum(mrope_section) == half and positions.shape[0] == len(mrope_section)
+    rows = [cos_sin_cache.index_select(0, p) for p in positions.long()]  # [rows, 2 * half] each
+    pieces, start = [], 0
+    for section, size in enumerate(mrope_section):
+        pieces.append((section, start, start + size))
+        start += size
+    cos = torch.cat([rows[i][:, a:b] for i, a, b in pieces], dim=1)
+    sin = torch.cat([rows[i][:, half + a : half + b] for i, a, b in pieces], dim=1)
+    return torch.cat([cos, sin], dim=1)
+
+
 def _longrope_cache(
     head_dim: int, max_position: int, base: float, rope_scaling: dict
 ) -> torch.Tensor:

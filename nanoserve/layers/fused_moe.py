@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_world_size
-from nanoserve.kernels import quant
 from nanoserve.kernels.fused_moe import fused_moe
+from nanoserve.kernels.fused_moe_quant import quantized_expert_form
 from nanoserve.layers.expert_weights import MATRICES, ExpertWeights
 from nanoserve.layers.linear import LinearBase, RowTiling
 from nanoserve.layers.quant_experts import (
@@ -89,12 +89,14 @@ class FusedMoE(nn.Module):
             self.inter = intermediate_size // tp_size
             self.expert_map = None
         self.tp_rank = tp_rank
+        # Allocated by the first float expert the loader writes (_allocate): a quantized
+        # checkpoint's experts never take a float copy's memory, not even during the load.
         self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * self.inter, hidden_size, dtype=dtype),
+            _unallocated((self.num_local_experts, 2 * self.inter, hidden_size), dtype),
             requires_grad=False,
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, self.inter, dtype=dtype),
+            _unallocated((self.num_local_experts, hidden_size, self.inter), dtype),
             requires_grad=False,
         )
         self.w13_weight.weight_loader = self.weight_loader
@@ -114,7 +116,7 @@ class FusedMoE(nn.Module):
         # (layers/expert_weights.py); a quantized checkpoint's experts are staged until whole.
         self.expert_weights = ExpertWeights()
         self.quant_staging = QuantExpertStaging(
-            self.num_local_experts, {"w13": hidden_size, "w2": self.inter}
+            self.num_local_experts, {"w13": hidden_size, "w2": self.inter}, self.w13_weight.device
         )
 
     def weight_loader(
@@ -141,6 +143,7 @@ class FusedMoE(nn.Module):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
+        _allocate(param)
         start = 0 if self.expert_parallel else self.tp_rank * self.inter
         if part is None:
             param.data[local].copy_(loaded[:, start : start + self.inter])
@@ -151,9 +154,9 @@ class FusedMoE(nn.Module):
 
     def _load_stacked_quantized(self, param: nn.Parameter, loaded) -> None:
         """Every expert's matrix in one quantized tensor, [experts, outputs (gate rows then up rows
-        for w13), inputs]: kept in its kernel format where the quantized kernels run (CPU) and
-        the shard is whole blocks, dequantized into the parameter otherwise."""
-        if not quant.takes_components(param.device) or not self.takes_quantized(param):
+        for w13), inputs]: kept in its kernel format where the quantized kernels take it
+        (keeps_quantized), dequantized into the parameter otherwise."""
+        if not self.keeps_quantized(param, loaded.qtype):
             FusedMoE.weight_loader(
                 self, param, loaded.dequantized(param.dtype), (None, None)
             )  # our layout
@@ -177,6 +180,14 @@ class FusedMoE(nn.Module):
         """Whether this rank's shard of the matrix is whole blocks of 32 inputs (down's inputs
         are the split intermediate dimension)."""
         return param is self.w13_weight or self.expert_parallel or self.inter % BLOCK == 0
+
+    def keeps_quantized(self, param: nn.Parameter, qtype: str) -> bool:
+        """Whether experts of kernel format `qtype` stay quantized in this matrix: the kernels
+        on its device take them (kernels/fused_moe_quant.quantized_expert_form: the C++ ones on
+        a CPU, the fused-MoE Triton kernel on CUDA) and the shard is whole blocks."""
+        return quantized_expert_form(param.device, qtype) is not None and self.takes_quantized(
+            param
+        )
 
     def load_quantized(
         self,
@@ -215,7 +226,9 @@ class FusedMoE(nn.Module):
         param = self.w13_weight if matrix == "w13" else self.w2_weight
         if param.is_meta:  # a quantized matrix's, since its experts were finished
             return
-        meta = nn.Parameter(param.detach().to("meta"), requires_grad=False)
+        meta = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+        )
         if matrix == "w13":
             self.w13_weight = meta
         else:
@@ -272,6 +285,17 @@ class FusedMoE(nn.Module):
             self.expert_weights.cpu_table,
         )
         return all_reduce(out)
+
+
+def _unallocated(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of `shape` on the default device that holds one element (every stride 0)."""
+    return torch.empty((), dtype=dtype).expand(shape)
+
+
+def _allocate(param: nn.Parameter) -> None:
+    """Gives an _unallocated parameter its memory (same identity, shape, dtype and device)."""
+    if param.dim() and param.stride(-1) == 0:
+        param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
 
 
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")

@@ -2,7 +2,9 @@
 
 Each parameter owns a ``weight_loader(param, loaded, shard_id=None)``; the loader is handed a
 lazy slice object (safetensors ``get_slice``) or a tensor, and reads only this rank's rows or
-columns, so a rank holds about 1/N of the weights.
+columns, so a rank holds about 1/N of the weights. A layer built with ``disable_tp=True`` (vLLM's
+flag) is whole on the rank that builds it and never all-reduces: a vision tower that runs on
+rank 0 only (models/llava.py, models/qwen2_5_vl.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ def qkv_heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple
     return heads, 1
 
 
+def _tp_size(disable_tp: bool) -> int:
+    return 1 if disable_tp else get_tp_world_size()
+
+
 def _read(loaded, index) -> torch.Tensor:
     """`loaded` is a tensor or a safetensors slice; both support basic indexing."""
     return loaded[index] if index is not None else loaded[:]
@@ -66,10 +72,17 @@ class _Rows:
 
 
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        disable_tp: bool = False,
+    ):
         super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_world_size()
+        self.tp_rank = 0 if disable_tp else get_tp_rank()
+        self.tp_size = _tp_size(disable_tp)
         self.weight = nn.Parameter(
             torch.empty(output_size, input_size, dtype=dtype), requires_grad=False
         )
@@ -100,12 +113,20 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        disable_tp: bool = False,
+    ):
         super().__init__(
             input_size,
-            divide(output_size, get_tp_world_size(), "a layer's {} output features"),
+            divide(output_size, _tp_size(disable_tp), "a layer's {} output features"),
             bias,
             dtype,
+            disable_tp,
         )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -119,11 +140,18 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stored as one matrix (gate + up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        disable_tp: bool = False,
+    ):
         self.output_sizes = output_sizes
         for size in output_sizes:  # each part splits on its own (the MLP's gate and up)
-            divide(size, get_tp_world_size(), "the model's {} MLP features")
-        super().__init__(input_size, sum(output_sizes), bias, dtype)
+            divide(size, _tp_size(disable_tp), "the model's {} MLP features")
+        super().__init__(input_size, sum(output_sizes), bias, dtype, disable_tp)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         if shard_id == "fused":  # all parts in one checkpoint tensor, in order
@@ -151,13 +179,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         dtype: torch.dtype,
+        disable_tp: bool = False,
     ):
-        tp_size = get_tp_world_size()
+        tp_size = _tp_size(disable_tp)
         self.head_dim = head_dim
         self.num_heads, self.num_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp_size)
         self.total_num_kv_heads = num_kv_heads
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, output_size, bias, dtype)
+        super().__init__(hidden_size, output_size, bias, dtype, disable_tp)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
         q_size = self.num_heads * self.head_dim
@@ -179,12 +208,20 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        disable_tp: bool = False,
+    ):
         super().__init__(
-            divide(input_size, get_tp_world_size(), "a layer's {} input features"),
+            divide(input_size, _tp_size(disable_tp), "a layer's {} input features"),
             output_size,
             bias,
             dtype,
+            disable_tp,
         )
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
@@ -196,7 +233,9 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(_read(loaded, (slice(None), slice(start, start + cols))))
 
     def forward(self, x: torch.Tensor, rows: RowTiling | None = None) -> torch.Tensor:
-        out = all_reduce(self.matmul(x, None, rows))
+        out = self.matmul(x, None, rows)
+        if self.tp_size > 1:  # (a layer built with disable_tp holds whole sums)
+            all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -1,9 +1,11 @@
-"""A quantized checkpoint's MoE experts kept in a kernel format (kernels/quant.py) on the CPU:
+"""A quantized checkpoint's MoE experts kept in a kernel format (kernels/quant.py): on the CPU
 each expert's gate/up matrix and down matrix becomes one QuantWeight, which the grouped MoE path
-multiplies with quant_gemm (kernels/fused_moe.py). layers/fused_moe.FusedMoE stages the parts
-here as its loaders read them (this rank's rows of gate and up; of down, whole blocks of its
-columns: 32, or a GGUF type's block), each expert's weight made and packed once its parts are in;
-`finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
+multiplies with quant_gemm (kernels/fused_moe.py); on CUDA every expert's matrix goes into one
+ExpertBlocks on the device, which the fused-MoE Triton kernel dequantizes in registers
+(kernels/fused_moe_quant.quantized_expert_form decides which, by device).
+layers/fused_moe.FusedMoE stages the parts here as its loaders read them (this rank's rows of
+gate and up; of down, whole blocks of its columns: 32, or a GGUF type's block), each expert's
+weight made and packed (or put in its blocks) once its parts are in; `finish` hands them over. Each of the two matrices is quantized for every expert or for none (the
 other may stay float: a down matrix whose shard is not whole blocks)."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanoserve.kernels import quant
+from nanoserve.kernels.fused_moe_quant import ExpertBlocks, quantized_expert_form
 
 BLOCK = 32  # the kernel formats' block of inputs
 MATRICES = {"w13": (0, 1), "w2": (None,)}  # each matrix's parts: gate 0 and up 1; down None
@@ -21,22 +24,30 @@ class StackedQuantExperts:
     Mxfp4Weight), which FusedMoE's loader takes expert by expert; known by its type, so a loader
     never asks a tensor what it can do."""
 
+    qtype: str  # the kernel format kernel_components gives
+
     def kernel_components(self, expert: int) -> tuple[str, dict[str, torch.Tensor]]:
         """One expert's matrix as (a kernels/quant.py qtype, its arrays)."""
         raise NotImplementedError
 
 
 class QuantExpertStaging:
-    """Each expert's matrix becomes its QuantWeight, packed for the CPU kernel, as soon as its
-    parts are in: a checkpoint's experts are never all held unpacked at once (their components
-    take a byte a weight, twice an MXFP4 or 4-bit packing)."""
+    """Each expert's matrix becomes its QuantWeight, packed for the CPU kernel (or copied into
+    its matrix's ExpertBlocks on the device), as soon as its parts are in: a checkpoint's experts
+    are never all held unpacked at once (their components take a byte a weight, twice an MXFP4 or
+    4-bit packing), nor, for a device, all on the host."""
 
-    def __init__(self, num_local_experts: int, inputs: dict[str, int]) -> None:
+    def __init__(
+        self, num_local_experts: int, inputs: dict[str, int], device: torch.device
+    ) -> None:
         self.num_local_experts = num_local_experts
         self.inputs = inputs  # matrix -> k (its inputs on this rank)
+        self.device = device  # where the experts are held
         # matrix -> per local expert -> part -> (qtype, this rank's arrays), until complete
         self.parts: dict[str, list[dict]] = {}
-        self.weights: dict[str, list[quant.QuantWeight | None]] = {}
+        # matrix -> per local expert: its QuantWeight (CPU), True once in `blocks`, or None
+        self.weights: dict[str, list[quant.QuantWeight | bool | None]] = {}
+        self.blocks: dict[str, ExpertBlocks] = {}  # matrix -> its experts on the device
 
     def add(
         self, matrix: str, local: int, part: int | None, qtype: str, arrays: dict[str, torch.Tensor]
@@ -62,14 +73,25 @@ class QuantExpertStaging:
         else:
             components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
             weight = quant.QuantWeight(qtype, arrays["u"].shape[0], k, None, components=components)
+        held = self.weights.setdefault(matrix, [None] * self.num_local_experts)
+        if quantized_expert_form(self.device, qtype) == "triton":
+            if matrix not in self.blocks:
+                self.blocks[matrix] = ExpertBlocks.empty(
+                    self.num_local_experts, weight, self.device
+                )
+            self.blocks[matrix].put(local, weight)
+            held[local] = True
+            return
         quant.pack_for_cpu(weight)
-        self.weights.setdefault(matrix, [None] * self.num_local_experts)[local] = weight
+        held[local] = weight
 
-    def finish(self, matrix: str) -> list[quant.QuantWeight] | None:
-        """The matrix's QuantWeight per local expert (gate rows, then up rows), or None when no
-        part of it was staged; ValueError for a checkpoint that quantizes some of it only."""
+    def finish(self, matrix: str) -> list[quant.QuantWeight] | ExpertBlocks | None:
+        """The matrix's QuantWeight per local expert (gate rows, then up rows), or its
+        ExpertBlocks on the device, or None when no part of it was staged; ValueError for a
+        checkpoint that quantizes some of it only."""
         weights = self.weights.pop(matrix, None)
         pending = self.parts.pop(matrix, None)
+        blocks = self.blocks.pop(matrix, None)
         if weights is None and pending is None:
             return None
         if weights is None or any(w is None for w in weights) or any(pending or ()):
@@ -77,6 +99,10 @@ class QuantExpertStaging:
                 "a quantized MoE checkpoint must hold every expert's gate, up and down "
                 "matrices in one kind (quantized or float) each"
             )
+        if blocks is not None:
+            if not all(w is True for w in weights):
+                raise ValueError("a MoE layer's experts came in formats held in different forms")
+            return blocks
         return weights
 
 

@@ -163,7 +163,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         probs = sampling_probs(logits, batch)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
-        if unseeded:
+        if len(unseeded) == len(batch.generators):
+            # The same draws as below, without indexing by a host list: on CUDA that copy of
+            # the indices would wait for the queued forward pass (--async-scheduling's overlap).
+            noise.exponential_(generator=batch.default_generator)
+        elif unseeded:
             noise[unseeded] = torch.empty(
                 len(unseeded), probs.shape[1], device=probs.device
             ).exponential_(generator=batch.default_generator)

@@ -1,7 +1,8 @@
 """CLIP's vision tower (transformers' CLIPVisionModel) as LLaVA uses it: patches and a class
 token, position embeddings, a pre-norm and the encoder layers up to the feature layer LLaVA
-reads (its hidden state, not the pooled output). Projections on our linear layers; attention is
-torch's (an image's rows all see each other, no KV cache)."""
+reads (its hidden state, not the pooled output). Projections on our linear layers, whole
+(disable_tp: the tower runs on rank 0 only under tensor parallelism); attention is torch's (an
+image's rows all see each other, no KV cache)."""
 
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ class CLIPAttention(nn.Module):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads, self.head_dim = heads, hidden // heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, True, dtype)
-        self.out_proj = RowParallelLinear(hidden, hidden, True, dtype)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, heads, heads, True, dtype, disable_tp=True
+        )
+        self.out_proj = RowParallelLinear(hidden, hidden, True, dtype, disable_tp=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         images, rows, hidden = x.shape
@@ -72,8 +75,9 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     def __init__(self, config: VisionConfig, dtype: torch.dtype):
         super().__init__()
-        self.fc1 = ColumnParallelLinear(config.hidden_size, config.intermediate_size, True, dtype)
-        self.fc2 = RowParallelLinear(config.intermediate_size, config.hidden_size, True, dtype)
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.fc1 = ColumnParallelLinear(hidden, intermediate, True, dtype, disable_tp=True)
+        self.fc2 = RowParallelLinear(intermediate, hidden, True, dtype, disable_tp=True)
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 from nanoserve.models.llava_config import LLAVA_ARCHITECTURE, VisionConfig, llava_text_config
+from nanoserve.models.qwen2_5_vl_config import (
+    QWEN2_5_VL_ARCHITECTURE,
+    QwenVisionConfig,
+    qwen2_5_vl_text_config,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -211,8 +216,11 @@ class ModelConfig:
     original_qwen3_reranker: bool = False
     # Set by models/registry.build_model from --enable-expert-parallel: whole experts per rank.
     enable_expert_parallel: bool = False
-    # Vision-language models (LLaVA): the vision tower and projector; None: text only.
-    vision: VisionConfig | None = None
+    # Vision-language models (LLaVA, Qwen2.5-VL): the vision tower and projector; None: text only.
+    vision: VisionConfig | QwenVisionConfig | None = None
+    # The GGUF mmproj file (--mmproj) the vision tower and projector come from, beside a GGUF
+    # text model (models/gguf/mmproj.py); None: the checkpoint's own.
+    mmproj_file: Path | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window (keys a query attends to, itself included) of layer `index`."""
@@ -221,15 +229,38 @@ class ModelConfig:
         return int(self.sliding_window)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, overrides: dict | None = None) -> ModelConfig:
+    def from_dir(
+        cls, model_dir: str | Path, overrides: dict | None = None, mmproj: str | None = None
+    ) -> ModelConfig:
         """From a Hugging Face directory's config.json, or from a GGUF file's metadata (the
         config.json it implies; models/gguf/model.py); `overrides` (--hf-overrides) merged
-        over it."""
-        from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config
+        over it. `mmproj` (--mmproj): a GGUF vision tower and projector beside a GGUF text
+        model, the pair a LLaVA (models/gguf/mmproj.py)."""
+        from nanoserve.models.gguf.model import find_gguf_file, gguf_hf_config, gguf_metadata
 
         gguf_file = find_gguf_file(Path(model_dir))
         if gguf_file is not None:
-            return cls.from_hf_config({**gguf_hf_config(gguf_file), **(overrides or {})}, model_dir)
+            config = cls.from_hf_config(
+                {**gguf_hf_config(gguf_file), **(overrides or {})}, model_dir
+            )
+            if mmproj is None:
+                return config
+            from nanoserve.models.gguf.mmproj import mmproj_vision
+
+            text_architecture = gguf_metadata(gguf_file)[0].get("general.architecture")
+            vision = mmproj_vision(
+                mmproj, config.architecture, text_architecture, config.hidden_size
+            )
+            return dataclasses.replace(
+                config,
+                architecture=LLAVA_ARCHITECTURE,
+                vision=vision,
+                mmproj_file=Path(mmproj).expanduser().resolve(),
+            )
+        if mmproj is not None:
+            raise ValueError(
+                f"--mmproj goes with a GGUF text model (--model FILE.gguf), not {model_dir}"
+            )
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(
@@ -246,6 +277,10 @@ class ModelConfig:
             return dataclasses.replace(
                 text, architecture=LLAVA_ARCHITECTURE, vision=VisionConfig.from_raw(raw)
             )
+        if QWEN2_5_VL_ARCHITECTURE in architectures:  # Qwen2 text, then the vision tower
+            text = cls.from_hf_config(qwen2_5_vl_text_config(raw), model_dir)
+            vision = QwenVisionConfig.from_raw(raw, text.head_dim)
+            return dataclasses.replace(text, architecture=QWEN2_5_VL_ARCHITECTURE, vision=vision)
         headless = next((a for a in architectures if a in HEADLESS_ARCHITECTURES), None)
         architecture = next(
             (a for a in architectures if a in SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES),
@@ -272,7 +307,7 @@ class ModelConfig:
                     + tuple(HEADLESS_ARCHITECTURES)
                     + ENCODER_ARCHITECTURES
                     + tuple(SEQUENCE_CLASSIFIERS)
-                    + (LLAVA_ARCHITECTURE,)
+                    + (LLAVA_ARCHITECTURE, QWEN2_5_VL_ARCHITECTURE)
                 )
             )
         num_heads = raw["num_attention_heads"]

@@ -1,13 +1,13 @@
 """A CPU decode step's decoder layers in one C++ call (kernels/cpu/decode_layers.cpp).
 
 The modules' path (models/llama.py) calls ~9 kernels a layer through Python; at batch 1 the
-Python around them is several ms of a ~25 ms step. Llama's, Qwen3's (per-head Q/K norms) and
-Qwen3-MoE's layers (the router, ns_moe_topk and the experts of kernels/cpu/moe.cpp in place of
-the MLP; no shared expert, no expert parallelism). For steps of decodes only, on one rank, with
-bf16 activations and every linear layer on one of our CPU GEMMs (bf16 weights packed for
-gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp: the layer's weight_form; at any ISA
-level), `FusedDecode.run` calls the same kernels in the same order with the same inputs from
-C++, so its hidden states have the same bits as the modules'
+Python around them is several ms of a ~25 ms step. Llama's (LLaVA's language model's too),
+Qwen3's (per-head Q/K norms) and Qwen3-MoE's layers (the router, ns_moe_topk and the experts of
+kernels/cpu/moe.cpp in place of the MLP; no shared expert, no expert parallelism). For steps of
+decodes only, on one rank, with bf16 activations and every linear layer on one of our CPU GEMMs
+(bf16 weights packed for gemm*.cpp, or GGUF blocks packed for gemm_quant.cpp: the layer's
+weight_form; at any ISA level), `FusedDecode.run` calls the same kernels in the same order with
+the same inputs from C++, so its hidden states have the same bits as the modules'
 (tests/engine/test_cpu_decode.py checks that), and everything else (embedding, final norm, LM
 head, sampling) stays where it was. Any other step, model or machine takes the modules.
 """
@@ -21,6 +21,7 @@ from nanoserve.kernels import fused_decode_layers, fused_decode_layers_available
 from nanoserve.kernels.kv_dtype import fused_decode_kv_format
 from nanoserve.layers.linear_weight import LINEAR_ENTRIES
 from nanoserve.models.llama import LlamaForCausalLM, LlamaMLP
+from nanoserve.models.llava import LlavaForConditionalGeneration
 from nanoserve.models.mixtral import SparseMoeBlock
 from nanoserve.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen3MoeForCausalLM
@@ -86,6 +87,14 @@ def _qk_norms(attn: nn.Module, eps: float) -> list[int] | None:
     return [q_norm.weight.data_ptr(), k_norm.weight.data_ptr()]
 
 
+FUSED_MODELS = (
+    LlamaForCausalLM,
+    LlavaForConditionalGeneration,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
+
+
 class FusedDecode:
     def __init__(self, model: nn.Module, layer_table: torch.Tensor, config, kv_format: int) -> None:
         self.model = model
@@ -130,11 +139,12 @@ class FusedDecode:
     @classmethod
     def build(cls, model: nn.Module, world_size: int) -> FusedDecode | None:
         """None unless every condition for the fused path holds for this model here."""
-        # Exactly Llama's, Qwen3's and Qwen3-MoE's layers (not another family's subclass), no
-        # sliding window (decode_layers.cpp attends to every key).
+        # Exactly Llama's, Qwen3's and Qwen3-MoE's layers (not another family's subclass; LLaVA's
+        # language model is Llama's, and a decode step has no image rows), no sliding window
+        # (decode_layers.cpp attends to every key).
         if (
             world_size != 1
-            or type(model) not in (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+            or type(model) not in FUSED_MODELS
             or not fused_decode_layers_available()
         ):
             return None

@@ -1,12 +1,17 @@
 """LLaVA-1.5 (transformers' LlavaForConditionalGeneration): a CLIP vision tower (models/clip.py),
 a two-layer projector, and a Llama language model whose prompt rows at the image tokens take
-the projected image features in place of the token embeddings."""
+the projected image features in place of the token embeddings.
+
+Under tensor parallelism the language model splits as any Llama does; the vision tower and the
+projector are whole on rank 0 and absent from the other ranks, which receive the image rows'
+embeddings with the step (engine/image_broadcast.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from nanoserve.distributed import get_rank
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanoserve.models.clip import CLIPVisionModel, activation
@@ -19,9 +24,11 @@ class LlavaMultiModalProjector(nn.Module):
     def __init__(self, vision: VisionConfig, text_hidden: int, dtype: torch.dtype):
         super().__init__()
         bias = vision.projector_bias
-        self.linear_1 = ColumnParallelLinear(vision.hidden_size, text_hidden, bias, dtype)
+        self.linear_1 = ColumnParallelLinear(
+            vision.hidden_size, text_hidden, bias, dtype, disable_tp=True
+        )
         self.act = activation(vision.projector_hidden_act)
-        self.linear_2 = RowParallelLinear(text_hidden, text_hidden, bias, dtype)
+        self.linear_2 = RowParallelLinear(text_hidden, text_hidden, bias, dtype, disable_tp=True)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(features)))
@@ -29,6 +36,8 @@ class LlavaMultiModalProjector(nn.Module):
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     supports_pipeline_parallel = False
+    # The encoder runs on rank 0, whose step broadcast carries its rows (engine/image_broadcast.py).
+    supports_tensor_parallel = True
     # Checkpoint name prefixes -> ours, the first that matches: transformers 4.x wrote
     # language_model.model.*, language_model.lm_head.*, vision_tower.vision_model.*; 4.52+ and 5.x
     # write model.language_model.*, model.vision_tower.vision_model.*, lm_head.*; transformers
@@ -47,6 +56,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__(config, dtype)
         assert config.vision is not None
+        if get_rank() > 0:  # the encoder runs on rank 0 only: no tower, no projector here
+            self.vision_tower = self.multi_modal_projector = None
+            self.checkpoint_skips = ("vision_tower.", "multi_modal_projector.")
+            return
         self.vision_tower = CLIPVisionModel(config.vision, dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(
             config.vision, config.hidden_size, dtype
@@ -62,6 +75,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         images, rows, hidden = features.shape
         out = self.multi_modal_projector(features.reshape(images * rows, hidden))
         return out.reshape(images, rows, -1)
+
+    def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
+        """The encoder cache's call: each image's [image_seq_length, hidden] (grids: None)."""
+        return list(self.embed_images(torch.stack(pixel_values)))
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -50,6 +50,14 @@ class VisionConfig:
     select_strategy: str  # "default": the CLS token's row is dropped; "full": kept
     image_token_id: int
     image_seq_length: int  # image tokens per image in the prompt (LlavaProcessor's expansion)
+    # The id an image's positions hold once expanded; None: image_token_id. A placeholder added
+    # past the model's vocabulary (llama.cpp's "<__media__>", models/gguf/mmproj.py) needs one.
+    image_fill_token_id: int | None = None
+
+    @property
+    def placeholder_token_ids(self) -> tuple[int, ...]:
+        """What an image part is in a chat template that reads content as a string."""
+        return (self.image_token_id,)
 
     @property
     def num_patches(self) -> int:

@@ -79,7 +79,9 @@ def mxfp4_config(model_dir: Path) -> Mxfp4Tensors | None:
 class Mxfp4Weight(StackedQuantExperts):
     """One stacked MXFP4 tensor: blocks uint8 [experts, outputs, groups, 16], scales uint8
     [experts, outputs, groups]. layers/fused_moe.FusedMoE's loader reads it through
-    `kernel_components` (CPU) or `dequantized`."""
+    `kernel_components` (kept quantized) or `dequantized`."""
+
+    qtype = "mxfp4"
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         if blocks.dim() != 4 or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:

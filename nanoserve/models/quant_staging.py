@@ -309,8 +309,7 @@ class IntegerCheckpointLoader:
         if (
             isinstance(module, FusedMoE)
             and shard_id[0] is not None
-            and quant.takes_components(param.device)
-            and module.takes_quantized(param)
+            and module.keeps_quantized(param, weight.qtype)
             and weight.fits_kernels(param.shape[-1])
         ):
             module.load_quantized(param, weight.kernel_arrays(), weight.qtype, shard_id)

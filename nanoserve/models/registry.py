@@ -16,6 +16,8 @@ from nanoserve.models.compressed_tensors import compressed_tensors_config
 from nanoserve.models.config import ModelConfig
 from nanoserve.models.fp8 import FP8_METHOD, fp8_config, quantize_online
 from nanoserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from nanoserve.models.gguf.mmproj import MMPROJ_PARAMETERS
+from nanoserve.models.gguf.mmproj_weights import load_mmproj_weights
 from nanoserve.models.gguf.model import find_gguf_file
 from nanoserve.models.gguf.weights import load_gguf_weights
 from nanoserve.models.gpt_oss import GptOssForCausalLM
@@ -26,6 +28,7 @@ from nanoserve.models.mixtral import MixtralForCausalLM
 from nanoserve.models.mxfp4 import mxfp4_config
 from nanoserve.models.olmoe import OlmoeForCausalLM
 from nanoserve.models.phi3 import Phi3ForCausalLM
+from nanoserve.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 from nanoserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from nanoserve.models.sequence_classification import label_token_ids, sequence_classifier_class
@@ -45,6 +48,7 @@ MODEL_CLASSES = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     **ENCODER_CLASSES,  # pooling models only (--runner pooling)
 }
 
@@ -71,11 +75,14 @@ def check_pipeline_support(config: ModelConfig, pipeline_parallel_size: int) -> 
 def check_vision_support(
     config: ModelConfig, tensor_parallel_size: int, draft_model: bool = False
 ) -> None:
-    """A vision-language model runs on one rank for now (its step's image rows are not sent to
-    other ranks yet), and without a draft model (a draft would read image tokens as text)."""
+    """A vision-language model runs with tensor parallelism where its class says so (LLaVA,
+    Qwen2.5-VL: the encoder on rank 0, its rows broadcast with the step), and without a draft
+    model (a draft would read image tokens as text)."""
     if config.vision is None:
         return
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and not getattr(
+        model_class(config), "supports_tensor_parallel", False
+    ):
         raise ValueError(f"{config.architecture} does not support --tensor-parallel-size > 1 yet")
     if draft_model:
         raise ValueError(
@@ -116,8 +123,12 @@ def build_model(
             if attention.sliding_window is not None and attention.sliding_window >= max_model_len:
                 attention.sliding_window = None
     gguf_file = find_gguf_file(model_dir)
-    if gguf_file is not None:
-        load_gguf_weights(model, gguf_file)  # linear layers keep the file's quantization blocks
+    if gguf_file is not None:  # linear layers keep the file's quantization blocks
+        if config.mmproj_file is None:
+            load_gguf_weights(model, gguf_file)
+        else:  # a LLaVA: the text model's file, then the tower and projector's (--mmproj)
+            load_gguf_weights(model, gguf_file, elsewhere=MMPROJ_PARAMETERS)
+            load_mmproj_weights(model, config.mmproj_file)
     else:  # a compressed-tensors, GPTQ, AWQ or FP8 checkpoint's quantized layers keep their integers / bytes
         checkpoint = (
             compressed_tensors_config(model_dir)

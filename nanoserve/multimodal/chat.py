@@ -1,6 +1,7 @@
 """The images of a chat conversation: each `image_url` content part (OpenAI's shape,
 `{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail": "auto"}}`,
-or an http(s) URL) decoded in order, each refusal a 400 naming the part's field."""
+or an http(s) URL) decoded in order, each refusal a 400 naming the part's field; offline
+(`LLM.chat`), vLLM's `{"type": "image_pil", "image_pil": <PIL image>}` parts too."""
 
 from __future__ import annotations
 
@@ -12,18 +13,19 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.multimodal.fetch import FetchPolicy
 from nanoserve.multimodal.image import ImageLimits, image_from_url
 
-DETAILS = ("auto", "low", "high")  # accepted; LLaVA-1.5 sees every image at one resolution
+DETAILS = ("auto", "low", "high")  # accepted, changing nothing (as vLLM)
+IMAGE_PART_TYPES = ("image_url", "image_pil")
 
 
 def image_parts(messages: list[dict]):
-    """(the part's field name, the part) for each image_url part, in order."""
+    """(the part's field name, the part) for each image part, in order."""
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, (list, tuple)):
             continue
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                yield f"messages[{i}].content[{j}].image_url", part
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                yield f"messages[{i}].content[{j}].{part['type']}", part
 
 
 def has_images(messages: list[dict]) -> bool:
@@ -50,6 +52,15 @@ def chat_images(
     deadline = time.monotonic() + fetch.timeout
     images = []
     for field, part in image_parts(messages):
+        if part["type"] == "image_pil":  # LLM.chat's PIL image (JSON cannot carry one)
+            image = part.get("image_pil")
+            if not isinstance(image, Image.Image):
+                raise InvalidRequestError(
+                    f"an image_pil part holds a PIL image, got {type(image).__name__}", field
+                )
+            limits.check_size(image, field)
+            images.append(image)
+            continue
         spec = part.get("image_url")
         if isinstance(spec, str):  # some clients send the URL itself
             spec = {"url": spec}

@@ -5,8 +5,9 @@ non-global address unless the host is allowed by name, and redirects only to URL
 same checks. Each refusal and each failure is a 400 naming the field.
 
 The host is resolved once, every address it resolves to is checked, and the socket connects to
-a checked address (TLS still verifies the host name): a second DNS answer cannot slip in
-between the check and the connection."""
+a checked address (TLS still verifies the host name, against the system's CA certificates and
+NANOSERVE_MEDIA_CA_BUNDLE's): a second DNS answer cannot slip in between the check and the
+connection."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from nanoserve import envs
@@ -37,15 +38,18 @@ _resolver = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="nanoser
 class FetchPolicy:
     """What an image URL may reach: `allowed_domains` (None: any public host; given: only
     these host names, which may then be internal ones), the seconds the fetches of one
-    request may take together, and whether redirects are followed."""
+    request may take together, whether redirects are followed, and the TLS context https
+    URLs are verified with (None: the system's CA certificates)."""
 
     allowed_domains: frozenset[str] | None = None
     timeout: float = 5.0
     allow_redirects: bool = True
+    tls: ssl.SSLContext | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def create(cls, allowed_domains: list[str] | str | None) -> FetchPolicy:
-        """The policy of --allowed-media-domains and the environment's timeout and redirects."""
+        """The policy of --allowed-media-domains and the environment's timeout, redirects and
+        extra CA certificates (NANOSERVE_MEDIA_CA_BUNDLE, read now: a bad file fails here)."""
         if isinstance(allowed_domains, str):
             allowed_domains = [allowed_domains]
         domains = (
@@ -53,16 +57,48 @@ class FetchPolicy:
             if allowed_domains is None
             else frozenset(d.strip().lower().rstrip(".") for d in allowed_domains)
         )
-        return cls(domains, envs.image_fetch_timeout(), envs.media_url_allow_redirects())
+        return cls(
+            domains,
+            envs.image_fetch_timeout(),
+            envs.media_url_allow_redirects(),
+            tls_context(envs.media_ca_bundle()),
+        )
+
+
+def tls_context(ca_bundle: str | None) -> ssl.SSLContext:
+    """The system's CA certificates (OpenSSL's defaults: SSL_CERT_FILE and SSL_CERT_DIR move
+    them), and those of the PEM file `ca_bundle` beside them; host names verified."""
+    context = ssl.create_default_context()
+    if ca_bundle:
+        try:
+            context.load_verify_locations(cafile=ca_bundle)
+        except (OSError, ssl.SSLError) as error:
+            raise ValueError(
+                f"NANOSERVE_MEDIA_CA_BUNDLE={ca_bundle}: not a readable PEM file of CA "
+                f"certificates ({error})"
+            ) from None
+    return context
+
+
+# NAT64's well-known prefix (RFC 6052): a gateway forwards 64:ff9b::a.b.c.d to a.b.c.d, so
+# 64:ff9b::a9fe:a9fe reaches 169.254.169.254. Its local-use prefix (RFC 8215) is not public.
+NAT64_PREFIX = ipaddress.ip_network("64:ff9b::/96")
+NAT64_LOCAL_PREFIX = ipaddress.ip_network("64:ff9b:1::/48")
 
 
 def is_public_address(address: str) -> bool:
     """Whether a connection to `address` (an IPv4 or IPv6 literal) may leave the host's
     networks: global unicast only (no private, loopback, link-local, shared, reserved,
-    unspecified or multicast address; an IPv4-mapped IPv6 address as its IPv4 address)."""
+    unspecified or multicast address; an IPv6 address that carries an IPv4 one, IPv4-mapped,
+    6to4 or NAT64, as that IPv4 address)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone id is no part of it
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in NAT64_LOCAL_PREFIX:
+            return False
+        if ip in NAT64_PREFIX:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        else:
+            ip = ip.ipv4_mapped or ip.sixtofour or ip
     return ip.is_global and not ip.is_multicast
 
 
@@ -117,9 +153,9 @@ class _Fetch:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         return scheme, host, port, path
 
-    def address(self, host: str, port: int) -> tuple:
-        """A checked socket address of the host (the host's every address checked when it
-        is not allowed by name)."""
+    def addresses(self, host: str, port: int) -> list[tuple]:
+        """The host's socket addresses, in the resolver's order, each checked (unless the host
+        is allowed by name)."""
         future = _resolver.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
         try:
             infos = future.result(timeout=self.remaining())
@@ -137,33 +173,52 @@ class _Fetch:
                         f"the image URL's host {host!r} resolves to {sockaddr[0]}, which is not "
                         "a public address (list the host in --allowed-media-domains to allow it)"
                     )
-        family, kind, proto, _, sockaddr = infos[0]
-        return family, kind, proto, sockaddr
+        return [(family, kind, proto, sockaddr) for family, kind, proto, _, sockaddr in infos]
+
+    def connect(self, addresses: list[tuple], opened: list[socket.socket]) -> socket.socket:
+        """A socket connected to the first of the checked addresses that takes the connection
+        (a host's IPv6 address may be unreachable where its IPv4 one is not)."""
+        failure: OSError | None = None
+        for family, kind, proto, sockaddr in addresses:
+            sock = socket.socket(family, kind, proto)
+            opened.append(sock)
+            sock.settimeout(self.remaining())
+            try:
+                sock.connect(sockaddr)
+                return sock
+            except TimeoutError:
+                raise
+            except OSError as error:
+                failure = error
+        assert failure is not None  # addresses() returns at least one
+        raise failure
 
     def get(self, url: str) -> tuple[int, str | None, bytes]:
         """One GET: (status, Location, body) for a redirect or a 200; a refusal otherwise."""
         scheme, host, port, path = self.target(url)
-        family, kind, proto, sockaddr = self.address(host, port)
-        sock = socket.socket(family, kind, proto)
+        addresses = self.addresses(host, port)
         # The deadline holds for every step, a server sending one byte at a time included:
-        # at the deadline the socket is shut, and whatever read waits on it ends.
+        # at the deadline the sockets are shut, and whatever read waits on one ends.
         expired = threading.Event()
+        opened: list[socket.socket] = []
 
         def expire() -> None:
             expired.set()
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            for sock in list(opened):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
         timer = threading.Timer(self.remaining(), expire)
         timer.daemon = True
         timer.start()
         try:
-            sock.settimeout(self.remaining())
-            sock.connect(sockaddr)
+            sock = self.connect(addresses, opened)
             if scheme == "https":
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=host)
+                tls = self.policy.tls or ssl.create_default_context()
+                sock = tls.wrap_socket(sock, server_hostname=host)
+                opened.append(sock)
             connection_class = (
                 http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
             )
@@ -175,6 +230,11 @@ class _Fetch:
                 connection.close()
         except InvalidRequestError:
             raise
+        except ssl.SSLCertVerificationError as error:
+            raise self.refuse(
+                f"the TLS certificate of the image URL's host {host!r} could not be verified: "
+                f"{error.verify_message} (a private CA's certificates: NANOSERVE_MEDIA_CA_BUNDLE)"
+            ) from None
         except (OSError, http.client.HTTPException) as error:
             if expired.is_set() or isinstance(error, TimeoutError):
                 self.remaining()  # the timeout's message once the deadline has passed
@@ -182,7 +242,8 @@ class _Fetch:
             raise self.refuse(f"the image URL could not be fetched: {error}") from None
         finally:
             timer.cancel()
-            sock.close()
+            for sock in opened:
+                sock.close()
 
     def exchange(self, connection: http.client.HTTPConnection, path: str) -> tuple:
         connection.request("GET", path, headers={"Accept": "image/*", "User-Agent": "nanoserve"})
@@ -202,14 +263,16 @@ class _Fetch:
         declared = response.getheader("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             raise self.refuse(
-                f"the image URL's body is {declared} bytes, more than the limit of {self.max_bytes}"
+                f"the image URL's body is {declared} bytes, more than the limit of "
+                f"{self.max_bytes} (--max-image-bytes)"
             )
         body = bytearray()
         while chunk := response.read(CHUNK):
             body += chunk
             if len(body) > self.max_bytes:  # stop reading: never more than limit + a chunk
                 raise self.refuse(
-                    f"the image URL's body is more than the limit of {self.max_bytes} bytes"
+                    f"the image URL's body is more than the limit of {self.max_bytes} bytes "
+                    "(--max-image-bytes)"
                 )
         return response.status, None, bytes(body)
 

@@ -19,6 +19,18 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class ProcessedImage:
+    """An image as its processor leaves it for the vision tower and the prompt."""
+
+    pixel_values: torch.Tensor  # as the vision tower reads it ([3, H, W]; Qwen: [patches, dim])
+    # Qwen2.5-VL's dynamic resolution: its grid (t, h, w) in patches, its number of prompt
+    # tokens and their M-RoPE grid (t, h, w) in tokens; None: the model's fixed count, 1D RoPE.
+    grid_thw: tuple[int, int, int] | None = None
+    num_tokens: int | None = None
+    rope_grid: tuple[int, int, int] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class ClipImageProcessor:
     shortest_edge: int
@@ -66,6 +78,9 @@ class ClipImageProcessor:
             return self.shortest_edge, new_long
         return new_long, self.shortest_edge
 
+    def preprocess(self, image: Image.Image) -> ProcessedImage:
+        return ProcessedImage(self.pixel_values(image))
+
     def pixel_values(self, image: Image.Image) -> torch.Tensor:
         """[3, crop_height, crop_width] float32."""
         image = to_rgb(image).resize(self.resized_size(*image.size), resample=self.resample)
@@ -89,7 +104,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def pixel_hash(pixel_values: torch.Tensor) -> str:
-    """The image's identity for the encoder and prefix caches: sha256 of its pixel values."""
-    data = pixel_values.contiguous().numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
+def pixel_hash(pixel_values: torch.Tensor, grid_thw: tuple[int, int, int] | None = None) -> str:
+    """The image's identity for the encoder and prefix caches: sha256 of its pixel values (and
+    of its patch grid, where the rows alone do not say the image's shape)."""
+    digest = hashlib.sha256(pixel_values.contiguous().numpy().tobytes())
+    if grid_thw is not None:
+        digest.update(repr(tuple(grid_thw)).encode())
+    return digest.hexdigest()

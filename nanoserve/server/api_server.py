@@ -55,7 +55,9 @@ async def start_server(
     engine: LLMEngine, options: ServerOptions, step_executor: ThreadPoolExecutor | None = None
 ) -> RunningServer:
     """Serve an already built LLMEngine on the running loop; returns once listening.
-    `step_executor`: the thread the engine was built on (see `new_step_executor`)."""
+    `step_executor`: the thread the engine was built on (see `new_step_executor`). The engine
+    stays the caller's: after the server's shutdown, `engine.shutdown()` stops its worker ranks
+    (as `serve` does, which owns the signals that may have to kill them meanwhile)."""
     config = engine.config
     chat = ChatFeatures.from_options(options, engine.model_config.architecture)
     lora_modules = _load_lora_modules(engine, options)
@@ -114,6 +116,7 @@ async def start_server(
         auto_tool_parser=chat.auto_tool_parser,
         reasoning_parser=chat.reasoning_parser,
         media_fetch=FetchPolicy.create(engine.config.allowed_media_domains),
+        image_limits=engine.config.image_limits,
         lora_modules={lora.lora_name: lora for lora in lora_modules},
         next_lora_id=len(lora_modules) + 1,
     )

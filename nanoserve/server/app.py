@@ -30,6 +30,7 @@ from nanoserve.server.classify import (
 from nanoserve.server.completions import create_completion
 from nanoserve.server.embeddings import EmbeddingRequest, create_embedding
 from nanoserve.server.http.types import HttpRequest, Response, StreamingResponse
+from nanoserve.server.preprocess import SMALL_INPUT
 from nanoserve.server.responses import create_response
 from nanoserve.server.responses_input import (
     DEFAULT_STORE_MAX_BYTES,
@@ -544,6 +545,9 @@ class OpenAIApp:
                 bool(body.add_special_tokens),
             )
             tokens = prompt.prompt_token_ids
+            if prompt.multi_modal_data:  # counted as the model reads them: the images' tokens
+                expand = ctx.engine.engine.inputs.model_token_ids
+                tokens = await ctx.off_loop(SMALL_INPUT, expand, prompt)
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await ctx.encode(body.prompt, add_special)

@@ -120,14 +120,14 @@ async def render_chat_prompt(
             **kwargs,
         )
     except (ValueError, TypeError) as error:  # ChatTemplateError is a ValueError
-        raise bad_request(str(error), "messages") from None
+        raise bad_request(str(error), getattr(error, "param", None) or "messages") from None
     ids = await ctx.encode(text, add_special_tokens, truncation_side)
     if not ids:
         raise bad_request("the rendered prompt is empty", "messages")
     if has_images(messages):  # decoded off the loop: an image may take a while
         if has_remote_images(messages):  # a fetch blocks: always on the pool
             size = max(size, SMALL_INPUT)
-        images = await ctx.off_loop(size, chat_images, messages, None, ctx.media_fetch)
+        images = await ctx.off_loop(size, chat_images, messages, ctx.image_limits, ctx.media_fetch)
         return TokensPrompt(ids, text, multi_modal_data={"image": images})
     return TokensPrompt(ids, text)
 

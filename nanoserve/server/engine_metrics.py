@@ -210,6 +210,18 @@ class EngineStatsCollector:
         )
         yield family(
             "counter",
+            "nanoserve:prompt_image_tokens",
+            "Number of prompt tokens that stand for images (counted in vllm:prompt_tokens too).",
+            stats.prompt_image_tokens_total,
+        )
+        yield family(
+            "counter",
+            "nanoserve:prompt_images",
+            "Number of images in prompts.",
+            stats.prompt_images_total,
+        )
+        yield family(
+            "counter",
             "vllm:prompt_tokens_cached",
             "Number of cached prompt tokens (local + external).",
             cached,

@@ -22,6 +22,7 @@ from nanoserve.errors import InvalidRequestError
 from nanoserve.inputs import TokensPrompt
 from nanoserve.lora.request import LoRARequest
 from nanoserve.multimodal.fetch import FetchPolicy
+from nanoserve.multimodal.image import ImageLimits
 from nanoserve.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.server.preprocess import Preprocessor
@@ -150,6 +151,8 @@ class ServingContext:
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     # --allowed-media-domains and the fetch timeout: what an http(s) image URL may reach
     media_fetch: FetchPolicy = field(default_factory=FetchPolicy)
+    # --max-image-bytes and --max-image-pixels (and --limit-mm-per-prompt): one image's limits
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     # --lora-modules (and adapters loaded at run time): a request whose model names one runs with it.
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     next_lora_id: int = 1

@@ -48,7 +48,7 @@ def test_a_step_round_trips():
     )
     header, payload = pack_step(step, cpu, virtual_engine=1, tokens_only=True)
     values = header.tolist()
-    assert len(values) == HEADER_SIZE and values[0] == CMD_STEP and values[-2:] == [1, 1]
+    assert len(values) == HEADER_SIZE and values[0] == CMD_STEP and values[-4:] == [1, 1, 0, 0]
     received = read_header(header)
     assert received == StepHeader(4, 2, 2, 2, 3, 27, 1, 0, virtual_engine=1, tokens_only=True)
     assert received.tokens_only is True and received.payload_size() == payload.numel()
@@ -65,6 +65,37 @@ def test_a_step_round_trips():
         got.metadata.prefill_row_tile,
     ) == (3, 27, 1, prefill_row_tile(cpu))
     assert got.sampling_inputs == []  # rank 0 alone samples
+
+
+def test_a_step_with_lora_mrope_and_image_rows_round_trips():
+    """M-RoPE positions (tensor-parallel Qwen2.5-VL) and image rows follow the LoRA parts; the
+    image rows' values travel apart."""
+    from nanoserve.engine.image_broadcast import ImageEmbeds
+
+    cpu = torch.device("cpu")
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 2]),
+        block_table=torch.tensor([[0]], dtype=torch.int32),
+        cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        max_seqlen_q=3,
+        max_seqlen_k=3,
+        num_decode_seqs=0,
+        prefill_row_tile=0,
+    )
+    step = ModelInput(torch.tensor([5, 9, 9]), torch.arange(3), metadata, torch.tensor([2]), [])
+    step.lora_slots, step.lora_rows = [7], torch.tensor([0, 0, -1])
+    step.image_embeds = ImageEmbeds(torch.tensor([1, 2]), torch.ones(2, 4))
+    step.mrope_positions = torch.tensor([[0, 1, 1], [0, 1, 2], [0, 2, 1]])
+    header, payload = pack_step(step, cpu)
+    received = read_header(header)
+    assert received.num_image_rows == 2 and received.mrope is True
+    assert received.payload_size() == payload.numel()
+    got = unpack_step(received, payload)
+    assert got.lora_slots == [7] and torch.equal(got.lora_rows, step.lora_rows)
+    assert torch.equal(got.mrope_positions, step.mrope_positions)
+    assert torch.equal(got.image_embeds.rows, torch.tensor([1, 2]))
+    assert got.image_embeds.values is None  # a worker receives them next
 
 
 def test_a_swap_round_trips():

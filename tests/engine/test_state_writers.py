@@ -56,12 +56,14 @@ ALLOWED_WRITERS: dict[type, dict[str, set[str]]] = {
             "block_manager.py",
             "scheduler.py",
             "llm_engine.py",  # a step's tokens are computed once it ran
+            "async_scheduling.py",  # ... or once it is launched, with --async-scheduling
             "pooling_step.py",
             "speculation.py",
             "spec_decode/draft.py",  # on its shadow copy
         },
         "status": {"scheduler.py", "output_processor.py", "llm_engine.py", "pooling_step.py"},
         "virtual_engine": {"llm_engine.py"},
+        "num_output_placeholders": {"async_scheduling.py"},
         # made once, by the input processor that builds the request
         "generator": {"input_processor.py"},
         "grammar": {"input_processor.py"},
@@ -83,7 +85,7 @@ ALLOWED_WRITERS: dict[type, dict[str, set[str]]] = {
         "finished": {"llm_engine.py"},
         "prompt_counted": {"output_processor.py"},
         "output_states": {"output_processor.py"},
-        "record_scheduled": {"llm_engine.py", "pooling_step.py"},
+        "record_scheduled": {"llm_engine.py", "pooling_step.py", "async_scheduling.py"},
         "record_tokens": {"output_processor.py", "pooling_step.py"},
         "update_counts": {"output_processor.py"},
     },

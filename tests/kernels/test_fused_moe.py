@@ -406,7 +406,7 @@ def test_quant_expert_staging_packs_each_expert_once_its_parts_are_in():
             "scale": torch.rand(rows, 2, generator=generator),
         }
 
-    staging = QuantExpertStaging(2, {"w13": 64, "w2": 32})
+    staging = QuantExpertStaging(2, {"w13": 64, "w2": 32}, torch.device("cpu"))
     gate, up = part(16), part(16)
     staging.add("w13", 0, 0, "q8_0", gate)
     assert "w13" not in staging.weights

@@ -59,9 +59,9 @@ def _prompt_logprobs(llm, prompt) -> list[dict]:
 
 
 def test_dequantized_mxfp4_gpt_oss_matches_transformers(checkpoints, monkeypatch):
-    """Where the quantized kernels don't run (CUDA), the experts are dequantized at load: the
-    tokens and logprobs transformers gives on the dequantized experts."""
-    import nanoserve.kernels.quant as quant
+    """Where no kernel takes the quantized experts, they are dequantized at load: the tokens
+    and logprobs transformers gives on the dequantized experts."""
+    import nanoserve.layers.fused_moe as fused_moe_layer
 
     float_dir, quant_dir, oracle_dir = checkpoints
     oracle = load_hf(oracle_dir)
@@ -72,7 +72,7 @@ def test_dequantized_mxfp4_gpt_oss_matches_transformers(checkpoints, monkeypatch
     assert [hf_greedy(load_hf(float_dir), prompt, 8) for prompt in prompts] != expected
     check_quantization(None, quant_dir)
     check_quantization("mxfp4", quant_dir)
-    monkeypatch.setattr(quant, "takes_components", lambda device: False)
+    monkeypatch.setattr(fused_moe_layer, "quantized_expert_form", lambda device, qtype: None)
     llm = LLM(model=str(quant_dir), dtype="float32", num_kv_blocks=32)
     experts = llm.llm_engine.runner.model.model.layers[0].mlp.experts
     assert not experts.expert_weights.quantized_matrices() and not experts.w13_weight.is_meta

@@ -38,7 +38,9 @@ def _add_image_token(out_dir: Path) -> int:
     return tokenizer.token_to_id("<image>")
 
 
-def write_random_llava(out_dir: Path, seed: int = 0) -> Path:
+def write_random_llava(out_dir: Path, seed: int = 0, f16_exact: bool = False) -> Path:
+    """`f16_exact`: every weight a float16 value (in float32), so that a GGUF file storing them
+    in F16, as llama.cpp's converters do, holds them exactly (tests/multimodal/llava_gguf.py)."""
     import torch
     import transformers as hf
 
@@ -89,6 +91,8 @@ def write_random_llava(out_dir: Path, seed: int = 0) -> Path:
                 param.add_(torch.randn_like(param) * 0.2)
             elif name.endswith("bias"):
                 param.normal_(0, 0.5)
+            if f16_exact:
+                param.copy_(param.half().float())
     model.save_pretrained(out_dir, safe_serialization=True)
     processor = hf.CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}

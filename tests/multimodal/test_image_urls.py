@@ -305,3 +305,31 @@ def test_the_flag_and_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_IMAGE_FETCH_TIMEOUT", "-1")  # not positive: the default
     monkeypatch.setenv("NANOSERVE_MEDIA_URL_ALLOW_REDIRECTS", "1")
     assert FetchPolicy.create(None) == FetchPolicy(None, 5.0, True)
+
+
+def test_a_host_whose_first_address_refuses_is_reached_at_the_next(images):
+    """A host's addresses are tried in the resolver's order (an unreachable IPv6 address before
+    a working IPv4 one, say): a refused connection moves on to the next checked address."""
+    import time
+
+    from nanoserve.multimodal.fetch import _Fetch
+
+    refusing = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    refusing.bind(("127.0.0.1", 0))  # bound, never listening: a connection to it is refused
+    try:
+        addresses = [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, refusing.getsockname()),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, ("127.0.0.1", images.port)),
+        ]
+        fetch = _Fetch(LOCAL, 1024, FIELD, time.monotonic() + 30)
+        opened: list[socket.socket] = []
+        sock = fetch.connect(addresses, opened)
+        assert sock.getpeername() == ("127.0.0.1", images.port)
+        assert len(opened) == 2
+        for each in opened:
+            each.close()
+        with pytest.raises(ConnectionRefusedError):  # none takes it: the last failure
+            fetch.connect(addresses[:1], opened)
+        opened[-1].close()
+    finally:
+        refusing.close()

@@ -198,9 +198,8 @@ def test_image_count_placeholders_and_text_only_refusals(llm, tiny_llama_dir):
     assert error.value.param == "image_url"
 
 
-def test_tensor_parallel_and_draft_models_are_refused(llava_dir, tiny_llama_dir):
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        check_vision_support(ModelConfig.from_dir(llava_dir), 2)
+def test_pipeline_parallel_and_draft_models_are_refused(llava_dir, tiny_llama_dir):
+    check_vision_support(ModelConfig.from_dir(llava_dir), 2)  # tp: test_llava_tensor_parallel.py
     with pytest.raises(ValueError, match="pipeline-parallel-size"):
         check_pipeline_support(ModelConfig.from_dir(llava_dir), 2)
     draft = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}

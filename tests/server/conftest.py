@@ -45,6 +45,10 @@ class ServerHandle:
     def close(self, grace: float = 1.0) -> None:
         self.loop_thread.call(lambda: self.server.shutdown(grace))
         self.loop_thread.close()
+        # The engine is ours (start_server serves an engine it is given, as `serve` does): stop
+        # its worker ranks (--tp) and leave the process group, or the next engine in this
+        # process would wait for them in its first collective.
+        self.engine.shutdown()
         # The engine sits in reference cycles (async engine, streams, threads): free its KV pool
         # (2 GiB by default on CPU) now, not at some later full collection, so that the servers
         # of a whole test run never pile up in memory.

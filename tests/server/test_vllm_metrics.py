@@ -61,10 +61,13 @@ EXPECTED = {
     "vllm:num_requests_swapped": "gauge",
     "vllm:cpu_cache_usage_perc": "gauge",
 }
-# nanoserve's own series beside them (the response cache, issue 11), labelled the same way
+# nanoserve's own series beside them (the response cache, issue 11; prompt images, issue 56),
+# labelled the same way
 NANOSERVE = {
     "nanoserve:response_cache_queries_total": "counter",
     "nanoserve:response_cache_hits_total": "counter",
+    "nanoserve:prompt_images_total": "counter",
+    "nanoserve:prompt_image_tokens_total": "counter",
 }
 EXTRA_LABELS = {
     "vllm:num_requests_waiting_by_reason": ("reason", {"capacity", "deferred"}),

@@ -83,7 +83,12 @@ def rotary_rows_permuted(config) -> bool:
         if isinstance(config, dict)
         else config.architecture
     )
-    return architecture in (GGUF_ARCHITECTURES["llama"].hf_class, _MIXTRAL[0])
+    # (a LLaVA's language model comes from a "llama" file: models/gguf/mmproj.py checks it)
+    return architecture in (
+        GGUF_ARCHITECTURES["llama"].hf_class,
+        _MIXTRAL[0],
+        "LlavaForConditionalGeneration",
+    )
 
 
 # The hyperparameters llama_config reads, by the kind of value each must hold (a file whose bits

@@ -25,6 +25,7 @@ from torch import nn
 from nanoserve.distributed.pipeline import is_missing_parameter, missing_prefixes
 from nanoserve.kernels import quant
 from nanoserve.kernels.cpu.malloc import release_free_memory
+from nanoserve.kernels.fused_moe_quant import quantized_expert_form
 from nanoserve.layers.cpu_prepack import shared_parameter_ids
 from nanoserve.layers.embedding import FileRows, ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.fused_moe import FusedMoE
@@ -123,9 +124,10 @@ def _rotary_heads(name: str, config) -> int | None:
     return None
 
 
-def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
+def load_gguf_weights(model: nn.Module, gguf_file: Path, elsewhere: tuple[str, ...] = ()) -> None:
     """Each tensor to its parameter as models/weights.load_weights does (fused parts, pipeline
-    stages, the tied head), then each quantized layer's staged parts into its QuantWeight."""
+    stages, the tied head), then each quantized layer's staged parts into its QuantWeight.
+    `elsewhere`: prefixes of the parameters another file gives (a LLaVA's mmproj)."""
     # The checked header (models/gguf/header.py), not the gguf package's reader, which trusts the
     # file; the vocabulary's arrays (~200 MiB as Python objects for 128k tokens) checked, not kept.
     header = read_gguf_header(gguf_file, skip=VOCABULARY_ARRAYS)
@@ -195,7 +197,7 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path) -> None:
     expected = set(params) - (
         {"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set()
     )
-    absent = sorted(expected - loaded)
+    absent = sorted(name for name in expected - loaded if not name.startswith(elsewhere))
     if absent:
         raise GGUFImportError(f"{gguf_file}: lacks {len(absent)} tensor(s), e.g. {absent[:3]}")
 
@@ -292,7 +294,7 @@ def _load_experts(
     whole_blocks = qtype is not None and (
         part is not None or moe.expert_parallel or moe.inter % quant.gguf_block(qtype)[0] == 0
     )
-    quantized = whole_blocks and quant.takes_components(param.device)
+    quantized = whole_blocks and quantized_expert_form(param.device, qtype) is not None
     outputs = int(tensor.shape[1])  # rows an expert
     for expert in range(moe.first_expert, moe.first_expert + moe.num_local_experts):
         raw = _raw_rows(tensor, gguf_file, slice(expert * outputs, (expert + 1) * outputs))
