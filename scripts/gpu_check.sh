@@ -21,6 +21,9 @@
 #   quant-moe     the fused-MoE Triton kernel on quantized experts (GGUF, MXFP4, FP8, int4)
 #                 against its reference, GPU memory held, decode time (nanoserve.bench.gpu_moe_quant)
 #   throughput    offline, SmolLM2 and the 1B shape, eager and with graphs (gpu_e2e throughput)
+#   quant         quantized weights kept on CUDA (issue 57; nanoserve.bench.gpu_quant): every
+#                 format's GEMV and GEMM = its torch reference, timed; GPU memory for the weights
+#                 of a Q4_K_M file of the 1B shape against the file's size (the 8B: 8b-q4_k_m)
 #   async-scheduling  --async-scheduling's greedy tokens = without it (fp32, CUDA graphs), and
 #                 offline tok/s with and without it on SmolLM2 (nanoserve.bench.async_scheduling)
 #   serve         nanoserve bench serve at concurrency 1, 16 and 64
@@ -64,11 +67,11 @@ main() {
     SMOKE=()
     # kernels (met in run1-3) is left out of the GPU default to keep the run inside its budget:
     # GPU_CHECK_STAGES=kernels runs it.
-    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,quant-moe,throughput,async-scheduling,serve,8b,tp2
+    DEFAULT_STAGES=setup,kernel-tests,tokens,memory,features,quant-moe,quant,throughput,async-scheduling,serve,8b,tp2
     if [ "${GPU_CHECK_WITHOUT_GPU:-0}" = 1 ]; then
         echo "gpu_check: GPU_CHECK_WITHOUT_GPU=1: exercising this script on a CPU with tiny models"
         SMOKE=(--smoke)
-        DEFAULT_STAGES=setup,tokens,memory,features,kernels,quant-moe,throughput,async-scheduling,serve,8b
+        DEFAULT_STAGES=setup,tokens,memory,features,kernels,quant-moe,quant,throughput,async-scheduling,serve,8b
     elif ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch ($PY), nothing to check here." >&2
         echo "gpu_check: on a CPU: GPU_CHECK_WITHOUT_GPU=1 bash scripts/gpu_check.sh" >&2
@@ -92,6 +95,7 @@ main() {
     finish_kernel_tests
     run_stage kernels kernels 110 $PY -m nanoserve.bench.kernels --out "$OUT_DIR" --time-per-measurement 0.1 "${SMOKE[@]}"
     quant_moe
+    quant
     run_stage throughput "throughput-$SMOL_NAME" 70 $PY -m nanoserve.bench.gpu_e2e throughput --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage throughput "throughput-$LLAMA_NAME" 90 $PY -m nanoserve.bench.gpu_e2e throughput --model "$LLAMA" --name "$LLAMA_NAME" --work "$WORK" "${SMOKE[@]}"
     run_stage async-scheduling async-scheduling 60 $PY -m nanoserve.bench.async_scheduling --model "$SMOL" --name "$SMOL_NAME" --work "$WORK" "${SMOKE[@]}"
@@ -281,6 +285,20 @@ quant_moe() {
     [ ${#SMOKE[@]} = 0 ] || name=smoke
     run_stage quant-moe quant-moe 75 $PY -m nanoserve.bench.gpu_moe_quant --work "$WORK" \
         --out "$OUT_DIR" --name "$name" "${SMOKE[@]}"
+}
+
+# ---- quantized weights on CUDA (issue 57) ----------------------------------------------------
+quant() {
+    wants quant || return 0
+    local run=($PY -m nanoserve.bench.gpu_quant) shapes=(llama-3.2-1b) shape
+    if [ ${#SMOKE[@]} != 0 ]; then  # the CUDA forms on a CPU: Triton's interpreter
+        run=(env NANOSERVE_KERNELS=triton TRITON_INTERPRET=1 "${run[@]}") shapes=(smoke)
+    fi
+    run_stage quant quant-kernels 90 "${run[@]}" quant-kernels --work "$WORK" "${SMOKE[@]}"
+    for shape in "${shapes[@]}"; do
+        run_stage quant "quant-memory-$shape" 120 "${run[@]}" quant-memory --shape "$shape" \
+            --work "$WORK" "${SMOKE[@]}"
+    done
 }
 
 # ---- served benchmark ------------------------------------------------------------------------

@@ -207,14 +207,14 @@ def feature_gguf(feature: Feature) -> None:
     path = write_quantized_gguf(feature.work, "llama_cpp_q4_k_m", seed=28)
     prompts = random_prompts(feature.count(4), seed=1)
     launches = []
-    real = quant_triton.gguf_gemm  # (kernels/quant.py imports it at each call)
-    quant_triton.gguf_gemm = lambda *a, **k: launches.append(1) or real(*a, **k)
+    real = quant_triton.quant_gemm_triton  # (kernels/quant.py looks it up at each call)
+    quant_triton.quant_gemm_triton = lambda *a, **k: launches.append(1) or real(*a, **k)
     try:
         llm = quantized_checks(
             feature, "q4_k_m", path, dequantized_transformers(path), prompts, eager_too=True
         )
     finally:
-        quant_triton.gguf_gemm = real
+        quant_triton.quant_gemm_triton = real
     if not feature.smoke:
         feature.check("the Triton dequantize-GEMM ran", bool(launches))
     feature.figure = decode_speed(feature, llm)

@@ -6,15 +6,21 @@ issue 29's too, from what was measured."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from nanoserve.bench import gpu_big, gpu_e2e, gpu_report
+from nanoserve.bench import gpu_big, gpu_e2e, gpu_quant, gpu_report
 from tests import gpu_features
 
 ROOT = Path(__file__).resolve().parent.parent
+if (
+    not torch.cuda.is_available()
+):  # before any Triton kernel is made (see tests/kernels/conftest.py)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.mark.parametrize("script", ["gpu_check.sh", "fetch_device_wheels.sh"])
@@ -60,6 +66,33 @@ def test_stages_run_on_a_cpu_and_the_report_reads_them(tiny_llama_dir, tmp_path)
     assert rows["tiny: greedy tokens of cuda_graphs_fp32 = CPU reference (fp32)"]["met"] is True
     assert any("graphs ≥ 2x eager" in target for target in rows)
     assert "| tokens | passed | 3 |" in (out / "e2e.md").read_text()
+
+
+def test_quant_stages_run_on_a_cpu_and_the_report_reads_them(tmp_path, monkeypatch):
+    """The CUDA forms of quantized weights under Triton's interpreter (as gpu_check.sh's smoke
+    run sets it): every format checked against its reference, a Q4_K_M file's weights held in
+    its bytes; the report's rows for them."""
+    from nanoserve.kernels import reset_kernel_choice
+
+    monkeypatch.setenv("NANOSERVE_KERNELS", "triton")
+    reset_kernel_choice()
+    work, out = tmp_path / "work", tmp_path / "out"
+    try:
+        for stage in ("quant-kernels", "quant-memory"):
+            assert gpu_quant.main([stage, "--work", str(work), "--smoke"]) == 0
+    finally:
+        monkeypatch.delenv("NANOSERVE_KERNELS")
+        reset_kernel_choice()
+    kernels = json.loads((work / "quant-kernels-smoke.json").read_text())
+    formats = {row["format"] for row in kernels["results"]}
+    assert len(formats) == 13 and all(row["ok"] for row in kernels["results"])
+    assert {row["kernel"] for row in kernels["results"]} == {"gemv", "gemm"}
+    memory = json.loads((work / "quant-memory-smoke.json").read_text())
+    assert memory["ok"] and abs(memory["ratio_to_file"] - 1) < 0.05
+    assert gpu_report.main(["--work", str(work), "--out", str(out)]) == 0
+    rows = {row["target"]: row for row in json.loads((out / "e2e.json").read_text())["targets"]}
+    assert rows["quantized GEMV / GEMM of every format = torch reference"]["met"] is True
+    assert rows["smoke Q4_K_M: memory for weights = file ± 5%"]["met"] is True
 
 
 def test_report_judges_targets(tmp_path):

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from nanoserve.bench import gpu_quant
+
 BATCH1_SPEEDUP_TARGET = 2.0
 TPOT_TARGET_MS = {"llama-3.2-1b": 3.0}
 # Issue 29: batch-1 TPOT with CUDA graphs (ms) per (stage, name); the 8B Q4_K_M's weights on the
@@ -86,6 +88,7 @@ def targets(stages: list[dict], kernels: dict | None) -> list[dict]:
                 )
         if stage["stage"] == "feature":
             rows += feature_rows(stage)
+    rows += gpu_quant.report_targets(stages)  # issue 57's quantized weights on CUDA
     for result in (kernels or {}).get("results", []):
         if "target_fraction" in result:
             rows.append(

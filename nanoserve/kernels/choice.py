@@ -27,3 +27,14 @@ def reset_kernel_choice() -> None:
     """Forget the cached choice: the next dispatch reads ``NANOSERVE_KERNELS`` again."""
     global _choice
     _choice = None
+
+
+# Rows up to which a quantized linear layer's Triton GEMM is the dequantize-in-registers GEMV
+# (kernels/quant_triton.py's _quant_gemv_kernel: every weight read once, no tl.dot) rather than
+# the tiled GEMM: a decode step's rows (one a sequence; a few with speculative verification).
+GEMV_MAX_ROWS = 4
+
+
+def gemv_rows(m: int) -> bool:
+    """Whether m activation rows take the quantized GEMV (else the tiled dequantize-GEMM)."""
+    return m <= GEMV_MAX_ROWS

@@ -36,7 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.kernels.choice import kernel_choice
 from nanoserve.kernels.gguf_formats import FORMATS, GGUF_QTYPES, format_code
+from nanoserve.kernels.quant_blocks import (
+    KERNEL_FORMATS,
+    GroupBlocks,
+    group_blocks_components,
+    make_group_blocks,
+)
 
 _COLS = 16  # output columns of a packed group (one AVX-512 register of int32 / fp32 lanes)
 _BLOCK = 32  # activation elements sharing one int8 scale
@@ -76,7 +83,9 @@ class QuantWeight:
     """One linear layer's weight in a GGUF block format: the file's bytes (`raw`), or, for a
     checkpoint of another format, `components` in the kernel format named by `qtype` (q8_0:
     offset 128; q4_0: offset 8; q4_1: offset 0 and a min; fp8_e4m3; mxfp4: codes) and `raw` None. Once packed for the
-    CPU kernel (pack_for_cpu) the packing is its only copy: `raw` and `components` are dropped."""
+    CPU kernel (pack_for_cpu) the packing is its only copy: `raw` and `components` are dropped.
+    Held for the Triton kernels (`place`: on CUDA, or NANOSERVE_KERNELS=triton), `triton` is set
+    and the weight is its GGUF bytes or, for components, `blocks` (kernels/quant_blocks.py)."""
 
     qtype: str
     n: int
@@ -85,6 +94,8 @@ class QuantWeight:
     packed: torch.Tensor | None = None  # the CPU kernel's own layout (pack_for_cpu)
     components: QuantComponents | None = None
     planes: bool = False  # packed as nibbles and bit planes (PLANES; Q5_K, Q6_K)
+    blocks: GroupBlocks | None = None  # the Triton kernels' form of components (`place`)
+    triton: bool = False  # held for the Triton kernels (`place`)
 
     @property
     def kernel_format(self) -> int:
@@ -97,6 +108,8 @@ class QuantWeight:
         packed, see pack_for_cpu) the CPU packing."""
         if self.raw is not None:
             return self.raw.numel()
+        if self.blocks is not None:
+            return self.blocks.nbytes
         if self.components is None:
             return self.packed.numel()
         parts = self.components
@@ -110,6 +123,8 @@ class QuantWeight:
     def device(self) -> torch.device:
         if self.raw is not None:
             return self.raw.device
+        if self.blocks is not None:
+            return self.blocks.device
         return (self.components.u if self.components is not None else self.packed).device
 
 
@@ -251,6 +266,9 @@ def _stored_components(w: QuantWeight):
     """weight_components with `u` as the packing stores it (MXFP4: the codes)."""
     if w.raw is not None:
         return _components(w.raw.cpu(), w.qtype, w.k)
+    if w.blocks is not None:
+        u, scale, mins = group_blocks_components(w.blocks, w.n, w.k)
+        return u.cpu(), FORMATS[w.qtype][2], scale.cpu(), None if mins is None else mins.cpu()
     parts = (
         w.components
         if w.components is not None
@@ -591,7 +609,9 @@ def pack_for_cpu(w: QuantWeight) -> None:
     from nanoserve.kernels.cpu import ops as cpu_ops
 
     block = GGUF_QTYPES[w.qtype][0] if w.qtype in GGUF_QTYPES else _BLOCK  # FP8, MXFP4: 32
-    if w.packed is not None or w.device.type != "cpu" or w.k % block or not cpu_ops.available():
+    if w.packed is not None or w.triton or w.device.type != "cpu" or w.k % block:
+        return
+    if not cpu_ops.available():
         return
     if w.qtype in COMPACT and w.raw is None:  # the compact packing is made from the file's codes
         return
@@ -637,28 +657,83 @@ def _pack_in_slices(w: QuantWeight) -> torch.Tensor:
     return packed
 
 
-def takes_components(device: torch.device) -> bool:
-    """Whether quant_gemm multiplies a weight given as components (not GGUF bytes) on `device`:
-    on a CPU (the C++ kernel, or reference_gemm); not on CUDA, whose Triton kernel reads GGUF
-    bytes (a loader then dequantizes such a weight at load)."""
-    return device.type == "cpu"
+def held_for_triton(device: torch.device) -> bool:
+    """Whether quantized weights on `device` are held in the Triton kernels' form (`place`): on
+    CUDA, and on a CPU under NANOSERVE_KERNELS=triton (the interpreter: the CUDA path's load and
+    kernels, exercised without a GPU)."""
+    return device.type == "cuda" or kernel_choice() == "triton"
+
+
+def linear_keeps_blocks(qtype: str, device: torch.device) -> bool:
+    """Whether a linear layer (or LM head) whose weight comes in kernel format `qtype` keeps it on
+    `device` (else a loader dequantizes it into the activations' dtype): the CPU kernels take every
+    format; the Triton kernels GGUF's block types, Q8_0 / Q4_0 / Q4_1 components and FP8."""
+    if not held_for_triton(device):
+        return True
+    return qtype in GGUF_QTYPES or qtype in KERNEL_FORMATS
+
+
+def place(w: QuantWeight, device: torch.device) -> QuantWeight:
+    """`w` (on the CPU, as a loader made it) in the form its kernels hold on `device`, there: for
+    the Triton kernels (held_for_triton) GGUF bytes as they are and components as GroupBlocks (a
+    scale once per group, not per 32: about the checkpoint's bytes; made on the CPU, so the
+    device never holds the byte-an-element components); else as given (pack_for_cpu packs it)."""
+    if held_for_triton(device):
+        if not linear_keeps_blocks(w.qtype, device):
+            raise ValueError(f"no Triton kernel for {w.qtype!r}")
+        if w.raw is None and w.blocks is None:
+            parts = w.components
+            w.blocks = make_group_blocks(w.qtype, parts.u, parts.scale, parts.mins)
+            w.components = None
+        w.triton = True
+    if w.raw is not None:
+        w.raw = w.raw.contiguous().to(device)
+    if w.blocks is not None:
+        w.blocks = w.blocks.to(device)
+    if w.components is not None:
+        parts = w.components
+        w.components = QuantComponents(
+            parts.u.contiguous().to(device),
+            parts.scale.contiguous().to(device),
+            None if parts.mins is None else parts.mins.contiguous().to(device),
+        )
+    return w
 
 
 def looks_up_file_rows(device: torch.device) -> bool:
     """Whether a GGUF model's token embedding on `device` reads the file's rows where they lie
-    (layers/embedding.FileRows, dequantizing the rows a step asks for): on a CPU; CUDA keeps a
-    dequantized table on the device."""
-    return device.type == "cpu"
+    (layers/embedding.FileRows over the mapped file, dequantizing the rows a step asks for): on a
+    CPU, unless held for the Triton kernels, where the table's blocks are copied to the device
+    (`lookup_rows` gathers and dequantizes the rows a step asks for there)."""
+    return not held_for_triton(device)
+
+
+def lookup_rows(
+    data: torch.Tensor, qtype: str, k: int, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` of a GGUF table's blocks uint8 [rows, row bytes]: [*ids.shape, k] in dtype, the
+    bits of dequantizing the whole table to fp32 and rounding it to dtype. The Triton row gather
+    where the table is held for it (CUDA, the interpreter), else the torch dequantization."""
+    if (data.is_cuda or kernel_choice() == "triton") and kernel_choice() != "reference":
+        from nanoserve.kernels.quant_triton import gguf_rows
+
+        return gguf_rows(data, qtype, k, ids, dtype)
+    rows = data[ids.reshape(-1).to(data.device)]
+    values = dequantize(rows.cpu(), qtype, k).to(dtype).to(data.device)
+    return values.reshape(*ids.shape, k)
 
 
 def quant_gemm(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: CUDA through the Triton
-    dequantize-GEMM (GGUF bytes only: other sources are dequantized at load on CUDA), CPU through
-    the C++ kernel when w is packed, else reference_gemm."""
-    if x.device.type == "cuda":
-        from nanoserve.kernels.quant_triton import gguf_gemm
+    """x [m, k] (bf16 or fp32) @ w^T (+ bias) -> [m, n] in x.dtype: a weight held for Triton
+    (`place`) through kernels/quant_triton.py (the GEMV for a few rows, the tiled dequantize-GEMM
+    for more; NANOSERVE_KERNELS=reference: its torch reference), CPU through the C++ kernel when w
+    is packed, else reference_gemm."""
+    if w.triton or x.device.type == "cuda":
+        from nanoserve.kernels import quant_triton
 
-        return gguf_gemm(x, w, bias)
+        if kernel_choice() == "reference":
+            return quant_triton.quant_gemm_triton_reference(x, w, bias)
+        return quant_triton.quant_gemm_triton(x, w, bias)
     if w.packed is not None:
         from nanoserve.kernels.cpu import ops as cpu_ops
 

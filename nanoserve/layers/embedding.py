@@ -7,16 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_to_first, get_tp_rank, get_tp_world_size
-from nanoserve.kernels.quant import dequantize
+from nanoserve.kernels.quant import lookup_rows
 from nanoserve.layers.linear_weight import DenseWeight, LinearWeight
 
 
 class FileRows:
-    """An embedding table as a GGUF file stores it, mapped from the file (uint8 [rows, row bytes],
-    this rank's vocabulary rows): a lookup reads and dequantizes only the rows it asks for, so the
-    table takes no memory of its own (a 128k-token vocabulary in bf16 is 525 MB for Llama 3.2 1B,
-    where its Q6_K rows in the file are 215 MB, paged in only as tokens use them). `qtype`: a
-    kernels/quant.py block type, or None for rows of `file_dtype` (F32, F16, BF16)."""
+    """An embedding table as a GGUF file stores it (uint8 [rows, row bytes], this rank's
+    vocabulary rows): on a CPU mapped from the file, on CUDA its blocks copied to the device. A
+    lookup reads and dequantizes only the rows it asks for (kernels/quant.lookup_rows), so the
+    table takes no memory of its own on a CPU (a 128k-token vocabulary in bf16 is 525 MB for
+    Llama 3.2 1B, where its Q6_K rows in the file are 215 MB, paged in only as tokens use them)
+    and its file's bytes on CUDA. `qtype`: a kernels/quant.py block type, or None for rows of
+    `file_dtype` (F32, F16, BF16)."""
 
     def __init__(
         self, data: torch.Tensor, qtype: str | None, file_dtype: torch.dtype | None, k: int
@@ -30,10 +32,10 @@ class FileRows:
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[len(ids), k] in dtype: the same bits as dequantizing the whole table to float32 and
         rounding it to dtype."""
-        rows = self.data[ids.reshape(-1)]
         if self.qtype is None:
+            rows = self.data[ids.reshape(-1)]
             return rows.view(self.file_dtype).to(dtype).reshape(*ids.shape, self.k)
-        return dequantize(rows, self.qtype, self.k).to(dtype).reshape(*ids.shape, self.k)
+        return lookup_rows(self.data, self.qtype, self.k, ids, dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -26,8 +26,9 @@ What is served, as vLLM reads the config (`config_groups` with `targets` / `weig
 Which layers are quantized is what the checkpoint holds (a `weight_scale` beside the weight, so
 `ignore`d ones such as lm_head stay float); each takes the scheme of the config group whose
 targets name it (exactly or by `re:` regex), else the group targeting "Linear". A layer that the
-kernels can't take (inputs not a multiple of 32, groups that aren't, a MoE expert, any layer
-on CUDA, where the Triton kernel reads GGUF bytes) is dequantized into its float weight at load.
+kernels can't take (inputs not a multiple of 32, groups that aren't, a MoE expert on CUDA) is
+dequantized into its float weight at load. On CUDA the Triton kernels take the same formats
+(kernels/quant_blocks.py: a scale once per group).
 """
 
 from __future__ import annotations

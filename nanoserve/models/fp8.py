@@ -17,12 +17,14 @@ the weights stay FP8 and are widened in registers, the activations stay in their
 activation scheme (dynamic per token, or a static `input_scale`) is accepted and not applied: the
 products are those of the dequantized weights and the unrounded activations. Refused with one
 line: E5M2 weights, NaN weights, a block size whose input side is not a multiple of 32 (the
-kernel's scale block). A layer the kernel can't take (inputs not a multiple of 32, a MoE expert,
-any layer on CUDA) is dequantized into its float weight at load, as the integer formats' are.
+kernel's scale block). On CUDA the weights stay FP8 too, for the Triton kernel (kernels/
+quant_triton.py, widening each byte in registers; its scales once per block: kernels/
+quant_blocks.py). A layer the kernels can't take (inputs not a multiple of 32, a MoE expert on
+CUDA) is dequantized into its float weight at load, as the integer formats' are.
 
 `--quantization fp8` on an unquantized checkpoint (vLLM's online FP8): `quantize_online` rounds
 every linear layer's weight to E4M3 at load, a scale per output row (amax / 448; vLLM takes one
-per tensor, a row's own is finer at no cost to the kernel), on the CPU only. The LM head,
+per tensor, a row's own is finer at no cost to the kernel), on the CPU and on CUDA. The LM head,
 embeddings and MoE experts stay as they are. Under tensor parallelism a row-parallel layer's
 rows span the ranks: their amax is the maximum over the ranks, so each rank holds the values one
 rank would.
@@ -197,7 +199,8 @@ def quantize_online(model: nn.Module) -> int:
     """vLLM's `--quantization fp8` of an unquantized checkpoint: each linear layer (not the LM
     head, embeddings or MoE experts) whose inputs are a multiple of 32 keeps its weight in E4M3
     with a scale per output row, on the FP8 kernel; its float weight goes to the meta device.
-    Returns the number of layers quantized. CPU only (CUDA has no FP8 kernel here: ValueError)."""
+    Returns the number of layers quantized. On CUDA the weights are held for the Triton FP8
+    kernel (kernels/quant.place: the bytes and a scale per row)."""
     from nanoserve.distributed import all_reduce_max
     from nanoserve.layers.linear import LinearBase, RowParallelLinear
     from nanoserve.layers.linear_weight import QuantizedWeight
@@ -207,11 +210,6 @@ def quantize_online(model: nn.Module) -> int:
         if not isinstance(module, LinearBase) or module.weight_form.quantized:
             continue
         weight = module.weight
-        if not quant.takes_components(weight.device):  # CUDA: its kernel reads GGUF bytes only
-            raise ValueError(
-                "--quantization fp8 of an unquantized checkpoint (online FP8) runs on the CPU only; "
-                "on CUDA serve an FP8 checkpoint or leave the flag out"
-            )
         n, k = weight.shape
         if k % _BLOCK:
             logger.info(
@@ -226,17 +224,11 @@ def quantize_online(model: nn.Module) -> int:
         scale = (amax / largest).clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(1)
         q = (values / scale).clamp(-largest, largest).to(torch.float8_e4m3fn).view(torch.uint8)
         arrays = Fp8Weight(q.contiguous(), scale, k).kernel_arrays()
-        module.weight_form = QuantizedWeight(
-            [
-                quant.QuantWeight(
-                    quant.FP8,
-                    n,
-                    k,
-                    None,
-                    components=quant.QuantComponents(arrays["u"], arrays["scale"]),
-                )
-            ]
+        components = quant.QuantComponents(arrays["u"].cpu(), arrays["scale"].cpu())
+        held = quant.place(
+            quant.QuantWeight(quant.FP8, n, k, None, components=components), weight.device
         )
+        module.weight_form = QuantizedWeight([held])
         module.weight = nn.Parameter(
             torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False
         )

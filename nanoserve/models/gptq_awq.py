@@ -24,8 +24,9 @@ Refused with one line naming what: bits other than 4 and 8 (AWQ: 4), GPTQ's per-
 size that is neither -1 nor a positive number. Layers in AWQ's `modules_to_not_convert` (and an
 unquantized lm_head) are float in the checkpoint and stay float. A layer the kernels can't take
 (groups not a multiple of 32, act order in a row-parallel layer under tensor parallelism,
-asymmetric int8, any layer on CUDA, a MoE expert) is
-dequantized into its float weight at load, as compressed-tensors' are.
+asymmetric int8, a MoE expert on CUDA) is dequantized into its float weight at load, as
+compressed-tensors' are. On CUDA the layers stay integers too, for the Triton kernels, with a
+scale once per group (kernels/quant_blocks.py: about the checkpoint's bytes).
 """
 
 from __future__ import annotations

@@ -91,12 +91,13 @@ def stage_quantized(
 def _quant_weight(
     qtype: str, k: int, arrays: dict[str, torch.Tensor], device: torch.device
 ) -> quant.QuantWeight:
-    arrays = {key: array.contiguous().to(device) for key, array in arrays.items()}
+    """The weight in the form its kernels hold on `device` (kernels/quant.place), there."""
+    arrays = {key: array.contiguous() for key, array in arrays.items()}
     n = next(iter(arrays.values())).shape[0]
     if "raw" in arrays:
-        return quant.QuantWeight(qtype, n, k, arrays["raw"])
+        return quant.place(quant.QuantWeight(qtype, n, k, arrays["raw"]), device)
     components = quant.QuantComponents(arrays["u"], arrays["scale"], arrays.get("mins"))
-    return quant.QuantWeight(qtype, n, k, None, components=components)
+    return quant.place(quant.QuantWeight(qtype, n, k, None, components=components), device)
 
 
 def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared: bool) -> None:
@@ -114,7 +115,8 @@ def finish_quantized(module: nn.Module, target: str, parts: StagedLinear, shared
             arrays = {key: array[start:end] for key, array in parts.buffers[labels[start]].items()}
             weights.append(_quant_weight(labels[start], k_local, arrays, device))
             start = end
-    module.weight_form = QuantizedWeight(weights, parts.input_perm)
+    order = None if parts.input_perm is None else parts.input_perm.to(device)
+    module.weight_form = QuantizedWeight(weights, order)
     if not shared:
         module.weight = nn.Parameter(
             torch.empty(module.weight.shape, dtype=module.weight.dtype, device="meta"),
@@ -288,7 +290,8 @@ class IntegerCheckpointLoader:
         if (
             isinstance(module, (LinearBase, ParallelLMHead))
             and param.dim() == 2
-            and quant.takes_components(param.device)
+            and weight.qtype is not None
+            and quant.linear_keeps_blocks(weight.qtype, param.device)
             and weight.fits_kernels(param.shape[-1])
         ):
             stage_quantized(
@@ -325,7 +328,11 @@ class IntegerCheckpointLoader:
         and the activations gathered in that order at each GEMM (QuantizedWeight.input_perm). Every
         part of a fused layer must have the same order (GPTQ's q/k/v and gate/up do: one input, one
         Hessian), and a row-parallel layer must hold all its inputs (no tensor parallelism)."""
-        if not (isinstance(module, LinearBase) and quant.takes_components(param.device)):
+        if not (
+            isinstance(module, LinearBase)
+            and weight.qtype is not None
+            and quant.linear_keeps_blocks(weight.qtype, param.device)
+        ):
             return None
         if isinstance(module, RowParallelLinear) and module.tp_size > 1:
             return None

@@ -146,11 +146,18 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     layers) plus what each layer's weight holds beside them (layers/cpu_prepack.py's packings,
     quantized blocks) and a GGUF embedding's mapped rows."""
     total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    held_blocks = set()  # GGUF bytes a layer holds (a tied head shares the embedding's on CUDA)
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             total += module.weight_form.nbytes()
+            if module.weight_form.quantized:
+                held_blocks |= {
+                    p.raw.data_ptr() for p in module.weight_form.parts if p.raw is not None
+                }
         elif isinstance(module, FusedMoE):
             total += module.kernel_bytes()
+    for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and module.file_rows is not None:
-            total += module.file_rows.nbytes  # mapped from a GGUF file
+            if module.file_rows.data.data_ptr() not in held_blocks:
+                total += module.file_rows.nbytes  # mapped from a GGUF file (CPU), or on CUDA
     return total

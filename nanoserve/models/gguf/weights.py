@@ -5,9 +5,10 @@ their `weight_form` (kernels/quant.py multiplies them; models/quant_staging.py s
 them); their bf16 `weight` then lives on the meta device and takes no memory. On a CPU the token
 embedding stays in the file, mapped (layers/embedding.FileRows: rows read and dequantized as
 tokens ask for them); a tied head then takes the tensor as any other layer (its blocks, or a bf16
-copy that the CPU GEMM packs), so no module holds a bf16 table beside it. Every other tensor
-(norms, the token embedding on CUDA, linear weights stored as F32 / F16 / BF16) is dequantized
-into its parameter in the activation dtype. Shards follow the bf16 loaders (layers/linear.py's
+copy that the CPU GEMM packs), so no module holds a bf16 table beside it. On CUDA the embedding's
+blocks are copied to the device as they are (a Triton gather dequantizes the looked-up rows),
+shared with a tied head's. Every other tensor (norms, a float or MXFP4 token embedding, linear
+weights stored as F32 / F16 / BF16) is dequantized into its parameter in the activation dtype. Shards follow the bf16 loaders (layers/linear.py's
 weight_loader, run on the raw block rows): column-parallel layers take whole rows, row-parallel
 layers whole blocks of each row.
 """
@@ -191,6 +192,8 @@ def load_gguf_weights(model: nn.Module, gguf_file: Path, elsewhere: tuple[str, .
     for module in modules.values():
         if isinstance(module, FusedMoE):  # its quantized experts
             module.finish_quantized()
+    if tied:
+        _share_tied_rows(modules)
     expected = set(params) - (
         {"lm_head.weight"} if tied and "lm_head.weight" not in loaded else set()
     )
@@ -214,17 +217,16 @@ def _finish_layer(model: nn.Module, module: nn.Module, target: str, parts: Stage
 def _map_embedding(
     modules: dict[str, nn.Module], params: dict[str, nn.Parameter], tensor, gguf_file: Path, missing
 ) -> bool:
-    """The token embedding as FileRows over its own read-only mapping of the file (not the
-    reader's, whose pages the load touches throughout): a CPU model, a type a lookup dequantizes
-    (not MXFP4). Its bf16 parameter goes to the meta device; a tied head keeps its own (unshared)
-    one. False when the table is to be loaded as a parameter instead."""
+    """The token embedding as FileRows: on a CPU over its own read-only mapping of the file (not
+    the reader's, whose pages the load touches throughout), for a type a lookup dequantizes (not
+    MXFP4); held for the Triton kernels (CUDA), this rank's rows of a GGUF block type copied to
+    the device as they are (kernels/quant.lookup_rows gathers and dequantizes the rows a step
+    asks for; a tied head's blocks then share them, _share_tied_rows). Its bf16 parameter goes to
+    the meta device; a tied head keeps its own (unshared) one. False when the table is to be
+    loaded as a parameter instead."""
     module = modules.get("model.embed_tokens")
     param = params.get("model.embed_tokens.weight")
-    if (
-        not isinstance(module, VocabParallelEmbedding)
-        or param is None
-        or not quant.looks_up_file_rows(param.device)
-    ):
+    if not isinstance(module, VocabParallelEmbedding) or param is None:
         return False
     if is_missing_parameter("model.embed_tokens.weight", missing):
         return False
@@ -235,6 +237,15 @@ def _map_embedding(
     rows, row_bytes = _row_layout(tensor)
     if qtype is not None:
         _check_row_bytes(tensor, qtype, row_bytes)
+    if not quant.looks_up_file_rows(param.device):
+        if qtype is None:  # F32 / F16 / BF16: a parameter in the activations' dtype
+            return False
+        share = _raw_rows(tensor, gguf_file, slice(module.vocab_start, module.vocab_end))
+        module.file_rows = FileRows(share.to(param.device), qtype, None, k)
+        module.weight = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
+        )
+        return True
     mapped = np.memmap(
         gguf_file, dtype=np.uint8, mode="c", offset=int(tensor.data_offset), shape=(rows, row_bytes)
     )  # copy-on-write: nothing writes it; torch wants it writable
@@ -251,6 +262,22 @@ def _map_embedding(
         torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False
     )
     return True
+
+
+def _share_tied_rows(modules: dict[str, nn.Module]) -> None:
+    """A tied head's blocks and the embedding's rows held on the device (_map_embedding) are the
+    same bytes: one copy, the embedding's, for both."""
+    embedding, head = modules.get("model.embed_tokens"), modules.get("lm_head")
+    if not isinstance(embedding, VocabParallelEmbedding) or not isinstance(head, ParallelLMHead):
+        return
+    rows = embedding.file_rows
+    if rows is None or quant.looks_up_file_rows(rows.data.device) or not head.weight_form.quantized:
+        return
+    parts = head.weight_form.parts
+    if len(parts) != 1 or parts[0].raw is None or parts[0].qtype != rows.qtype:
+        return
+    if parts[0].raw.shape == rows.data.shape and torch.equal(parts[0].raw, rows.data):
+        parts[0].raw = rows.data
 
 
 def _load_experts(
@@ -324,8 +351,8 @@ def _load_tensor(
     qtype = _qtype(tensor)
     heads = _rotary_heads(name, config)
     quantized_module = isinstance(module, (LinearBase, ParallelLMHead)) and param.dim() == 2
-    if qtype == quant.MXFP4 and not quant.takes_components(param.device):
-        qtype = None  # (CUDA's kernel reads GGUF bytes of the other types): dequantized below
+    if qtype == quant.MXFP4 and not quant.linear_keeps_blocks(qtype, param.device):
+        qtype = None  # (the Triton kernels have no MXFP4 linear layer): dequantized below
     if qtype is not None and quantized_module:
         if parts.float_parts:
             raise GGUFImportError(f"{tensor.name}: a fused layer mixes float and quantized parts")
