@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import get_rank
-from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from nanoserve.models.clip import CLIPVisionModel, activation
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.llava_config import VisionConfig
+from nanoserve.models.vision_language import VisionLanguageForCausalLM
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -34,10 +33,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
-    supports_pipeline_parallel = False
-    # The encoder runs on rank 0, whose step broadcast carries its rows (engine/image_broadcast.py).
-    supports_tensor_parallel = True
+class LlavaForConditionalGeneration(VisionLanguageForCausalLM):
     # Checkpoint name prefixes -> ours, the first that matches: transformers 4.x wrote
     # language_model.model.*, language_model.lm_head.*, vision_tower.vision_model.*; 4.52+ and 5.x
     # write model.language_model.*, model.vision_tower.vision_model.*, lm_head.*; transformers
@@ -79,19 +75,3 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list) -> list[torch.Tensor]:
         """The encoder cache's call: each image's [image_seq_length, hidden] (grids: None)."""
         return list(self.embed_images(torch.stack(pixel_values)))
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        intermediate=None,
-        inputs_embeds: torch.Tensor | None = None,
-    ):
-        """`inputs_embeds`: the step's rows with the images' placed (engine/image_step.py)."""
-        if inputs_embeds is not None:
-            intermediate = (inputs_embeds, None)
-        return self.model(input_ids, positions, self.cos_sin_cache, metadata, intermediate)

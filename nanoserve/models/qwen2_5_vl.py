@@ -26,8 +26,8 @@ from nanoserve.layers.linear import (
 )
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.models.config import ModelConfig
-from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.qwen2_5_vl_config import QwenVisionConfig
+from nanoserve.models.vision_language import VisionLanguageForCausalLM
 
 VISION_NORM_EPS = 1e-6
 
@@ -200,10 +200,8 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return self.merger(x)[torch.argsort(order)]
 
 
-class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
-    supports_pipeline_parallel = False
-    # The encoder runs on rank 0, whose step broadcast carries its rows and the M-RoPE positions.
-    supports_tensor_parallel = True
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageForCausalLM):
+    # The step broadcast carries the M-RoPE positions beside the image rows (engine/model_input.py).
     # Checkpoint name prefixes -> ours, the first that matches: transformers 4.x (and 5's
     # save_pretrained) write model.* and visual.*; 5.x's modules are model.language_model.*
     # and model.visual.*; lm_head.* in both.
@@ -229,9 +227,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         call); the tower runs on each image alone, as its attention never crosses images."""
         return [self.visual(p, g) for p, g in zip(pixel_values, grids, strict=True)]
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -248,6 +243,6 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         if mrope_positions is not None:
             cos_sin = mrope_cos_sin(cos_sin, mrope_positions, self.mrope_section)
             positions = torch.arange(positions.shape[0], device=positions.device)
-        if inputs_embeds is not None:
-            intermediate = (inputs_embeds, None)
-        return self.model(input_ids, positions, cos_sin, metadata, intermediate)
+        return self.run_text_model(
+            input_ids, positions, cos_sin, metadata, intermediate, inputs_embeds
+        )
