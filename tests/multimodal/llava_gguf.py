@@ -108,6 +108,23 @@ def _mmproj_name(name: str, names: str) -> str:
     return "v." + name
 
 
+def add_clip_metadata(writer: gguf.GGUFWriter, metadata: dict) -> None:
+    """An mmproj's keys as llama.cpp's converters type them (None: the key is left out)."""
+    for key, value in metadata.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+
 def write_mmproj_gguf(
     hf_dir: Path,
     path: Path,
@@ -155,19 +172,7 @@ def write_mmproj_gguf(
     writer.add_file_type(1)
     writer.add_name("llava-tiny")
     writer.add_description("image encoder for LLaVA")
-    for key, value in metadata.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+    add_clip_metadata(writer, metadata)
     for name, weight in _weights(hf_dir):
         if not name.startswith(("vision_tower.", "multi_modal_projector.")):
             continue

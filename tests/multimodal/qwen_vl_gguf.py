@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 
 from tests.gguf_models import _add_tokenizer, _finish, _gguf_name
-from tests.multimodal.llava_gguf import _weights
+from tests.multimodal.llava_gguf import _weights, add_clip_metadata
 
 
 def write_qwen_text_gguf(hf_dir: Path, path: Path, sections: list | None = None) -> Path:
@@ -118,19 +118,7 @@ def write_qwen_mmproj_gguf(
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_type(gguf.GGUFType.MMPROJ)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, value in metadata.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+    add_clip_metadata(writer, metadata)
     for name, weight in _weights(hf_dir):
         if not name.startswith(("visual.", "model.visual.")):
             continue
